@@ -1,0 +1,326 @@
+"""In-process engine: continuous batching over the model runner.
+
+Requests join and leave between steps. One ``step()`` admits waiting requests into free KV
+cache slots (prefill + first token), then runs one batched decode forward over every running
+request. Stop rules live in ``tandem.stopping``; the sampling transform in ``tandem.sampling``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequestError
+from .models.kv_cache import KVCache
+from .models.runner import ModelRunner, RunnerConfig, default_runner_config
+from .models.weights import Checkpoint, load_checkpoint
+from .sampling import SamplingParams, make_generator, sampling_probs
+from .stopping import OutputState
+from .tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[dict[str, str]]  # plain text, or chat messages
+
+
+@dataclass
+class Request:
+    """One generation request and its progress."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output: OutputState
+    generator: torch.Generator | None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    slot: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request (a streaming delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request.
+
+    Attributes:
+        text / token_ids: generated output, cut at the stop boundary.
+        finish_reason: "stop" (EOS, stop id or stop string) or "length".
+        prompt_tokens: prompt length in tokens.
+        ttft_s: time to first token (s), from arrival; latency_s: arrival to finish (s).
+        tpot_s: mean time per output token after the first (s).
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    ttft_s: float
+    latency_s: float
+    tpot_s: float
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Engine:
+    """Continuous-batching generation over one target model.
+
+    Args:
+        checkpoint: a loaded checkpoint, or a path (GGUF file / HF directory), or None for the
+            bundled SmolLM2-135M-Instruct.
+        runner_config: device, dtype, batch and context limits (defaults per device).
+        tokenizer: reuse an already loaded tokenizer.
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+    """
+
+    def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            checkpoint = load_checkpoint(checkpoint)
+        self.checkpoint = checkpoint
+        self.runner_config = runner_config or default_runner_config()
+        self.tokenizer = tokenizer or load_tokenizer(checkpoint)
+        self.runner = ModelRunner(checkpoint, self.runner_config)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def cache(self) -> KVCache:
+        return self.runner.cache
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.capacity
+
+    # ------------------------------------------------------------------ requests
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Tokenize a prompt: chat messages always use the chat template; plain text uses it
+        when ``chat`` is true and the model has one.
+
+        Raises:
+            InvalidRequestError: empty prompt or malformed messages.
+        """
+        if isinstance(prompt, bytes):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError(f"prompt is not valid UTF-8: {exc}") from None
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequestError("prompt is empty")
+            if chat and self.tokenizer.has_chat_template:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt:
+            return self.tokenizer.apply_chat_template(prompt)
+        raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
+
+    def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                    prompt_ids: Sequence[int] | None = None, chat: bool = True,
+                    request_id: str | None = None) -> str:
+        """Queue a request; it joins the running batch at the next step with a free slot.
+
+        Args:
+            prompt: text or chat messages (or pass ``prompt_ids``).
+            params: sampling parameters (default: greedy, 256 tokens).
+            prompt_ids: pre-tokenized prompt.
+            chat: apply the chat template to a plain-text prompt.
+            request_id: caller's id (default: a counter).
+
+        Returns:
+            The request id.
+
+        Raises:
+            InvalidRequestError: empty prompt, prompt at or over the context limit, token ids
+                outside the vocabulary, duplicate request id.
+        """
+        params = params or SamplingParams()
+        if prompt_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt or prompt_ids")
+            ids = self.encode_prompt(prompt, chat=chat)
+        else:
+            ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.checkpoint.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_seq_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_seq_len} tokens "
+                f"(prompt plus at least one generated token)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        max_new = min(params.max_tokens, self.max_seq_len - len(ids) + 1)
+        gen = None if params.greedy else make_generator(params.seed, self.runner.device)
+        req = Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self.running.pop(req.slot, None)
+            self.cache.free(req.slot)
+            req.slot = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, then one batched decode forward. Returns this step's deltas."""
+        outputs: list[RequestOutput] = []
+        admitted: set[int] = set()
+        while self.waiting and self.cache.num_free():
+            req = self.waiting.popleft()
+            req.slot = self.cache.allocate()
+            logits = self.runner.prefill(req.slot, req.prompt_ids)
+            token = self._sample([req], logits[None])[0]
+            outputs.append(self._append(req, [token]))
+            if not req.finished:
+                self.running[req.slot] = req
+                admitted.add(req.slot)
+        decoding = {s: r for s, r in self.running.items() if s not in admitted}
+        if decoding:
+            logits = self.runner.step({s: [r.output.token_ids[-1]] for s, r in decoding.items()})
+            slots = sorted(decoding)
+            reqs = [decoding[s] for s in slots]
+            tokens = self._sample(reqs, logits[slots, 0])
+            outputs.extend(self._append(r, [t]) for r, t in zip(reqs, tokens))
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+        kept = req.output.append(tokens)
+        now = time.perf_counter()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.finished:
+            req.finish_time = now
+            if req.slot is not None:
+                self.running.pop(req.slot, None)
+                self.cache.free(req.slot)
+                req.slot = None
+        return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
+                             req.output.finish_reason)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """Next token per request from ``logits`` ``[len(reqs), vocab]``."""
+        out = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if sampled:
+            dev = logits.device
+            ps = [reqs[i].params for i in sampled]
+            probs = sampling_probs(
+                logits[sampled],
+                torch.tensor([p.temperature for p in ps], device=dev),
+                torch.tensor([p.top_k for p in ps], device=dev),
+                torch.tensor([p.top_p for p in ps], device=dev),
+            )
+            for row, i in enumerate(sampled):
+                out[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
+        return out
+
+    # ------------------------------------------------------------------ convenience
+
+    def completion(self, request_id: str) -> Completion:
+        """The finished request's result (and forget it).
+
+        Raises:
+            KeyError: unknown id; RuntimeError: not finished yet.
+        """
+        req = self.requests[request_id]
+        if not req.finished:
+            raise RuntimeError(f"request {request_id} has not finished")
+        del self.requests[request_id]
+        n = len(req.output.token_ids)
+        first = req.first_token_time or req.finish_time
+        return Completion(
+            request_id=req.request_id, text=req.output.text, token_ids=list(req.output.token_ids),
+            finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
+            ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
+            tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0,
+        )
+
+    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, chat: bool = True, on_finish=None) -> list[Completion]:
+        """Run every prompt to completion with continuous batching; results in prompt order.
+
+        Args:
+            prompts: texts or chat-message lists.
+            params: one SamplingParams for all, or one per prompt.
+            chat: apply the chat template to plain-text prompts.
+            on_finish: optional callback ``(Completion) -> None`` (progress bars).
+
+        Raises:
+            InvalidRequestError: a prompt is invalid (nothing is queued then).
+        """
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]  # validate all before queuing
+        ids = [self.add_request(prompt_ids=e, params=sp) for e, sp in zip(encoded, params)]
+        results: dict[str, Completion] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results[out.request_id] = self.completion(out.request_id)
+                    if on_finish is not None:
+                        on_finish(results[out.request_id])
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[RequestOutput]:
+        """Generate one request, yielding its deltas as they come (other queued requests advance too)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            self.requests.pop(rid, None)
+                            return
+        finally:
+            if rid in self.requests and not self.requests[rid].finished:
+                self.abort(rid)

@@ -1,0 +1,233 @@
+"""Model runner: owns the target weights and KV cache and runs batched forwards.
+
+Two paths with the same numerics:
+- eager (CPU, and prefill everywhere): one ``Transformer.forward_hidden`` call per batch;
+- decode on CUDA: the forward (optionally ``torch.compile``-d with dynamic shapes, which fuses
+  the small element-wise kernels) is captured once per (batch bucket, tokens per row, context
+  bucket) into a CUDA graph and replayed, removing per-kernel launch overhead.
+
+Rows of a decode batch are cache slots ``0 .. n-1`` (the engine keeps running sequences at low
+slot indices); idle slots inside that range run with 0 tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .transformer import Transformer
+from .weights import Checkpoint
+
+log = logging.getLogger(__name__)
+
+CONTEXT_BUCKET = 256  # attended context is rounded up to this many positions in graphs
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the runner is built.
+
+    Attributes:
+        device: "cpu", "cuda", "cuda:1", ...
+        dtype: float32 on CPU, bfloat16 on GPU by default.
+        max_batch_size: KV cache slots.
+        max_seq_len: tokens per slot (prompt + output), the context limit.
+        cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
+        compile: ``torch.compile`` the decode forward (CUDA only; falls back to eager on failure).
+        prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+    """
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    cuda_graphs: bool = False
+    compile: bool = False
+    prefill_chunk: int = 1024
+
+
+def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
+    """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = device.startswith("cuda")
+    base = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
+                max_batch_size=64 if on_gpu else 8, cuda_graphs=on_gpu, compile=on_gpu)
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return RunnerConfig(**base)
+
+
+class ModelRunner:
+    """Runs the target over a static KV cache.
+
+    Args:
+        checkpoint: loaded weights and config.
+        config: runner settings.
+
+    Raises:
+        ValueError: CUDA graphs or compile asked for on a CPU device.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, config: RunnerConfig) -> None:
+        self.config = config
+        self.model_config: ModelConfig = checkpoint.config
+        self.device = torch.device(config.device)
+        if (config.cuda_graphs or config.compile) and self.device.type != "cuda":
+            raise ValueError("cuda_graphs and compile need a CUDA device")
+        model = Transformer(checkpoint.config, max_positions=config.max_seq_len + 1)
+        model.load_weights(checkpoint.tensors)
+        self.model = model.to(device=self.device, dtype=config.dtype).eval()
+        self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
+        self._forward = self._forward_logits
+        if config.compile:
+            self._forward = torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
+        self._graphs: dict[tuple[int, int, int], _CapturedStep] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
+
+    # ------------------------------------------------------------------ forwards
+
+    def _forward_logits(self, tokens, start, q_lens, k_cache, v_cache, attn_len: int) -> torch.Tensor:
+        hidden = self.model.forward_hidden(tokens, start, q_lens, k_cache, v_cache, attn_len)
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+        """Append a prompt to an empty (or partly filled) slot; return the last token's logits.
+
+        Args:
+            slot: cache slot.
+            token_ids: prompt tokens (>= 1).
+
+        Returns:
+            ``[vocab]`` float32 logits at the last prompt position.
+
+        Raises:
+            CacheFullError: the prompt does not fit in the slot.
+        """
+        self.cache.check_room(slot, len(token_ids))
+        k = self.cache.k[:, slot:slot + 1]
+        v = self.cache.v[:, slot:slot + 1]
+        chunk = self.config.prefill_chunk
+        last = None
+        for lo in range(0, len(token_ids), chunk):
+            piece = token_ids[lo:lo + chunk]
+            start = self.cache.lengths[slot]
+            tokens = torch.tensor([piece], device=self.device)
+            hidden = self.model.forward_hidden(
+                tokens, torch.tensor([start], device=self.device), torch.tensor([len(piece)], device=self.device),
+                k, v, start + len(piece))
+            self.cache.lengths[slot] = start + len(piece)
+            last = hidden[0, -1]
+        return self.model.logits(last)
+
+    @torch.inference_mode()
+    def step(self, tokens_per_slot: dict[int, list[int]]) -> torch.Tensor:
+        """Append tokens to several slots in one batched forward (decode or verification).
+
+        Args:
+            tokens_per_slot: slot -> tokens to append (ragged lengths; 1 for plain decoding,
+                1 + drafts for verification). Slots not named run as idle rows.
+
+        Returns:
+            ``[n, Q, vocab]`` float32 logits, row = slot, ``Q`` = the longest token list; row
+            ``s``'s first ``len(tokens_per_slot[s])`` positions are valid. The tensor may be a
+            static buffer reused by the next call: read it before calling again.
+
+        Raises:
+            CacheFullError: a slot would grow past the context limit.
+        """
+        if not tokens_per_slot:
+            raise ValueError("step needs at least one slot")
+        for slot, toks in tokens_per_slot.items():
+            if not toks:
+                raise ValueError(f"slot {slot} has no tokens to append")
+            self.cache.check_room(slot, len(toks))
+        n = max(tokens_per_slot) + 1
+        q = max(len(t) for t in tokens_per_slot.values())
+        attn_len = max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items())
+        if self.config.cuda_graphs:
+            n = _bucket(n, self.cache.num_slots)
+            attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        tokens = torch.zeros((n, q), dtype=torch.long)
+        start = torch.zeros(n, dtype=torch.long)
+        q_lens = torch.zeros(n, dtype=torch.long)
+        for slot, toks in tokens_per_slot.items():
+            tokens[slot, :len(toks)] = torch.tensor(toks)
+            start[slot] = self.cache.lengths[slot]
+            q_lens[slot] = len(toks)
+        if self.config.cuda_graphs:
+            logits = self._replay(n, q, attn_len, tokens, start, q_lens)
+        else:
+            logits = self._forward(tokens.to(self.device), start.to(self.device), q_lens.to(self.device),
+                                   self.cache.k[:, :n], self.cache.v[:, :n], attn_len)
+        for slot, toks in tokens_per_slot.items():
+            self.cache.lengths[slot] += len(toks)
+        return logits
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _replay(self, n: int, q: int, attn_len: int, tokens, start, q_lens) -> torch.Tensor:
+        key = (n, q, attn_len)
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._capture(n, q, attn_len, tokens, start, q_lens)
+            self._graphs[key] = captured
+        captured.tokens.copy_(tokens, non_blocking=True)
+        captured.start.copy_(start, non_blocking=True)
+        captured.q_lens.copy_(q_lens, non_blocking=True)
+        captured.graph.replay()
+        return captured.logits
+
+    def _capture(self, n: int, q: int, attn_len: int, tokens, start, q_lens) -> "_CapturedStep":
+        # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
+        # warm-up runs and the replay write identical values to identical positions.
+        log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
+        tokens, start, q_lens = tokens.to(self.device), start.to(self.device), q_lens.to(self.device)
+        k, v = self.cache.k[:, :n], self.cache.v[:, :n]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(tokens, start, q_lens, k, v, attn_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._forward(tokens, start, q_lens, k, v, attn_len)
+        return _CapturedStep(graph, tokens, start, q_lens, logits)
+
+    def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
+        """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
+        if not self.config.cuda_graphs:
+            return
+        for b in batch_sizes:
+            nb = _bucket(b, self.cache.num_slots)
+            for ctx in contexts:
+                if (nb, tokens_per_row, ctx) in self._graphs:
+                    continue
+                zeros = torch.zeros(nb, dtype=torch.long)
+                self._graphs[(nb, tokens_per_row, ctx)] = self._capture(
+                    nb, tokens_per_row, ctx, torch.zeros((nb, tokens_per_row), dtype=torch.long), zeros, zeros)
+
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes()
+
+
+@dataclass
+class _CapturedStep:
+    graph: "torch.cuda.CUDAGraph"
+    tokens: torch.Tensor
+    start: torch.Tensor
+    q_lens: torch.Tensor
+    logits: torch.Tensor
+
+
+def _bucket(n: int, limit: int) -> int:
+    """Round a batch up to a power of two (at most ``limit``) so few graphs cover all sizes."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, limit)

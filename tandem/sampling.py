@@ -1,0 +1,105 @@
+"""Sampling parameters and the logits -> probabilities transform (one source of truth).
+
+The same ``sampling_probs`` transform is applied to the target's and the drafter's logits in
+speculative sampling, so the verified distribution is exactly target-only sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI / vLLM semantics).
+
+    Attributes:
+        max_tokens: output tokens at most (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: nucleus sampling mass in (0, 1] (1 = off).
+        seed: per-request seed; the same seed gives the same output whatever the batch.
+        stop: strings that end generation; the matched string is not returned.
+        stop_token_ids: extra ids that end generation (besides the model's EOS).
+        ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the first bad field."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to logits and return probabilities.
+
+    Args:
+        logits: ``[B, V]`` float32.
+        temperature: ``[B]`` float, > 0 for every row (greedy rows are handled by argmax).
+        top_k: ``[B]`` int64, 0 = off.
+        top_p: ``[B]`` float in (0, 1].
+
+    Returns:
+        ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
+    """
+    logits = logits.float() / temperature[:, None]
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    # nucleus: drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    remove = remove | (mass_before >= top_p[:, None])
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits.softmax(dim=-1))
+    return probs
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A per-request random generator on ``device`` (seeded from the OS when ``seed`` is None)."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,87 @@
+"""Stop rules over a run of new tokens (the single place they are applied).
+
+A run is one or more tokens appended at once: 1 in plain decoding, the accepted draft tokens
+plus the bonus token in speculative decoding. Rules are checked token by token, in order:
+EOS / stop token ids, then stop strings (which may complete anywhere inside the run), then
+max_tokens. Tokens after the boundary are dropped, so token ids, text and every metric derived
+from the returned count are cut at the same place.
+"""
+
+from __future__ import annotations
+
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class OutputState:
+    """Generated tokens and text of one request.
+
+    Args:
+        tokenizer: for detokenization and the EOS ids.
+        params: the request's sampling parameters (stop rules and max_tokens).
+        max_new_tokens: the effective token limit: ``min(max_tokens, room left in the context)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new_tokens: int) -> None:
+        self.params = params
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._emitted = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, tokens: list[int]) -> int:
+        """Append a run of tokens, stopping at the first rule that fires.
+
+        Returns:
+            How many tokens of ``tokens`` were kept (the rest are dropped).
+
+        Raises:
+            RuntimeError: the request has already finished.
+        """
+        if self.finished:
+            raise RuntimeError("append to a finished request")
+        kept = 0
+        for tok in tokens:
+            self.token_ids.append(tok)
+            kept += 1
+            if tok in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+            delta = self._detok.add(tok)
+            if delta:
+                prev_len = len(self.text)
+                self.text += delta
+                if self._cut_at_stop_string(prev_len):
+                    self.finish_reason = "stop"
+                    break
+            if len(self.token_ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        return kept
+
+    def _cut_at_stop_string(self, prev_len: int) -> bool:
+        if not self._max_stop_len:
+            return False
+        # a stop string completed by this delta starts after prev_len - (max_stop_len - 1)
+        lo = max(0, prev_len - self._max_stop_len + 1)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, lo)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        return True
+
+    def take_text_delta(self) -> str:
+        """Text not yet handed out. While running, the last ``max_stop_len - 1`` characters are
+        held back so a stop string never leaks partially into a stream."""
+        end = len(self.text) if self.finished else max(self._emitted, len(self.text) - max(self._max_stop_len - 1, 0))
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

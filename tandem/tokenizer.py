@@ -1,0 +1,103 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+Tokenization goes through ``transformers.AutoTokenizer`` (``gguf_file=`` for GGUF checkpoints).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import InvalidRequestError
+from .models.weights import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, plus its chat template and stop ids.
+
+    Args:
+        hf_tokenizer: a ``transformers`` tokenizer.
+        eos_token_ids: ids that end generation (the checkpoint's EOS and the tokenizer's).
+    """
+
+    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int]) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.vocab_size = len(hf_tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize plain text (no special tokens added)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Detokenize, dropping special tokens."""
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the generation prompt appended.
+
+        Raises:
+            InvalidRequestError: the model has no chat template, or messages are malformed.
+        """
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidRequestError("each message needs string 'role' and 'content'")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
+    """Load the tokenizer that belongs to ``checkpoint`` (GGUF metadata or an HF directory)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = Path(checkpoint.path)
+    if checkpoint.is_gguf:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(hf, "chat_template", None) and checkpoint.chat_template:
+        hf.chat_template = checkpoint.chat_template
+    eos = list(checkpoint.config.eos_token_ids)
+    if hf.eos_token_id is not None:
+        eos.append(int(hf.eos_token_id))
+    return Tokenizer(hf, eos)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, correct across multi-byte characters.
+
+    A character split over several byte-level tokens decodes to U+FFFD until its last byte
+    arrives; the delta is held back until then (the algorithm of vLLM's
+    ``detokenize_incrementally``, over a sliding window so each step costs O(1) tokens).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
