@@ -109,6 +109,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
+        self.max_running = self.cache.num_slots  # admission limit (<= KV cache slots)
         self._ids = itertools.count()
 
     @property
@@ -209,7 +210,8 @@ class Engine:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
         admitted: set[int] = set()
-        while self.waiting and self.cache.num_free():
+        self.max_running = max(1, min(self.max_running, self.cache.num_slots))
+        while self.waiting and self.cache.num_free() and len(self.running) < self.max_running:
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
             logits = self.runner.prefill(req.slot, req.prompt_ids)

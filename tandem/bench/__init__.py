@@ -1,0 +1,1 @@
+"""Benchmarks: throughput of the engine and outside references on real prompts."""

@@ -1,0 +1,246 @@
+"""Command line: ``tandem generate``, ``tandem info``, ``tandem bench``."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _fail(msg: str) -> None:
+    console.print(f"[red]error:[/red] {msg}")
+    sys.exit(2)
+
+
+def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None):
+    from .engine import Engine
+    from .models.runner import default_runner_config
+
+    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                cuda_graphs=cuda_graphs, compile=compile_)
+    return Engine(model, cfg)
+
+
+model_option = click.option("--model", "model", default=None, metavar="PATH",
+                            help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
+device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log engine events.")
+def main(verbose: bool) -> None:
+    """Tandem: lossless speculative decoding for LLM serving."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--prompt", default=None, help="One prompt.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="JSONL of prompts (Spec-Bench 'turns' rows or 'prompt' rows).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="First N prompts of the file.")
+@model_option
+@device_option
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
+@click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
+def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
+             batch_size, max_seq_len, no_chat) -> None:
+    """Generate for one prompt (streamed) or a prompts file (table of results)."""
+    from .data import load_prompts
+    from .errors import InvalidRequestError
+    from .models.config import ModelLoadError
+    from .sampling import SamplingParams
+
+    if (prompt is None) == (prompts_file is None):
+        _fail("give exactly one of --prompt or --prompts-file")
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=tuple(stop))
+        records = load_prompts(prompts_file, limit) if prompts_file else None
+        engine = _engine(model, device, batch_size, max_seq_len)
+    except (InvalidRequestError, ModelLoadError) as exc:
+        _fail(str(exc))
+        return
+    if prompt is not None:
+        try:
+            for out in engine.stream(prompt, params, chat=not no_chat):
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+        except InvalidRequestError as exc:
+            _fail(str(exc))
+        sys.stdout.write("\n")
+        return
+    _run_file(engine, records, params, not no_chat)
+
+
+def _run_file(engine, records, params, chat: bool) -> None:
+    from tqdm import tqdm
+
+    from .errors import InvalidRequestError
+
+    if not records:
+        _fail("the prompts file has no prompts")
+    with tqdm(total=len(records), desc="generating", unit="prompt", file=sys.stderr) as bar:
+        t0 = time.perf_counter()
+        try:
+            results = engine.generate([r.text for r in records], params, chat=chat, on_finish=lambda c: bar.update())
+        except InvalidRequestError as exc:
+            _fail(str(exc))
+            return
+        wall = time.perf_counter() - t0
+    table = Table(title=f"{engine.checkpoint.path.name} on {engine.runner.device} "
+                        f"({engine.runner_config.dtype}, batch <= {engine.cache.num_slots})")
+    for col in ("prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms", "tok/s"):
+        table.add_column(col, justify="right" if col not in ("category", "finish") else "left")
+    for rec, res in zip(records, results):
+        decode_s = res.latency_s - res.ttft_s
+        tps = (res.completion_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        table.add_row(rec.prompt_id, rec.category, str(res.prompt_tokens), str(res.completion_tokens),
+                      res.finish_reason, f"{res.ttft_s * 1e3:.0f}", f"{tps:.1f}")
+    total = sum(r.completion_tokens for r in results)
+    table.add_section()
+    table.add_row("total", f"{len(results)} prompts", str(sum(r.prompt_tokens for r in results)), str(total), "",
+                  f"p50 {statistics.median(r.ttft_s for r in results) * 1e3:.0f}", f"{total / wall:.1f}")
+    console.print(table)
+    console.print(f"{total} output tokens in {wall:.2f} s: {total / wall:.1f} tok/s for the whole batch; "
+                  f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms")
+
+
+@main.command()
+@model_option
+@device_option
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="KV cache slots (default per device).")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+def info(model, device, batch_size, max_seq_len) -> None:
+    """Show the model, architecture, device, dtype and KV cache size."""
+    from .models.config import ModelLoadError
+
+    try:
+        engine = _engine(model, device, batch_size, max_seq_len)
+    except ModelLoadError as exc:
+        _fail(str(exc))
+        return
+    cfg = engine.checkpoint.config
+    rc = engine.runner_config
+    n_params = sum(p.numel() for p in engine.runner.model.parameters())
+    table = Table(show_header=False)
+    rows = [
+        ("model", str(engine.checkpoint.path)),
+        ("architecture", cfg.architecture),
+        ("parameters", f"{n_params / 1e6:.1f} M"),
+        ("layers / hidden / intermediate", f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
+        ("heads / kv heads / head dim", f"{cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
+        ("vocab", str(cfg.vocab_size)),
+        ("rope theta / scaling", f"{cfg.rope_theta:g} / {cfg.rope_scaling.kind if cfg.rope_scaling else 'none'}"),
+        ("tied embeddings", str(cfg.tie_word_embeddings)),
+        ("trained context", str(cfg.max_position_embeddings)),
+        ("chat template", "yes" if engine.tokenizer.has_chat_template else "no"),
+        ("eos ids", ", ".join(map(str, engine.tokenizer.eos_token_ids))),
+        ("device / dtype", f"{rc.device} / {str(rc.dtype).removeprefix('torch.')}"),
+        ("CUDA graphs / compile", f"{rc.cuda_graphs} / {rc.compile}"),
+        ("KV cache", f"{engine.cache.num_slots} slots x {engine.cache.capacity} tokens = "
+                     f"{engine.runner.kv_cache_bytes() / 2**20:.1f} MiB"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
+
+
+@main.command()
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Spec-Bench style JSONL (default: the bundled Spec-Bench copy).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Prompts per batch size (at least 2x the batch size are used for batches > 1).")
+@click.option("--batch-sizes", default="1,16,64", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--hf-baseline/--no-hf-baseline", default=True, show_default=True,
+              help="Also time Hugging Face generate on the same prompts.")
+@click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Prompts for the HF batch-1 reference (it is slow).")
+@model_option
+@device_option
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
+@click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Write results.json here.")
+def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, model, device, cuda_graphs,
+          compile_, max_seq_len, out) -> None:
+    """Target-only greedy throughput of the engine (and HF generate) on Spec-Bench prompts."""
+    import json
+    from pathlib import Path
+
+    from .bench.throughput import bench_engine, bench_hf_generate
+    from .data import bundled_spec_bench, load_prompts, round_robin_by_category
+    from .errors import InvalidRequestError
+
+    try:
+        sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(f"--batch-sizes must be positive integers separated by commas, got {batch_sizes!r}")
+        return
+    try:
+        records = load_prompts(prompts_file or bundled_spec_bench())
+    except InvalidRequestError as exc:
+        _fail(str(exc))
+        return
+    engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_)
+    rc = engine.runner_config
+    console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
+    results, outputs = [], {}
+    for b in sizes:
+        n = limit if b == 1 else max(limit, 2 * b)
+        res, toks = bench_engine(engine, round_robin_by_category(records, n), b, max_tokens)
+        results.append(res)
+        outputs[("tandem", b)] = toks
+        console.print(f"tandem batch {b}: {res.tps:.1f} tok/s ({res.output_tokens} tokens, {res.wall_s:.2f} s)")
+    if hf_baseline:
+        for b in sizes:
+            n = hf_limit if b == 1 else max(limit, 2 * b)
+            res, toks = bench_hf_generate(engine, round_robin_by_category(records, n), b, max_tokens)
+            results.append(res)
+            outputs[("hf-generate", b)] = toks
+            console.print(f"hf-generate batch {b}: {res.tps:.1f} tok/s")
+    table = Table(title="Target-only greedy decoding (Spec-Bench prompts)")
+    for col in ("system", "batch", "prompts", "out tok", "TPS", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms",
+                "peak GiB", "same as batch 1"):
+        table.add_column(col, justify="right")
+    base = outputs[("tandem", sizes[0])]
+    for r in results:
+        toks = outputs[(r.system, r.batch_size)]
+        m = min(len(toks), len(base))
+        same = sum(a == b for a, b in zip(toks[:m], base[:m]))
+        table.add_row(r.system, str(r.batch_size), str(r.prompts), str(r.output_tokens), f"{r.tps:.1f}",
+                      f"{r.ttft_p50_ms:.1f}", f"{r.tpot_p50_ms:.2f}", f"{r.tpot_p99_ms:.2f}", f"{r.peak_mem_gib:.2f}",
+                      f"{same}/{m}")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "results.json").write_text(json.dumps(
+            {"device": rc.device, "dtype": str(rc.dtype), "cuda_graphs": rc.cuda_graphs, "compile": rc.compile,
+             "gpu": torch_device_name(rc.device), "max_tokens": max_tokens,
+             "results": [r.to_dict() for r in results]}, indent=2))
+    console.print(table)
+
+
+def torch_device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"

@@ -1,0 +1,76 @@
+"""Prompt files: Spec-Bench / MT-Bench style JSONL (``question_id``, ``category``, ``turns``) or
+rows with a ``prompt`` field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One benchmark prompt: id, category and the first-turn text."""
+
+    prompt_id: str
+    category: str
+    text: str
+
+
+def bundled_spec_bench() -> Path:
+    """The repository's copy of Spec-Bench (480 prompts, 13 categories)."""
+    return Path(__file__).resolve().parent.parent / "data" / "spec_bench_question.jsonl"
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
+    """Read prompts (first turn of each row).
+
+    Raises:
+        InvalidRequestError: the file is missing, not UTF-8, or a row is not JSON / lacks text.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidRequestError(f"prompts file {str(p)!r} does not exist")
+    records: list[PromptRecord] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"{p} is not valid UTF-8: {exc}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
+        if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+            text = row["turns"][0]
+        elif isinstance(row, dict) and "prompt" in row:
+            text = row["prompt"]
+        else:
+            raise InvalidRequestError(f"{p}:{lineno}: expected a 'turns' list or a 'prompt' field")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{p}:{lineno}: the prompt is not a string")
+        records.append(PromptRecord(str(row.get("question_id", row.get("id", lineno))), str(row.get("category", "-")), text))
+        if limit is not None and len(records) >= limit:
+            break
+    return records
+
+
+def round_robin_by_category(records: list[PromptRecord], n: int) -> list[PromptRecord]:
+    """The first ``n`` prompts taking one from each category in turn (file order within a
+    category), so a small benchmark subset still covers every Spec-Bench category."""
+    by_cat: dict[str, list[PromptRecord]] = {}
+    for r in records:
+        by_cat.setdefault(r.category, []).append(r)
+    queues = list(by_cat.values())
+    out: list[PromptRecord] = []
+    i = 0
+    while len(out) < min(n, len(records)):
+        q = queues[i % len(queues)]
+        if q:
+            out.append(q.pop(0))
+        i += 1
+    return out

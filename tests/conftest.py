@@ -1,0 +1,171 @@
+"""Shared fixtures.
+
+The real default model (SmolLM2-135M-Instruct GGUF) is loaded at most once per session, and
+only by tests that ask for it (they are marked ``slow``). Everything else runs on tiny random
+Hugging Face checkpoints written to a session temp directory by ``tiny_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+SPEC_BENCH = DATA_DIR / "spec_bench_question.jsonl"
+
+# Shape shared by every tiny checkpoint (the brief's "tiny" size).
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128)
+TINY_VOCAB = 1000  # vocab of tiny checkpoints that do not need a tokenizer
+
+
+def spec_bench_prompts(n: int | None = None) -> list[str]:
+    """First turn of the first ``n`` Spec-Bench rows (all rows when ``n`` is None)."""
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+# ----------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint():
+    """The bundled SmolLM2-135M-Instruct GGUF, dequantized (float32 tensors)."""
+    from tandem.models import load_checkpoint
+
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_checkpoint):
+    """Engine over the real model: CPU float32, 8 slots, 1024-token context."""
+    from tandem.engine import Engine
+    from tandem.models.runner import default_runner_config
+
+    return Engine(real_checkpoint, default_runner_config("cpu", max_batch_size=8, max_seq_len=1024))
+
+
+@pytest.fixture(scope="session")
+def hf_model(real_checkpoint):
+    """Hugging Face transformers' own load of the same GGUF: the reference oracle."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = real_checkpoint.path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    """The real model's tokenizer (read from the GGUF metadata only, no weights), as a
+    ``tandem.tokenizer.Tokenizer``."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from tandem.models import default_model_path
+    from tandem.tokenizer import Tokenizer
+
+    hf_logging.set_verbosity_error()
+    path = default_model_path()
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return Tokenizer(hf, [hf.eos_token_id])
+
+
+# ----------------------------------------------------------------------------- tiny checkpoints
+
+
+def _hf_config(arch: str, vocab_size: int, tied: bool, special_ids: dict, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kwargs = dict(TINY_SHAPE, vocab_size=vocab_size, tie_word_embeddings=tied, max_position_embeddings=2048)
+    kwargs.update(special_ids)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32  # != hidden / heads (16): exercises an explicit head_dim
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Replace HF's near-zero init by weights that make every part of the forward matter:
+    O(1) logits, norm weights away from 1, non-zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, request):
+    """Factory: ``tiny_checkpoint(arch, tied=False, sharded=False, with_tokenizer=False, **config)``
+    writes (once per distinct argument set) a random 2-layer HF checkpoint directory with
+    safetensors and returns its path.
+
+    ``with_tokenizer=True`` copies the real SmolLM2 tokenizer into the directory and sizes the
+    vocabulary to it, so ``Engine`` runs on the tiny model; otherwise the vocab is ``TINY_VOCAB``.
+    ``sharded=True`` saves several safetensors shards plus ``model.safetensors.index.json``.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", tied: bool = False, sharded: bool = False, with_tokenizer: bool = False,
+             seed: int = 0, **overrides) -> Path:
+        key = (arch, tied, sharded, with_tokenizer, seed, json.dumps(overrides, sort_keys=True))
+        if key in made:
+            return made[key]
+        tokenizer = request.getfixturevalue("real_tokenizer") if with_tokenizer else None
+        vocab = len(tokenizer.hf) if tokenizer is not None else TINY_VOCAB
+        special = {}
+        if tokenizer is not None:
+            special = dict(eos_token_id=tokenizer.hf.eos_token_id, bos_token_id=tokenizer.hf.bos_token_id)
+        cfg = _hf_config(arch, vocab, tied, special, **overrides)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _randomize(model, seed)
+        if tied:
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        d = tmp_path_factory.mktemp(f"tiny-{arch}{'-tied' if tied else ''}{'-sharded' if sharded else ''}")
+        if sharded:
+            model.save_pretrained(d, max_shard_size="200KB")
+        else:
+            model.save_pretrained(d)
+        if tokenizer is not None:
+            tokenizer.hf.save_pretrained(d)
+        made[key] = d
+        return d
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint):
+    """Engine over a tiny random llama with the real tokenizer: 4 slots, 96-token context."""
+    from tandem.engine import Engine
+    from tandem.models.runner import RunnerConfig
+
+    d = tiny_checkpoint("llama", with_tokenizer=True)
+    return Engine(str(d), RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96))
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(gpu)

@@ -1,0 +1,222 @@
+"""Checkpoint loading: GGUF and HF safetensors, numerics against HF's forward, load errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import copy_checkpoint, edit_config, hf_logits, make_runner, our_logits
+from safetensors.torch import load_file, save_file
+
+from tandem.models import ModelLoadError, load_checkpoint
+from tandem.models.runner import ModelRunner, RunnerConfig
+
+ATOL = 1e-4  # float32 on CPU
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+
+TINY_CASES = [
+    pytest.param(dict(arch="llama"), id="llama"),
+    pytest.param(dict(arch="llama", tied=True), id="llama-tied"),
+    pytest.param(dict(arch="llama", sharded=True), id="llama-sharded"),
+    pytest.param(dict(arch="mistral"), id="mistral"),
+    pytest.param(dict(arch="qwen2"), id="qwen2-attention-bias"),
+    pytest.param(dict(arch="qwen2", tied=True), id="qwen2-attention-bias-tied"),
+    pytest.param(dict(arch="qwen3"), id="qwen3-qk-norm"),
+    pytest.param(dict(arch="qwen3", tied=True, sharded=True), id="qwen3-qk-norm-tied-sharded"),
+    pytest.param(dict(arch="llama", rope_parameters=LLAMA3_ROPE), id="llama3-rope-scaling"),
+    pytest.param(dict(arch="llama", rope_parameters=LINEAR_ROPE), id="linear-rope-scaling"),
+]
+
+
+def _hf_model(d):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+@pytest.mark.slow
+def test_gguf_default_model_loads(real_checkpoint):
+    ck = real_checkpoint
+    assert ck.is_gguf and ck.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    c = ck.config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size) == ("llama", 30, 576, 9, 3, 64, 1536, 49152)
+    assert c.rope_theta == pytest.approx(1e5)
+    assert c.tie_word_embeddings and not c.attention_bias and not c.qk_norm
+    assert "lm_head.weight" not in ck.tensors
+    assert ck.tensors["embed.weight"].shape == (49152, 576)
+    assert ck.tensors["layers.0.wqkv.weight"].shape == ((9 + 2 * 3) * 64, 576)
+    assert ck.tensors["layers.29.w13.weight"].shape == (2 * 1536, 576)
+    assert all(t.dtype == torch.float32 for t in ck.tensors.values())
+    assert ck.chat_template and "im_start" in ck.chat_template
+
+
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_hf_dir_logits_match_transformers(tiny_checkpoint, case):
+    d = tiny_checkpoint(**case)
+    if case.get("sharded"):
+        assert (d / "model.safetensors.index.json").is_file()
+        assert len(list(d.glob("*.safetensors"))) > 1
+    ck = load_checkpoint(d)
+    hf = _hf_model(d)
+    c, hc = ck.config, hf.config
+    assert c.architecture == case["arch"]
+    assert c.tie_word_embeddings == bool(case.get("tied", False))
+    assert c.attention_bias == (case["arch"] == "qwen2")
+    assert c.qk_norm == (case["arch"] == "qwen3")
+    assert c.head_dim == hf.model.layers[0].self_attn.head_dim
+    assert c.vocab_size == hc.vocab_size
+    if c.tie_word_embeddings:
+        assert "lm_head.weight" not in ck.tensors
+    else:
+        assert not torch.equal(ck.tensors["lm_head.weight"], ck.tensors["embed.weight"])
+
+    ids = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = hf_logits(hf, ids)
+    assert ref.std() > 0.3, "random weights too small for the comparison to mean anything"
+    runner = make_runner(ck, slots=2, max_seq_len=64)
+    ours = our_logits(runner, ids)
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+    # prefill (chunked) gives the same last-position logits as the one-forward step
+    runner2 = ModelRunner(ck, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=64, prefill_chunk=7))
+    last = runner2.prefill(runner2.cache.allocate(), ids)
+    torch.testing.assert_close(last, ref[-1], atol=ATOL, rtol=0)
+
+
+def test_tied_and_untied_differ_only_in_lm_head(tiny_checkpoint):
+    untied = load_checkpoint(tiny_checkpoint("llama"))
+    tied = load_checkpoint(tiny_checkpoint("llama", tied=True))
+    assert set(untied.tensors) - set(tied.tensors) == {"lm_head.weight"}
+    runner = make_runner(tied)
+    assert runner.model.lm_head.weight.data_ptr() == runner.model.embed.weight.data_ptr()
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError, match="does not exist") as exc:
+        load_checkpoint(missing)
+    assert str(missing) in str(exc.value)
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
+        load_checkpoint(f)
+
+
+def test_corrupt_gguf(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_checkpoint(f)
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_directory_without_safetensors(tiny_checkpoint, tmp_path):
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "config.json").write_text((tiny_checkpoint("llama") / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load_checkpoint(d)
+
+
+def test_unknown_model_type(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    edit_config(d, model_type="gpt2")
+    with pytest.raises(ModelLoadError, match="'gpt2'") as exc:
+        load_checkpoint(d)
+    assert "llama" in str(exc.value)  # names what is supported
+
+
+def test_config_missing_key(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    edit_config(d, intermediate_size=None)
+    with pytest.raises(ModelLoadError, match="intermediate_size"):
+        load_checkpoint(d)
+
+
+def test_config_not_json(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": 64,')  # truncated
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_checkpoint(d)
+
+
+def test_unsupported_rope_scaling(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    edit_config(d, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match="yarn"):
+        load_checkpoint(d)
+
+
+def test_heads_not_multiple_of_kv_heads(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    edit_config(d, num_key_value_heads=3)
+    with pytest.raises(ModelLoadError, match="num_kv_heads"):
+        load_checkpoint(d)
+
+
+@pytest.mark.parametrize("key,value,tensor", [
+    ("hidden_size", 80, "embed.weight"),
+    ("intermediate_size", 96, "w13.weight"),
+    ("vocab_size", 1200, "embed.weight"),
+])
+def test_shape_mismatch(tiny_checkpoint, tmp_path, key, value, tensor):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    edit_config(d, **{key: value})
+    with pytest.raises(ModelLoadError, match="shape mismatch") as exc:
+        make_runner(load_checkpoint(d))
+    assert tensor in str(exc.value)
+
+
+def test_missing_shard(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama", sharded=True), tmp_path / "ck")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (d / shard).unlink()
+    with pytest.raises(ModelLoadError, match=shard):
+        load_checkpoint(d)
+
+
+def test_missing_tensor(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="layer 1.*up_proj"):
+        load_checkpoint(d)
+
+
+def test_missing_final_norm(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
+    f = d / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="norm.weight"):
+        make_runner(load_checkpoint(d))
+
+
+def test_engine_surfaces_load_errors(tmp_path):
+    from tandem.engine import Engine
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Engine(str(tmp_path / "nothing-here"))
