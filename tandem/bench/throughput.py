@@ -110,7 +110,6 @@ def bench_hf_generate(engine: Engine, records: list[PromptRecord], batch_size: i
     same checkpoint, device and dtype as ``engine``, batches of ``batch_size`` left-padded prompts.
     """
     model = _hf_model(engine)
-    ck = engine.checkpoint
     dev = engine.runner.device
     tok = engine.tokenizer.hf
     tok.padding_side = "left"
