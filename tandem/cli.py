@@ -159,10 +159,6 @@ def info(model, device, batch_size, max_seq_len) -> None:
     console.print(table)
 
 
-if __name__ == "__main__":
-    main()
-
-
 @main.command()
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Spec-Bench style JSONL (default: the bundled Spec-Bench copy).")
