@@ -212,6 +212,48 @@ class ModelRunner:
                 self._graphs[(nb, tokens_per_row, ctx)] = self._capture(
                     nb, tokens_per_row, ctx, torch.zeros((nb, tokens_per_row), dtype=torch.long), zeros, zeros)
 
+    @torch.inference_mode()
+    def measure_step_ms(self, batch_size: int, tokens_per_row: int, context: int, iters: int = 30) -> float:
+        """Time of one batched forward T(b, q) in ms: ``batch_size`` rows each appending
+        ``tokens_per_row`` tokens after ``context`` cached tokens (cache contents are arbitrary).
+
+        Uses the same path as ``step`` (graph replay when enabled), timed with CUDA events on
+        GPU or wall clock on CPU; slot lengths are restored afterwards.
+
+        Raises:
+            ValueError: the shape does not fit the cache.
+        """
+        if batch_size > self.cache.num_slots or context + tokens_per_row > self.cache.capacity:
+            raise ValueError(f"batch {batch_size} x context {context} + {tokens_per_row} does not fit the cache")
+        saved = list(self.cache.lengths)
+        batch = {s: [0] * tokens_per_row for s in range(batch_size)}
+
+        def once() -> None:
+            for s in range(batch_size):
+                self.cache.lengths[s] = context
+            self.step(batch)
+
+        try:
+            for _ in range(3):
+                once()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(iters):
+                    once()
+                end.record()
+                end.synchronize()
+                return begin.elapsed_time(end) / iters
+            import time
+
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                once()
+            return (time.perf_counter() - t0) * 1e3 / iters
+        finally:
+            self.cache.lengths[:] = saved
+
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes()
 
