@@ -14,23 +14,31 @@ from rich.table import Table
 console = Console(width=None if sys.stdout.isatty() else 160)
 
 
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
 def _fail(msg: str) -> None:
     console.print(f"[red]error:[/red] {msg}")
     sys.exit(2)
 
 
-def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None):
+def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto"):
+    import torch
+
     from .engine import Engine
     from .models.runner import default_runner_config
 
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                cuda_graphs=cuda_graphs, compile=compile_)
+                                cuda_graphs=cuda_graphs, compile=compile_,
+                                dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     return Engine(model, cfg)
 
 
 model_option = click.option("--model", "model", default=None, metavar="PATH",
                             help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+                            help="auto = bfloat16 on GPU, float32 on CPU.")
 
 
 @click.group()
@@ -56,8 +64,9 @@ def main(verbose: bool) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
+@dtype_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
-             batch_size, max_seq_len, no_chat) -> None:
+             batch_size, max_seq_len, no_chat, dtype) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from .data import load_prompts
     from .errors import InvalidRequestError
@@ -70,7 +79,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
         records = load_prompts(prompts_file, limit) if prompts_file else None
-        engine = _engine(model, device, batch_size, max_seq_len)
+        engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype)
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
@@ -175,9 +184,10 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
 @click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+@dtype_option
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write results.json here.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, model, device, cuda_graphs,
-          compile_, max_seq_len, out) -> None:
+          compile_, max_seq_len, dtype, out) -> None:
     """Target-only greedy throughput of the engine (and HF generate) on Spec-Bench prompts."""
     import json
     from pathlib import Path
@@ -198,7 +208,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
     except InvalidRequestError as exc:
         _fail(str(exc))
         return
-    engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_)
+    engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_, dtype)
     rc = engine.runner_config
     console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
     results, outputs = [], {}

@@ -209,23 +209,29 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
-        admitted: set[int] = set()
+        admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.cache.num_slots))
-        while self.waiting and self.cache.num_free() and len(self.running) < self.max_running:
+        while self.waiting and self.cache.num_free() and len(self.running) + len(admitted) < self.max_running:
             req = self.waiting.popleft()
             req.slot = self.cache.allocate()
-            logits = self.runner.prefill(req.slot, req.prompt_ids)
-            token = self._sample([req], logits[None])[0]
-            outputs.append(self._append(req, [token]))
-            if not req.finished:
-                self.running[req.slot] = req
-                admitted.add(req.slot)
+            admitted[req.slot] = req
+        if admitted:
+            logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()})
+            reqs = [admitted[s] for s in sorted(admitted)]
+            for req, token in zip(reqs, self._sample(reqs, logits)):
+                outputs.append(self._append(req, [token]))
+                if not req.finished:
+                    self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
         if decoding:
-            logits = self.runner.step({s: [r.output.token_ids[-1]] for s, r in decoding.items()})
+            out = self.runner.step({s: [r.output.token_ids[-1]] for s, r in decoding.items()})
             slots = sorted(decoding)
             reqs = [decoding[s] for s in slots]
-            tokens = self._sample(reqs, logits[slots, 0])
+            if all(r.params.greedy for r in reqs):
+                argmax = out.argmax[:, 0].tolist()
+                tokens = [argmax[s] for s in slots]
+            else:
+                tokens = self._sample(reqs, out.logits[slots, 0])
             outputs.extend(self._append(r, [t]) for r, t in zip(reqs, tokens))
         return outputs
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +39,9 @@ class RunnerConfig:
         max_seq_len: tokens per slot (prompt + output), the context limit.
         cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
         compile: ``torch.compile`` the decode forward (CUDA only; falls back to eager on failure).
-        prefill_chunk: prompt tokens per prefill forward (bounds activation memory).
+        prefill_chunk: prompt positions per prefill forward.
+        prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
+            and attention-mask memory while letting many short prompts share one forward.
     """
 
     device: str = "cpu"
@@ -48,6 +51,7 @@ class RunnerConfig:
     cuda_graphs: bool = False
     compile: bool = False
     prefill_chunk: int = 1024
+    prefill_tokens: int = 8192
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -90,42 +94,81 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
 
-    def _forward_logits(self, tokens, start, q_lens, k_cache, v_cache, attn_len: int) -> torch.Tensor:
-        hidden = self.model.forward_hidden(tokens, start, q_lens, k_cache, v_cache, attn_len)
-        return self.model.logits(hidden)
+    def _forward_logits(self, packed: torch.Tensor, k_cache, v_cache, attn_len: int) -> StepOutput:
+        """``packed`` ``[B, Q + 2]`` int64: tokens, then start and q_len per row (one H2D copy)."""
+        q = packed.shape[1] - 2
+        hidden = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache, attn_len)
+        logits = self.model.logits(hidden)
+        return StepOutput(logits, logits.argmax(dim=-1))
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Append a prompt to an empty (or partly filled) slot; return the last token's logits.
+    def prefill(self, prompts: dict[int, list[int]]) -> torch.Tensor:
+        """Append prompts to their slots in as few forwards as the token budget allows.
+
+        Slots are grouped into contiguous row ranges whose padded size (rows x chunk length) stays
+        under ``prefill_tokens``; each group runs in chunks of ``prefill_chunk`` positions. Rows of
+        a range that are not being prefilled (running requests) get 0 tokens and are untouched.
 
         Args:
-            slot: cache slot.
-            token_ids: prompt tokens (>= 1).
+            prompts: slot -> prompt tokens (>= 1 each).
 
         Returns:
-            ``[vocab]`` float32 logits at the last prompt position.
+            ``[len(prompts), vocab]`` float32 logits at each prompt's last token, in ascending
+            slot order.
 
         Raises:
-            CacheFullError: the prompt does not fit in the slot.
+            CacheFullError: a prompt does not fit in its slot.
         """
-        self.cache.check_room(slot, len(token_ids))
-        k = self.cache.k[:, slot:slot + 1]
-        v = self.cache.v[:, slot:slot + 1]
+        for slot, ids in prompts.items():
+            if not ids:
+                raise ValueError(f"slot {slot} has an empty prompt")
+            self.cache.check_room(slot, len(ids))
         chunk = self.config.prefill_chunk
-        last = None
-        for lo in range(0, len(token_ids), chunk):
-            piece = token_ids[lo:lo + chunk]
-            start = self.cache.lengths[slot]
-            tokens = torch.tensor([piece], device=self.device)
-            hidden = self.model.forward_hidden(
-                tokens, torch.tensor([start], device=self.device), torch.tensor([len(piece)], device=self.device),
-                k, v, start + len(piece))
-            self.cache.lengths[slot] = start + len(piece)
-            last = hidden[0, -1]
-        return self.model.logits(last)
+        budget = max(self.config.prefill_tokens, chunk)
+        slots = sorted(prompts)
+        last_hidden: dict[int, torch.Tensor] = {}
+        group: list[int] = []
+        for slot in slots + [None]:
+            if slot is not None:
+                cand = group + [slot]
+                width = min(chunk, max(len(prompts[s]) for s in cand))
+                if not group or (cand[-1] - cand[0] + 1) * width <= budget:
+                    group = cand
+                    continue
+            self._prefill_group(group, prompts, last_hidden)
+            group = [slot] if slot is not None else []
+        hidden = torch.stack([last_hidden[s] for s in slots])
+        return self.model.logits(hidden)
+
+    def _prefill_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor]) -> None:
+        lo, hi = group[0], group[-1]
+        rows = hi - lo + 1
+        done = {s: 0 for s in group}
+        chunk = self.config.prefill_chunk
+        k, v = self.cache.k[:, lo:hi + 1], self.cache.v[:, lo:hi + 1]
+        while any(done[s] < len(prompts[s]) for s in group):
+            width = min(chunk, max(len(prompts[s]) - done[s] for s in group))
+            tokens = torch.zeros((rows, width), dtype=torch.long)
+            start = torch.tensor([self.cache.lengths[lo + r] for r in range(rows)], dtype=torch.long)
+            q_lens = torch.zeros(rows, dtype=torch.long)
+            for s in group:
+                piece = prompts[s][done[s]:done[s] + width]
+                if piece:
+                    tokens[s - lo, :len(piece)] = torch.tensor(piece)
+                    q_lens[s - lo] = len(piece)
+            attn_len = int((start + q_lens).max())
+            hidden = self.model.forward_hidden(tokens.to(self.device), start.to(self.device),
+                                               q_lens.to(self.device), k, v, attn_len)
+            for s in group:
+                q = int(q_lens[s - lo])
+                if q:
+                    self.cache.lengths[s] += q
+                    done[s] += q
+                    if done[s] == len(prompts[s]):
+                        out[s] = hidden[s - lo, q - 1]
 
     @torch.inference_mode()
-    def step(self, tokens_per_slot: dict[int, list[int]]) -> torch.Tensor:
+    def step(self, tokens_per_slot: dict[int, list[int]]) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
@@ -133,9 +176,10 @@ class ModelRunner:
                 1 + drafts for verification). Slots not named run as idle rows.
 
         Returns:
-            ``[n, Q, vocab]`` float32 logits, row = slot, ``Q`` = the longest token list; row
-            ``s``'s first ``len(tokens_per_slot[s])`` positions are valid. The tensor may be a
-            static buffer reused by the next call: read it before calling again.
+            ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
+            row = slot, ``Q`` = the longest token list, and row ``s``'s first
+            ``len(tokens_per_slot[s])`` positions are valid. With CUDA graphs these are static
+            buffers that the next call overwrites: read them first.
 
         Raises:
             CacheFullError: a slot would grow past the context limit.
@@ -152,52 +196,48 @@ class ModelRunner:
         if self.config.cuda_graphs:
             n = _bucket(n, self.cache.num_slots)
             attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-        tokens = torch.zeros((n, q), dtype=torch.long)
-        start = torch.zeros(n, dtype=torch.long)
-        q_lens = torch.zeros(n, dtype=torch.long)
-        for slot, toks in tokens_per_slot.items():
-            tokens[slot, :len(toks)] = torch.tensor(toks)
-            start[slot] = self.cache.lengths[slot]
-            q_lens[slot] = len(toks)
+        idle = [0] * (q + 2)
+        rows = []
+        for slot in range(n):
+            toks = tokens_per_slot.get(slot)
+            rows.append(idle if toks is None else toks + [0] * (q - len(toks)) + [self.cache.lengths[slot], len(toks)])
+        packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
-            logits = self._replay(n, q, attn_len, tokens, start, q_lens)
+            out = self._replay(n, q, attn_len, packed)
         else:
-            logits = self._forward(tokens.to(self.device), start.to(self.device), q_lens.to(self.device),
-                                   self.cache.k[:, :n], self.cache.v[:, :n], attn_len)
+            out = self._forward(packed.to(self.device), self.cache.k[:, :n], self.cache.v[:, :n], attn_len)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
-        return logits
+        return out
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _replay(self, n: int, q: int, attn_len: int, tokens, start, q_lens) -> torch.Tensor:
+    def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> StepOutput:
         key = (n, q, attn_len)
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._capture(n, q, attn_len, tokens, start, q_lens)
+            captured = self._capture(n, q, attn_len, packed)
             self._graphs[key] = captured
-        captured.tokens.copy_(tokens, non_blocking=True)
-        captured.start.copy_(start, non_blocking=True)
-        captured.q_lens.copy_(q_lens, non_blocking=True)
+        captured.packed.copy_(packed, non_blocking=True)
         captured.graph.replay()
-        return captured.logits
+        return captured.out
 
-    def _capture(self, n: int, q: int, attn_len: int, tokens, start, q_lens) -> "_CapturedStep":
+    def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "_CapturedStep":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
         # warm-up runs and the replay write identical values to identical positions.
         log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
-        tokens, start, q_lens = tokens.to(self.device), start.to(self.device), q_lens.to(self.device)
+        packed = packed.to(self.device)
         k, v = self.cache.k[:, :n], self.cache.v[:, :n]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(tokens, start, q_lens, k, v, attn_len)
+                self._forward(packed, k, v, attn_len)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(tokens, start, q_lens, k, v, attn_len)
-        return _CapturedStep(graph, tokens, start, q_lens, logits)
+            out = self._forward(packed, k, v, attn_len)
+        return _CapturedStep(graph, packed, out)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
         """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
@@ -206,11 +246,9 @@ class ModelRunner:
         for b in batch_sizes:
             nb = _bucket(b, self.cache.num_slots)
             for ctx in contexts:
-                if (nb, tokens_per_row, ctx) in self._graphs:
-                    continue
-                zeros = torch.zeros(nb, dtype=torch.long)
-                self._graphs[(nb, tokens_per_row, ctx)] = self._capture(
-                    nb, tokens_per_row, ctx, torch.zeros((nb, tokens_per_row), dtype=torch.long), zeros, zeros)
+                if (nb, tokens_per_row, ctx) not in self._graphs:
+                    packed = torch.zeros((nb, tokens_per_row + 2), dtype=torch.long)  # all rows idle
+                    self._graphs[(nb, tokens_per_row, ctx)] = self._capture(nb, tokens_per_row, ctx, packed)
 
     @torch.inference_mode()
     def measure_step_ms(self, batch_size: int, tokens_per_row: int, context: int, iters: int = 30) -> float:
@@ -258,13 +296,18 @@ class ModelRunner:
         return self.cache.nbytes()
 
 
+class StepOutput(NamedTuple):
+    """One batched forward's result: ``logits`` ``[n, Q, vocab]`` float32, ``argmax`` ``[n, Q]``."""
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
+
+
 @dataclass
 class _CapturedStep:
     graph: "torch.cuda.CUDAGraph"
-    tokens: torch.Tensor
-    start: torch.Tensor
-    q_lens: torch.Tensor
-    logits: torch.Tensor
+    packed: torch.Tensor
+    out: StepOutput
 
 
 def _bucket(n: int, limit: int) -> int:
