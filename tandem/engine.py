@@ -8,6 +8,7 @@ request. Stop rules live in ``tandem.stopping``; the sampling transform in ``tan
 from __future__ import annotations
 
 import itertools
+import operator
 import logging
 import time
 from collections import deque
@@ -169,7 +170,10 @@ class Engine:
                 raise InvalidRequestError("give a prompt or prompt_ids")
             ids = self.encode_prompt(prompt, chat=chat)
         else:
-            ids = [int(t) for t in prompt_ids]
+            try:
+                ids = [operator.index(t) for t in prompt_ids]
+            except TypeError:
+                raise InvalidRequestError("prompt token ids must be integers") from None
         if not ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.checkpoint.config.vocab_size
@@ -182,7 +186,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        max_new = min(params.max_tokens, self.max_seq_len - len(ids) + 1)
+        max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
         gen = None if params.greedy else make_generator(params.seed, self.runner.device)
         req = Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
         self.requests[rid] = req
@@ -305,8 +309,15 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
-        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]  # validate all before queuing
-        ids = [self.add_request(prompt_ids=e, params=sp) for e, sp in zip(encoded, params)]
+        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
+        ids: list[str] = []
+        try:
+            for e, sp in zip(encoded, params):
+                ids.append(self.add_request(prompt_ids=e, params=sp))
+        except InvalidRequestError:
+            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                self.abort(rid)
+            raise
         results: dict[str, Completion] = {}
         pending = set(ids)
         while pending:

@@ -39,7 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
 
@@ -89,7 +89,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # nucleus: drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-    remove = remove | (mass_before >= top_p[:, None])
+    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))  # top_p = 1 is off exactly
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits.softmax(dim=-1))
     return probs

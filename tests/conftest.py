@@ -169,3 +169,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(gpu)
+
+
+def reset_engine(engine) -> None:
+    """Abort whatever a test left queued or running, so one failure does not cascade."""
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    engine.waiting.clear()
+
+
+@pytest.fixture(autouse=True)
+def _clean_engines(request):
+    """After each test, reset the session engines it used."""
+    yield
+    for name in ("real_engine", "tiny_engine"):
+        if name in request.fixturenames:
+            reset_engine(request.getfixturevalue(name))

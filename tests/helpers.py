@@ -21,7 +21,7 @@ def our_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """``[len(ids), vocab]`` logits of a fresh run of ``ids`` in a fresh slot (one forward)."""
     slot = runner.cache.allocate()
     try:
-        return runner.step({slot: list(ids)})[slot, :len(ids)].clone()
+        return runner.step({slot: list(ids)}).logits[slot, :len(ids)].clone()
     finally:
         runner.cache.free(slot)
 

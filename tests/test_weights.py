@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,7 +88,7 @@ def test_hf_dir_logits_match_transformers(tiny_checkpoint, case):
 
     # prefill (chunked) gives the same last-position logits as the one-forward step
     runner2 = ModelRunner(ck, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=64, prefill_chunk=7))
-    last = runner2.prefill(runner2.cache.allocate(), ids)
+    last = runner2.prefill({runner2.cache.allocate(): ids})[0]
     torch.testing.assert_close(last, ref[-1], atol=ATOL, rtol=0)
 
 
@@ -97,6 +98,86 @@ def test_tied_and_untied_differ_only_in_lm_head(tiny_checkpoint):
     assert set(untied.tensors) - set(tied.tensors) == {"lm_head.weight"}
     runner = make_runner(tied)
     assert runner.model.lm_head.weight.data_ptr() == runner.model.embed.weight.data_ptr()
+
+
+def _permute_like_llama_cpp(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute`` for q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(hf_dir, path, arch: str) -> None:
+    """Write an F32 GGUF of a tiny HF checkpoint the way llama.cpp's converter lays it out."""
+    import gguf
+
+    hf = _hf_model(hf_dir)
+    c = hf.config
+    sd = {k: v.detach().float() for k, v in hf.state_dict().items()}
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
+    w.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
+    w.add_uint32(f"{arch}.embedding_length", c.hidden_size)
+    w.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)
+    w.add_uint32(f"{arch}.attention.head_count", heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    w.add_uint32(f"{arch}.attention.key_length", head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+
+    def put(name: str, t: torch.Tensor) -> None:
+        w.add_tensor(name, t.contiguous().numpy())
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        pre, b = f"model.layers.{i}.", f"blk.{i}."
+        q, k = sd[pre + "self_attn.q_proj.weight"], sd[pre + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = _permute_like_llama_cpp(q, heads), _permute_like_llama_cpp(k, kv_heads)
+        put(b + "attn_q.weight", q)
+        put(b + "attn_k.weight", k)
+        put(b + "attn_v.weight", sd[pre + "self_attn.v_proj.weight"])
+        if arch == "qwen2":
+            for x in "qkv":
+                put(b + f"attn_{x}.bias", sd[pre + f"self_attn.{x}_proj.bias"])
+        if arch == "qwen3":
+            put(b + "attn_q_norm.weight", sd[pre + "self_attn.q_norm.weight"])
+            put(b + "attn_k_norm.weight", sd[pre + "self_attn.k_norm.weight"])
+        put(b + "attn_output.weight", sd[pre + "self_attn.o_proj.weight"])
+        put(b + "attn_norm.weight", sd[pre + "input_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[pre + "post_attention_layernorm.weight"])
+        put(b + "ffn_gate.weight", sd[pre + "mlp.gate_proj.weight"])
+        put(b + "ffn_up.weight", sd[pre + "mlp.up_proj.weight"])
+        put(b + "ffn_down.weight", sd[pre + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_gguf_of_tiny_model_matches_hf(tiny_checkpoint, tmp_path, arch, tied):
+    """GGUF reading for every supported GGUF architecture (llama q/k rows un-permuted, qwen
+    kept in HF order), checked against HF's forward of the original safetensors."""
+    d = tiny_checkpoint(arch, tied=tied)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(d, path, arch)
+    ck = load_checkpoint(path)
+    assert ck.is_gguf and ck.config.architecture == arch
+    assert ck.config.tie_word_embeddings == tied
+    assert ck.config.attention_bias == (arch == "qwen2") and ck.config.qk_norm == (arch == "qwen3")
+    hf_cfg = load_checkpoint(d).config
+    assert ck.config.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps)  # GGUF stores float32
+    assert ck.config == dataclasses.replace(hf_cfg, eos_token_ids=(0,), bos_token_id=None,
+                                            rms_norm_eps=ck.config.rms_norm_eps)
+    ids = torch.randint(0, ck.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    torch.testing.assert_close(our_logits(make_runner(ck), ids), hf_logits(_hf_model(d), ids), atol=ATOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -133,16 +133,26 @@ def _fuse(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     return out
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
 def _load_hf_dir(d: Path) -> Checkpoint:
     from safetensors import safe_open
 
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{d} has no config.json; expected a Hugging Face checkpoint directory")
-    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    cfg = ModelConfig.from_hf(_read_json(cfg_path))
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+        shards = sorted({d / f for f in _read_json(index).get("weight_map", {}).values()})
     else:
         shards = sorted(d.glob("*.safetensors"))
     if not shards:
@@ -159,7 +169,7 @@ def _load_hf_dir(d: Path) -> Checkpoint:
     chat_template = None
     tok_cfg = d / "tokenizer_config.json"
     if tok_cfg.is_file():
-        chat_template = json.loads(tok_cfg.read_text()).get("chat_template")
+        chat_template = _read_json(tok_cfg).get("chat_template")
     return Checkpoint(path=d, config=cfg, tensors=_fuse(raw, cfg), chat_template=chat_template)
 
 

@@ -1,0 +1,458 @@
+"""Engine: batching invariance, continuous batching, stop rules, max_tokens, seeded sampling,
+streaming and incremental detokenization, and the sampling transform."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import SPEC_BENCH
+
+from tandem.engine import Engine
+from tandem.sampling import SamplingParams, sampling_probs
+from tandem.stopping import OutputState
+from tandem.tokenizer import IncrementalDetokenizer
+
+# Spec-Bench rows chosen for a spread of prompt lengths (9 .. 213 tokens before the template).
+MIXED_ROWS = [244, 0, 10, 320, 14, 122, 50, 24]
+
+
+def _rows(indices: list[int]) -> list[str]:
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines() if line.strip()]
+    return [rows[i]["turns"][0] for i in indices]
+
+
+def _drain(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.cache.num_free() == engine.cache.num_slots
+    assert not engine.requests
+
+
+# ----------------------------------------------------------------------------- batching (real model)
+
+
+@pytest.mark.slow
+def test_batch_of_8_equals_each_prompt_alone(real_engine):
+    prompts = _rows(MIXED_ROWS)
+    lengths = [len(real_engine.encode_prompt(p)) for p in prompts]
+    assert len(set(lengths)) == 8 and max(lengths) > 5 * min(lengths)
+    params = SamplingParams(max_tokens=16)
+    batched = real_engine.generate(prompts, params)
+    for prompt, res in zip(prompts, batched):
+        alone = real_engine.generate([prompt], params)[0]
+        assert res.token_ids == alone.token_ids, prompt[:60]
+        assert res.text == alone.text
+        assert res.finish_reason == alone.finish_reason
+    _drain(real_engine)
+
+
+# ----------------------------------------------------------------------------- continuous batching (tiny)
+
+
+def test_continuous_batching_more_prompts_than_slots(tiny_engine):
+    eng = tiny_engine
+    prompts = [f"Prompt number {i}: " + "tell me something " * (i % 4) for i in range(11)]
+    max_tokens = [3 + (5 * i) % 17 for i in range(11)]  # requests leave at different steps
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finished: dict[str, list[int]] = {}
+    streamed: dict[str, list[int]] = {i: [] for i in ids}
+    max_running, steps = 0, 0
+    joined_late = False
+    while eng.has_unfinished():
+        before = {r.request_id for r in eng.running.values()}
+        outs = eng.step()
+        steps += 1
+        max_running = max(max_running, len(eng.running))
+        assert len(eng.running) <= eng.cache.num_slots
+        for out in outs:
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = eng.completion(out.request_id).token_ids
+            elif before and out.request_id not in before and steps > 1:
+                joined_late = True  # a request joined a batch that was already running
+        assert steps < 500
+    assert set(finished) == set(ids)
+    assert max_running == eng.cache.num_slots and joined_late
+    for rid, m in zip(ids, max_tokens):
+        assert len(finished[rid]) == m
+        assert streamed[rid] == finished[rid]
+    _drain(eng)
+
+    # every request got exactly what it gets when it runs alone
+    for p, sp, rid in zip(prompts, params, ids):
+        assert eng.generate([p], sp)[0].token_ids == finished[rid], p
+    _drain(eng)
+
+
+def test_abort_frees_slot_and_others_continue(tiny_engine):
+    eng = tiny_engine
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = eng.generate(["keep me"], sp)[0].token_ids
+    keep = eng.add_request("keep me", sp)
+    drop = eng.add_request("drop me", SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.abort(drop)
+    eng.abort("no-such-request")  # ignored
+    got = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == keep
+            got += out.new_token_ids
+    assert eng.completion(keep).token_ids == expected
+    assert got == expected[1:]  # the first token came from the step before the abort
+    _drain(eng)
+
+
+def test_stream_closed_early_aborts(tiny_engine):
+    eng = tiny_engine
+    stream = eng.stream("hello", SamplingParams(max_tokens=40, ignore_eos=True))
+    next(stream)
+    next(stream)
+    stream.close()
+    _drain(eng)
+
+
+def test_max_tokens_capped_by_context(tiny_engine):
+    eng = tiny_engine
+    prompt_ids = list(range(100, 100 + eng.max_seq_len - 5))
+    rid = eng.add_request(prompt_ids=prompt_ids, params=SamplingParams(max_tokens=100, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    res = eng.completion(rid)
+    assert res.finish_reason == "length"
+    # prompt + output stay within the context limit (see test_bad_input.test_prompt_one_under_context_limit)
+    assert res.prompt_tokens + len(res.token_ids) == eng.max_seq_len
+    _drain(eng)
+
+
+def test_top_k_1_sampling_equals_greedy(tiny_engine):
+    eng = tiny_engine
+    greedy = eng.generate(["sample me"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    topk1 = eng.generate(["sample me"], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.3,
+                                                       top_k=1, seed=7))[0]
+    assert topk1.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids(tiny_engine):
+    eng = tiny_engine
+    full = eng.generate(["stop ids"], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(3, 12) if full[i] not in full[:i])
+    res = eng.generate(["stop ids"], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[full[k]]))[0]
+    assert res.finish_reason == "stop"
+    assert res.token_ids == full[:k + 1]
+    assert res.text == eng.tokenizer.decode(full[:k])
+
+
+# ----------------------------------------------------------------------------- stop strings, max_tokens (real model)
+
+
+@pytest.fixture(scope="module")
+def reference_run(real_engine):
+    """Greedy 32-token output of a known prompt (no stop rules)."""
+    prompt = _rows([0])[0]
+    res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert len(res.text) > 60
+    return prompt, res
+
+
+def _pick_stop_strings(text: str) -> tuple[str, str]:
+    """A whole word from the middle of ``text`` and a string spanning a word boundary."""
+    words = text.split(" ")
+    pos = 0
+    for i, w in enumerate(words):
+        start = pos
+        pos += len(w) + 1
+        if start > 20 and len(w) >= 4 and w.isalpha() and text.count(w) == 1:
+            span = w[-2:] + " " + words[i + 1][:2]
+            assert text.count(span) == 1
+            return w, span
+    raise AssertionError(f"no usable word in {text!r}")
+
+
+@pytest.mark.slow
+def test_stop_string(real_engine, reference_run):
+    prompt, full = reference_run
+    word, span = _pick_stop_strings(full.text)
+    for stop in (word, span):
+        res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]))[0]
+        cut = full.text.index(stop)
+        assert res.finish_reason == "stop", stop
+        assert res.text == full.text[:cut]
+        assert stop not in res.text
+        assert res.token_ids == full.token_ids[:len(res.token_ids)]
+        assert len(res.token_ids) < 32
+        assert stop in real_engine.tokenizer.decode(res.token_ids)  # the completing token is the last one
+        assert stop not in real_engine.tokenizer.decode(res.token_ids[:-1])
+    # several stop strings: the earliest match wins, whatever the order given
+    res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, stop=[span, word, "zzzz"]))[0]
+    assert res.text == full.text[:min(full.text.index(word), full.text.index(span))]
+
+
+@pytest.mark.slow
+def test_stop_string_given_as_plain_str(real_engine, reference_run):
+    """OpenAI's API (and vLLM) accept ``stop`` as one string; it must mean that string, not its characters."""
+    prompt, full = reference_run
+    word, _ = _pick_stop_strings(full.text)
+    res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, stop=word))[0]
+    assert res.text == full.text[:full.text.index(word)]
+
+
+@pytest.mark.slow
+def test_stream_with_stop_string_never_leaks_a_prefix(real_engine, reference_run):
+    prompt, full = reference_run
+    _, span = _pick_stop_strings(full.text)
+    deltas = [out.text_delta for out in real_engine.stream(prompt, SamplingParams(max_tokens=32, ignore_eos=True,
+                                                                                     stop=[span]))]
+    expected = full.text[:full.text.index(span)]
+    assert "".join(deltas) == expected
+    emitted = ""
+    for d in deltas:
+        emitted += d
+        assert expected.startswith(emitted)  # nothing beyond the cut was ever handed out
+    _drain(real_engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [1, 7])
+def test_max_tokens_finish_reason_length(real_engine, reference_run, max_tokens):
+    prompt, full = reference_run
+    res = real_engine.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    assert res.finish_reason == "length"
+    assert res.token_ids == full.token_ids[:max_tokens]
+    assert res.completion_tokens == max_tokens
+    assert res.prompt_tokens == len(real_engine.encode_prompt(prompt))
+    assert 0 <= res.ttft_s <= res.latency_s
+
+
+@pytest.mark.slow
+def test_stream_deltas_concatenate_to_text(real_engine, reference_run):
+    prompt, full = reference_run
+    outs = list(real_engine.stream(prompt, SamplingParams(max_tokens=32, ignore_eos=True)))
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert not any(o.finished for o in outs[:-1])
+    assert "".join(o.text_delta for o in outs) == full.text
+    assert [t for o in outs for t in o.new_token_ids] == full.token_ids
+    _drain(real_engine)
+
+
+# ----------------------------------------------------------------------------- seeded sampling
+
+
+@pytest.mark.slow
+def test_seeded_sampling_reproducible_across_batches(real_engine):
+    p1, p2, p3 = _rows([0, 10, 320])
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = real_engine.generate([p1], sp)[0].token_ids
+    assert real_engine.generate([p1], sp)[0].token_ids == alone
+    others = [SamplingParams(max_tokens=5, temperature=1.0, seed=1), SamplingParams(max_tokens=20)]
+    batched = real_engine.generate([p2, p1, p3], [others[0], sp, others[1]])
+    assert batched[1].token_ids == alone
+    other_seeds = [real_engine.generate([p1], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50,
+                                                              seed=s, ignore_eos=True))[0].token_ids
+                   for s in (1, 2)]
+    assert any(o != alone for o in other_seeds)  # the seed matters
+    _drain(real_engine)
+
+
+def test_seeded_sampling_reproducible_tiny(tiny_engine):
+    eng = tiny_engine
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)
+    alone = eng.generate(["seeded"], sp)[0].token_ids
+    mixed = eng.generate(["a", "seeded", "b", "c", "d", "e"],
+                         [SamplingParams(max_tokens=3, temperature=1.0, seed=5), sp, SamplingParams(max_tokens=10),
+                          SamplingParams(max_tokens=2, temperature=0.5, seed=6), sp, SamplingParams(max_tokens=1)])
+    assert mixed[1].token_ids == alone
+    # "e" has the same seed as "seeded" but another prompt, so generally another output; same length
+    assert len(mixed[4].token_ids) == 10
+
+
+# ----------------------------------------------------------------------------- incremental detokenization
+
+
+MULTIBYTE_TEXTS = ["héllo 世界 🚀", "naïve café — 日本語のテキスト 👍🏽🎉 ok", "Ωμέγα ∑ x² → ∞"]
+
+
+@pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
+def test_incremental_detokenizer_multibyte(real_tokenizer, text):
+    tok = real_tokenizer
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "test needs a character split over tokens"
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_detokenizer_long_text(real_tokenizer):
+    tok = real_tokenizer
+    text = "\n\n".join(_rows([0, 50, 122]))
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.add(i) for i in ids) == tok.decode(ids)
+
+
+def test_stream_random_tokens_tiny(tiny_engine):
+    """A random model emits arbitrary byte tokens (broken UTF-8 included): the stream still
+    concatenates to the final text."""
+    eng = tiny_engine
+    sp = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    deltas = [o.text_delta for o in eng.stream("bytes", sp)]
+    res = eng.generate(["bytes"], sp)[0]
+    assert "".join(deltas) == res.text
+    _drain(eng)
+
+
+# ----------------------------------------------------------------------------- OutputState (fake tokenizer)
+
+
+class FakeTokenizer:
+    """Token id i decodes to PIECES[i]; id 0 is EOS (decodes to nothing)."""
+
+    PIECES = ["", "ab", "S", "T", "O", "P", "x", "xSTOPy", "cd", "ST", "OP"]
+
+    def __init__(self) -> None:
+        self.eos_token_ids = (0,)
+
+    def decode(self, ids) -> str:
+        return "".join(self.PIECES[i] for i in ids)
+
+
+def _state(max_new: int = 100, **params) -> OutputState:
+    return OutputState(FakeTokenizer(), SamplingParams(**params), max_new)
+
+
+def test_output_state_holds_back_stop_prefix():
+    st = _state(stop=["STOP"])
+    deltas = []
+    for tok in [1, 2, 3, 4, 5, 6]:  # "ab" "S" "T" "O" "P" -> stops at P
+        if st.finished:
+            break
+        st.append([tok])
+        deltas.append(st.take_text_delta())
+    assert st.finish_reason == "stop" and st.text == "ab"
+    assert "".join(deltas) == "ab"
+    assert not any(c in d for d in deltas for c in "STOP")
+    assert st.token_ids == [1, 2, 3, 4, 5]
+
+
+def test_output_state_releases_held_text_when_stop_does_not_complete():
+    st = _state(max_new=5, stop=["STOP"])
+    deltas = []
+    for tok in [1, 2, 3, 8, 6]:  # "ab" "S" "T" "cd" "x": "ST" was a false start
+        st.append([tok])
+        deltas.append(st.take_text_delta())
+    assert st.finish_reason == "length"
+    assert "".join(deltas) == "abSTcdx" == st.text
+
+
+def test_output_state_run_cut_at_stop_string_inside_run():
+    st = _state(stop=["STOP"])
+    kept = st.append([1, 9, 10, 6, 6])  # "ab" "ST" "OP" "x" "x": stop completes at the 3rd token
+    assert kept == 3 and st.token_ids == [1, 9, 10]
+    assert st.text == "ab" and st.finish_reason == "stop"
+    with pytest.raises(RuntimeError):
+        st.append([6])
+
+
+def test_output_state_stop_inside_one_token():
+    st = _state(stop=["STOP"])
+    assert st.append([7, 6]) == 1
+    assert st.text == "x" and st.take_text_delta() == "x"
+
+
+def test_output_state_eos_and_max_tokens_in_a_run():
+    st = _state(max_new=10)
+    assert st.append([1, 8, 0, 6]) == 3  # EOS kept as the last token, its (empty) text not added
+    assert st.finish_reason == "stop" and st.text == "abcd" and st.token_ids == [1, 8, 0]
+    st = _state(max_new=10, ignore_eos=True)
+    assert st.append([1, 0, 8]) == 3 and not st.finished
+    st = _state(max_new=3)
+    assert st.append([1, 8, 6, 6]) == 3 and st.finish_reason == "length" and st.text == "abcdx"
+
+
+def test_output_state_earliest_stop_string_wins():
+    st = _state(stop=["TOP", "bS"])
+    st.append([1, 2, 3, 4, 5])
+    assert st.text == "a"
+
+
+# ----------------------------------------------------------------------------- sampling transform
+
+
+def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    b = logits.shape[0]
+    return sampling_probs(logits, torch.full((b,), float(temperature)), torch.full((b,), top_k, dtype=torch.long),
+                          torch.full((b,), float(top_p)))
+
+
+def test_sampling_probs_sum_to_one_and_match_softmax():
+    logits = _logits()
+    for t in (0.3, 1.0, 2.5):
+        p = _probs(logits, temperature=t)
+        torch.testing.assert_close(p.sum(-1), torch.ones(4))
+        torch.testing.assert_close(p, (logits / t).softmax(-1))
+
+
+def test_top_k_1_is_one_hot_argmax():
+    logits = _logits()
+    p = _probs(logits, temperature=0.7, top_k=1)
+    assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+def test_tiny_top_p_keeps_only_argmax():
+    logits = _logits()
+    p = _probs(logits, top_p=1e-6)
+    assert torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+def test_top_k_keeps_k_tokens():
+    logits = _logits()
+    p = _probs(logits, top_k=5)
+    assert ((p > 0).sum(-1) == 5).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(4))
+    top5 = logits.topk(5).indices
+    assert torch.equal(p.gather(-1, top5) > 0, torch.ones(4, 5, dtype=torch.bool))
+
+
+def test_top_p_nucleus_exact():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    torch.testing.assert_close(_probs(logits, top_p=0.5), torch.tensor([[1.0, 0, 0, 0]]))
+    torch.testing.assert_close(_probs(logits, top_p=0.6), torch.tensor([[0.625, 0.375, 0, 0]]))
+    torch.testing.assert_close(_probs(logits, top_p=0.9), torch.tensor([[0.5, 0.3, 0.15, 0]]) / 0.95)
+    torch.testing.assert_close(_probs(logits, top_p=1.0), probs)
+
+
+def test_sampling_probs_per_row_parameters():
+    logits = _logits(rows=3)
+    p = sampling_probs(logits, torch.tensor([1.0, 0.5, 2.0]), torch.tensor([0, 1, 3]), torch.tensor([1.0, 1.0, 0.5]))
+    torch.testing.assert_close(p[0], logits[0].softmax(-1))
+    assert (p[1] > 0).sum() == 1 and p[1].argmax() == logits[1].argmax()
+    assert 1 <= (p[2] > 0).sum() <= 3
+    torch.testing.assert_close(p.sum(-1), torch.ones(3))
+    assert math.isclose(float(p[2].max()), float(_probs(logits[2:], 2.0, 3, 0.5).max()), rel_tol=1e-6)
+
+
+def test_top_p_1_and_top_k_0_are_off_over_a_real_sized_vocab():
+    """top_p = 1 and top_k = 0 mean "off": the result is exactly softmax(logits / T), every token
+    keeping its (non-zero) probability, also over a 49152-token vocabulary where a float32
+    cumulative sum reaches 1.0 before the last tokens."""
+    logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 2
+    p = _probs(logits, temperature=1.0, top_k=0, top_p=1.0)
+    softmax = logits.softmax(-1)
+    assert (softmax > 0).all()
+    assert (p > 0).all(), f"{int((p == 0).sum())} tokens with non-zero probability were filtered out"
+    torch.testing.assert_close(p, softmax)
+
+
+def test_top_k_larger_than_vocab():
+    logits = _logits()
+    torch.testing.assert_close(_probs(logits, top_k=10_000), logits.softmax(-1))
