@@ -38,7 +38,8 @@ class RunnerConfig:
         max_batch_size: KV cache slots.
         max_seq_len: tokens per slot (prompt + output), the context limit.
         cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
-        compile: ``torch.compile`` the decode forward (CUDA only; falls back to eager on failure).
+        compile: ``torch.compile`` the batch-1 decode graph (CUDA only; falls back to the
+            uncompiled forward if compilation fails).
         prefill_chunk: prompt positions per prefill forward.
         prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
             and attention-mask memory while letting many short prompts share one forward.
@@ -87,8 +88,11 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
-        if config.compile:
-            self._forward = torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
+        # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
+        # dynamic-shape inductor kernels made batch 16 2.6x slower than plain graphs, while at
+        # batch 1 fusion lifts graphs from 325 to 504 tok/s.
+        self._forward_compiled = (torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
+                                  if config.compile else None)
         self._graphs: dict[tuple[int, int, int], _CapturedStep] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
 
@@ -228,15 +232,25 @@ class ModelRunner:
         log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
         packed = packed.to(self.device)
         k, v = self.cache.k[:, :n], self.cache.v[:, :n]
+        forward = self._forward_compiled if (self._forward_compiled is not None and n == 1) else self._forward
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(packed, k, v, attn_len)
+            try:
+                for _ in range(2):
+                    forward(packed, k, v, attn_len)
+            except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
+                if forward is self._forward:
+                    raise
+                log.warning("torch.compile failed (%s); using the uncompiled forward", exc)
+                self._forward_compiled = None
+                forward = self._forward
+                for _ in range(2):
+                    forward(packed, k, v, attn_len)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._forward(packed, k, v, attn_len)
+            out = forward(packed, k, v, attn_len)
         return _CapturedStep(graph, packed, out)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
