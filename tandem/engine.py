@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .drafters.base import DraftProposal, DraftRequest, Drafter
 from .errors import InvalidRequestError
+from .metrics import SpecDecodeStats
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, make_generator, sampling_probs
 from .stopping import OutputState
 from .tokenizer import Tokenizer, load_tokenizer
+from .verify import verify_batch
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     slot: int | None = None
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
     def finished(self) -> bool:
@@ -70,6 +74,7 @@ class Completion:
         prompt_tokens: prompt length in tokens.
         ttft_s: time to first token (s), from arrival; latency_s: arrival to finish (s).
         tpot_s: mean time per output token after the first (s).
+        spec: speculative decoding counters (acceptance rate, mean accepted length, ...).
     """
 
     request_id: str
@@ -80,6 +85,7 @@ class Completion:
     ttft_s: float
     latency_s: float
     tpot_s: float
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
     def completion_tokens(self) -> int:
@@ -94,13 +100,17 @@ class Engine:
             bundled SmolLM2-135M-Instruct.
         runner_config: device, dtype, batch and context limits (defaults per device).
         tokenizer: reuse an already loaded tokenizer.
+        drafter: speculative decoding drafter (None: target-only decoding).
+        num_draft_tokens: draft tokens per sequence per round at most (k).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
+        ValueError: ``num_draft_tokens`` < 1 with a drafter.
     """
 
     def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, drafter: Drafter | None = None,
+                 num_draft_tokens: int = 4) -> None:
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         self.checkpoint = checkpoint
@@ -111,6 +121,11 @@ class Engine:
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
         self.max_running = self.cache.num_slots  # admission limit (<= KV cache slots)
+        if drafter is not None and num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.drafter = drafter
+        self.num_draft_tokens = num_draft_tokens
+        self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._ids = itertools.count()
 
     @property
@@ -201,9 +216,14 @@ class Engine:
         if req in self.waiting:
             self.waiting.remove(req)
         if req.slot is not None:
-            self.running.pop(req.slot, None)
-            self.cache.free(req.slot)
-            req.slot = None
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.running.pop(req.slot, None)
+        self.cache.free(req.slot)
+        if self.drafter is not None:
+            self.drafter.release(req.slot)
+        req.slot = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -228,28 +248,57 @@ class Engine:
                     self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
         if decoding:
-            out = self.runner.step({s: [r.output.token_ids[-1]] for s, r in decoding.items()})
-            slots = sorted(decoding)
-            reqs = [decoding[s] for s in slots]
-            if all(r.params.greedy for r in reqs):
-                argmax = out.argmax[:, 0].tolist()
-                tokens = [argmax[s] for s in slots]
-            else:
-                tokens = self._sample(reqs, out.logits[slots, 0])
-            outputs.extend(self._append(r, [t]) for r, t in zip(reqs, tokens))
+            outputs.extend(self._decode(decoding))
         return outputs
 
-    def _append(self, req: Request, tokens: list[int]) -> RequestOutput:
+    def _decode(self, decoding: dict[int, Request]) -> list[RequestOutput]:
+        """One target forward over [last token + drafts] of every running request, then
+        verification, KV rollback of rejected drafts, and the stop rules over each accepted run."""
+        slots = sorted(decoding)
+        reqs = [decoding[s] for s in slots]
+        proposals = self._propose(reqs)
+        lengths = [self.cache.lengths[s] for s in slots]
+        out = self.runner.step({s: [r.output.token_ids[-1]] + p.tokens for s, r, p in zip(slots, reqs, proposals)})
+        results = verify_batch([p.tokens for p in proposals], [p.probs for p in proposals], [r.params for r in reqs],
+                               [r.generator for r in reqs], out.logits, out.argmax, slots)
+        outputs = []
+        for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
+            self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
+            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
+        return outputs
+
+    def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
+        if self.drafter is None:
+            return [DraftProposal.empty() for _ in reqs]
+        asks = []
+        for r in reqs:
+            held = self.cache.lengths[r.slot]
+            room = min(self.num_draft_tokens,
+                       self.cache.capacity - held - 1,  # the last token and the drafts must fit
+                       r.output.max_new_tokens - len(r.output.token_ids) - 1)  # no drafts past max_tokens
+            asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids, max(room, 0), r.params, r.generator))
+        try:
+            proposals = self.drafter.propose(asks)
+        except Exception:  # a failing drafter costs speed, never output: decode target-only this round
+            log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
+            return [DraftProposal.empty() for _ in reqs]
+        return [p if len(p.tokens) <= a.max_draft else DraftProposal.empty() for p, a in zip(proposals, asks)]
+
+    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:
+        """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token."""
         kept = req.output.append(tokens)
+        if drafted is not None:
+            if req.finished and kept < len(tokens):  # metrics are cut at the stop boundary too
+                drafted, accepted = min(drafted, kept), min(accepted, kept)
+            req.spec.record(drafted, accepted, kept)
         now = time.perf_counter()
         if req.first_token_time is None:
             req.first_token_time = now
         if req.finished:
             req.finish_time = now
+            self.stats.merge(req.spec)
             if req.slot is not None:
-                self.running.pop(req.slot, None)
-                self.cache.free(req.slot)
-                req.slot = None
+                self._release(req)
         return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
                              req.output.finish_reason)
 
@@ -288,7 +337,7 @@ class Engine:
             request_id=req.request_id, text=req.output.text, token_ids=list(req.output.token_ids),
             finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
             ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
-            tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0,
+            tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
         )
 
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -69,6 +69,20 @@ class KVCache:
         self.lengths[slot] = 0
         return slot
 
+    def claim(self, slot: int) -> None:
+        """Take a specific free slot (a drafter mirrors the target's slot numbering).
+
+        Raises:
+            CacheFullError: the slot is in use or out of range.
+        """
+        if slot not in self._free:
+            raise CacheFullError(f"slot {slot} is not free")
+        self._free.remove(slot)
+        self.lengths[slot] = 0
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
     def free(self, slot: int) -> None:
         """Return a slot to the pool (its contents become garbage)."""
         if slot in self._free:

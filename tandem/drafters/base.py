@@ -1,0 +1,97 @@
+"""Drafter interface: propose draft tokens for running sequences.
+
+A drafter is told each round, per running sequence, the full token sequence so far (prompt +
+accepted output; its last token is the one the target has not consumed yet) and how many draft
+tokens it may propose. Drafters that keep state (a draft model's KV cache) sync to that sequence
+themselves: whatever they cached beyond the longest common prefix was rejected and is rolled back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+
+NUM_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 margin, position (1-based)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What the drafter is asked for one sequence.
+
+    Attributes:
+        slot: the sequence's KV cache slot (stable while it runs; drafters may reuse it).
+        token_ids: prompt + output so far; the last token is not yet in the target's cache.
+        max_draft: draft tokens allowed this round (0 means propose nothing).
+        params: the request's sampling parameters (drafts follow the same transform).
+        generator: the request's random generator (None for greedy requests).
+    """
+
+    slot: int
+    token_ids: list[int]
+    max_draft: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class DraftProposal:
+    """Drafts for one sequence.
+
+    Attributes:
+        tokens: 0..max_draft draft token ids.
+        probs: ``[len(tokens), vocab]`` float32 draft distribution q each token was drawn from
+            (after the request's sampling transform), or None for a deterministic drafter
+            (q is then one-hot at each token).
+        features: ``[len(tokens), NUM_FEATURES]`` float32 predictor features per position.
+    """
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    features: torch.Tensor
+
+    @staticmethod
+    def empty() -> "DraftProposal":
+        return DraftProposal([], None, torch.zeros(0, NUM_FEATURES))
+
+
+def distribution_features(probs: torch.Tensor, start_position: int = 1) -> torch.Tensor:
+    """Predictor features of draft distributions (ACL 2025 context-aware drafting, §3).
+
+    Args:
+        probs: ``[n, vocab]`` draft probabilities at n consecutive draft positions.
+        start_position: 1-based draft position of the first row.
+
+    Returns:
+        ``[n, NUM_FEATURES]``: entropy (nats), top-1 probability, top-1 minus top-2, position.
+    """
+    n = probs.shape[0]
+    p = probs.float()
+    entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
+    top2 = p.topk(min(2, p.shape[-1]), dim=-1).values
+    top1 = top2[:, 0]
+    second = top2[:, 1] if top2.shape[1] > 1 else torch.zeros_like(top1)
+    pos = torch.arange(start_position, start_position + n, dtype=torch.float32, device=p.device)
+    return torch.stack([entropy, top1, top1 - second, pos], dim=-1).cpu()
+
+
+def one_hot_features(n: int) -> torch.Tensor:
+    """Features of a deterministic drafter's n positions (q one-hot: entropy 0, top-1 1)."""
+    pos = torch.arange(1, n + 1, dtype=torch.float32)
+    return torch.stack([torch.zeros(n), torch.ones(n), torch.ones(n), pos], dim=-1)
+
+
+class Drafter(ABC):
+    """Proposes draft tokens; see the module docstring for the sync contract."""
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        """One proposal per request, in order. Requests with ``max_draft == 0`` get an empty one."""
+
+    def release(self, slot: int) -> None:
+        """The sequence in ``slot`` finished or was aborted: drop its state."""

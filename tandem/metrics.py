@@ -1,0 +1,80 @@
+"""Speculative decoding metrics, named and defined as in ARCHITECTURE.md §4.
+
+- acceptance rate α = accepted draft tokens / drafted tokens;
+- mean accepted length τ_acc = emitted tokens / target verification steps (bonus included;
+  1.0 without speculation; tokens cut by a stop rule are not counted);
+- κ = tokens per target forward under the fixed draft budget (here equal to τ_acc, since every
+  decode step is one target forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters for one request or a whole run (``merge`` adds them up)."""
+
+    num_steps: int = 0  # target verification (decode) forwards that emitted tokens
+    num_emitted: int = 0  # tokens emitted by those steps
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)  # index i: drafts at position i+1
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One verification step: ``drafted`` drafts, ``accepted`` of them kept, ``emitted`` tokens."""
+        self.num_steps += 1
+        self.num_emitted += emitted
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        grow = drafted - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos.extend([0] * grow)
+            self.accepted_per_pos.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_per_pos[i] += 1
+            if i < accepted:
+                self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecDecodeStats") -> None:
+        self.num_steps += other.num_steps
+        self.num_emitted += other.num_emitted
+        self.num_drafted += other.num_drafted
+        self.num_accepted += other.num_accepted
+        grow = len(other.drafted_per_pos) - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos.extend([0] * grow)
+            self.accepted_per_pos.extend([0] * grow)
+        for i, (d, a) in enumerate(zip(other.drafted_per_pos, other.accepted_per_pos)):
+            self.drafted_per_pos[i] += d
+            self.accepted_per_pos[i] += a
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α; NaN when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ_acc (1.0 when no decode step ran)."""
+        return self.num_emitted / self.num_steps if self.num_steps else 1.0
+
+    @property
+    def kappa(self) -> float:
+        """κ: tokens per target forward."""
+        return self.mean_accepted_length
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        """Share of drafts accepted at each draft position."""
+        return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps, "num_emitted": self.num_emitted, "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted, "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length, "kappa": self.kappa,
+            "acceptance_per_pos": self.acceptance_per_pos,
+        }
