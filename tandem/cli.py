@@ -22,21 +22,53 @@ def _fail(msg: str) -> None:
     sys.exit(2)
 
 
-def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto"):
+def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
+            drafter="none", draft_model=None, num_draft_tokens=4):
+    """Build an Engine (and its drafter) from CLI options. Raises ModelLoadError / InvalidRequestError."""
     import torch
 
+    from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
     from .engine import Engine
+    from .errors import InvalidRequestError
     from .models.runner import default_runner_config
+    from .models.weights import load_checkpoint
 
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                 cuda_graphs=cuda_graphs, compile=compile_,
                                 dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
-    return Engine(model, cfg)
+    checkpoint = load_checkpoint(model)
+    if drafter == "ngram":
+        draft = NgramDrafter()
+    elif drafter == "draft-model":
+        if not draft_model:
+            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH (GGUF / HF directory) "
+                                      "or truncate:N (the target's first N layers)")
+        draft = DraftModelDrafter(load_draft_checkpoint(draft_model, checkpoint), cfg)
+    else:
+        draft = None
+    return Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens)
 
 
 model_option = click.option("--model", "model", default=None, metavar="PATH",
                             help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+drafter_options = [
+    click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model"]), default="none", show_default=True,
+                 help="Speculative decoding drafter (none = target-only decoding)."),
+    click.option("--draft-model", default=None, metavar="PATH|truncate:N",
+                 help="Draft model for --drafter draft-model: a GGUF / HF directory sharing the target's "
+                      "tokenizer, or truncate:N (the target's first N layers)."),
+    click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+                 help="Draft tokens per sequence per round (k)."),
+]
+
+
+def with_drafter_options(fn):
+    for opt in reversed(drafter_options):
+        fn = opt(fn)
+    return fn
+
+
 dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
                             help="auto = bfloat16 on GPU, float32 on CPU.")
 
@@ -64,9 +96,13 @@ def main(verbose: bool) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
+@with_drafter_options
+@click.option("--compare", is_flag=True,
+              help="With a prompts file and a drafter: also run target-only on the same prompts and report "
+                   "the speedup and how many outputs are identical.")
 @dtype_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
-             batch_size, max_seq_len, no_chat, dtype) -> None:
+             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, compare, dtype) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from .data import load_prompts
     from .errors import InvalidRequestError
@@ -75,11 +111,14 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
 
     if (prompt is None) == (prompts_file is None):
         _fail("give exactly one of --prompt or --prompts-file")
+    if compare and (prompts_file is None or drafter == "none"):
+        _fail("--compare needs --prompts-file and a --drafter")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop))
         records = load_prompts(prompts_file, limit) if prompts_file else None
-        engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype)
+        engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype, drafter=drafter,
+                         draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
@@ -91,41 +130,93 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         except InvalidRequestError as exc:
             _fail(str(exc))
         sys.stdout.write("\n")
+        if engine.drafter is not None:
+            st = engine.stats
+            console.print(f"[dim]{engine.drafter.name}: acceptance rate {st.acceptance_rate:.3f}, "
+                          f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
-    _run_file(engine, records, params, not no_chat)
+    if not records:
+        _fail("the prompts file has no prompts")
+    results, wall = _run_file(engine, records, params, not no_chat)
+    _print_results(engine, records, results, wall)
+    if compare:
+        drafter_obj, engine.drafter = engine.drafter, None
+        base, base_wall = _run_file(engine, records, params, not no_chat, desc="target-only")
+        engine.drafter = drafter_obj
+        _print_comparison(engine, results, wall, base, base_wall)
 
 
-def _run_file(engine, records, params, chat: bool) -> None:
+def _run_file(engine, records, params, chat: bool, desc: str = "generating"):
+    """Run every record through the engine with a progress bar; returns (completions, wall s)."""
     from tqdm import tqdm
 
     from .errors import InvalidRequestError
+    from .metrics import SpecDecodeStats
 
-    if not records:
-        _fail("the prompts file has no prompts")
-    with tqdm(total=len(records), desc="generating", unit="prompt", file=sys.stderr) as bar:
+    engine.stats = SpecDecodeStats()
+    with tqdm(total=len(records), desc=desc, unit="prompt", file=sys.stderr) as bar:
         t0 = time.perf_counter()
         try:
             results = engine.generate([r.text for r in records], params, chat=chat, on_finish=lambda c: bar.update())
         except InvalidRequestError as exc:
             _fail(str(exc))
-            return
         wall = time.perf_counter() - t0
-    table = Table(title=f"{engine.checkpoint.path.name} on {engine.runner.device} "
-                        f"({engine.runner_config.dtype}, batch <= {engine.cache.num_slots})")
-    for col in ("prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms", "tok/s"):
-        table.add_column(col, justify="right" if col not in ("category", "finish") else "left")
+    return results, wall
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if x != x else format(x, spec)  # NaN -> "-"
+
+
+def _print_results(engine, records, results, wall: float) -> None:
+    spec_on = engine.drafter is not None
+    title = (f"{engine.checkpoint.path.name} on {engine.runner.device} ({engine.runner_config.dtype}, "
+             f"batch <= {engine.max_running}"
+             + (f", drafter {engine.drafter.name}, k={engine.num_draft_tokens})" if spec_on else ", target-only)"))
+    table = Table(title=title)
+    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms", "tok/s"]
+    if spec_on:
+        cols += ["drafted", "accepted", "accept rate", "mean acc len"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("category", "finish") else "right")
     for rec, res in zip(records, results):
         decode_s = res.latency_s - res.ttft_s
         tps = (res.completion_tokens - 1) / decode_s if decode_s > 0 else float("nan")
-        table.add_row(rec.prompt_id, rec.category, str(res.prompt_tokens), str(res.completion_tokens),
-                      res.finish_reason, f"{res.ttft_s * 1e3:.0f}", f"{tps:.1f}")
+        row = [rec.prompt_id, rec.category, str(res.prompt_tokens), str(res.completion_tokens), res.finish_reason,
+               f"{res.ttft_s * 1e3:.0f}", _fmt(tps, ".1f")]
+        if spec_on:
+            row += [str(res.spec.num_drafted), str(res.spec.num_accepted), _fmt(res.spec.acceptance_rate, ".2f"),
+                    f"{res.spec.mean_accepted_length:.2f}"]
+        table.add_row(*row)
     total = sum(r.completion_tokens for r in results)
     table.add_section()
-    table.add_row("total", f"{len(results)} prompts", str(sum(r.prompt_tokens for r in results)), str(total), "",
-                  f"p50 {statistics.median(r.ttft_s for r in results) * 1e3:.0f}", f"{total / wall:.1f}")
+    row = ["total", f"{len(results)} prompts", str(sum(r.prompt_tokens for r in results)), str(total), "",
+           f"p50 {statistics.median(r.ttft_s for r in results) * 1e3:.0f}", f"{total / wall:.1f}"]
+    if spec_on:
+        st = engine.stats
+        row += [str(st.num_drafted), str(st.num_accepted), _fmt(st.acceptance_rate, ".2f"),
+                f"{st.mean_accepted_length:.2f}"]
+    table.add_row(*row)
     console.print(table)
     console.print(f"{total} output tokens in {wall:.2f} s: {total / wall:.1f} tok/s for the whole batch; "
-                  f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms")
+                  f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms", highlight=False)
+    if spec_on:
+        per_pos = ", ".join(_fmt(a, ".2f") for a in engine.stats.acceptance_per_pos)
+        console.print(f"acceptance per draft position: {per_pos}", highlight=False)
+
+
+def _print_comparison(engine, results, wall, base, base_wall) -> None:
+    spec_tokens = sum(r.completion_tokens for r in results)
+    base_tokens = sum(r.completion_tokens for r in base)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(results, base))
+    table = Table(title="Speculative vs target-only decoding, same prompts, same engine")
+    for col in ("configuration", "output tok", "wall s", "tok/s", "speedup", "identical outputs"):
+        table.add_column(col, justify="right")
+    table.add_row("target-only", str(base_tokens), f"{base_wall:.2f}", f"{base_tokens / base_wall:.1f}", "1.00x", "-")
+    table.add_row(f"{engine.drafter.name}, k={engine.num_draft_tokens}", str(spec_tokens), f"{wall:.2f}",
+                  f"{spec_tokens / wall:.1f}", f"{(spec_tokens / wall) / (base_tokens / base_wall):.2f}x",
+                  f"{same}/{len(results)}")
+    console.print(table)
 
 
 @main.command()
