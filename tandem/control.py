@@ -1,0 +1,246 @@
+"""Draft-length control: verifier cost model, batch-wide draft-token allocation, online τ.
+
+Implements the adaptive-length and batch-budget parts of the two papers in ARCHITECTURE.md §1:
+the context-aware paper's threshold τ on predicted acceptance (learned online here), and the
+SpecFormer observation that at large batch the verifier's cost grows with the tokens verified,
+so draft tokens must be spent where they are most likely accepted across the whole batch.
+
+Expected emitted tokens of one sequence verifying drafts with predicted per-position acceptance
+probabilities p_1..p_n is ``E(n) = 1 + Σ_{i≤n} Π_{j≤i} p_j`` (the 1 is the bonus token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class CostModel:
+    """Verifier time per forward T(b, q) in ms (b = batch rows, q = tokens per row, padded),
+    plus the drafter's cost per draft position (ms per autoregressive draft step; 0 for n-gram
+    or for drafts that come out of the verify pass, as SpecFormer's).
+
+    ``table[b][q]`` holds measurements; other batch sizes are interpolated linearly between the
+    nearest measured ones (clamped at the ends), and q beyond the table extrapolates linearly.
+    """
+
+    table: dict[int, dict[int, float]]
+    draft_step_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.table or any(not row for row in self.table.values()):
+            raise ValueError("cost table needs at least one batch size with one measurement")
+        self._bs = sorted(self.table)
+
+    @classmethod
+    def measure(cls, runner, batch_sizes: Sequence[int], max_tokens_per_row: int, context: int = 512,
+                iters: int = 10, draft_step_ms: float = 0.0) -> "CostModel":
+        """Time ``runner.measure_step_ms`` for every (b, q), q = 1..max_tokens_per_row."""
+        table = {b: {q: runner.measure_step_ms(b, q, context, iters) for q in range(1, max_tokens_per_row + 1)}
+                 for b in batch_sizes if b <= runner.cache.num_slots}
+        return cls(table, draft_step_ms)
+
+    def _row(self, b: int, q: int) -> float:
+        row = self.table[b]
+        if q in row:
+            return row[q]
+        qs = sorted(row)
+        if q < qs[0]:
+            return row[qs[0]]
+        lo = max(x for x in qs if x <= q)
+        hi = next((x for x in qs if x > q), None)
+        if hi is None:  # extrapolate with the last slope (or flat with one point)
+            if len(qs) == 1:
+                return row[lo]
+            a, c = qs[-2], qs[-1]
+            return row[c] + (row[c] - row[a]) / (c - a) * (q - c)
+        return row[lo] + (row[hi] - row[lo]) * (q - lo) / (hi - lo)
+
+    def verify_ms(self, b: int, q: int) -> float:
+        """T(b, q) in ms."""
+        bs = self._bs
+        if b <= bs[0]:
+            return self._row(bs[0], q)
+        if b >= bs[-1]:
+            return self._row(bs[-1], q)
+        i = bisect.bisect_left(bs, b)
+        if bs[i] == b:
+            return self._row(b, q)
+        lo, hi = bs[i - 1], bs[i]
+        return self._row(lo, q) + (self._row(hi, q) - self._row(lo, q)) * (b - lo) / (hi - lo)
+
+    def round_ms(self, b: int, max_draft: int) -> float:
+        """Predicted time of one round: drafting ``max_draft`` positions + verifying them."""
+        return self.verify_ms(b, max_draft + 1) + self.draft_step_ms * max_draft
+
+
+def expected_emitted(probs: Sequence[float], n: int) -> float:
+    """E(n) = 1 + Σ_{i≤n} Π_{j≤i} p_j: expected tokens emitted verifying the first n drafts."""
+    total, survive = 1.0, 1.0
+    for p in probs[:n]:
+        survive *= p
+        total += survive
+    return total
+
+
+def tau_cut(probs: Sequence[float], tau: float, cumulative: bool = False) -> int:
+    """Draft length under threshold τ: stop before the first position whose predicted acceptance
+    (per token, or the survival product Π p_j with ``cumulative``) falls below τ."""
+    survive = 1.0
+    for i, p in enumerate(probs):
+        survive *= p
+        if (survive if cumulative else p) < tau:
+            return i
+    return len(probs)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Chosen draft lengths and the objective they reach."""
+
+    lengths: list[int]
+    expected_tokens: float  # Σ E_i(n_i) over the batch
+    predicted_ms: float  # predicted round time
+    tokens_per_ms: float  # the objective: expected emitted tokens per ms
+
+
+def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, tau: float = 0.0,
+                           cumulative: bool = False, max_total_tokens: int | None = None) -> Allocation:
+    """Choose every sequence's draft length to maximise expected emitted tokens per unit of
+    predicted round time across the batch.
+
+    The verifier pads the batch to the longest row, so a round costs ``round_ms(b, max_i n_i)``.
+    For a fixed longest length m every sequence should verify ``min(m, L_i)`` drafts (each extra
+    position adds Π p ≥ 0 expected tokens at no extra cost), where ``L_i`` is its τ-cut length;
+    the optimum is the best m. With ``max_total_tokens`` (SpecFormer's fixed budget k per batch),
+    within each m the budget goes to the positions of largest survival product first, which is
+    optimal because survival products decrease along each chain.
+
+    Args:
+        probs: per sequence, predicted acceptance probability of each proposed draft position.
+        cost: verifier / drafter cost model.
+        tau: per-position threshold (0 keeps everything).
+        cumulative: apply τ to the survival product instead of each p.
+        max_total_tokens: cap on draft tokens summed over the batch (None: no cap).
+
+    Returns:
+        The allocation (lengths in input order).
+    """
+    b = len(probs)
+    if b == 0:
+        return Allocation([], 0.0, 0.0, 0.0)
+    caps = [tau_cut(p, tau, cumulative) for p in probs]
+    best: Allocation | None = None
+    for m in range(0, max(caps) + 1):
+        lengths = [min(m, c) for c in caps]
+        if max_total_tokens is not None and sum(lengths) > max_total_tokens:
+            lengths = _budgeted(probs, lengths, max_total_tokens)
+        if max(lengths) < m:
+            continue  # the same allocation is reached at a smaller m, more cheaply
+        tokens = sum(expected_emitted(p, n) for p, n in zip(probs, lengths))
+        ms = cost.round_ms(b, m)
+        cand = Allocation(lengths, tokens, ms, tokens / ms if ms > 0 else math.inf)
+        if best is None or cand.tokens_per_ms > best.tokens_per_ms + 1e-12:
+            best = cand
+    return best  # type: ignore[return-value]
+
+
+def _budgeted(probs: Sequence[Sequence[float]], limits: list[int], budget: int) -> list[int]:
+    """Greedy by survival product under a total-token budget (optimal: gains decrease per chain)."""
+    gains = []
+    for i, (p, lim) in enumerate(zip(probs, limits)):
+        survive = 1.0
+        for j in range(lim):
+            survive *= p[j]
+            gains.append((survive, i, j))
+    gains.sort(key=lambda g: (-g[0], g[1], g[2]))
+    lengths = [0] * len(limits)
+    for _, i, _ in gains[:budget]:
+        lengths[i] += 1
+    return lengths
+
+
+class TauController:
+    """Online τ: a discounted-UCB bandit (Garivier & Moulines 2011) over a grid of thresholds,
+    rewarded by measured goodput (emitted tokens per ms of draft + verify time).
+
+    Update rule. For every candidate τ_a the controller keeps discounted sums of the rounds it
+    was used in (N_a), of their emitted tokens (S_a) and of their durations (M_a); every
+    observation first multiplies all sums by γ, so old rounds fade with a half-life of
+    ln 2 / (1 − γ) rounds. Goodput of τ_a is S_a / M_a (a ratio of means: rounds weigh by time,
+    as throughput does). The next round uses the τ_a maximising
+    ``S_a / M_a + c · g_max · sqrt(ln(Σ N) / N_a)`` (untried candidates first), where g_max is the
+    best current goodput, so exploration is scaled to the reward. ``tau`` (the value reported
+    and shared) is the candidate with the best goodput. When text gets easier or harder, the
+    discounted sums forget the old regime and τ moves to the new optimum; a hill climb would
+    stall on a plateau (e.g. τ above every prediction drafts nothing and measures no slope).
+
+    The state is a small dict (``state_dict`` / ``load_state_dict``) so router replicas can share
+    it through the state store.
+
+    Args:
+        grid: candidate thresholds (default 0.0, 0.1, ..., 0.9).
+        gamma: discount per observed round.
+        c: exploration weight.
+    """
+
+    def __init__(self, grid: Sequence[float] | None = None, gamma: float = 0.995, c: float = 0.1) -> None:
+        self.grid = [round(x, 4) for x in (grid if grid is not None else [i / 10 for i in range(10)])]
+        if not self.grid:
+            raise ValueError("the τ grid is empty")
+        self.gamma, self.c = gamma, c
+        self.counts = [0.0] * len(self.grid)
+        self.tokens = [0.0] * len(self.grid)
+        self.ms = [0.0] * len(self.grid)
+        self._last = 0
+
+    def goodput(self) -> list[float]:
+        """Discounted goodput (tokens / ms) per candidate; NaN where untried."""
+        return [t / m if m > 0 else math.nan for t, m in zip(self.tokens, self.ms)]
+
+    @property
+    def tau(self) -> float:
+        """The best τ so far (the first candidate before any data)."""
+        g = self.goodput()
+        tried = [i for i, x in enumerate(g) if not math.isnan(x)]
+        return self.grid[max(tried, key=lambda i: g[i])] if tried else self.grid[0]
+
+    def current(self) -> float:
+        """τ to use for the next round."""
+        for i, n in enumerate(self.counts):
+            if n == 0:
+                self._last = i
+                return self.grid[i]
+        g = self.goodput()
+        g_max = max(g)
+        total = sum(self.counts)
+        scores = [g[i] + self.c * g_max * math.sqrt(math.log(max(total, 1.0)) / self.counts[i])
+                  for i in range(len(self.grid))]
+        self._last = max(range(len(self.grid)), key=lambda i: scores[i])
+        return self.grid[self._last]
+
+    def observe(self, emitted_tokens: float, round_ms: float, tau: float | None = None) -> None:
+        """Report one round: tokens emitted and its duration (ms), run with ``tau`` (default: the
+        value the last ``current()`` returned)."""
+        if round_ms <= 0:
+            return
+        i = self._last if tau is None else min(range(len(self.grid)), key=lambda j: abs(self.grid[j] - tau))
+        for arr in (self.counts, self.tokens, self.ms):
+            for j in range(len(arr)):
+                arr[j] *= self.gamma
+        self.counts[i] += 1.0
+        self.tokens[i] += emitted_tokens
+        self.ms[i] += round_ms
+
+    def state_dict(self) -> dict:
+        return {"grid": list(self.grid), "counts": list(self.counts), "tokens": list(self.tokens), "ms": list(self.ms)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if [round(x, 4) for x in state["grid"]] != self.grid:
+            raise ValueError("τ controller state was saved with another grid")
+        self.counts = [float(x) for x in state["counts"]]
+        self.tokens = [float(x) for x in state["tokens"]]
+        self.ms = [float(x) for x in state["ms"]]

@@ -1,0 +1,144 @@
+"""Cost model, batch-wide draft allocation (optimality by brute force) and the online τ controller."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from tandem.control import (CostModel, TauController, allocate_draft_lengths, expected_emitted, tau_cut)
+
+
+def linear_cost(base=1.0, per_token=0.25, per_row=0.01, draft_step_ms=0.0):
+    """T(b, q) = base + per_row*b + per_token*b*(q-1): verification cost grows with tokens."""
+    table = {b: {q: base + per_row * b + per_token * b * (q - 1) for q in range(1, 10)} for b in (1, 2, 4, 8)}
+    return CostModel(table, draft_step_ms)
+
+
+def test_expected_emitted_counts_bonus_and_survival():
+    assert expected_emitted([0.5, 0.5], 0) == 1.0
+    assert expected_emitted([0.5, 0.5], 1) == pytest.approx(1.5)
+    assert expected_emitted([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_emitted([1.0] * 4, 4) == 5.0
+
+
+def test_tau_cut_per_token_and_cumulative():
+    p = [0.9, 0.8, 0.3, 0.9]
+    assert tau_cut(p, 0.5) == 2
+    assert tau_cut(p, 0.0) == 4
+    assert tau_cut(p, 0.95) == 0
+    assert tau_cut(p, 0.7, cumulative=True) == 2  # 0.9, 0.72, 0.216
+    assert tau_cut(p, 0.75, cumulative=True) == 1
+
+
+def test_cost_model_interpolates_batch_and_tokens():
+    cm = CostModel({1: {1: 1.0, 3: 2.0}, 4: {1: 2.0, 3: 4.0}})
+    assert cm.verify_ms(1, 2) == pytest.approx(1.5)
+    assert cm.verify_ms(2, 1) == pytest.approx(1 + 1 / 3)
+    assert cm.verify_ms(8, 3) == 4.0  # clamped to the largest measured batch
+    assert cm.verify_ms(1, 5) == pytest.approx(3.0)  # extrapolated with the last slope
+    with pytest.raises(ValueError):
+        CostModel({})
+
+
+def brute_force(probs, cost, tau, budget=None):
+    caps = [tau_cut(p, tau) for p in probs]
+    best = -1.0
+    for lengths in itertools.product(*[range(c + 1) for c in caps]):
+        if budget is not None and sum(lengths) > budget:
+            continue
+        tokens = sum(expected_emitted(p, n) for p, n in zip(probs, lengths))
+        best = max(best, tokens / cost.round_ms(len(probs), max(lengths)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_allocation_is_optimal_on_small_random_batches(seed):
+    rng = random.Random(seed)
+    b = rng.randint(1, 4)
+    probs = [[rng.random() ** 0.5 for _ in range(rng.randint(0, 4))] for _ in range(b)]
+    cost = linear_cost(per_token=rng.choice([0.01, 0.1, 0.4]), draft_step_ms=rng.choice([0.0, 0.05]))
+    tau = rng.choice([0.0, 0.3, 0.6])
+    budget = rng.choice([None, 2, 5])
+    alloc = allocate_draft_lengths(probs, cost, tau=tau, max_total_tokens=budget)
+    assert alloc.tokens_per_ms == pytest.approx(brute_force(probs, cost, tau, budget), rel=1e-9)
+    assert all(0 <= n <= len(p) for n, p in zip(alloc.lengths, probs))
+    if budget is not None:
+        assert sum(alloc.lengths) <= budget
+
+
+def test_allocation_hand_made_cases():
+    free = CostModel({1: {q: 1.0 for q in range(1, 9)}, 8: {q: 1.0 for q in range(1, 9)}})
+    # verification free in q: draft everything that passes τ
+    assert allocate_draft_lengths([[0.9, 0.1, 0.9], [0.5]], free, tau=0.2).lengths == [1, 1]
+    # very expensive extra tokens: verify none
+    steep = CostModel({2: {1: 1.0, 2: 10.0, 3: 20.0}})
+    assert allocate_draft_lengths([[0.5, 0.5], [0.5, 0.5]], steep).lengths == [0, 0]
+    # a budget of 2 goes to the most likely positions across the batch
+    assert allocate_draft_lengths([[0.95, 0.9], [0.3, 0.3]], free, max_total_tokens=2).lengths == [2, 0]
+    assert allocate_draft_lengths([], free).lengths == []
+
+
+def simulate(tau, phase, rng, cost, k_max=8):
+    """One round of a synthetic acceptance process: position acceptance probabilities are
+    drawn per position (easy or hard text), the predictor knows them, τ cuts the draft."""
+    lo, hi = phase
+    p = [rng.uniform(lo, hi) for _ in range(k_max)]
+    n = tau_cut(p, tau)
+    emitted = 1
+    for i in range(n):
+        if rng.random() < p[i]:
+            emitted += 1
+        else:
+            break
+    return emitted, cost.round_ms(1, n)
+
+
+def best_tau(phase, cost, grid):
+    rng = random.Random(0)
+    scores = {}
+    for tau in grid:
+        tok = ms = 0.0
+        for _ in range(4000):
+            e, t = simulate(tau, phase, rng, cost)
+            tok += e
+            ms += t
+        scores[tau] = tok / ms
+    return max(scores, key=scores.get), scores
+
+
+def test_tau_controller_tracks_a_difficulty_change():
+    cost = linear_cost(per_token=0.05, draft_step_ms=0.02)
+    easy, hard = (0.85, 1.0), (0.0, 0.8)
+    grid = [round(0.05 * i, 2) for i in range(0, 20)]
+    tau_easy, s_easy = best_tau(easy, cost, grid)
+    tau_hard, s_hard = best_tau(hard, cost, grid)
+    # easy text: any τ below 0.85 drafts everything; hard text: the optimum is near 0.3 and a
+    # τ near 0 loses > 5% (too many doomed drafts), so τ must come down and then go back up
+    assert s_easy[0.9] < 0.7 * max(s_easy.values())
+    assert s_hard[0.05] < 0.95 * max(s_hard.values()) and s_hard[0.9] < 0.8 * max(s_hard.values())
+
+    ctl = TauController()
+    rng = random.Random(1)
+    seen = []
+    for phase, rounds in ((easy, 3000), (hard, 3000)):
+        for _ in range(rounds):
+            e, t = simulate(ctl.current(), phase, rng, cost)
+            ctl.observe(e, t)
+        seen.append(ctl.tau)
+    def near_opt(tau, scores):  # goodput at the learned τ within 5% of the best on the grid
+        nearest = min(scores, key=lambda g: abs(g - tau))
+        return scores[nearest] >= 0.95 * max(scores.values())
+    assert near_opt(seen[0], s_easy), (seen, tau_easy)
+    assert near_opt(seen[1], s_hard), (seen, tau_hard)
+
+
+def test_tau_controller_state_round_trip():
+    a = TauController()
+    for i in range(20):
+        a.current()
+        a.observe(2 + i % 3, 1.0)
+    b = TauController()
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    assert not any(math.isnan(g) for g in b.goodput())
