@@ -244,3 +244,56 @@ class TauController:
         self.counts = [float(x) for x in state["counts"]]
         self.tokens = [float(x) for x in state["tokens"]]
         self.ms = [float(x) for x in state["ms"]]
+
+
+class DraftPolicy:
+    """Context-aware draft lengths for the engine: score each proposed position, cut by τ and
+    allocate across the batch, then learn τ from the measured round goodput.
+
+    Args:
+        score: ``features [n, F] -> acceptance probabilities [n]`` (the learned predictor's
+            ``predict``; ``entropy_score`` for the entropy-only rule).
+        controller: online τ (None: the fixed ``tau``).
+        cost: verifier cost model for the batch-wide allocation (None: τ cut only).
+        tau: fixed threshold when there is no controller.
+        cumulative: cut on the survival product instead of each position's probability.
+        max_total_tokens: draft tokens per round over the whole batch (None: no cap).
+    """
+
+    def __init__(self, score, controller: TauController | None = None, cost: CostModel | None = None,
+                 tau: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None) -> None:
+        self.score = score
+        self.controller = controller
+        self.cost = cost
+        self.fixed_tau = tau
+        self.cumulative = cumulative
+        self.max_total_tokens = max_total_tokens
+        self._tau_used = tau
+
+    def lengths(self, features: Sequence) -> list[int]:
+        """Draft length per sequence from each sequence's features ``[n_i, F]``."""
+        import torch
+
+        tau = self.controller.current() if self.controller is not None else self.fixed_tau
+        self._tau_used = tau
+        sizes = [f.shape[0] for f in features]
+        if not any(sizes):
+            return sizes
+        flat = self.score(torch.cat([f for f in features if f.shape[0]])).tolist()
+        probs, i = [], 0
+        for n in sizes:
+            probs.append(flat[i:i + n])
+            i += n
+        if self.cost is None:
+            return [tau_cut(p, tau, self.cumulative) for p in probs]
+        return allocate_draft_lengths(probs, self.cost, tau, self.cumulative, self.max_total_tokens).lengths
+
+    def observe(self, emitted_tokens: int, round_ms: float) -> None:
+        """Feed one round's outcome to the τ controller."""
+        if self.controller is not None:
+            self.controller.observe(emitted_tokens, round_ms, tau=self._tau_used)
+
+
+def entropy_score(features):
+    """The entropy-only rule as a probability: exp(−entropy of q) (1 for a one-hot draft)."""
+    return (-features[:, 0]).exp()

@@ -12,14 +12,16 @@ import operator
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .control import DraftPolicy
 from .drafters.base import DraftProposal, DraftRequest, Drafter
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
+from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
@@ -102,6 +104,9 @@ class Engine:
         tokenizer: reuse an already loaded tokenizer.
         drafter: speculative decoding drafter (None: target-only decoding).
         num_draft_tokens: draft tokens per sequence per round at most (k).
+        draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
+        verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
+            train the difficulty predictor).
 
     Raises:
         ModelLoadError: the model cannot be loaded.
@@ -110,7 +115,8 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
                  tokenizer: Tokenizer | None = None, drafter: Drafter | None = None,
-                 num_draft_tokens: int = 4) -> None:
+                 num_draft_tokens: int = 4, draft_policy: DraftPolicy | None = None,
+                 verification_sink: Callable[[VerificationRecord], None] | None = None) -> None:
         if not isinstance(checkpoint, Checkpoint):
             checkpoint = load_checkpoint(checkpoint)
         self.checkpoint = checkpoint
@@ -125,6 +131,8 @@ class Engine:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
+        self.draft_policy = draft_policy
+        self.verification_sink = verification_sink
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._ids = itertools.count()
 
@@ -254,6 +262,7 @@ class Engine:
     def _decode(self, decoding: dict[int, Request]) -> list[RequestOutput]:
         """One target forward over [last token + drafts] of every running request, then
         verification, KV rollback of rejected drafts, and the stop rules over each accepted run."""
+        t0 = time.perf_counter()
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
@@ -262,9 +271,15 @@ class Engine:
         results = verify_batch([p.tokens for p in proposals], [p.probs for p in proposals], [r.params for r in reqs],
                                [r.generator for r in reqs], out.logits, out.argmax, slots)
         outputs = []
+        emitted = 0
         for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
             self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
+            if self.verification_sink is not None and prop.tokens:
+                self.verification_sink(VerificationRecord(prop.features, res.num_accepted, self.drafter.name))
             outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
+            emitted += len(outputs[-1].new_token_ids)
+        if self.draft_policy is not None:
+            self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
         return outputs
 
     def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
@@ -282,7 +297,11 @@ class Engine:
         except Exception:  # a failing drafter costs speed, never output: decode target-only this round
             log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
             return [DraftProposal.empty() for _ in reqs]
-        return [p if len(p.tokens) <= a.max_draft else DraftProposal.empty() for p, a in zip(proposals, asks)]
+        proposals = [p if len(p.tokens) <= a.max_draft else DraftProposal.empty() for p, a in zip(proposals, asks)]
+        if self.draft_policy is not None:
+            keep = self.draft_policy.lengths([p.features for p in proposals])
+            proposals = [p.truncated(n) for p, n in zip(proposals, keep)]
+        return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:
         """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token."""

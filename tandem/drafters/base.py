@@ -53,6 +53,12 @@ class DraftProposal:
     probs: torch.Tensor | None
     features: torch.Tensor
 
+    def truncated(self, n: int) -> "DraftProposal":
+        """The first ``n`` drafts (a draft is only valid with every draft before it)."""
+        if n >= len(self.tokens):
+            return self
+        return DraftProposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.features[:n])
+
     @staticmethod
     def empty() -> "DraftProposal":
         return DraftProposal([], None, torch.zeros(0, NUM_FEATURES))

@@ -1,0 +1,231 @@
+"""Difficulty (acceptance) predictor: P(the target accepts this draft token) from drafter features.
+
+Implements the context difficulty predictor of "Accelerating Speculative Decoding via Efficient
+Context-Aware Draft Generation" (ACL 2025): a one-hidden-layer MLP over per-position draft
+features (entropy of q, top-1 probability, top-1 − top-2 margin, position in the draft;
+``tandem.drafters.base.distribution_features``), trained with binary cross-entropy on
+verification logs (accepted = 1, the first rejected position = 0; positions after the first
+rejection carry no label).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .drafters.base import NUM_FEATURES
+
+FEATURE_NAMES = ("entropy", "top1_prob", "top1_margin", "position")
+
+
+@dataclass
+class VerificationRecord:
+    """Labelled draft positions of one verification step.
+
+    Attributes:
+        features: ``[n, NUM_FEATURES]`` float32 for the n drafted positions.
+        num_accepted: drafts the target accepted (m).
+        drafter: drafter name.
+    """
+
+    features: torch.Tensor
+    num_accepted: int
+    drafter: str
+
+    def labelled(self) -> tuple[np.ndarray, np.ndarray]:
+        """(features ``[L, F]``, labels ``[L]``) for positions 1..min(n, m + 1)."""
+        n = self.features.shape[0]
+        keep = min(n, self.num_accepted + 1)
+        labels = np.zeros(keep, dtype=np.float32)
+        labels[:min(self.num_accepted, keep)] = 1.0
+        return self.features[:keep].numpy().astype(np.float32), labels
+
+
+class AcceptancePredictor(nn.Module):
+    """MLP: standardised features ``[n, F]`` -> acceptance logits ``[n]``.
+
+    Args:
+        num_features: F.
+        hidden: hidden width.
+    """
+
+    def __init__(self, num_features: int = NUM_FEATURES, hidden: int = 32) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(num_features))
+        self.register_buffer("std", torch.ones(num_features))
+        self.net = nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.hidden = hidden
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.net((features - self.mean) / self.std).squeeze(-1)
+
+    @torch.no_grad()
+    def predict(self, features: torch.Tensor) -> torch.Tensor:
+        """Acceptance probabilities ``[n]`` for features ``[n, F]`` (any device; returns CPU float32)."""
+        if features.numel() == 0:
+            return torch.zeros(0)
+        return torch.sigmoid(self(features.float().cpu()))
+
+    def save(self, path: str | Path, report: "PredictorReport | None" = None) -> None:
+        """Write ``path`` (safetensors) and, with a report, ``path.json`` beside it."""
+        from safetensors.torch import save_file
+
+        meta = {"num_features": str(self.mean.numel()), "hidden": str(self.hidden), "features": ",".join(FEATURE_NAMES)}
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path), metadata=meta)
+        if report is not None:
+            Path(str(path) + ".json").write_text(json.dumps(asdict(report), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AcceptancePredictor":
+        """Read a predictor saved by ``save``.
+
+        Raises:
+            FileNotFoundError: no such file; ValueError: not a predictor file.
+        """
+        from safetensors import safe_open
+
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"no predictor at {p}")
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+            if "num_features" not in meta:
+                raise ValueError(f"{p} is not a Tandem acceptance predictor")
+            model = cls(int(meta["num_features"]), int(meta["hidden"]))
+            model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        return model.eval()
+
+
+@dataclass
+class PredictorReport:
+    """Held-out quality and cost of a trained predictor.
+
+    Attributes:
+        n_train, n_val: labelled positions used.
+        positive_rate: share of accepted labels (validation).
+        auc: ROC AUC of the predictor (validation).
+        entropy_auc: AUC of the entropy-only rule (score = −entropy) on the same data.
+        ece: expected calibration error, 10 equal-width bins (validation).
+        cost_us_per_token: predictor time per drafted position (µs, CPU, batch of 64).
+    """
+
+    n_train: int
+    n_val: int
+    positive_rate: float
+    auc: float
+    entropy_auc: float
+    ece: float
+    cost_us_per_token: float
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC by the Mann–Whitney rank statistic (ties get average ranks); NaN if one class."""
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels) > 0.5
+    pos, neg = labels.sum(), (~labels).sum()
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = scores.argsort(kind="mergesort")
+    ranks = np.empty(len(scores))
+    sorted_scores = scores[order]
+    i = 0
+    while i < len(scores):  # average ranks over ties
+        j = i
+        while j + 1 < len(scores) and sorted_scores[j + 1] == sorted_scores[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def calibration_bins(probs: np.ndarray, labels: np.ndarray, bins: int = 10):
+    """Per equal-width bin: (mean predicted, observed rate, count)."""
+    probs, labels = np.asarray(probs, dtype=np.float64), np.asarray(labels, dtype=np.float64)
+    idx = np.minimum((probs * bins).astype(int), bins - 1)
+    out = []
+    for b in range(bins):
+        m = idx == b
+        out.append((probs[m].mean() if m.any() else np.nan, labels[m].mean() if m.any() else np.nan, int(m.sum())))
+    return out
+
+
+def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int = 10) -> float:
+    """ECE = Σ_b (n_b / N) |mean predicted_b − observed rate_b|."""
+    n = len(probs)
+    return float(sum(c / n * abs(p - y) for p, y, c in calibration_bins(probs, labels, bins) if c))
+
+
+def reliability_diagram(probs: np.ndarray, labels: np.ndarray, path: str | Path, title: str = "") -> None:
+    """Write a reliability diagram (predicted vs observed acceptance per bin) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins = [(p, y, c) for p, y, c in calibration_bins(probs, labels) if c]
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
+    ax.plot([b[0] for b in bins], [b[1] for b in bins], "o-", label="predictor")
+    ax.set_xlabel("predicted acceptance probability")
+    ax.set_ylabel("observed acceptance rate")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title(title or f"ECE {expected_calibration_error(probs, labels):.3f}")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 32, epochs: int = 40,
+                    lr: float = 3e-3, batch_size: int = 1024, val_fraction: float = 0.2,
+                    seed: int = 0) -> tuple[AcceptancePredictor, PredictorReport]:
+    """Fit the MLP with binary cross-entropy (AdamW) and report held-out AUC / ECE.
+
+    Args:
+        features: ``[N, F]`` float32; labels: ``[N]`` in {0, 1}.
+
+    Raises:
+        ValueError: fewer than 20 examples, mismatched lengths, or a single class.
+    """
+    features = np.asarray(features, dtype=np.float32)
+    labels = np.asarray(labels, dtype=np.float32)
+    if len(features) != len(labels) or len(labels) < 20:
+        raise ValueError(f"need >= 20 labelled positions with matching features, got {len(features)} / {len(labels)}")
+    if labels.min() == labels.max():
+        raise ValueError("labels have a single class; collect logs where some drafts are rejected and some accepted")
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(labels))
+    n_val = max(1, int(len(labels) * val_fraction))
+    val, tr = perm[:n_val], perm[n_val:]
+    torch.manual_seed(seed)
+    model = AcceptancePredictor(features.shape[1], hidden)
+    x_tr, y_tr = torch.from_numpy(features[tr]), torch.from_numpy(labels[tr])
+    model.mean.copy_(x_tr.mean(0))
+    model.std.copy_(x_tr.std(0).clamp_min(1e-6))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    loss_fn = nn.BCEWithLogitsLoss()
+    for _ in range(epochs):
+        order = torch.randperm(len(tr))
+        for i in range(0, len(tr), batch_size):
+            b = order[i:i + batch_size]
+            opt.zero_grad()
+            loss_fn(model(x_tr[b]), y_tr[b]).backward()
+            opt.step()
+    model.eval()
+    p_val = model.predict(torch.from_numpy(features[val])).numpy()
+    sample = torch.from_numpy(features[val][:64])
+    t0 = time.perf_counter()
+    for _ in range(200):
+        model.predict(sample)
+    cost_us = (time.perf_counter() - t0) / 200 / len(sample) * 1e6
+    report = PredictorReport(
+        n_train=len(tr), n_val=n_val, positive_rate=float(labels[val].mean()),
+        auc=roc_auc(p_val, labels[val]), entropy_auc=roc_auc(-features[val][:, 0], labels[val]),
+        ece=expected_calibration_error(p_val, labels[val]), cost_us_per_token=cost_us)
+    return model, report
