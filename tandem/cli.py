@@ -341,3 +341,90 @@ def torch_device_name(device: str) -> str:
     import torch
 
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+@main.command("collect-logs")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), required=True,
+              help="JSONL prompts (e.g. ../shared/data/train_prompts.jsonl; never a benchmark set).")
+@click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Output .npz (features, labels).")
+@model_option
+@device_option
+@with_drafter_options
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, max_tokens,
+                 batch_size, max_seq_len) -> None:
+    """Run speculative decoding and record, per drafted position, the predictor features and the
+    label (accepted 1, first rejected 0; later positions unlabelled)."""
+    import numpy as np
+
+    from .data import load_prompts
+    from .errors import InvalidRequestError
+    from .models.config import ModelLoadError
+    from .predictor import FEATURE_NAMES
+    from .sampling import SamplingParams
+
+    if drafter == "none":
+        _fail("collect-logs needs a --drafter")
+    records = []
+    try:
+        prompts = load_prompts(prompts_file, limit)
+        engine = _engine(model, device, batch_size, max_seq_len, drafter=drafter, draft_model=draft_model,
+                         num_draft_tokens=num_draft_tokens)
+    except (InvalidRequestError, ModelLoadError) as exc:
+        _fail(str(exc))
+        return
+    engine.verification_sink = records.append
+    results, wall = _run_file(engine, prompts, SamplingParams(max_tokens=max_tokens), True, desc="collecting")
+    if not records:
+        _fail("no drafts were verified; nothing to log")
+    feats, labels = zip(*(r.labelled() for r in records))
+    x, y = np.concatenate(feats), np.concatenate(labels)
+    np.savez_compressed(out, features=x, labels=y, feature_names=np.array(FEATURE_NAMES), drafter=engine.drafter.name)
+    console.print(f"{len(y)} labelled positions ({y.mean():.3f} accepted) from {len(results)} prompts in "
+                  f"{wall:.1f} s -> {out}", highlight=False)
+
+
+@main.group()
+def train() -> None:
+    """Train drafters and the difficulty predictor."""
+
+
+@train.command("predictor")
+@click.option("--logs", "logs_file", type=click.Path(dir_okay=False, exists=True), required=True,
+              help=".npz written by tandem collect-logs.")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Predictor .safetensors path.")
+@click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=40, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
+    """Fit the acceptance predictor; writes the model, a JSON report and a reliability diagram."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from .predictor import reliability_diagram, train_predictor
+
+    try:
+        data = np.load(logs_file)
+        x, y = data["features"], data["labels"]
+    except (OSError, KeyError, ValueError) as exc:
+        _fail(f"{logs_file} is not a collect-logs file: {exc}")
+        return
+    try:
+        model, report = train_predictor(x, y, hidden=hidden, epochs=epochs, seed=seed)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    model.save(out, report)
+    png = str(Path(out).with_suffix(".reliability.png"))
+    rng = np.random.default_rng(seed)
+    val = rng.permutation(len(y))[:report.n_val]
+    import torch
+
+    reliability_diagram(model.predict(torch.from_numpy(x[val])).numpy(), y[val], png)
+    console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}), ECE {report.ece:.3f}, "
+                  f"{report.cost_us_per_token:.2f} µs/token; wrote {out}, {out}.json, {png}", highlight=False)
