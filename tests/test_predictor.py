@@ -1,0 +1,130 @@
+"""Difficulty predictor: metrics, training, persistence, and the engine's draft policy."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.control import CostModel, DraftPolicy, TauController, entropy_score
+from tandem.drafters import NgramDrafter
+from tandem.engine import Engine
+from tandem.models.runner import RunnerConfig
+from tandem.predictor import (AcceptancePredictor, VerificationRecord, expected_calibration_error, roc_auc,
+                              train_predictor)
+from tandem.sampling import SamplingParams
+
+
+def test_roc_auc_matches_pairwise_definition_with_ties():
+    rng = random.Random(0)
+    scores = [rng.choice([0.1, 0.2, 0.5, 0.7, 0.9]) for _ in range(60)]
+    labels = [rng.random() < 0.4 for _ in range(60)]
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    pairwise = sum((p > n) + 0.5 * (p == n) for p, n in itertools.product(pos, neg)) / (len(pos) * len(neg))
+    assert roc_auc(np.array(scores), np.array(labels)) == pytest.approx(pairwise)
+    assert np.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1])))
+
+
+def test_expected_calibration_error():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=20000)
+    y = (rng.uniform(size=20000) < p).astype(float)
+    assert expected_calibration_error(p, y) < 0.02  # calibrated by construction
+    assert expected_calibration_error(np.full(100, 0.9), np.zeros(100)) == pytest.approx(0.9)
+
+
+def synthetic_logs(n, seed):
+    """Acceptance depends on top-1 probability and position, which entropy alone cannot see."""
+    rng = np.random.default_rng(seed)
+    entropy = rng.uniform(0, 3, n)
+    top1 = rng.uniform(0.1, 1.0, n)
+    margin = top1 * rng.uniform(0.2, 1.0, n)
+    pos = rng.integers(1, 6, n).astype(float)
+    logit = 4 * (top1 - 0.55) - 0.6 * (pos - 3) - 0.2 * entropy
+    labels = (rng.uniform(size=n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+    return np.stack([entropy, top1, margin, pos], 1).astype(np.float32), labels
+
+
+def test_trained_predictor_beats_entropy_rule_on_held_out_data():
+    x, y = synthetic_logs(6000, 0)
+    model, report = train_predictor(x, y, epochs=30)
+    assert report.auc > report.entropy_auc + 0.1
+    assert report.ece < 0.05
+    xt, yt = synthetic_logs(3000, 1)  # a fresh draw: the model generalises
+    held_out = roc_auc(model.predict(torch.from_numpy(xt)).numpy(), yt)
+    assert held_out > roc_auc(-xt[:, 0], yt) + 0.1
+    assert report.cost_us_per_token < 100
+
+
+def test_train_predictor_rejects_bad_data():
+    x, y = synthetic_logs(100, 0)
+    with pytest.raises(ValueError, match="single class"):
+        train_predictor(x, np.ones_like(y))
+    with pytest.raises(ValueError, match=">= 20"):
+        train_predictor(x[:5], y[:5])
+
+
+def test_predictor_save_load_round_trip(tmp_path):
+    x, y = synthetic_logs(500, 0)
+    model, report = train_predictor(x, y, epochs=3)
+    path = tmp_path / "p.safetensors"
+    model.save(path, report)
+    again = AcceptancePredictor.load(path)
+    torch.testing.assert_close(again.predict(torch.from_numpy(x[:20])), model.predict(torch.from_numpy(x[:20])))
+    assert (tmp_path / "p.safetensors.json").is_file()
+    with pytest.raises(FileNotFoundError):
+        AcceptancePredictor.load(tmp_path / "missing.safetensors")
+
+
+def test_verification_record_labels_stop_after_first_rejection():
+    feats = torch.arange(20, dtype=torch.float32).view(5, 4)
+    x, y = VerificationRecord(feats, 2, "d").labelled()
+    assert y.tolist() == [1.0, 1.0, 0.0] and x.shape == (3, 4)
+    x, y = VerificationRecord(feats, 5, "d").labelled()
+    assert y.tolist() == [1.0] * 5
+
+
+def test_draft_policy_cuts_by_tau_and_allocates():
+    feats = [torch.tensor([[0.0, 1, 1, i] for i in range(1, 5)]), torch.zeros(0, 4)]
+    decay = lambda f: 0.9 ** f[:, 3]  # 0.9, 0.81, 0.73, 0.66
+    assert DraftPolicy(decay, tau=0.75).lengths(feats) == [2, 0]
+    free = CostModel({1: {q: 1.0 for q in range(1, 9)}})
+    assert DraftPolicy(decay, cost=free, tau=0.0).lengths(feats) == [4, 0]
+    steep = CostModel({2: {1: 1.0, 2: 50.0, 3: 60.0, 4: 70.0, 5: 80.0}})
+    assert DraftPolicy(decay, cost=steep, tau=0.0).lengths(feats) == [0, 0]
+    ctl = TauController(grid=[0.0, 0.7])
+    pol = DraftPolicy(decay, controller=ctl)
+    pol.lengths(feats)
+    pol.observe(3, 2.0)
+    assert sum(ctl.counts) == 1.0
+    # entropy rule: exp(-entropy) of a one-hot draft is 1
+    assert entropy_score(torch.zeros(3, 4)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_engine_with_draft_policy_is_lossless_and_logs(tiny_checkpoint):
+    d = str(tiny_checkpoint("llama", with_tokenizer=True))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
+    base = Engine(d, cfg)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11], [3, 4], [7] * 12]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [base.add_request(prompt_ids=p, params=params) for p in prompts]
+    while base.has_unfinished():
+        base.step()
+    want = [base.completion(i).token_ids for i in ids]
+
+    logs = []
+    decay = lambda f: 0.9 ** f[:, 3]
+    eng = Engine(d, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(), num_draft_tokens=6,
+                 draft_policy=DraftPolicy(decay, controller=TauController(grid=[0.5, 0.7, 0.85])),
+                 verification_sink=logs.append)
+    ids = [eng.add_request(prompt_ids=p, params=params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    got = [eng.completion(i) for i in ids]
+    assert [g.token_ids for g in got] == want
+    # τ ≥ 0.5 with p = 0.9^position never lets more than 6 drafts through, and τ = 0.85 only 1
+    assert all(len(r.features) <= 6 for r in logs)
+    assert eng.stats.num_drafted == sum(len(r.features) for r in logs)
+    assert sum(eng.draft_policy.controller.counts) > 0
