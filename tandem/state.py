@@ -1,0 +1,177 @@
+"""Shared state: one interface, an in-memory default and a Redis implementation.
+
+What lives here: the τ controller's state (shared by router replicas), acceptance statistics per
+drafter and Spec-Bench-style category (counters), and the verification-log stream that retrains
+the difficulty predictor (a capped stream: Redis ``XADD ... MAXLEN ~``).
+
+``open_store()`` picks Redis when ``TANDEM_REDIS_URL`` is set, else the in-memory store. Redis
+errors surface as ``StateStoreUnavailable`` so callers can keep serving on local state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections import defaultdict, deque
+
+
+class StateStoreUnavailable(RuntimeError):
+    """The backing store (Redis) cannot be reached."""
+
+
+class StateStore(ABC):
+    """Key/value JSON documents, counters and capped append-only logs."""
+
+    @abstractmethod
+    def get_json(self, key: str) -> dict | None:
+        """The document at ``key`` (None if absent)."""
+
+    @abstractmethod
+    def set_json(self, key: str, value: dict) -> None:
+        """Store a JSON-serialisable dict at ``key``."""
+
+    @abstractmethod
+    def incr(self, key: str, counts: dict[str, float]) -> None:
+        """Add ``counts`` to the named counters of hash ``key``."""
+
+    @abstractmethod
+    def counters(self, key: str) -> dict[str, float]:
+        """All counters of hash ``key`` ({} if absent)."""
+
+    @abstractmethod
+    def append_log(self, stream: str, record: dict, maxlen: int = 100_000) -> None:
+        """Append ``record`` to a log capped at about ``maxlen`` entries (oldest dropped)."""
+
+    @abstractmethod
+    def read_log(self, stream: str, count: int | None = None) -> list[dict]:
+        """The newest ``count`` records (all when None), oldest first."""
+
+    @abstractmethod
+    def ping(self) -> bool:
+        """True when the store answers."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+class InMemoryStore(StateStore):
+    """Process-local store (the default: no services needed). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._docs: dict[str, str] = {}
+        self._counters: dict[str, dict[str, float]] = defaultdict(dict)
+        self._logs: dict[str, deque] = {}
+        self._lock = threading.Lock()
+
+    def get_json(self, key: str) -> dict | None:
+        with self._lock:
+            raw = self._docs.get(key)
+        return None if raw is None else json.loads(raw)
+
+    def set_json(self, key: str, value: dict) -> None:
+        raw = json.dumps(value)
+        with self._lock:
+            self._docs[key] = raw
+
+    def incr(self, key: str, counts: dict[str, float]) -> None:
+        with self._lock:
+            h = self._counters[key]
+            for k, v in counts.items():
+                h[k] = h.get(k, 0) + v
+
+    def counters(self, key: str) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters.get(key, {}))
+
+    def append_log(self, stream: str, record: dict, maxlen: int = 100_000) -> None:
+        raw = json.dumps(record)
+        with self._lock:
+            log = self._logs.get(stream)
+            if log is None or log.maxlen != maxlen:
+                log = self._logs[stream] = deque(log or (), maxlen=maxlen)
+            log.append(raw)
+
+    def read_log(self, stream: str, count: int | None = None) -> list[dict]:
+        with self._lock:
+            items = list(self._logs.get(stream, ()))
+        if count is not None:
+            items = items[-count:] if count > 0 else []
+        return [json.loads(x) for x in items]
+
+    def ping(self) -> bool:
+        return True
+
+
+class RedisStore(StateStore):
+    """Redis-backed store (``redis-py``): JSON strings, hashes and capped streams.
+
+    Args:
+        url: ``redis://host:port/db``.
+        prefix: key namespace.
+        timeout_s: socket timeout; a slow or dead Redis fails fast.
+
+    Raises:
+        StateStoreUnavailable: on any connection or timeout error.
+    """
+
+    def __init__(self, url: str, prefix: str = "tandem:", timeout_s: float = 0.5) -> None:
+        import redis
+
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self.prefix = prefix
+        self.url = url
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       decode_responses=True)
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except self._errors as exc:
+            raise StateStoreUnavailable(f"Redis at {self.url} is unavailable: {exc}") from None
+
+    def get_json(self, key: str) -> dict | None:
+        raw = self._call(self._r.get, self.prefix + key)
+        return None if raw is None else json.loads(raw)
+
+    def set_json(self, key: str, value: dict) -> None:
+        self._call(self._r.set, self.prefix + key, json.dumps(value))
+
+    def incr(self, key: str, counts: dict[str, float]) -> None:
+        def run():
+            pipe = self._r.pipeline()
+            for k, v in counts.items():
+                pipe.hincrbyfloat(self.prefix + key, k, v)
+            pipe.execute()
+        self._call(run)
+
+    def counters(self, key: str) -> dict[str, float]:
+        return {k: float(v) for k, v in self._call(self._r.hgetall, self.prefix + key).items()}
+
+    def append_log(self, stream: str, record: dict, maxlen: int = 100_000) -> None:
+        self._call(self._r.xadd, self.prefix + stream, {"json": json.dumps(record)}, maxlen=maxlen, approximate=True)
+
+    def read_log(self, stream: str, count: int | None = None) -> list[dict]:
+        if count is not None and count <= 0:
+            return []
+        if count is None:
+            items = self._call(self._r.xrange, self.prefix + stream)
+        else:
+            items = list(reversed(self._call(self._r.xrevrange, self.prefix + stream, count=count)))
+        return [json.loads(fields["json"]) for _, fields in items]
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._r.ping())
+        except self._errors:
+            return False
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def open_store(url: str | None = None) -> StateStore:
+    """Redis when ``url`` or ``TANDEM_REDIS_URL`` is given, else the in-memory store."""
+    url = url or os.environ.get("TANDEM_REDIS_URL")
+    return RedisStore(url) if url else InMemoryStore()
