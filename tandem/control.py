@@ -258,10 +258,15 @@ class DraftPolicy:
         tau: fixed threshold when there is no controller.
         cumulative: cut on the survival product instead of each position's probability.
         max_total_tokens: draft tokens per round over the whole batch (None: no cap).
+        branch_top_m: hard-position enhancement: where τ cut a draft, verify the m most likely
+            tokens of that position together as leaves of a small token tree (0/1: off). The
+            extra tokens count against ``max_total_tokens``.
     """
 
     def __init__(self, score, controller: TauController | None = None, cost: CostModel | None = None,
-                 tau: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None) -> None:
+                 tau: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
+                 branch_top_m: int = 0) -> None:
+        self.branch_top_m = branch_top_m
         self.score = score
         self.controller = controller
         self.cost = cost
@@ -287,6 +292,19 @@ class DraftPolicy:
         if self.cost is None:
             return [tau_cut(p, tau, self.cumulative) for p in probs]
         return allocate_draft_lengths(probs, self.cost, tau, self.cumulative, self.max_total_tokens).lengths
+
+    def apply(self, proposals: list) -> list:
+        """Cut every proposal to its allocated length, then branch at hard positions."""
+        keep = self.lengths([p.features for p in proposals])
+        out = [p.truncated(n) for p, n in zip(proposals, keep)]
+        if self.branch_top_m > 1:
+            spare = None if self.max_total_tokens is None else self.max_total_tokens - sum(len(p.tokens) for p in out)
+            for i, (p, n) in enumerate(zip(proposals, keep)):
+                if n < len(p.tokens) and p.top_tokens is not None and (spare is None or spare >= self.branch_top_m - 1):
+                    out[i] = p.branched(n, self.branch_top_m)
+                    if spare is not None:
+                        spare -= len(out[i].tokens) - n
+        return out
 
     def observe(self, emitted_tokens: int, round_ms: float) -> None:
         """Feed one round's outcome to the τ controller."""

@@ -267,15 +267,23 @@ class Engine:
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
         lengths = [self.cache.lengths[s] for s in slots]
-        out = self.runner.step({s: [r.output.token_ids[-1]] + p.tokens for s, r, p in zip(slots, reqs, proposals)})
+        trees = {s: [-1] + [x + 1 for x in p.parents] for s, p in zip(slots, proposals) if p.parents is not None}
+        out = self.runner.step({s: [r.output.token_ids[-1]] + p.tokens for s, r, p in zip(slots, reqs, proposals)},
+                               trees or None)
         results = verify_batch([p.tokens for p in proposals], [p.probs for p in proposals], [r.params for r in reqs],
-                               [r.generator for r in reqs], out.logits, out.argmax, slots)
+                               [r.generator for r in reqs], out.logits, out.argmax, slots,
+                               [p.parents for p in proposals] if trees else None)
         outputs = []
         emitted = 0
         for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
+            if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
+                moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
+                self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
             self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
-            if self.verification_sink is not None and prop.tokens:
-                self.verification_sink(VerificationRecord(prop.features, res.num_accepted, self.drafter.name))
+            n_chain = prop.chain_length
+            if self.verification_sink is not None and n_chain:
+                self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
+                                                          self.drafter.name))
             outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
             emitted += len(outputs[-1].new_token_ids)
         if self.draft_policy is not None:
@@ -299,8 +307,7 @@ class Engine:
             return [DraftProposal.empty() for _ in reqs]
         proposals = [p if len(p.tokens) <= a.max_draft else DraftProposal.empty() for p, a in zip(proposals, asks)]
         if self.draft_policy is not None:
-            keep = self.draft_policy.lengths([p.features for p in proposals])
-            proposals = [p.truncated(n) for p, n in zip(proposals, keep)]
+            proposals = self.draft_policy.apply(proposals)
         return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:

@@ -31,6 +31,7 @@ class VerifyResult:
 
     tokens: list[int]
     num_accepted: int
+    path: list[int] | None = None  # token trees: indices of the accepted drafts, root to leaf
 
 
 def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> VerifyResult:
@@ -90,13 +91,85 @@ def verify_sampling(draft_tokens: list[int], draft_probs: torch.Tensor | None, t
     return VerifyResult(list(draft_tokens) + [bonus], n)
 
 
+def _children(parents: list[int], node: int) -> list[int]:
+    return [i for i, p in enumerate(parents) if p == node]
+
+
+def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_argmax: list[int]) -> VerifyResult:
+    """Greedy verification of a token tree (SpecInfer, Miao et al. 2024): from the root, follow
+    the child equal to the target's argmax; emit the argmax where no child matches.
+
+    Args:
+        draft_tokens: n tree tokens; ``parents[i]`` is the index of token i's parent (-1: the
+            last accepted token, row 0). Row ``i + 1`` of ``target_argmax`` is token i's.
+        target_argmax: n + 1 target argmax ids.
+    """
+    node, path = -1, []
+    while True:
+        a = target_argmax[node + 1]
+        nxt = next((c for c in _children(parents, node) if draft_tokens[c] == a), None)
+        if nxt is None:
+            return VerifyResult([draft_tokens[i] for i in path] + [a], len(path), path)
+        path.append(nxt)
+        node = nxt
+
+
+def verify_tree_sampling(draft_tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,
+                         target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+    """Speculative sampling over a token tree. A node with one child drawn from q uses the
+    min(1, p/q) rule; a node with several children tries them in order as one-hot proposals —
+    accept child c with probability r(c) / Σ r, else zero r(c) and go on — and samples from the
+    remaining r if all are rejected (r starts at p). Either way the emitted token is distributed
+    as p, whatever produced the candidates.
+
+    Args:
+        draft_probs: ``[n, vocab]`` q per tree token (used only for single-child nodes), or None.
+        target_probs: ``[n + 1, vocab]``; row ``i + 1`` is the target after token i.
+    """
+    node, path = -1, []
+    while True:
+        p = target_probs[node + 1]
+        kids = _children(parents, node)
+        if len(kids) == 1 and draft_probs is not None:
+            c = kids[0]
+            tok = draft_tokens[c]
+            q_x = float(draft_probs[c, tok])
+            if q_x > 0 and float(torch.rand((), generator=generator, device=p.device)) < min(1.0, float(p[tok]) / q_x):
+                path.append(c)
+                node = c
+                continue
+            residual = (p - draft_probs[c].to(p.dtype)).clamp_min(0.0)
+        else:
+            residual = p.clone()
+            accepted = None
+            for c in kids:
+                total = float(residual.sum())
+                tok = draft_tokens[c]
+                if total > 0 and float(torch.rand((), generator=generator, device=p.device)) < float(residual[tok]) / total:
+                    accepted = c
+                    break
+                residual[tok] = 0.0
+            if accepted is not None:
+                path.append(accepted)
+                node = accepted
+                continue
+            if not kids:  # a leaf: the bonus token comes from p itself
+                residual = p
+        total = float(residual.sum())
+        if total <= 0.0:
+            residual, total = p, float(p.sum())
+        out = int(torch.multinomial(residual / total, 1, generator=generator))
+        return VerifyResult([draft_tokens[i] for i in path] + [out], len(path), path)
+
+
 def verify_batch(drafts: list[list[int]], draft_probs: list[torch.Tensor | None], params: list[SamplingParams],
                  generators: list[torch.Generator | None], logits: torch.Tensor, argmax: torch.Tensor,
-                 rows: list[int]) -> list[VerifyResult]:
+                 rows: list[int], parents: list[list[int] | None] | None = None) -> list[VerifyResult]:
     """Verify every sequence of one batched target forward.
 
     Args:
         drafts / draft_probs / params / generators: per sequence.
+        parents: per sequence, the token-tree parent indices (None: a chain).
         logits: ``[B, Q, vocab]`` float32 target logits of the forward over [last token + drafts].
         argmax: ``[B, Q]`` target argmax of the same forward.
         rows: each sequence's row in ``logits``.
@@ -109,7 +182,9 @@ def verify_batch(drafts: list[list[int]], draft_probs: list[torch.Tensor | None]
     if greedy:
         am = argmax.tolist()
         for i in greedy:
-            results[i] = verify_greedy(drafts[i], am[rows[i]][:len(drafts[i]) + 1])
+            tree = parents[i] if parents else None
+            row = am[rows[i]][:len(drafts[i]) + 1]
+            results[i] = verify_greedy(drafts[i], row) if tree is None else verify_tree_greedy(drafts[i], tree, row)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         dev = logits.device
@@ -125,5 +200,9 @@ def verify_batch(drafts: list[list[int]], draft_probs: list[torch.Tensor | None]
         ).view(len(sampled), width, -1)
         for j, i in enumerate(sampled):
             n = len(drafts[i])
-            results[i] = verify_sampling(drafts[i], draft_probs[i], probs[j, :n + 1], generators[i])
+            tree = parents[i] if parents else None
+            if tree is None:
+                results[i] = verify_sampling(drafts[i], draft_probs[i], probs[j, :n + 1], generators[i])
+            else:
+                results[i] = verify_tree_sampling(drafts[i], tree, draft_probs[i], probs[j, :n + 1], generators[i])
     return results  # type: ignore[return-value]

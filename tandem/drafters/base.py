@@ -47,17 +47,53 @@ class DraftProposal:
             (after the request's sampling transform), or None for a deterministic drafter
             (q is then one-hot at each token).
         features: ``[len(tokens), NUM_FEATURES]`` float32 predictor features per position.
+        top_tokens: ``[len(tokens), m]`` int64, the m most likely draft tokens at each position
+            (for branching at hard positions), or None.
+        parents: token-tree parent index of each token (-1: the sequence's last token), or
+            None for a chain.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None
     features: torch.Tensor
+    top_tokens: torch.Tensor | None = None
+    parents: list[int] | None = None
+
+    @property
+    def chain_length(self) -> int:
+        """Drafts before the first node that has siblings (all of them for a chain)."""
+        if self.parents is None:
+            return len(self.tokens)
+        return next((i for i, p in enumerate(self.parents) if self.parents.count(p) > 1), len(self.tokens))
 
     def truncated(self, n: int) -> "DraftProposal":
         """The first ``n`` drafts (a draft is only valid with every draft before it)."""
         if n >= len(self.tokens):
             return self
-        return DraftProposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.features[:n])
+        if self.parents is not None:
+            raise ValueError("truncate token trees by rebuilding them")
+        return DraftProposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.features[:n],
+                             None if self.top_tokens is None else self.top_tokens[:n])
+
+    def branched(self, n: int, m: int) -> "DraftProposal":
+        """Keep the first ``n`` drafts as a chain and branch position ``n + 1`` into its ``m``
+        most likely tokens (leaves of a small token tree), each verified as a one-hot proposal.
+
+        Raises:
+            ValueError: no ``top_tokens``, or ``n`` is not a drafted position.
+        """
+        if self.top_tokens is None or not 0 <= n < len(self.tokens):
+            raise ValueError("branching needs top_tokens at a drafted position")
+        cands = list(dict.fromkeys(self.top_tokens[n, :m].tolist()))  # unique, best first
+        chain = self.truncated(n)
+        probs = None
+        if chain.probs is not None:
+            onehot = torch.zeros(len(cands), chain.probs.shape[1], dtype=chain.probs.dtype, device=chain.probs.device)
+            onehot[torch.arange(len(cands)), torch.tensor(cands)] = 1.0
+            probs = torch.cat([chain.probs, onehot])
+        feats = torch.cat([chain.features, self.features[n:n + 1].expand(len(cands), -1)])
+        return DraftProposal(chain.tokens + cands, probs, feats, None,
+                             list(range(-1, n - 1)) + [n - 1] * len(cands))
 
     @staticmethod
     def empty() -> "DraftProposal":

@@ -79,7 +79,8 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, checkpoint: Checkpoint, config: RunnerConfig) -> None:
+    def __init__(self, checkpoint: Checkpoint, config: RunnerConfig, top_m: int = 4) -> None:
+        self.top_m = top_m  # candidates kept per position for hard-position branching
         self.runner = ModelRunner(checkpoint, replace(config, compile=False))
         self.cached: dict[int, list[int]] = {}  # slot -> tokens held in the draft cache
 
@@ -126,6 +127,7 @@ class DraftModelDrafter(Drafter):
         tokens: dict[int, list[int]] = {r.slot: [] for r in active}
         probs: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
         feats: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
+        tops: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
         live = list(active)
         for pos in range(1, max(r.max_draft for r in active) + 1):
             for r in live:
@@ -142,6 +144,7 @@ class DraftModelDrafter(Drafter):
                     probs[r.slot].append(q[0])
                 tokens[r.slot].append(tok)
                 feats[r.slot].append(distribution_features(q, pos))
+                tops[r.slot].append(q[0].topk(min(self.top_m, q.shape[-1])).indices.cpu())
             live = [r for r in live if len(tokens[r.slot]) < r.max_draft]
             if not live:
                 break
@@ -155,5 +158,5 @@ class DraftModelDrafter(Drafter):
                 result.append(DraftProposal.empty())
                 continue
             q = torch.stack(probs[r.slot]) if probs[r.slot] else None
-            result.append(DraftProposal(tokens[r.slot], q, torch.cat(feats[r.slot])))
+            result.append(DraftProposal(tokens[r.slot], q, torch.cat(feats[r.slot]), torch.stack(tops[r.slot])))
         return result

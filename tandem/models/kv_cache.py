@@ -100,6 +100,16 @@ class KVCache:
             raise ValueError(f"cannot truncate slot {slot} holding {self.lengths[slot]} tokens to {length}")
         self.lengths[slot] = length
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy K/V of positions ``src`` to ``dst`` in every layer of ``slot`` (token-tree
+        verification: the accepted branch moves to consecutive positions)."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        self.k[:, slot, :, d] = self.k[:, slot, :, s]
+        self.v[:, slot, :, d] = self.v[:, slot, :, s]
+
     def check_room(self, slot: int, num_new: int) -> None:
         """Raise CacheFullError when ``num_new`` more tokens do not fit in ``slot``."""
         if self.lengths[slot] + num_new > self.capacity:

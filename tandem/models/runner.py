@@ -98,10 +98,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forwards
 
-    def _forward_logits(self, packed: torch.Tensor, k_cache, v_cache, attn_len: int) -> StepOutput:
-        """``packed`` ``[B, Q + 2]`` int64: tokens, then start and q_len per row (one H2D copy)."""
-        q = packed.shape[1] - 2
-        hidden = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache, attn_len)
+    def _forward_logits(self, packed: torch.Tensor, k_cache, v_cache, attn_len: int, q: int) -> StepOutput:
+        """``packed`` int64 rows (one H2D copy): ``q`` tokens, start, q_len; for token trees also
+        ``q`` depths and the ``q x q`` visibility mask, flattened."""
+        depth = tree_mask = None
+        if packed.shape[1] > q + 2:
+            depth = packed[:, q + 2:2 * q + 2]
+            tree_mask = packed[:, 2 * q + 2:].reshape(packed.shape[0], q, q) > 0
+        hidden = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache, attn_len,
+                                           depth, tree_mask)
         logits = self.model.logits(hidden)
         return StepOutput(logits, logits.argmax(dim=-1))
 
@@ -172,12 +177,16 @@ class ModelRunner:
                         out[s] = hidden[s - lo, q - 1]
 
     @torch.inference_mode()
-    def step(self, tokens_per_slot: dict[int, list[int]]) -> StepOutput:
+    def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
             tokens_per_slot: slot -> tokens to append (ragged lengths; 1 for plain decoding,
                 1 + drafts for verification). Slots not named run as idle rows.
+            trees: slot -> parent index of each appended token (-1 for the first; a parent
+                precedes its children) for token-tree verification: a token sees only its
+                ancestors among the appended ones and is rotated for position ``length + depth``.
+                Slots without an entry are chains. Token j's K/V is stored at ``length + j``.
 
         Returns:
             ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
@@ -200,24 +209,27 @@ class ModelRunner:
         if self.config.cuda_graphs:
             n = _bucket(n, self.cache.num_slots)
             attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-        idle = [0] * (q + 2)
+        tree = bool(trees)
         rows = []
         for slot in range(n):
-            toks = tokens_per_slot.get(slot)
-            rows.append(idle if toks is None else toks + [0] * (q - len(toks)) + [self.cache.lengths[slot], len(toks)])
+            toks = tokens_per_slot.get(slot) or []
+            row = toks + [0] * (q - len(toks)) + [self.cache.lengths[slot] if toks else 0, len(toks)]
+            if tree:
+                row += _tree_columns(q, len(toks), (trees or {}).get(slot))
+            rows.append(row)
         packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
-            out = self._replay(n, q, attn_len, packed)
+            out = self._replay(n, q, attn_len, packed, tree)
         else:
-            out = self._forward(packed.to(self.device), self.cache.k[:, :n], self.cache.v[:, :n], attn_len)
+            out = self._forward(packed.to(self.device), self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
         return out
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> StepOutput:
-        key = (n, q, attn_len)
+    def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False) -> StepOutput:
+        key = (n, q, attn_len, tree)
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._capture(n, q, attn_len, packed)
@@ -238,7 +250,7 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             try:
                 for _ in range(2):
-                    forward(packed, k, v, attn_len)
+                    forward(packed, k, v, attn_len, q)
             except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
                 if forward is self._forward:
                     raise
@@ -246,11 +258,11 @@ class ModelRunner:
                 self._forward_compiled = None
                 forward = self._forward
                 for _ in range(2):
-                    forward(packed, k, v, attn_len)
+                    forward(packed, k, v, attn_len, q)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = forward(packed, k, v, attn_len)
+            out = forward(packed, k, v, attn_len, q)
         return _CapturedStep(graph, packed, out)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
@@ -260,9 +272,9 @@ class ModelRunner:
         for b in batch_sizes:
             nb = _bucket(b, self.cache.num_slots)
             for ctx in contexts:
-                if (nb, tokens_per_row, ctx) not in self._graphs:
+                if (nb, tokens_per_row, ctx, False) not in self._graphs:
                     packed = torch.zeros((nb, tokens_per_row + 2), dtype=torch.long)  # all rows idle
-                    self._graphs[(nb, tokens_per_row, ctx)] = self._capture(nb, tokens_per_row, ctx, packed)
+                    self._graphs[(nb, tokens_per_row, ctx, False)] = self._capture(nb, tokens_per_row, ctx, packed)
 
     @torch.inference_mode()
     def measure_step_ms(self, batch_size: int, tokens_per_row: int, context: int, iters: int = 30) -> float:
@@ -322,6 +334,25 @@ class _CapturedStep:
     graph: "torch.cuda.CUDAGraph"
     packed: torch.Tensor
     out: StepOutput
+
+
+def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
+    """Depth (``q``) and flattened visibility mask (``q * q``) columns of one row; padding and
+    idle positions see only themselves (finite, ignored)."""
+    if parents is None:
+        parents = list(range(-1, n - 1))  # a chain
+    if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"tree parents {parents} must name an earlier token (or -1) for each of {n} tokens")
+    depth = [0] * q
+    mask = [[0] * q for _ in range(q)]
+    for i in range(q):
+        mask[i][i] = 1
+    for i in range(n):
+        p = parents[i]
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            mask[i][:i] = mask[p][:i]
+    return depth + [x for row in mask for x in row]
 
 
 def _bucket(n: int, limit: int) -> int:

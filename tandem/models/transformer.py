@@ -133,7 +133,8 @@ class Transformer(nn.Module):
                 p.copy_(t.to(p.dtype))
 
     def forward_hidden(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_len: int) -> torch.Tensor:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, attn_len: int,
+                       depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append ``tokens`` to the cache rows and return final-norm hidden states.
 
         Args:
@@ -143,6 +144,11 @@ class Transformer(nn.Module):
             k_cache, v_cache: ``[num_layers, B, kv_heads, capacity + 1, head_dim]`` views of the
                 cache rows this batch runs on (the last position is the scratch row).
             attn_len: cache positions to attend over; must be >= max(start + q_lens).
+            depth: ``[B, Q]`` int64 position offset of each new token (token tree verification:
+                siblings share a depth); default ``0..Q-1`` (a chain).
+            tree_mask: ``[B, Q, Q]`` bool, ``tree_mask[b, i, j]`` = new token i may attend new
+                token j (itself and its ancestors); default causal. K/V of new token j are always
+                written at cache position ``start + j``, rotated for position ``start + depth``.
 
         Returns:
             ``[B, Q, d]`` hidden states after the final RMSNorm.
@@ -151,15 +157,22 @@ class Transformer(nn.Module):
         g = self.config.group_size
         scratch = k_cache.shape[3] - 1
         offs = torch.arange(Q, device=tokens.device)
-        pos = start[:, None] + offs[None, :]  # [B, Q]
+        slot_pos = start[:, None] + offs[None, :]  # [B, Q]: where each new token's K/V lives
         real = offs[None, :] < q_lens[:, None]
-        write_pos = torch.where(real, pos, torch.full_like(pos, scratch))
+        write_pos = torch.where(real, slot_pos, torch.full_like(slot_pos, scratch))
         rows = torch.arange(B, device=tokens.device)[:, None].expand(B, Q)
+        pos = slot_pos if depth is None else start[:, None] + depth
         rope_pos = pos.clamp(max=self.max_positions - 1)
         cos = self.rope_cos[rope_pos].to(self.embed.weight.dtype)
         sin = self.rope_sin[rope_pos].to(self.embed.weight.dtype)
         keys = torch.arange(attn_len, device=tokens.device)
-        mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]: causal over each row's cache
+        if tree_mask is None:
+            mask = keys[None, None, :] <= slot_pos[:, :, None]  # [B, Q, L]: causal over each row's cache
+        else:
+            rel = keys[None, :] - start[:, None]  # [B, L]: key index among the new tokens
+            is_new = (rel >= 0) & (rel < Q)
+            new_vis = tree_mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, attn_len))
+            mask = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_vis)
         mask = mask.repeat(1, g, 1).unsqueeze(1)  # [B, 1, g*Q, L], matches the folded query rows
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
