@@ -12,14 +12,45 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True)
 
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _fail(msg: str) -> None:
-    console.print(f"[red]error:[/red] {msg}")
+    """Print a one-line error to stderr and exit 2."""
+    from rich.markup import escape
+
+    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     sys.exit(2)
+
+
+def _unescape(s: str) -> str:
+    """Turn the escapes a shell passes literally (\\n, \\t, \\r, \\\\) into characters."""
+    out, i = [], 0
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    while i < len(s):
+        if s[i] == "\\" and i + 1 < len(s) and s[i + 1] in table:
+            out.append(table[s[i + 1]])
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+class _Group(click.Group):
+    """Turns the errors a user can cause into one-line messages (exit 2) instead of tracebacks."""
+
+    def invoke(self, ctx):
+        from .errors import ConfigError, InvalidRequestError
+        from .models.config import ModelLoadError
+
+        try:
+            return super().invoke(ctx)
+        except (InvalidRequestError, ModelLoadError, ConfigError) as exc:
+            _fail(str(exc))
 
 
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
@@ -73,7 +104,7 @@ dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default=
                             help="auto = bfloat16 on GPU, float32 on CPU.")
 
 
-@click.group()
+@click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Log engine events.")
 def main(verbose: bool) -> None:
     """Tandem: lossless speculative decoding for LLM serving."""
@@ -92,7 +123,7 @@ def main(verbose: bool) -> None:
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
@@ -113,10 +144,14 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         _fail("give exactly one of --prompt or --prompts-file")
     if compare and (prompts_file is None or drafter == "none"):
         _fail("--compare needs --prompts-file and a --drafter")
+    if prompt is not None and not prompt.strip():
+        _fail("prompt is empty")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(stop))
+                                seed=seed, stop=tuple(_unescape(x) for x in stop))
         records = load_prompts(prompts_file, limit) if prompts_file else None
+        if records is not None and not records:
+            _fail("the prompts file has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype, drafter=drafter,
                          draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     except (InvalidRequestError, ModelLoadError) as exc:
@@ -174,7 +209,7 @@ def _print_results(engine, records, results, wall: float) -> None:
              f"batch <= {engine.max_running}"
              + (f", drafter {engine.drafter.name}, k={engine.num_draft_tokens})" if spec_on else ", target-only)"))
     table = Table(title=title)
-    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms", "tok/s"]
+    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "tok/s"]
     if spec_on:
         cols += ["drafted", "accepted", "accept rate", "mean acc len"]
     for col in cols:
@@ -299,6 +334,8 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
     except InvalidRequestError as exc:
         _fail(str(exc))
         return
+    if not records:
+        _fail("the prompts file has no prompts")
     engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_, dtype)
     rc = engine.runner_config
     console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
@@ -326,7 +363,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
         m = min(len(toks), len(base))
         same = sum(a == b for a, b in zip(toks[:m], base[:m]))
         table.add_row(r.system, str(r.batch_size), str(r.prompts), str(r.output_tokens), f"{r.tps:.1f}",
-                      f"{r.ttft_p50_ms:.1f}", f"{r.tpot_p50_ms:.2f}", f"{r.tpot_p99_ms:.2f}", f"{r.peak_mem_gib:.2f}",
+                      f"{r.ttft_p50_ms:.1f}", f"{r.tpot_p50_ms:.2f}", f"{r.tpot_p99_ms:.2f}", f"{r.peak_mem_gib:.2f}" if rc.device.startswith("cuda") else "-",
                       f"{same}/{m}")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -50,9 +50,11 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         elif isinstance(row, dict) and "prompt" in row:
             text = row["prompt"]
         else:
-            raise InvalidRequestError(f"{p}:{lineno}: expected a 'turns' list or a 'prompt' field")
+            raise InvalidRequestError(f"{p}:{lineno}: expected a non-empty 'turns' list or a 'prompt' field")
         if not isinstance(text, str):
             raise InvalidRequestError(f"{p}:{lineno}: the prompt is not a string")
+        if not text.strip():
+            raise InvalidRequestError(f"{p}:{lineno}: the prompt is empty")
         records.append(PromptRecord(str(row.get("question_id", row.get("id", lineno))), str(row.get("category", "-")), text))
         if limit is not None and len(records) >= limit:
             break

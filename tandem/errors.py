@@ -6,3 +6,7 @@ class InvalidRequestError(ValueError):
 
     Services map it to HTTP 400 / gRPC INVALID_ARGUMENT; it never affects other requests.
     """
+
+
+class ConfigError(ValueError):
+    """A bad engine setting (unknown device, CUDA asked for on a machine without it, ...)."""

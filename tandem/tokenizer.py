@@ -16,6 +16,15 @@ from .models.weights import Checkpoint
 log = logging.getLogger(__name__)
 
 
+def check_utf8(text: str) -> None:
+    """Raise InvalidRequestError when ``text`` cannot be encoded as UTF-8 (lone surrogates, e.g.
+    from undecodable bytes on a command line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"prompt is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
+
+
 class Tokenizer:
     """Text <-> token ids for one checkpoint, plus its chat template and stop ids.
 
@@ -30,7 +39,12 @@ class Tokenizer:
         self.vocab_size = len(hf_tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize plain text (no special tokens added)."""
+        """Tokenize plain text (no special tokens added).
+
+        Raises:
+            InvalidRequestError: ``text`` is not valid UTF-8.
+        """
+        check_utf8(text)
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -52,6 +66,7 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidRequestError("each message needs string 'role' and 'content'")
+            check_utf8(m["content"])
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
 
@@ -62,12 +77,17 @@ def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from .models.config import ModelLoadError
+
     hf_logging.set_verbosity_error()
     path = Path(checkpoint.path)
-    if checkpoint.is_gguf:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
-        hf = AutoTokenizer.from_pretrained(str(path))
+    try:
+        if checkpoint.is_gguf:
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types (ValueError, OSError, KeyError...)
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from None
     if not getattr(hf, "chat_template", None) and checkpoint.chat_template:
         hf.chat_template = checkpoint.chat_template
     eos = list(checkpoint.config.eos_token_ids)

@@ -56,10 +56,25 @@ class RunnerConfig:
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
-    """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager."""
+    """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager.
+
+    Raises:
+        ConfigError: an unknown device, or CUDA on a machine without it.
+    """
+    from ..errors import ConfigError
+
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_gpu = device.startswith("cuda")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {device!r} is not available here (torch {torch.__version__}, "
+                          f"{torch.cuda.device_count()} CUDA devices)")
+    on_gpu = dev.type == "cuda"
     base = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
                 max_batch_size=64 if on_gpu else 8, cuda_graphs=on_gpu, compile=on_gpu)
     base.update({k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,58 @@
+"""CLI boundary: user errors are one line on stderr with exit status 2, never a traceback."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tandem.cli import _unescape, main
+
+
+@pytest.fixture()
+def run():
+    def invoke(*args):
+        return CliRunner().invoke(main, list(args))
+    return invoke
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--prompt", "   "], "prompt is empty"),
+    (["generate", "--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
+    (["generate", "--prompt", "hi", "--model", "/nonexistent"], "does not exist"),
+    (["bench", "--model", "/nonexistent", "--no-hf-baseline"], "does not exist"),
+    (["bench", "--batch-sizes", "abc"], "--batch-sizes must be positive integers"),
+    (["generate", "--prompts-file", "/nonexistent/[bold]x[/bold].jsonl"], "[bold]x[/bold]"),
+    (["generate", "--prompt", "hi", "--drafter", "draft-model"], "needs --draft-model"),
+    (["generate"], "give exactly one of --prompt or --prompts-file"),
+])
+def test_user_errors_are_one_line(run, args, message):
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_prompts_file_errors_name_the_line(run, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": "  "}) + "\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and f"{f}:2: the prompt is empty" in res.stderr
+    f.write_text("\n\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and "no prompts" in res.stderr
+
+
+def test_device_cuda_without_cuda_is_a_clear_error(run):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    res = run("generate", "--prompt", "hi", "--device", "cuda")
+    assert res.exit_code == 2 and "is not available here" in res.stderr
+
+
+def test_unescape_stop_strings():
+    assert _unescape(r"a\nb") == "a\nb"
+    assert _unescape(r"\t\r\\n") == "\t\r\\n"
+    assert _unescape("plain ü") == "plain ü"
+    assert _unescape("trailing\\") == "trailing\\"
