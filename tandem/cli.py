@@ -53,8 +53,33 @@ class _Group(click.Group):
             _fail(str(exc))
 
 
+def _policy(predictor, tau, branch_top_m):
+    """DraftPolicy from CLI options (None when no predictor is given)."""
+    from .control import DraftPolicy, TauController
+    from .errors import ConfigError
+    from .predictor import AcceptancePredictor
+
+    if predictor is None:
+        if branch_top_m:
+            raise ConfigError("--branch-top-m needs --predictor")
+        return None
+    try:
+        model = AcceptancePredictor.load(predictor)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    if tau == "auto":
+        return DraftPolicy(model.predict, controller=TauController(), branch_top_m=branch_top_m)
+    try:
+        value = float(tau)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
+    return DraftPolicy(model.predict, tau=value, branch_top_m=branch_top_m)
+
+
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
-            drafter="none", draft_model=None, num_draft_tokens=4):
+            drafter="none", draft_model=None, num_draft_tokens=4, predictor=None, tau="auto", branch_top_m=0):
     """Build an Engine (and its drafter) from CLI options. Raises ModelLoadError / InvalidRequestError."""
     import torch
 
@@ -77,7 +102,10 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
         draft = DraftModelDrafter(load_draft_checkpoint(draft_model, checkpoint), cfg)
     else:
         draft = None
-    return Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens)
+    policy = _policy(predictor, tau, branch_top_m)
+    if policy is not None and draft is None:
+        raise InvalidRequestError("--predictor needs a --drafter")
+    return Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens, draft_policy=policy)
 
 
 model_option = click.option("--model", "model", default=None, metavar="PATH",
@@ -91,6 +119,13 @@ drafter_options = [
                       "tokenizer, or truncate:N (the target's first N layers)."),
     click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
                  help="Draft tokens per sequence per round (k)."),
+    click.option("--predictor", default=None, metavar="PATH",
+                 help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor); "
+                      "draft lengths follow it under tau."),
+    click.option("--tau", default="auto", show_default=True,
+                 help="Threshold on predicted acceptance: a number in [0, 1], or auto (learned online)."),
+    click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,
+                 help="Hard-position enhancement: verify the top-m candidates where tau cuts a draft (draft-model)."),
 ]
 
 
@@ -133,7 +168,8 @@ def main(verbose: bool) -> None:
                    "the speedup and how many outputs are identical.")
 @dtype_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
-             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, compare, dtype) -> None:
+             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+             compare, dtype) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from .data import load_prompts
     from .errors import InvalidRequestError
@@ -153,7 +189,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         if records is not None and not records:
             _fail("the prompts file has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype, drafter=drafter,
-                         draft_model=draft_model, num_draft_tokens=num_draft_tokens)
+                         draft_model=draft_model, num_draft_tokens=num_draft_tokens, predictor=predictor, tau=tau,
+                         branch_top_m=branch_top_m)
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
@@ -311,9 +348,14 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
+@click.option("--ablation", is_flag=True,
+              help="Context-aware drafting ablation (fixed k, random length, entropy threshold, predictor, full "
+                   "system) instead of the target-only sweep; needs --drafter and --predictor.")
+@with_drafter_options
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write results.json here.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, model, device, cuda_graphs,
-          compile_, max_seq_len, dtype, out) -> None:
+          compile_, max_seq_len, dtype, ablation, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+          out) -> None:
     """Target-only greedy throughput of the engine (and HF generate) on Spec-Bench prompts."""
     import json
     from pathlib import Path
@@ -336,6 +378,10 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
         return
     if not records:
         _fail("the prompts file has no prompts")
+    if ablation:
+        _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
+                        drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out)
+        return
     engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_, dtype)
     rc = engine.runner_config
     console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
@@ -374,6 +420,58 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
     console.print(table)
 
 
+def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
+                    drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out) -> None:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from .bench.ablation import run_ablation
+    from .data import round_robin_by_category
+    from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from .models.runner import default_runner_config
+    from .models.weights import load_checkpoint
+    from .predictor import AcceptancePredictor
+    from .tokenizer import load_tokenizer
+
+    if drafter == "none" or predictor is None:
+        _fail("--ablation needs --drafter and --predictor (tandem collect-logs, then tandem train predictor)")
+    if len(sizes) != 1:
+        _fail("--ablation runs one batch size; pass a single --batch-sizes value")
+    cfg = default_runner_config(device, max_batch_size=sizes[0], max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
+                                compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+    ck = load_checkpoint(model)
+    if drafter == "draft-model":
+        if not draft_model:
+            _fail("--drafter draft-model needs --draft-model")
+        draft_ck = load_draft_checkpoint(draft_model, ck)
+        make = lambda: DraftModelDrafter(draft_ck, cfg)  # noqa: E731
+    else:
+        make = NgramDrafter
+    try:
+        pred = AcceptancePredictor.load(predictor)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    prompts = [r.text for r in round_robin_by_category(records, limit)]
+    rows = run_ablation(ck, load_tokenizer(ck), cfg, make, pred, prompts, max_tokens=max_tokens,
+                        k=num_draft_tokens, batch_size=sizes[0], branch_top_m=max(branch_top_m, 2),
+                        progress=lambda name: err_console.print(f"running {name}", highlight=False))
+    table = Table(title=f"Context-aware drafting ablation ({drafter}, k={num_draft_tokens}, batch {sizes[0]}, "
+                        f"{len(prompts)} prompts, greedy)")
+    for col in ("configuration", "TPS", "speedup", "acceptance rate", "mean accepted length", "drafted", "identical"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    for r in rows:
+        table.add_row(r.name, f"{r.tps:.1f}", f"{r.speedup:.2f}x", _fmt(r.acceptance_rate, ".3f"),
+                      f"{r.mean_accepted_length:.2f}", str(r.drafted), f"{r.identical}/{r.prompts}")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "ablation.json").write_text(json.dumps({"device": cfg.device, "rows": [r.to_dict() for r in rows]},
+                                                            indent=2))
+    console.print(table)
+
+
 def torch_device_name(device: str) -> str:
     import torch
 
@@ -391,8 +489,8 @@ def torch_device_name(device: str) -> str:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
-def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, max_tokens,
-                 batch_size, max_seq_len) -> None:
+def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, predictor, tau,
+                 branch_top_m, max_tokens, batch_size, max_seq_len) -> None:
     """Run speculative decoding and record, per drafted position, the predictor features and the
     label (accepted 1, first rejected 0; later positions unlabelled)."""
     import numpy as np
@@ -409,7 +507,7 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
     try:
         prompts = load_prompts(prompts_file, limit)
         engine = _engine(model, device, batch_size, max_seq_len, drafter=drafter, draft_model=draft_model,
-                         num_draft_tokens=num_draft_tokens)
+                         num_draft_tokens=num_draft_tokens, predictor=predictor, tau=tau, branch_top_m=branch_top_m)
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
