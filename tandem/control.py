@@ -38,7 +38,9 @@ class CostModel:
     @classmethod
     def measure(cls, runner, batch_sizes: Sequence[int], max_tokens_per_row: int, context: int = 512,
                 iters: int = 10, draft_step_ms: float = 0.0) -> "CostModel":
-        """Time ``runner.measure_step_ms`` for every (b, q), q = 1..max_tokens_per_row."""
+        """Time ``runner.measure_step_ms`` for every (b, q), q = 1..max_tokens_per_row (the
+        context is capped so it fits the runner's cache)."""
+        context = max(0, min(context, runner.cache.capacity - max_tokens_per_row))
         table = {b: {q: runner.measure_step_ms(b, q, context, iters) for q in range(1, max_tokens_per_row + 1)}
                  for b in batch_sizes if b <= runner.cache.num_slots}
         return cls(table, draft_step_ms)

@@ -185,3 +185,61 @@ def _clean_engines(request):
     for name in ("real_engine", "tiny_engine"):
         if name in request.fixturenames:
             reset_engine(request.getfixturevalue(name))
+
+
+# ----------------------------------------------------------------------------- small-vocabulary checkpoints
+
+SMALL_VOCAB = 32  # vocabulary of ``small_vocab_checkpoint`` models: "<eos>" (id 0), then "w1" .. "w31"
+
+
+def _small_vocab_tokenizer():
+    """A word-level tokenizer over ``SMALL_VOCAB`` tokens: id 0 is "<eos>", id i is "w{i}"."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>"] + [f"w{i}" for i in range(1, SMALL_VOCAB)]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_checkpoint(tmp_path_factory):
+    """Factory: ``small_vocab_checkpoint(seed=0, logit_scale=1.0)`` writes (once per argument set)
+    a random 2-layer llama over a ``SMALL_VOCAB``-token vocabulary, with its own word-level
+    tokenizer saved beside it (so ``Engine(path)`` loads both), and returns the directory.
+
+    ``logit_scale`` multiplies the LM head: above 1 the next-token distributions get peakier
+    (spread over a few tokens, far from uniform and far from one-hot at 1.0 .. 2.0).
+    ``perturb > 0`` adds ``perturb`` x N(0, 1) noise (seeded by ``perturb_seed``) to every weight:
+    a draft model correlated with the ``seed`` model, as a trained draft would be.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    made: dict[tuple, Path] = {}
+
+    def make(seed: int = 0, logit_scale: float = 1.0, perturb: float = 0.0, perturb_seed: int = 1) -> Path:
+        key = (seed, logit_scale, perturb, perturb_seed if perturb else None)
+        if key in made:
+            return made[key]
+        cfg = _hf_config("llama", SMALL_VOCAB, False, dict(eos_token_id=0, bos_token_id=None))
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _randomize(model, seed)
+        gen = torch.Generator().manual_seed(perturb_seed)
+        with torch.no_grad():
+            if perturb:
+                for p in model.parameters():
+                    p.add_(perturb * torch.randn(p.shape, generator=gen))
+            model.lm_head.weight.mul_(logit_scale)
+        d = tmp_path_factory.mktemp(f"small-vocab-{seed}")
+        model.save_pretrained(d)
+        _small_vocab_tokenizer().save_pretrained(d)
+        made[key] = d
+        return d
+
+    return make

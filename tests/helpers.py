@@ -48,3 +48,35 @@ def edit_config(d: Path, **changes) -> None:
         else:
             cfg[k] = v
     path.write_text(json.dumps(cfg))
+
+
+def chi_square_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson goodness-of-fit p-value of observed ``counts`` against ``probs``.
+
+    Cells with expected count below ``min_expected`` are pooled into one cell; an observation in
+    a cell of probability 0 gives p-value 0.
+    """
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    probs = probs / probs.sum()
+    n = counts.sum()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    expected = probs * n
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if obs.numel() < 2:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def total_variation(counts, probs) -> float:
+    """Total-variation distance between the empirical distribution of ``counts`` and ``probs``."""
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    return 0.5 * float((counts / counts.sum() - probs / probs.sum()).abs().sum())

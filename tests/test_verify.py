@@ -1,0 +1,345 @@
+"""Speculative decoding building blocks, without the engine: n-gram lookup, greedy and
+speculative-sampling verification, metrics, drafter features, draft checkpoint checks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from helpers import chi_square_pvalue, total_variation
+
+from tandem.drafters import (NUM_FEATURES, DraftRequest, NgramDrafter, distribution_features, load_draft_checkpoint,
+                             ngram_lookup, truncated_checkpoint)
+from tandem.drafters.base import one_hot_features
+from tandem.drafters.draft_model import check_compatible
+from tandem.metrics import SpecDecodeStats
+from tandem.models import ModelLoadError, load_checkpoint
+from tandem.sampling import SamplingParams
+from tandem.verify import verify_batch, verify_greedy, verify_sampling
+
+
+def test_chi_square_helper_sanity():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    assert chi_square_pvalue([500, 300, 200], p) == pytest.approx(1.0)
+    assert chi_square_pvalue([300, 300, 400], p) < 1e-10
+    assert chi_square_pvalue([0, 0, 1], torch.tensor([0.5, 0.5, 0.0])) == 0.0
+    # chi-square with 2 degrees of freedom: survival function is exp(-x / 2)
+    counts = [520, 290, 190]
+    stat = sum((o - e) ** 2 / e for o, e in zip(counts, [500, 300, 200]))
+    assert chi_square_pvalue(counts, p) == pytest.approx(math.exp(-stat / 2), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- n-gram lookup
+
+
+def _arr(*xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.int64)
+
+
+def test_ngram_longest_match_wins():
+    # suffix [1, 2, 3]: the 3-gram occurs at 0 (-> 7); the 1-gram [3] occurs later at 6 (-> 9)
+    toks = _arr(1, 2, 3, 7, 8, 5, 3, 9, 1, 2, 3)
+    assert ngram_lookup(toks, max_n=3, min_n=1, k=2) == [7, 8]
+    assert ngram_lookup(toks, max_n=1, min_n=1, k=2) == [9, 1]  # only 1-grams: the most recent [3]
+
+
+def test_ngram_most_recent_occurrence():
+    toks = _arr(4, 5, 10, 4, 5, 11, 4, 5, 12, 4, 5)
+    assert ngram_lookup(toks, max_n=2, min_n=2, k=1) == [12]
+    assert ngram_lookup(toks, max_n=2, min_n=1, k=3) == [12, 4, 5]
+
+
+def test_ngram_no_match_is_empty():
+    assert ngram_lookup(_arr(1, 2, 3, 4, 5), max_n=4, min_n=1, k=4) == []
+    # the 1-gram [5] recurs, but min_n = 2 forbids using it
+    assert ngram_lookup(_arr(5, 6, 7, 5), max_n=3, min_n=2, k=4) == []
+    assert ngram_lookup(_arr(5, 6, 7, 5), max_n=3, min_n=1, k=4) == [6, 7, 5]
+
+
+def test_ngram_k_cap_and_end_of_sequence():
+    toks = _arr(1, 2, 3, 4, 5, 6, 1)
+    assert ngram_lookup(toks, max_n=4, min_n=1, k=3) == [2, 3, 4]
+    assert ngram_lookup(toks, max_n=4, min_n=1, k=1) == [2]
+    assert ngram_lookup(toks, max_n=4, min_n=1, k=100) == [2, 3, 4, 5, 6, 1]
+    # the continuation of the most recent match runs into the end of the sequence: fewer than k
+    assert ngram_lookup(_arr(1, 1, 1, 1), max_n=3, min_n=1, k=4) == [1]
+
+
+def test_ngram_sequences_shorter_than_the_window():
+    assert ngram_lookup(_arr(7), max_n=4, min_n=1, k=4) == []
+    assert ngram_lookup(_arr(7, 7), max_n=4, min_n=1, k=4) == [7]
+    assert ngram_lookup(_arr(7, 8), max_n=4, min_n=1, k=4) == []
+    assert ngram_lookup(_arr(7, 8, 7), max_n=4, min_n=3, k=4) == []
+
+
+def test_ngram_drafter_requests():
+    d = NgramDrafter(max_n=3, min_n=1)
+    sp = SamplingParams()
+    reqs = [DraftRequest(0, [1, 2, 3, 1], 2, sp), DraftRequest(1, [1, 2, 3, 1], 0, sp),
+            DraftRequest(2, [9], 4, sp), DraftRequest(3, [1, 2, 3], 4, sp)]
+    props = d.propose(reqs)
+    assert [p.tokens for p in props] == [[2, 3], [], [], []]
+    assert all(p.probs is None for p in props)
+    for p in props:
+        assert p.features.shape == (len(p.tokens), NUM_FEATURES)
+    torch.testing.assert_close(props[0].features, torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 2]]))
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=2, min_n=3)
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=2, min_n=0)
+
+
+# ----------------------------------------------------------------------------- greedy verification
+
+
+def test_verify_greedy():
+    r = verify_greedy([5, 6, 7], [5, 6, 7, 8])
+    assert r.tokens == [5, 6, 7, 8] and r.num_accepted == 3
+    r = verify_greedy([5, 6, 7], [5, 9, 7, 8])
+    assert r.tokens == [5, 9] and r.num_accepted == 1
+    r = verify_greedy([5, 6, 7], [4, 6, 7, 8])
+    assert r.tokens == [4] and r.num_accepted == 0
+    r = verify_greedy([], [3])
+    assert r.tokens == [3] and r.num_accepted == 0
+    assert len(r.tokens) == r.num_accepted + 1
+    with pytest.raises(ValueError):
+        verify_greedy([1, 2], [1, 2])
+    with pytest.raises(ValueError):
+        verify_greedy([], [])
+
+
+def test_verify_batch_rows_and_mixed_params():
+    """Sequences map to their own logits rows (slots); greedy rows ignore the generator."""
+    vocab = 6
+    logits = torch.full((3, 4, vocab), -10.0)
+    # slot 0: argmax 1, 2, 3, 4; slot 2: argmax 5, 5, 0, 0; slot 1 is an idle row
+    for pos, tok in enumerate([1, 2, 3, 4]):
+        logits[0, pos, tok] = 10.0
+    for pos, tok in enumerate([5, 5, 0, 0]):
+        logits[2, pos, tok] = 10.0
+    argmax = logits.argmax(-1)
+    greedy = SamplingParams()
+    top1 = SamplingParams(temperature=1.0, top_k=1)  # sampling that can only pick the argmax
+    res = verify_batch([[1, 2, 0], [5, 0]], [None, None], [greedy, top1],
+                       [None, torch.Generator().manual_seed(0)], logits, argmax, rows=[0, 2])
+    assert res[0].tokens == [1, 2, 3] and res[0].num_accepted == 2
+    assert res[1].tokens == [5, 5] and res[1].num_accepted == 1
+    res = verify_batch([[1, 2, 0], [5, 0]], [None, None], [top1, greedy],
+                       [torch.Generator().manual_seed(0), None], logits, argmax, rows=[0, 2])
+    assert res[0].tokens == [1, 2, 3] and res[1].tokens == [5, 5]
+
+
+# ----------------------------------------------------------------------------- speculative sampling
+
+P = torch.tensor([0.05, 0.40, 0.00, 0.25, 0.20, 0.10])  # target at the first position
+P_NEXT = torch.tensor([0.30, 0.05, 0.15, 0.00, 0.10, 0.40])  # target at the second position
+Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.20, 0.10])  # draft (puts mass where p has none)
+Q_NEXT = torch.tensor([0.10, 0.10, 0.10, 0.40, 0.10, 0.20])
+TRIALS = 12_000
+
+
+def _run_sampling(draft_fn, target_probs, trials=TRIALS, seed=0):
+    """Counts of the first emitted token, of the second given the first draft was accepted,
+    and of the number accepted."""
+    vocab = target_probs.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    accepted = torch.zeros(target_probs.shape[0])
+    for _ in range(trials):
+        toks, q = draft_fn(gen)
+        r = verify_sampling(toks, q, target_probs, gen)
+        assert len(r.tokens) == r.num_accepted + 1
+        assert r.tokens[:r.num_accepted] == toks[:r.num_accepted]
+        first[r.tokens[0]] += 1
+        if r.num_accepted >= 1:
+            second[r.tokens[1]] += 1
+        accepted[r.num_accepted] += 1
+    return first, second, accepted
+
+
+def _check(counts, probs, what):
+    pv = chi_square_pvalue(counts, probs)
+    assert pv > 1e-4, f"{what}: p-value {pv:.2e}, TV {total_variation(counts, probs):.3f}, counts {counts.tolist()}"
+
+
+def test_verify_sampling_with_draft_probs_emits_target_distribution():
+    qs = torch.stack([Q, Q_NEXT])
+    target = torch.stack([P, P_NEXT, Q])  # bonus row: anything
+
+    def draft(gen):
+        toks = [int(torch.multinomial(qs[i], 1, generator=gen)) for i in range(2)]
+        return toks, qs
+
+    first, second, accepted = _run_sampling(draft, target)
+    _check(first, P, "first token")
+    _check(second, P_NEXT, "second token given the first draft accepted")
+    # P(first draft accepted) = sum_x min(p(x), q(x))
+    alpha = float(torch.minimum(P, Q).sum())
+    assert abs(float(accepted[1:].sum()) / TRIALS - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / TRIALS)
+    assert first[2] == 0  # p(2) = 0: never emitted, although the draft proposes it a quarter of the time
+
+
+@pytest.mark.parametrize("draft_token", [1, 2, 5])  # likely, impossible (p = 0), unlikely under p
+def test_verify_sampling_one_hot_draft_emits_target_distribution(draft_token):
+    target = torch.stack([P, P_NEXT])
+    first, _, accepted = _run_sampling(lambda gen: ([draft_token], None), target)
+    _check(first, P, f"first token with the deterministic draft {draft_token}")
+    assert abs(float(accepted[1]) / TRIALS - float(P[draft_token])) < 4 * math.sqrt(0.25 / TRIALS) + 1e-9
+
+
+def test_verify_sampling_one_hot_drafts_chain():
+    """Deterministic two-token drafts: the first emitted token ~ p, the second (after an accepted
+    first draft) ~ the target's next row; all drafts accepted -> bonus from the last row."""
+    target = torch.stack([P, P_NEXT, Q_NEXT])
+    first, second, accepted = _run_sampling(lambda gen: ([3, 5], None), target)
+    _check(first, P, "first token")
+    _check(second, P_NEXT, "second token")
+    assert abs(float(accepted[2]) / TRIALS - float(P[3] * P_NEXT[5])) < 0.02
+
+
+def test_verify_sampling_exact_cases():
+    gen = torch.Generator().manual_seed(0)
+    one_hot = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), 6).float()
+    for _ in range(50):
+        r = verify_sampling([3, 1], None, one_hot, gen)  # p one-hot on the draft: always accepted
+        assert r.tokens == [3, 1, 4] and r.num_accepted == 2
+        r = verify_sampling([3, 2], None, one_hot, gen)  # p(2) = 0 at the second position: rejected
+        assert r.tokens == [3, 1] and r.num_accepted == 1
+        r = verify_sampling([3, 1], one_hot[:2], one_hot, gen)  # p == q: always accepted
+        assert r.num_accepted == 2
+    r = verify_sampling([], None, one_hot[2:], gen)  # no drafts: one token from p
+    assert r.tokens == [4] and r.num_accepted == 0
+    with pytest.raises(ValueError):
+        verify_sampling([1, 2], None, one_hot[:2], gen)
+    with pytest.raises(ValueError):
+        verify_sampling([1, 2], one_hot[:1], one_hot, gen)
+
+
+def test_verify_sampling_reproducible_with_seed():
+    qs = torch.stack([Q, Q_NEXT])
+    target = torch.stack([P, P_NEXT, Q])
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(123)
+        runs.append([verify_sampling([1, 0], qs, target, gen).tokens for _ in range(30)])
+    assert runs[0] == runs[1]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_spec_decode_stats_record():
+    st = SpecDecodeStats()
+    assert st.mean_accepted_length == 1.0 and math.isnan(st.acceptance_rate) and st.kappa == 1.0
+    st.record(drafted=4, accepted=2, emitted=3)
+    st.record(drafted=2, accepted=2, emitted=3)
+    st.record(drafted=0, accepted=0, emitted=1)
+    assert (st.num_steps, st.num_emitted, st.num_drafted, st.num_accepted) == (3, 7, 6, 4)
+    assert st.drafted_per_pos == [2, 2, 1, 1]
+    assert st.accepted_per_pos == [2, 2, 0, 0]
+    assert st.acceptance_per_pos == [1.0, 1.0, 0.0, 0.0]
+    assert st.acceptance_rate == pytest.approx(4 / 6)
+    assert st.mean_accepted_length == pytest.approx(7 / 3) and st.kappa == st.mean_accepted_length
+    d = st.to_dict()
+    assert d["num_steps"] == 3 and d["mean_accepted_length"] == pytest.approx(7 / 3)
+    assert d["acceptance_per_pos"] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_spec_decode_stats_merge():
+    a, b = SpecDecodeStats(), SpecDecodeStats()
+    a.record(2, 1, 2)
+    b.record(4, 3, 4)
+    b.record(1, 0, 1)
+    total = SpecDecodeStats()
+    total.merge(a)
+    total.merge(b)
+    assert (total.num_steps, total.num_emitted, total.num_drafted, total.num_accepted) == (3, 7, 7, 4)
+    assert total.drafted_per_pos == [3, 2, 1, 1]
+    assert total.accepted_per_pos == [2, 1, 1, 0]
+    # merging in the other order (shorter into longer) gives the same counters
+    other = SpecDecodeStats()
+    other.merge(b)
+    other.merge(a)
+    assert other == total
+    # merging an empty record changes nothing; a no-speculation run has tau = 1
+    total.merge(SpecDecodeStats())
+    assert total.num_steps == 3
+    plain = SpecDecodeStats()
+    for _ in range(5):
+        plain.record(0, 0, 1)
+    assert plain.mean_accepted_length == 1.0 and math.isnan(plain.acceptance_rate)
+    assert plain.acceptance_per_pos == []
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def test_distribution_features_values():
+    vocab = 8
+    uniform = torch.full((1, vocab), 1 / vocab)
+    one_hot = torch.nn.functional.one_hot(torch.tensor([3]), vocab).float()
+    two = torch.tensor([[0.7, 0.2, 0.1, 0, 0, 0, 0, 0]])
+    f = distribution_features(torch.cat([uniform, one_hot, two]), start_position=2)
+    assert f.shape == (3, NUM_FEATURES) and f.dtype == torch.float32
+    torch.testing.assert_close(f[0], torch.tensor([math.log(vocab), 1 / vocab, 0.0, 2.0]))
+    torch.testing.assert_close(f[1], torch.tensor([0.0, 1.0, 1.0, 3.0]))
+    h = -(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1))
+    torch.testing.assert_close(f[2], torch.tensor([h, 0.7, 0.5, 4.0]))
+    assert distribution_features(torch.zeros(0, vocab)).shape == (0, NUM_FEATURES)
+    # a one-token vocabulary has no second choice: margin = top-1
+    torch.testing.assert_close(distribution_features(torch.ones(2, 1)),
+                               torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 2.0]]))
+
+
+def test_one_hot_features_match_distribution_features():
+    n, vocab = 3, 5
+    one_hot = torch.nn.functional.one_hot(torch.tensor([0, 4, 2]), vocab).float()
+    torch.testing.assert_close(one_hot_features(n), distribution_features(one_hot))
+    assert one_hot_features(0).shape == (0, NUM_FEATURES)
+
+
+# ----------------------------------------------------------------------------- draft checkpoints
+
+
+def test_truncated_checkpoint(tiny_checkpoint):
+    ck = load_checkpoint(tiny_checkpoint("llama"))
+    assert ck.config.num_layers == 2
+    for bad in (0, -1, 2, 3):
+        with pytest.raises(ModelLoadError, match="1..1 layers"):
+            truncated_checkpoint(ck, bad)
+    t = truncated_checkpoint(ck, 1)
+    assert t.config.num_layers == 1 and t.config.vocab_size == ck.config.vocab_size
+    assert not any(k.startswith("layers.1.") for k in t.tensors)
+    assert all(t.tensors[k] is ck.tensors[k] for k in t.tensors)  # shared, not copied
+    assert {k for k in ck.tensors if not k.startswith("layers.1.")} == set(t.tensors)
+    assert load_draft_checkpoint("truncate:1", ck).config.num_layers == 1
+    for spec in ("truncate:x", "truncate:", "truncate:1.5"):
+        with pytest.raises(ModelLoadError, match="truncate:N"):
+            load_draft_checkpoint(spec, ck)
+    with pytest.raises(ModelLoadError):
+        load_draft_checkpoint("truncate:2", ck)
+
+
+def test_check_compatible(tiny_checkpoint, small_vocab_checkpoint, tmp_path):
+    small = load_checkpoint(tiny_checkpoint("llama"))  # vocab TINY_VOCAB
+    other = load_checkpoint(tiny_checkpoint("llama", seed=1))
+    check_compatible(other, small)  # same vocabulary and special ids
+    mismatch = small_vocab_checkpoint()  # vocab SMALL_VOCAB
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        check_compatible(load_checkpoint(mismatch), small)
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        load_draft_checkpoint(str(mismatch), small)
+    assert load_draft_checkpoint(str(tiny_checkpoint("llama", seed=1)), small).config.vocab_size == 1000
+    eos = replace(other, config=replace(other.config, eos_token_ids=(5,)))
+    base = replace(small, config=replace(small.config, eos_token_ids=(7,)))
+    with pytest.raises(ModelLoadError, match="EOS"):
+        check_compatible(eos, base)
+    bos = replace(other, config=replace(other.config, bos_token_id=1))
+    with pytest.raises(ModelLoadError, match="BOS"):
+        check_compatible(bos, replace(small, config=replace(small.config, bos_token_id=2)))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_draft_checkpoint(str(tmp_path / "missing"), small)
