@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+log = logging.getLogger("tandem")
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
@@ -511,7 +512,19 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
-    engine.verification_sink = records.append
+    from .state import StateStoreUnavailable, open_store
+
+    store = open_store()  # TANDEM_REDIS_URL set: the logs also go to the capped Redis stream
+
+    def sink(record) -> None:
+        records.append(record)
+        x, y = record.labelled()
+        try:
+            store.append_log(f"vlog:{record.drafter}", {"features": x.tolist(), "labels": y.tolist()})
+        except StateStoreUnavailable as exc:
+            log.warning("verification log not streamed: %s", exc)
+
+    engine.verification_sink = sink
     results, wall = _run_file(engine, prompts, SamplingParams(max_tokens=max_tokens), True, desc="collecting")
     if not records:
         _fail("no drafts were verified; nothing to log")

@@ -12,9 +12,12 @@ probabilities p_1..p_n is ``E(n) = 1 + Σ_{i≤n} Π_{j≤i} p_j`` (the 1 is the
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -263,12 +266,24 @@ class DraftPolicy:
         branch_top_m: hard-position enhancement: where τ cut a draft, verify the m most likely
             tokens of that position together as leaves of a small token tree (0/1: off). The
             extra tokens count against ``max_total_tokens``.
+        store, store_key: share the τ controller's state through a ``tandem.state`` store (router
+            replicas): loaded at start, saved every ``sync_every`` rounds. A store that is down
+            is logged and skipped; τ keeps learning locally.
     """
 
     def __init__(self, score, controller: TauController | None = None, cost: CostModel | None = None,
                  tau: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
-                 branch_top_m: int = 0) -> None:
+                 branch_top_m: int = 0, store=None, store_key: str = "tau", sync_every: int = 32) -> None:
         self.branch_top_m = branch_top_m
+        self.store, self.store_key, self.sync_every = store, store_key, sync_every
+        self._rounds = 0
+        if store is not None and controller is not None:
+            state = self._store_call(store.get_json, store_key)
+            if state:
+                try:
+                    controller.load_state_dict(state)
+                except (KeyError, ValueError) as exc:
+                    log.warning("ignoring τ state in the store (%s)", exc)
         self.score = score
         self.controller = controller
         self.cost = cost
@@ -312,6 +327,18 @@ class DraftPolicy:
         """Feed one round's outcome to the τ controller."""
         if self.controller is not None:
             self.controller.observe(emitted_tokens, round_ms, tau=self._tau_used)
+            self._rounds += 1
+            if self.store is not None and self._rounds % self.sync_every == 0:
+                self._store_call(self.store.set_json, self.store_key, self.controller.state_dict())
+
+    def _store_call(self, fn, *args):
+        from .state import StateStoreUnavailable
+
+        try:
+            return fn(*args)
+        except StateStoreUnavailable as exc:
+            log.warning("state store unavailable, τ stays local: %s", exc)
+            return None
 
 
 def entropy_score(features):

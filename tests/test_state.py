@@ -82,3 +82,32 @@ def test_open_store_picks_backend(monkeypatch):
     assert isinstance(open_store(), InMemoryStore)
     monkeypatch.setenv("TANDEM_REDIS_URL", REDIS_URL)
     assert isinstance(open_store(), RedisStore)
+
+
+def test_draft_policy_shares_tau_state_through_the_store(store):
+    import torch
+
+    from tandem.control import DraftPolicy
+
+    a = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.5), controller=TauController(), store=store,
+                    store_key="tau:test", sync_every=4)
+    feats = [torch.zeros(3, 4)]
+    for i in range(8):
+        a.lengths(feats)
+        a.observe(1 + i % 3, 1.0)
+    saved = store.get_json("tau:test")
+    assert saved is not None and sum(saved["counts"]) > 0
+    b = DraftPolicy(lambda f: f[:, 0], controller=TauController(), store=store, store_key="tau:test")
+    assert b.controller.state_dict() == saved  # a second replica starts from the shared state
+
+
+def test_draft_policy_keeps_working_when_the_store_is_down():
+    import torch
+
+    from tandem.control import DraftPolicy
+
+    dead = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.1)
+    pol = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.9), controller=TauController(), store=dead, sync_every=1)
+    assert pol.lengths([torch.zeros(2, 4)]) in ([2], [0], [1])
+    pol.observe(2, 1.0)  # logs a warning, does not raise
+    assert sum(pol.controller.counts) == 1
