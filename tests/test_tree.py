@@ -1,0 +1,114 @@
+"""Token-tree verification (hard-position enhancement): the tree attention pass, greedy and
+sampling verification over trees, KV moves of the accepted branch, and lossless engine output."""
+
+import pytest
+import torch
+from helpers import chi_square_pvalue, make_runner, our_logits
+
+from tandem.control import DraftPolicy
+from tandem.drafters import DraftModelDrafter, DraftProposal
+from tandem.engine import Engine
+from tandem.models import load_checkpoint
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+from tandem.verify import verify_tree_greedy, verify_tree_sampling
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint("llama"))
+
+
+def test_tree_forward_matches_each_root_to_leaf_path(tiny):
+    """One pass over the tree [r, a, b | c under a | d under r] gives every node the logits of a
+    plain causal run of its root-to-node path."""
+    prefix, (r, a, b, c, d) = [11, 12, 13], [21, 22, 23, 24, 25]
+    runner = make_runner(tiny, slots=2, max_seq_len=64)
+    slot = runner.cache.allocate()
+    runner.prefill({slot: prefix})
+    tokens, parents = [r, a, b, c, d], [-1, 0, 1, 1, 0]
+    got = runner.step({slot: tokens}, {slot: parents}).logits[slot, :5]
+    paths = {0: [r], 1: [r, a], 2: [r, a, b], 3: [r, a, c], 4: [r, d]}
+    for node, path in paths.items():
+        want = our_logits(runner, prefix + path)[-1]
+        torch.testing.assert_close(got[node], want, atol=1e-4, rtol=0)
+
+
+def test_kv_move_then_continue_equals_a_fresh_run(tiny):
+    """Accept the branch r -> d (tree index 4), move its K/V next to r, roll back, keep decoding:
+    the logits equal a fresh run of prefix + [r, d, e]."""
+    prefix, r, a, b, d, e = [5, 6, 7], 31, 32, 33, 34, 35
+    runner = make_runner(tiny, slots=2, max_seq_len=64)
+    slot = runner.cache.allocate()
+    runner.prefill({slot: prefix})
+    start = runner.cache.lengths[slot]
+    runner.step({slot: [r, a, b, d]}, {slot: [-1, 0, 1, 0]})
+    runner.cache.move(slot, [start + 3], [start + 1])  # d sat at start + 3, belongs at start + 1
+    runner.cache.truncate(slot, start + 2)
+    got = runner.step({slot: [e]}).logits[slot, 0]
+    want = our_logits(runner, prefix + [r, d, e])[-1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_tree_greedy_follows_the_matching_child():
+    # tree: 0 (root child) -> 1 -> {2, 3}; target argmax rows: root, 0, 1, 2, 3
+    drafts, parents = [7, 8, 9, 10], [-1, 0, 1, 1]
+    res = verify_tree_greedy(drafts, parents, [7, 8, 10, 99, 55])
+    assert res.tokens == [7, 8, 10, 55] and res.num_accepted == 3 and res.path == [0, 1, 3]
+    res = verify_tree_greedy(drafts, parents, [4, 8, 10, 99, 55])
+    assert res.tokens == [4] and res.num_accepted == 0 and res.path == []
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_tree_sampling_emits_tokens_distributed_as_p(with_q):
+    """Root with three one-hot candidates (and q rows that must be ignored at a branching node):
+    the first emitted token follows p exactly."""
+    V = 6
+    p = torch.tensor([0.05, 0.30, 0.25, 0.20, 0.15, 0.05])
+    target = torch.stack([p] + [torch.full((V,), 1 / V)] * 3)
+    drafts, parents = [1, 2, 4], [-1, -1, -1]
+    q = torch.softmax(torch.randn(3, V), -1) if with_q else None
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    first = torch.tensor([verify_tree_sampling(drafts, parents, q, target, g).tokens[0] for _ in range(n)])
+    counts = torch.bincount(first, minlength=V)
+    assert chi_square_pvalue(counts, p.double()) > 1e-4, counts
+
+
+def test_branched_proposal_shape():
+    feats = torch.arange(12, dtype=torch.float32).view(3, 4)
+    top = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    prop = DraftProposal([5, 8, 11], torch.softmax(torch.randn(3, 20), -1), feats, top)
+    tree = prop.branched(1, 3)
+    assert tree.tokens == [5, 8, 9, 10] and tree.parents == [-1, 0, 0, 0]
+    assert tree.chain_length == 1 and tree.probs.shape == (4, 20)
+    assert tree.probs[1:].argmax(-1).tolist() == [8, 9, 10] and tree.probs[1:].sum(-1).tolist() == [1.0, 1.0, 1.0]
+    root = prop.branched(0, 2)
+    assert root.tokens == [5, 6] and root.parents == [-1, -1] and root.chain_length == 0
+    with pytest.raises(ValueError):
+        DraftProposal([1], None, feats[:1]).branched(0, 2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_branching_is_lossless_greedy_and_runs_sampled(tiny_checkpoint, temperature):
+    target_dir = str(tiny_checkpoint("llama", with_tokenizer=True))
+    draft = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, seed=1))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
+    base = Engine(target_dir, cfg)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [3, 4], [7] * 10]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, seed=3)
+    # position 1 looks easy, later ones hard: keep one draft, branch position 2 into 3 leaves
+    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)
+    eng = Engine(target_dir, cfg, tokenizer=base.tokenizer, drafter=DraftModelDrafter(draft, cfg),
+                 num_draft_tokens=4, draft_policy=DraftPolicy(score, tau=0.5, branch_top_m=3))
+    ids = [eng.add_request(prompt_ids=p, params=params) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    got = [eng.completion(i) for i in ids]
+    assert all(len(c.token_ids) == 20 for c in got)
+    assert eng.stats.num_drafted >= 3 * eng.stats.num_steps  # the trees really were verified
+    if temperature == 0.0:
+        ref = [base.add_request(prompt_ids=p, params=params) for p in prompts]
+        while base.has_unfinished():
+            base.step()
+        assert [c.token_ids for c in got] == [base.completion(i).token_ids for i in ref]
