@@ -5,6 +5,7 @@ failures, streaming, draft-cache rollback, and the CLI."""
 from __future__ import annotations
 
 import json
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -602,19 +603,24 @@ SAMPLING_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def sampling_setup(small_vocab_checkpoint):
-    """Target (vocab 32), a correlated draft model, a prompt holding every token (so the n-gram
-    drafter always finds a match), and the target's exact next-token logits after every
-    continuation of up to SAMPLING_DEPTH - 1 tokens (computed with Hugging Face + a KV cache)."""
+    """Target (vocab 32), a correlated draft model, a prompt, and the target's exact next-token
+    logits after every continuation of up to SAMPLING_DEPTH - 1 tokens (Hugging Face + KV cache).
+
+    The prompt holds every token (the n-gram drafter always finds a match) followed by the
+    target's own greedy continuation (so n-gram drafts are sometimes accepted)."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
     target_dir = small_vocab_checkpoint(seed=0, logit_scale=1.5)
     draft_dir = small_vocab_checkpoint(seed=0, logit_scale=1.5, perturb=0.02)
+    target = Engine(str(target_dir), RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64))
     prompt = torch.randperm(SMALL_VOCAB, generator=torch.Generator().manual_seed(0)).tolist() + [5, 9, 17]
+    prompt += run(target, [(prompt, SamplingParams(max_tokens=16, ignore_eos=True))])[0].token_ids
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     logits = []  # logits[t]: [V] * t + [V] next-token logits after prompt + t tokens
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames past_key_values
         out = model(torch.tensor([prompt]), use_cache=True)
         logits.append(out.logits[0, -1].float())
         for t in range(1, SAMPLING_DEPTH):
@@ -625,7 +631,6 @@ def sampling_setup(small_vocab_checkpoint):
                 cache.batch_repeat_interleave(chunk.shape[0])
                 rows.append(model(chunk, past_key_values=cache, use_cache=True).logits[:, -1].float())
             logits.append(torch.cat(rows).view(*([SMALL_VOCAB] * t), SMALL_VOCAB))
-    target = Engine(str(target_dir), RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64))
     return target, load_checkpoint(draft_dir), prompt, logits
 
 
@@ -677,8 +682,10 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)
     # speculation really happened, with both accepted and rejected drafts at every position
     st = eng.stats
-    assert st.num_drafted > SAMPLING_N
-    assert all(0.05 < a < 0.95 for a in st.acceptance_per_pos), st.acceptance_per_pos
+    assert st.num_drafted > SAMPLING_N and len(st.acceptance_per_pos) == k
+    assert 0.05 < st.acceptance_per_pos[0] < 0.95, st.acceptance_per_pos
+    low = 0.05 if drafter == "draft-model" else 0.0  # n-gram drafts rarely survive two positions
+    assert all(low < a < 0.95 for a in st.acceptance_per_pos), st.acceptance_per_pos
     marginals, pair = exact_distributions(logits, params)
     check_distributions(samples, marginals, pair, f"{drafter}, {config}")
 
