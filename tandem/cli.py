@@ -106,7 +106,13 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     policy = _policy(predictor, tau, branch_top_m)
     if policy is not None and draft is None:
         raise InvalidRequestError("--predictor needs a --drafter")
-    return Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens, draft_policy=policy)
+    engine = Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens, draft_policy=policy)
+    if policy is not None:  # the verifier cost model T(b, q), measured at start-up, drives the batch allocation
+        from .control import CostModel
+
+        sizes = sorted({1, cfg.max_batch_size})
+        policy.cost = CostModel.measure(engine.runner, sizes, num_draft_tokens + max(branch_top_m, 1) + 1, iters=3)
+    return engine
 
 
 model_option = click.option("--model", "model", default=None, metavar="PATH",

@@ -219,7 +219,8 @@ def tiny_requests(tiny):
                tok.encode(long_text)[60:90]]
     assert [len(p) for p in prompts] == [1, 2, len(repetitive), 40, 60, 25, 5, 30]
     max_tokens = [24, 24, 24, 24, 24, 2, 1, 17]
-    return [(p, SamplingParams(max_tokens=m, ignore_eos=(i % 2 == 0))) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    return [(p, SamplingParams(max_tokens=m, ignore_eos=(i % 2 == 0)))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 
 @pytest.fixture(scope="module")
@@ -403,11 +404,13 @@ def test_stop_string_inside_accepted_run(tiny, oracle_setup):
 
 
 def test_ngram_prompt_shorter_than_window(tiny):
-    eng = make_engine(tiny, Recorder(NgramDrafter(max_n=4, min_n=1)))
+    rec = Recorder(NgramDrafter(max_n=4, min_n=1))
+    eng = make_engine(tiny, rec)
     reqs = [([t], SamplingParams(max_tokens=12, ignore_eos=True)) for t in (9906, 13)]
     reqs += [([13, 13], SamplingParams(max_tokens=12, ignore_eos=True))]
     assert_same_outputs(run(eng, reqs), run(tiny, reqs))
     assert_same_outputs(run_alone(eng, reqs), run_alone(tiny, reqs))
+    assert min(known for _, known, _, _ in rec.asks) == 2  # asked with fewer tokens than max_n + 1
 
 
 # ----------------------------------------------------------------------------- context limit
@@ -472,6 +475,77 @@ def test_flaky_draft_model_recovers(tiny, tiny_drafters, tiny_requests):
     assert sum(c.spec.num_accepted for c in got) > 0
     check_drained(eng)
     assert inner.inner.cached == {}
+
+
+class MalformedDrafter(Drafter):
+    """Returns proposals the engine cannot verify as they are (a buggy or remote drafter)."""
+
+    name = "malformed"
+
+    def __init__(self, kind: str, vocab: int) -> None:
+        self.kind, self.vocab = kind, vocab
+
+    def propose(self, requests):
+        if self.kind == "too-few-proposals":
+            return []
+        out = []
+        for r in requests:
+            if r.max_draft < 2:
+                out.append(DraftProposal.empty())
+            elif self.kind == "token-out-of-vocab":
+                out.append(DraftProposal([self.vocab + 5], None, one_hot_features(1)))
+            elif self.kind == "negative-token":
+                out.append(DraftProposal([-1], None, one_hot_features(1)))
+            else:  # "probs-shape": q rows do not match the drafts
+                out.append(DraftProposal([1, 2], torch.full((1, self.vocab), 1 / self.vocab), one_hot_features(2)))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["too-few-proposals", "token-out-of-vocab", "negative-token", "probs-shape"])
+def test_malformed_drafter_output_falls_back_to_target_only(tiny, tiny_requests, tiny_reference, kind):
+    """Drafts that cannot be verified are a drafter failure like an exception: the engine drops
+    them and decodes target-only (same output), instead of failing the whole batch's step."""
+    eng = make_engine(tiny, MalformedDrafter(kind, tiny.checkpoint.config.vocab_size))
+    reqs = tiny_requests[:4] + [(p, replace(sp, temperature=0.9, seed=7)) for p, sp in tiny_requests[4:]]
+    expected = tiny_reference[:4] + run(tiny, reqs[4:])
+    got = run(eng, reqs)
+    assert_same_outputs(got, expected)
+    assert all(c.spec.num_accepted == 0 for c in got)
+
+
+def test_engine_rejects_bad_num_draft_tokens(tiny):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        make_engine(tiny, NgramDrafter(), k=0)
+    make_engine(tiny, None, k=0)  # no drafter: k is unused
+
+
+def test_seeded_speculative_sampling_reproducible_across_batches(tiny, tiny_drafters, tiny_requests, tiny_reference):
+    """Greedy and seeded sampled requests share a batch: greedy outputs stay exactly target-only,
+    and each sampled output depends on its seed only, not on what else is in the batch."""
+    eng = make_engine(tiny, tiny_drafters["draft-truncated"](tiny.runner_config))
+    sampled = [(p, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=11 + i, ignore_eos=True))
+               for i, (p, _) in enumerate(tiny_requests[:4])]
+    mixed = [r for pair in zip(tiny_requests[:4], sampled) for r in pair]
+    got = run(eng, mixed)
+    assert_same_outputs(got[0::2], tiny_reference[:4])
+    alone = run_alone(eng, sampled)
+    assert_same_outputs(got[1::2], alone)
+    assert sum(c.spec.num_accepted for c in got[1::2]) > 0
+    assert any(a.token_ids != b.token_ids for a, b in zip(alone, run_alone(eng, [(p, replace(sp, seed=sp.seed + 100))
+                                                                                 for p, sp in sampled])))
+
+
+def test_abort_releases_draft_model_slots(tiny, tiny_drafters):
+    drafter = tiny_drafters["draft-truncated"](tiny.runner_config)
+    eng = make_engine(tiny, drafter)
+    stream = eng.stream("hello there", SamplingParams(max_tokens=40, ignore_eos=True))
+    other = eng.add_request(prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        next(stream)
+    assert len(drafter.cached) == 2
+    stream.close()  # aborts the streamed request
+    eng.abort(other)
+    check_drained(eng)
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -624,7 +698,8 @@ def sampling_setup(small_vocab_checkpoint):
         out = model(torch.tensor([prompt]), use_cache=True)
         logits.append(out.logits[0, -1].float())
         for t in range(1, SAMPLING_DEPTH):
-            ctx = torch.cartesian_prod(*[torch.arange(SMALL_VOCAB)] * t) if t > 1 else torch.arange(SMALL_VOCAB)[:, None]
+            tokens = torch.arange(SMALL_VOCAB)
+            ctx = torch.cartesian_prod(*[tokens] * t) if t > 1 else tokens[:, None]  # [V ** t, t], row-major
             rows = []
             for chunk in ctx.split(4096):
                 cache = copy.deepcopy(out.past_key_values)
@@ -680,14 +755,14 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     d = DraftModelDrafter(draft_ck, target.runner_config) if drafter == "draft-model" else NgramDrafter()
     eng = Engine(target.checkpoint, target.runner_config, tokenizer=target.tokenizer, drafter=d, num_draft_tokens=k)
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)
+    marginals, pair = exact_distributions(logits, params)
+    check_distributions(samples, marginals, pair, f"{drafter}, {config}")
     # speculation really happened, with both accepted and rejected drafts at every position
     st = eng.stats
     assert st.num_drafted > SAMPLING_N and len(st.acceptance_per_pos) == k
     assert 0.05 < st.acceptance_per_pos[0] < 0.95, st.acceptance_per_pos
     low = 0.05 if drafter == "draft-model" else 0.0  # n-gram drafts rarely survive two positions
     assert all(low < a < 0.95 for a in st.acceptance_per_pos), st.acceptance_per_pos
-    marginals, pair = exact_distributions(logits, params)
-    check_distributions(samples, marginals, pair, f"{drafter}, {config}")
 
 
 def test_target_only_sampling_matches_exact_distribution(sampling_setup):
@@ -766,7 +841,8 @@ def test_greedy_identical_real(real_engine, real_requests, real_reference, real_
 def test_oracle_real(real_engine, real_requests, real_reference, mode):
     """Long accepted runs on the real model (5-token verification forwards) reproduce target-only
     decoding exactly; with the noisy oracle, after partial acceptance and rollback too."""
-    oracle = OracleDrafter(sequences(real_requests, real_reference), mode=mode, vocab=real_engine.checkpoint.config.vocab_size)
+    oracle = OracleDrafter(sequences(real_requests, real_reference), mode=mode,
+                           vocab=real_engine.checkpoint.config.vocab_size)
     with drafting(real_engine, oracle) as eng:
         got = run(eng, real_requests)
     assert_same_outputs(got, real_reference)
@@ -788,60 +864,47 @@ def prompts_file(tmp_path):
     return path
 
 
-@pytest.mark.slow
-def test_cli_generate_compare(real_checkpoint, prompts_file, monkeypatch):
+def cli(*args: str):
     from click.testing import CliRunner
 
-    import tandem.models.weights as weights
     from tandem.cli import main
+
+    return CliRunner().invoke(main, ["generate", *args])
+
+
+@pytest.mark.slow
+def test_cli_generate_compare(real_checkpoint, prompts_file, monkeypatch):
+    """The bundled model (the session's already loaded copy), n-gram drafter, --compare."""
+    import tandem.models.weights as weights
 
     load = weights.load_checkpoint
     monkeypatch.setattr(weights, "load_checkpoint", lambda path=None: real_checkpoint if path is None else load(path))
-    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
-                                       "--drafter", "ngram", "--compare", "--max-seq-len", "512", "--batch-size", "2"])
-    assert result.exit_code == 0, result.output
-    assert "speedup" in result.output
-    assert "2/2" in result.output  # identical outputs
+    res = cli("--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8", "--drafter", "ngram",
+              "--compare", "--max-seq-len", "512", "--batch-size", "2")
+    assert res.exit_code == 0, res.output
+    assert "speedup" in res.stdout
+    assert "2/2" in res.stdout  # identical outputs
 
 
 def test_cli_generate_compare_tiny_draft_model(tiny_checkpoint, prompts_file):
-    from click.testing import CliRunner
-
-    from tandem.cli import main
-
-    model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
-                                       "--model", model, "--drafter", "draft-model", "--draft-model", "truncate:1",
-                                       "--compare", "--max-seq-len", "256"])
-    assert result.exit_code == 0, result.output
-    assert "speedup" in result.output and "2/2" in result.output
+    res = cli("--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
+              "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--max-seq-len", "256",
+              "--drafter", "draft-model", "--draft-model", "truncate:1", "--compare")
+    assert res.exit_code == 0, res.output
+    assert "speedup" in res.stdout and "2/2" in res.stdout
 
 
 @pytest.mark.parametrize("args, message", [
     (["--drafter", "draft-model"], "needs --draft-model"),
     (["--drafter", "draft-model", "--draft-model", "truncate:5"], "1..1 layers"),
     (["--drafter", "draft-model", "--draft-model", "truncate:two"], "truncate:N"),
+    (["--drafter", "draft-model", "--draft-model", "SMALL_VOCAB_MODEL"], "vocabulary"),
     (["--compare"], "--compare needs"),
 ])
-def test_cli_drafter_errors(tiny_checkpoint, prompts_file, args, message):
-    from click.testing import CliRunner
-
-    from tandem.cli import main
-
-    model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
-                                       "--model", model, *args])
-    assert result.exit_code != 0
-    assert message in result.output
-    assert "Traceback" not in result.output
-
-
-def test_cli_draft_model_vocab_mismatch(tiny_checkpoint, small_vocab_checkpoint, prompts_file):
-    from click.testing import CliRunner
-
-    from tandem.cli import main
-
-    model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    result = CliRunner().invoke(main, ["generate", "--prompts-file", str(prompts_file), "--model", model,
-                                       "--drafter", "draft-model", "--draft-model", str(small_vocab_checkpoint())])
-    assert result.exit_code != 0 and "vocabulary" in result.output
+def test_cli_drafter_errors(tiny_checkpoint, small_vocab_checkpoint, prompts_file, args, message):
+    args = [str(small_vocab_checkpoint()) if a == "SMALL_VOCAB_MODEL" else a for a in args]
+    res = cli("--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
+              "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), *args)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr
+    assert "Traceback" not in res.output
