@@ -393,19 +393,14 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
     rc = engine.runner_config
     console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
     results, outputs = [], {}
-    for b in sizes:
-        n = limit if b == 1 else max(limit, 2 * b)
-        res, toks = bench_engine(engine, round_robin_by_category(records, n), b, max_tokens)
-        results.append(res)
-        outputs[("tandem", b)] = toks
-        console.print(f"tandem batch {b}: {res.tps:.1f} tok/s ({res.output_tokens} tokens, {res.wall_s:.2f} s)")
-    if hf_baseline:
+    systems = [("tandem", bench_engine, limit)] + ([("hf-generate", bench_hf_generate, hf_limit)] if hf_baseline else [])
+    for system, run_bench, batch1_prompts in systems:
         for b in sizes:
-            n = hf_limit if b == 1 else max(limit, 2 * b)
-            res, toks = bench_hf_generate(engine, round_robin_by_category(records, n), b, max_tokens)
+            n = batch1_prompts if b == 1 else max(limit, 2 * b)
+            res, toks = run_bench(engine, round_robin_by_category(records, n), b, max_tokens)
             results.append(res)
-            outputs[("hf-generate", b)] = toks
-            console.print(f"hf-generate batch {b}: {res.tps:.1f} tok/s")
+            outputs[(system, b)] = toks
+            console.print(f"{system} batch {b}: {res.tps:.1f} tok/s ({res.output_tokens} tokens, {res.wall_s:.2f} s)")
     table = Table(title="Target-only greedy decoding (Spec-Bench prompts)")
     for col in ("system", "batch", "prompts", "out tok", "TPS", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms",
                 "peak GiB", "same as batch 1"):
