@@ -305,7 +305,18 @@ class Engine:
         except Exception:  # a failing drafter costs speed, never output: decode target-only this round
             log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
             return [DraftProposal.empty() for _ in reqs]
-        proposals = [p if len(p.tokens) <= a.max_draft else DraftProposal.empty() for p, a in zip(proposals, asks)]
+        if len(proposals) != len(asks):
+            log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
+                      self.drafter.name, len(proposals), len(asks))
+            return [DraftProposal.empty() for _ in reqs]
+        vocab = self.checkpoint.config.vocab_size
+
+        def usable(p: DraftProposal, a: DraftRequest) -> bool:  # malformed drafter output is dropped, not fatal
+            n = len(p.tokens)
+            return (n <= a.max_draft and all(0 <= t < vocab for t in p.tokens)
+                    and (p.probs is None or tuple(p.probs.shape) == (n, vocab)))
+
+        proposals = [p if usable(p, a) else DraftProposal.empty() for p, a in zip(proposals, asks)]
         if self.draft_policy is not None:
             proposals = self.draft_policy.apply(proposals)
         return proposals

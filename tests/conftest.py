@@ -207,9 +207,10 @@ def _small_vocab_tokenizer():
 
 @pytest.fixture(scope="session")
 def small_vocab_checkpoint(tmp_path_factory):
-    """Factory: ``small_vocab_checkpoint(seed=0, logit_scale=1.0)`` writes (once per argument set)
-    a random 2-layer llama over a ``SMALL_VOCAB``-token vocabulary, with its own word-level
-    tokenizer saved beside it (so ``Engine(path)`` loads both), and returns the directory.
+    """Factory: ``small_vocab_checkpoint(seed=0, logit_scale=1.0, perturb=0.0, perturb_seed=1)``
+    writes (once per argument set) a random 2-layer llama over a ``SMALL_VOCAB``-token vocabulary,
+    with its own word-level tokenizer saved beside it (so ``Engine(path)`` loads both), and
+    returns the directory.
 
     ``logit_scale`` multiplies the LM head: above 1 the next-token distributions get peakier
     (spread over a few tokens, far from uniform and far from one-hot at 1.0 .. 2.0).

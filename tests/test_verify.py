@@ -343,3 +343,9 @@ def test_check_compatible(tiny_checkpoint, small_vocab_checkpoint, tmp_path):
         check_compatible(bos, replace(small, config=replace(small.config, bos_token_id=2)))
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_draft_checkpoint(str(tmp_path / "missing"), small)
+
+
+def test_ngram_in_a_loop_proposes_a_full_draft():
+    # the most recent match of [17, 17] ends at the sequence's end; an earlier one has k tokens after it
+    toks = _arr(3, 17, 17, 17, 17, 17, 17)
+    assert ngram_lookup(toks, max_n=2, min_n=1, k=3) == [17, 17, 17]

@@ -1,7 +1,8 @@
 """N-gram drafter: prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` speculator).
 
 Matches the last n tokens (n from ``max_n`` down to ``min_n``) against the earlier sequence
-(prompt and generated text) and proposes what followed the most recent earlier match. q is
+(prompt and generated text) and proposes what followed the most recent earlier match that has
+a full continuation (else the earliest match). q is
 one-hot, so speculative sampling accepts draft token x with probability p(x).
 """
 
@@ -13,7 +14,9 @@ from .base import DraftProposal, DraftRequest, Drafter, one_hot_features
 
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
-    """Continuation of the most recent earlier occurrence of the longest matching suffix.
+    """Continuation of an earlier occurrence of the longest matching suffix: the most recent one
+    that still has ``k`` tokens after it, else the earliest (in a loop the most recent match ends
+    just before the sequence's end and would propose almost nothing).
 
     Args:
         tokens: ``[T]`` int64 sequence.
@@ -30,7 +33,8 @@ def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         hits = hits[hits + n < T]  # a continuation must exist
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= T]
+            start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
 
