@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/tandem generate --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 128 --batch-size 8 --drafter ngram --num-draft-tokens 4 --compare
+	$(VENV)/bin/tandem generate --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 64 --batch-size 8 --drafter ngram --num-draft-tokens 4 --compare
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

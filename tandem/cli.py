@@ -55,27 +55,35 @@ class _Group(click.Group):
 
 
 def _policy(predictor, tau, branch_top_m):
-    """DraftPolicy from CLI options (None when no predictor is given)."""
+    """DraftPolicy from CLI options (None when no predictor is given).
+
+    Raises:
+        ConfigError: a bad --tau, --branch-top-m or --tau without --predictor, or an unreadable predictor.
+    """
     from .control import DraftPolicy, TauController
     from .errors import ConfigError
     from .predictor import AcceptancePredictor
 
+    value = None
+    if tau != "auto":
+        try:
+            value = float(tau)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
     if predictor is None:
         if branch_top_m:
             raise ConfigError("--branch-top-m needs --predictor")
+        if value is not None:
+            raise ConfigError("--tau needs --predictor")
         return None
     try:
         model = AcceptancePredictor.load(predictor)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    if tau == "auto":
+    except Exception as exc:  # missing file, not safetensors, not a predictor
+        raise ConfigError(f"cannot load predictor {predictor!r}: {exc}") from None
+    if value is None:
         return DraftPolicy(model.predict, controller=TauController(), branch_top_m=branch_top_m)
-    try:
-        value = float(tau)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
     return DraftPolicy(model.predict, tau=value, branch_top_m=branch_top_m)
 
 
@@ -94,6 +102,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
                                 cuda_graphs=cuda_graphs, compile=compile_,
                                 dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     checkpoint = load_checkpoint(model)
+    if draft_model and drafter != "draft-model":
+        raise InvalidRequestError("--draft-model needs --drafter draft-model")
     if drafter == "ngram":
         draft = NgramDrafter()
     elif drafter == "draft-model":
@@ -211,7 +221,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         sys.stdout.write("\n")
         if engine.drafter is not None:
             st = engine.stats
-            console.print(f"[dim]{engine.drafter.name}: acceptance rate {st.acceptance_rate:.3f}, "
+            console.print(f"[dim]{engine.drafter.name}: acceptance rate {_fmt(st.acceptance_rate, '.3f')}, "
                           f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
     if not records:

@@ -56,3 +56,15 @@ def test_unescape_stop_strings():
     assert _unescape(r"\t\r\\n") == "\t\r\\n"
     assert _unescape("plain ü") == "plain ü"
     assert _unescape("trailing\\") == "trailing\\"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--prompt", "hi", "--tau", "2"], "--tau must be a number in [0, 1]"),
+    (["generate", "--prompt", "hi", "--tau", "0.5"], "--tau needs --predictor"),
+    (["generate", "--prompt", "hi", "--draft-model", "truncate:2"], "--draft-model needs --drafter draft-model"),
+    (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", "README.md"], "cannot load predictor"),
+])
+def test_context_aware_option_errors(run, args, message):
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr
