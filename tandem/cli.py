@@ -580,9 +580,11 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     model.save(out, report)
     png = str(Path(out).with_suffix(".reliability.png"))
-    rng = np.random.default_rng(seed)
-    val = rng.permutation(len(y))[:report.n_val]
     import torch
+
+    from .predictor import validation_split
+
+    val, _ = validation_split(len(y), seed=seed)  # the held-out rows the report was computed on
 
     reliability_diagram(model.predict(torch.from_numpy(x[val])).numpy(), y[val], png)
     console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}), ECE {report.ece:.3f}, "

@@ -182,6 +182,13 @@ def reliability_diagram(probs: np.ndarray, labels: np.ndarray, path: str | Path,
     plt.close(fig)
 
 
+def validation_split(n: int, val_fraction: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(validation indices, training indices) of n examples: the split ``train_predictor`` uses."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, int(n * val_fraction))
+    return perm[:n_val], perm[n_val:]
+
+
 def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 32, epochs: int = 40,
                     lr: float = 3e-3, batch_size: int = 1024, val_fraction: float = 0.2,
                     seed: int = 0) -> tuple[AcceptancePredictor, PredictorReport]:
@@ -199,10 +206,8 @@ def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 3
         raise ValueError(f"need >= 20 labelled positions with matching features, got {len(features)} / {len(labels)}")
     if labels.min() == labels.max():
         raise ValueError("labels have a single class; collect logs where some drafts are rejected and some accepted")
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(len(labels))
-    n_val = max(1, int(len(labels) * val_fraction))
-    val, tr = perm[:n_val], perm[n_val:]
+    val, tr = validation_split(len(labels), val_fraction, seed)
+    n_val = len(val)
     torch.manual_seed(seed)
     model = AcceptancePredictor(features.shape[1], hidden)
     x_tr, y_tr = torch.from_numpy(features[tr]), torch.from_numpy(labels[tr])
