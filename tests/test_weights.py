@@ -276,24 +276,20 @@ def test_missing_shard(tiny_checkpoint, tmp_path):
         load_checkpoint(d)
 
 
-def test_missing_tensor(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("tensor,message,build_runner", [
+    ("model.layers.1.mlp.up_proj.weight", "layer 1.*up_proj", False),  # caught while fusing
+    ("model.norm.weight", "norm.weight", True),  # caught when the weights are copied in
+])
+def test_missing_tensor(tiny_checkpoint, tmp_path, tensor, message, build_runner):
     d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
     f = d / "model.safetensors"
     tensors = load_file(str(f))
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+    del tensors[tensor]
     save_file(tensors, str(f), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="layer 1.*up_proj"):
-        load_checkpoint(d)
-
-
-def test_missing_final_norm(tiny_checkpoint, tmp_path):
-    d = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck")
-    f = d / "model.safetensors"
-    tensors = load_file(str(f))
-    del tensors["model.norm.weight"]
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="norm.weight"):
-        make_runner(load_checkpoint(d))
+    with pytest.raises(ModelLoadError, match=message):
+        ck = load_checkpoint(d)
+        if build_runner:
+            make_runner(ck)
 
 
 def test_engine_surfaces_load_errors(tmp_path):
