@@ -17,8 +17,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from ..sampling import sampling_probs
-from .base import DraftProposal, DraftRequest, Drafter, distribution_features
+from .base import DraftProposal, DraftRequest, Drafter, proposal_from_logits
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 
@@ -124,39 +123,17 @@ class DraftModelDrafter(Drafter):
         if not active:
             return [DraftProposal.empty() for _ in requests]
         logits = self._sync(active)
-        tokens: dict[int, list[int]] = {r.slot: [] for r in active}
-        probs: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
-        feats: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
-        tops: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
+        parts: dict[int, list[DraftProposal]] = {r.slot: [] for r in active}
         live = list(active)
         for pos in range(1, max(r.max_draft for r in active) + 1):
             for r in live:
-                lg = logits[r.slot][None]
-                if r.params.greedy:
-                    q = lg.softmax(-1)
-                    tok = int(lg.argmax())
-                else:
-                    dev = lg.device
-                    q = sampling_probs(lg, torch.tensor([r.params.temperature], device=dev),
-                                       torch.tensor([r.params.top_k], device=dev),
-                                       torch.tensor([r.params.top_p], device=dev))
-                    tok = int(torch.multinomial(q[0], 1, generator=r.generator))
-                    probs[r.slot].append(q[0])
-                tokens[r.slot].append(tok)
-                feats[r.slot].append(distribution_features(q, pos))
-                tops[r.slot].append(q[0].topk(min(self.top_m, q.shape[-1])).indices.cpu())
-            live = [r for r in live if len(tokens[r.slot]) < r.max_draft]
+                parts[r.slot].append(proposal_from_logits(logits[r.slot][None], r.params, r.generator, self.top_m, pos))
+            live = [r for r in live if len(parts[r.slot]) < r.max_draft]
             if not live:
                 break
-            out = self.runner.step({r.slot: [tokens[r.slot][-1]] for r in live})
-            for r in live:
-                self.cached[r.slot].append(tokens[r.slot][-1])
-                logits[r.slot] = out.logits[r.slot, 0].clone()
-        result = []
-        for r in requests:
-            if r.max_draft <= 0:
-                result.append(DraftProposal.empty())
-                continue
-            q = torch.stack(probs[r.slot]) if probs[r.slot] else None
-            result.append(DraftProposal(tokens[r.slot], q, torch.cat(feats[r.slot]), torch.stack(tops[r.slot])))
-        return result
+            last = {r.slot: parts[r.slot][-1].tokens[0] for r in live}
+            out = self.runner.step({s: [t] for s, t in last.items()})
+            for s, t in last.items():
+                self.cached[s].append(t)
+                logits[s] = out.logits[s, 0].clone()
+        return [DraftProposal.concat(parts[r.slot]) if r.max_draft > 0 else DraftProposal.empty() for r in requests]
