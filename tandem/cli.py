@@ -635,6 +635,12 @@ def distill_data(prompts_file, out, limit, max_tokens, max_prompt_tokens, batch_
     from .models.weights import load_checkpoint
     from .train.distill import distill
 
+    import signal
+
+    def _stop(signum, frame):  # SIGTERM (e.g. `timeout`): flush what is finished, then exit
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
     records = load_prompts(prompts_file, limit)
     on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     cfg = default_runner_config(device, max_batch_size=batch_size or (256 if on_gpu else 8),
