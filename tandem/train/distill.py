@@ -61,7 +61,7 @@ def benchmark_texts() -> set[str]:
         path = data_dir / name
         if not path.is_file():
             continue
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 texts.update(" ".join(t.split()) for t in json.loads(line).get("turns", []) if isinstance(t, str))
     return texts
