@@ -54,44 +54,12 @@ class _Group(click.Group):
             _fail(str(exc))
 
 
-def _policy(predictor, tau, branch_top_m):
-    """DraftPolicy from CLI options (None when no predictor is given).
-
-    Raises:
-        ConfigError: a bad --tau, --branch-top-m or --tau without --predictor, or an unreadable predictor.
-    """
-    from .control import DraftPolicy, TauController
-    from .errors import ConfigError
-    from .predictor import AcceptancePredictor
-
-    value = None
-    if tau != "auto":
-        try:
-            value = float(tau)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
-    if predictor is None:
-        if branch_top_m:
-            raise ConfigError("--branch-top-m needs --predictor")
-        if value is not None:
-            raise ConfigError("--tau needs --predictor")
-        return None
-    try:
-        model = AcceptancePredictor.load(predictor)
-    except Exception as exc:  # missing file, not safetensors, not a predictor
-        raise ConfigError(f"cannot load predictor {predictor!r}: {exc}") from None
-    if value is None:
-        return DraftPolicy(model.predict, controller=TauController(), branch_top_m=branch_top_m)
-    return DraftPolicy(model.predict, tau=value, branch_top_m=branch_top_m)
-
-
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
             drafter="none", draft_model=None, num_draft_tokens=4, predictor=None, tau="auto", branch_top_m=0):
     """Build an Engine (and its drafter) from CLI options. Raises ModelLoadError / InvalidRequestError."""
     import torch
 
+    from .control import make_draft_policy
     from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
     from .engine import Engine
     from .errors import InvalidRequestError
@@ -113,7 +81,7 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
         draft = DraftModelDrafter(load_draft_checkpoint(draft_model, checkpoint), cfg)
     else:
         draft = None
-    policy = _policy(predictor, tau, branch_top_m)
+    policy = make_draft_policy(predictor, tau, branch_top_m)
     if policy is not None and draft is None:
         raise InvalidRequestError("--predictor needs a --drafter")
     engine = Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens, draft_policy=policy)

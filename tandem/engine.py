@@ -248,7 +248,10 @@ class Engine:
             req.slot = self.cache.allocate()
             admitted[req.slot] = req
         if admitted:
-            logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()})
+            if self.runner_config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
+                logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}) for s in sorted(admitted)])
+            else:
+                logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()})
             reqs = [admitted[s] for s in sorted(admitted)]
             for req, token in zip(reqs, self._sample(reqs, logits)):
                 outputs.append(self._append(req, [token]))
