@@ -1,0 +1,144 @@
+"""``tandem bench``: the configuration registry, the Spec-Bench runner, its files, exact kernels.
+
+CPU only, on the tiny random checkpoints of conftest.py (float32, greedy: every configuration
+must reproduce target-only output exactly).
+"""
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from tandem.bench import configs as bench_configs
+from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
+from tandem.bench.spec_bench import check_mode, run_benchmark
+from tandem.cli import main
+from tandem.data import load_prompts
+from tandem.engine import Engine
+from tandem.errors import ConfigError
+from tandem.models import load_checkpoint
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+
+from conftest import SPEC_BENCH
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+def test_bench_cli_writes_results_tables_and_plots(tiny_dir, tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, [
+        "bench", "--model", tiny_dir, "--device", "cpu", "--limit", "3", "--batch-sizes", "1,2", "--max-tokens", "8",
+        "--configs", "target,ngram,draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3",
+        "--max-seq-len", "1024", "--cost-table", "--out", str(out)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    data = json.loads((out / "results.json").read_text())
+    rows = {(r["config"], r["batch_size"]): r for r in data["results"]}
+    assert set(rows) == {(c, b) for c in ("target", "ngram", "draft-model") for b in (1, 2)}
+    assert data["meta"]["configs"] == ["target", "ngram", "draft-model"] and data["meta"]["exact_kernels"] is False
+    for (name, b), r in rows.items():
+        assert r["prompts"] == (3 if b == 1 else 4)  # max(limit, 2b)
+        assert r["tps"] > 0 and r["output_tokens"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert r["lossless_share"] == 1.0 and r["mismatched_prompt_ids"] == [], r  # greedy fp32: lossless
+        if name == "target":
+            assert r["speedup"] == 1.0 and r["kappa"] == 1.0 and r["drafted"] == 0 and r["acceptance_rate"] is None
+        else:
+            assert r["speedup"] == pytest.approx(r["tps"] / rows[("target", b)]["tps"])
+            assert r["drafted"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0
+            assert 1.0 <= r["mean_accepted_length"] <= r["k"] + 1 and r["k"] == (3 if name == "ngram" else 4)
+            assert sum(t["prompts"] for t in r["per_task"]) == r["prompts"]
+    # T(b, q) for b in the batch sizes and q = 1..k+1 (k = --num-draft-tokens)
+    assert sorted(data["cost_table"]) == ["1", "2"] and sorted(data["cost_table"]["2"]) == ["1", "2", "3", "4"]
+    assert all(t > 0 for row in data["cost_table"].values() for t in row.values())
+    md = (out / "results.md").read_text()
+    assert "| method | batch | k | κ | TPS | speedup | acceptance | lossless |" in md
+    assert "per Spec-Bench task" in md and "T(b, q)" in md
+    for png in ("speedup.png", "acceptance_by_task.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Not a terminal: no progress-bar redraws, one plain line per finished run, tables on stdout.
+    assert "\r" not in res.stderr and res.stderr.count("lossless") == 6
+    assert "Spec-Bench, greedy" in res.stdout and "wrote" in res.stdout
+
+
+def test_context_aware_and_hf_references_are_lossless(tiny_dir):
+    ck = load_checkpoint(tiny_dir)
+    engine = Engine(ck, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=1024))
+    records = load_prompts(SPEC_BENCH)
+    configs = parse_configs("context-aware,hf-generate,hf-prompt-lookup")
+    report = run_benchmark(ck, engine.tokenizer, engine.runner_config, records, configs, [1],
+                           BenchOptions(num_draft_tokens=3, ca_drafter="ngram"), max_tokens=8, limit=2, hf_limit=2,
+                           progress=False)
+    assert [r.config for r in report.results] == ["target", "context-aware", "hf-generate", "hf-prompt-lookup"]
+    ca = report.get("context-aware", 1)
+    assert ca.lossless_share == 1.0 and ca.k == 3 and math.isfinite(ca.speedup)
+    for name in ("hf-generate", "hf-prompt-lookup"):
+        r = report.get(name, 1)
+        assert r.prompts == 2 and r.output_tokens > 0 and r.tps > 0
+        assert r.lossless_share == 1.0, r.mismatched_prompt_ids  # fp32: HF greedy == our greedy
+        assert math.isnan(r.acceptance_rate)  # HF does not expose its acceptance counts
+    assert report.cost_table is None  # measured for context-aware, reported only with cost_table=True
+    json.dumps(report.to_dict(), allow_nan=False)  # NaN is written as null
+
+
+def test_config_registry_errors(tiny_dir, monkeypatch, tmp_path):
+    with pytest.raises(ConfigError, match="unknown configuration 'eagle'"):
+        parse_configs("ngram,eagle")
+    with pytest.raises(ConfigError, match="empty"):
+        parse_configs(" , ")
+    assert [c.name for c in parse_configs("ngram,target,ngram")] == ["target", "ngram"]  # target first, no repeats
+    ctx = BuildContext(load_checkpoint(tiny_dir), BenchOptions())
+    monkeypatch.setattr(bench_configs, "DEFAULT_DRAFT_MODEL", tmp_path / "no-such-dir")
+    with pytest.raises(ConfigError, match="needs --draft-model"):
+        prepare_configs(parse_configs("draft-model"), ctx)
+    with pytest.raises(ConfigError, match="needs --draft-model"):  # context-aware over the default drafter
+        prepare_configs(parse_configs("context-aware"), ctx)
+    with pytest.raises(ConfigError, match="--tau must be"):
+        prepare_configs(parse_configs("context-aware"), BuildContext(ctx.checkpoint, BenchOptions(ca_drafter="ngram",
+                                                                                                  tau="2")))
+    with pytest.raises(ConfigError, match="cannot load predictor"):
+        prepare_configs(parse_configs("context-aware"), BuildContext(
+            ctx.checkpoint, BenchOptions(ca_drafter="ngram", predictor=str(tmp_path / "missing.safetensors"))))
+    with pytest.raises(ConfigError, match="--mode must be"):
+        check_mode("ray")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--configs", "eagle"], "unknown configuration 'eagle'"),
+    (["--configs", "ngram", "--drafter", "ngram"], "--drafter is for --ablation"),
+    (["--configs", "specformer"], "SpecFormer drafter not available in this build"),
+    (["--mode", "distributed"], "distributed mode needs the serving stack (tandem serve)"),
+])
+def test_bench_cli_config_errors(tiny_dir, args, message):
+    if "specformer" in args and bench_configs.importlib.util.find_spec("tandem.drafters.specformer"):
+        pytest.skip("this build has the SpecFormer drafter")
+    if "distributed" in args and bench_configs.importlib.util.find_spec("services"):
+        pytest.skip("this build has the serving stack")
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and "Traceback" not in res.output
+
+
+def test_exact_kernels_leave_outputs_unchanged(tiny_dir):
+    """--exact-kernels pads every step to [slots, k+1] and prefills prompts one by one: on CPU
+    float32 target-only output is unchanged, and speculative output still equals it."""
+    from tandem.drafters import NgramDrafter
+
+    ck = load_checkpoint(tiny_dir)
+    prompts = [r.text for r in load_prompts(SPEC_BENCH, 5)]
+    params = SamplingParams(max_tokens=10)
+    plain = Engine(ck, RunnerConfig(device="cpu", max_batch_size=3, max_seq_len=1024))
+    exact = Engine(ck, RunnerConfig(device="cpu", max_batch_size=3, max_seq_len=1024, fixed_step_tokens=4),
+                   tokenizer=plain.tokenizer)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in exact.generate(prompts, params)] == want
+    slot = exact.cache.allocate()
+    exact.cache.lengths[slot] = 3
+    assert tuple(exact.runner.step({slot: [1]}).logits.shape[:2]) == (3, 4)  # every slot, 4 tokens per row
+    exact.cache.free(slot)
+    exact.drafter, exact.num_draft_tokens = NgramDrafter(), 3
+    assert [c.token_ids for c in exact.generate(prompts, params)] == want
+    assert exact.stats.num_drafted > 0
