@@ -390,7 +390,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     from tqdm import tqdm
 
     from .bench.configs import BenchOptions, parse_configs
-    from .bench.report import tables, write_report
+    from .bench.report import tables, write_json, write_report
     from .bench.spec_bench import check_mode, run_benchmark
     from .models.runner import default_runner_config
     from .models.weights import load_checkpoint
@@ -415,7 +415,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
                            cost_table=cost_table, mode=mode, prompts_file=prompts_file,
-                           say=lambda msg: tqdm.write(msg, file=sys.stderr))
+                           say=lambda msg: tqdm.write(msg, file=sys.stderr),
+                           on_result=(lambda partial: write_json(partial, out)) if out else None)
     for t in tables(report):
         console.print(t.to_rich())
     if out:

@@ -152,13 +152,20 @@ def plot_categories(report: BenchReport, path: Path) -> bool:
     return True
 
 
+def write_json(report: BenchReport, out: str | Path) -> Path:
+    """Write DIR/results.json (NaN as null) and return its path."""
+    path = Path(out) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_dict(), indent=2))
+    return path
+
+
 def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     """Write DIR/results.json, DIR/results.md, DIR/speedup.png and DIR/acceptance_by_task.png
     (the last only when something drafted). Returns the paths written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = [out / "results.json", out / "results.md", out / "speedup.png"]
-    written[0].write_text(json.dumps(report.to_dict(), indent=2))
+    written = [write_json(report, out), out / "results.md", out / "speedup.png"]
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"

@@ -182,7 +182,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
-                  say: Callable[[str], None] = lambda msg: None) -> BenchReport:
+                  say: Callable[[str], None] = lambda msg: None,
+                  on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy, chat template, first turns).
 
     Args:
@@ -200,6 +201,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         mode: "inproc" (this process) or "distributed" (``run_distributed``).
         progress: tqdm bars on stderr (shown only on a terminal).
         say: receives one line per finished run.
+        on_result: receives the report so far after every run (to save partial results).
 
     Returns:
         The report: one ``RunResult`` per (configuration, batch size) that ran (references at
@@ -222,9 +224,18 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         max_q = max([options.num_draft_tokens + 1] + [c.tokens_per_row(options) for c in configs if c.uses_cost_model])
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
         ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
+    rc = config
+    meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
+                     gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
+                     dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
+                     exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
+                     batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
+                     torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
+    if 1 not in sizes and any(c.is_reference for c in configs):
+        say("the HF references run at batch 1 only; skipped (no batch size 1)")
     params = SamplingParams(max_tokens=max_tokens)
     runs = sum(1 for b in sizes for c in configs if not c.is_reference or b == 1)
-    results: list[RunResult] = []
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, disable=None if progress else True) as bar:
         for b in sizes:
             prompts = bench_prompts(records, b, limit)
@@ -248,20 +259,14 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
-                results.append(res)
+                report.results.append(res)
                 say(_summary(res))
+                if on_result is not None:
+                    on_result(report)
                 bar.update()
             ctx.engine = engine = None
             _free_memory()
-    rc = config
-    meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
-                     gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
-                     dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
-                     exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
-                     batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
-                     torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-    table = ({b: row for b, row in ctx.cost.table.items()} if (cost_table and ctx.cost is not None) else None)
-    return BenchReport(meta, results, table)
+    return report
 
 
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
