@@ -142,3 +142,34 @@ def test_exact_kernels_leave_outputs_unchanged(tiny_dir):
     exact.drafter, exact.num_draft_tokens = NgramDrafter(), 3
     assert [c.token_ids for c in exact.generate(prompts, params)] == want
     assert exact.stats.num_drafted > 0
+
+
+def test_context_aware_over_a_draft_model_prices_its_draft_steps(tiny_dir):
+    """context-aware = the shared DraftPolicy (online τ, entropy score without a predictor) with
+    the verifier cost model plus the draft model's measured step time."""
+    from tandem.bench.spec_bench import measure_cost_table
+    from tandem.control import entropy_score
+
+    ck = load_checkpoint(tiny_dir)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=1024)
+    ctx = BuildContext(ck, BenchOptions(draft_model="truncate:1", num_draft_tokens=3))
+    ctx.cost = measure_cost_table(ck, cfg, [1, 2], 4, iters=2)
+    assert sorted(ctx.cost.table) == [1, 2] and sorted(ctx.cost.table[2]) == [1, 2, 3, 4]
+    ctx.engine = Engine(ck, cfg)
+    decoding = bench_configs.CONFIGS["context-aware"].build(ctx)
+    policy = decoding.draft_policy
+    assert decoding.drafter.name == "draft-model" and decoding.num_draft_tokens == 3
+    assert policy.score is entropy_score and policy.controller is not None
+    assert policy.cost.table == ctx.cost.table and policy.cost.draft_step_ms > 0
+
+
+@pytest.mark.slow
+def test_bench_on_the_real_model(tmp_path):
+    """The bundled SmolLM2 (chat template, real tokenizer): n-gram drafting reproduces target-only
+    output on two Spec-Bench prompts."""
+    res = CliRunner().invoke(main, ["bench", "--device", "cpu", "--limit", "2", "--batch-sizes", "1", "--max-tokens",
+                                    "12", "--configs", "target,ngram", "--no-hf-baseline", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [(r["config"], r["lossless_share"]) for r in rows] == [("target", 1.0), ("ngram", 1.0)]
+    assert all(r["output_tokens"] == rows[0]["output_tokens"] for r in rows)

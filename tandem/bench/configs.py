@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..control import CostModel, DraftPolicy, entropy_score, make_draft_policy
@@ -177,8 +177,17 @@ def _ca_base(ctx: BuildContext) -> BenchConfig:
 
 
 def _context_aware(ctx: BuildContext) -> Decoding:
+    from ..drafters import DraftModelDrafter
+
     base = _ca_base(ctx).build(ctx)
-    return Decoding(base.drafter, ctx.options.num_draft_tokens, _ca_policy(ctx))
+    policy = _ca_policy(ctx)
+    if policy.cost is not None and isinstance(base.drafter, DraftModelDrafter):
+        # An autoregressive drafter pays one draft forward per draft position: the allocator
+        # weighs that against the verifier's T(b, q) (CostModel.round_ms).
+        runner, slots = base.drafter.runner, ctx.engine.cache.num_slots
+        step_ms = runner.measure_step_ms(slots, 1, min(512, runner.cache.capacity - 1))
+        policy.cost = replace(policy.cost, draft_step_ms=step_ms)
+    return Decoding(base.drafter, ctx.options.num_draft_tokens, policy)
 
 
 def _prepare_context_aware(ctx: BuildContext) -> None:

@@ -224,7 +224,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         max_q = max([options.num_draft_tokens + 1] + [c.tokens_per_row(options) for c in configs if c.uses_cost_model])
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
         ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
-    rc = config
+    rc = config  # the settings every engine shares (batch size aside)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
                      dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,

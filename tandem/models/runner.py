@@ -40,8 +40,9 @@ class RunnerConfig:
         cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
         fixed_step_tokens: exact kernels (``tandem bench --exact-kernels``); 0 = off. When > 0,
             every ``step`` runs all ``max_batch_size`` cache slots as rows with exactly this many
-            tokens per row (real tokens first, padding ignored; a longer row widens that step),
-            and the engine prefills one prompt per forward. Why: in bf16 on a GPU the GEMM kernel
+            tokens per row (real tokens first, padding ignored; a longer row widens that step)
+            and attends over context + this many positions whatever the real token count, and
+            the engine prefills one prompt per forward. Why: in bf16 on a GPU the GEMM kernel
             (tiling, split-K) is chosen by the shape, and different kernels round differently, so
             target-only decoding ([b, 1] per step) and verification ([b, k + 1]) can flip a
             near-tied argmax and disagree although both are exact greedy decoding. With one
@@ -232,9 +233,10 @@ class ModelRunner:
             self.cache.check_room(slot, len(toks))
         n = max(tokens_per_slot) + 1
         q = max(len(t) for t in tokens_per_slot.values())
+        attn_len = max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items())
         if self.config.fixed_step_tokens:  # exact kernels: one shape for every step (RunnerConfig)
             n, q = self.cache.num_slots, max(q, self.config.fixed_step_tokens)
-        attn_len = max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items())
+            attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + q for s in tokens_per_slot))
         if self.config.cuda_graphs:
             n = _bucket(n, self.cache.num_slots)
             attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
