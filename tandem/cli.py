@@ -350,13 +350,20 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @with_drafter_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write results.json, results.md and the PNG plots here.")
+@click.option("--from-results", "from_results", default=None, metavar="FILE,...",
+              help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
+                   "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, ca_drafter,
           exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
-          draft_model, num_draft_tokens, predictor, tau, branch_top_m, out) -> None:
+          draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     from .data import bundled_spec_bench, load_prompts
     from .errors import InvalidRequestError
+
+    if from_results:
+        _bench_from_results(from_results, out)
+        return
 
     try:
         sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
@@ -422,6 +429,27 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     if out:
         written = write_report(report, out)
         console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
+
+
+def _bench_from_results(files: str, out) -> None:
+    """``tandem bench --from-results``: merge results.json files into one set of tables and plots."""
+    import json
+    from pathlib import Path
+
+    from .bench.report import tables, write_report
+    from .bench.spec_bench import BenchReport, merge_reports
+
+    if not out:
+        _fail("--from-results needs --out")
+    try:
+        report = merge_reports([BenchReport.from_dict(json.loads(Path(f).read_text()))
+                                for f in files.split(",") if f.strip()])
+    except (OSError, ValueError) as exc:
+        _fail(f"--from-results: {exc}")
+        return
+    for t in tables(report):
+        console.print(t.to_rich())
+    console.print("wrote " + ", ".join(str(p) for p in write_report(report, out)), highlight=False)
 
 
 def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,

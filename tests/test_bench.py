@@ -173,3 +173,21 @@ def test_bench_on_the_real_model(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [(r["config"], r["lossless_share"]) for r in rows] == [("target", 1.0), ("ngram", 1.0)]
     assert all(r["output_tokens"] == rows[0]["output_tokens"] for r in rows)
+
+
+def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, tmp_path):
+    base = ["bench", "--model", tiny_dir, "--device", "cpu", "--limit", "2", "--max-tokens", "4", "--configs",
+            "target,ngram", "--no-hf-baseline", "--max-seq-len", "1024"]
+    for b in ("1", "2"):
+        res = CliRunner().invoke(main, base + ["--batch-sizes", b, "--out", str(tmp_path / f"b{b}")])
+        assert res.exit_code == 0, res.output + str(res.exception)
+    files = f"{tmp_path / 'b1' / 'results.json'},{tmp_path / 'b2' / 'results.json'}"
+    res = CliRunner().invoke(main, ["bench", "--from-results", files, "--out", str(tmp_path / "all")])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    data = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert data["meta"]["batch_sizes"] == [1, 2]
+    assert sorted((r["config"], r["batch_size"]) for r in data["results"]) == [
+        ("ngram", 1), ("ngram", 2), ("target", 1), ("target", 2)]
+    assert (tmp_path / "all" / "speedup.png").is_file() and "| ngram | 2 |" in (tmp_path / "all" / "results.md").read_text()
+    res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "all" / "results.md"), "--out", "x"])
+    assert res.exit_code == 2 and "--from-results" in res.stderr

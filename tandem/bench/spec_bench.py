@@ -120,6 +120,52 @@ class BenchReport:
         return _json_safe({"meta": asdict(self.meta), "results": [asdict(r) for r in self.results],
                            "cost_table": self.cost_table})
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchReport":
+        """Inverse of ``to_dict`` (null becomes NaN).
+
+        Raises:
+            ValueError: not a ``tandem bench`` results.json.
+        """
+        def floats(row: dict) -> dict:
+            return {k: float("nan") if v is None else v for k, v in row.items()}
+
+        try:
+            results = [RunResult(**{**floats(r), "per_task": [TaskStats(**floats(t)) for t in r["per_task"]]})
+                       for r in data["results"]]
+            table = data.get("cost_table")
+            return cls(BenchMeta(**data["meta"]), results,
+                       {int(b): {int(q): t for q, t in row.items()} for b, row in table.items()} if table else None)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a tandem bench results.json ({exc})") from None
+
+
+def merge_reports(reports: list[BenchReport]) -> BenchReport:
+    """One report from runs of the same model and settings (e.g. batch sizes split across
+    calls): results concatenated (a later (configuration, batch size) replaces an earlier one),
+    batch sizes, configurations and cost-table rows united.
+
+    Raises:
+        ValueError: no reports, or reports of different models / devices / dtypes / token limits /
+            exact-kernel settings.
+    """
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0].meta
+    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode")
+    for r in reports[1:]:
+        diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
+        if diff:
+            raise ValueError(f"cannot merge runs that differ in {', '.join(diff)}")
+    results: dict[tuple[str, int], RunResult] = {}
+    table: dict[int, dict[int, float]] = {}
+    for r in reports:
+        results.update({(x.config, x.batch_size): x for x in r.results})
+        table.update(r.cost_table or {})
+    configs = list(dict.fromkeys(c for r in reports for c in r.meta.configs))
+    sizes = sorted({b for r in reports for b in r.meta.batch_sizes})
+    return BenchReport(replace(first, configs=configs, batch_sizes=sizes), list(results.values()), table or None)
+
 
 def _json_safe(x):
     if isinstance(x, float):
