@@ -330,8 +330,8 @@ def info(model, device, batch_size, max_seq_len) -> None:
               help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
 @click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
               help="Prompts for the HF references (batch 1 only: they are slow).")
-@click.option("--ca-drafter", type=click.Choice(["draft-model", "ngram", "specformer"]), default="draft-model",
-              show_default=True, help="Drafter the context-aware configuration controls.")
+@click.option("--ca-drafter", default="draft-model", show_default=True, metavar="NAME",
+              help="Drafter the context-aware configuration controls: draft-model, ngram or specformer.")
 @click.option("--exact-kernels", is_flag=True,
               help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
                    "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")

@@ -191,3 +191,9 @@ def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, tmp_path):
     assert (tmp_path / "all" / "speedup.png").is_file() and "| ngram | 2 |" in (tmp_path / "all" / "results.md").read_text()
     res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "all" / "results.md"), "--out", "x"])
     assert res.exit_code == 2 and "--from-results" in res.stderr
+
+
+def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline",
+                                    "--configs", "context-aware", "--ca-drafter", "target"])
+    assert res.exit_code == 2 and "--ca-drafter must be one of ngram, draft-model, specformer" in res.stderr

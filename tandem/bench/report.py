@@ -169,7 +169,9 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
-            f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}.\n\n")
+            f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
+            f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
+            f"submission (all prompts are queued at once).\n\n")
     written[1].write_text(head + "\n".join(t.to_markdown() for t in tables(report)))
     plot_speedup(report, written[2])
     if plot_categories(report, out / "acceptance_by_task.png"):
