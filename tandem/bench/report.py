@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from .configs import CONFIGS
 from .spec_bench import BenchReport, RunResult
 
 
@@ -172,7 +173,9 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
             f"submission (all prompts are queued at once).\n\n")
-    written[1].write_text(head + "\n".join(t.to_markdown() for t in tables(report)))
+    described = "".join(f"- `{name}`: {CONFIGS[name].description}\n" for name in m.configs if name in CONFIGS)
+    described += "\nOptions: " + ", ".join(f"{k}={v}" for k, v in m.options.items()) + ".\n"
+    written[1].write_text(head + described + "\n" + "\n".join(t.to_markdown() for t in tables(report)))
     plot_speedup(report, written[2])
     if plot_categories(report, out / "acceptance_by_task.png"):
         written.append(out / "acceptance_by_task.png")
