@@ -60,7 +60,7 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     import torch
 
     from .control import make_draft_policy
-    from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from .drafters.factory import build_drafter
     from .engine import Engine
     from .errors import InvalidRequestError
     from .models.runner import default_runner_config
@@ -70,17 +70,9 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
                                 cuda_graphs=cuda_graphs, compile=compile_,
                                 dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     checkpoint = load_checkpoint(model)
-    if draft_model and drafter != "draft-model":
-        raise InvalidRequestError("--draft-model needs --drafter draft-model")
-    if drafter == "ngram":
-        draft = NgramDrafter()
-    elif drafter == "draft-model":
-        if not draft_model:
-            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH (GGUF / HF directory) "
-                                      "or truncate:N (the target's first N layers)")
-        draft = DraftModelDrafter(load_draft_checkpoint(draft_model, checkpoint), cfg)
-    else:
-        draft = None
+    if draft_model and drafter not in ("draft-model", "specformer"):
+        raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
+    draft = build_drafter(drafter, draft_model, checkpoint, cfg)
     policy = make_draft_policy(predictor, tau, branch_top_m)
     if policy is not None and draft is None:
         raise InvalidRequestError("--predictor needs a --drafter")
@@ -97,11 +89,13 @@ model_option = click.option("--model", "model", default=None, metavar="PATH",
                             help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
 drafter_options = [
-    click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model"]), default="none", show_default=True,
-                 help="Speculative decoding drafter (none = target-only decoding)."),
+    click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model", "specformer"]), default="none",
+                 show_default=True, help="Speculative decoding drafter (none = target-only decoding)."),
     click.option("--draft-model", default=None, metavar="PATH|truncate:N",
-                 help="Draft model for --drafter draft-model: a GGUF / HF directory sharing the target's "
-                      "tokenizer, or truncate:N (the target's first N layers)."),
+                 help="Draft model for --drafter draft-model: a distilled draft (tandem train draft-model), a GGUF / "
+                      "HF directory sharing the target's tokenizer, or truncate:N (the target's first N layers). "
+                      "Default with the bundled target: the shipped distilled draft model. For --drafter "
+                      "specformer: a head directory (default: the shipped head)."),
     click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
                  help="Draft tokens per sequence per round (k)."),
     click.option("--predictor", default=None, metavar="PATH",
@@ -330,6 +324,8 @@ def info(model, device, batch_size, max_seq_len) -> None:
               help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
 @click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
               help="Prompts for the HF references (batch 1 only: they are slow).")
+@click.option("--specformer", "specformer_path", default=None, metavar="PATH",
+              help="SpecFormer head for the specformer configuration (default: the one shipped for the bundled model).")
 @click.option("--ca-drafter", default="draft-model", show_default=True, metavar="NAME",
               help="Drafter the context-aware configuration controls: draft-model, ngram or specformer.")
 @click.option("--exact-kernels", is_flag=True,
@@ -353,7 +349,7 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--from-results", "from_results", default=None, metavar="FILE,...",
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
-def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, ca_drafter,
+def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
           draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
@@ -384,14 +380,14 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
                         drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out)
         return
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
-                   hf_baseline, hf_limit, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
+                   hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
                    out)
 
 
-def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit, ca_drafter,
-                   exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, drafter,
-                   draft_model, num_draft_tokens, predictor, tau, branch_top_m, out) -> None:
+def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
+                   specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
+                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     import torch
     from tqdm import tqdm
@@ -412,7 +408,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         names = [n for n in names if n != "hf-generate"]
     configs = parse_configs(",".join(names))
     check_mode(mode)
-    options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, ca_drafter=ca_drafter,
+    options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
+                           ca_drafter=ca_drafter,
                            predictor=predictor, tau=tau, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
@@ -461,7 +458,7 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
 
     from .bench.ablation import run_ablation
     from .data import round_robin_by_category
-    from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from .drafters.factory import build_drafter
     from .models.runner import default_runner_config
     from .models.weights import load_checkpoint
     from .predictor import AcceptancePredictor
@@ -474,13 +471,8 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
     cfg = default_runner_config(device, max_batch_size=sizes[0], max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     ck = load_checkpoint(model)
-    if drafter == "draft-model":
-        if not draft_model:
-            _fail("--drafter draft-model needs --draft-model")
-        draft_ck = load_draft_checkpoint(draft_model, ck)
-        make = lambda: DraftModelDrafter(draft_ck, cfg)  # noqa: E731
-    else:
-        make = NgramDrafter
+    build_drafter(drafter, draft_model, ck, cfg)  # fail early on a bad drafter
+    make = lambda: build_drafter(drafter, draft_model, ck, cfg)  # noqa: E731  a fresh drafter per configuration
     try:
         pred = AcceptancePredictor.load(predictor)
     except (FileNotFoundError, ValueError) as exc:
@@ -603,3 +595,202 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
     reliability_diagram(model.predict(torch.from_numpy(x[val])).numpy(), y[val], png)
     console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}), ECE {report.ece:.3f}, "
                   f"{report.cost_us_per_token:.2f} µs/token; wrote {out}, {out}.json, {png}", highlight=False)
+
+
+@main.command("distill-data")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), required=True,
+              help="JSONL training prompts (../shared/data/train_prompts.jsonl); benchmark prompts are dropped.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/distill", show_default=True,
+              help="Output directory (shards + manifest.json); an existing one is resumed.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="First N prompts of the file.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True, help="Answer length limit.")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Longer prompts (after the chat template) are skipped.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Running requests at most (default: 256 on GPU, 8 on CPU).")
+@model_option
+@device_option
+@dtype_option
+def distill_data(prompts_file, out, limit, max_tokens, max_prompt_tokens, batch_size, model, device, dtype) -> None:
+    """Self-distillation data: the target answers every prompt greedily (chat template) and the
+    token ids are written with a manifest (prompt ids, lengths, target model hash)."""
+    import torch
+    from tqdm import tqdm
+
+    from .data import load_prompts
+    from .engine import Engine
+    from .models.runner import default_runner_config
+    from .models.weights import load_checkpoint
+    from .train.distill import distill
+
+    import signal
+
+    def _stop(signum, frame):  # SIGTERM (e.g. `timeout`): flush what is finished, then exit
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    records = load_prompts(prompts_file, limit)
+    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    cfg = default_runner_config(device, max_batch_size=batch_size or (256 if on_gpu else 8),
+                                max_seq_len=max_prompt_tokens + max_tokens + 1,
+                                dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+    engine = Engine(load_checkpoint(model), cfg)
+    t0 = time.perf_counter()
+    with tqdm(total=len(records), desc="distilling", unit="prompt", file=sys.stderr) as bar:
+        manifest = distill(engine, records, out, max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
+                           settings={"command": " ".join(sys.argv), "dtype": str(cfg.dtype), "device": cfg.device,
+                                     "prompts_file": str(prompts_file)},
+                           on_record=lambda n: bar.update())
+    wall = time.perf_counter() - t0
+    answers = sum(r.answer_len for r in manifest.records)
+    console.print(f"{len(manifest.records)} answers, {answers} answer tokens ({manifest.num_tokens} with prompts) "
+                  f"in {len(manifest.shards)} shards; skipped {manifest.skipped}; {wall:.0f} s this run -> {out}",
+                  highlight=False)
+
+
+train_options = [
+    click.option("--data", "data_dir", type=click.Path(file_okay=False), default="runs/distill", show_default=True,
+                 help="Directory written by tandem distill-data."),
+    click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory (weights + model card)."),
+    click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True),
+    click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimiser steps."),
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="Peak learning rate."),
+    click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
+                 help="Padded tokens per batch."),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out."),
+    click.option("--eval-limit", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="After training, measure acceptance on the first N Spec-Bench prompts (round robin over "
+                      "categories, greedy, --eval-max-tokens) and put it in the model card."),
+    click.option("--eval-max-tokens", type=click.IntRange(min=1), default=256, show_default=True),
+    click.option("--eval-batch-size", type=click.IntRange(min=1), default=None,
+                 help="Running requests during the evaluation (default 64 on GPU, 8 on CPU)."),
+    model_option,
+    device_option,
+]
+
+
+def with_train_options(fn):
+    for opt in reversed(train_options):
+        fn = opt(fn)
+    return fn
+
+
+def _train_setup(model, device, data_dir):
+    """(target checkpoint, frozen target Transformer on the device, sequences, manifest, amp)."""
+    import torch
+
+    from .errors import InvalidRequestError
+    from .models.runner import default_runner_config
+    from .models.transformer import Transformer
+    from .models.weights import load_checkpoint
+    from .train.distill import model_fingerprint, read_distilled
+
+    manifest, seqs = read_distilled(data_dir)
+    ck = load_checkpoint(model)
+    if manifest.target.get("sha256") != model_fingerprint(ck.path):
+        raise InvalidRequestError(f"{data_dir} was distilled from another target model ({manifest.target.get('path')})")
+    cfg = default_runner_config(device)
+    amp = cfg.device.startswith("cuda")
+    longest = max(len(s.tokens) for s in seqs) if seqs else 1
+    target = Transformer(ck.config, max_positions=longest + 1)
+    target.load_weights(ck.tensors)
+    target = target.to(cfg.device, torch.bfloat16 if amp else torch.float32).eval().requires_grad_(False)
+    return ck, target, seqs, manifest, amp, cfg
+
+
+def _finish_training(kind, out, result, manifest, train_cfg, extra, model, device, eval_limit, eval_max_tokens,
+                     eval_batch_size, num_draft_tokens) -> None:
+    """Evaluate (optional) and write the model card (card.json + README.md) beside the weights."""
+    import json
+    from pathlib import Path
+
+    from .train.card import model_card
+
+    report = None
+    if eval_limit:
+        from .bench.acceptance import measure_acceptance
+        from .data import bundled_spec_bench, load_prompts, round_robin_by_category
+
+        on_gpu = (device or "").startswith("cuda") or (device is None and __import__("torch").cuda.is_available())
+        engine = _engine(model, device, eval_batch_size or (64 if on_gpu else 8), 2048, drafter=kind,
+                         draft_model=out, num_draft_tokens=num_draft_tokens)
+        records = round_robin_by_category(load_prompts(bundled_spec_bench()), eval_limit)
+        report = measure_acceptance(engine, records, eval_max_tokens).to_dict()
+    card = {"kind": kind, "command": " ".join(sys.argv), "data": {
+                "answers": len(manifest.records), "answer_tokens": sum(r.answer_len for r in manifest.records),
+                "target": manifest.target, "settings": manifest.settings},
+            "training": dict(train_cfg, **result.to_dict()), "extra": extra, "spec_bench": report}
+    Path(out, "card.json").write_text(json.dumps(card, indent=2))
+    Path(out, "README.md").write_text(model_card(card))
+    line = f"{kind}: {result.steps} steps in {result.wall_s:.0f} s, loss {result.first_loss:.3f} -> {result.final_loss:.3f}"
+    if report:
+        o = report["overall"]
+        line += (f"; Spec-Bench ({report['prompts']} prompts): acceptance rate {o['acceptance_rate']:.3f}, "
+                 f"mean accepted length {o['mean_accepted_length']:.2f}")
+    console.print(line + f" -> {out}", highlight=False)
+
+
+@train.command("specformer")
+@with_train_options
+@click.option("--num-draft-tokens", "num_draft", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+              help="Draft slots per position (l_d).")
+@click.option("--causal", is_flag=True, help="Causal mask across the draft slots (ablation of the bidirectional default).")
+@click.option("--taps", default=None, help="Target depths read, comma separated (default 0,L/2,L-1,L).")
+def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, eval_limit,
+                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps) -> None:
+    """Train a SpecFormer head on self-distilled data (the target frozen)."""
+    from dataclasses import asdict
+
+    from .drafters.specformer import save_specformer
+    from .train.loop import TrainConfig, train as run_training
+    from .train.specformer import SpecFormerObjective, new_head
+
+    try:
+        tap_list = tuple(int(t) for t in taps.split(",")) if taps else None
+    except ValueError:
+        _fail(f"--taps must be comma-separated integers, got {taps!r}")
+        return
+    ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
+    try:
+        head = new_head(ck.config, num_draft, tap_list, causal, seed).to(rcfg.device)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
+    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed)
+    result = run_training(head, SpecFormerObjective(head, target, amp), seqs, tcfg, out, resume=not no_resume)
+    save_specformer(head, out, extra={"train": result.to_dict()})
+    _finish_training("specformer", out, result, manifest, asdict(tcfg), asdict(head.config), model, device,
+                     eval_limit, eval_max_tokens, eval_batch_size, num_draft)
+
+
+@train.command("draft-model")
+@with_train_options
+@click.option("--init-layers", default="0,1", show_default=True,
+              help="Target blocks the draft model's blocks start from (comma separated; the count sets its depth).")
+@click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+              help="k used by the optional evaluation.")
+def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, eval_limit,
+                          eval_max_tokens, eval_batch_size, model, device, init_layers, num_draft_tokens) -> None:
+    """Distil a small draft LM (target tokenizer, embeddings and LM head shared) from the target."""
+    from dataclasses import asdict
+
+    from .drafters.draft_model import save_draft_model
+    from .train.draft_model import DraftModelObjective, init_draft_model
+    from .train.loop import TrainConfig, train as run_training
+
+    try:
+        layers = tuple(int(t) for t in init_layers.split(","))
+    except ValueError:
+        _fail(f"--init-layers must be comma-separated integers, got {init_layers!r}")
+        return
+    ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
+    import torch
+
+    torch.manual_seed(seed)
+    draft = init_draft_model(ck, layers, target.max_positions).to(rcfg.device)
+    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed)
+    result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
+    save_draft_model(draft, out, layers, extra={"train": result.to_dict()})
+    _finish_training("draft-model", out, result, manifest, asdict(tcfg), {"init_layers": list(layers)}, model,
+                     device, eval_limit, eval_max_tokens, eval_batch_size, num_draft_tokens)

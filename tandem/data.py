@@ -36,7 +36,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         raise InvalidRequestError(f"prompts file {str(p)!r} does not exist")
     records: list[PromptRecord] = []
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"{p} is not valid UTF-8: {exc}") from None
     for lineno, line in enumerate(lines, 1):

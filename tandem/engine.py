@@ -13,12 +13,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .control import DraftPolicy
 from .drafters.base import DraftProposal, DraftRequest, Drafter
+from .drafters.specformer import TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
@@ -121,8 +122,13 @@ class Engine:
             checkpoint = load_checkpoint(checkpoint)
         self.checkpoint = checkpoint
         self.runner_config = runner_config or default_runner_config()
+        taps = tuple(getattr(drafter, "target_taps", ()))  # a drafter reading the target's hidden states
+        if taps:
+            self.runner_config = replace(self.runner_config, taps=taps)
         self.tokenizer = tokenizer or load_tokenizer(checkpoint)
         self.runner = ModelRunner(checkpoint, self.runner_config)
+        if hasattr(drafter, "bind"):
+            drafter.bind(self.runner)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
@@ -248,10 +254,13 @@ class Engine:
             req.slot = self.cache.allocate()
             admitted[req.slot] = req
         if admitted:
+            taps: dict[int, torch.Tensor] | None = {} if self.runner_config.taps else None
             if self.runner_config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
-                logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}) for s in sorted(admitted)])
+                logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}, taps) for s in sorted(admitted)])
             else:
-                logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()})
+                logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()}, taps)
+            if taps:
+                self.drafter.observe([TargetStates(s, 0, t) for s, t in taps.items()])
             reqs = [admitted[s] for s in sorted(admitted)]
             for req, token in zip(reqs, self._sample(reqs, logits)):
                 outputs.append(self._append(req, [token]))
@@ -278,17 +287,23 @@ class Engine:
                                [p.parents for p in proposals] if trees else None)
         outputs = []
         emitted = 0
+        observed: list[TargetStates] = []
         for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
             if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
             self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
+            if out.taps is not None:  # the verify pass also yields the next drafts (SpecFormer)
+                rows = [0] + ([1 + i for i in res.path] if res.path else list(range(1, res.num_accepted + 1)))
+                observed.append(TargetStates(slot, length, out.taps[slot, rows]))
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
             outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
             emitted += len(outputs[-1].new_token_ids)
+        if observed:
+            self.drafter.observe([o for o in observed if self.running.get(o.slot) is not None])
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
         return outputs

@@ -4,10 +4,12 @@ CPU only, on the tiny random checkpoints of conftest.py (float32, greedy: every 
 must reproduce target-only output exactly).
 """
 
+import importlib.util
 import json
 import math
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from tandem.bench import configs as bench_configs
@@ -16,8 +18,9 @@ from tandem.bench.spec_bench import check_mode, run_benchmark
 from tandem.cli import main
 from tandem.data import load_prompts
 from tandem.engine import Engine
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, InvalidRequestError
 from tandem.models import load_checkpoint
+from tandem.models.config import ModelLoadError
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
 
@@ -84,18 +87,21 @@ def test_context_aware_and_hf_references_are_lossless(tiny_dir):
     json.dumps(report.to_dict(), allow_nan=False)  # NaN is written as null
 
 
-def test_config_registry_errors(tiny_dir, monkeypatch, tmp_path):
+def test_config_registry_errors(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="unknown configuration 'eagle'"):
         parse_configs("ngram,eagle")
     with pytest.raises(ConfigError, match="empty"):
         parse_configs(" , ")
     assert [c.name for c in parse_configs("ngram,target,ngram")] == ["target", "ngram"]  # target first, no repeats
-    ctx = BuildContext(load_checkpoint(tiny_dir), BenchOptions())
-    monkeypatch.setattr(bench_configs, "DEFAULT_DRAFT_MODEL", tmp_path / "no-such-dir")
-    with pytest.raises(ConfigError, match="needs --draft-model"):
+    ctx = BuildContext(load_checkpoint(tiny_dir), BenchOptions())  # not the bundled target: nothing shipped for it
+    with pytest.raises(InvalidRequestError, match="draft-model needs --draft-model PATH"):
         prepare_configs(parse_configs("draft-model"), ctx)
-    with pytest.raises(ConfigError, match="needs --draft-model"):  # context-aware over the default drafter
+    with pytest.raises(InvalidRequestError, match="draft-model needs --draft-model PATH"):  # context-aware's default
         prepare_configs(parse_configs("context-aware"), ctx)
+    with pytest.raises(InvalidRequestError, match="specformer needs --specformer PATH"):
+        prepare_configs(parse_configs("specformer"), ctx)
+    with pytest.raises(ModelLoadError, match="no SpecFormer head"):
+        prepare_configs(parse_configs("specformer"), BuildContext(ctx.checkpoint, BenchOptions(specformer=str(tmp_path))))
     with pytest.raises(ConfigError, match="--tau must be"):
         prepare_configs(parse_configs("context-aware"), BuildContext(ctx.checkpoint, BenchOptions(ca_drafter="ngram",
                                                                                                   tau="2")))
@@ -109,13 +115,11 @@ def test_config_registry_errors(tiny_dir, monkeypatch, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--configs", "eagle"], "unknown configuration 'eagle'"),
     (["--configs", "ngram", "--drafter", "ngram"], "--drafter is for --ablation"),
-    (["--configs", "specformer"], "SpecFormer drafter not available in this build"),
+    (["--configs", "specformer"], "specformer needs --specformer PATH"),
     (["--mode", "distributed"], "distributed mode needs the serving stack (tandem serve)"),
 ])
 def test_bench_cli_config_errors(tiny_dir, args, message):
-    if "specformer" in args and bench_configs.importlib.util.find_spec("tandem.drafters.specformer"):
-        pytest.skip("this build has the SpecFormer drafter")
-    if "distributed" in args and bench_configs.importlib.util.find_spec("services"):
+    if "distributed" in args and importlib.util.find_spec("services"):
         pytest.skip("this build has the serving stack")
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
     assert res.exit_code == 2, res.output
@@ -197,3 +201,23 @@ def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline",
                                     "--configs", "context-aware", "--ca-drafter", "target"])
     assert res.exit_code == 2 and "--ca-drafter must be one of ngram, draft-model, specformer" in res.stderr
+
+
+def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, tmp_path):
+    """SpecFormer (drafts from the verify pass: the engine taps the target) beside target-only,
+    also under exact kernels and under the context-aware policy; a random head is enough to check
+    the wiring and losslessness."""
+    from tandem.drafters.specformer import SpecFormerConfig, SpecFormerHead, save_specformer
+
+    ck = load_checkpoint(tiny_dir)
+    save_specformer(SpecFormerHead(SpecFormerConfig.for_target(ck.config)), tmp_path / "head", dtype=torch.float32)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=1024)
+    tok = Engine(ck, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=64)).tokenizer
+    options = BenchOptions(specformer=str(tmp_path / "head"), ca_drafter="specformer")
+    for exact in (False, True):
+        report = run_benchmark(ck, tok, cfg, load_prompts(SPEC_BENCH), parse_configs("specformer,context-aware"),
+                               [2], options, max_tokens=8, limit=3, exact_kernels=exact, progress=False)
+        assert report.meta.fixed_step_tokens == (5 if exact else 0)
+        sf, ca = report.get("specformer", 2), report.get("context-aware", 2)
+        assert sf.lossless_share == 1.0 and sf.drafted > 0 and sf.k == 4, (exact, sf)
+        assert ca.lossless_share == 1.0, (exact, ca)  # a random head's drafts are rightly mostly cut

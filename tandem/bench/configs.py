@@ -2,30 +2,26 @@
 
 Engine configurations (``target``, ``ngram``, ``draft-model``, ``specformer``, ``context-aware``)
 run on the same target engine, which the runner builds once per batch size; each one only sets
-the engine's drafter, draft length k and draft policy. Outside references (``hf-generate``,
-``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at batch 1.
+the engine's drafter, draft length k and draft policy (a drafter that reads the target's hidden
+states, SpecFormer, gets an engine of its own built with it). Outside references
+(``hf-generate``, ``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at
+batch 1.
 
-Every check a configuration needs (a drafter module, a draft model, a predictor) runs in
+Every check a configuration needs (a draft model, a SpecFormer head, a predictor) runs in
 ``prepare_configs`` before anything is timed, so a bad option fails in a second, not after the
 target-only pass.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from ..control import CostModel, DraftPolicy, entropy_score, make_draft_policy
 from ..drafters.base import Drafter
 from ..errors import ConfigError
 from ..models.weights import Checkpoint
 
-# Trained drafters ship inside the package; these are where `tandem train ...` writes them.
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "drafters" / "weights"
-DEFAULT_DRAFT_MODEL = WEIGHTS_DIR / "draft_model"
-DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer"
 DRAFT_MODEL_K = 4  # the draft-model configuration's fixed k (the papers' baseline setting)
 SPECFORMER_K = 4  # SpecFormer paper: k = 4 at every batch size
 
@@ -36,7 +32,8 @@ class BenchOptions:
 
     Attributes:
         num_draft_tokens: k for ``ngram`` and ``hf-prompt-lookup``; k_max for ``context-aware``.
-        draft_model: ``--draft-model`` (PATH or truncate:N); None = ``DEFAULT_DRAFT_MODEL``.
+        draft_model: ``--draft-model`` (PATH or truncate:N); None = the shipped draft model.
+        specformer: ``--specformer`` (a head from ``tandem train specformer``); None = the shipped head.
         ca_drafter: the drafter ``context-aware`` controls (a registry name).
         predictor: acceptance predictor path; None = the entropy score ``exp(-H(q))``.
         tau: threshold in [0, 1] or "auto" (online τ controller).
@@ -45,6 +42,7 @@ class BenchOptions:
 
     num_draft_tokens: int = 4
     draft_model: str | None = None
+    specformer: str | None = None
     ca_drafter: str = "draft-model"
     predictor: str | None = None
     tau: str = "auto"
@@ -70,25 +68,40 @@ class BuildContext:
     cost: CostModel | None = None
     engine: object | None = None  # tandem.engine.Engine of the current batch size
     _draft: Checkpoint | None = field(default=None, repr=False)
+    _head: object | None = field(default=None, repr=False)
 
     def draft_checkpoint(self) -> Checkpoint:
-        """The draft model's checkpoint, loaded once.
+        """The draft model's checkpoint (``--draft-model``, else the shipped one), loaded once.
 
         Raises:
-            ConfigError: no ``--draft-model`` and no trained default in ``DEFAULT_DRAFT_MODEL``.
+            InvalidRequestError: no ``--draft-model`` and no shipped draft model for this target.
             ModelLoadError: the draft model cannot be loaded or does not match the target.
         """
         if self._draft is None:
             from ..drafters import load_draft_checkpoint
+            from ..drafters.factory import drafter_weights
 
-            spec = self.options.draft_model
-            if spec is None:
-                if not DEFAULT_DRAFT_MODEL.is_dir():
-                    raise ConfigError(f"the draft-model configuration needs --draft-model PATH|truncate:N "
-                                      f"(no trained default draft model in {DEFAULT_DRAFT_MODEL})")
-                spec = str(DEFAULT_DRAFT_MODEL)
-            self._draft = load_draft_checkpoint(spec, self.checkpoint)
+            path = drafter_weights("draft-model", self.options.draft_model, self.checkpoint)
+            self._draft = load_draft_checkpoint(path, self.checkpoint)
         return self._draft
+
+    def specformer_head(self):
+        """The SpecFormer head (``--specformer``, else the shipped one), loaded once; each engine
+        gets its own ``SpecFormerDrafter`` around it.
+
+        Raises:
+            InvalidRequestError: no ``--specformer`` and no shipped head for this target.
+            ModelLoadError: not a SpecFormer head, or one trained for another target.
+        """
+        if self._head is None:
+            from ..drafters.factory import drafter_weights
+            from ..drafters.specformer import load_specformer
+
+            head = load_specformer(drafter_weights("specformer", self.options.specformer, self.checkpoint,
+                                                   option="--specformer"))
+            head.config.check_target(self.checkpoint.config)
+            self._head = head
+        return self._head
 
 
 @dataclass(frozen=True)
@@ -133,35 +146,12 @@ def _ngram(ctx: BuildContext) -> Decoding:
     return Decoding(NgramDrafter(), ctx.options.num_draft_tokens)
 
 
-def _specformer_module():
-    """``tandem.drafters.specformer``.
-
-    Raises:
-        ConfigError: the module is not part of this build.
-    """
-    try:
-        return importlib.import_module("tandem.drafters.specformer")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tandem.drafters.specformer", "tandem.drafters"):
-            raise
-        raise ConfigError("SpecFormer drafter not available in this build (tandem.drafters.specformer is "
-                          "missing)") from None
-
-
 def _specformer(ctx: BuildContext) -> Decoding:
-    """Where the SpecFormer drafter plugs in: ``SpecFormerDrafter.from_pretrained(weights, engine)``
-    with ``weights`` = ``DEFAULT_SPECFORMER`` (None when no trained head is shipped).
+    """SpecFormer drafts come out of the verify pass: the drafter reads the target's hidden states
+    (``target_taps``), so the runner builds a dedicated engine around it (``Engine`` sets the taps)."""
+    from ..drafters.specformer import SpecFormerDrafter
 
-    Raises:
-        ConfigError: the module is missing or does not offer that constructor.
-    """
-    module = _specformer_module()
-    cls = getattr(module, "SpecFormerDrafter", None)
-    if cls is None or not hasattr(cls, "from_pretrained"):
-        raise ConfigError("tandem.drafters.specformer has no SpecFormerDrafter.from_pretrained(weights, engine); "
-                          "wire it in tandem/bench/configs.py (_specformer)")
-    weights = DEFAULT_SPECFORMER if DEFAULT_SPECFORMER.is_dir() else None
-    return Decoding(cls.from_pretrained(weights, ctx.engine), SPECFORMER_K)
+    return Decoding(SpecFormerDrafter(ctx.specformer_head()), SPECFORMER_K)
 
 
 def _ca_policy(ctx: BuildContext) -> DraftPolicy:
@@ -202,8 +192,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 lambda o: o.num_draft_tokens + 1, build=_ngram),
     BenchConfig("draft-model", f"small draft LM (--draft-model), k = {DRAFT_MODEL_K}", lambda o: DRAFT_MODEL_K,
                 lambda o: DRAFT_MODEL_K + 1, build=_draft_model, prepare=BuildContext.draft_checkpoint),
-    BenchConfig("specformer", f"SpecFormer draft head, k = {SPECFORMER_K}", lambda o: SPECFORMER_K,
-                lambda o: SPECFORMER_K + 1, build=_specformer, prepare=lambda ctx: _specformer_module()),
+    BenchConfig("specformer", f"SpecFormer draft head (--specformer), k = {SPECFORMER_K}", lambda o: SPECFORMER_K,
+                lambda o: SPECFORMER_K + 1, build=_specformer, prepare=BuildContext.specformer_head),
     BenchConfig("context-aware", "adaptive length + cost-model batch budget + online tau over --ca-drafter "
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
                 lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),

@@ -297,10 +297,14 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 else:
                     decoding = c.build(ctx)
-                    comps, wall, peak = _engine_pass(engine, decoding, prompts, b, params, f"{c.name} b={b}",
+                    own = _needs_own_engine(decoding)
+                    run_on = (Engine(checkpoint, engine.runner_config, tokenizer=tokenizer, drafter=decoding.drafter,
+                                     num_draft_tokens=decoding.num_draft_tokens, draft_policy=decoding.draft_policy)
+                              if own else engine)
+                    comps, wall, peak = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
                                                      progress)
                     res = _engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens)
-                    engine.drafter = engine.draft_policy = decoding = None
+                    engine.drafter = engine.draft_policy = decoding = run_on = None
                     _free_memory()
                     if c.name == "target":
                         base = res
@@ -315,9 +319,15 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     return report
 
 
+def _needs_own_engine(decoding: Decoding) -> bool:
+    """A drafter that reads the target's hidden states (``target_taps``, SpecFormer) must be given
+    to ``Engine`` at construction (it sets the runner's taps and binds the drafter)."""
+    return bool(getattr(decoding.drafter, "target_taps", ()))
+
+
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
                  params: SamplingParams, desc: str, progress: bool) -> tuple[list[Completion], float, float]:
-    """Set ``decoding`` on the engine, run a warm-up pass (compiles and captures every CUDA graph
+    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass (compiles and captures every CUDA graph
     shape, trains the online τ), then the timed pass. Returns (completions, wall s, peak GiB)."""
     engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
                                                                     decoding.draft_policy)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, sampling_probs
 
 NUM_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 margin, position (1-based)
 
@@ -99,6 +99,15 @@ class DraftProposal:
     def empty() -> "DraftProposal":
         return DraftProposal([], None, torch.zeros(0, NUM_FEATURES))
 
+    @staticmethod
+    def concat(parts: list["DraftProposal"]) -> "DraftProposal":
+        """Chain proposals drawn position by position into one (all deterministic or all sampled)."""
+        if not parts:
+            return DraftProposal.empty()
+        probs = None if parts[0].probs is None else torch.cat([p.probs for p in parts])
+        tops = None if any(p.top_tokens is None for p in parts) else torch.cat([p.top_tokens for p in parts])
+        return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops)
+
 
 def distribution_features(probs: torch.Tensor, start_position: int = 1) -> torch.Tensor:
     """Predictor features of draft distributions (ACL 2025 context-aware drafting, §3).
@@ -118,6 +127,37 @@ def distribution_features(probs: torch.Tensor, start_position: int = 1) -> torch
     second = top2[:, 1] if top2.shape[1] > 1 else torch.zeros_like(top1)
     pos = torch.arange(start_position, start_position + n, dtype=torch.float32, device=p.device)
     return torch.stack([entropy, top1, top1 - second, pos], dim=-1).cpu()
+
+
+def proposal_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                         top_m: int = 4, start_position: int = 1) -> DraftProposal:
+    """Draft tokens from draft logits at ``n`` consecutive positions, one token per row.
+
+    Greedy requests take the argmax (q is then deterministic, so ``probs`` is None); sampled
+    requests draw from q = the request's temperature / top-k / top-p transform of the logits
+    (``tandem.sampling``, the same transform the target gets), and q is returned for speculative
+    sampling (Leviathan et al. 2023).
+
+    Args:
+        logits: ``[n, vocab]`` draft logits.
+        params: the request's sampling parameters; generator: its random generator.
+        top_m: candidates kept per position (``top_tokens``, for hard-position branching).
+        start_position: 1-based draft position of the first row (a predictor feature).
+    """
+    n = logits.shape[0]
+    if params.greedy:
+        q = logits.float().softmax(-1)
+        tokens = logits.argmax(-1).tolist()
+        probs = None
+    else:
+        dev = logits.device
+        q = sampling_probs(logits, torch.full((n,), params.temperature, device=dev),
+                           torch.full((n,), params.top_k, dtype=torch.long, device=dev),
+                           torch.full((n,), params.top_p, device=dev))
+        tokens = torch.multinomial(q, 1, generator=generator)[:, 0].tolist()
+        probs = q
+    tops = q.topk(min(top_m, q.shape[-1]), dim=-1).indices.cpu()
+    return DraftProposal(tokens, probs, distribution_features(q, start_position), tops)
 
 
 def one_hot_features(n: int) -> torch.Tensor:

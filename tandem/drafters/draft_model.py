@@ -10,17 +10,21 @@ returned for speculative sampling.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from ..sampling import sampling_probs
-from .base import DraftProposal, DraftRequest, Drafter, distribution_features
+from .base import DraftProposal, DraftRequest, Drafter, proposal_from_logits
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
+FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
+SHARED = ("embed.weight", "lm_head.weight")  # read from the target, never stored
+DEFAULT_DRAFT_MODEL = Path(__file__).resolve().parent / "weights" / "draft-model-smollm2-135m"
 
 
 def truncated_checkpoint(checkpoint: Checkpoint, num_layers: int) -> Checkpoint:
@@ -40,8 +44,8 @@ def truncated_checkpoint(checkpoint: Checkpoint, num_layers: int) -> Checkpoint:
 
 
 def load_draft_checkpoint(spec: str, target: Checkpoint) -> Checkpoint:
-    """Resolve ``--draft-model``: a path (GGUF / HF directory) or ``truncate:N`` (the target's first
-    N layers).
+    """Resolve ``--draft-model``: a path (GGUF / HF directory, or a distilled draft model written by
+    ``tandem train draft-model``) or ``truncate:N`` (the target's first N layers).
 
     Raises:
         ModelLoadError: bad spec, unloadable model, or a vocabulary that does not match the target.
@@ -52,9 +56,76 @@ def load_draft_checkpoint(spec: str, target: Checkpoint) -> Checkpoint:
         except ValueError:
             raise ModelLoadError(f"bad draft model spec {spec!r}; use truncate:N with an integer N") from None
         return truncated_checkpoint(target, n)
+    if is_draft_model_dir(spec):
+        return load_draft_model(spec, target)
     draft = load_checkpoint(spec)
     check_compatible(draft, target)
     return draft
+
+
+def save_draft_model(model, path: str | Path, init_layers: tuple[int, ...], extra: dict | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the trained blocks and final norm to ``path/model.safetensors`` (``dtype``).
+
+    Returns the file path.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()
+               if k not in SHARED and not k.startswith("rope_")}
+    meta = {"format": FORMAT, "num_layers": str(model.config.num_layers), "init_layers": json.dumps(list(init_layers)),
+            "extra": json.dumps(extra or {})}
+    file = out / "model.safetensors"
+    save_file(tensors, str(file), metadata=meta)
+    return file
+
+
+def is_draft_model_dir(path: str | Path) -> bool:
+    """True when ``path`` is a directory (or file) written by ``save_draft_model``."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    file = p / "model.safetensors" if p.is_dir() else p
+    if not file.is_file() or file.suffix != ".safetensors":
+        return False
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:
+        return False
+
+
+def load_draft_model(path: str | Path, target: Checkpoint) -> Checkpoint:
+    """A ``Checkpoint`` of a distilled draft model: its stored blocks + the target's embeddings
+    and LM head.
+
+    Raises:
+        ModelLoadError: unreadable file, or blocks that do not fit the target's shape.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    file = p / "model.safetensors" if p.is_dir() else p
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read draft model {str(file)!r}: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise ModelLoadError(f"{str(file)!r} is not a Tandem draft model")
+    cfg = replace(target.config, num_layers=int(meta["num_layers"]))
+    for k in SHARED:
+        if k in target.tensors:
+            tensors[k] = target.tensors[k]
+    for name, t in tensors.items():
+        want = target.tensors.get("layers.0." + name.split(".", 2)[2] if name.startswith("layers.") else name)
+        if want is not None and tuple(want.shape) != tuple(t.shape):
+            raise ModelLoadError(f"draft model tensor {name} has shape {tuple(t.shape)}; the target's is "
+                                 f"{tuple(want.shape)}: it was trained for another target")
+    return Checkpoint(path=file, config=cfg, tensors=tensors, chat_template=target.chat_template)
 
 
 def check_compatible(draft: Checkpoint, target: Checkpoint) -> None:
@@ -125,39 +196,17 @@ class DraftModelDrafter(Drafter):
         if not active:
             return [DraftProposal.empty() for _ in requests]
         logits = self._sync(active)
-        tokens: dict[int, list[int]] = {r.slot: [] for r in active}
-        probs: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
-        feats: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
-        tops: dict[int, list[torch.Tensor]] = {r.slot: [] for r in active}
+        parts: dict[int, list[DraftProposal]] = {r.slot: [] for r in active}
         live = list(active)
         for pos in range(1, max(r.max_draft for r in active) + 1):
             for r in live:
-                lg = logits[r.slot][None]
-                if r.params.greedy:
-                    q = lg.softmax(-1)
-                    tok = int(lg.argmax())
-                else:
-                    dev = lg.device
-                    q = sampling_probs(lg, torch.tensor([r.params.temperature], device=dev),
-                                       torch.tensor([r.params.top_k], device=dev),
-                                       torch.tensor([r.params.top_p], device=dev))
-                    tok = int(torch.multinomial(q[0], 1, generator=r.generator))
-                    probs[r.slot].append(q[0])
-                tokens[r.slot].append(tok)
-                feats[r.slot].append(distribution_features(q, pos))
-                tops[r.slot].append(q[0].topk(min(self.top_m, q.shape[-1])).indices.cpu())
-            live = [r for r in live if len(tokens[r.slot]) < r.max_draft]
+                parts[r.slot].append(proposal_from_logits(logits[r.slot][None], r.params, r.generator, self.top_m, pos))
+            live = [r for r in live if len(parts[r.slot]) < r.max_draft]
             if not live:
                 break
-            out = self.runner.step({r.slot: [tokens[r.slot][-1]] for r in live})
-            for r in live:
-                self.cached[r.slot].append(tokens[r.slot][-1])
-                logits[r.slot] = out.logits[r.slot, 0].clone()
-        result = []
-        for r in requests:
-            if r.max_draft <= 0:
-                result.append(DraftProposal.empty())
-                continue
-            q = torch.stack(probs[r.slot]) if probs[r.slot] else None
-            result.append(DraftProposal(tokens[r.slot], q, torch.cat(feats[r.slot]), torch.stack(tops[r.slot])))
-        return result
+            last = {r.slot: parts[r.slot][-1].tokens[0] for r in live}
+            out = self.runner.step({s: [t] for s, t in last.items()})
+            for s, t in last.items():
+                self.cached[s].append(t)
+                logits[s] = out.logits[s, 0].clone()
+        return [DraftProposal.concat(parts[r.slot]) if r.max_draft > 0 else DraftProposal.empty() for r in requests]

@@ -55,6 +55,8 @@ class RunnerConfig:
         prefill_chunk: prompt positions per prefill forward.
         prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
             and attention-mask memory while letting many short prompts share one forward.
+        taps: residual-stream depths whose hidden states every forward also returns (for a
+            SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
     """
 
     device: str = "cpu"
@@ -66,6 +68,7 @@ class RunnerConfig:
     compile: bool = False
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
+    taps: tuple[int, ...] = ()
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -133,13 +136,14 @@ class ModelRunner:
         if packed.shape[1] > q + 2:
             depth = packed[:, q + 2:2 * q + 2]
             tree_mask = packed[:, 2 * q + 2:].reshape(packed.shape[0], q, q) > 0
-        hidden = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache, attn_len,
-                                           depth, tree_mask)
+        hidden, taps = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache,
+                                                 attn_len, depth, tree_mask, self.config.taps)
         logits = self.model.logits(hidden)
-        return StepOutput(logits, logits.argmax(dim=-1))
+        return StepOutput(logits, logits.argmax(dim=-1), taps)
 
     @torch.inference_mode()
-    def prefill(self, prompts: dict[int, list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: dict[int, list[int]],
+                taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Append prompts to their slots in as few forwards as the token budget allows.
 
         Slots are grouped into contiguous row ranges whose padded size (rows x chunk length) stays
@@ -148,6 +152,8 @@ class ModelRunner:
 
         Args:
             prompts: slot -> prompt tokens (>= 1 each).
+            taps_out: when given and the runner taps hidden states (``RunnerConfig.taps``),
+                filled with slot -> ``[len(prompt), len(taps), d]`` tapped states.
 
         Returns:
             ``[len(prompts), vocab]`` float32 logits at each prompt's last token, in ascending
@@ -164,6 +170,7 @@ class ModelRunner:
         budget = max(self.config.prefill_tokens, chunk)
         slots = sorted(prompts)
         last_hidden: dict[int, torch.Tensor] = {}
+        pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
         group: list[int] = []
         for slot in slots + [None]:
             if slot is not None:
@@ -172,12 +179,15 @@ class ModelRunner:
                 if not group or (cand[-1] - cand[0] + 1) * width <= budget:
                     group = cand
                     continue
-            self._prefill_group(group, prompts, last_hidden)
+            self._prefill_group(group, prompts, last_hidden, pieces)
             group = [slot] if slot is not None else []
         hidden = torch.stack([last_hidden[s] for s in slots])
+        if taps_out is not None and self.config.taps:
+            taps_out.update({s: torch.cat(p) for s, p in pieces.items()})
         return self.model.logits(hidden)
 
-    def _prefill_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor]) -> None:
+    def _prefill_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
+                       taps_out: dict[int, list[torch.Tensor]] | None) -> None:
         lo, hi = group[0], group[-1]
         rows = hi - lo + 1
         done = {s: 0 for s in group}
@@ -194,11 +204,13 @@ class ModelRunner:
                     tokens[s - lo, :len(piece)] = torch.tensor(piece)
                     q_lens[s - lo] = len(piece)
             attn_len = int((start + q_lens).max())
-            hidden = self.model.forward_hidden(tokens.to(self.device), start.to(self.device),
-                                               q_lens.to(self.device), k, v, attn_len)
+            hidden, taps = self.model.forward_hidden(tokens.to(self.device), start.to(self.device),
+                                                     q_lens.to(self.device), k, v, attn_len, taps=self.config.taps)
             for s in group:
                 q = int(q_lens[s - lo])
                 if q:
+                    if taps_out is not None and taps is not None:
+                        taps_out.setdefault(s, []).append(taps[s - lo, :q])
                     self.cache.lengths[s] += q
                     done[s] += q
                     if done[s] == len(prompts[s]):
@@ -356,10 +368,12 @@ class ModelRunner:
 
 
 class StepOutput(NamedTuple):
-    """One batched forward's result: ``logits`` ``[n, Q, vocab]`` float32, ``argmax`` ``[n, Q]``."""
+    """One batched forward's result: ``logits`` ``[n, Q, vocab]`` float32, ``argmax`` ``[n, Q]``,
+    and ``taps`` ``[n, Q, len(taps), d]`` when the runner taps hidden states (else None)."""
 
     logits: torch.Tensor
     argmax: torch.Tensor
+    taps: torch.Tensor | None = None
 
 
 @dataclass

@@ -61,9 +61,37 @@ class Block(nn.Module):
             attn_mask: ``[B, 1, group * Q, attn_len]`` bool, True = may attend.
             attn_len: cache positions attended (>= every row's new length).
         """
+        B, Q, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache[rows, :, write_pos] = k.to(k_cache.dtype)
+        v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
+        # GQA without expanding K/V: fold the query heads of one group into the query axis,
+        # [B, Q, kvh * g, hd] -> [B, kvh, g * Q, hd]; every folded row shares its group's K/V.
+        kvh, g, hd = self.cfg.num_kv_heads, self.cfg.group_size, self.cfg.head_dim
+        qg = q.view(B, Q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, hd)
+        keys = k_cache[:, :, :attn_len]
+        values = v_cache[:, :, :attn_len]
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_mask)
+        out = out.view(B, kvh, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, self.q_size)
+        return self._finish(x, out)
+
+    def forward_causal(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Cache-free causal forward over whole sequences (training and distillation).
+
+        Args:
+            x: ``[B, T, d]``; cos, sin: ``[B, T, head_dim]``.
+        """
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True)
+        return self._finish(x, out.transpose(1, 2).reshape(B, T, self.q_size))
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q ``[B, Q, heads, hd]`` and k, v ``[B, Q, kv_heads, hd]``."""
         cfg = self.cfg
         B, Q, _ = x.shape
-        hd, kvh, g = cfg.head_dim, cfg.num_kv_heads, cfg.group_size
+        hd, kvh = cfg.head_dim, cfg.num_kv_heads
         qkv = self.wqkv(self.attn_norm(x))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(B, Q, cfg.num_heads, hd)
@@ -72,18 +100,11 @@ class Block(nn.Module):
         if cfg.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_cache[rows, :, write_pos] = k.to(k_cache.dtype)
-        v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
-        # GQA without expanding K/V: fold the query heads of one group into the query axis,
-        # [B, Q, kvh * g, hd] -> [B, kvh, g * Q, hd]; every folded row shares its group's K/V.
-        qg = q.view(B, Q, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, hd)
-        keys = k_cache[:, :, :attn_len]
-        values = v_cache[:, :, :attn_len]
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn_mask)
-        out = out.view(B, kvh, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, self.q_size)
-        x = x + self.wo(out)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, then the SwiGLU MLP with its residual."""
+        x = x + self.wo(attn_out)
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
@@ -134,7 +155,8 @@ class Transformer(nn.Module):
 
     def forward_hidden(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, attn_len: int,
-                       depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                       taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens`` to the cache rows and return final-norm hidden states.
 
         Args:
@@ -149,9 +171,13 @@ class Transformer(nn.Module):
             tree_mask: ``[B, Q, Q]`` bool, ``tree_mask[b, i, j]`` = new token i may attend new
                 token j (itself and its ancestors); default causal. K/V of new token j are always
                 written at cache position ``start + j``, rotated for position ``start + depth``.
+            taps: residual-stream depths to return besides the output (0 = embedding output,
+                i = after block i, ``num_layers`` = the last block's output before the final
+                norm): the hidden states a SpecFormer head reads.
 
         Returns:
-            ``[B, Q, d]`` hidden states after the final RMSNorm.
+            ``([B, Q, d]`` hidden states after the final RMSNorm, ``[B, Q, len(taps), d]`` tapped
+            states or None when ``taps`` is empty).
         """
         B, Q = tokens.shape
         g = self.config.group_size
@@ -175,10 +201,45 @@ class Transformer(nn.Module):
             mask = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_vis)
         mask = mask.repeat(1, g, 1).unsqueeze(1)  # [B, 1, g*Q, L], matches the folded query rows
         x = self.embed(tokens)
+        tapped = [x] if 0 in taps else []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, write_pos, mask, attn_len)
-        return self.norm(x)
+            if i + 1 in taps:
+                tapped.append(x)
+        return self.norm(x), _stack_taps(tapped, taps)
+
+    def forward_causal(self, tokens: torch.Tensor, taps: tuple[int, ...] = (),
+                       num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cache-free causal forward over whole sequences from position 0 (training, distillation).
+
+        Args:
+            tokens: ``[B, T]`` token ids (right padding is harmless: causal attention never lets a
+                real token see a later pad).
+            taps: as in ``forward_hidden``.
+            num_layers: run only the first blocks (default all).
+
+        Returns:
+            ``[B, T, d]`` final-norm hidden states and ``[B, T, len(taps), d]`` taps (or None).
+        """
+        B, T = tokens.shape
+        cos = self.rope_cos[:T].to(self.embed.weight.dtype).expand(B, T, -1)
+        sin = self.rope_sin[:T].to(self.embed.weight.dtype).expand(B, T, -1)
+        x = self.embed(tokens)
+        tapped = [x] if 0 in taps else []
+        for i, layer in enumerate(self.layers[:num_layers]):
+            x = layer.forward_causal(x, cos, sin)
+            if i + 1 in taps:
+                tapped.append(x)
+        return self.norm(x), _stack_taps(tapped, taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: ``[..., d]`` hidden -> ``[..., vocab]`` float32 logits."""
         return self.lm_head(hidden).float()
+
+
+def _stack_taps(tapped: list[torch.Tensor], taps: tuple[int, ...]) -> torch.Tensor | None:
+    if not taps:
+        return None
+    if len(tapped) != len(taps) or list(taps) != sorted(set(taps)):
+        raise ValueError(f"taps {taps} must be distinct, ascending depths in [0, num_layers]")
+    return torch.stack(tapped, dim=2)

@@ -1,0 +1,338 @@
+"""SpecFormer drafter: a non-autoregressive draft head on the target's own hidden states.
+
+Implements *SpecFormer: Non-Autoregressive Forecasting in Large-Batch Scenarios* (AAAI 2026,
+arXiv 2511.20340). The head reads the target's residual stream at a few depths (by default the
+embedding output, layer L/2, layer L-1 and the final layer), normalises each tap with its own
+RMSNorm, concatenates them (``len(taps) * d``) and projects back to ``d``; a **context causal
+attention** sub-layer with its own KV cache (kept beside the target's, same position ids, rolled
+back with it) mixes in the history; a **positional FFN** ``d -> l_d * d`` (the only
+position-dependent parameters) fans each position out into ``l_d`` draft slots; **draft
+attention** across those slots (bidirectional by default, causal as an option) and a SwiGLU
+MLP refine them; the target's frozen final norm and LM head turn them into logits.
+
+At target position ``t`` (whose target logits give the bonus token ``x[t+1]``) draft slot ``j``
+(0-based) predicts ``x[t+2+j]``. The target forward that verifies round r therefore also yields
+round r+1's drafts: the engine hands the tapped states of the accepted positions to
+``SpecFormerDrafter.observe`` and no separate draft pass over the target runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.config import ModelConfig, ModelLoadError
+from ..models.rope import apply_rope
+from ..models.transformer import RMSNorm
+from .base import DraftProposal, DraftRequest, Drafter, proposal_from_logits
+
+FORMAT = "tandem-specformer-v1"
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for the bundled target
+
+
+def default_taps(num_layers: int) -> tuple[int, ...]:
+    """Embedding output, layer L/2, layer L-1 and the final layer (the paper's four hooks)."""
+    return tuple(sorted({0, num_layers // 2, num_layers - 1, num_layers}))
+
+
+@dataclass(frozen=True)
+class SpecFormerConfig:
+    """Shape of a SpecFormer head.
+
+    Attributes:
+        hidden_size: the target's width d; vocab_size: the target's vocabulary.
+        num_heads / head_dim: attention heads of the context and draft attention sub-layers.
+        intermediate_size: SwiGLU hidden width.
+        num_draft_tokens: l_d, draft slots per position.
+        taps: target residual-stream depths read (0 = embedding output, L = final layer).
+        causal_draft: causal mask across the draft slots (the paper's ablation) instead of none.
+        rms_norm_eps: epsilon of the head's RMSNorms.
+        target_layers: the target's layer count (checked when the head is bound).
+    """
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_draft_tokens: int = 4
+    taps: tuple[int, ...] = ()
+    causal_draft: bool = False
+    rms_norm_eps: float = 1e-5
+    target_layers: int = 0
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
+                   causal_draft: bool = False, intermediate_size: int | None = None) -> "SpecFormerConfig":
+        """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
+
+        Raises:
+            ValueError: ``num_draft_tokens`` < 1 or a tap outside [0, num_layers].
+        """
+        taps = tuple(sorted(set(taps))) if taps else default_taps(target.num_layers)
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if not all(0 <= t <= target.num_layers for t in taps):
+            raise ValueError(f"taps {taps} must lie in [0, {target.num_layers}]")
+        return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
+                   intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
+                   target.rms_norm_eps, target.num_layers)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
+        if (self.hidden_size, self.vocab_size, self.target_layers) != (target.hidden_size, target.vocab_size,
+                                                                        target.num_layers):
+            raise ModelLoadError(
+                f"SpecFormer head was trained for a target with d={self.hidden_size}, vocab={self.vocab_size}, "
+                f"{self.target_layers} layers; this target has d={target.hidden_size}, vocab={target.vocab_size}, "
+                f"{target.num_layers} layers")
+
+
+class SpecFormerHead(nn.Module):
+    """The trainable part of SpecFormer (the target's final norm and LM head stay outside, frozen).
+
+    Args:
+        config: head shape.
+    """
+
+    def __init__(self, config: SpecFormerConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, nh, hd = config.hidden_size, config.num_heads, config.head_dim
+        eps = config.rms_norm_eps
+        self.tap_norms = nn.ModuleList(RMSNorm(d, eps) for _ in config.taps)
+        self.down = nn.Linear(len(config.taps) * d, d, bias=False)
+        self.ctx_norm = RMSNorm(d, eps)
+        self.ctx_qkv = nn.Linear(d, 3 * nh * hd, bias=False)
+        self.ctx_o = nn.Linear(nh * hd, d, bias=False)
+        self.pos_norm = RMSNorm(d, eps)
+        self.pos_ffn = nn.Linear(d, config.num_draft_tokens * d, bias=False)
+        self.draft_norm = RMSNorm(d, eps)
+        self.draft_qkv = nn.Linear(d, 3 * nh * hd, bias=False)
+        self.draft_o = nn.Linear(nh * hd, d, bias=False)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.w13 = nn.Linear(d, 2 * config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, d, bias=False)
+        with torch.no_grad():  # start as "copy the final tap into every slot": residual branches at zero
+            for lin in (self.ctx_o, self.pos_ffn, self.draft_o, self.w2):
+                lin.weight.zero_()
+            self.down.weight.zero_()
+            self.down.weight[:, -d:] = torch.eye(d)
+
+    def fuse_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """``[..., len(taps), d]`` target states -> ``[..., d]`` (per-tap RMSNorm, concat, downsample)."""
+        normed = [norm(taps[..., i, :]) for i, norm in enumerate(self.tap_norms)]
+        return self.down(torch.cat(normed, dim=-1))
+
+    def context_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q, k, v ``[B, Q, heads, hd]`` of the context attention for ``h`` ``[B, Q, d]``."""
+        B, Q, _ = h.shape
+        nh, hd = self.config.num_heads, self.config.head_dim
+        q, k, v = self.ctx_qkv(self.ctx_norm(h)).view(B, Q, 3, nh, hd).unbind(2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def draft(self, h: torch.Tensor) -> torch.Tensor:
+        """``[N, d]`` context states -> ``[N, l_d, d]`` draft states (before the target's final norm)."""
+        N, d = h.shape
+        ld, nh, hd = self.config.num_draft_tokens, self.config.num_heads, self.config.head_dim
+        x = h[:, None, :] + self.pos_ffn(self.pos_norm(h)).view(N, ld, d)
+        q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
+        x = x + self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+    def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      select: torch.Tensor | None = None) -> torch.Tensor:
+        """Whole-sequence forward for training.
+
+        Args:
+            taps: ``[B, T, len(taps), d]`` target states of sequences starting at position 0.
+            cos, sin: ``[B, T, head_dim]`` rotary tables of positions 0..T-1.
+            select: optional ``[B, T]`` bool, positions whose drafts are needed (saves memory).
+
+        Returns:
+            ``[N, l_d, d]`` draft states, N = B*T or the selected count (row-major order).
+        """
+        B, T = taps.shape[:2]
+        h = self.fuse_taps(taps)
+        q, k, v = self.context_qkv(h, cos, sin)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = h + self.ctx_o(att.transpose(1, 2).reshape(B, T, -1))
+        h = h[select] if select is not None else h.reshape(B * T, -1)
+        return self.draft(h)
+
+
+def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``path/model.safetensors`` (weights in ``dtype``, config in the metadata).
+
+    Returns the safetensors file path.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "config": json.dumps(asdict(head.config)), "extra": json.dumps(extra or {})}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+    file = out / "model.safetensors"
+    save_file(tensors, str(file), metadata=meta)
+    return file
+
+
+def load_specformer(path: str | Path) -> SpecFormerHead:
+    """Read a head written by ``save_specformer`` (a directory or its safetensors file), float32 on CPU.
+
+    Raises:
+        ModelLoadError: missing file, not a SpecFormer head, or tensors that do not fit its config.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    file = p / "model.safetensors" if p.is_dir() else p
+    if not file.is_file():
+        raise ModelLoadError(f"no SpecFormer head at {str(p)!r} (expected a directory with model.safetensors)")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # not safetensors
+        raise ModelLoadError(f"cannot read SpecFormer head {str(file)!r}: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise ModelLoadError(f"{str(file)!r} is not a SpecFormer head (format {meta.get('format')!r})")
+    raw = json.loads(meta["config"])
+    raw["taps"] = tuple(raw["taps"])
+    head = SpecFormerHead(SpecFormerConfig(**raw))
+    try:
+        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    except RuntimeError as exc:
+        raise ModelLoadError(f"SpecFormer head {str(file)!r} does not match its config: {exc}") from None
+    return head
+
+
+@dataclass
+class TargetStates:
+    """Tapped target states of newly accepted positions of one sequence.
+
+    Attributes:
+        slot: the sequence's KV cache slot.
+        start: target position of the first row (the target's cache length before them).
+        taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
+    """
+
+    slot: int
+    start: int
+    taps: torch.Tensor
+
+
+@dataclass
+class _Pending:
+    length: int  # positions the head has seen for this slot (= the target's cache length)
+    logits: torch.Tensor = field(repr=False)  # [l_d, vocab] draft logits after the bonus token
+
+
+class SpecFormerDrafter(Drafter):
+    """Drafts from the verify pass: the engine taps the target and calls ``observe``.
+
+    Args:
+        head: a trained ``SpecFormerHead``.
+        top_m: candidates kept per position for hard-position branching.
+
+    The drafter is unusable until ``bind`` gives it the target runner (the engine does this).
+    """
+
+    name = "specformer"
+
+    def __init__(self, head: SpecFormerHead, top_m: int = 4) -> None:
+        self.head = head.eval()
+        self.top_m = top_m
+        self.target_taps = head.config.taps
+        self.pending: dict[int, _Pending] = {}
+        self._target = None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, top_m: int = 4) -> "SpecFormerDrafter":
+        """Load a head (default: the one shipped for the bundled SmolLM2-135M target).
+
+        Raises:
+            ModelLoadError: see ``load_specformer``.
+        """
+        return cls(load_specformer(path or DEFAULT_SPECFORMER), top_m)
+
+    def bind(self, runner) -> None:
+        """Attach to the target ``ModelRunner`` (its final norm, LM head, RoPE tables, device, dtype)
+        and allocate the context-attention KV cache ``[slots, heads, capacity + 1, head_dim]``.
+
+        Raises:
+            ModelLoadError: the head was trained for a target of another shape.
+            ValueError: the runner does not tap the head's depths.
+        """
+        cfg = self.head.config
+        cfg.check_target(runner.model_config)
+        if tuple(runner.config.taps) != tuple(cfg.taps):
+            raise ValueError(f"the target runner taps {runner.config.taps}, the head needs {cfg.taps}")
+        self._target = runner.model
+        dev, dtype = runner.device, runner.config.dtype
+        self.head.to(device=dev, dtype=dtype)
+        shape = (runner.cache.num_slots, cfg.num_heads, runner.cache.capacity + 1, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
+
+    def release(self, slot: int) -> None:
+        self.pending.pop(slot, None)
+
+    @torch.inference_mode()
+    def observe(self, states: list[TargetStates]) -> None:
+        """Extend each sequence's context with newly accepted target positions (overwriting any
+        rolled-back ones at the same positions) and compute its next drafts (one batched pass)."""
+        states = [s for s in states if s.taps.shape[0] > 0]
+        if not states:
+            return
+        if self._target is None:
+            raise RuntimeError("SpecFormerDrafter.observe before bind()")
+        head, target = self.head, self._target
+        dev = self.k_cache.device
+        n, M = len(states), max(s.taps.shape[0] for s in states)
+        ntap, d = states[0].taps.shape[1:]
+        x = torch.zeros((n, M, ntap, d), device=dev, dtype=self.k_cache.dtype)
+        for i, s in enumerate(states):
+            x[i, :s.taps.shape[0]] = s.taps
+        q_lens = torch.tensor([s.taps.shape[0] for s in states], device=dev)
+        start = torch.tensor([s.start for s in states], device=dev)
+        slots = torch.tensor([s.slot for s in states], device=dev)
+        offs = torch.arange(M, device=dev)
+        pos = start[:, None] + offs[None, :]  # [n, M]
+        scratch = self.k_cache.shape[2] - 1
+        write = torch.where(offs[None, :] < q_lens[:, None], pos, torch.full_like(pos, scratch))
+        rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
+        cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
+        h = head.fuse_taps(x)
+        q, k, v = head.context_qkv(h, cos, sin)  # [n, M, heads, hd]
+        self.k_cache[slots[:, None], :, write] = k
+        self.v_cache[slots[:, None], :, write] = v
+        attn_len = int((start + q_lens).max())
+        keys, values = self.k_cache[slots, :, :attn_len], self.v_cache[slots, :, :attn_len]
+        mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+        h = h + head.ctx_o(att.transpose(1, 2).reshape(n, M, -1))
+        last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
+        logits = target.logits(target.norm(head.draft(last)))  # [n, l_d, vocab]
+        for i, s in enumerate(states):
+            self.pending[s.slot] = _Pending(s.start + s.taps.shape[0], logits[i])
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = []
+        for r in requests:
+            p = self.pending.get(r.slot)
+            # the head must have seen every token but the last (the bonus token the target has not consumed)
+            if r.max_draft <= 0 or p is None or p.length != len(r.token_ids) - 1:
+                out.append(DraftProposal.empty())
+                continue
+            out.append(proposal_from_logits(p.logits[:r.max_draft], r.params, r.generator, self.top_m))
+        return out

@@ -1,0 +1,38 @@
+"""Model cards for the drafters we train: data, training, measured acceptance."""
+
+from __future__ import annotations
+
+
+def model_card(card: dict) -> str:
+    """Markdown model card from the ``card.json`` contents ``tandem train`` writes."""
+    kind = card["kind"]
+    data, tr = card["data"], card["training"]
+    lines = [
+        f"# Tandem {kind} drafter for {data['target'].get('path')}",
+        "",
+        f"- **Target**: `{data['target'].get('path')}` (sha256 `{data['target'].get('sha256', '')[:16]}…`), frozen.",
+        f"- **Data**: self-distillation: {data['answers']} answers ({data['answer_tokens']} answer tokens) the target "
+        f"generated greedily with its chat template for prompts of `{data['settings'].get('prompts_file', '?')}` "
+        f"(max {data['settings'].get('max_tokens')} tokens each); Spec-Bench and MT-Bench prompts excluded.",
+        f"- **Training**: {tr['steps']} steps, {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
+        f"{tr['warmup_frac']:.0%}, cosine decay), {tr['max_batch_tokens']} padded tokens per batch, seed {tr['seed']}; "
+        f"loss {tr['first_loss']:.3f} -> {tr['final_loss']:.3f}.",
+    ]
+    if tr.get("metrics"):
+        lines.append("- **Training metrics (last 10% of steps)**: "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in tr["metrics"].items()) + ".")
+    if card.get("extra"):
+        lines.append(f"- **Shape**: `{card['extra']}`.")
+    lines.append(f"- **Command**: `{card['command']}`")
+    sb = card.get("spec_bench")
+    if sb:
+        o = sb["overall"]
+        lines += ["", f"## Measured acceptance (Spec-Bench, {sb['prompts']} prompts, greedy, max {sb['max_tokens']} "
+                      f"new tokens, k = {sb['num_draft_tokens']})", "",
+                  "| category | acceptance rate | mean accepted length |", "|---|---:|---:|"]
+        for cat, st in sb["per_category"].items():
+            lines.append(f"| {cat} | {st['acceptance_rate']:.3f} | {st['mean_accepted_length']:.2f} |")
+        lines.append(f"| **overall** | **{o['acceptance_rate']:.3f}** | **{o['mean_accepted_length']:.2f}** |")
+    else:
+        lines += ["", "Acceptance not measured at training time (see docs/benchmarks.md)."]
+    return "\n".join(lines) + "\n"

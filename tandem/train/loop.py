@@ -1,0 +1,158 @@
+"""One training loop for the drafters we distil (SpecFormer head, small draft model).
+
+AdamW with linear warm-up and cosine decay (``transformers.get_cosine_schedule_with_warmup``),
+bf16 autocast on CUDA, gradient clipping, a fixed seed, tqdm progress, and resumable
+checkpoints (``checkpoint.pt``: parameters, optimiser, scheduler and step; batches are a pure
+function of the seed and epoch, so a resumed run sees exactly the batches it would have seen).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .distill import DistilledSequence, iter_batches
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings.
+
+    Attributes:
+        epochs: passes over the data (the step count follows from it unless ``max_steps`` is set).
+        max_steps: stop after this many optimiser steps (None: ``epochs`` decides).
+        lr: peak learning rate; warmup_frac: share of steps with linear warm-up (then cosine
+            decay to 0).
+        weight_decay, grad_clip: AdamW decoupled weight decay and max gradient norm.
+        max_batch_tokens: padded tokens (rows x longest row) per batch.
+        max_len: sequences are cut to this many tokens.
+        seed: batches, initialisation and dropout-free training are reproducible from it.
+        checkpoint_every: steps between resumable checkpoints.
+    """
+
+    epochs: float = 2.0
+    max_steps: int | None = None
+    lr: float = 1e-3
+    warmup_frac: float = 0.03
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_batch_tokens: int = 8192
+    max_len: int = 1536
+    seed: int = 0
+    checkpoint_every: int = 200
+
+
+@dataclass
+class TrainResult:
+    """What a run did: steps, wall time (s), the first/last logged loss and extra metrics."""
+
+    steps: int
+    wall_s: float
+    first_loss: float
+    final_loss: float
+    metrics: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def pad_batch(batch: list[DistilledSequence], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens`` ``[B, T]`` (right-padded with 0), ``lengths`` ``[B]`` and ``prompt_lens`` ``[B]``."""
+    T = max(len(s.tokens) for s in batch)
+    tokens = np.zeros((len(batch), T), dtype=np.int64)
+    for i, s in enumerate(batch):
+        tokens[i, :len(s.tokens)] = s.tokens
+    lengths = torch.tensor([len(s.tokens) for s in batch], device=device)
+    prompt_lens = torch.tensor([s.prompt_len for s in batch], device=device)
+    return torch.from_numpy(tokens).to(device), lengths, prompt_lens
+
+
+def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], tuple[torch.Tensor, dict]],
+          seqs: list[DistilledSequence], cfg: TrainConfig, out_dir: str | Path, resume: bool = True,
+          progress: bool = True) -> TrainResult:
+    """Train the parameters of ``module`` that require grad on ``loss_fn`` over ``seqs``.
+
+    Args:
+        module: the trainable model (frozen parts have ``requires_grad=False``).
+        loss_fn: batch -> (scalar loss, metrics to average, e.g. per-slot accuracy).
+        seqs: distilled sequences.
+        cfg: optimisation settings.
+        out_dir: where ``checkpoint.pt`` goes (and is resumed from when ``resume``).
+
+    Returns:
+        ``TrainResult``; metrics are averages over the last 10% of steps.
+
+    Raises:
+        ValueError: no sequences, or no trainable parameters.
+    """
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    if not seqs:
+        raise ValueError("no training sequences")
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the module has no trainable parameters")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_epoch = sum(1 for _ in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len))
+    total = cfg.max_steps or max(1, math.ceil(per_epoch * cfg.epochs))
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    sched = get_cosine_schedule_with_warmup(opt, max(1, int(cfg.warmup_frac * total)), total)
+    step = 0
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        module.load_state_dict(state["module"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step = state["step"]
+    torch.manual_seed(cfg.seed)
+    losses: list[float] = []
+    tail: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
+    epoch, seen = 0, 0
+    module.train()
+    while step < total:
+        for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng([cfg.seed, epoch]), cfg.max_len):
+            if step >= total:
+                break
+            seen += 1
+            if seen <= step:  # resumed: skip the batches already trained on
+                continue
+            loss, metrics = loss_fn(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            value = float(loss.detach())
+            losses.append(value)
+            if step > 0.9 * total:
+                for k, v in metrics.items():
+                    tail.setdefault(k, []).append(float(v))
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            if step % cfg.checkpoint_every == 0 or step == total:
+                tmp = out / "checkpoint.pt.tmp"
+                torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
+                tmp.replace(ckpt)
+        epoch += 1
+    bar.close()
+    module.eval()
+    window = max(1, len(losses) // 10)
+    return TrainResult(step, time.perf_counter() - t0, float(np.mean(losses[:window])) if losses else float("nan"),
+                       float(np.mean(losses[-window:])) if losses else float("nan"),
+                       {k: float(np.mean(v)) for k, v in tail.items()})

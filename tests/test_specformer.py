@@ -1,0 +1,299 @@
+"""SpecFormer head, self-distillation data, drafter training, and lossless decoding with the
+trained drafters (SpecFormer, AAAI 2026; the distilled draft model of the context-aware paper)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tandem.cli import main
+from tandem.data import PromptRecord
+from tandem.drafters.draft_model import DraftModelDrafter, load_draft_checkpoint
+from tandem.drafters.specformer import (SpecFormerConfig, SpecFormerDrafter, SpecFormerHead, load_specformer,
+                                        save_specformer)
+from tandem.engine import Engine
+from tandem.models.config import ModelLoadError
+from tandem.models.runner import RunnerConfig
+from tandem.models.transformer import Transformer
+from tandem.models.weights import load_checkpoint
+from tandem.sampling import SamplingParams
+from tandem.train.distill import distill, iter_batches, read_distilled
+from tandem.train.draft_model import DraftModelObjective, init_draft_model
+from tandem.train.loop import TrainConfig, train
+from tandem.train.specformer import SpecFormerObjective, new_head, specformer_labels
+
+from conftest import spec_bench_prompts
+
+PROMPTS = ["Write a short poem about rain.", "What is the capital of France?", "Explain recursion simply.",
+           "List three fruits.", "How do magnets work?", "Say hello in Spanish.", "Count to five.",
+           "Describe a cat.", "What is two plus two?", "Name a famous painter."]
+
+
+@pytest.fixture(scope="module")
+def tiny_ck(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_ck):
+    t = Transformer(tiny_ck.config, 256)
+    t.load_weights(tiny_ck.tensors)
+    return t.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny_ck, tmp_path_factory):
+    """Greedy answers of the tiny target to ten prompts (32 tokens each)."""
+    out = tmp_path_factory.mktemp("distill")
+    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
+    records = [PromptRecord(str(i), "-", p) for i, p in enumerate(PROMPTS)]
+    distill(engine, records, out, max_tokens=32, max_prompt_tokens=64, shard_tokens=200)
+    return out
+
+
+def _random_head(cfg, num_draft=4, causal=False, seed=0) -> SpecFormerHead:
+    """A head with every weight random (the trained-from-zero residual branches made non-zero)."""
+    head = new_head(cfg, num_draft, None, causal, seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (1.0 if p.ndim == 1 else 0.0))
+    return head.eval()
+
+
+# ----------------------------------------------------------------------------- head shapes and masks
+
+
+def test_head_shapes_and_default_taps(tiny_ck, tiny_target):
+    cfg = SpecFormerConfig.for_target(tiny_ck.config, num_draft_tokens=3)
+    L = tiny_ck.config.num_layers
+    assert cfg.taps == tuple(sorted({0, L // 2, L - 1, L}))
+    head = _random_head(tiny_ck.config, 3)
+    tokens = torch.randint(0, 100, (2, 7))
+    _, taps = tiny_target.forward_causal(tokens, taps=cfg.taps)
+    assert taps.shape == (2, 7, len(cfg.taps), cfg.hidden_size)
+    cos, sin = tiny_target.rope_cos[:7].expand(2, 7, -1), tiny_target.rope_sin[:7].expand(2, 7, -1)
+    y = head.forward_train(taps, cos, sin)
+    assert y.shape == (14, 3, cfg.hidden_size)
+    select = torch.zeros(2, 7, dtype=torch.bool)
+    select[1, 2] = select[0, 6] = True
+    ys = head.forward_train(taps, cos, sin, select)
+    assert torch.allclose(ys, y.view(2, 7, 3, -1)[select], atol=1e-5)
+    with pytest.raises(ValueError):
+        SpecFormerConfig.for_target(tiny_ck.config, taps=(0, L + 1))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_draft_attention_mask(tiny_ck, causal):
+    """Causal: slot 0 never sees later slots; bidirectional: it does."""
+    head = _random_head(tiny_ck.config, 4, causal)
+    h = torch.randn(3, tiny_ck.config.hidden_size)
+    base = head.draft(h)
+    with torch.no_grad():  # change only what the positional FFN gives slots 1..3
+        d = tiny_ck.config.hidden_size
+        head.pos_ffn.weight[d:] += 0.5
+    moved = head.draft(h)
+    assert torch.allclose(moved[:, 0], base[:, 0], atol=1e-6) == causal
+    assert not torch.allclose(moved[:, 1:], base[:, 1:])
+
+
+def test_context_attention_is_causal(tiny_ck, tiny_target):
+    """The head's drafts at position t depend on tokens <= t only."""
+    cfg = SpecFormerConfig.for_target(tiny_ck.config)
+    head = _random_head(tiny_ck.config)
+    a = torch.randint(0, 100, (1, 9))
+    b = a.clone()
+    b[0, 6:] = (b[0, 6:] + 1) % 100
+    cos, sin = tiny_target.rope_cos[:9][None], tiny_target.rope_sin[:9][None]
+    ya = head.forward_train(tiny_target.forward_causal(a, taps=cfg.taps)[1], cos, sin).view(9, 4, -1)
+    yb = head.forward_train(tiny_target.forward_causal(b, taps=cfg.taps)[1], cos, sin).view(9, 4, -1)
+    assert torch.allclose(ya[:6], yb[:6], atol=1e-5)
+    assert not torch.allclose(ya[6:], yb[6:])
+
+
+def test_labels_only_answer_tokens():
+    tokens = torch.arange(10)[None]
+    labels, valid = specformer_labels(tokens, torch.tensor([8]), torch.tensor([4]), 2)
+    assert labels[0, 1].tolist() == [3, 4]  # position 1 predicts tokens 3 and 4
+    assert valid[0, 1].tolist() == [False, True]  # token 3 is in the prompt
+    assert valid[0, 5].tolist() == [True, False]  # token 7 exists, token 8 is past the end
+    assert not valid[0, 6:].any()
+
+
+# ----------------------------------------------------------------------------- drafts from the verify pass
+
+
+def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target):
+    """After rounds of speculative decoding with rollbacks, the head's incremental state (its own
+    KV cache fed by the verify passes) gives the same drafts as a from-scratch forward over the
+    accepted sequence; no separate target pass ran."""
+    head = _random_head(tiny_ck.config)
+    drafter = SpecFormerDrafter(head)
+    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128), drafter=drafter)
+    calls = []
+    step = engine.runner.step
+    engine.runner.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    req = engine.requests[rid]
+    seq = req.prompt_ids + req.output.token_ids
+    pending = drafter.pending[req.slot]
+    assert pending.length == len(seq) - 1 and len(calls) == 5  # one target forward per decode round
+    tokens = torch.tensor([seq[:-1]])
+    T = tokens.shape[1]
+    _, taps = tiny_target.forward_causal(tokens, taps=head.config.taps)
+    y = head.forward_train(taps, tiny_target.rope_cos[:T][None], tiny_target.rope_sin[:T][None]).view(T, 4, -1)
+    want = tiny_target.logits(tiny_target.norm(y[-1]))
+    assert torch.allclose(pending.logits, want, atol=1e-4)
+    engine.abort(rid)
+
+
+# ----------------------------------------------------------------------------- distillation data
+
+
+def test_distill_writes_shards_and_resumes(tiny_ck, distilled, tmp_path):
+    manifest, seqs = read_distilled(distilled)
+    assert len(seqs) == len(PROMPTS) and len(manifest.shards) > 1
+    assert manifest.target["sha256"] and manifest.settings["max_tokens"] == 32
+    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
+    for rec, s in zip(manifest.records, seqs):
+        assert len(s.tokens) == rec.prompt_len + rec.answer_len and 1 <= rec.answer_len <= 32
+    # the answers are the target's greedy output
+    rec = manifest.records[0]
+    c = engine.generate([PROMPTS[int(rec.prompt_id)]], SamplingParams(max_tokens=32))[0]
+    assert seqs[0].tokens[rec.prompt_len:].tolist() == c.token_ids
+    # a rerun skips what is done; benchmark prompts are never training data
+    bench = [PromptRecord("b", "-", spec_bench_prompts(1)[0])]
+    again = distill(engine, [PromptRecord("0", "-", PROMPTS[0])] + bench, distilled, max_tokens=32)
+    assert len(again.records) == len(PROMPTS) and again.skipped["benchmark"] == 1
+    with pytest.raises(Exception, match="benchmark"):
+        distill(engine, bench, tmp_path / "b", max_tokens=4)
+
+
+def test_batches_respect_token_budget(distilled):
+    _, seqs = read_distilled(distilled)
+    batches = list(iter_batches(seqs, 256, np.random.default_rng(0), max_len=60))
+    assert sum(len(b) for b in batches) == len(seqs)
+    assert all(len(b) * max(len(s.tokens) for s in b) <= 256 or len(b) == 1 for b in batches)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path):
+    _, seqs = read_distilled(distilled)
+    head = new_head(tiny_ck.config, 4, seed=0)
+    objective = SpecFormerObjective(head, tiny_target, amp=False)
+    before = float(objective(seqs[:4])[0].detach())
+    cfg = TrainConfig(max_steps=40, lr=3e-3, max_batch_tokens=512, checkpoint_every=20)
+    result = train(head, objective, seqs, cfg, tmp_path, progress=False)
+    after = float(objective(seqs[:4])[0])
+    assert result.steps == 40 and after < before - 0.5 and result.final_loss < result.first_loss
+    assert {"acc_slot1", "expected_accepted"} <= set(result.metrics)
+    save_specformer(head, tmp_path / "head")
+    loaded = load_specformer(tmp_path / "head")
+    assert loaded.config == head.config
+    for (k, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-2 * (a.abs().max() + 1)), k  # stored in bf16
+    # resuming at the last checkpoint does no further steps
+    again = train(head, objective, seqs, cfg, tmp_path, progress=False)
+    assert again.steps == 40
+
+
+def test_draft_model_training_lowers_loss(tiny_ck, tiny_target, distilled, tmp_path):
+    _, seqs = read_distilled(distilled)
+    draft = init_draft_model(tiny_ck, (0,), 256)
+    assert not draft.embed.weight.requires_grad
+    objective = DraftModelObjective(draft, tiny_target, amp=False)
+    before = float(objective(seqs[:4])[0].detach())
+    train(draft, objective, seqs, TrainConfig(max_steps=30, lr=3e-3, max_batch_tokens=512), tmp_path, progress=False)
+    assert float(objective(seqs[:4])[0]) < before - 0.1
+    with pytest.raises(ModelLoadError):
+        init_draft_model(tiny_ck, (5,), 256)
+
+
+# ----------------------------------------------------------------------------- CLI and lossless decoding
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_checkpoint, distilled, tmp_path_factory):
+    """Head and draft model trained through the CLI on the tiny target's distilled answers."""
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    out = tmp_path_factory.mktemp("trained")
+    runner = CliRunner()
+    for kind, extra in (("specformer", []), ("draft-model", ["--init-layers", "0"])):
+        res = runner.invoke(main, ["train", kind, "--data", str(distilled), "--out", str(out / kind), "--model", model,
+                                   "--device", "cpu", "--max-steps", "30", "--lr", "3e-3", "--batch-tokens", "512",
+                                   "--eval-limit", "3", "--eval-max-tokens", "16"] + extra)
+        assert res.exit_code == 0, res.output
+    return model, out
+
+
+def test_cli_training_writes_weights_and_model_card(trained):
+    _, out = trained
+    for kind in ("specformer", "draft-model"):
+        card = json.loads((out / kind / "card.json").read_text())
+        assert card["training"]["steps"] == 30 and card["data"]["answers"] == len(PROMPTS)
+        sb = card["spec_bench"]
+        assert sb["prompts"] == 3 and 0.0 <= sb["overall"]["acceptance_rate"] <= 1.0
+        readme = (out / kind / "README.md").read_text()
+        assert "Measured acceptance" in readme and "self-distillation" in readme
+
+
+@pytest.mark.parametrize("kind", ["specformer", "draft-model"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_trained_drafters_are_lossless_tiny(trained, tiny_ck, kind, temperature):
+    """Greedy: identical to target-only. Sampling with a seed: runs and respects the limits (the
+    distribution-level check for sampling lives in tests/test_speculative.py)."""
+    _, out = trained
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    drafter = (SpecFormerDrafter.load(out / kind) if kind == "specformer"
+               else DraftModelDrafter(load_draft_checkpoint(str(out / kind), tiny_ck), cfg))
+    engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=4)
+    ref = Engine(tiny_ck, cfg)
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3)
+    got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
+    if temperature == 0.0:
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert all(1 <= len(c.token_ids) <= 24 for c in got)
+    assert engine.stats.num_drafted > 0
+
+
+def test_cli_generate_with_trained_drafters(trained):
+    model, out = trained
+    for kind in ("specformer", "draft-model"):
+        res = CliRunner().invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu",
+                                        "--max-tokens", "8", "--drafter", kind, "--draft-model", str(out / kind)])
+        assert res.exit_code == 0, res.output
+        assert "mean accepted length" in res.output
+    res = CliRunner().invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu",
+                                    "--drafter", "specformer"])
+    assert res.exit_code == 2 and "needs --draft-model" in res.output
+    res = CliRunner().invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu",
+                                    "--drafter", "specformer", "--draft-model", str(out / "draft-model")])
+    assert res.exit_code == 2 and "not a SpecFormer head" in res.output
+
+
+def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):
+    _, out = trained
+    engine_ck = load_checkpoint(small_vocab_checkpoint())
+    with pytest.raises(ModelLoadError, match="trained for a target"):
+        Engine(engine_ck, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=64),
+               drafter=SpecFormerDrafter.load(out / "specformer"))
+
+
+@pytest.mark.gpu
+def test_specformer_cuda_graphs_lossless(tiny_ck):
+    """On the GPU the taps come out of captured CUDA graphs; greedy output stays identical."""
+    cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=128, cuda_graphs=True)
+    engine = Engine(tiny_ck, cfg, drafter=SpecFormerDrafter(_random_head(tiny_ck.config)), num_draft_tokens=4)
+    ref = Engine(tiny_ck, cfg)
+    params = SamplingParams(max_tokens=24)
+    got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert engine.stats.num_drafted > 0
