@@ -28,6 +28,16 @@ from tandem.tokenizer import load_tokenizer
 from conftest import SPEC_BENCH
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: these runs are many tiny forwards, where a second OpenMP thread only
+    spins (10x slower on a loaded 2-core machine). Outputs are compared within one setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_checkpoint):
     return str(tiny_checkpoint("llama", with_tokenizer=True))
