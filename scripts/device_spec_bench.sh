@@ -6,11 +6,12 @@
 #   tandem bench --from-results OUT/b1.json,OUT/big.json --out docs/results/<date>/spec-bench
 #
 #   scripts/device_spec_bench.sh MODEL OUT [extra tandem bench options, e.g. --draft-model PATH --exact-kernels]
-# CONFIGS overrides the configuration list (default: all that need no SpecFormer build).
+# CONFIGS overrides the configuration list (default: all of them; the trained drafters default to the
+# weights shipped in tandem/drafters/weights/, else pass --draft-model / --specformer).
 set -uo pipefail
 model=$1; out=$2; shift 2
 export PYTHONUNBUFFERED=1
-configs=${CONFIGS:-target,ngram,draft-model,context-aware,hf-generate,hf-prompt-lookup}
+configs=${CONFIGS:-target,ngram,draft-model,specformer,context-aware,hf-generate,hf-prompt-lookup}
 common=(--model "$model" --max-tokens 256 --limit 20 --configs "$configs" --cost-table "$@")
 timeout 300 python3 -m tandem bench "${common[@]}" --batch-sizes 1 --out /tmp/spec_bench_b1 \
   > "$out/b1.log" 2>&1; echo "batch 1 rc=$?"
