@@ -54,44 +54,13 @@ class _Group(click.Group):
             _fail(str(exc))
 
 
-def _policy(predictor, tau, branch_top_m):
-    """DraftPolicy from CLI options (None when no predictor is given).
-
-    Raises:
-        ConfigError: a bad --tau, --branch-top-m or --tau without --predictor, or an unreadable predictor.
-    """
-    from .control import DraftPolicy, TauController
-    from .errors import ConfigError
-    from .predictor import AcceptancePredictor
-
-    value = None
-    if tau != "auto":
-        try:
-            value = float(tau)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
-    if predictor is None:
-        if branch_top_m:
-            raise ConfigError("--branch-top-m needs --predictor")
-        if value is not None:
-            raise ConfigError("--tau needs --predictor")
-        return None
-    try:
-        model = AcceptancePredictor.load(predictor)
-    except Exception as exc:  # missing file, not safetensors, not a predictor
-        raise ConfigError(f"cannot load predictor {predictor!r}: {exc}") from None
-    if value is None:
-        return DraftPolicy(model.predict, controller=TauController(), branch_top_m=branch_top_m)
-    return DraftPolicy(model.predict, tau=value, branch_top_m=branch_top_m)
-
-
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
             drafter="none", draft_model=None, num_draft_tokens=4, predictor=None, tau="auto", branch_top_m=0):
     """Build an Engine (and its drafter) from CLI options. Raises ModelLoadError / InvalidRequestError."""
     import torch
 
+    from .control import make_draft_policy
+    from .drafters.factory import build_drafter
     from .engine import Engine
     from .errors import InvalidRequestError
     from .models.runner import default_runner_config
@@ -103,8 +72,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     checkpoint = load_checkpoint(model)
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
-    draft = _drafter(drafter, draft_model, checkpoint, cfg)
-    policy = _policy(predictor, tau, branch_top_m)
+    draft = build_drafter(drafter, draft_model, checkpoint, cfg)
+    policy = make_draft_policy(predictor, tau, branch_top_m)
     if policy is not None and draft is None:
         raise InvalidRequestError("--predictor needs a --drafter")
     engine = Engine(checkpoint, cfg, drafter=draft, num_draft_tokens=num_draft_tokens, draft_policy=policy)
@@ -114,37 +83,6 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
         sizes = sorted({1, cfg.max_batch_size})
         policy.cost = CostModel.measure(engine.runner, sizes, num_draft_tokens + max(branch_top_m, 1) + 1, iters=3)
     return engine
-
-
-def _drafter(kind: str, path: str | None, checkpoint, cfg):
-    """The drafter for ``--drafter`` (None for none); trained drafters default to the shipped ones
-    when the target is the bundled model.
-
-    Raises:
-        InvalidRequestError: no default for this target; ModelLoadError: unloadable drafter.
-    """
-    from .drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
-    from .drafters.draft_model import DEFAULT_DRAFT_MODEL
-    from .drafters.specformer import DEFAULT_SPECFORMER, SpecFormerDrafter
-    from .errors import InvalidRequestError
-    from .models.weights import default_model_path
-
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind not in ("draft-model", "specformer"):
-        return None
-    default = DEFAULT_DRAFT_MODEL if kind == "draft-model" else DEFAULT_SPECFORMER
-    if path is None:
-        if checkpoint.path.resolve() != default_model_path().resolve():
-            raise InvalidRequestError(f"--drafter {kind} needs --draft-model PATH for a target other than the "
-                                      f"bundled model (train one with tandem train {kind})")
-        if not (default / "model.safetensors").is_file():
-            raise InvalidRequestError(f"the shipped {kind} weights are missing at {default}; "
-                                      f"pass --draft-model PATH")
-        path = str(default)
-    if kind == "specformer":
-        return SpecFormerDrafter.load(path)
-    return DraftModelDrafter(load_draft_checkpoint(path, checkpoint), cfg)
 
 
 model_option = click.option("--model", "model", default=None, metavar="PATH",
@@ -376,13 +314,26 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Spec-Bench style JSONL (default: the bundled Spec-Bench copy).")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
-              help="Prompts per batch size (at least 2x the batch size are used for batches > 1).")
+              help="Prompts at batch 1 (batch b runs max(limit, 2b)), round-robin across the Spec-Bench tasks.")
 @click.option("--batch-sizes", default="1,16,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--hf-baseline/--no-hf-baseline", default=True, show_default=True,
-              help="Also time Hugging Face generate on the same prompts.")
+@click.option("--configs", "configs_spec", default=None, metavar="NAME,...",
+              help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
+                   "hf-prompt-lookup (target always runs: it is the baseline). Default: target (+ hf-generate).")
+@click.option("--hf-baseline/--no-hf-baseline", default=None,
+              help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
 @click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Prompts for the HF batch-1 reference (it is slow).")
+              help="Prompts for the HF references (batch 1 only: they are slow).")
+@click.option("--specformer", "specformer_path", default=None, metavar="PATH",
+              help="SpecFormer head for the specformer configuration (default: the one shipped for the bundled model).")
+@click.option("--ca-drafter", default="draft-model", show_default=True, metavar="NAME",
+              help="Drafter the context-aware configuration controls: draft-model, ngram or specformer.")
+@click.option("--exact-kernels", is_flag=True,
+              help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
+                   "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")
+@click.option("--cost-table", is_flag=True, help="Also measure the verifier step time T(b, q) for q = 1..k+1.")
+@click.option("--mode", type=click.Choice(["inproc", "distributed"]), default="inproc", show_default=True,
+              help="inproc: one process; distributed: through the gRPC services (tandem serve).")
 @model_option
 @device_option
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
@@ -391,19 +342,24 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @dtype_option
 @click.option("--ablation", is_flag=True,
               help="Context-aware drafting ablation (fixed k, random length, entropy threshold, predictor, full "
-                   "system) instead of the target-only sweep; needs --drafter and --predictor.")
+                   "system) instead of the configuration sweep; needs --drafter and --predictor.")
 @with_drafter_options
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Write results.json here.")
-def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, model, device, cuda_graphs,
-          compile_, max_seq_len, dtype, ablation, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
-          out) -> None:
-    """Target-only greedy throughput of the engine (and HF generate) on Spec-Bench prompts."""
-    import json
-    from pathlib import Path
-
-    from .bench.throughput import bench_engine, bench_hf_generate
-    from .data import bundled_spec_bench, load_prompts, round_robin_by_category
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Write results.json, results.md and the PNG plots here.")
+@click.option("--from-results", "from_results", default=None, metavar="FILE,...",
+              help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
+                   "the tables and plots to --out.")
+def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
+          exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
+          draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
+    """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
+    acceptance, latency, memory and the lossless check, per batch size."""
+    from .data import bundled_spec_bench, load_prompts
     from .errors import InvalidRequestError
+
+    if from_results:
+        _bench_from_results(from_results, out)
+        return
 
     try:
         sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
@@ -423,37 +379,74 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, hf_baseline, hf_limit, m
         _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
                         drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out)
         return
-    engine = _engine(model, device, max(sizes), max_seq_len, cuda_graphs, compile_, dtype)
-    rc = engine.runner_config
-    console.print(f"device {rc.device}, dtype {rc.dtype}, CUDA graphs {rc.cuda_graphs}, compile {rc.compile}")
-    results, outputs = [], {}
-    systems = [("tandem", bench_engine, limit)] + ([("hf-generate", bench_hf_generate, hf_limit)] if hf_baseline else [])
-    for system, run_bench, batch1_prompts in systems:
-        for b in sizes:
-            n = batch1_prompts if b == 1 else max(limit, 2 * b)
-            res, toks = run_bench(engine, round_robin_by_category(records, n), b, max_tokens)
-            results.append(res)
-            outputs[(system, b)] = toks
-            console.print(f"{system} batch {b}: {res.tps:.1f} tok/s ({res.output_tokens} tokens, {res.wall_s:.2f} s)")
-    table = Table(title="Target-only greedy decoding (Spec-Bench prompts)")
-    for col in ("system", "batch", "prompts", "out tok", "TPS", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms",
-                "peak GiB", "same as batch 1"):
-        table.add_column(col, justify="right")
-    base = outputs[("tandem", sizes[0])]
-    for r in results:
-        toks = outputs[(r.system, r.batch_size)]
-        m = min(len(toks), len(base))
-        same = sum(a == b for a, b in zip(toks[:m], base[:m]))
-        table.add_row(r.system, str(r.batch_size), str(r.prompts), str(r.output_tokens), f"{r.tps:.1f}",
-                      f"{r.ttft_p50_ms:.1f}", f"{r.tpot_p50_ms:.2f}", f"{r.tpot_p99_ms:.2f}", f"{r.peak_mem_gib:.2f}" if rc.device.startswith("cuda") else "-",
-                      f"{same}/{m}")
+    _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
+                   hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
+                   compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+                   out)
+
+
+def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
+                   specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
+                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out) -> None:
+    """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
+    import torch
+    from tqdm import tqdm
+
+    from .bench.configs import BenchOptions, parse_configs
+    from .bench.report import tables, write_json, write_report
+    from .bench.spec_bench import check_mode, run_benchmark
+    from .models.runner import default_runner_config
+    from .models.weights import load_checkpoint
+    from .tokenizer import load_tokenizer
+
+    if drafter != "none":
+        _fail("--drafter is for --ablation; choose configurations with --configs")
+    names = [n.strip() for n in (configs_spec or "target").split(",") if n.strip()]
+    if hf_baseline or (hf_baseline is None and configs_spec is None):
+        names.append("hf-generate")
+    elif hf_baseline is False:
+        names = [n for n in names if n != "hf-generate"]
+    configs = parse_configs(",".join(names))
+    check_mode(mode)
+    options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
+                           ca_drafter=ca_drafter,
+                           predictor=predictor, tau=tau, branch_top_m=branch_top_m)
+    cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
+                                compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+    checkpoint = load_checkpoint(model)
+    err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
+                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False)
+    report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
+                           max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
+                           cost_table=cost_table, mode=mode, prompts_file=prompts_file,
+                           say=lambda msg: tqdm.write(msg, file=sys.stderr),
+                           on_result=(lambda partial: write_json(partial, out)) if out else None)
+    for t in tables(report):
+        console.print(t.to_rich())
     if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "results.json").write_text(json.dumps(
-            {"device": rc.device, "dtype": str(rc.dtype), "cuda_graphs": rc.cuda_graphs, "compile": rc.compile,
-             "gpu": torch_device_name(rc.device), "max_tokens": max_tokens,
-             "results": [r.to_dict() for r in results]}, indent=2))
-    console.print(table)
+        written = write_report(report, out)
+        console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
+
+
+def _bench_from_results(files: str, out) -> None:
+    """``tandem bench --from-results``: merge results.json files into one set of tables and plots."""
+    import json
+    from pathlib import Path
+
+    from .bench.report import tables, write_report
+    from .bench.spec_bench import BenchReport, merge_reports
+
+    if not out:
+        _fail("--from-results needs --out")
+    try:
+        report = merge_reports([BenchReport.from_dict(json.loads(Path(f).read_text()))
+                                for f in files.split(",") if f.strip()])
+    except (OSError, ValueError) as exc:
+        _fail(f"--from-results: {exc}")
+        return
+    for t in tables(report):
+        console.print(t.to_rich())
+    console.print("wrote " + ", ".join(str(p) for p in write_report(report, out)), highlight=False)
 
 
 def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
@@ -465,6 +458,7 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
 
     from .bench.ablation import run_ablation
     from .data import round_robin_by_category
+    from .drafters.factory import build_drafter
     from .models.runner import default_runner_config
     from .models.weights import load_checkpoint
     from .predictor import AcceptancePredictor
@@ -477,8 +471,8 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
     cfg = default_runner_config(device, max_batch_size=sizes[0], max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     ck = load_checkpoint(model)
-    _drafter(drafter, draft_model, ck, cfg)  # fail early on a bad drafter
-    make = lambda: _drafter(drafter, draft_model, ck, cfg)  # noqa: E731  a fresh drafter per configuration
+    build_drafter(drafter, draft_model, ck, cfg)  # fail early on a bad drafter
+    make = lambda: build_drafter(drafter, draft_model, ck, cfg)  # noqa: E731  a fresh drafter per configuration
     try:
         pred = AcceptancePredictor.load(predictor)
     except (FileNotFoundError, ValueError) as exc:
@@ -500,12 +494,6 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
         (Path(out) / "ablation.json").write_text(json.dumps({"device": cfg.device, "rows": [r.to_dict() for r in rows]},
                                                             indent=2))
     console.print(table)
-
-
-def torch_device_name(device: str) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
 @main.command("collect-logs")

@@ -4,6 +4,7 @@ rows with a ``prompt`` field."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,12 +62,30 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
     return records
 
 
-def round_robin_by_category(records: list[PromptRecord], n: int) -> list[PromptRecord]:
+# Spec-Bench (Xia et al. 2024) reports six tasks; its MT-Bench rows keep MT-Bench's eight
+# categories, which together are the "multi-turn conversation" task.
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                 "humanities"})
+
+
+def spec_bench_task(category: str) -> str:
+    """Spec-Bench task of a row's ``category``: "mt_bench" for the eight MT-Bench categories,
+    else the category itself (translation, summarization, qa, math_reasoning, rag)."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def round_robin_by_category(records: list[PromptRecord], n: int,
+                            key: Callable[[PromptRecord], str] | None = None) -> list[PromptRecord]:
     """The first ``n`` prompts taking one from each category in turn (file order within a
-    category), so a small benchmark subset still covers every Spec-Bench category."""
+    category), so a small benchmark subset still covers every Spec-Bench category.
+
+    Args:
+        key: groups rows (default: ``record.category``; ``spec_bench_task`` of it balances the six
+            Spec-Bench tasks instead of the 13 categories).
+    """
     by_cat: dict[str, list[PromptRecord]] = {}
     for r in records:
-        by_cat.setdefault(r.category, []).append(r)
+        by_cat.setdefault(key(r) if key is not None else r.category, []).append(r)
     queues = list(by_cat.values())
     out: list[PromptRecord] = []
     i = 0

@@ -255,7 +255,10 @@ class Engine:
             admitted[req.slot] = req
         if admitted:
             taps: dict[int, torch.Tensor] | None = {} if self.runner_config.taps else None
-            logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()}, taps)
+            if self.runner_config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
+                logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}, taps) for s in sorted(admitted)])
+            else:
+                logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()}, taps)
             if taps:
                 self.drafter.observe([TargetStates(s, 0, t) for s, t in taps.items()])
             reqs = [admitted[s] for s in sorted(admitted)]

@@ -152,7 +152,8 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, checkpoint: Checkpoint, config: RunnerConfig, top_m: int = 4) -> None:
         self.top_m = top_m  # candidates kept per position for hard-position branching
-        self.runner = ModelRunner(checkpoint, replace(config, compile=False))
+        # Draft numerics never change the output, so the draft runner skips exact-kernel padding.
+        self.runner = ModelRunner(checkpoint, replace(config, compile=False, fixed_step_tokens=0))
         self.cached: dict[int, list[int]] = {}  # slot -> tokens held in the draft cache
 
     def release(self, slot: int) -> None:

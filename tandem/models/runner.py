@@ -38,6 +38,18 @@ class RunnerConfig:
         max_batch_size: KV cache slots.
         max_seq_len: tokens per slot (prompt + output), the context limit.
         cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
+        fixed_step_tokens: exact kernels (``tandem bench --exact-kernels``); 0 = off. When > 0,
+            every ``step`` runs all ``max_batch_size`` cache slots as rows with exactly this many
+            tokens per row (real tokens first, padding ignored; a longer row widens that step)
+            and attends over context + this many positions whatever the real token count, and
+            the engine prefills one prompt per forward. Why: in bf16 on a GPU the GEMM kernel
+            (tiling, split-K) is chosen by the shape, and different kernels round differently, so
+            target-only decoding ([b, 1] per step) and verification ([b, k + 1]) can flip a
+            near-tied argmax and disagree although both are exact greedy decoding. With one
+            decode shape and per-prompt prefill, every token's logits come out of the same
+            kernels in both modes, so greedy speculative output is identical token for token.
+            Costs speed (every step verifies k + 1 positions of every slot); on CPU float32 it
+            changes nothing but the time.
         compile: ``torch.compile`` the batch-1 decode graph (CUDA only; falls back to the
             uncompiled forward if compilation fails).
         prefill_chunk: prompt positions per prefill forward.
@@ -52,6 +64,7 @@ class RunnerConfig:
     max_batch_size: int = 8
     max_seq_len: int = 2048
     cuda_graphs: bool = False
+    fixed_step_tokens: int = 0
     compile: bool = False
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
@@ -233,6 +246,9 @@ class ModelRunner:
         n = max(tokens_per_slot) + 1
         q = max(len(t) for t in tokens_per_slot.values())
         attn_len = max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items())
+        if self.config.fixed_step_tokens:  # exact kernels: one shape for every step (RunnerConfig)
+            n, q = self.cache.num_slots, max(q, self.config.fixed_step_tokens)
+            attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + q for s in tokens_per_slot))
         if self.config.cuda_graphs:
             n = _bucket(n, self.cache.num_slots)
             attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
@@ -309,7 +325,9 @@ class ModelRunner:
         ``tokens_per_row`` tokens after ``context`` cached tokens (cache contents are arbitrary).
 
         Uses the same path as ``step`` (graph replay when enabled), timed with CUDA events on
-        GPU or wall clock on CPU; slot lengths are restored afterwards.
+        GPU or wall clock on CPU; slot lengths are restored afterwards. Under
+        ``fixed_step_tokens`` every shape is padded as ``step`` pads it, so the table is flat:
+        measure the cost model on a runner without it.
 
         Raises:
             ValueError: the shape does not fit the cache.

@@ -1,0 +1,234 @@
+"""Benchmark configurations: one registry, name -> how that configuration decodes.
+
+Engine configurations (``target``, ``ngram``, ``draft-model``, ``specformer``, ``context-aware``)
+run on the same target engine, which the runner builds once per batch size; each one only sets
+the engine's drafter, draft length k and draft policy (a drafter that reads the target's hidden
+states, SpecFormer, gets an engine of its own built with it). Outside references
+(``hf-generate``, ``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at
+batch 1.
+
+Every check a configuration needs (a draft model, a SpecFormer head, a predictor) runs in
+``prepare_configs`` before anything is timed, so a bad option fails in a second, not after the
+target-only pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..control import CostModel, DraftPolicy, entropy_score, make_draft_policy
+from ..drafters.base import Drafter
+from ..errors import ConfigError
+from ..models.weights import Checkpoint
+
+DRAFT_MODEL_K = 4  # the draft-model configuration's fixed k (the papers' baseline setting)
+SPECFORMER_K = 4  # SpecFormer paper: k = 4 at every batch size
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """User options the configurations read.
+
+    Attributes:
+        num_draft_tokens: k for ``ngram`` and ``hf-prompt-lookup``; k_max for ``context-aware``.
+        draft_model: ``--draft-model`` (PATH or truncate:N); None = the shipped draft model.
+        specformer: ``--specformer`` (a head from ``tandem train specformer``); None = the shipped head.
+        ca_drafter: the drafter ``context-aware`` controls (a registry name).
+        predictor: acceptance predictor path; None = the entropy score ``exp(-H(q))``.
+        tau: threshold in [0, 1] or "auto" (online τ controller).
+        branch_top_m: hard-position branching of ``context-aware`` (0: off).
+    """
+
+    num_draft_tokens: int = 4
+    draft_model: str | None = None
+    specformer: str | None = None
+    ca_drafter: str = "draft-model"
+    predictor: str | None = None
+    tau: str = "auto"
+    branch_top_m: int = 0
+
+
+@dataclass
+class Decoding:
+    """How one configuration decodes on the target engine (``Engine`` attributes of the same names)."""
+
+    drafter: Drafter | None
+    num_draft_tokens: int
+    draft_policy: DraftPolicy | None = None
+
+
+@dataclass
+class BuildContext:
+    """What builders may use: the target checkpoint, the options, the verifier cost model, and
+    (per batch size) the target engine."""
+
+    checkpoint: Checkpoint
+    options: BenchOptions
+    cost: CostModel | None = None
+    engine: object | None = None  # tandem.engine.Engine of the current batch size
+    _draft: Checkpoint | None = field(default=None, repr=False)
+    _head: object | None = field(default=None, repr=False)
+
+    def draft_checkpoint(self) -> Checkpoint:
+        """The draft model's checkpoint (``--draft-model``, else the shipped one), loaded once.
+
+        Raises:
+            InvalidRequestError: no ``--draft-model`` and no shipped draft model for this target.
+            ModelLoadError: the draft model cannot be loaded or does not match the target.
+        """
+        if self._draft is None:
+            from ..drafters import load_draft_checkpoint
+            from ..drafters.factory import drafter_weights
+
+            path = drafter_weights("draft-model", self.options.draft_model, self.checkpoint)
+            self._draft = load_draft_checkpoint(path, self.checkpoint)
+        return self._draft
+
+    def specformer_head(self):
+        """The SpecFormer head (``--specformer``, else the shipped one), loaded once; each engine
+        gets its own ``SpecFormerDrafter`` around it.
+
+        Raises:
+            InvalidRequestError: no ``--specformer`` and no shipped head for this target.
+            ModelLoadError: not a SpecFormer head, or one trained for another target.
+        """
+        if self._head is None:
+            from ..drafters.factory import drafter_weights
+            from ..drafters.specformer import load_specformer
+
+            head = load_specformer(drafter_weights("specformer", self.options.specformer, self.checkpoint,
+                                                   option="--specformer"))
+            head.config.check_target(self.checkpoint.config)
+            self._head = head
+        return self._head
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark configuration.
+
+    Attributes:
+        name: the ``--configs`` name.
+        description: one line for tables and ``--help``.
+        draft_tokens: k reported in the tables (0: no speculation).
+        tokens_per_row: most tokens one verification row can hold (exact kernels pad to it).
+        build: engine configurations: the decoding to set on the target engine.
+        hf_prompt_lookup: outside references: ``prompt_lookup_num_tokens`` for HF generate (0: plain).
+        prepare: checks (and loads) what ``build`` needs; raises ConfigError / ModelLoadError.
+        uses_cost_model: needs the verifier cost model T(b, q).
+    """
+
+    name: str
+    description: str
+    draft_tokens: Callable[[BenchOptions], int]
+    tokens_per_row: Callable[[BenchOptions], int]
+    build: Callable[[BuildContext], Decoding] | None = None
+    hf_prompt_lookup: Callable[[BenchOptions], int] | None = None
+    prepare: Callable[[BuildContext], object] = lambda ctx: None
+    uses_cost_model: bool = False
+
+    @property
+    def is_reference(self) -> bool:
+        """True for outside references (HF generate): batch 1 only, not our engine."""
+        return self.build is None
+
+
+def _draft_model(ctx: BuildContext) -> Decoding:
+    from ..drafters import DraftModelDrafter
+
+    return Decoding(DraftModelDrafter(ctx.draft_checkpoint(), ctx.engine.runner_config), DRAFT_MODEL_K)
+
+
+def _ngram(ctx: BuildContext) -> Decoding:
+    from ..drafters import NgramDrafter
+
+    return Decoding(NgramDrafter(), ctx.options.num_draft_tokens)
+
+
+def _specformer(ctx: BuildContext) -> Decoding:
+    """SpecFormer drafts come out of the verify pass: the drafter reads the target's hidden states
+    (``target_taps``), so the runner builds a dedicated engine around it (``Engine`` sets the taps)."""
+    from ..drafters.specformer import SpecFormerDrafter
+
+    return Decoding(SpecFormerDrafter(ctx.specformer_head()), SPECFORMER_K)
+
+
+def _ca_policy(ctx: BuildContext) -> DraftPolicy:
+    o = ctx.options
+    return make_draft_policy(o.predictor, o.tau, o.branch_top_m, fallback_score=entropy_score, cost=ctx.cost)
+
+
+def _ca_base(ctx: BuildContext) -> BenchConfig:
+    name = ctx.options.ca_drafter
+    if name not in CA_DRAFTERS:
+        raise ConfigError(f"--ca-drafter must be one of {', '.join(CA_DRAFTERS)}, got {name!r}")
+    return CONFIGS[name]
+
+
+def _context_aware(ctx: BuildContext) -> Decoding:
+    from ..drafters import DraftModelDrafter
+
+    base = _ca_base(ctx).build(ctx)
+    policy = _ca_policy(ctx)
+    if policy.cost is not None and isinstance(base.drafter, DraftModelDrafter):
+        # An autoregressive drafter pays one draft forward per draft position: the allocator
+        # weighs that against the verifier's T(b, q) (CostModel.round_ms).
+        runner, slots = base.drafter.runner, ctx.engine.cache.num_slots
+        step_ms = runner.measure_step_ms(slots, 1, min(512, runner.cache.capacity - 1))
+        policy.cost = replace(policy.cost, draft_step_ms=step_ms)
+    return Decoding(base.drafter, ctx.options.num_draft_tokens, policy)
+
+
+def _prepare_context_aware(ctx: BuildContext) -> None:
+    _ca_base(ctx).prepare(ctx)
+    _ca_policy(ctx)  # a bad --tau / --predictor fails now
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
+    BenchConfig("target", "target-only greedy decoding (the baseline)", lambda o: 0, lambda o: 1,
+                build=lambda ctx: Decoding(None, 1)),
+    BenchConfig("ngram", "prompt-lookup n-gram drafter, k = --num-draft-tokens", lambda o: o.num_draft_tokens,
+                lambda o: o.num_draft_tokens + 1, build=_ngram),
+    BenchConfig("draft-model", f"small draft LM (--draft-model), k = {DRAFT_MODEL_K}", lambda o: DRAFT_MODEL_K,
+                lambda o: DRAFT_MODEL_K + 1, build=_draft_model, prepare=BuildContext.draft_checkpoint),
+    BenchConfig("specformer", f"SpecFormer draft head (--specformer), k = {SPECFORMER_K}", lambda o: SPECFORMER_K,
+                lambda o: SPECFORMER_K + 1, build=_specformer, prepare=BuildContext.specformer_head),
+    BenchConfig("context-aware", "adaptive length + cost-model batch budget + online tau over --ca-drafter "
+                "(--predictor, else the entropy score), k_max = --num-draft-tokens",
+                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
+                build=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
+    BenchConfig("hf-generate", "Hugging Face generate, greedy (batch 1)", lambda o: 0, lambda o: 0,
+                hf_prompt_lookup=lambda o: 0),
+    BenchConfig("hf-prompt-lookup", "Hugging Face prompt-lookup decoding, k = --num-draft-tokens (batch 1)",
+                lambda o: o.num_draft_tokens, lambda o: 0, hf_prompt_lookup=lambda o: o.num_draft_tokens),
+]}
+
+CA_DRAFTERS = ("ngram", "draft-model", "specformer")
+
+
+def parse_configs(spec: str) -> list[BenchConfig]:
+    """``--configs`` (comma-separated names) -> configurations, ``target`` first (every other
+    configuration is compared with it), duplicates dropped.
+
+    Raises:
+        ConfigError: an unknown name or an empty list.
+    """
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--configs is empty")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ConfigError(f"unknown configuration {', '.join(map(repr, unknown))}; choose from {', '.join(CONFIGS)}")
+    ordered = ["target"] + [n for n in dict.fromkeys(names) if n != "target"]
+    return [CONFIGS[n] for n in ordered]
+
+
+def prepare_configs(configs: list[BenchConfig], ctx: BuildContext) -> None:
+    """Run every configuration's checks (and loads) before the benchmark starts.
+
+    Raises:
+        ConfigError, ModelLoadError: as the configuration's ``prepare`` raises them.
+    """
+    for c in configs:
+        c.prepare(ctx)

@@ -1,0 +1,182 @@
+"""Tables and plots of a ``BenchReport``: one set of rows feeds both the rich console tables
+and DIR/results.md; plots are matplotlib PNGs (Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.table import Table
+
+from .configs import CONFIGS
+from .spec_bench import BenchReport, RunResult
+
+
+@dataclass(frozen=True)
+class TextTable:
+    """A titled table of preformatted cells (rendered as rich or markdown)."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+
+    def to_rich(self) -> Table:
+        table = Table(title=self.title)
+        for i, h in enumerate(self.headers):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+    def to_markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.headers) + " |",
+                 "|" + "|".join(["---"] + ["---:"] * (len(self.headers) - 1)) + "|"]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+def _f(x: float, spec: str) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main_table(report: BenchReport) -> TextTable:
+    """Shaped like the papers' tables: method, batch size, k, κ, TPS, speedup, acceptance,
+    lossless share; then latency and memory."""
+    m = report.meta
+    title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}"
+             + (", exact kernels" if m.exact_kernels else ""))
+    headers = ["method", "batch", "k", "κ", "TPS", "speedup", "acceptance", "lossless", "TTFT p50 ms",
+               "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB"]
+    rows = [[r.config, str(r.batch_size), str(r.k), _f(r.kappa, ".2f"), _f(r.tps, ".1f"), _f(r.speedup, ".2f") + "x",
+             _f(r.acceptance_rate, ".3f"), f"{round(r.lossless_share * r.prompts)}/{r.prompts}",
+             _f(r.ttft_p50_ms, ".1f"), _f(r.ttft_p99_ms, ".1f"), _f(r.tpot_p50_ms, ".2f"), _f(r.tpot_p99_ms, ".2f"),
+             _f(r.peak_mem_gib, ".2f")]
+            for r in sorted(report.results, key=lambda r: (r.batch_size, report.meta.configs.index(r.config)))]
+    return TextTable(title, headers, rows)
+
+
+def _drafting(report: BenchReport, batch_size: int) -> list[RunResult]:
+    return [r for r in report.results if r.batch_size == batch_size and r.per_task and r.drafted]
+
+
+def category_table(report: BenchReport) -> TextTable | None:
+    """Spec-Bench task x method: acceptance rate / mean accepted length, at the smallest batch
+    size (None when no configuration drafted)."""
+    b = min(report.meta.batch_sizes)
+    runs = _drafting(report, b)
+    if not runs:
+        return None
+    tasks = sorted({t.task for r in runs for t in r.per_task})
+    rows = []
+    for task in tasks:
+        row = [task]
+        for r in runs:
+            t = next((t for t in r.per_task if t.task == task), None)
+            row.append("–" if t is None else f"{_f(t.acceptance_rate, '.3f')} / {_f(t.mean_accepted_length, '.2f')}")
+        rows.append(row)
+    return TextTable(f"Acceptance rate / mean accepted length per Spec-Bench task (batch {b})",
+                     ["task"] + [r.config for r in runs], rows)
+
+
+def cost_table(report: BenchReport) -> TextTable | None:
+    """T(b, q) in ms, and T(b, q_max) / T(b, 1) (the verification overhead of k drafts)."""
+    if not report.cost_table:
+        return None
+    qs = sorted({q for row in report.cost_table.values() for q in row})
+    rows = [[str(b)] + [f"{row[q]:.3f}" for q in qs] + [f"{row[qs[-1]] / row[qs[0]]:.2f}"]
+            for b, row in sorted(report.cost_table.items())]
+    return TextTable("Verifier step time T(b, q) in ms (b rows, q tokens per row)",
+                     ["batch"] + [f"q={q}" for q in qs] + [f"T(b,{qs[-1]})/T(b,{qs[0]})"], rows)
+
+
+def tables(report: BenchReport) -> list[TextTable]:
+    return [t for t in (main_table(report), category_table(report), cost_table(report)) if t is not None]
+
+
+def plot_speedup(report: BenchReport, path: Path) -> None:
+    """Speedup over target-only vs batch size, one line per method (references as points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in report.meta.configs:
+        rs = sorted((r for r in report.results if r.config == name), key=lambda r: r.batch_size)
+        if rs:
+            ax.plot([r.batch_size for r in rs], [r.speedup for r in rs], "o-" if len(rs) > 1 else "s", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(report.meta.batch_sizes, [str(b) for b in report.meta.batch_sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title(f"Spec-Bench, {report.meta.device} {report.meta.dtype}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_categories(report: BenchReport, path: Path) -> bool:
+    """Acceptance rate and mean accepted length per Spec-Bench task (grouped bars per method, at
+    the smallest batch size). Returns False (no file) when no configuration drafted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    b = min(report.meta.batch_sizes)
+    runs = _drafting(report, b)
+    if not runs:
+        return False
+    tasks = sorted({t.task for r in runs for t in r.per_task})
+    x = np.arange(len(tasks))
+    width = 0.8 / len(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, field, label in ((axes[0], "acceptance_rate", "acceptance rate α"),
+                             (axes[1], "mean_accepted_length", "mean accepted length τ_acc")):
+        for i, r in enumerate(runs):
+            by = {t.task: getattr(t, field) for t in r.per_task}
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, [by.get(t, np.nan) for t in tasks], width, label=r.config)
+        ax.set_xticks(x, tasks, rotation=30, ha="right")
+        ax.set_ylabel(label)
+    axes[0].set_ylim(0, 1)
+    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Per Spec-Bench task, batch {b}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_json(report: BenchReport, out: str | Path) -> Path:
+    """Write DIR/results.json (NaN as null) and return its path."""
+    path = Path(out) / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_dict(), indent=2))
+    return path
+
+
+def write_report(report: BenchReport, out: str | Path) -> list[Path]:
+    """Write DIR/results.json, DIR/results.md, DIR/speedup.png and DIR/acceptance_by_task.png
+    (the last only when something drafted). Returns the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_json(report, out), out / "results.md", out / "speedup.png"]
+    m = report.meta
+    head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
+            f"{m.compile}, exact kernels {m.exact_kernels}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
+            f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
+            f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
+            f"submission (all prompts are queued at once).\n\n")
+    described = "".join(f"- `{name}`: {CONFIGS[name].description}\n" for name in m.configs if name in CONFIGS)
+    described += "\nOptions: " + ", ".join(f"{k}={v}" for k, v in m.options.items()) + ".\n"
+    written[1].write_text(head + described + "\n" + "\n".join(t.to_markdown() for t in tables(report)))
+    plot_speedup(report, written[2])
+    if plot_categories(report, out / "acceptance_by_task.png"):
+        written.append(out / "acceptance_by_task.png")
+    return written

@@ -1,0 +1,410 @@
+"""Spec-Bench runner: every configuration on the same prompts, at every batch size.
+
+For each batch size b the runner builds one target engine (``b`` KV cache slots), runs
+target-only decoding, then each configuration of ``tandem.bench.configs`` on the same prompts
+(first turn, chat template, greedy), each as a warm-up pass and a timed pass. Metrics follow
+ARCHITECTURE.md §4: TPS for the whole batch, speedup over target-only at the same batch size in
+the same run, acceptance rate α, mean accepted length τ_acc, κ, TTFT / TPOT p50 and p99, peak
+GPU memory, and the lossless check (share of prompts whose tokens equal target-only's).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import importlib.util
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..control import CostModel
+from ..data import PromptRecord, round_robin_by_category, spec_bench_task
+from ..engine import Completion, Engine
+from ..errors import ConfigError
+from ..metrics import SpecDecodeStats
+from ..models.runner import ModelRunner, RunnerConfig
+from ..models.weights import Checkpoint
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .configs import BenchConfig, BenchOptions, BuildContext, Decoding, prepare_configs
+from .throughput import bench_hf_generate
+
+MODES = ("inproc", "distributed")
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    """Acceptance on one Spec-Bench task (``tandem.data.spec_bench_task``)."""
+
+    task: str
+    prompts: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float  # α; NaN when nothing was drafted
+    mean_accepted_length: float  # τ_acc, bonus token included
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One (configuration, batch size) measurement; latencies in ms, memory in GiB.
+
+    ``speedup`` is TPS over target-only TPS at the same batch size in the same run;
+    ``lossless_share`` the share of prompts whose output tokens equal target-only's, and
+    ``mismatched_prompt_ids`` the others. Acceptance fields are NaN where unknown (HF).
+    """
+
+    config: str
+    batch_size: int
+    k: int
+    prompts: int
+    output_tokens: int
+    wall_s: float
+    tps: float
+    speedup: float
+    acceptance_rate: float
+    mean_accepted_length: float
+    kappa: float
+    drafted: int
+    accepted: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    peak_mem_gib: float
+    lossless_share: float
+    mismatched_prompt_ids: list[str]
+    per_task: list[TaskStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BenchMeta:
+    """What was run, where."""
+
+    model: str
+    device: str
+    gpu: str
+    dtype: str
+    cuda_graphs: bool
+    compile: bool
+    exact_kernels: bool
+    fixed_step_tokens: int
+    mode: str
+    configs: list[str]
+    batch_sizes: list[int]
+    max_tokens: int
+    prompts_file: str
+    options: dict
+    torch: str
+    date_utc: str
+
+
+@dataclass
+class BenchReport:
+    """Everything one ``tandem bench`` run measured. ``cost_table[b][q]`` = T(b, q) in ms."""
+
+    meta: BenchMeta
+    results: list[RunResult]
+    cost_table: dict[int, dict[int, float]] | None = None
+
+    def get(self, config: str, batch_size: int) -> RunResult | None:
+        return next((r for r in self.results if r.config == config and r.batch_size == batch_size), None)
+
+    def to_dict(self) -> dict:
+        """JSON-ready (NaN becomes null)."""
+        return _json_safe({"meta": asdict(self.meta), "results": [asdict(r) for r in self.results],
+                           "cost_table": self.cost_table})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BenchReport":
+        """Inverse of ``to_dict`` (null becomes NaN).
+
+        Raises:
+            ValueError: not a ``tandem bench`` results.json.
+        """
+        def floats(row: dict) -> dict:
+            return {k: float("nan") if v is None else v for k, v in row.items()}
+
+        try:
+            results = [RunResult(**{**floats(r), "per_task": [TaskStats(**floats(t)) for t in r["per_task"]]})
+                       for r in data["results"]]
+            table = data.get("cost_table")
+            return cls(BenchMeta(**data["meta"]), results,
+                       {int(b): {int(q): t for q, t in row.items()} for b, row in table.items()} if table else None)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a tandem bench results.json ({exc})") from None
+
+
+def merge_reports(reports: list[BenchReport]) -> BenchReport:
+    """One report from runs of the same model and settings (e.g. batch sizes split across
+    calls): results concatenated (a later (configuration, batch size) replaces an earlier one),
+    batch sizes, configurations and cost-table rows united.
+
+    Raises:
+        ValueError: no reports, or reports of different models / devices / dtypes / token limits /
+            exact-kernel settings.
+    """
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0].meta
+    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode")
+    for r in reports[1:]:
+        diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
+        if diff:
+            raise ValueError(f"cannot merge runs that differ in {', '.join(diff)}")
+    results: dict[tuple[str, int], RunResult] = {}
+    table: dict[int, dict[int, float]] = {}
+    for r in reports:
+        results.update({(x.config, x.batch_size): x for x in r.results})
+        table.update(r.cost_table or {})
+    configs = list(dict.fromkeys(c for r in reports for c in r.meta.configs))
+    sizes = sorted({b for r in reports for b in r.meta.batch_sizes})
+    return BenchReport(replace(first, configs=configs, batch_sizes=sizes), list(results.values()), table or None)
+
+
+def _json_safe(x):
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def check_mode(mode: str) -> None:
+    """Fail early for a mode this installation cannot run.
+
+    Raises:
+        ConfigError: an unknown mode, or ``distributed`` without the serving stack.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "distributed" and importlib.util.find_spec("services") is None:
+        raise ConfigError("distributed mode needs the serving stack (tandem serve): the `services` package is not "
+                          "importable here")
+
+
+def run_distributed(config: BenchConfig, options: BenchOptions, records: list[PromptRecord], batch_size: int,
+                    params: SamplingParams) -> tuple[list[Completion], float]:
+    """DISTRIBUTED RUNNER PLUG-IN POINT: run ``records`` through the router / drafter / verifier
+    services (``tandem serve``) with at most ``batch_size`` requests in flight under
+    ``config`` and return the completions (prompt order, with TTFT / TPOT and acceptance
+    counters) and the wall time of the pass (s). The in-process counterpart is ``_engine_pass``.
+
+    Raises:
+        ConfigError: until the gRPC services' client is wired in here.
+    """
+    raise ConfigError("distributed bench runner is not wired to the serving stack yet: implement "
+                      "tandem.bench.spec_bench.run_distributed")
+
+
+def bench_prompts(records: list[PromptRecord], batch_size: int, limit: int) -> list[PromptRecord]:
+    """The prompts batch size ``b`` runs: ``limit`` at batch 1, ``max(limit, 2b)`` above (so
+    the batch stays full for most of the run), taken round-robin across the Spec-Bench tasks."""
+    n = limit if batch_size == 1 else max(limit, 2 * batch_size)
+    return round_robin_by_category(records, n, key=lambda r: spec_bench_task(r.category))
+
+
+def measure_cost_table(checkpoint: Checkpoint, config: RunnerConfig, batch_sizes: list[int], max_q: int,
+                       iters: int = 10) -> CostModel:
+    """T(b, q) in ms for every b in ``batch_sizes`` and q = 1..``max_q`` (``runner.measure_step_ms``
+    via ``CostModel.measure``, context 512), on a runner of the engine's settings without exact-kernel
+    padding (which would flatten the table). The runner is freed afterwards."""
+    runner = ModelRunner(checkpoint, replace(config, max_batch_size=max(batch_sizes), fixed_step_tokens=0))
+    try:
+        return CostModel.measure(runner, batch_sizes, max_q, iters=iters)
+    finally:
+        del runner
+        _free_memory()
+
+
+def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerConfig, records: list[PromptRecord],
+                  configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
+                  max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
+                  cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
+                  say: Callable[[str], None] = lambda msg: None,
+                  on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
+    """Run every configuration at every batch size (greedy, chat template, first turns).
+
+    Args:
+        checkpoint, tokenizer: the target.
+        config: runner settings (device, dtype, graphs, context); ``max_batch_size`` is set per
+            batch size.
+        records: the prompt pool; ``bench_prompts`` picks each batch size's share.
+        configs: from ``configs.parse_configs`` (``target`` first).
+        options: drafter options.
+        max_tokens: new tokens per prompt at most.
+        limit: prompts at batch 1 (``max(limit, 2b)`` at batch b).
+        hf_limit: prompts for the HF references (batch 1 only: they are slow).
+        exact_kernels: one decode shape for every step (``RunnerConfig.fixed_step_tokens``).
+        cost_table: also measure T(b, q), q = 1..k+1.
+        mode: "inproc" (this process) or "distributed" (``run_distributed``).
+        progress: tqdm bars on stderr (shown only on a terminal).
+        say: receives one line per finished run.
+        on_result: receives the report so far after every run (to save partial results).
+
+    Returns:
+        The report: one ``RunResult`` per (configuration, batch size) that ran (references at
+        batch 1 only), plus the cost table if asked.
+
+    Raises:
+        ConfigError, ModelLoadError: a configuration cannot be built (checked before any run).
+    """
+    check_mode(mode)
+    if not configs or configs[0].name != "target":
+        raise ValueError("configs must start with target (configs.parse_configs orders them)")
+    sizes = sorted(set(batch_sizes))
+    engine_configs = [c for c in configs if not c.is_reference]
+    fixed = max(c.tokens_per_row(options) for c in engine_configs) if exact_kernels else 0
+    ctx = BuildContext(checkpoint, options)
+    prepare_configs(configs, ctx)
+    if mode == "distributed":
+        run_distributed(configs[0], options, records, sizes[0], SamplingParams(max_tokens=max_tokens))
+    if cost_table or any(c.uses_cost_model for c in configs):
+        max_q = max([options.num_draft_tokens + 1] + [c.tokens_per_row(options) for c in configs if c.uses_cost_model])
+        say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
+        ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
+    rc = config  # the settings every engine shares (batch size aside)
+    meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
+                     gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
+                     dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
+                     exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
+                     batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
+                     torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
+    if 1 not in sizes and any(c.is_reference for c in configs):
+        say("the HF references run at batch 1 only; skipped (no batch size 1)")
+    params = SamplingParams(max_tokens=max_tokens)
+    runs = sum(1 for b in sizes for c in configs if not c.is_reference or b == 1)
+    with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, disable=None if progress else True) as bar:
+        for b in sizes:
+            prompts = bench_prompts(records, b, limit)
+            engine = Engine(checkpoint, replace(config, max_batch_size=b, fixed_step_tokens=fixed), tokenizer=tokenizer)
+            ctx.engine = engine
+            base: RunResult | None = None
+            base_tokens: dict[str, list[int]] = {}
+            for c in configs:
+                if c.is_reference and b != 1:
+                    continue
+                bar.set_postfix_str(f"{c.name} b={b}")
+                if c.is_reference:
+                    res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
+                else:
+                    decoding = c.build(ctx)
+                    own = _needs_own_engine(decoding)
+                    run_on = (Engine(checkpoint, engine.runner_config, tokenizer=tokenizer, drafter=decoding.drafter,
+                                     num_draft_tokens=decoding.num_draft_tokens, draft_policy=decoding.draft_policy)
+                              if own else engine)
+                    comps, wall, peak = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
+                                                     progress)
+                    res = _engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens)
+                    engine.drafter = engine.draft_policy = decoding = run_on = None
+                    _free_memory()
+                    if c.name == "target":
+                        base = res
+                        base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
+                report.results.append(res)
+                say(_summary(res))
+                if on_result is not None:
+                    on_result(report)
+                bar.update()
+            ctx.engine = engine = None
+            _free_memory()
+    return report
+
+
+def _needs_own_engine(decoding: Decoding) -> bool:
+    """A drafter that reads the target's hidden states (``target_taps``, SpecFormer) must be given
+    to ``Engine`` at construction (it sets the runner's taps and binds the drafter)."""
+    return bool(getattr(decoding.drafter, "target_taps", ()))
+
+
+def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
+                 params: SamplingParams, desc: str, progress: bool) -> tuple[list[Completion], float, float]:
+    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass (compiles and captures every CUDA graph
+    shape, trains the online τ), then the timed pass. Returns (completions, wall s, peak GiB)."""
+    engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
+                                                                    decoding.draft_policy)
+    engine.max_running = batch_size
+    texts = [r.text for r in prompts]
+    dev = engine.runner.device
+    for label in ("warm-up", "timed"):
+        with tqdm(total=len(texts), desc=f"{desc} {label}", unit="prompt", leave=False, file=sys.stderr,
+                  disable=None if progress else True) as bar:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            comps = engine.generate(texts, params, on_finish=lambda _: bar.update())
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+    engine.stats = SpecDecodeStats()
+    return comps, wall, peak
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``; NaN when empty."""
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _lossless(prompts: list[PromptRecord], outputs: list[list[int]],
+              base_tokens: dict[str, list[int]]) -> tuple[float, list[str]]:
+    bad = [r.prompt_id for r, toks in zip(prompts, outputs) if base_tokens.get(r.prompt_id) != toks]
+    return (1.0 - len(bad) / len(prompts) if prompts else float("nan")), bad
+
+
+def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[PromptRecord],
+                   comps: list[Completion], wall: float, peak: float, base: RunResult | None,
+                   base_tokens: dict[str, list[int]]) -> RunResult:
+    total = SpecDecodeStats()
+    by_task: dict[str, tuple[int, SpecDecodeStats]] = {}
+    for rec, comp in zip(prompts, comps):
+        total.merge(comp.spec)
+        n, st = by_task.setdefault(spec_bench_task(rec.category), (0, SpecDecodeStats()))
+        st.merge(comp.spec)
+        by_task[spec_bench_task(rec.category)] = (n + 1, st)
+    tokens = sum(x.completion_tokens for x in comps)
+    tps = tokens / wall
+    if base is None:  # this is the target run
+        share, bad, speedup = 1.0, [], 1.0
+    else:
+        share, bad = _lossless(prompts, [x.token_ids for x in comps], base_tokens)
+        speedup = tps / base.tps
+    tpots = [x.tpot_s * 1e3 for x in comps if x.completion_tokens > 1]
+    ttfts = [x.ttft_s * 1e3 for x in comps]
+    per_task = [TaskStats(t, n, st.num_drafted, st.num_accepted, st.acceptance_rate, st.mean_accepted_length)
+                for t, (n, st) in sorted(by_task.items())]
+    return RunResult(c.name, b, c.draft_tokens(options), len(prompts), tokens, wall, tps, speedup,
+                     total.acceptance_rate, total.mean_accepted_length, total.kappa, total.num_drafted,
+                     total.num_accepted, _pct(ttfts, 50), _pct(ttfts, 99), _pct(tpots, 50), _pct(tpots, 99), peak,
+                     share, bad, per_task)
+
+
+def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], max_tokens: int,
+                   options: BenchOptions, base: RunResult, base_tokens: dict[str, list[int]]) -> RunResult:
+    """HF generate on the same checkpoint, device and dtype (batch 1; acceptance is not exposed)."""
+    res, outs = bench_hf_generate(engine, prompts, 1, max_tokens, prompt_lookup=c.hf_prompt_lookup(options))
+    share, bad = _lossless(prompts, outs, base_tokens)
+    nan = float("nan")
+    return RunResult(c.name, 1, c.draft_tokens(options), len(prompts), res.output_tokens, res.wall_s, res.tps,
+                     res.tps / base.tps, nan, nan, nan, 0, 0, nan, nan, nan, nan, res.peak_mem_gib, share, bad)
+
+
+def _summary(r: RunResult) -> str:
+    acc = "" if math.isnan(r.acceptance_rate) else f", acceptance {r.acceptance_rate:.2f}, τ_acc {r.mean_accepted_length:.2f}"
+    return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
+            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}")
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,59 @@
+"""Drafters by name, with the shipped weights as defaults: one place for ``tandem generate``,
+``tandem collect-logs`` and ``tandem bench``."""
+
+from __future__ import annotations
+
+from ..models.runner import RunnerConfig
+from ..models.weights import Checkpoint
+from .base import Drafter
+
+DRAFTER_KINDS = ("ngram", "draft-model", "specformer")
+
+
+def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option: str = "--draft-model") -> str:
+    """The weights a trained drafter loads: ``path`` when given, else the ones shipped for the
+    bundled target (``DEFAULT_DRAFT_MODEL`` / ``DEFAULT_SPECFORMER``).
+
+    Args:
+        kind: "draft-model" or "specformer".
+        path: the user's choice (``option`` names it in errors), or None.
+        checkpoint: the target.
+
+    Raises:
+        InvalidRequestError: no path and no shipped weights for this target.
+    """
+    from ..errors import InvalidRequestError
+    from ..models.weights import default_model_path
+    from .draft_model import DEFAULT_DRAFT_MODEL
+    from .specformer import DEFAULT_SPECFORMER
+
+    if path is not None:
+        return path
+    default = DEFAULT_DRAFT_MODEL if kind == "draft-model" else DEFAULT_SPECFORMER
+    if checkpoint.path.resolve() != default_model_path().resolve():
+        raise InvalidRequestError(f"{kind} needs {option} PATH for a target other than the bundled model "
+                                  f"(train one with tandem train {kind})")
+    if not (default / "model.safetensors").is_file():
+        raise InvalidRequestError(f"the shipped {kind} weights are missing at {default}; pass {option} PATH")
+    return str(default)
+
+
+def build_drafter(kind: str, path: str | None, checkpoint: Checkpoint, config: RunnerConfig) -> Drafter | None:
+    """The drafter for ``--drafter`` (None for "none"); trained drafters default to the shipped
+    ones when the target is the bundled model (``drafter_weights``).
+
+    Raises:
+        InvalidRequestError: no weights for this target; ModelLoadError: unloadable drafter.
+    """
+    from .draft_model import DraftModelDrafter, load_draft_checkpoint
+    from .ngram import NgramDrafter
+    from .specformer import SpecFormerDrafter
+
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind not in DRAFTER_KINDS:
+        return None
+    weights = drafter_weights(kind, path, checkpoint)
+    if kind == "specformer":
+        return SpecFormerDrafter.load(weights)
+    return DraftModelDrafter(load_draft_checkpoint(weights, checkpoint), config)

@@ -1,0 +1,249 @@
+"""``tandem bench``: the configuration registry, the Spec-Bench runner, its files, exact kernels.
+
+CPU only, on the tiny random checkpoints of conftest.py (float32, greedy: every configuration
+must reproduce target-only output exactly).
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tandem.bench import configs as bench_configs
+from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
+from tandem.bench.spec_bench import check_mode, run_benchmark
+from tandem.cli import main
+from tandem.data import load_prompts
+from tandem.engine import Engine
+from tandem.errors import ConfigError, InvalidRequestError
+from tandem.models import load_checkpoint
+from tandem.models.config import ModelLoadError
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+from tandem.tokenizer import load_tokenizer
+
+from conftest import SPEC_BENCH
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: these runs are many tiny forwards, where a second OpenMP thread only
+    spins (10x slower on a loaded 2-core machine). Outputs are compared within one setting."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def short_prompts(tmp_path_factory):
+    """The first Spec-Bench row of every category, cut to 200 characters (long RAG and
+    summarization prompts would only slow the CPU tests down)."""
+    rows = {}
+    for line in SPEC_BENCH.read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["category"], {**row, "turns": [row["turns"][0][:200]]})
+    path = tmp_path_factory.mktemp("prompts") / "spec_bench_short.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows.values()))
+    return path
+
+
+def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, [
+        "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "3", "--batch-sizes", "1,2", "--max-tokens", "8",
+        "--configs", "target,ngram,draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3",
+        "--max-seq-len", "256", "--cost-table", "--out", str(out)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    data = json.loads((out / "results.json").read_text())
+    rows = {(r["config"], r["batch_size"]): r for r in data["results"]}
+    assert set(rows) == {(c, b) for c in ("target", "ngram", "draft-model") for b in (1, 2)}
+    assert data["meta"]["configs"] == ["target", "ngram", "draft-model"] and data["meta"]["exact_kernels"] is False
+    for (name, b), r in rows.items():
+        assert r["prompts"] == (3 if b == 1 else 4)  # max(limit, 2b)
+        assert r["tps"] > 0 and r["output_tokens"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert r["lossless_share"] == 1.0 and r["mismatched_prompt_ids"] == [], r  # greedy fp32: lossless
+        if name == "target":
+            assert r["speedup"] == 1.0 and r["kappa"] == 1.0 and r["drafted"] == 0 and r["acceptance_rate"] is None
+        else:
+            assert r["speedup"] == pytest.approx(r["tps"] / rows[("target", b)]["tps"])
+            assert r["drafted"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0
+            assert 1.0 <= r["mean_accepted_length"] <= r["k"] + 1 and r["k"] == (3 if name == "ngram" else 4)
+            assert sum(t["prompts"] for t in r["per_task"]) == r["prompts"]
+    # T(b, q) for b in the batch sizes and q = 1..k+1 (k = --num-draft-tokens)
+    assert sorted(data["cost_table"]) == ["1", "2"] and sorted(data["cost_table"]["2"]) == ["1", "2", "3", "4"]
+    assert all(t > 0 for row in data["cost_table"].values() for t in row.values())
+    md = (out / "results.md").read_text()
+    assert "| method | batch | k | κ | TPS | speedup | acceptance | lossless |" in md
+    assert "per Spec-Bench task" in md and "T(b, q)" in md
+    for png in ("speedup.png", "acceptance_by_task.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Not a terminal: no progress-bar redraws, one plain line per finished run, tables on stdout.
+    assert "\r" not in res.stderr and res.stderr.count("lossless") == 6
+    assert "Spec-Bench, greedy" in res.stdout and "wrote" in res.stdout
+
+
+def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):
+    ck = load_checkpoint(tiny_dir)
+    records = load_prompts(short_prompts)
+    configs = parse_configs("context-aware,hf-generate,hf-prompt-lookup")
+    report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=256), records, configs, [1],
+                           BenchOptions(num_draft_tokens=3, ca_drafter="ngram"), max_tokens=8, limit=2, hf_limit=2,
+                           progress=False)
+    assert [r.config for r in report.results] == ["target", "context-aware", "hf-generate", "hf-prompt-lookup"]
+    ca = report.get("context-aware", 1)
+    assert ca.lossless_share == 1.0 and ca.k == 3 and math.isfinite(ca.speedup)
+    for name in ("hf-generate", "hf-prompt-lookup"):
+        r = report.get(name, 1)
+        assert r.prompts == 2 and r.output_tokens > 0 and r.tps > 0
+        assert r.lossless_share == 1.0, r.mismatched_prompt_ids  # fp32: HF greedy == our greedy
+        assert math.isnan(r.acceptance_rate)  # HF does not expose its acceptance counts
+    assert report.cost_table is None  # measured for context-aware, reported only with cost_table=True
+    json.dumps(report.to_dict(), allow_nan=False)  # NaN is written as null
+
+
+def test_config_registry_errors(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="unknown configuration 'eagle'"):
+        parse_configs("ngram,eagle")
+    with pytest.raises(ConfigError, match="empty"):
+        parse_configs(" , ")
+    assert [c.name for c in parse_configs("ngram,target,ngram")] == ["target", "ngram"]  # target first, no repeats
+    ctx = BuildContext(load_checkpoint(tiny_dir), BenchOptions())  # not the bundled target: nothing shipped for it
+    with pytest.raises(InvalidRequestError, match="draft-model needs --draft-model PATH"):
+        prepare_configs(parse_configs("draft-model"), ctx)
+    with pytest.raises(InvalidRequestError, match="draft-model needs --draft-model PATH"):  # context-aware's default
+        prepare_configs(parse_configs("context-aware"), ctx)
+    with pytest.raises(InvalidRequestError, match="specformer needs --specformer PATH"):
+        prepare_configs(parse_configs("specformer"), ctx)
+    with pytest.raises(ModelLoadError, match="no SpecFormer head"):
+        prepare_configs(parse_configs("specformer"), BuildContext(ctx.checkpoint, BenchOptions(specformer=str(tmp_path))))
+    with pytest.raises(ConfigError, match="--tau must be"):
+        prepare_configs(parse_configs("context-aware"), BuildContext(ctx.checkpoint, BenchOptions(ca_drafter="ngram",
+                                                                                                  tau="2")))
+    with pytest.raises(ConfigError, match="cannot load predictor"):
+        prepare_configs(parse_configs("context-aware"), BuildContext(
+            ctx.checkpoint, BenchOptions(ca_drafter="ngram", predictor=str(tmp_path / "missing.safetensors"))))
+    with pytest.raises(ConfigError, match="--mode must be"):
+        check_mode("ray")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--configs", "eagle"], "unknown configuration 'eagle'"),
+    (["--configs", "ngram", "--drafter", "ngram"], "--drafter is for --ablation"),
+    (["--configs", "specformer"], "specformer needs --specformer PATH"),
+    (["--mode", "distributed"], "distributed mode needs the serving stack (tandem serve)"),
+])
+def test_bench_cli_config_errors(tiny_dir, args, message):
+    if "distributed" in args and importlib.util.find_spec("services"):
+        pytest.skip("this build has the serving stack")
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and "Traceback" not in res.output
+
+
+def test_exact_kernels_leave_outputs_unchanged(tiny_dir, short_prompts):
+    """--exact-kernels pads every step to [slots, k+1] and prefills prompts one by one: on CPU
+    float32 target-only output is unchanged, and speculative output (a draft model, k = 3) still
+    equals it."""
+    from tandem.drafters import DraftModelDrafter, truncated_checkpoint
+
+    ck = load_checkpoint(tiny_dir)
+    prompts = [r.text for r in load_prompts(short_prompts, 5)]
+    params = SamplingParams(max_tokens=10)
+    plain = Engine(ck, RunnerConfig(device="cpu", max_batch_size=3, max_seq_len=256))
+    exact = Engine(ck, RunnerConfig(device="cpu", max_batch_size=3, max_seq_len=256, fixed_step_tokens=4),
+                   tokenizer=plain.tokenizer)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in exact.generate(prompts, params)] == want
+    slot = exact.cache.allocate()
+    exact.cache.lengths[slot] = 3
+    assert tuple(exact.runner.step({slot: [1]}).logits.shape[:2]) == (3, 4)  # every slot, 4 tokens per row
+    exact.cache.free(slot)
+    exact.drafter, exact.num_draft_tokens = DraftModelDrafter(truncated_checkpoint(ck, 1), exact.runner_config), 3
+    assert [c.token_ids for c in exact.generate(prompts, params)] == want
+    assert exact.stats.num_drafted > 0
+
+
+def test_context_aware_over_a_draft_model_prices_its_draft_steps(tiny_dir):
+    """context-aware = the shared DraftPolicy (online τ, entropy score without a predictor) with
+    the verifier cost model plus the draft model's measured step time."""
+    from tandem.bench.spec_bench import measure_cost_table
+    from tandem.control import entropy_score
+
+    ck = load_checkpoint(tiny_dir)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=256)
+    ctx = BuildContext(ck, BenchOptions(draft_model="truncate:1", num_draft_tokens=3))
+    ctx.cost = measure_cost_table(ck, cfg, [1, 2], 4, iters=2)
+    assert sorted(ctx.cost.table) == [1, 2] and sorted(ctx.cost.table[2]) == [1, 2, 3, 4]
+    ctx.engine = Engine(ck, cfg)
+    decoding = bench_configs.CONFIGS["context-aware"].build(ctx)
+    policy = decoding.draft_policy
+    assert decoding.drafter.name == "draft-model" and decoding.num_draft_tokens == 3
+    assert policy.score is entropy_score and policy.controller is not None
+    assert policy.cost.table == ctx.cost.table and policy.cost.draft_step_ms > 0
+
+
+@pytest.mark.slow
+def test_bench_on_the_real_model(short_prompts, tmp_path):
+    """The bundled SmolLM2 (chat template, real tokenizer): n-gram drafting reproduces target-only
+    output on two Spec-Bench prompts."""
+    res = CliRunner().invoke(main, ["bench", "--device", "cpu", "--prompts", str(short_prompts), "--limit", "2", "--batch-sizes", "1", "--max-tokens",
+                                    "12", "--configs", "target,ngram", "--no-hf-baseline", "--max-seq-len", "512",
+                                    "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [(r["config"], r["lossless_share"]) for r in rows] == [("target", 1.0), ("ngram", 1.0)]
+    assert all(r["output_tokens"] == rows[0]["output_tokens"] for r in rows)
+
+
+def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts, tmp_path):
+    base = ["bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2", "--max-tokens", "4", "--configs",
+            "target,ngram", "--no-hf-baseline", "--max-seq-len", "256"]
+    for b in ("1", "2"):
+        res = CliRunner().invoke(main, base + ["--batch-sizes", b, "--out", str(tmp_path / f"b{b}")])
+        assert res.exit_code == 0, res.output + str(res.exception)
+    files = f"{tmp_path / 'b1' / 'results.json'},{tmp_path / 'b2' / 'results.json'}"
+    res = CliRunner().invoke(main, ["bench", "--from-results", files, "--out", str(tmp_path / "all")])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    data = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert data["meta"]["batch_sizes"] == [1, 2]
+    assert sorted((r["config"], r["batch_size"]) for r in data["results"]) == [
+        ("ngram", 1), ("ngram", 2), ("target", 1), ("target", 2)]
+    assert (tmp_path / "all" / "speedup.png").is_file() and "| ngram | 2 |" in (tmp_path / "all" / "results.md").read_text()
+    res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "all" / "results.md"), "--out", "x"])
+    assert res.exit_code == 2 and "--from-results" in res.stderr
+
+
+def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline",
+                                    "--configs", "context-aware", "--ca-drafter", "target"])
+    assert res.exit_code == 2 and "--ca-drafter must be one of ngram, draft-model, specformer" in res.stderr
+
+
+def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_prompts, tmp_path):
+    """SpecFormer (drafts from the verify pass: the engine taps the target) beside target-only,
+    also under exact kernels and under the context-aware policy; a random head is enough to check
+    the wiring and losslessness."""
+    from tandem.drafters.specformer import SpecFormerConfig, SpecFormerHead, save_specformer
+
+    ck = load_checkpoint(tiny_dir)
+    save_specformer(SpecFormerHead(SpecFormerConfig.for_target(ck.config)), tmp_path / "head", dtype=torch.float32)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=256)
+    tok = load_tokenizer(ck)
+    options = BenchOptions(specformer=str(tmp_path / "head"), ca_drafter="specformer")
+    for exact, names in ((False, "specformer,context-aware"), (True, "specformer")):
+        report = run_benchmark(ck, tok, cfg, load_prompts(short_prompts), parse_configs(names), [2], options,
+                               max_tokens=8, limit=3, exact_kernels=exact, progress=False)
+        assert report.meta.fixed_step_tokens == (5 if exact else 0)
+        sf = report.get("specformer", 2)
+        assert sf.lossless_share == 1.0 and sf.drafted > 0 and sf.k == 4, (exact, sf)
+        if not exact:  # context-aware over SpecFormer; a random head's drafts are rightly mostly cut
+            assert report.get("context-aware", 2).lossless_share == 1.0
