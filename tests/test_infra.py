@@ -3,10 +3,14 @@ and CLI flag they use exists (once the serving code, services/, is in the tree).
 
 from __future__ import annotations
 
+import http.server
 import importlib
 import re
 import shutil
 import subprocess
+import sys
+import threading
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -161,6 +165,60 @@ def test_compose_services_env_healthchecks_and_wiring():
     assert trace_dir in mounts.values()  # the trace file lands on the host, for tandem trace-report
 
 
+def healthcheck(role: str, port: int) -> subprocess.CompletedProcess:
+    """Run ``role``'s compose healthcheck command here, aimed at ``port`` on this machine."""
+    svc = compose()["services"][role]
+    kind, program, *args = svc["healthcheck"]["test"]
+    assert kind == "CMD" and program == "python"
+    args = [a.replace(f":{flag(svc['command'], '--port')}", f":{port}") for a in args]
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("role", ["verifier", "drafter"])
+def test_grpc_healthchecks_follow_the_standard_health_service(role):
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("grpc_health.v1", reason="grpcio-health-checking is not installed")
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert healthcheck(role, port).returncode == 0
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert healthcheck(role, port).returncode != 0
+    finally:
+        server.stop(None)
+    assert healthcheck(role, port).returncode != 0  # nothing listening
+
+
+def test_router_healthcheck_probes_http_health():
+    paths = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            paths.append(self.path)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        assert healthcheck("router", port).returncode == 0 and paths == ["/health"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert healthcheck("router", port).returncode != 0
+
+
 def test_dockerfile_builds_the_services_image():
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
@@ -169,15 +227,21 @@ def test_dockerfile_builds_the_services_image():
     assert compose()["services"]["router"]["build"] == "."
 
 
-def test_docker_compose_config_validates():
+def compose_cli() -> list[str] | None:
+    """``docker compose`` (v2 plugin) or ``docker-compose``, whichever is installed; None if neither."""
     docker = shutil.which("docker")
-    if docker is None:
-        pytest.skip("docker CLI not installed")
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip("the docker compose plugin is not installed")
-    res = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    standalone = shutil.which("docker-compose")
+    return [standalone] if standalone else None
+
+
+def test_docker_compose_config_validates():
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+    res = subprocess.run([*cli, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)  # schema validation only: no daemon needed
     assert res.returncode == 0, res.stderr
 
 
