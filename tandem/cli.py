@@ -550,8 +550,8 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
 @click.argument("trace_file", metavar="FILE")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
 def trace_report_cmd(trace_file, as_json) -> None:
-    """Per-phase latency of decode rounds (request, round, draft, allocate, verify, network: count,
-    p50, p99, mean ms) and the share of round time on the network, from an OTLP JSON trace file
+    """Per-phase latency of decode rounds (request, prefill, round, draft, allocate, verify, network:
+    count, p50, p99, mean ms) and the share of round time on the network, from an OTLP JSON trace file
     (the OpenTelemetry collector's file exporter output, or TANDEM_TRACE_FILE)."""
     import json
 

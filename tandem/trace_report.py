@@ -5,8 +5,9 @@ Input: OTLP JSON as the OpenTelemetry collector's ``file`` exporter writes it (o
 document of that message (``resourceSpans`` / ``scopeSpans`` / ``spans``), decoded by the
 OpenTelemetry OTLP-JSON codec (``opentelemetry-proto-json``).
 
-Phases (span names shared by the services, see ``tandem.telemetry``): ``request``, ``round``
-and the round's children ``draft``, ``allocate``, ``verify``, and ``network``: time on the wire
+Phases (span names shared by the services, see ``tandem.telemetry``): ``request``, ``prefill``
+(admitting new requests, between rounds), ``round`` and the round's children ``draft``,
+``allocate``, ``verify``, and ``network``: time on the wire
 of one RPC = the client span's duration minus its server span's (``rpc.client.<m>`` and the
 ``rpc.server.<m>`` span it parents, e.g. ``verify`` or ``draft``; floored at 0), or an explicit
 ``network`` span. A span inside a span of the same name is part of it and not counted again.
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-PHASES = ("request", "round", "draft", "allocate", "verify", "network")
+PHASES = ("request", "prefill", "round", "draft", "allocate", "verify", "network")
 ROUND_CHILD_PHASES = ("draft", "allocate", "verify", "network")
 RPC_CLIENT, RPC_SERVER = "rpc.client.", "rpc.server."
 
@@ -123,7 +124,8 @@ def read_spans(path: str | Path) -> list[SpanRecord]:
 @dataclass
 class PhaseStats:
     """Durations of one phase in ms; ``share_of_round`` = its time inside rounds / all round
-    time (None for ``request`` and ``round``, and when there are no rounds or no such spans)."""
+    time (None for ``request``, ``prefill`` and ``round``, and when there are no rounds or no
+    such spans)."""
 
     phase: str
     count: int
