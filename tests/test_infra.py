@@ -154,6 +154,8 @@ def test_compose_services_env_healthchecks_and_wiring():
     router = services["router"]["command"]
     assert flag(router, "--verifier") == f"verifier:{ports['verifier']}"
     assert flag(router, "--drafter") == f"drafter:{ports['drafter']}"
+    model = flag(router, "--model-name")  # the name the usage examples send
+    assert f'"model": "{model}"' in COMPOSE.read_text() and f'"model": "{model}"' in (ROOT / "README.md").read_text()
     assert "16686:16686" in services["jaeger"]["ports"]
     collector = services["otel-collector"]
     assert "contrib" in collector["image"]
