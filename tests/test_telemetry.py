@@ -234,6 +234,13 @@ def test_single_document_and_json_lines_give_the_same_report(tmp_path):
     doc.write_text(json.dumps({"resourceSpans": [rs for x in lines for rs in x["resourceSpans"]]}, indent=2))
     a, b = build_report(read_spans(path)), build_report(read_spans(doc))
     assert a.to_dict() == b.to_dict()
+    # the same spans split over two files (one per service, say) give the same report too
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    text = path.read_text().splitlines(keepends=True)
+    first.write_text("".join(text[: len(text) // 2]))
+    second.write_text("".join(text[len(text) // 2:]))
+    res = CliRunner().invoke(main, ["trace-report", str(first), str(second), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout) == a.to_dict()
     assert a.phase("request").count == a.phase("round").count == a.phase("allocate").count == 3
     assert a.phase("network").count == 3 and 0 < a.network_share < 1
 
