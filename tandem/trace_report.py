@@ -125,7 +125,8 @@ def read_spans(path: str | Path) -> list[SpanRecord]:
 class PhaseStats:
     """Durations of one phase in ms; ``share_of_round`` = its time inside rounds / all round
     time (None for ``request``, ``prefill`` and ``round``, and when there are no rounds or no
-    such spans)."""
+    such spans). Spans of one phase that overlap in time (concurrent calls) can add up to more
+    than their round; only the network share is capped at each round's duration."""
 
     phase: str
     count: int
