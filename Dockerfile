@@ -29,4 +29,5 @@ WORKDIR /home/tandem
 # 8000: router HTTP (OpenAI-compatible API, /health, /metrics); 50051 verifier, 50052 drafter (gRPC).
 EXPOSE 8000 50051 50052
 ENTRYPOINT ["tandem"]
-CMD ["serve", "router", "--host", "0.0.0.0", "--port", "8000"]
+# docker-compose.yml and the Ray configs give the command (tandem serve verifier|drafter|router ...).
+CMD ["--help"]
