@@ -29,5 +29,5 @@ WORKDIR /home/tandem
 # 8000: router HTTP (OpenAI-compatible API, /health, /metrics); 50051 verifier, 50052 drafter (gRPC).
 EXPOSE 8000 50051 50052
 ENTRYPOINT ["tandem"]
-# docker-compose.yml and the Ray configs give the command (tandem serve verifier|drafter|router ...).
+# docker-compose.yml gives each service its command (tandem serve ...); KubeRay runs `ray start` in this image.
 CMD ["--help"]
