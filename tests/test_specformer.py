@@ -297,3 +297,20 @@ def test_specformer_cuda_graphs_lossless(tiny_ck):
     got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert engine.stats.num_drafted > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["specformer", "draft-model"])
+def test_shipped_drafters_lossless_on_smollm2(real_checkpoint, kind):
+    """The shipped drafters load by default with the bundled target, draft, and leave greedy output
+    identical to target-only decoding."""
+    from tandem.drafters.factory import build_drafter
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=512)
+    engine = Engine(real_checkpoint, cfg, drafter=build_drafter(kind, None, real_checkpoint, cfg), num_draft_tokens=4)
+    ref = Engine(real_checkpoint, cfg)
+    prompts = spec_bench_prompts(3)
+    params = SamplingParams(max_tokens=32)
+    got, want = engine.generate(prompts, params), ref.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert engine.stats.num_drafted > 0 and engine.stats.num_accepted > 0
