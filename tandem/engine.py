@@ -287,23 +287,27 @@ class Engine:
                                [p.parents for p in proposals] if trees else None)
         outputs = []
         emitted = 0
-        observed: list[TargetStates] = []
+        observed: list[tuple[int, int, list[int]]] = []  # (slot, start, accepted rows of the step)
         for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
             if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
             self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
             if out.taps is not None:  # the verify pass also yields the next drafts (SpecFormer)
-                rows = [0] + ([1 + i for i in res.path] if res.path else list(range(1, res.num_accepted + 1)))
-                observed.append(TargetStates(slot, length, out.taps[slot, rows]))
+                observed.append((slot, length, [0] + ([1 + i for i in res.path] if res.path
+                                                      else list(range(1, res.num_accepted + 1)))))
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
             outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
             emitted += len(outputs[-1].new_token_ids)
-        if observed:
-            self.drafter.observe([o for o in observed if self.running.get(o.slot) is not None])
+        observed = [o for o in observed if o[0] in self.running]
+        if observed:  # one gather of the accepted positions' taps for every sequence
+            taps = out.taps[torch.tensor([s for s, _, rows in observed for _ in rows]),
+                            torch.tensor([r for _, _, rows in observed for r in rows])]
+            pieces = taps.split([len(rows) for _, _, rows in observed])
+            self.drafter.observe([TargetStates(s, length, t) for (s, length, _), t in zip(observed, pieces)])
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
         return outputs

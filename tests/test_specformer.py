@@ -192,7 +192,7 @@ def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, d
     before = float(objective(seqs[:4])[0].detach())
     cfg = TrainConfig(max_steps=40, lr=3e-3, max_batch_tokens=512, checkpoint_every=20)
     result = train(head, objective, seqs, cfg, tmp_path, progress=False)
-    after = float(objective(seqs[:4])[0])
+    after = float(objective(seqs[:4])[0].detach())
     assert result.steps == 40 and after < before - 0.5 and result.final_loss < result.first_loss
     assert {"acc_slot1", "expected_accepted"} <= set(result.metrics)
     save_specformer(head, tmp_path / "head")

@@ -9,6 +9,7 @@ themselves: whatever they cached beyond the longest common prefix was rejected a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,12 +110,13 @@ class DraftProposal:
         return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops)
 
 
-def distribution_features(probs: torch.Tensor, start_position: int = 1) -> torch.Tensor:
+def distribution_features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
     """Predictor features of draft distributions (ACL 2025 context-aware drafting, §3).
 
     Args:
         probs: ``[n, vocab]`` draft probabilities at n consecutive draft positions.
-        start_position: 1-based draft position of the first row.
+        start_position: 1-based draft position of the first row, or an ``[n]`` float tensor with
+            every row's position.
 
     Returns:
         ``[n, NUM_FEATURES]``: entropy (nats), top-1 probability, top-1 minus top-2, position.
@@ -125,39 +127,73 @@ def distribution_features(probs: torch.Tensor, start_position: int = 1) -> torch
     top2 = p.topk(min(2, p.shape[-1]), dim=-1).values
     top1 = top2[:, 0]
     second = top2[:, 1] if top2.shape[1] > 1 else torch.zeros_like(top1)
-    pos = torch.arange(start_position, start_position + n, dtype=torch.float32, device=p.device)
+    if isinstance(start_position, torch.Tensor):
+        pos = start_position.to(device=p.device, dtype=torch.float32)
+    else:
+        pos = torch.arange(start_position, start_position + n, dtype=torch.float32, device=p.device)
     return torch.stack([entropy, top1, top1 - second, pos], dim=-1).cpu()
 
 
-def proposal_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                         top_m: int = 4, start_position: int = 1) -> DraftProposal:
-    """Draft tokens from draft logits at ``n`` consecutive positions, one token per row.
+@dataclass
+class DraftRows:
+    """Draft tokens drawn from ``R`` rows of draft logits in one batched pass.
 
-    Greedy requests take the argmax (q is then deterministic, so ``probs`` is None); sampled
-    requests draw from q = the request's temperature / top-k / top-p transform of the logits
-    (``tandem.sampling``, the same transform the target gets), and q is returned for speculative
-    sampling (Leviathan et al. 2023).
+    Attributes:
+        tokens: ``R`` token ids.
+        features: ``[R, NUM_FEATURES]`` float32 (CPU) predictor features.
+        top_tokens: ``[R, m]`` int64 (CPU) most likely tokens per row.
+        probs: row -> ``[vocab]`` q the token was drawn from, for sampled rows only.
+    """
+
+    tokens: list[int]
+    features: torch.Tensor
+    top_tokens: torch.Tensor
+    probs: dict[int, torch.Tensor]
+
+    def proposal(self, rows: list[int]) -> DraftProposal:
+        """The drafts of these rows (one request's consecutive positions) as a proposal."""
+        if not rows:
+            return DraftProposal.empty()
+        sampled = rows[0] in self.probs
+        probs = torch.stack([self.probs[r] for r in rows]) if sampled else None
+        idx = torch.tensor(rows)
+        return DraftProposal([self.tokens[r] for r in rows], probs, self.features[idx], self.top_tokens[idx])
+
+
+def draft_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+               positions: Sequence[int], top_m: int = 4) -> DraftRows:
+    """Draw one draft token per row of draft logits, batched across requests and positions.
+
+    Greedy rows take the argmax (their q is deterministic, so no probabilities are kept); sampled
+    rows draw from q = the row's sampling transform of the logits (``tandem.sampling``, the same
+    transform the target gets), kept for speculative sampling (Leviathan et al. 2023). Features
+    (ACL 2025 context-aware drafting) come from softmax(logits) for greedy rows and from q for
+    sampled rows. All small results reach the CPU in one transfer each, whatever ``R``.
 
     Args:
-        logits: ``[n, vocab]`` draft logits.
-        params: the request's sampling parameters; generator: its random generator.
-        top_m: candidates kept per position (``top_tokens``, for hard-position branching).
-        start_position: 1-based draft position of the first row (a predictor feature).
+        logits: ``[R, vocab]`` draft logits.
+        params / generators: each row's request sampling parameters and random generator.
+        positions: each row's 1-based draft position (a predictor feature).
+        top_m: candidates kept per row (for hard-position branching).
     """
-    n = logits.shape[0]
-    if params.greedy:
-        q = logits.float().softmax(-1)
-        tokens = logits.argmax(-1).tolist()
-        probs = None
-    else:
+    R = logits.shape[0]
+    q = logits.float().softmax(-1)
+    sampled = [i for i in range(R) if not params[i].greedy]
+    probs: dict[int, torch.Tensor] = {}
+    tokens_dev = logits.argmax(-1)
+    if sampled:
         dev = logits.device
-        q = sampling_probs(logits, torch.full((n,), params.temperature, device=dev),
-                           torch.full((n,), params.top_k, dtype=torch.long, device=dev),
-                           torch.full((n,), params.top_p, device=dev))
-        tokens = torch.multinomial(q, 1, generator=generator)[:, 0].tolist()
-        probs = q
+        ps = [params[i] for i in sampled]
+        qs = sampling_probs(logits[sampled], torch.tensor([p.temperature for p in ps], device=dev),
+                            torch.tensor([p.top_k for p in ps], device=dev),
+                            torch.tensor([p.top_p for p in ps], device=dev))
+        q[sampled] = qs
+        for j, i in enumerate(sampled):
+            tokens_dev[i] = torch.multinomial(qs[j], 1, generator=generators[i])[0]
+            probs[i] = qs[j]
+    feats = distribution_features(q, torch.tensor(positions, dtype=torch.float32, device=q.device))
     tops = q.topk(min(top_m, q.shape[-1]), dim=-1).indices.cpu()
-    return DraftProposal(tokens, probs, distribution_features(q, start_position), tops)
+    return DraftRows(tokens_dev.tolist(), feats, tops, probs)
 
 
 def one_hot_features(n: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, proposal_from_logits
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -199,8 +199,10 @@ class DraftModelDrafter(Drafter):
         parts: dict[int, list[DraftProposal]] = {r.slot: [] for r in active}
         live = list(active)
         for pos in range(1, max(r.max_draft for r in active) + 1):
-            for r in live:
-                parts[r.slot].append(proposal_from_logits(logits[r.slot][None], r.params, r.generator, self.top_m, pos))
+            rows = draft_rows(torch.stack([logits[r.slot] for r in live]), [r.params for r in live],
+                              [r.generator for r in live], [pos] * len(live), self.top_m)
+            for i, r in enumerate(live):
+                parts[r.slot].append(rows.proposal([i]))
             live = [r for r in live if len(parts[r.slot]) < r.max_draft]
             if not live:
                 break

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.transformer import RMSNorm
-from .base import DraftProposal, DraftRequest, Drafter, proposal_from_logits
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows
 
 FORMAT = "tandem-specformer-v1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -298,12 +299,11 @@ class SpecFormerDrafter(Drafter):
             raise RuntimeError("SpecFormerDrafter.observe before bind()")
         head, target = self.head, self._target
         dev = self.k_cache.device
-        n, M = len(states), max(s.taps.shape[0] for s in states)
-        ntap, d = states[0].taps.shape[1:]
-        x = torch.zeros((n, M, ntap, d), device=dev, dtype=self.k_cache.dtype)
-        for i, s in enumerate(states):
-            x[i, :s.taps.shape[0]] = s.taps
-        q_lens = torch.tensor([s.taps.shape[0] for s in states], device=dev)
+        n = len(states)
+        lens = [s.taps.shape[0] for s in states]
+        x = pad_sequence([s.taps.to(self.k_cache.dtype) for s in states], batch_first=True)  # [n, M, taps, d]
+        M = x.shape[1]
+        q_lens = torch.tensor(lens, device=dev)
         start = torch.tensor([s.start for s in states], device=dev)
         slots = torch.tensor([s.slot for s in states], device=dev)
         offs = torch.arange(M, device=dev)
@@ -316,23 +316,35 @@ class SpecFormerDrafter(Drafter):
         q, k, v = head.context_qkv(h, cos, sin)  # [n, M, heads, hd]
         self.k_cache[slots[:, None], :, write] = k
         self.v_cache[slots[:, None], :, write] = v
-        attn_len = int((start + q_lens).max())
+        attn_len = max(s.start + m for s, m in zip(states, lens))
         keys, values = self.k_cache[slots, :, :attn_len], self.v_cache[slots, :, :attn_len]
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
         h = h + head.ctx_o(att.transpose(1, 2).reshape(n, M, -1))
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
         logits = target.logits(target.norm(head.draft(last)))  # [n, l_d, vocab]
-        for i, s in enumerate(states):
-            self.pending[s.slot] = _Pending(s.start + s.taps.shape[0], logits[i])
+        for i, (s, m) in enumerate(zip(states, lens)):
+            self.pending[s.slot] = _Pending(s.start + m, logits[i])
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        out = []
-        for r in requests:
+        ready: list[tuple[int, DraftRequest]] = []
+        for i, r in enumerate(requests):
             p = self.pending.get(r.slot)
             # the head must have seen every token but the last (the bonus token the target has not consumed)
-            if r.max_draft <= 0 or p is None or p.length != len(r.token_ids) - 1:
-                out.append(DraftProposal.empty())
-                continue
-            out.append(proposal_from_logits(p.logits[:r.max_draft], r.params, r.generator, self.top_m))
+            if r.max_draft > 0 and p is not None and p.length == len(r.token_ids) - 1:
+                ready.append((i, r))
+        out = [DraftProposal.empty() for _ in requests]
+        if not ready:
+            return out
+        logits = torch.cat([self.pending[r.slot].logits[:r.max_draft] for _, r in ready])
+        params, gens, pos, spans = [], [], [], []
+        for _, r in ready:
+            n = min(r.max_draft, self.head.config.num_draft_tokens)
+            spans.append(list(range(len(pos), len(pos) + n)))
+            params += [r.params] * n
+            gens += [r.generator] * n
+            pos += range(1, n + 1)
+        rows = draft_rows(logits, params, gens, pos, self.top_m)  # one batched pass for every request
+        for (i, _), span in zip(ready, spans):
+            out[i] = rows.proposal(span)
         return out
