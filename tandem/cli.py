@@ -73,6 +73,12 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
     draft = build_drafter(drafter, draft_model, checkpoint, cfg)
+    if predictor == "auto":  # the predictor trained for this drafter, saved next to its weights
+        from .drafters.factory import PREDICTOR_FILE, drafter_predictor
+
+        predictor = drafter_predictor(drafter, draft_model, checkpoint)
+        if predictor is None:
+            raise InvalidRequestError(f"--predictor auto: no {PREDICTOR_FILE} next to the {drafter} drafter's weights")
     policy = make_draft_policy(predictor, tau, branch_top_m)
     if policy is not None and draft is None:
         raise InvalidRequestError("--predictor needs a --drafter")
@@ -98,9 +104,9 @@ drafter_options = [
                       "specformer: a head directory (default: the shipped head)."),
     click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
                  help="Draft tokens per sequence per round (k)."),
-    click.option("--predictor", default=None, metavar="PATH",
-                 help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor); "
-                      "draft lengths follow it under tau."),
+    click.option("--predictor", default=None, metavar="PATH|auto",
+                 help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor), or "
+                      "auto = the predictor saved next to the drafter's weights; draft lengths follow it under tau."),
     click.option("--tau", default="auto", show_default=True,
                  help="Threshold on predicted acceptance: a number in [0, 1], or auto (learned online)."),
     click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,

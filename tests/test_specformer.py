@@ -314,3 +314,26 @@ def test_shipped_drafters_lossless_on_smollm2(real_checkpoint, kind):
     got, want = engine.generate(prompts, params), ref.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert engine.stats.num_drafted > 0 and engine.stats.num_accepted > 0
+
+
+def test_predictor_next_to_its_drafter(trained, tmp_path):
+    """Logs from the trained draft model train a predictor saved beside its weights, which
+    `--predictor auto` then finds; a drafter without one gets a clear error."""
+    model, out = trained
+    draft = str(out / "draft-model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    runner = CliRunner()
+    res = runner.invoke(main, ["collect-logs", "--prompts", str(prompts), "--limit", "6", "--out", str(tmp_path / "l.npz"),
+                               "--model", model, "--device", "cpu", "--drafter", "draft-model", "--draft-model", draft,
+                               "--max-tokens", "24"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu", "--max-tokens", "8",
+                               "--drafter", "draft-model", "--draft-model", draft, "--predictor", "auto"])
+    assert res.exit_code == 2 and "no predictor.safetensors" in res.output
+    res = runner.invoke(main, ["train", "predictor", "--logs", str(tmp_path / "l.npz"), "--out",
+                               f"{draft}/predictor.safetensors", "--epochs", "5"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu", "--max-tokens", "8",
+                               "--drafter", "draft-model", "--draft-model", draft, "--predictor", "auto"])
+    assert res.exit_code == 0, res.output

@@ -155,8 +155,13 @@ def _specformer(ctx: BuildContext) -> Decoding:
 
 
 def _ca_policy(ctx: BuildContext) -> DraftPolicy:
+    """``--predictor``, else the predictor saved next to the drafter's weights, else the entropy score."""
+    from ..drafters.factory import drafter_predictor
+
     o = ctx.options
-    return make_draft_policy(o.predictor, o.tau, o.branch_top_m, fallback_score=entropy_score, cost=ctx.cost)
+    weights = {"draft-model": o.draft_model, "specformer": o.specformer}.get(o.ca_drafter)
+    predictor = o.predictor or drafter_predictor(o.ca_drafter, weights, ctx.checkpoint)
+    return make_draft_policy(predictor, o.tau, o.branch_top_m, fallback_score=entropy_score, cost=ctx.cost)
 
 
 def _ca_base(ctx: BuildContext) -> BenchConfig:

@@ -57,3 +57,21 @@ def build_drafter(kind: str, path: str | None, checkpoint: Checkpoint, config: R
     if kind == "specformer":
         return SpecFormerDrafter.load(weights)
     return DraftModelDrafter(load_draft_checkpoint(weights, checkpoint), config)
+
+
+PREDICTOR_FILE = "predictor.safetensors"  # an acceptance predictor lives next to its drafter's weights
+
+
+def drafter_predictor(kind: str, path: str | None, checkpoint: Checkpoint) -> str | None:
+    """The acceptance predictor saved next to a trained drafter's weights (``path``, or the shipped
+    weights for the bundled target), or None when there is none (n-gram has none)."""
+    from pathlib import Path
+
+    if kind not in ("draft-model", "specformer"):
+        return None
+    try:
+        weights = Path(drafter_weights(kind, path, checkpoint))
+    except Exception:  # no weights for this target: no predictor either
+        return None
+    candidate = (weights if weights.is_dir() else weights.parent) / PREDICTOR_FILE
+    return str(candidate) if candidate.is_file() else None
