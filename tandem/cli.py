@@ -770,8 +770,10 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
               help="Draft slots per position (l_d).")
 @click.option("--causal", is_flag=True, help="Causal mask across the draft slots (ablation of the bidirectional default).")
 @click.option("--taps", default=None, help="Target depths read, comma separated (default 0,L/2,L-1,L).")
+@click.option("--bonus-token", is_flag=True,
+              help="Also condition the draft slots on the bonus token's embedding (an extension beyond the paper).")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, eval_limit,
-                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps) -> None:
+                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps, bonus_token) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
 
@@ -786,7 +788,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         return
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:
-        head = new_head(ck.config, num_draft, tap_list, causal, seed).to(rcfg.device)
+        head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token).to(rcfg.device)
     except ValueError as exc:
         _fail(str(exc))
         return

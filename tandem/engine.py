@@ -259,10 +259,11 @@ class Engine:
                 logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}, taps) for s in sorted(admitted)])
             else:
                 logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()}, taps)
-            if taps:
-                self.drafter.observe([TargetStates(s, 0, t) for s, t in taps.items()])
             reqs = [admitted[s] for s in sorted(admitted)]
-            for req, token in zip(reqs, self._sample(reqs, logits)):
+            first = self._sample(reqs, logits)
+            if taps:
+                self.drafter.observe([TargetStates(r.slot, 0, taps[r.slot], t) for r, t in zip(reqs, first)])
+            for req, token in zip(reqs, first):
                 outputs.append(self._append(req, [token]))
                 if not req.finished:
                     self.running[req.slot] = req
@@ -287,7 +288,7 @@ class Engine:
                                [p.parents for p in proposals] if trees else None)
         outputs = []
         emitted = 0
-        observed: list[tuple[int, int, list[int]]] = []  # (slot, start, accepted rows of the step)
+        observed: list[tuple[int, int, list[int], int]] = []  # (slot, start, accepted rows of the step, bonus)
         for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
             if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
@@ -295,7 +296,7 @@ class Engine:
             self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
             if out.taps is not None:  # the verify pass also yields the next drafts (SpecFormer)
                 observed.append((slot, length, [0] + ([1 + i for i in res.path] if res.path
-                                                      else list(range(1, res.num_accepted + 1)))))
+                                                      else list(range(1, res.num_accepted + 1))), res.tokens[-1]))
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
@@ -304,10 +305,10 @@ class Engine:
             emitted += len(outputs[-1].new_token_ids)
         observed = [o for o in observed if o[0] in self.running]
         if observed:  # one gather of the accepted positions' taps for every sequence
-            taps = out.taps[torch.tensor([s for s, _, rows in observed for _ in rows]),
-                            torch.tensor([r for _, _, rows in observed for r in rows])]
-            pieces = taps.split([len(rows) for _, _, rows in observed])
-            self.drafter.observe([TargetStates(s, length, t) for (s, length, _), t in zip(observed, pieces)])
+            taps = out.taps[torch.tensor([s for s, _, rows, _ in observed for _ in rows]),
+                            torch.tensor([r for _, _, rows, _ in observed for r in rows])]
+            pieces = taps.split([len(rows) for _, _, rows, _ in observed])
+            self.drafter.observe([TargetStates(s, length, t, bonus) for (s, length, _, bonus), t in zip(observed, pieces)])
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
         return outputs

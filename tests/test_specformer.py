@@ -55,9 +55,9 @@ def distilled(tiny_ck, tmp_path_factory):
     return out
 
 
-def _random_head(cfg, num_draft=4, causal=False, seed=0) -> SpecFormerHead:
+def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False) -> SpecFormerHead:
     """A head with every weight random (the trained-from-zero residual branches made non-zero)."""
-    head = new_head(cfg, num_draft, None, causal, seed)
+    head = new_head(cfg, num_draft, None, causal, seed, bonus_token)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -127,11 +127,13 @@ def test_labels_only_answer_tokens():
 # ----------------------------------------------------------------------------- drafts from the verify pass
 
 
-def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target):
+@pytest.mark.parametrize("bonus_token", [False, True])
+def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, bonus_token):
     """After rounds of speculative decoding with rollbacks, the head's incremental state (its own
     KV cache fed by the verify passes) gives the same drafts as a from-scratch forward over the
-    accepted sequence; no separate target pass ran."""
-    head = _random_head(tiny_ck.config)
+    accepted sequence; no separate target pass ran. With ``bonus_token`` the drafts also see the
+    round's bonus token."""
+    head = _random_head(tiny_ck.config, bonus_token=bonus_token)
     drafter = SpecFormerDrafter(head)
     engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128), drafter=drafter)
     calls = []
@@ -147,8 +149,11 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target):
     tokens = torch.tensor([seq[:-1]])
     T = tokens.shape[1]
     _, taps = tiny_target.forward_causal(tokens, taps=head.config.taps)
-    y = head.forward_train(taps, tiny_target.rope_cos[:T][None], tiny_target.rope_sin[:T][None]).view(T, 4, -1)
-    want = tiny_target.logits(tiny_target.norm(y[-1]))
+    select = torch.zeros(1, T, dtype=torch.bool)
+    select[0, -1] = True
+    bonus = tiny_target.embed(torch.tensor([seq[-1]])) if bonus_token else None
+    y = head.forward_train(taps, tiny_target.rope_cos[:T][None], tiny_target.rope_sin[:T][None], select, bonus)
+    want = tiny_target.logits(tiny_target.norm(y[0]))
     assert torch.allclose(pending.logits, want, atol=1e-4)
     engine.abort(rid)
 
@@ -185,9 +190,10 @@ def test_batches_respect_token_budget(distilled):
 # ----------------------------------------------------------------------------- training
 
 
-def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path):
+@pytest.mark.parametrize("bonus_token", [False, True])
+def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path, bonus_token):
     _, seqs = read_distilled(distilled)
-    head = new_head(tiny_ck.config, 4, seed=0)
+    head = new_head(tiny_ck.config, 4, seed=0, bonus_token=bonus_token)
     objective = SpecFormerObjective(head, tiny_target, amp=False)
     before = float(objective(seqs[:4])[0].detach())
     cfg = TrainConfig(max_steps=40, lr=3e-3, max_batch_tokens=512, checkpoint_every=20)
@@ -291,7 +297,8 @@ def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):
 def test_specformer_cuda_graphs_lossless(tiny_ck):
     """On the GPU the taps come out of captured CUDA graphs; greedy output stays identical."""
     cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=128, cuda_graphs=True)
-    engine = Engine(tiny_ck, cfg, drafter=SpecFormerDrafter(_random_head(tiny_ck.config)), num_draft_tokens=4)
+    head = _random_head(tiny_ck.config, bonus_token=True)
+    engine = Engine(tiny_ck, cfg, drafter=SpecFormerDrafter(head), num_draft_tokens=4)
     ref = Engine(tiny_ck, cfg)
     params = SamplingParams(max_tokens=24)
     got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)

@@ -53,6 +53,9 @@ class SpecFormerConfig:
         num_draft_tokens: l_d, draft slots per position.
         taps: target residual-stream depths read (0 = embedding output, L = final layer).
         causal_draft: causal mask across the draft slots (the paper's ablation) instead of none.
+        bonus_token: also condition the draft slots on the embedding of the bonus token x[t+1]
+            (known once the round is verified) through the target's frozen embedding: an
+            EAGLE-style extension beyond the paper, off by default (off = the paper's head).
         rms_norm_eps: epsilon of the head's RMSNorms.
         target_layers: the target's layer count (checked when the head is bound).
     """
@@ -67,10 +70,12 @@ class SpecFormerConfig:
     causal_draft: bool = False
     rms_norm_eps: float = 1e-5
     target_layers: int = 0
+    bonus_token: bool = False
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
-                   causal_draft: bool = False, intermediate_size: int | None = None) -> "SpecFormerConfig":
+                   causal_draft: bool = False, intermediate_size: int | None = None,
+                   bonus_token: bool = False) -> "SpecFormerConfig":
         """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
 
         Raises:
@@ -83,7 +88,7 @@ class SpecFormerConfig:
             raise ValueError(f"taps {taps} must lie in [0, {target.num_layers}]")
         return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
                    intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
-                   target.rms_norm_eps, target.num_layers)
+                   target.rms_norm_eps, target.num_layers, bonus_token)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
@@ -120,8 +125,11 @@ class SpecFormerHead(nn.Module):
         self.mlp_norm = RMSNorm(d, eps)
         self.w13 = nn.Linear(d, 2 * config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, d, bias=False)
+        if config.bonus_token:
+            self.bonus_norm = RMSNorm(d, eps)
+            self.bonus_proj = nn.Linear(d, d, bias=False)
         with torch.no_grad():  # start as "copy the final tap into every slot": residual branches at zero
-            for lin in (self.ctx_o, self.pos_ffn, self.draft_o, self.w2):
+            for lin in (self.ctx_o, self.pos_ffn, self.draft_o, self.w2) + ((self.bonus_proj,) if config.bonus_token else ()):
                 lin.weight.zero_()
             self.down.weight.zero_()
             self.down.weight[:, -d:] = torch.eye(d)
@@ -138,9 +146,20 @@ class SpecFormerHead(nn.Module):
         q, k, v = self.ctx_qkv(self.ctx_norm(h)).view(B, Q, 3, nh, hd).unbind(2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def draft(self, h: torch.Tensor) -> torch.Tensor:
-        """``[N, d]`` context states -> ``[N, l_d, d]`` draft states (before the target's final norm)."""
+    def draft(self, h: torch.Tensor, bonus_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, d]`` context states -> ``[N, l_d, d]`` draft states (before the target's final norm).
+
+        Args:
+            bonus_emb: ``[N, d]`` target embeddings of the bonus tokens (``bonus_token`` heads only).
+
+        Raises:
+            ValueError: a ``bonus_token`` head without ``bonus_emb``.
+        """
         N, d = h.shape
+        if self.config.bonus_token:
+            if bonus_emb is None:
+                raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
+            h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
         ld, nh, hd = self.config.num_draft_tokens, self.config.num_heads, self.config.head_dim
         x = h[:, None, :] + self.pos_ffn(self.pos_norm(h)).view(N, ld, d)
         q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
@@ -150,13 +169,14 @@ class SpecFormerHead(nn.Module):
         return x + self.w2(F.silu(gate) * up)
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      select: torch.Tensor | None = None) -> torch.Tensor:
+                      select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Whole-sequence forward for training.
 
         Args:
             taps: ``[B, T, len(taps), d]`` target states of sequences starting at position 0.
             cos, sin: ``[B, T, head_dim]`` rotary tables of positions 0..T-1.
             select: optional ``[B, T]`` bool, positions whose drafts are needed (saves memory).
+            bonus_emb: ``[N, d]`` embeddings of each needed position's next token (``bonus_token``).
 
         Returns:
             ``[N, l_d, d]`` draft states, N = B*T or the selected count (row-major order).
@@ -167,7 +187,7 @@ class SpecFormerHead(nn.Module):
         att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         h = h + self.ctx_o(att.transpose(1, 2).reshape(B, T, -1))
         h = h[select] if select is not None else h.reshape(B * T, -1)
-        return self.draft(h)
+        return self.draft(h, bonus_emb)
 
 
 def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None = None,
@@ -225,11 +245,14 @@ class TargetStates:
         slot: the sequence's KV cache slot.
         start: target position of the first row (the target's cache length before them).
         taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
+        next_token: the token after the last of them (this round's bonus token), for heads that
+            condition on it.
     """
 
     slot: int
     start: int
     taps: torch.Tensor
+    next_token: int | None = None
 
 
 @dataclass
@@ -322,7 +345,12 @@ class SpecFormerDrafter(Drafter):
         att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
         h = h + head.ctx_o(att.transpose(1, 2).reshape(n, M, -1))
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
-        logits = target.logits(target.norm(head.draft(last)))  # [n, l_d, vocab]
+        bonus = None
+        if head.config.bonus_token:
+            if any(s.next_token is None for s in states):
+                raise ValueError("this SpecFormer head needs each sequence's bonus token (TargetStates.next_token)")
+            bonus = target.embed(torch.tensor([s.next_token for s in states], device=dev))
+        logits = target.logits(target.norm(head.draft(last, bonus)))  # [n, l_d, vocab]
         for i, (s, m) in enumerate(zip(states, lens)):
             self.pending[s.slot] = _Pending(s.start + m, logits[i])
 

@@ -59,8 +59,12 @@ class SpecFormerObjective:
             _, taps = self.target.forward_causal(tokens, taps=cfg.taps)
         cos = self.target.rope_cos[:T].expand(B, T, -1)
         sin = self.target.rope_sin[:T].expand(B, T, -1)
+        bonus = None
+        if cfg.bonus_token:  # position t's bonus token is x[t+1] (the target's own next token)
+            nxt = tokens.gather(1, (torch.arange(T, device=self.device) + 1).clamp(max=T - 1).expand(B, T))
+            bonus = self.target.embed(nxt[select])
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            y = self.head.forward_train(taps.float() if not self.amp else taps, cos, sin, select)
+            y = self.head.forward_train(taps.float() if not self.amp else taps, cos, sin, select, bonus)
             logits = self.target.logits(self.target.norm(y))  # [N, l_d, vocab] float32
         lab, ok = labels[select], valid[select]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view_as(lab)
@@ -75,7 +79,8 @@ class SpecFormerObjective:
 
 
 def new_head(target_config, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
-             causal_draft: bool = False, seed: int = 0) -> SpecFormerHead:
+             causal_draft: bool = False, seed: int = 0, bonus_token: bool = False) -> SpecFormerHead:
     """A freshly initialised head for ``target_config`` (seeded)."""
     torch.manual_seed(seed)
-    return SpecFormerHead(SpecFormerConfig.for_target(target_config, num_draft_tokens, taps, causal_draft))
+    return SpecFormerHead(SpecFormerConfig.for_target(target_config, num_draft_tokens, taps, causal_draft,
+                                                      bonus_token=bonus_token))
