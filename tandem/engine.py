@@ -25,10 +25,10 @@ from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, make_generator, sampling_probs
+from .sampling import SamplingParams, make_generator
 from .stopping import OutputState
+from .target import LocalTarget, PrefillItem, Target, TargetResult, VerifyItem
 from .tokenizer import Tokenizer, load_tokenizer
-from .verify import verify_batch
 
 log = logging.getLogger(__name__)
 
@@ -107,26 +107,40 @@ class Engine:
         draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
             train the difficulty predictor).
+        target: run prefill and verification here instead of a local model (e.g. the router's
+            client of a remote verifier, ``services.router.remote.RemoteTarget``); then
+            ``checkpoint`` and ``runner_config`` must be None and ``tokenizer`` is required.
 
     Raises:
         ModelLoadError: the model cannot be loaded.
-        ValueError: ``num_draft_tokens`` < 1 with a drafter.
+        ValueError: ``num_draft_tokens`` < 1 with a drafter; ``target`` with a checkpoint, or
+            without a tokenizer.
     """
 
     def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
                  tokenizer: Tokenizer | None = None, drafter: Drafter | None = None,
                  num_draft_tokens: int = 4, draft_policy: DraftPolicy | None = None,
-                 verification_sink: Callable[[VerificationRecord], None] | None = None) -> None:
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = load_checkpoint(checkpoint)
-        self.checkpoint = checkpoint
-        self.runner_config = runner_config or default_runner_config()
-        self.tokenizer = tokenizer or load_tokenizer(checkpoint)
-        self.runner = ModelRunner(checkpoint, self.runner_config)
+                 verification_sink: Callable[[VerificationRecord], None] | None = None,
+                 *, target: Target | None = None) -> None:
+        if target is None:
+            if not isinstance(checkpoint, Checkpoint):
+                checkpoint = load_checkpoint(checkpoint)
+            self.runner_config = runner_config or default_runner_config()
+            target = LocalTarget(checkpoint, self.runner_config)
+            self.tokenizer = tokenizer or load_tokenizer(checkpoint)
+        else:
+            if checkpoint is not None or runner_config is not None:
+                raise ValueError("give either a target or a checkpoint / runner_config, not both")
+            if tokenizer is None:
+                raise ValueError("an engine over a given target needs its tokenizer")
+            self.runner_config = None
+            self.tokenizer = tokenizer
+        self.target = target
+        self.checkpoint = getattr(target, "checkpoint", None)  # None for a remote target
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
-        self.max_running = self.cache.num_slots  # admission limit (<= KV cache slots)
+        self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
@@ -137,12 +151,18 @@ class Engine:
         self._ids = itertools.count()
 
     @property
+    def runner(self) -> ModelRunner:
+        """The local target's model runner (AttributeError for a remote target)."""
+        return self.target.runner
+
+    @property
     def cache(self) -> KVCache:
-        return self.runner.cache
+        """The local target's KV cache (AttributeError for a remote target)."""
+        return self.target.cache
 
     @property
     def max_seq_len(self) -> int:
-        return self.cache.capacity
+        return self.target.info.max_seq_len
 
     # ------------------------------------------------------------------ requests
 
@@ -173,6 +193,28 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step with a free slot.
 
+        Same arguments and errors as ``make_request``; returns the request id.
+        """
+        return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id))
+
+    def submit(self, req: Request) -> str:
+        """Queue a request built by ``make_request``.
+
+        Raises:
+            InvalidRequestError: duplicate request id.
+        """
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req.request_id
+
+    def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize a request without touching the engine's queues (a server
+        thread can do this while another thread steps the engine).
+
         Args:
             prompt: text or chat messages (or pass ``prompt_ids``).
             params: sampling parameters (default: greedy, 256 tokens).
@@ -181,7 +223,7 @@ class Engine:
             request_id: caller's id (default: a counter).
 
         Returns:
-            The request id.
+            The request, ready for ``submit``.
 
         Raises:
             InvalidRequestError: empty prompt, prompt at or over the context limit, token ids
@@ -199,7 +241,7 @@ class Engine:
                 raise InvalidRequestError("prompt token ids must be integers") from None
         if not ids:
             raise InvalidRequestError("prompt is empty")
-        vocab = self.checkpoint.config.vocab_size
+        vocab = self.target.info.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_seq_len:
@@ -210,11 +252,8 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
-        gen = None if params.greedy else make_generator(params.seed, self.runner.device)
-        req = Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
+        gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
+        return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -228,7 +267,7 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         self.running.pop(req.slot, None)
-        self.cache.free(req.slot)
+        self.target.free(req.slot)
         if self.drafter is not None:
             self.drafter.release(req.slot)
         req.slot = None
@@ -242,16 +281,22 @@ class Engine:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
         admitted: dict[int, Request] = {}
-        self.max_running = max(1, min(self.max_running, self.cache.num_slots))
-        while self.waiting and self.cache.num_free() and len(self.running) + len(admitted) < self.max_running:
+        self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
+        while self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running:
             req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
+            req.slot = self.target.allocate()
             admitted[req.slot] = req
         if admitted:
-            logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()})
             reqs = [admitted[s] for s in sorted(admitted)]
-            for req, token in zip(reqs, self._sample(reqs, logits)):
-                outputs.append(self._append(req, [token]))
+            try:
+                results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator) for r in reqs])
+            except BaseException:
+                for r in reqs:  # give the slots back; the caller decides what happens to the requests
+                    self.target.free(r.slot)
+                    r.slot = None
+                raise
+            for req, res in zip(reqs, results):
+                outputs.append(self._append(req, res.tokens[:1]))
                 if not req.finished:
                     self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
@@ -266,20 +311,11 @@ class Engine:
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
-        lengths = [self.cache.lengths[s] for s in slots]
-        trees = {s: [-1] + [x + 1 for x in p.parents] for s, p in zip(slots, proposals) if p.parents is not None}
-        out = self.runner.step({s: [r.output.token_ids[-1]] + p.tokens for s, r, p in zip(slots, reqs, proposals)},
-                               trees or None)
-        results = verify_batch([p.tokens for p in proposals], [p.probs for p in proposals], [r.params for r in reqs],
-                               [r.generator for r in reqs], out.logits, out.argmax, slots,
-                               [p.parents for p in proposals] if trees else None)
+        results: list[TargetResult] = self.target.verify(
+            [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator) for s, r, p in zip(slots, reqs, proposals)])
         outputs = []
         emitted = 0
-        for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
-            if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
-                moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
-                self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-            self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
+        for req, prop, res in zip(reqs, proposals, results):
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
@@ -295,9 +331,9 @@ class Engine:
             return [DraftProposal.empty() for _ in reqs]
         asks = []
         for r in reqs:
-            held = self.cache.lengths[r.slot]
+            held = len(r.prompt_ids) + len(r.output.token_ids) - 1  # the last token is not in the cache yet
             room = min(self.num_draft_tokens,
-                       self.cache.capacity - held - 1,  # the last token and the drafts must fit
+                       self.max_seq_len - held - 1,  # the last token and the drafts must fit
                        r.output.max_new_tokens - len(r.output.token_ids) - 1)  # no drafts past max_tokens
             asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids, max(room, 0), r.params, r.generator))
         try:
@@ -309,7 +345,7 @@ class Engine:
             log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
                       self.drafter.name, len(proposals), len(asks))
             return [DraftProposal.empty() for _ in reqs]
-        vocab = self.checkpoint.config.vocab_size
+        vocab = self.target.info.vocab_size
 
         def usable(p: DraftProposal, a: DraftRequest) -> bool:  # malformed drafter output is dropped, not fatal
             n = len(p.tokens)
@@ -338,23 +374,6 @@ class Engine:
                 self._release(req)
         return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
                              req.output.finish_reason)
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """Next token per request from ``logits`` ``[len(reqs), vocab]``."""
-        out = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            dev = logits.device
-            ps = [reqs[i].params for i in sampled]
-            probs = sampling_probs(
-                logits[sampled],
-                torch.tensor([p.temperature for p in ps], device=dev),
-                torch.tensor([p.top_k for p in ps], device=dev),
-                torch.tensor([p.top_p for p in ps], device=dev),
-            )
-            for row, i in enumerate(sampled):
-                out[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
-        return out
 
     # ------------------------------------------------------------------ convenience
 
