@@ -1,0 +1,310 @@
+"""Observability: OpenTelemetry tracing and Prometheus metrics for Tandem's services.
+
+Tracing. ``init_tracing(service)`` installs the OpenTelemetry SDK's ``TracerProvider`` once per
+process, with the exporters the standard environment variables ask for, resolved by the SDK's own
+configuration code (the one ``opentelemetry-instrument`` uses):
+
+- ``OTEL_TRACES_EXPORTER``: ``otlp``, ``console``, ``none`` (comma-separated for several; also
+  ``otlp_proto_grpc``, ``otlp_proto_http``, ``otlp_json_file``). Unset: ``otlp`` when an OTLP
+  endpoint variable is set, else no exporter at all (spans are then sampled out cheaply).
+- ``OTEL_EXPORTER_OTLP_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``: ``grpc`` (default)
+  or ``http/protobuf``; ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``..._HEADERS``, ``..._TIMEOUT``,
+  ``..._INSECURE`` are read by the exporters themselves.
+- ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES`` override the service name given in code;
+  ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``) pick the sampler; ``OTEL_BSP_*`` tune the batch processor;
+  ``OTEL_SDK_DISABLED=true`` turns tracing off; ``OTEL_PROPAGATORS`` picks the propagators
+  (default W3C ``tracecontext,baggage``).
+- ``TANDEM_TRACE_FILE=path``: also append every span batch to ``path`` as OTLP JSON, one
+  ``ExportTraceServiceRequest`` per line: the format of the OpenTelemetry collector's ``file``
+  exporter, which ``tandem trace-report`` reads.
+
+Span names used across the services (``tandem trace-report`` groups by them): ``request``
+(attribute ``request_id``), ``round`` (one decode round) and its children ``draft``, ``allocate``,
+``verify``; RPCs as ``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the
+callee (e.g. ``rpc.client.verify`` / ``rpc.server.verify``), linked by W3C ``traceparent`` in the
+gRPC metadata (``inject_metadata`` / ``extract_context``).
+
+Metrics. ``Metrics`` holds Prometheus counters, histograms and gauges named as vLLM's
+(``vllm:spec_decode_num_accepted_tokens_total`` ...) with the ``tandem_`` prefix, in its own
+registry, and renders them for a ``/metrics`` endpoint (``exposition()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger(__name__)
+
+TRACE_FILE_ENV = "TANDEM_TRACE_FILE"
+TRACER_NAME = "tandem"
+
+_tracer = trace.get_tracer(TRACER_NAME)  # a proxy until init_tracing installs the SDK provider
+_init_lock = threading.Lock()
+_provider = None  # the SDK TracerProvider this module installed (None before init_tracing)
+
+
+def _span_exporter_classes() -> dict:
+    """Span exporter classes named by ``OTEL_TRACES_EXPORTER`` (name -> class), resolved by the
+    SDK's configurator: entry points ``opentelemetry_traces_exporter``, ``otlp`` mapped to gRPC or
+    HTTP by ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``.
+
+    Raises:
+        RuntimeError: an unknown exporter name or OTLP protocol.
+    """
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
+    from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+    from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+
+    names = _get_exporter_names("traces")
+    if OTEL_TRACES_EXPORTER not in os.environ and (os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
+                                                   or os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
+        names = [_get_exporter_entry_point("otlp", "traces")]  # an endpoint alone means "send it there"
+    traces, _, _ = _import_exporters(names, [], [])
+    return traces
+
+
+def init_tracing(service_name: str) -> None:
+    """Install the OpenTelemetry SDK tracer provider for this process (idempotent: later calls do
+    nothing), with the exporters the ``OTEL_*`` environment variables and ``TANDEM_TRACE_FILE``
+    ask for (see the module docstring). With none configured, spans are not recorded at all.
+
+    Args:
+        service_name: ``service.name`` of the resource unless ``OTEL_SERVICE_NAME`` (or
+            ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``) says otherwise.
+
+    Raises:
+        RuntimeError: ``OTEL_TRACES_EXPORTER`` names an exporter that is not installed, or the
+            OTLP protocol is unknown.
+        OSError: ``TANDEM_TRACE_FILE`` cannot be opened for appending.
+    """
+    global _provider
+    with _init_lock:
+        if _provider is not None:
+            return
+        from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+        exporters = [cls() for cls in _span_exporter_classes().values()]
+        trace_file = os.environ.get(TRACE_FILE_ENV)
+        if trace_file:
+            from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporter
+
+            exporters.append(FileSpanExporter(trace_file))
+        resource = Resource.create({SERVICE_NAME: service_name}).merge(OTELResourceDetector().detect())
+        # Nothing to export to: sample everything out, so spans cost a context push and no recording.
+        provider = TracerProvider(resource=resource, **({} if exporters else {"sampler": ALWAYS_OFF}))
+        for exporter in exporters:
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+        _provider = provider
+        log.info("tracing for %s: %s", service_name,
+                 ", ".join(type(e).__name__ for e in exporters) or "no exporter (spans dropped)")
+
+
+def force_flush(timeout_s: float = 30.0) -> bool:
+    """Export every span ended so far (blocks up to ``timeout_s`` seconds). True when all were
+    exported, or when ``init_tracing`` has not run (nothing to flush)."""
+    if _provider is None:
+        return True
+    return _provider.force_flush(int(timeout_s * 1000))
+
+
+_ATTRIBUTE_TYPES = (str, bool, int, float)
+
+
+@contextmanager
+def span(name: str, parent_context: Context | None = None, **attributes) -> Iterator[trace.Span]:
+    """Start a span called ``name`` as the current span for the ``with`` body and end it after.
+
+    ``rpc.client.*`` names make CLIENT spans and ``rpc.server.*`` names SERVER spans (how Jaeger
+    draws the hop); other names are INTERNAL. An exception leaving the body is recorded on the
+    span (status ERROR) and re-raised.
+
+    Args:
+        name: span name (see the module docstring for the names the services share).
+        parent_context: parent to use instead of the current context (on a server, the result of
+            ``extract_context(metadata)``).
+        **attributes: span attributes; values must be str, int, float or bool.
+
+    Raises:
+        TypeError: an attribute value of another type.
+    """
+    for key, value in attributes.items():
+        if not isinstance(value, _ATTRIBUTE_TYPES):
+            raise TypeError(f"span attribute {key!r} must be str, int, float or bool, got {type(value).__name__}")
+    if name.startswith("rpc.client."):
+        kind = trace.SpanKind.CLIENT
+    elif name.startswith("rpc.server."):
+        kind = trace.SpanKind.SERVER
+    else:
+        kind = trace.SpanKind.INTERNAL
+    with _tracer.start_as_current_span(name, context=parent_context, kind=kind, attributes=attributes or None) as s:
+        yield s
+
+
+def inject_metadata(metadata: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """gRPC call metadata carrying the current trace context (W3C ``traceparent`` /
+    ``tracestate`` and baggage, through the globally configured propagator).
+
+    Args:
+        metadata: metadata to extend (not modified); keys the propagator sets replace theirs.
+
+    Returns:
+        A new list of ``(key, value)`` pairs with lower-case keys, as gRPC requires. Without an
+        active recording span it is ``metadata`` unchanged.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    injected = {k.lower(): v for k, v in carrier.items()}
+    kept = [(k, v) for k, v in (metadata or []) if k.lower() not in injected]
+    return kept + list(injected.items())
+
+
+def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context:
+    """The trace context sent by the caller in gRPC metadata (the inverse of ``inject_metadata``).
+
+    Args:
+        metadata: ``(key, value)`` pairs, e.g. ``servicer_context.invocation_metadata()``; binary
+            (``-bin``) entries are ignored; None means no metadata.
+
+    Returns:
+        A context whose current span is the caller's (pass it as ``span(..., parent_context=)``);
+        the current context unchanged when the metadata carries no valid trace context.
+    """
+    carrier = {str(k).lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    return propagate.extract(carrier, context=otel_context.get_current())
+
+
+# ----------------------------------------------------------------------------- Prometheus
+
+# Histogram buckets (seconds): vLLM's, with finer sub-10 ms steps for per-token times.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    """Prometheus metrics of one Tandem service, in a registry of its own (instances coexist).
+
+    Counters (exposed with the ``_total`` suffix): ``tandem_spec_decode_num_draft_tokens_total``,
+    ``tandem_spec_decode_num_accepted_tokens_total``,
+    ``tandem_spec_decode_num_accepted_tokens_per_pos_total{position}`` (0-based draft position),
+    ``tandem_spec_decode_num_emitted_tokens_total``, ``tandem_request_success_total{finished_reason}``,
+    ``tandem_prompt_tokens_total``, ``tandem_generation_tokens_total``. Histograms (seconds):
+    ``tandem_time_to_first_token_seconds``, ``tandem_time_per_output_token_seconds``,
+    ``tandem_e2e_request_latency_seconds``. Gauges: ``tandem_num_requests_running``,
+    ``tandem_num_requests_waiting``, ``tandem_state_store_up`` (1 up, 0 down).
+
+    From these, acceptance rate α = accepted / draft tokens and, with ``num_emitted_tokens`` counted
+    per verification step, the mean accepted length (ARCHITECTURE.md §4).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens proposed for verification.",
+                                    registry=r)
+        self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted by the target.", registry=r)
+        self.accepted_per_pos = Counter("tandem_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by 0-based draft position.", ["position"], registry=r)
+        self.emitted_tokens = Counter("tandem_spec_decode_num_emitted_tokens",
+                                      "Tokens emitted by verification steps (accepted drafts + bonus tokens).",
+                                      registry=r)
+        self.request_success = Counter("tandem_request_success", "Finished requests, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated for finished requests.",
+                                         registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token (s).",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.tpot = Histogram("tandem_time_per_output_token_seconds",
+                              "Mean time per output token after the first (s).", buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "End-to-end request latency (s).",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.running = Gauge("tandem_num_requests_running", "Requests decoding now.", registry=r)
+        self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued, not yet admitted.", registry=r)
+        self.store_up = Gauge("tandem_state_store_up", "1 when the state store (Redis) answers, else 0.", registry=r)
+
+    def observe_round(self, num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: list[int],
+                      num_emitted_tokens: int = 0) -> None:
+        """Count one verification round (summed over the requests in it).
+
+        Args:
+            num_draft_tokens: draft tokens verified (tokens).
+            num_accepted_tokens: of those, accepted (tokens).
+            accepted_per_pos: ``accepted_per_pos[i]`` = requests whose draft token at 0-based
+                position i was accepted; sums to ``num_accepted_tokens``.
+            num_emitted_tokens: tokens the round emitted (accepted + bonus, cut by stop rules).
+
+        Raises:
+            ValueError: a negative count, more accepted than drafted tokens, or
+                ``sum(accepted_per_pos) != num_accepted_tokens``.
+        """
+        if min(num_draft_tokens, num_accepted_tokens, num_emitted_tokens, *accepted_per_pos, 0) < 0:
+            raise ValueError("token counts must be >= 0")
+        if num_accepted_tokens > num_draft_tokens:
+            raise ValueError(f"{num_accepted_tokens} accepted tokens > {num_draft_tokens} draft tokens")
+        if sum(accepted_per_pos) != num_accepted_tokens:
+            raise ValueError(f"accepted_per_pos sums to {sum(accepted_per_pos)}, not {num_accepted_tokens}")
+        self.draft_tokens.inc(num_draft_tokens)
+        self.accepted_tokens.inc(num_accepted_tokens)
+        self.emitted_tokens.inc(num_emitted_tokens)
+        for pos, n in enumerate(accepted_per_pos):
+            self.accepted_per_pos.labels(position=str(pos)).inc(n)
+
+    def observe_request(self, ttft_s: float, tpot_s: float | None, e2e_s: float, prompt_tokens: int,
+                        completion_tokens: int, finished_reason: str = "stop") -> None:
+        """Record one finished request.
+
+        Args:
+            ttft_s: time to first token (s).
+            tpot_s: mean time per output token after the first (s); None when there was at most
+                one output token (nothing to time).
+            e2e_s: arrival to last token (s).
+            prompt_tokens: prompt length (tokens).
+            completion_tokens: generated tokens.
+            finished_reason: ``stop``, ``length``, ``abort``, ...
+
+        Raises:
+            ValueError: a negative time or token count.
+        """
+        if min(ttft_s, e2e_s, prompt_tokens, completion_tokens) < 0 or (tpot_s is not None and tpot_s < 0):
+            raise ValueError("request times and token counts must be >= 0")
+        self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.request_success.labels(finished_reason=finished_reason).inc()
+
+    def set_running(self, n: int) -> None:
+        """Requests decoding now."""
+        self.running.set(n)
+
+    def set_waiting(self, n: int) -> None:
+        """Requests waiting for admission."""
+        self.waiting.set(n)
+
+    def set_store_up(self, up: bool) -> None:
+        """Whether the state store answers (``StateStore.ping()``)."""
+        self.store_up.set(1 if up else 0)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` of the Prometheus text format, for a ``/metrics`` endpoint."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
