@@ -28,6 +28,7 @@ from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, make_generator
 from .stopping import OutputState
 from .target import LocalTarget, PrefillItem, Target, TargetResult, VerifyItem
+from .telemetry import span
 from .tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,25 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One verification round over the running batch (for metrics exporters).
+
+    Attributes:
+        num_draft_tokens / num_accepted_tokens: summed over the batch, cut at stop boundaries.
+        accepted_per_pos: sequences whose draft at 0-based position i was accepted.
+        num_emitted_tokens: tokens the round emitted (accepted drafts + bonus tokens).
+        batch_size: sequences verified; round_ms: draft + verify time (ms).
+    """
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    num_emitted_tokens: int
+    batch_size: int
+    round_ms: float
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,7 @@ class Engine:
         self.num_draft_tokens = num_draft_tokens
         self.draft_policy = draft_policy
         self.verification_sink = verification_sink
+        self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._ids = itertools.count()
 
@@ -289,7 +310,8 @@ class Engine:
         if admitted:
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
-                results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator) for r in reqs])
+                with span("prefill", batch_size=len(reqs)):
+                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator) for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
@@ -301,7 +323,8 @@ class Engine:
                     self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
         if decoding:
-            outputs.extend(self._decode(decoding))
+            with span("round", batch_size=len(decoding)):
+                outputs.extend(self._decode(decoding))
         return outputs
 
     def _decode(self, decoding: dict[int, Request]) -> list[RequestOutput]:
@@ -311,24 +334,41 @@ class Engine:
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
-        results: list[TargetResult] = self.target.verify(
-            [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator) for s, r, p in zip(slots, reqs, proposals)])
+        with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
+            results: list[TargetResult] = self.target.verify(
+                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator)
+                 for s, r, p in zip(slots, reqs, proposals)])
         outputs = []
-        emitted = 0
+        emitted = drafted_total = accepted_total = 0
+        per_pos: list[int] = []
         for req, prop, res in zip(reqs, proposals, results):
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
+            before = (req.spec.num_drafted, req.spec.num_accepted)
             outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
             emitted += len(outputs[-1].new_token_ids)
+            drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
+            drafted_total += drafted
+            accepted_total += accepted
+            per_pos.extend([0] * (accepted - len(per_pos)))
+            for i in range(accepted):
+                per_pos[i] += 1
+        round_ms = (time.perf_counter() - t0) * 1e3
         if self.draft_policy is not None:
-            self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
+            self.draft_policy.observe(emitted, round_ms)
+        if self.on_round is not None:
+            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(reqs), round_ms))
         return outputs
 
     def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
         if self.drafter is None:
             return [DraftProposal.empty() for _ in reqs]
+        with span("draft", batch_size=len(reqs), drafter=self.drafter.name):
+            return self._collect_proposals(reqs)
+
+    def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
         asks = []
         for r in reqs:
             held = len(r.prompt_ids) + len(r.output.token_ids) - 1  # the last token is not in the cache yet
@@ -354,7 +394,8 @@ class Engine:
 
         proposals = [p if usable(p, a) else DraftProposal.empty() for p, a in zip(proposals, asks)]
         if self.draft_policy is not None:
-            proposals = self.draft_policy.apply(proposals)
+            with span("allocate", batch_size=len(reqs)):
+                proposals = self.draft_policy.apply(proposals)
         return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:

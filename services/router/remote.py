@@ -1,0 +1,301 @@
+"""The router's clients of the drafter and verifier services, behind the core's interfaces:
+``RemoteTarget`` is a ``tandem.target.Target`` and ``RemoteDrafter`` a ``tandem.drafters.Drafter``,
+so ``tandem.engine.Engine`` schedules them exactly as it schedules local parts.
+
+Both keep one bidirectional stream open (blocking gRPC; the engine runs in its own thread) and
+send one message per round, waiting for its answer with a timeout.
+
+Faults:
+- a drafter that fails or times out is marked down: the engine gets empty proposals
+  (target-only decoding, identical output under greedy) and the client reconnects with backoff;
+  a new stream starts from full sequences, since the drafter's state belonged to the old one.
+- a verifier that fails raises ``TargetUnavailable``: the sequences on that stream are lost
+  (their KV cache was there), so the router fails those requests with a clear error; the next
+  call opens a new stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from services.common import GRPC_OPTIONS, auth_metadata, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
+from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tandem.control import CostModel
+from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
+from tandem.models.kv_cache import CacheFullError
+from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
+from tandem.telemetry import inject_metadata, span
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+class BidiStream:
+    """One bidirectional gRPC stream used as request/response: ``call(msg, timeout_s)`` sends a
+    message and returns the next response.
+
+    Raises (from ``call``):
+        grpc.RpcError: the stream failed; TimeoutError: no answer in time; EOFError: the server
+        ended the stream.
+    """
+
+    def __init__(self, method, metadata: list[tuple[str, str]]) -> None:
+        self._out: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue()
+        self._call = method(iter(self._out.get, _CLOSE), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, daemon=True, name="grpc-stream-reader")
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                self._in.put(msg)
+            self._in.put(EOFError("the server closed the stream"))
+        except grpc.RpcError as exc:
+            self._in.put(exc)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller
+            self._in.put(exc)
+
+    def send(self, msg) -> None:
+        self._out.put(msg)
+
+    def call(self, msg, timeout_s: float):
+        self._out.put(msg)
+        try:
+            item = self._in.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer within {timeout_s:.1f} s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._out.put(_CLOSE)
+        self._call.cancel()
+
+
+def _rpc_error_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+class RemoteTarget(Target):
+    """``tandem.v1.Verifier`` client as a ``Target``.
+
+    Args:
+        address: ``host:port`` of a verifier.
+        key: bearer token (None: no auth).
+        timeout_s: longest wait for one verify batch (s).
+        connect_timeout_s: longest wait for the verifier to answer ``Info`` at construction (s).
+
+    Raises:
+        TargetUnavailable: the verifier does not answer ``Info`` in time.
+    """
+
+    def __init__(self, address: str, key: str | None = None, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = auth_metadata(key)
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        try:
+            info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=connect_timeout_s,
+                                   metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise TargetUnavailable(f"verifier {address} did not answer: {_rpc_error_text(exc)}") from None
+        self._info = TargetInfo(info.model, info.vocab_size, info.num_slots, info.max_seq_len, "cpu")
+        self.eos_token_ids = list(info.eos_token_ids)
+        table: dict[int, dict[int, float]] = {}
+        for c in info.cost:
+            table.setdefault(c.batch_size, {})[c.tokens_per_sequence] = c.ms
+        self.cost = CostModel(table) if table else None
+        self._free = list(range(info.num_slots))
+        self._released: list[int] = []
+        self._stream: BidiStream | None = None
+        self._batches = 0
+
+    @property
+    def info(self) -> TargetInfo:
+        return self._info
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError("no free slot on the verifier")
+        self._free.sort()
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self._free.append(slot)
+        if self._stream is not None:
+            self._released.append(slot)  # sent with the next batch
+
+    def _send(self, batch: verifier_pb2.VerifyBatch) -> verifier_pb2.VerifyResult:
+        if self._stream is None:
+            self._released.clear()  # the verifier dropped everything of the old stream
+            batch.ClearField("release")
+            self._stream = BidiStream(self._stub.Verify, inject_metadata(self._metadata))
+        self._batches += 1
+        batch.batch_id = self._batches
+        try:
+            with span("rpc.client.verify", address=self.address, prefill=len(batch.prefill), verify=len(batch.verify)):
+                result = self._stream.call(batch, self.timeout_s)
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._stream.close()
+            self._stream = None
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise CacheFullError(f"verifier {self.address}: {exc.details()}") from None
+            raise TargetUnavailable(f"verifier {self.address} failed: {_rpc_error_text(exc)}") from None
+        if result.batch_id != batch.batch_id:
+            self._stream.close()
+            self._stream = None
+            raise TargetUnavailable(f"verifier {self.address} answered batch {result.batch_id}, expected {batch.batch_id}")
+        return result
+
+    def _take_released(self) -> list[int]:
+        out, self._released = self._released, []
+        return out
+
+    def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
+        batch = verifier_pb2.VerifyBatch(release=self._take_released(), prefill=[
+            verifier_pb2.PrefillSequence(seq_id=it.slot, prompt_ids=it.prompt_ids, params=params_to_pb(it.params),
+                                         return_logprobs=it.return_logprobs) for it in items])
+        return [_result(r) for r in self._send(batch).prefill]
+
+    def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
+        seqs = []
+        for it in items:
+            p = it.proposal
+            seqs.append(verifier_pb2.VerifySequence(
+                seq_id=it.slot, last_token=it.last_token, draft_tokens=p.tokens,
+                draft_probs=probs_to_sparse(p.probs) if p.probs is not None else [],
+                parents=p.parents or [], is_tree=p.parents is not None, return_logprobs=it.return_logprobs))
+        return [_result(r) for r in self._send(verifier_pb2.VerifyBatch(release=self._take_released(), verify=seqs)).verify]
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._channel.close()
+
+
+def _result(r: verifier_pb2.SequenceResult) -> TargetResult:
+    return TargetResult(list(r.tokens), int(r.num_accepted), list(r.logprobs) or None,
+                        {t.name: tensor_from_pb(t) for t in r.extras})
+
+
+class RemoteDrafter(Drafter):
+    """``tandem.v1.Drafter`` client as a ``Drafter``: sends each sequence's accepted-token delta
+    (what the drafter has not seen yet) with its draft request.
+
+    Args:
+        address: ``host:port`` of a drafter.
+        vocab_size: the target's vocabulary (dense q rows are rebuilt at this size).
+        key: bearer token (None: no auth).
+        timeout_s: longest wait for one draft batch (s); past it the drafter counts as down.
+        retry_s: first reconnection delay after a failure (s); doubles up to ``max_retry_s``.
+    """
+
+    def __init__(self, address: str, vocab_size: int, key: str | None = None, timeout_s: float = 10.0,
+                 retry_s: float = 0.5, max_retry_s: float = 5.0) -> None:
+        self.address = address
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.retry_s, self.max_retry_s = retry_s, max_retry_s
+        self._metadata = auth_metadata(key)
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self._stream: BidiStream | None = None
+        self._synced: dict[int, list[int]] = {}  # slot -> the sequence as the drafter holds it
+        self._rounds = 0
+        self._down_until = 0.0
+        self._backoff = retry_s
+        self.name = "remote"
+        self.available = True
+
+    def _connect(self) -> BidiStream:
+        info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=min(self.timeout_s, 2.0),
+                               metadata=self._metadata)
+        self.name = info.name
+        self._synced.clear()  # a new stream starts from full sequences
+        return BidiStream(self._stub.Draft, inject_metadata(self._metadata))
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._synced.clear()
+        if self.available:
+            log.warning("drafter %s unavailable (%s); decoding target-only until it returns",
+                        self.address, _rpc_error_text(exc))
+        self.available = False
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.max_retry_s)
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        if not any(r.max_draft > 0 for r in requests) or time.monotonic() < self._down_until:
+            return [DraftProposal.empty() for _ in requests]
+        seqs = []
+        for r in requests:
+            held = self._synced.get(r.slot)
+            n = len(held) if held is not None else 0
+            if held is not None and (n > len(r.token_ids) or r.token_ids[n - 1] != held[-1]):
+                n = next((i for i, (a, b) in enumerate(zip(held, r.token_ids)) if a != b), min(len(held), len(r.token_ids)))
+            seqs.append(drafter_pb2.SequenceDelta(seq_id=r.slot, base_len=n, tokens=r.token_ids[n:],
+                                                  max_draft=r.max_draft,
+                                                  params=params_to_pb(r.params) if held is None else None))
+        self._rounds += 1
+        try:
+            if self._stream is None:
+                self._stream = self._connect()
+                for s, r in zip(seqs, requests):  # everything is new to a new stream
+                    s.base_len, s.tokens[:] = 0, r.token_ids
+                    s.params.CopyFrom(params_to_pb(r.params))
+            with span("rpc.client.draft", address=self.address, sequences=len(seqs)):
+                batch = self._stream.call(drafter_pb2.DraftStreamRequest(
+                    draft=drafter_pb2.DraftRequestBatch(round=self._rounds, sequences=seqs)), self.timeout_s)
+            if batch.round != self._rounds or len(batch.proposals) != len(requests):
+                raise EOFError(f"drafter answered round {batch.round} with {len(batch.proposals)} proposals, "
+                               f"expected round {self._rounds} with {len(requests)}")
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._mark_down(exc)
+            return [DraftProposal.empty() for _ in requests]
+        if not self.available:
+            log.warning("drafter %s is back", self.address)
+        self.available = True
+        self._backoff = self.retry_s
+        for r in requests:
+            self._synced[r.slot] = list(r.token_ids)
+        return [self._proposal(p) for p in batch.proposals]
+
+    def _proposal(self, p: drafter_pb2.DraftProposal) -> DraftProposal:
+        n = len(p.tokens)
+        nf = p.num_features or NUM_FEATURES
+        feats = torch.tensor(list(p.features), dtype=torch.float32).reshape(n, nf) if n else torch.zeros(0, nf)
+        probs = sparse_to_probs(p.probs, self.vocab_size) if len(p.probs) == n and n else None
+        top = torch.tensor(list(p.top_tokens), dtype=torch.long).reshape(n, p.top_m) if p.top_m and n else None
+        return DraftProposal(list(p.tokens), probs, feats, top)
+
+    def release(self, slot: int) -> None:
+        if self._synced.pop(slot, None) is not None and self._stream is not None:
+            self._stream.send(drafter_pb2.DraftStreamRequest(release=drafter_pb2.ReleaseSequences(seq_ids=[slot])))
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._channel.close()
