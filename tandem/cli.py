@@ -668,3 +668,38 @@ def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, ho
     config = RouterConfig(list(verifiers), drafter, model, model_name, num_draft_tokens, policy, predictor, redis_url,
                           drafter_timeout_s=drafter_timeout)
     run_router(config, http_port, grpc_port, host, api_key, default_max_tokens)
+
+
+@main.command()
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="JSONL of prompts (default: the bundled Spec-Bench questions).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@model_option
+@click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model"]), default="ngram", show_default=True)
+@click.option("--draft-model", default=None, metavar="PATH|truncate:N")
+@click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Requests in flight at once (the router batches them).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Verifier KV slots.")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max_tokens, temperature, concurrency,
+         max_batch_size, max_seq_len) -> None:
+    """Start verifier, drafter and router as separate processes on loopback, send prompts through
+    /v1/chat/completions with the openai client, print tokens, acceptance and latency, stop."""
+    import os
+
+    from services.demo import run_demo
+    from services.launch import StackConfig
+
+    from .data import bundled_spec_bench, load_prompts
+
+    records = load_prompts(prompts_file or bundled_spec_bench(), limit)
+    config = StackConfig(model=model, drafter=drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         redis_url=os.environ.get("TANDEM_REDIS_URL"))
+    try:
+        run_demo(records, config, max_tokens, concurrency, temperature, console)
+    except (RuntimeError, TimeoutError) as exc:
+        _fail(str(exc))

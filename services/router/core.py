@@ -257,6 +257,7 @@ class Router:
         self.started = time.time()
         self._ids = itertools.count()
         self._subs_by_id: dict[str, _Submission] = {}
+        self._span_tasks: set[asyncio.Future] = set()
         targets = [RemoteTarget(a, config.api_key, timeout_s=config.verifier_timeout_s) for a in config.verifiers]
         first = targets[0]
         self.model_name = config.model_name or Path(first.info.model).name
@@ -363,27 +364,38 @@ class Router:
 
     async def generate(self, request: Request, category: str = "default"):
         """Async iterator of events for one request; aborts it when the consumer stops early
-        (client disconnect, cancellation)."""
+        (client disconnect, cancellation). A ``request`` span covers its lifetime."""
         rid, events = self.submit(request, category)
-        finished = False
+        ended = asyncio.get_running_loop().create_future()
+
+        async def request_span() -> None:  # a span may not cross the generator's yields (contexts differ)
+            with span("request", request_id=rid, category=category or "default") as s:
+                outcome = await ended
+                s.set_attribute("outcome", outcome)
+
+        holder = asyncio.ensure_future(request_span())
+        self._span_tasks.add(holder)
+        holder.add_done_callback(self._span_tasks.discard)
+        outcome = "aborted"
         try:
-            with span("request", request_id=rid):
-                while True:
-                    event = await events.get()
-                    yield event
-                    if isinstance(event, (Done, Failed)):
-                        finished = True
-                        return
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, (Done, Failed)):
+                    outcome = "finished" if isinstance(event, Done) else "failed"
+                    return
         finally:
-            if finished:
-                self.forget(rid)
-            else:
+            ended.set_result(outcome)
+            if outcome == "aborted":
                 self.abort(rid)
+            else:
+                self.forget(rid)
 
     def health(self) -> dict:
         """Replica, drafter and state-store status (what /health reports)."""
+        shared = isinstance(self.store, FallbackStore)
         store_up = True
-        if isinstance(self.store, FallbackStore):
+        if shared:
             self.store.ping()
             store_up = self.store.up
         self.metrics.set_store_up(store_up)
@@ -392,9 +404,10 @@ class Router:
                           for w in self.workers],
             "drafter": None if not self.drafters else {"address": self.config.drafter,
                                                        "available": all(d.available for d in self.drafters)},
-            "state_store": {"backend": "redis" if isinstance(self.store, FallbackStore) else "memory",
+            "state_store": {"backend": "redis" if shared else "memory",
                             "up": store_up,
-                            "mode": "shared" if store_up else "local (Redis unreachable; writes queued)",
+                            "mode": ("shared" if store_up else "local: Redis unreachable, writes queued for replay")
+                                    if shared else "local (in-memory; set TANDEM_REDIS_URL to share)",
                             "pending_writes": getattr(self.store, "pending", 0)},
         }
 
