@@ -26,6 +26,9 @@ AUTH_HEADER = "authorization"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # verify batches with sparse q rows can be a few MB
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Clients reconnect quickly to a restarted drafter / verifier (gRPC's default backoff grows to 120 s).
+CLIENT_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                                 ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 # ----------------------------------------------------------------------------- sampling params

@@ -32,6 +32,19 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Drafter"
 
 
+SEED_OFFSET = 0x9E3779B97F4A7C15  # golden-ratio constant: the drafter's stream differs from the verifier's
+
+
+def drafter_seed(seed: int | None) -> int | None:
+    """The drafter's generator seed for a request seeded with ``seed``.
+
+    The verifier seeds its generator with ``seed`` itself; had the drafter done the same, its
+    draft draws would reuse the verifier's acceptance draws and bias the output. A fixed offset
+    keeps seeded requests reproducible with independent streams.
+    """
+    return None if seed is None else (seed + SEED_OFFSET) % 2**63
+
+
 class _Sequence:
     def __init__(self, slot: int, params: SamplingParams, generator: torch.Generator | None) -> None:
         self.slot = slot
@@ -103,7 +116,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if not params.greedy:  # sample from the top-K truncation of q: exactly what is sent back
                         k = self.max_probs_per_token
                         params = replace(params, top_k=min(params.top_k, k) if params.top_k else k)
-                    gen = None if params.greedy else make_generator(params.seed, self.device)
+                    gen = None if params.greedy else make_generator(drafter_seed(params.seed), self.device)
                     self._free.sort()
                     seq = seqs[d.seq_id] = _Sequence(self._free.pop(0), params, gen)
                 if d.base_len > len(seq.tokens):
@@ -127,14 +140,17 @@ def _proposal_pb(seq_id: int, p: DraftProposal) -> drafter_pb2.DraftProposal:
 
 
 async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str = "127.0.0.1", key: str | None = None,
-                device: str = "cpu", ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None) -> None:
+                device: str = "cpu", max_probs_per_token: int = 64, ready: "asyncio.Future | None" = None,
+                stop: "asyncio.Event | None" = None) -> None:
     """Run the drafter server until ``stop`` is set (forever without one).
 
     Args:
+        max_probs_per_token: K of the top-K truncation of q for sampled requests.
         ready: resolved with the bound address once serving.
     """
     server = GrpcServer(port, host, key)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, max_sequences, device=device), server.server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(
+        DrafterServicer(drafter, max_sequences, max_probs_per_token, device), server.server)
     await server.start([SERVICE_NAME])
     if ready is not None:
         ready.set_result(server.address)

@@ -24,7 +24,7 @@ import time
 import grpc
 import torch
 
-from services.common import GRPC_OPTIONS, auth_metadata, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
+from services.common import CLIENT_OPTIONS, auth_metadata, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tandem.control import CostModel
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
@@ -105,7 +105,7 @@ class RemoteTarget(Target):
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = auth_metadata(key)
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         try:
             info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=connect_timeout_s,
@@ -217,7 +217,7 @@ class RemoteDrafter(Drafter):
         self.timeout_s = timeout_s
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
         self._metadata = auth_metadata(key)
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._stream: BidiStream | None = None
         self._synced: dict[int, list[int]] = {}  # slot -> the sequence as the drafter holds it

@@ -1,0 +1,424 @@
+"""Disaggregated serving end to end: verifier, drafter and router as real processes talking real
+gRPC on loopback, driven through the official ``openai`` client and ``tandem.v1.Router``.
+
+Outputs through the router equal the in-process engine's (greedy), streaming and not; a killed
+drafter loses no request and changes no output; 50 concurrent streams complete; malformed input
+gets 4xx / INVALID_ARGUMENT without disturbing other requests; a client that goes away frees
+its slots; auth is enforced; a dead verifier fails its requests with a clear error. The gRPC
+path of speculative *sampling* (sparse top-K q) is checked for losslessness in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+from conftest import SMALL_VOCAB, spec_bench_prompts
+from test_speculative import sampling_setup  # noqa: F401  (fixture: small-vocabulary target, draft, exact logits)
+
+from services.common import auth_metadata, params_to_pb
+from services.launch import StackConfig, start_stack
+from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.drafters import DraftModelDrafter, NgramDrafter
+from tandem.engine import Engine
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+SLOTS = 4
+CONTEXT = 256
+MAX_TOKENS = 24
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    """Verifier (tiny random llama, real tokenizer), n-gram drafter and router, with a bearer key."""
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                api_key=KEY, drafter_timeout_s=5.0), timeout_s=180)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_dir):
+    """The in-process engine with the same model, drafter and k: the reference."""
+    return Engine(tiny_dir, RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT),
+                  drafter=NgramDrafter(), num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return spec_bench_prompts(6)
+
+
+def reference(engine: Engine, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list:
+    """In-process greedy completions, one prompt at a time."""
+    return [engine.generate([p], SamplingParams(max_tokens=max_tokens))[0] for p in prompts]
+
+
+def grpc_generate(stack, prompt: str, params: SamplingParams, key: str | None = KEY) -> tuple[list[int], str, object]:
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        ids, text, last = [], "", None
+        for m in stub.Generate(router_pb2.GenerateRequest(prompt=prompt, params=params_to_pb(params)),
+                               metadata=auth_metadata(key), timeout=120):
+            ids += list(m.token_ids)
+            text += m.text
+            last = m
+    return ids, text, last
+
+
+def health(stack) -> dict:
+    try:
+        with urllib.request.urlopen(f"{stack.http_url}/health", timeout=5) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def stream_text(client, model_id: str, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, object, str]:
+    parts, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage, finish
+
+
+# ----------------------------------------------------------------------------- equality with the engine
+
+
+def test_router_equals_engine_greedy(stack, client, model_id, local_engine, prompts):
+    """Non-streaming HTTP, streaming HTTP (SSE) and gRPC Router.Generate all return exactly the
+    in-process engine's greedy output, with speculative-decoding usage."""
+    expected = reference(local_engine, prompts[:3])
+    for prompt, ref in zip(prompts[:3], expected):
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == ref.text
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.completion_tokens == ref.completion_tokens
+        assert r.usage.prompt_tokens == ref.prompt_tokens
+        sd = r.usage.model_extra["speculative_decoding"]
+        assert sd["num_verify_steps"] == ref.spec.num_steps and sd["num_draft_tokens"] == ref.spec.num_drafted
+        text, usage, finish = stream_text(client, model_id, prompt)
+        assert text == ref.text and finish == ref.finish_reason and usage.completion_tokens == ref.completion_tokens
+        ids, gtext, last = grpc_generate(stack, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        assert ids == ref.token_ids and gtext == ref.text
+        assert last.finished and last.finish_reason == ref.finish_reason
+        assert last.usage.num_accepted_tokens == ref.spec.num_accepted
+
+
+def test_completions_endpoint_and_stop_strings(stack, client, model_id, local_engine, prompts):
+    ref = local_engine.generate([prompts[3]], SamplingParams(max_tokens=MAX_TOKENS), chat=False)[0]
+    r = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref.text
+    stop = ref.text[len(ref.text) // 2:][:3]  # a string from the middle of the output
+    assert stop
+    ref_stop = local_engine.generate([prompts[3]], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)), chat=False)[0]
+    r = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].text == ref_stop.text and r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_through_router(client, model_id, prompts):
+    """A seeded sampled request is reproducible (the verifier seeds its generator from the seed)."""
+    outs = [client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                           max_tokens=12, temperature=0.9, top_p=0.95, seed=7).choices[0].message.content
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+
+
+# ----------------------------------------------------------------------------- load, bad input, disconnects
+
+
+def test_fifty_concurrent_streams(stack, model_id, prompts):
+    """50 streaming requests at once over 4 KV slots: all complete (continuous batching, queueing)."""
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        async def one(i: int):
+            chunks, usage = [], None
+            stream = await aclient.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=6,
+                temperature=0, stream=True, stream_options={"include_usage": True})
+            async for c in stream:
+                if c.choices:
+                    chunks.append(c.choices[0].delta.content or "")
+                if c.usage is not None:
+                    usage = c.usage
+            return "".join(chunks), usage
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(50)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 50
+    assert all(u is not None and 1 <= u.completion_tokens <= 6 for _, u in results)
+    by_prompt: dict[int, set] = {}
+    for i, (text, _) in enumerate(results):  # same prompt, greedy: same text whatever the batch
+        by_prompt.setdefault(i % len(prompts), set()).add(text)
+    assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
+
+
+def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"{stack.http_url}{path}", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", ""),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "not served"),
+])
+def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, prompts, body, needle):
+    """Each bad request gets a 4xx with a message while a good streaming request runs alongside."""
+    result = {}
+    good = threading.Thread(target=lambda: result.setdefault("r", stream_text(client, model_id, prompts[1], 12)))
+    good.start()
+    status, payload = _post(stack, "/v1/chat/completions", body)
+    good.join(timeout=120)
+    assert 400 <= status < 500, payload
+    assert needle in payload["error"]["message"]
+    text, usage, finish = result["r"]
+    assert usage.completion_tokens >= 1 and finish in ("stop", "length")
+
+
+def test_grpc_invalid_argument(stack):
+    for req in (router_pb2.GenerateRequest(prompt="", params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=0)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0))):
+        with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
+            list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+
+
+def test_bearer_token_required(stack, model_id):
+    status, payload = _post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
+    assert status == 401 and "bearer" in payload["error"]["message"]
+    status, _ = _post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key="wrong")
+    assert status == 401
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(stack, "hi", SamplingParams(max_tokens=2), key=None)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_client_disconnect_frees_slots(stack, client, model_id, prompts):
+    """Closing a stream mid-generation aborts the request: the router's load drops to zero and
+    every KV slot can be used again."""
+    streams = []
+    for i in range(SLOTS):
+        s = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[i]}],
+                                           max_tokens=CONTEXT, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(s))  # the request is running
+        streams.append(s)
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"]:
+        time.sleep(0.2)
+    assert health(stack)["verifiers"][0]["load"] == 0
+    results = {}  # all slots free again: SLOTS new requests run at once
+    threads = [threading.Thread(target=lambda i=i: results.setdefault(i, stream_text(client, model_id, prompts[i], 4)))
+               for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == SLOTS and all(u.completion_tokens >= 1 for _, u, _ in results.values())
+
+
+def test_metrics_and_health(stack):
+    with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    assert "tandem_spec_decode_num_draft_tokens_total" in body
+    drafted = [float(line.split()[-1]) for line in body.splitlines()
+               if line.startswith("tandem_spec_decode_num_draft_tokens_total")]
+    assert drafted and drafted[0] > 0
+    h = health(stack)
+    assert h["status"] == "ok" and h["drafter"]["available"] and h["state_store"]["backend"] == "memory"
+
+
+# ----------------------------------------------------------------------------- faults (they change the stack: last)
+
+
+def test_killed_drafter_loses_nothing_and_recovers(stack, client, model_id, local_engine, prompts):
+    """SIGKILL the drafter while requests stream: every request completes with the engine's exact
+    greedy output (target-only while the drafter is gone); a restarted drafter is used again."""
+    max_tokens = 48
+    expected = reference(local_engine, prompts[:SLOTS], max_tokens)
+    results: dict[int, tuple] = {}
+    started = threading.Event()
+
+    def run(i: int) -> None:
+        parts, usage = [], None
+        for chunk in client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True}):
+            started.set()
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        results[i] = ("".join(parts), usage)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    stack.processes["drafter"].send_signal(signal.SIGKILL)
+    stack.processes["drafter"].wait()
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == list(range(SLOTS))
+    for i, ref in enumerate(expected):
+        assert results[i][0] == ref.text, f"prompt {i} changed after the drafter died"
+        assert results[i][1].completion_tokens == ref.completion_tokens
+    assert health(stack)["drafter"]["available"] is False
+    usage = stream_text(client, model_id, prompts[0])[1]  # target-only meanwhile (prompt 0 drafts when it can)
+    assert expected[0].spec.num_drafted > 0
+    assert usage.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+    stack.restart_drafter()
+    deadline = time.monotonic() + 30
+    drafted = 0
+    while time.monotonic() < deadline and not drafted:
+        text, usage, _ = stream_text(client, model_id, prompts[0], max_tokens)
+        drafted = usage.model_extra["speculative_decoding"]["num_draft_tokens"]
+    assert drafted > 0 and health(stack)["drafter"]["available"] is True
+    assert text == expected[0].text
+
+
+def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
+    """Killing the verifier fails its requests with a clear 503 and marks /health unavailable."""
+    stack.processes["verifier"].send_signal(signal.SIGKILL)
+    stack.processes["verifier"].wait()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                       max_tokens=8, temperature=0)
+    assert err.value.status_code == 503 and "verifier" in err.value.message
+    h = health(stack)
+    assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+
+
+# ----------------------------------------------------------------------------- sampling over gRPC is lossless
+
+
+class _ServerThread:
+    """Runs one service's ``serve(..., ready=, stop=)`` coroutine on an event loop in a thread."""
+
+    def __init__(self, serve_factory) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._stop = None
+        ready = threading.Event()
+        box = {}
+
+        def main():
+            asyncio.set_event_loop(self.loop)
+
+            async def run():
+                self._stop = asyncio.Event()
+                fut = self.loop.create_future()
+                task = asyncio.ensure_future(serve_factory(fut, self._stop))
+                box["address"] = await fut
+                ready.set()
+                await task
+
+            self.loop.run_until_complete(run())
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+        assert ready.wait(60)
+        self.address = box["address"]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=30)
+
+
+def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
+    """Draft-model drafts with sparse top-K q (K < vocabulary, so the truncation matters) go through
+    the drafter service, the router's clients and the verifier service; sampled tokens still follow
+    target-only sampling exactly (chi-square on marginals and a joint, as in test_speculative)."""
+    from test_speculative import SAMPLING_CONFIGS, SAMPLING_DEPTH, check_distributions, exact_distributions
+
+    from services.drafter.server import serve as serve_drafter
+    from services.router.remote import RemoteDrafter, RemoteTarget
+    from services.verifier.server import serve as serve_verifier
+    from tandem.target import LocalTarget
+
+    target, draft_ck, prompt, logits = sampling_setup
+    n = 1200
+    cfg = RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64)
+    local = LocalTarget(target.checkpoint, cfg)
+    verifier = _ServerThread(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
+    draft_model = DraftModelDrafter(draft_ck, cfg)
+    drafter = _ServerThread(lambda ready, stop: serve_drafter(draft_model, 64, 0, max_probs_per_token=8,
+                                                              ready=ready, stop=stop))
+    try:
+        remote_target = RemoteTarget(verifier.address)
+        eng = Engine(tokenizer=target.tokenizer, drafter=RemoteDrafter(drafter.address, SMALL_VOCAB),
+                     num_draft_tokens=SAMPLING_DEPTH - 2, target=remote_target)
+        params = SAMPLING_CONFIGS["T1.0"]
+        ids = [eng.add_request(prompt_ids=prompt, params=replace(params, max_tokens=SAMPLING_DEPTH, seed=s,
+                                                                   ignore_eos=True)) for s in range(n)]
+        done = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = eng.completion(out.request_id)
+        samples = torch.tensor([done[i].token_ids for i in ids])
+        marginals, pair = exact_distributions(logits, params)
+        check_distributions(samples, marginals, pair, "draft model over gRPC, top-8 q")
+        assert eng.stats.num_drafted > n and 0.05 < eng.stats.acceptance_rate < 0.95, eng.stats
+        remote_target.close()
+    finally:
+        drafter.stop()
+        verifier.stop()
