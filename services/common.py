@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 import grpc
@@ -181,3 +182,59 @@ async def _maybe_await(x):
     if asyncio.iscoroutine(x):
         return await x
     return x
+
+
+class BackgroundServer:
+    """Runs a service's ``serve(ready, stop)`` coroutine on its own event loop in a daemon thread
+    (Ray Serve replicas and tests use it to host a ``grpc.aio`` server beside other work).
+
+    Args:
+        serve_factory: ``(ready: Future, stop: Event) -> coroutine``; the coroutine must resolve
+            ``ready`` with the bound address and return after ``stop`` is set.
+        timeout_s: how long to wait for ``ready``.
+
+    Raises:
+        RuntimeError: the server failed to start (its exception is chained).
+    """
+
+    def __init__(self, serve_factory, timeout_s: float = 300.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.address: str | None = None
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            ready = self.loop.create_future()
+            task = asyncio.ensure_future(serve_factory(ready, self._stop))
+            done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if ready in done:
+                self.address = ready.result()
+                self._ready.set()
+            await task
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(main())
+            except BaseException as exc:  # noqa: BLE001 - reported to the starter
+                self._error = exc
+                log.exception("background server stopped with an error")
+            finally:
+                self._ready.set()
+
+        self.thread = threading.Thread(target=run, daemon=True, name="grpc-server")
+        self.thread.start()
+        self._ready.wait(timeout_s)
+        if self.address is None:
+            raise RuntimeError(f"server did not start: {self._error!r}") from self._error
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._stop is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=timeout_s)

@@ -65,6 +65,28 @@ def run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure
     _run(lambda stop: serve(target, eos, port, host, resolve_api_key(key), cost, stop=stop))
 
 
+def build_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, max_sequences: int,
+                  max_seq_len: int):
+    """(the drafter, its device name) from ``tandem serve drafter`` options.
+
+    Raises:
+        InvalidRequestError / ModelLoadError: bad drafter options.
+    """
+    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from tandem.errors import InvalidRequestError
+    from tandem.models.runner import default_runner_config
+    from tandem.models.weights import load_checkpoint
+
+    cfg = default_runner_config(device, max_batch_size=max_sequences, max_seq_len=max_seq_len)
+    if drafter == "ngram":
+        return NgramDrafter(), "cpu"
+    if drafter == "draft-model":
+        if not draft_model:
+            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH or truncate:N")
+        return DraftModelDrafter(load_draft_checkpoint(draft_model, load_checkpoint(model)), cfg), cfg.device
+    raise InvalidRequestError(f"unknown drafter {drafter!r}; use ngram or draft-model")
+
+
 def run_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, port: int, host: str,
                 max_sequences: int, max_seq_len: int, key: str | None = None) -> None:
     """Serve ``tandem.v1.Drafter`` until signalled.
@@ -73,22 +95,10 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
         InvalidRequestError / ModelLoadError: bad drafter options.
     """
     from services.drafter.server import serve
-    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
-    from tandem.errors import InvalidRequestError
-    from tandem.models.runner import default_runner_config
-    from tandem.models.weights import load_checkpoint
 
     init_tracing("tandem-drafter")
-    cfg = default_runner_config(device, max_batch_size=max_sequences, max_seq_len=max_seq_len)
-    if drafter == "ngram":
-        impl = NgramDrafter()
-    elif drafter == "draft-model":
-        if not draft_model:
-            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH or truncate:N")
-        impl = DraftModelDrafter(load_draft_checkpoint(draft_model, load_checkpoint(model)), cfg)
-    else:
-        raise InvalidRequestError(f"unknown drafter {drafter!r}; use ngram or draft-model")
-    _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), cfg.device, stop=stop))
+    impl, dev = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
+    _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop))
 
 
 def run_router(config, http_port: int, grpc_port: int | None, host: str, key: str | None,

@@ -25,7 +25,7 @@ import torch
 from conftest import SMALL_VOCAB, spec_bench_prompts
 from test_speculative import sampling_setup  # noqa: F401  (fixture: small-vocabulary target, draft, exact logits)
 
-from services.common import auth_metadata, params_to_pb
+from services.common import BackgroundServer, auth_metadata, params_to_pb
 from services.launch import StackConfig, start_stack
 from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.drafters import DraftModelDrafter, NgramDrafter
@@ -351,38 +351,6 @@ def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
 # ----------------------------------------------------------------------------- sampling over gRPC is lossless
 
 
-class _ServerThread:
-    """Runs one service's ``serve(..., ready=, stop=)`` coroutine on an event loop in a thread."""
-
-    def __init__(self, serve_factory) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._stop = None
-        ready = threading.Event()
-        box = {}
-
-        def main():
-            asyncio.set_event_loop(self.loop)
-
-            async def run():
-                self._stop = asyncio.Event()
-                fut = self.loop.create_future()
-                task = asyncio.ensure_future(serve_factory(fut, self._stop))
-                box["address"] = await fut
-                ready.set()
-                await task
-
-            self.loop.run_until_complete(run())
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert ready.wait(60)
-        self.address = box["address"]
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self.thread.join(timeout=30)
-
-
 def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
     """Draft-model drafts with sparse top-K q (K < vocabulary, so the truncation matters) go through
     the drafter service, the router's clients and the verifier service; sampled tokens still follow
@@ -398,9 +366,9 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
     n = 1200
     cfg = RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64)
     local = LocalTarget(target.checkpoint, cfg)
-    verifier = _ServerThread(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
+    verifier = BackgroundServer(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
     draft_model = DraftModelDrafter(draft_ck, cfg)
-    drafter = _ServerThread(lambda ready, stop: serve_drafter(draft_model, 64, 0, max_probs_per_token=8,
+    drafter = BackgroundServer(lambda ready, stop: serve_drafter(draft_model, 64, 0, max_probs_per_token=8,
                                                               ready=ready, stop=stop))
     try:
         remote_target = RemoteTarget(verifier.address)

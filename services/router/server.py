@@ -62,6 +62,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
 
 
+async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: str | None = None,
+                     ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None) -> None:
+    """Serve ``tandem.v1.Router`` (and health) for an existing ``Router`` until ``stop`` is set."""
+    server = GrpcServer(port, host, key)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server.server)
+    await server.start([SERVICE_NAME])
+    if ready is not None:
+        ready.set_result(server.address)
+    try:
+        await (stop.wait() if stop is not None else server.server.wait_for_termination())
+    finally:
+        await server.stop()
+
+
 async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = None, host: str = "127.0.0.1",
                 api_key: str | None = None, default_max_tokens: int = 256, stop: "asyncio.Event | None" = None) -> None:
     """Run the router until ``stop`` is set (or the process is signalled).
