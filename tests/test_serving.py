@@ -390,3 +390,31 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
     finally:
         drafter.stop()
         verifier.stop()
+
+
+# ----------------------------------------------------------------------------- the real model (slow)
+
+
+@pytest.mark.slow
+def test_real_model_through_the_stack(real_checkpoint):
+    """The bundled SmolLM2-135M through verifier + n-gram drafter + router processes: greedy
+    outputs (streamed and not) equal the in-process engine's, and drafts are accepted."""
+    stack = start_stack(StackConfig(drafter="ngram", max_batch_size=4, max_seq_len=1024), timeout_s=300)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=300)
+        model_id = client.models.list().data[0].id
+        engine = Engine(real_checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=1024),
+                        drafter=NgramDrafter(), num_draft_tokens=4)
+        prompts = [spec_bench_prompts(250)[i] for i in (244, 41)]  # qa, coding
+        accepted = 0
+        for prompt in prompts:
+            ref = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
+            r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=32, temperature=0)
+            assert r.choices[0].message.content == ref.text
+            text, usage, _ = stream_text(client, model_id, prompt, 32)
+            assert text == ref.text
+            accepted += usage.model_extra["speculative_decoding"]["num_accepted_tokens"]
+        assert accepted > 0
+    finally:
+        stack.stop()
