@@ -173,6 +173,12 @@ class GrpcServer:
             await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         log.info("gRPC serving %s on %s", ", ".join(service_names), self.address)
 
+    async def set_serving(self, serving: bool, service_names: Sequence[str]) -> None:
+        """Report SERVING / NOT_SERVING for the overall server and ``service_names``."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *service_names]:
+            await _maybe_await(self.health.set(name, status))
+
     async def stop(self, grace_s: float = 2.0) -> None:
         await _maybe_await(self.health.enter_graceful_shutdown())
         await self.server.stop(grace_s)

@@ -50,6 +50,7 @@ class Request:
     finish_time: float | None = None
     slot: int | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
 
     @property
     def finished(self) -> bool:
@@ -65,6 +66,7 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Completion:
     latency_s: float
     tpot_s: float
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for them
 
     @property
     def completion_tokens(self) -> int:
@@ -211,12 +214,13 @@ class Engine:
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, logprobs: bool = False) -> str:
         """Queue a request; it joins the running batch at the next step with a free slot.
 
         Same arguments and errors as ``make_request``; returns the request id.
         """
-        return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id))
+        return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id,
+                                             logprobs=logprobs))
 
     def submit(self, req: Request) -> str:
         """Queue a request built by ``make_request``.
@@ -232,7 +236,7 @@ class Engine:
 
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                      prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, logprobs: bool = False) -> Request:
         """Validate and tokenize a request without touching the engine's queues (a server
         thread can do this while another thread steps the engine).
 
@@ -242,6 +246,8 @@ class Engine:
             prompt_ids: pre-tokenized prompt.
             chat: apply the chat template to a plain-text prompt.
             request_id: caller's id (default: a counter).
+            logprobs: also return the target's log-probability of each output token (raw
+                logits, before the sampling transform).
 
         Returns:
             The request, ready for ``submit``.
@@ -274,7 +280,8 @@ class Engine:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
         gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
-        return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
+        return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
+                       logprobs=[] if logprobs else None)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -311,14 +318,15 @@ class Engine:
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
-                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator) for r in reqs])
+                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator,
+                                                               r.logprobs is not None) for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
                     r.slot = None
                 raise
             for req, res in zip(reqs, results):
-                outputs.append(self._append(req, res.tokens[:1]))
+                outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
                 if not req.finished:
                     self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
@@ -336,7 +344,7 @@ class Engine:
         proposals = self._propose(reqs)
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
             results: list[TargetResult] = self.target.verify(
-                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator)
+                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator, r.logprobs is not None)
                  for s, r, p in zip(slots, reqs, proposals)])
         outputs = []
         emitted = drafted_total = accepted_total = 0
@@ -347,7 +355,8 @@ class Engine:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
             before = (req.spec.num_drafted, req.spec.num_accepted)
-            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
+            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted,
+                                        logprobs=res.logprobs))
             emitted += len(outputs[-1].new_token_ids)
             drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
             drafted_total += drafted
@@ -398,9 +407,15 @@ class Engine:
                 proposals = self.draft_policy.apply(proposals)
         return proposals
 
-    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:
-        """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token."""
+    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,
+                logprobs: list[float] | None = None) -> RequestOutput:
+        """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token.
+        ``logprobs`` (one per token) are kept for requests that asked for them, cut with the tokens."""
         kept = req.output.append(tokens)
+        new_logprobs = None
+        if req.logprobs is not None:
+            new_logprobs = list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept
+            req.logprobs.extend(new_logprobs)
         if drafted is not None:
             if req.finished and kept < len(tokens):  # metrics are cut at the stop boundary too
                 drafted, accepted = min(drafted, kept), min(accepted, kept)
@@ -414,7 +429,7 @@ class Engine:
             if req.slot is not None:
                 self._release(req)
         return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
-                             req.output.finish_reason)
+                             req.output.finish_reason, new_logprobs)
 
     # ------------------------------------------------------------------ convenience
 
@@ -435,6 +450,7 @@ class Engine:
             finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
             ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
             tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
         )
 
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -161,6 +161,53 @@ def test_seeded_sampling_through_router(client, model_id, prompts):
     assert outs[0] == outs[1]
 
 
+def run_with_logprobs(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS):
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), logprobs=True)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return engine.completion(rid)
+    raise AssertionError("request did not finish")
+
+
+def test_logprobs_same_with_and_without_speculation(tiny_dir, prompts):
+    """Log-probabilities read off the verification pass (accepted drafts + bonus) equal
+    target-only decoding's (drafts from an oracle that is right two times in three)."""
+    from test_speculative import OracleDrafter
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
+    plain = Engine(tiny_dir, cfg)
+    for prompt in prompts[:2]:
+        ref = run_with_logprobs(plain, prompt)
+        full = plain.encode_prompt(prompt) + ref.token_ids
+        spec_engine = Engine(plain.checkpoint, cfg, tokenizer=plain.tokenizer,
+                             drafter=OracleDrafter([full], mode="noisy", vocab=plain.target.info.vocab_size))
+        spec = run_with_logprobs(spec_engine, prompt)
+        assert spec.token_ids == ref.token_ids and spec.spec.num_accepted > 0
+        assert len(spec.logprobs) == len(spec.token_ids)
+        assert spec.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert all(lp <= 0 for lp in spec.logprobs)
+
+
+def test_logprobs_through_router(stack, client, model_id, local_engine, prompts):
+    ref = run_with_logprobs(local_engine, prompts[0])
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                       max_tokens=MAX_TOKENS, temperature=0, logprobs=True)
+    got = [c.logprob for c in r.choices[0].logprobs.content]
+    assert got == pytest.approx(ref.logprobs, abs=1e-5)
+    streamed = []
+    for chunk in client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                                max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += [c.logprob for c in chunk.choices[0].logprobs.content]
+    assert streamed == pytest.approx(ref.logprobs, abs=1e-5)
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        msgs = list(router_pb2_grpc.RouterStub(ch).Generate(
+            router_pb2.GenerateRequest(prompt=prompts[0], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
+                                       logprobs=True), metadata=auth_metadata(KEY), timeout=60))
+    assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- load, bad input, disconnects
 
 
@@ -346,6 +393,16 @@ def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
     assert err.value.status_code == 503 and "verifier" in err.value.message
     h = health(stack)
     assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(stack.grpc_address) as ch:  # the standard health service follows
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline and status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            status = stub.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Router"), timeout=5).status
+            time.sleep(0.2)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 # ----------------------------------------------------------------------------- sampling over gRPC is lossless

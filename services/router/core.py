@@ -19,7 +19,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.control import DraftPolicy, TauController, entropy_score
@@ -56,6 +57,8 @@ class RouterConfig:
         redis_url: shared state store; None = in-memory (this process only).
         api_key: bearer token for the internal services (None: no auth).
         drafter_timeout_s / verifier_timeout_s: longest wait for one round's answer (s).
+        drafter_resolver: returns the drafter's current address after a failure (Ray Serve
+            replicas that were replaced); None: ``drafter`` for good.
     """
 
     verifiers: list[str]
@@ -69,6 +72,7 @@ class RouterConfig:
     api_key: str | None = None
     drafter_timeout_s: float = 10.0
     verifier_timeout_s: float = 120.0
+    drafter_resolver: Callable[[], str] | None = None
 
 
 @dataclass
@@ -268,7 +272,7 @@ class Router:
             drafter = None
             if config.drafter:
                 drafter = RemoteDrafter(config.drafter, target.info.vocab_size, config.api_key,
-                                        timeout_s=config.drafter_timeout_s)
+                                        timeout_s=config.drafter_timeout_s, resolve=config.drafter_resolver)
                 self.drafters.append(drafter)
             engine = Engine(tokenizer=self.tokenizer, drafter=drafter, num_draft_tokens=config.num_draft_tokens,
                             draft_policy=self._policy(target) if drafter else None,
@@ -325,14 +329,15 @@ class Router:
     # ------------------------------------------------------------------ API (event loop)
 
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
-                     chat: bool = True, request_id: str | None = None) -> Request:
+                     chat: bool = True, request_id: str | None = None, logprobs: bool = False) -> Request:
         """Validate and tokenize (no engine state is touched).
 
         Raises:
             InvalidRequestError: bad prompt or parameters.
         """
         rid = request_id or f"req-{next(self._ids)}"
-        return self.workers[0].engine.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid)
+        return self.workers[0].engine.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid,
+                                                   logprobs=logprobs)
 
     def submit(self, request: Request, category: str = "default") -> tuple[str, "asyncio.Queue[Event]"]:
         """Queue ``request`` on the least loaded healthy replica; events arrive on the queue.

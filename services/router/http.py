@@ -67,6 +67,12 @@ class _SamplingFields(_Base):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        if self.logprobs:
+            raise InvalidRequestError("top alternatives are not returned; use logprobs=0 for the tokens' own")
+        return self.logprobs is not None
 
 
 class ChatMessage(_Base):
@@ -77,6 +83,13 @@ class ChatMessage(_Base):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        if self.top_logprobs:
+            raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own")
+        return self.logprobs
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -169,7 +182,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                 raise InvalidRequestError("send one prompt per request (a list of one string)")
             prompt = prompt[0]
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
-        engine_req = router.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid)
+        engine_req = router.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid,
+                                         logprobs=req.wants_logprobs())
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -193,12 +207,27 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     return app
 
 
-def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool) -> dict:
+def _logprobs(router: Router, token_ids: list[int], logprobs: list[float] | None, chat_api: bool) -> dict | None:
+    """OpenAI logprobs object for ``token_ids`` (None when the request did not ask)."""
+    if logprobs is None:
+        return None
+    tokens = [router.tokenizer.decode([t]) for t in token_ids]
+    if chat_api:
+        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                            for tok, lp in zip(tokens, logprobs)]}
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None) -> dict:
     if chat_api:
         key = "delta" if stream else "message"
         body = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": None}
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,
@@ -220,7 +249,9 @@ async def _complete(router: Router, request: Request, engine_req, category: str,
         return _error(503, event.message, "server_error")
     c = event.completion
     return {"id": rid, "object": "chat.completion" if chat_api else "text_completion", "created": created,
-            "model": router.model_name, "choices": [_choice(c.text, c.finish_reason, chat_api, False)],
+            "model": router.model_name,
+            "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(router, c.token_ids, c.logprobs,
+                                                                                     chat_api))],
             "usage": usage(c)}
 
 
@@ -238,8 +269,9 @@ async def _stream(router: Router, engine_req, category: str, rid: str, created: 
     async for event in router.generate(engine_req, category):
         if isinstance(event, Delta):
             out = event.output
-            if out.text_delta or out.finished:
-                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True)])
+            if out.text_delta or out.finished or out.logprobs:
+                lp = _logprobs(router, out.new_token_ids, out.logprobs, chat_api)
+                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp)])
         elif isinstance(event, Failed):
             yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
                                         "code": 503}})

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -208,11 +209,14 @@ class RemoteDrafter(Drafter):
         key: bearer token (None: no auth).
         timeout_s: longest wait for one draft batch (s); past it the drafter counts as down.
         retry_s: first reconnection delay after a failure (s); doubles up to ``max_retry_s``.
+        resolve: returns the drafter's current address; asked again after a failure (a Ray Serve
+            replica that was replaced listens elsewhere). None: ``address`` for good.
     """
 
     def __init__(self, address: str, vocab_size: int, key: str | None = None, timeout_s: float = 10.0,
-                 retry_s: float = 0.5, max_retry_s: float = 5.0) -> None:
+                 retry_s: float = 0.5, max_retry_s: float = 5.0, resolve: Callable[[], str] | None = None) -> None:
         self.address = address
+        self._resolve = resolve
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
@@ -228,6 +232,17 @@ class RemoteDrafter(Drafter):
         self.available = True
 
     def _connect(self) -> BidiStream:
+        if self._resolve is not None and not self.available:
+            try:
+                address = self._resolve()
+            except Exception as exc:  # noqa: BLE001 - whatever the resolver raises, the drafter is down
+                raise EOFError(f"cannot resolve the drafter's address: {exc}") from None
+            if address != self.address:
+                log.warning("drafter moved from %s to %s", self.address, address)
+                self._channel.close()
+                self.address = address
+                self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+                self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=min(self.timeout_s, 2.0),
                                metadata=self._metadata)
         self.name = info.name

@@ -42,7 +42,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params = params_from_pb(request.params)
             prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
             req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
-                                           request_id=request.request_id or None)
+                                           request_id=request.request_id or None, logprobs=request.logprobs)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -53,7 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     out = event.output
                     if out.new_token_ids or out.text_delta:
                         yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
-                                                          text=out.text_delta)
+                                                          text=out.text_delta, logprobs=out.logprobs or [])
                 elif isinstance(event, Done):
                     yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
                                                       finish_reason=event.completion.finish_reason,
@@ -68,12 +68,25 @@ async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: st
     server = GrpcServer(port, host, key)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server.server)
     await server.start([SERVICE_NAME])
+    watcher = asyncio.ensure_future(_watch_health(router, server))
     if ready is not None:
         ready.set_result(server.address)
     try:
         await (stop.wait() if stop is not None else server.server.wait_for_termination())
     finally:
+        watcher.cancel()
         await server.stop()
+
+
+async def _watch_health(router: Router, server: GrpcServer, period_s: float = 2.0) -> None:
+    """Keep the gRPC health status in step with the verifiers (NOT_SERVING when none is healthy)."""
+    serving = True
+    while True:
+        await asyncio.sleep(period_s)
+        now = any(w.healthy for w in router.workers)
+        if now != serving:
+            serving = now
+            await server.set_serving(now, [SERVICE_NAME])
 
 
 async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = None, host: str = "127.0.0.1",
@@ -88,11 +101,14 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
     router = await asyncio.to_thread(Router, config)
     app = build_app(router, api_key, default_max_tokens)
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=http_port, log_level="warning", lifespan="off"))
-    grpc_server = None
+    grpc_task = None
     if grpc_port is not None:
-        grpc_server = GrpcServer(grpc_port, host, api_key)
-        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), grpc_server.server)
-        await grpc_server.start([SERVICE_NAME])
+        grpc_stop = asyncio.Event()
+        grpc_ready = asyncio.get_running_loop().create_future()
+        grpc_task = asyncio.ensure_future(serve_grpc(router, grpc_port, host, api_key, grpc_ready, grpc_stop))
+        await asyncio.wait({grpc_task, grpc_ready}, return_when=asyncio.FIRST_COMPLETED)
+        if grpc_task.done():
+            grpc_task.result()  # raises the start-up error
     log.info("router: HTTP on %s:%d, verifiers %s, drafter %s", host, http_port, config.verifiers, config.drafter)
     try:
         if stop is None:
@@ -103,6 +119,7 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
             http.should_exit = True
             await task
     finally:
-        if grpc_server is not None:
-            await grpc_server.stop()
+        if grpc_task is not None:
+            grpc_stop.set()
+            await grpc_task
         await asyncio.to_thread(router.close)
