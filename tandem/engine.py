@@ -171,6 +171,7 @@ class Engine:
         self.draft_policy = draft_policy
         self.verification_sink = verification_sink
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
+        self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._ids = itertools.count()
 
@@ -342,6 +343,8 @@ class Engine:
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
+        if self.drafter is not None and self.overlap_drafting and type(self.drafter).prefetch is not Drafter.prefetch:
+            self._prefetch(reqs, proposals)
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
             results: list[TargetResult] = self.target.verify(
                 [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator, r.logprobs is not None)
@@ -370,6 +373,25 @@ class Engine:
         if self.on_round is not None:
             self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(reqs), round_ms))
         return outputs
+
+    def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
+        """Let the drafter draft the next round on the assumption that every draft of this one is
+        accepted, while the target verifies (``Drafter.prefetch``). Token trees are skipped."""
+        asks = []
+        for r, p in zip(reqs, proposals):
+            if p.parents is not None:
+                continue
+            n_out = len(r.output.token_ids) + len(p.tokens) + 1  # after full acceptance + the bonus
+            held = len(r.prompt_ids) + n_out - 1
+            room = min(self.num_draft_tokens, self.max_seq_len - held - 1, r.output.max_new_tokens - n_out - 1)
+            if room > 0:
+                asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids + p.tokens, room + 1, r.params,
+                                         r.generator))
+        if asks:
+            try:
+                self.drafter.prefetch(asks)
+            except Exception:  # an optimisation only: never fatal
+                log.exception("drafter %s failed to prefetch", self.drafter.name)
 
     def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
         if self.drafter is None:

@@ -208,6 +208,39 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
     assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
 
 
+def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
+    """The router's drafter client drafts the next round while the target verifies (assuming every
+    draft is accepted and guessing the bonus token); where the guess holds, those drafts are used
+    without another drafter round trip. Outputs stay the target's own, greedy and sampled."""
+    from test_speculative import OracleDrafter
+
+    from services.drafter.server import serve as serve_drafter
+    from services.router.remote import RemoteDrafter
+    from tandem.target import LocalTarget
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
+    plain = Engine(tiny_dir, cfg)
+    refs = [plain.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts[:SLOTS]]
+    full = [plain.encode_prompt(p) + r.token_ids for p, r in zip(prompts, refs)]
+    for mode in ("right", "noisy"):
+        oracle = OracleDrafter(full, mode=mode, vocab=plain.target.info.vocab_size)
+        server = BackgroundServer(lambda ready, stop: serve_drafter(oracle, SLOTS, 0, ready=ready, stop=stop))
+        try:
+            drafter = RemoteDrafter(server.address, plain.target.info.vocab_size)
+            eng = Engine(tokenizer=plain.tokenizer, drafter=drafter, num_draft_tokens=4,
+                         target=LocalTarget(plain.checkpoint, cfg))
+            got = eng.generate(prompts[:SLOTS], SamplingParams(max_tokens=MAX_TOKENS))
+            assert [g.token_ids for g in got] == [r.token_ids for r in refs]
+            if mode == "right":  # every guess holds: the drafter is never waited for after the first round
+                assert drafter.prefetch_hits > 0 and drafter.prefetch_misses <= SLOTS
+                assert eng.stats.acceptance_rate == 1.0
+            else:  # a wrong draft in every run: no guess holds, each round drafts again after verification
+                assert drafter.prefetch_misses > 0 and 0 < eng.stats.acceptance_rate < 1.0
+            drafter.close()
+        finally:
+            server.stop()
+
+
 # ----------------------------------------------------------------------------- load, bad input, disconnects
 
 

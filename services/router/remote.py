@@ -69,6 +69,10 @@ class BidiStream:
 
     def call(self, msg, timeout_s: float):
         self._out.put(msg)
+        return self.recv(timeout_s)
+
+    def recv(self, timeout_s: float):
+        """The next response (see the class docstring for the errors)."""
         try:
             item = self._in.get(timeout=timeout_s)
         except queue.Empty:
@@ -230,6 +234,9 @@ class RemoteDrafter(Drafter):
         self._backoff = retry_s
         self.name = "remote"
         self.available = True
+        self._pending: dict[int, list[int]] | None = None  # prefetch in flight: slot -> sequence it drafts from
+        self.prefetch_hits = 0  # next-round drafts that were ready when verification returned
+        self.prefetch_misses = 0
 
     def _connect(self) -> BidiStream:
         if self._resolve is not None and not self.available:
@@ -250,6 +257,7 @@ class RemoteDrafter(Drafter):
         return BidiStream(self._stub.Draft, inject_metadata(self._metadata))
 
     def _mark_down(self, exc: BaseException) -> None:
+        self._pending = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -261,9 +269,8 @@ class RemoteDrafter(Drafter):
         self._down_until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.max_retry_s)
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        if not any(r.max_draft > 0 for r in requests) or time.monotonic() < self._down_until:
-            return [DraftProposal.empty() for _ in requests]
+    def _deltas(self, requests: list[DraftRequest]) -> list[drafter_pb2.SequenceDelta]:
+        """Each sequence as what the drafter holds (base_len) plus what it has not seen."""
         seqs = []
         for r in requests:
             held = self._synced.get(r.slot)
@@ -273,19 +280,81 @@ class RemoteDrafter(Drafter):
             seqs.append(drafter_pb2.SequenceDelta(seq_id=r.slot, base_len=n, tokens=r.token_ids[n:],
                                                   max_draft=r.max_draft,
                                                   params=params_to_pb(r.params) if held is None else None))
+        return seqs
+
+    def _send(self, requests: list[DraftRequest], wait: bool):
+        """Send one draft batch (connecting first if needed); return its answer when ``wait``."""
+        seqs = self._deltas(requests)
+        if self._stream is None:
+            self._stream = self._connect()
+            for s, r in zip(seqs, requests):  # everything is new to a new stream
+                s.base_len, s.tokens[:] = 0, r.token_ids
+                s.params.CopyFrom(params_to_pb(r.params))
         self._rounds += 1
+        msg = drafter_pb2.DraftStreamRequest(draft=drafter_pb2.DraftRequestBatch(round=self._rounds, sequences=seqs))
+        for r in requests:
+            self._synced[r.slot] = list(r.token_ids)
+        if not wait:
+            self._stream.send(msg)
+            return None
+        with span("rpc.client.draft", address=self.address, sequences=len(seqs)):
+            return self._check(self._stream.call(msg, self.timeout_s), self._rounds, len(requests))
+
+    @staticmethod
+    def _check(batch, round_id: int, n: int):
+        if batch.round != round_id or len(batch.proposals) != n:
+            raise EOFError(f"drafter answered round {batch.round} with {len(batch.proposals)} proposals, "
+                           f"expected round {round_id} with {n}")
+        return batch
+
+    def prefetch(self, requests: list[DraftRequest]) -> None:
+        """Send the next round's draft requests now (the drafter works while the target
+        verifies); ``propose`` uses the answers whose guessed bonus token came true."""
+        if self._pending is not None or self._stream is None or time.monotonic() < self._down_until:
+            return
         try:
-            if self._stream is None:
-                self._stream = self._connect()
-                for s, r in zip(seqs, requests):  # everything is new to a new stream
-                    s.base_len, s.tokens[:] = 0, r.token_ids
-                    s.params.CopyFrom(params_to_pb(r.params))
-            with span("rpc.client.draft", address=self.address, sequences=len(seqs)):
-                batch = self._stream.call(drafter_pb2.DraftStreamRequest(
-                    draft=drafter_pb2.DraftRequestBatch(round=self._rounds, sequences=seqs)), self.timeout_s)
-            if batch.round != self._rounds or len(batch.proposals) != len(requests):
-                raise EOFError(f"drafter answered round {batch.round} with {len(batch.proposals)} proposals, "
-                               f"expected round {self._rounds} with {len(requests)}")
+            self._send(requests, wait=False)
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._mark_down(exc)
+            return
+        self._pending = {r.slot: list(r.token_ids) for r in requests}
+        self._pending_round = self._rounds
+
+    def _take_prefetched(self, requests: list[DraftRequest]) -> dict[int, DraftProposal]:
+        """Wait for the prefetch in flight; the proposals it got right, by slot."""
+        pending, self._pending = self._pending, None
+        with span("rpc.client.draft", address=self.address, sequences=len(pending), prefetched=True):
+            batch = self._check(self._stream.recv(self.timeout_s), self._pending_round, len(pending))
+        by_slot = {p.seq_id: p for p in batch.proposals}
+        hits: dict[int, DraftProposal] = {}
+        for r in requests:
+            base, p = pending.get(r.slot), by_slot.get(r.slot)
+            if base is None or p is None:
+                continue
+            # the guess (first prefetched token) must be the token the target emitted after base
+            if len(p.tokens) > 1 and len(r.token_ids) == len(base) + 1 and r.token_ids[-1] == p.tokens[0] \
+                    and r.token_ids[:-1] == base:
+                hits[r.slot] = self._proposal(p, skip=1, limit=r.max_draft)
+                self.prefetch_hits += 1
+            else:
+                self.prefetch_misses += 1
+        return hits
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        if not any(r.max_draft > 0 for r in requests) or time.monotonic() < self._down_until:
+            if self._pending is not None:  # its answer must still be read off the stream
+                try:
+                    self._take_prefetched([])
+                except (grpc.RpcError, TimeoutError, EOFError) as exc:
+                    self._mark_down(exc)
+            return [DraftProposal.empty() for _ in requests]
+        try:
+            ready = self._take_prefetched(requests) if self._pending is not None else {}
+            rest = [r for r in requests if r.slot not in ready]
+            if rest:
+                batch = self._send(rest, wait=True)
+                for r, p in zip(rest, batch.proposals):
+                    ready[r.slot] = self._proposal(p)
         except (grpc.RpcError, TimeoutError, EOFError) as exc:
             self._mark_down(exc)
             return [DraftProposal.empty() for _ in requests]
@@ -293,17 +362,24 @@ class RemoteDrafter(Drafter):
             log.warning("drafter %s is back", self.address)
         self.available = True
         self._backoff = self.retry_s
-        for r in requests:
-            self._synced[r.slot] = list(r.token_ids)
-        return [self._proposal(p) for p in batch.proposals]
+        return [ready[r.slot] for r in requests]
 
-    def _proposal(self, p: drafter_pb2.DraftProposal) -> DraftProposal:
+    def _proposal(self, p: drafter_pb2.DraftProposal, skip: int = 0, limit: int | None = None) -> DraftProposal:
+        """A core proposal from the wire; ``skip`` leading drafts dropped (a prefetch's guessed
+        bonus token: later positions move up, their position feature too), at most ``limit`` kept."""
         n = len(p.tokens)
         nf = p.num_features or NUM_FEATURES
         feats = torch.tensor(list(p.features), dtype=torch.float32).reshape(n, nf) if n else torch.zeros(0, nf)
         probs = sparse_to_probs(p.probs, self.vocab_size) if len(p.probs) == n and n else None
         top = torch.tensor(list(p.top_tokens), dtype=torch.long).reshape(n, p.top_m) if p.top_m and n else None
-        return DraftProposal(list(p.tokens), probs, feats, top)
+        end = n if limit is None else min(n, skip + limit)
+        if skip or end < n:
+            feats = feats[skip:end].clone()
+            if skip and nf == NUM_FEATURES:
+                feats[:, NUM_FEATURES - 1] -= skip  # the position feature is 1-based from the new start
+            probs = None if probs is None else probs[skip:end]
+            top = None if top is None else top[skip:end]
+        return DraftProposal(list(p.tokens[skip:end]), probs, feats, top)
 
     def release(self, slot: int) -> None:
         if self._synced.pop(slot, None) is not None and self._stream is not None:
