@@ -42,6 +42,7 @@ class StackConfig:
         grpc_front_door: also serve ``tandem.v1.Router`` on a port.
         drafter_timeout_s: router's wait for one round of drafts (s).
         log_dir: where each process's log goes (default: a temp directory).
+        num_verifiers: verifier replicas (processes); the router runs one engine per replica.
     """
 
     model: str | None = None
@@ -55,6 +56,7 @@ class StackConfig:
     grpc_front_door: bool = True
     drafter_timeout_s: float = 10.0
     log_dir: str | None = None
+    num_verifiers: int = 1
 
 
 @dataclass
@@ -62,7 +64,7 @@ class Stack:
     """A running stack: addresses, processes and their logs."""
 
     config: StackConfig
-    verifier_address: str
+    verifier_addresses: list[str]
     drafter_address: str | None
     http_url: str
     grpc_address: str | None
@@ -71,7 +73,7 @@ class Stack:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM each process (router first), then SIGKILL what is still alive after ``timeout_s``."""
-        for name in ("router", "drafter", "verifier"):
+        for name in ["router", "drafter", *sorted(n for n in self.processes if n.startswith("verifier"))]:
             p = self.processes.get(name)
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -157,27 +159,33 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
     """
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tandem-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    vport, dport, hport, gport = free_port(), free_port(), free_port(), free_port()
+    vports = [free_port() for _ in range(config.num_verifiers)]
+    dport, hport, gport = free_port(), free_port(), free_port()
     model = ["--model", config.model] if config.model else []
-    stack = Stack(config, f"127.0.0.1:{vport}", f"127.0.0.1:{dport}" if config.drafter != "none" else None,
+    vnames = ["verifier"] if config.num_verifiers == 1 else [f"verifier{i}" for i in range(config.num_verifiers)]
+    stack = Stack(config, [f"127.0.0.1:{p}" for p in vports],
+                  f"127.0.0.1:{dport}" if config.drafter != "none" else None,
                   f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}" if config.grpc_front_door else None)
-    stack.logs = {n: log_dir / f"{n}.log" for n in ("verifier", "drafter", "router")}
+    stack.logs = {n: log_dir / f"{n}.log" for n in (*vnames, "drafter", "router")}
     try:
-        stack.processes["verifier"] = _spawn("verifier", [
-            "--port", str(vport), "--max-batch-size", str(config.max_batch_size), "--max-seq-len",
-            str(config.max_seq_len), *model], stack.logs["verifier"], config.api_key)
+        for name, port in zip(vnames, vports):
+            stack.processes[name] = _spawn("verifier", [
+                "--port", str(port), "--max-batch-size", str(config.max_batch_size), "--max-seq-len",
+                str(config.max_seq_len), *model], stack.logs[name], config.api_key)
         if stack.drafter_address:
             stack._drafter_args = ["--port", str(dport), "--drafter", config.drafter,
-                                   "--max-sequences", str(config.max_batch_size), "--max-seq-len",
-                                   str(config.max_seq_len), *model,
+                                   "--max-sequences", str(config.max_batch_size * config.num_verifiers),
+                                   "--max-seq-len", str(config.max_seq_len), *model,
                                    *(["--draft-model", config.draft_model] if config.draft_model else [])]
             stack.processes["drafter"] = _spawn("drafter", stack._drafter_args, stack.logs["drafter"], config.api_key)
-        wait_grpc_healthy(stack.verifier_address, timeout_s, stack.processes["verifier"], stack.logs["verifier"])
+        for name, address in zip(vnames, stack.verifier_addresses):
+            wait_grpc_healthy(address, timeout_s, stack.processes[name], stack.logs[name])
         if stack.drafter_address:
             wait_grpc_healthy(stack.drafter_address, timeout_s, stack.processes["drafter"], stack.logs["drafter"])
-        router_args = ["--port", str(hport), "--verifier", stack.verifier_address,
-                       "--num-draft-tokens", str(config.num_draft_tokens),
+        router_args = ["--port", str(hport), "--num-draft-tokens", str(config.num_draft_tokens),
                        "--drafter-timeout", str(config.drafter_timeout_s), *model]
+        for address in stack.verifier_addresses:
+            router_args += ["--verifier", address]
         if stack.drafter_address:
             router_args += ["--drafter", stack.drafter_address]
         if stack.grpc_address:

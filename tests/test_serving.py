@@ -438,6 +438,55 @@ def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def test_verifier_failure_spares_other_replicas(tiny_dir, local_engine, prompts):
+    """Two verifier replicas: killing one mid-run fails only its requests (with a clear error);
+    the other replica's requests finish with the engine's exact output, and new requests go to it."""
+    stack = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                    num_verifiers=2, grpc_front_door=False), timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        params = SamplingParams(max_tokens=CONTEXT, ignore_eos=True)  # as long as the context allows
+        expected = [local_engine.generate([p], params)[0] for p in prompts[:4]]
+        results: dict[int, object] = {}
+        started = [threading.Event() for _ in range(4)]
+
+        def run(i: int) -> None:
+            parts = []
+            try:
+                for chunk in client.chat.completions.create(
+                        model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=CONTEXT,
+                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    started[i].set()
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].delta.content or "")
+                results[i] = "".join(parts)
+            except openai.APIError as exc:
+                results[i] = exc
+            finally:
+                started[i].set()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        stack.processes["verifier0"].send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+        failed = [i for i, r in results.items() if isinstance(r, Exception)]
+        done = [i for i, r in results.items() if not isinstance(r, Exception)]
+        assert len(results) == 4 and failed and done, results
+        assert all("verifier" in str(results[i]) for i in failed)
+        assert all(results[i] == expected[i].text for i in done)
+        h = health(stack)
+        assert h["status"] == "ok" and [v["healthy"] for v in h["verifiers"]] == [False, True]
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == reference(local_engine, prompts[:1])[0].text
+    finally:
+        stack.stop()
+
+
 # ----------------------------------------------------------------------------- sampling over gRPC is lossless
 
 
