@@ -70,8 +70,9 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
     console.print(f"starting verifier, {config.drafter} drafter and router on loopback ...", highlight=False)
     stack: Stack = start_stack(config)
     try:
+        verifiers = ", ".join(stack.verifier_addresses)
         console.print(f"stack up in {time.perf_counter() - t_start:.1f} s: router {stack.http_url}, verifier "
-                      f"{", ".join(stack.verifier_addresses)}, drafter {stack.drafter_address}; logs in "
+                      f"{verifiers}, drafter {stack.drafter_address}; logs in "
                       f"{stack.logs['router'].parent}", highlight=False)
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=config.api_key or "none", max_retries=0,
                                timeout=600)

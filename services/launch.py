@@ -43,6 +43,7 @@ class StackConfig:
         drafter_timeout_s: router's wait for one round of drafts (s).
         log_dir: where each process's log goes (default: a temp directory).
         num_verifiers: verifier replicas (processes); the router runs one engine per replica.
+        overlap: the router drafts the next round while the verifier checks this one.
     """
 
     model: str | None = None
@@ -57,6 +58,7 @@ class StackConfig:
     drafter_timeout_s: float = 10.0
     log_dir: str | None = None
     num_verifiers: int = 1
+    overlap: bool = True
 
 
 @dataclass
@@ -183,7 +185,8 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
         if stack.drafter_address:
             wait_grpc_healthy(stack.drafter_address, timeout_s, stack.processes["drafter"], stack.logs["drafter"])
         router_args = ["--port", str(hport), "--num-draft-tokens", str(config.num_draft_tokens),
-                       "--drafter-timeout", str(config.drafter_timeout_s), *model]
+                       "--drafter-timeout", str(config.drafter_timeout_s), *model,
+                       "--overlap" if config.overlap else "--no-overlap"]
         for address in stack.verifier_addresses:
             router_args += ["--verifier", address]
         if stack.drafter_address:

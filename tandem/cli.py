@@ -658,15 +658,17 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True,
               help="Seconds to wait for one round of drafts before decoding target-only.")
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="Draft the next round while the verifier checks this one (used where the guess holds).")
 @key_option
 def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, host, num_draft_tokens, policy,
-                 predictor, redis_url, default_max_tokens, drafter_timeout, api_key) -> None:
+                 predictor, redis_url, default_max_tokens, drafter_timeout, overlap, api_key) -> None:
     """The router: OpenAI-compatible HTTP and tandem.v1.Router gRPC over remote drafter and verifiers."""
     from services.processes import run_router
     from services.router.core import RouterConfig
 
     config = RouterConfig(list(verifiers), drafter, model, model_name, num_draft_tokens, policy, predictor, redis_url,
-                          drafter_timeout_s=drafter_timeout)
+                          drafter_timeout_s=drafter_timeout, overlap=overlap)
     run_router(config, http_port, grpc_port, host, api_key, default_max_tokens)
 
 
@@ -684,8 +686,10 @@ def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, ho
               help="Requests in flight at once (the router batches them).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Verifier KV slots.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="Router drafts the next round while the verifier checks this one.")
 def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max_tokens, temperature, concurrency,
-         max_batch_size, max_seq_len) -> None:
+         max_batch_size, max_seq_len, overlap) -> None:
     """Start verifier, drafter and router as separate processes on loopback, send prompts through
     /v1/chat/completions with the openai client, print tokens, acceptance and latency, stop."""
     import os
@@ -698,7 +702,7 @@ def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max
     records = load_prompts(prompts_file or bundled_spec_bench(), limit)
     config = StackConfig(model=model, drafter=drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         redis_url=os.environ.get("TANDEM_REDIS_URL"))
+                         redis_url=os.environ.get("TANDEM_REDIS_URL"), overlap=overlap)
     try:
         run_demo(records, config, max_tokens, concurrency, temperature, console)
     except (RuntimeError, TimeoutError) as exc:

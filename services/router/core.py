@@ -59,6 +59,7 @@ class RouterConfig:
         drafter_timeout_s / verifier_timeout_s: longest wait for one round's answer (s).
         drafter_resolver: returns the drafter's current address after a failure (Ray Serve
             replicas that were replaced); None: ``drafter`` for good.
+        overlap: draft the next round while the verifier checks this one (``Drafter.prefetch``).
     """
 
     verifiers: list[str]
@@ -73,6 +74,7 @@ class RouterConfig:
     drafter_timeout_s: float = 10.0
     verifier_timeout_s: float = 120.0
     drafter_resolver: Callable[[], str] | None = None
+    overlap: bool = True
 
 
 @dataclass
@@ -278,6 +280,7 @@ class Router:
                             draft_policy=self._policy(target) if drafter else None,
                             verification_sink=self._log_verification, target=target)
             engine.on_round = self._observe_round
+            engine.overlap_drafting = config.overlap
             self.workers.append(Worker(addr, engine, self._on_done))
         for w in self.workers:
             w.start()

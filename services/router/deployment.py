@@ -66,13 +66,12 @@ class RouterDeployment:
         self.default_max_tokens = default_max_tokens
         verifiers = await _replica_addresses(verifier, 4 * verifier_replicas)
         drafter_address = (await _replica_addresses(drafter, 1))[0] if drafter is not None else None
-        resolver = None
-        if drafter is not None:  # a replaced drafter replica listens elsewhere: ask its handle again
-            def resolver() -> str:
-                return drafter.address.remote().result(timeout_s=5)
+        def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
+            return drafter.address.remote().result(timeout_s=5)
+
         config = RouterConfig(verifiers, drafter_address, model, None, num_draft_tokens, policy, predictor,
                               redis_url or os.environ.get("TANDEM_REDIS_URL"), self.api_key,
-                              drafter_resolver=resolver)
+                              drafter_resolver=resolver if drafter is not None else None)
         self.router = await asyncio.to_thread(Router, config)
         self._grpc = None
         if grpc_port is not None:

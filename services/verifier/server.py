@@ -15,8 +15,7 @@ import threading
 import grpc
 import torch
 
-from services.common import (GrpcServer, params_from_pb, probs_to_sparse, sparse_to_probs,  # noqa: F401
-                             tensor_to_pb)
+from services.common import GrpcServer, params_from_pb, sparse_to_probs, tensor_to_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal
 from tandem.errors import InvalidRequestError
