@@ -1,7 +1,7 @@
 """The Ray Serve application (``services.router.deployment:build_app``) on a local 2-CPU Ray:
 it starts, answers the OpenAI API through Serve's HTTP proxy with the in-process engine's
-greedy output (router replica -> verifier and drafter replicas over their own gRPC servers),
-and shuts down."""
+greedy output (router replica -> two verifier replicas and a drafter replica over their own
+gRPC servers), and shuts down."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_serve_app_starts_serves_and_shuts_down(ray_local, tiny_checkpoint):
     from services.router.deployment import build_app
 
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    app = build_app({"model": model, "drafter": "ngram", "max_batch_size": 4, "max_seq_len": 256})
+    app = build_app({"model": model, "drafter": "ngram", "max_batch_size": 4, "max_seq_len": 256,
+                     "verifier_replicas": 2})
     serve.run(app, name="tandem", route_prefix="/", blocking=False)
     client = openai.OpenAI(base_url=f"{ray_local}/v1", api_key="none", max_retries=0, timeout=120)
     prompts = spec_bench_prompts(2)
@@ -58,6 +59,12 @@ def test_serve_app_starts_serves_and_shuts_down(ray_local, tiny_checkpoint):
             model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
             stream=True) if c.choices]
         assert "".join(chunks) == ref.text
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{ray_local}/health", timeout=10) as r:  # one engine per verifier replica
+        verifiers = json.loads(r.read())["verifiers"]
+    assert len(verifiers) == 2 and len({v["address"] for v in verifiers}) == 2 and all(v["healthy"] for v in verifiers)
     status = serve.status().applications["tandem"]
     assert status.status == "RUNNING"
     assert set(status.deployments) == {"RouterDeployment", "VerifierDeployment", "DrafterDeployment"}

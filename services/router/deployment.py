@@ -30,11 +30,26 @@ from services.verifier.deployment import VerifierDeployment
 log = logging.getLogger(__name__)
 
 
-async def _replica_addresses(handle: DeploymentHandle, probes: int) -> list[str]:
-    """Addresses published by the replicas behind ``handle`` (asks ``probes`` times; replicas
-    answer in the router's load-balanced order, duplicates removed, order kept)."""
-    found = await asyncio.gather(*(handle.address.remote() for _ in range(probes)))
-    return list(dict.fromkeys(found))
+def _running_replicas(handle: DeploymentHandle, default: int) -> int:
+    """Running replicas of the deployment behind ``handle`` (Serve's status), or ``default``."""
+    try:
+        app = serve.get_replica_context().app_name
+        states = serve.status().applications[app].deployments[handle.deployment_name].replica_states
+        return max(1, int(states.get("RUNNING", 0))) if states else default
+    except Exception:  # noqa: BLE001 - status is advisory; fall back to the configured count
+        return default
+
+
+async def _replica_addresses(handle: DeploymentHandle, expected: int, max_probes: int = 64) -> list[str]:
+    """Addresses published by the replicas behind ``handle``: asks until ``expected`` distinct
+    ones answered (or ``max_probes`` calls); order of first answer kept."""
+    found: list[str] = []
+    probes = 0
+    while len(found) < expected and probes < max_probes:
+        batch = await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))
+        probes += len(batch)
+        found = list(dict.fromkeys([*found, *batch]))
+    return found
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5})
@@ -45,7 +60,8 @@ class RouterDeployment:
     Args:
         verifier: handle to ``VerifierDeployment``.
         drafter: handle to ``DrafterDeployment`` (None: target-only decoding).
-        verifier_replicas: how many verifier replicas to look for (one engine each).
+        verifier_replicas: verifier replicas to look for (one engine each) when Serve's status
+            cannot say how many are running.
         model: the model path whose tokenizer to load (None = bundled SmolLM2).
         num_draft_tokens, policy, predictor, redis_url, default_max_tokens: as ``tandem serve router``.
         api_key: bearer token for clients and the internal services (None: ``TANDEM_API_KEY``).
@@ -64,7 +80,7 @@ class RouterDeployment:
         init_tracing("tandem-router")
         self.api_key = resolve_api_key(api_key)
         self.default_max_tokens = default_max_tokens
-        verifiers = await _replica_addresses(verifier, 4 * verifier_replicas)
+        verifiers = await _replica_addresses(verifier, _running_replicas(verifier, verifier_replicas))
         drafter_address = (await _replica_addresses(drafter, 1))[0] if drafter is not None else None
         def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
             return drafter.address.remote().result(timeout_s=5)
