@@ -30,26 +30,33 @@ from services.verifier.deployment import VerifierDeployment
 log = logging.getLogger(__name__)
 
 
-def _running_replicas(handle: DeploymentHandle, default: int) -> int:
-    """Running replicas of the deployment behind ``handle`` (Serve's status), or ``default``."""
+def _replica_count(handle: DeploymentHandle, default: int) -> int:
+    """Replicas of the deployment behind ``handle`` that are running or starting (Serve's status),
+    at least ``default``."""
     try:
         app = serve.get_replica_context().app_name
         states = serve.status().applications[app].deployments[handle.deployment_name].replica_states
-        return max(1, int(states.get("RUNNING", 0))) if states else default
+        return max(default, int(states.get("RUNNING", 0)) + int(states.get("STARTING", 0)))
     except Exception:  # noqa: BLE001 - status is advisory; fall back to the configured count
         return default
 
 
-async def _replica_addresses(handle: DeploymentHandle, expected: int, max_probes: int = 64) -> list[str]:
-    """Addresses published by the replicas behind ``handle``: asks until ``expected`` distinct
-    ones answered (or ``max_probes`` calls); order of first answer kept."""
+async def _replica_addresses(handle: DeploymentHandle, expected: int, timeout_s: float = 300.0) -> list[str]:
+    """Addresses published by the replicas behind ``handle``: asks until ``expected`` distinct ones
+    answered (replicas still starting join when they are up) or ``timeout_s`` passed; order of
+    first answer kept."""
+    import time
+
     found: list[str] = []
-    probes = 0
-    while len(found) < expected and probes < max_probes:
+    deadline = time.monotonic() + timeout_s
+    while True:
         batch = await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))
-        probes += len(batch)
         found = list(dict.fromkeys([*found, *batch]))
-    return found
+        if len(found) >= expected or time.monotonic() > deadline:
+            if len(found) < expected:
+                log.warning("found %d of %d replicas of %s", len(found), expected, handle.deployment_name)
+            return found
+        await asyncio.sleep(0.5)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5})
@@ -60,8 +67,8 @@ class RouterDeployment:
     Args:
         verifier: handle to ``VerifierDeployment``.
         drafter: handle to ``DrafterDeployment`` (None: target-only decoding).
-        verifier_replicas: verifier replicas to look for (one engine each) when Serve's status
-            cannot say how many are running.
+        verifier_replicas: verifier replicas to wait for at least (one engine each); more are used
+            when Serve's status shows more running or starting at start-up.
         model: the model path whose tokenizer to load (None = bundled SmolLM2).
         num_draft_tokens, policy, predictor, redis_url, default_max_tokens: as ``tandem serve router``.
         api_key: bearer token for clients and the internal services (None: ``TANDEM_API_KEY``).
@@ -80,7 +87,7 @@ class RouterDeployment:
         init_tracing("tandem-router")
         self.api_key = resolve_api_key(api_key)
         self.default_max_tokens = default_max_tokens
-        verifiers = await _replica_addresses(verifier, _running_replicas(verifier, verifier_replicas))
+        verifiers = await _replica_addresses(verifier, _replica_count(verifier, verifier_replicas))
         drafter_address = (await _replica_addresses(drafter, 1))[0] if drafter is not None else None
         def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
             return drafter.address.remote().result(timeout_s=5)
