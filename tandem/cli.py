@@ -546,6 +546,33 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
                   f"{wall:.1f} s -> {out}", highlight=False)
 
 
+@main.command("trace-report")
+@click.argument("trace_files", metavar="FILE...", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+def trace_report_cmd(trace_files, as_json) -> None:
+    """Per-phase latency of decode rounds (request, prefill, round, draft, allocate, verify, network:
+    count, p50, p99, mean ms) and the share of round time on the network, from OTLP JSON trace files
+    (the OpenTelemetry collector's file exporter output, or TANDEM_TRACE_FILE). Give every service's
+    file of one run together: RPC client and server spans are paired across them."""
+    import json
+
+    from .trace_report import TraceFileError, build_report, read_spans, render_table
+
+    try:
+        report = build_report([s for path in trace_files for s in read_spans(path)])
+    except TraceFileError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    console.print(render_table(report, f"{', '.join(trace_files)}: {report.num_spans} spans, "
+                                       f"{report.num_traces} traces"))
+    share = report.network_share
+    console.print("network: " + ("no RPC or network spans inside rounds" if share is None
+                                 else f"{100 * share:.1f}% of round time"), highlight=False)
+
+
 @main.group()
 def train() -> None:
     """Train drafters and the difficulty predictor."""

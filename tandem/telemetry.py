@@ -19,8 +19,8 @@ configuration code (the one ``opentelemetry-instrument`` uses):
   exporter, which ``tandem trace-report`` reads.
 
 Span names used across the services (``tandem trace-report`` groups by them): ``request``
-(attribute ``request_id``), ``round`` (one decode round) and its children ``draft``, ``allocate``,
-``verify``; RPCs as ``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the
+(attribute ``request_id``), ``prefill``, ``round`` (one decode round) and its children ``draft``,
+``allocate``, ``verify``; RPCs as ``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the
 callee (e.g. ``rpc.client.verify`` / ``rpc.server.verify``), linked by W3C ``traceparent`` in the
 gRPC metadata (``inject_metadata`` / ``extract_context``).
 
