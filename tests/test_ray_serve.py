@@ -42,7 +42,7 @@ def test_serve_app_starts_serves_and_shuts_down(ray_local, tiny_checkpoint):
 
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     app = build_app({"model": model, "drafter": "ngram", "max_batch_size": 4, "max_seq_len": 256,
-                     "verifier_replicas": 2})
+                     "verifier_replicas": 2, "host": "127.0.0.1"})  # loopback only in tests
     serve.run(app, name="tandem", route_prefix="/", blocking=False)
     client = openai.OpenAI(base_url=f"{ray_local}/v1", api_key="none", max_retries=0, timeout=120)
     prompts = spec_bench_prompts(2)

@@ -41,6 +41,14 @@ def _replica_count(handle: DeploymentHandle, default: int) -> int:
         return default
 
 
+def _dialable(address: str) -> str:
+    """A replica on this router's own node is dialled on loopback; others on their node's IP."""
+    import ray
+
+    host, port = address.rsplit(":", 1)
+    return f"127.0.0.1:{port}" if host == ray.util.get_node_ip_address() else address
+
+
 async def _replica_addresses(handle: DeploymentHandle, expected: int, timeout_s: float = 300.0) -> list[str]:
     """Addresses published by the replicas behind ``handle``: asks until ``expected`` distinct ones
     answered (replicas still starting join when they are up) or ``timeout_s`` passed; order of
@@ -50,7 +58,7 @@ async def _replica_addresses(handle: DeploymentHandle, expected: int, timeout_s:
     found: list[str] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        batch = await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))
+        batch = [_dialable(a) for a in await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))]
         found = list(dict.fromkeys([*found, *batch]))
         if len(found) >= expected or time.monotonic() > deadline:
             if len(found) < expected:
@@ -90,7 +98,7 @@ class RouterDeployment:
         verifiers = await _replica_addresses(verifier, _replica_count(verifier, verifier_replicas))
         drafter_address = (await _replica_addresses(drafter, 1))[0] if drafter is not None else None
         def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
-            return drafter.address.remote().result(timeout_s=5)
+            return _dialable(drafter.address.remote().result(timeout_s=5))
 
         config = RouterConfig(verifiers, drafter_address, model, None, num_draft_tokens, policy, predictor,
                               redis_url or os.environ.get("TANDEM_REDIS_URL"), self.api_key,
@@ -141,7 +149,7 @@ class AppArgs(BaseModel):
     api_key: str | None = None
     default_max_tokens: int = 256
     grpc_port: int | None = None
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"  # verifier / drafter gRPC bind address; replicas publish their node's IP
     advertise_host: str | None = None
 
 
@@ -158,5 +166,6 @@ def build_app(args: dict):
     if a.drafter != "none":
         drafter = DrafterDeployment.bind(a.drafter, a.draft_model, a.model, a.device, a.max_batch_size or 64,
                                          a.max_seq_len, 0, a.host, a.advertise_host, a.api_key)
+    router_host = "127.0.0.1" if a.host in ("127.0.0.1", "localhost") else "0.0.0.0"
     return RouterDeployment.bind(verifier, drafter, a.verifier_replicas, a.model, a.num_draft_tokens, a.policy,
-                                 a.predictor, a.redis_url, a.default_max_tokens, a.api_key, a.grpc_port, a.host)
+                                 a.predictor, a.redis_url, a.default_max_tokens, a.api_key, a.grpc_port, router_host)
