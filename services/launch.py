@@ -44,6 +44,10 @@ class StackConfig:
         log_dir: where each process's log goes (default: a temp directory).
         num_verifiers: verifier replicas (processes); the router runs one engine per replica.
         overlap: the router drafts the next round while the verifier checks this one.
+        policy: router draft-length policy: "fixed", "entropy" or "predictor" (with ``predictor``).
+        predictor: acceptance predictor file for ``policy="predictor"``.
+        measure_cost: verifiers measure T(b, q) for q <= K+1 at start-up (0: off); adaptive
+            policies allocate draft tokens with it.
     """
 
     model: str | None = None
@@ -59,6 +63,9 @@ class StackConfig:
     log_dir: str | None = None
     num_verifiers: int = 1
     overlap: bool = True
+    policy: str = "fixed"
+    predictor: str | None = None
+    measure_cost: int = 0
 
 
 @dataclass
@@ -173,7 +180,8 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
         for name, port in zip(vnames, vports):
             stack.processes[name] = _spawn("verifier", [
                 "--port", str(port), "--max-batch-size", str(config.max_batch_size), "--max-seq-len",
-                str(config.max_seq_len), *model], stack.logs[name], config.api_key)
+                str(config.max_seq_len), "--measure-cost", str(config.measure_cost), *model], stack.logs[name],
+                config.api_key)
         if stack.drafter_address:
             stack._drafter_args = ["--port", str(dport), "--drafter", config.drafter,
                                    "--max-sequences", str(config.max_batch_size * config.num_verifiers),
@@ -186,7 +194,8 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
             wait_grpc_healthy(stack.drafter_address, timeout_s, stack.processes["drafter"], stack.logs["drafter"])
         router_args = ["--port", str(hport), "--num-draft-tokens", str(config.num_draft_tokens),
                        "--drafter-timeout", str(config.drafter_timeout_s), *model,
-                       "--overlap" if config.overlap else "--no-overlap"]
+                       "--overlap" if config.overlap else "--no-overlap", "--policy", config.policy,
+                       *(["--predictor", config.predictor] if config.predictor else [])]
         for address in stack.verifier_addresses:
             router_args += ["--verifier", address]
         if stack.drafter_address:

@@ -87,8 +87,9 @@ def _health(url: str) -> dict:
 
 def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    # adaptive draft lengths: tau controller over exp(-entropy) scores, the verifier's measured cost model
     stack = start_stack(StackConfig(model=model, drafter="ngram", max_batch_size=4, max_seq_len=256,
-                                    redis_url=redis_proc.url), timeout_s=180)
+                                    redis_url=redis_proc.url, policy="entropy", measure_cost=4), timeout_s=180)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
@@ -101,6 +102,13 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
         first = ask(prompts[0], "coding")
         h = _health(stack.http_url)["state_store"]
         assert h["backend"] == "redis" and h["up"]
+        for p in prompts:  # enough rounds for the router to publish its tau controller state (every 32)
+            client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}], max_tokens=48,
+                                           temperature=0)
+        tau = RedisStore(redis_proc.url).get_json("tau")
+        assert tau is not None and sum(tau["counts"]) > 0 and len(tau["grid"]) == len(tau["counts"])
+        vlog = RedisStore(redis_proc.url).read_log("vlog:ngram", 10)  # labelled drafts that retrain the predictor
+        assert vlog and all(len(r["features"]) == len(r["labels"]) for r in vlog)
         redis_proc.stop()
         during = ask(prompts[1], "coding")  # still served
         assert during.usage.completion_tokens >= 1
