@@ -134,7 +134,7 @@ def open_router_store(url: str | None) -> StateStore:
 @dataclass
 class _Submission:
     request: Request
-    sink: "callable"
+    sink: Callable[[Event], None]
     category: str
     worker: "Worker | None" = None
 
