@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The disaggregated stack on loopback: verifier, drafter and router as separate processes; 20 Spec-Bench
+# prompts through /v1/chat/completions with the openai client; then everything is shut down.
 run: $(STAMP)
-	$(VENV)/bin/tandem generate --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 64 --batch-size 8 --drafter ngram --num-draft-tokens 4 --compare
+	$(VENV)/bin/tandem demo --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 64 --drafter ngram --num-draft-tokens 4
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -26,10 +26,11 @@ from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, make_generator, sampling_probs
+from .sampling import SamplingParams, make_generator
 from .stopping import OutputState
+from .target import LocalTarget, PrefillItem, Target, TargetResult, VerifyItem
+from .telemetry import span
 from .tokenizer import Tokenizer, load_tokenizer
-from .verify import verify_batch
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Request:
     finish_time: float | None = None
     slot: int | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
 
     @property
     def finished(self) -> bool:
@@ -65,6 +67,26 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One verification round over the running batch (for metrics exporters).
+
+    Attributes:
+        num_draft_tokens / num_accepted_tokens: summed over the batch, cut at stop boundaries.
+        accepted_per_pos: sequences whose draft at 0-based position i was accepted.
+        num_emitted_tokens: tokens the round emitted (accepted drafts + bonus tokens).
+        batch_size: sequences verified; round_ms: draft + verify time (ms).
+    """
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    num_emitted_tokens: int
+    batch_size: int
+    round_ms: float
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,7 @@ class Completion:
     latency_s: float
     tpot_s: float
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    logprobs: list[float] | None = None  # of token_ids, when the request asked for them
 
     @property
     def completion_tokens(self) -> int:
@@ -108,47 +131,77 @@ class Engine:
         draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
             train the difficulty predictor).
+        target: run prefill and verification here instead of a local model (e.g. the router's
+            client of a remote verifier, ``services.router.remote.RemoteTarget``); then
+            ``checkpoint`` and ``runner_config`` must be None and ``tokenizer`` is required.
 
     Raises:
         ModelLoadError: the model cannot be loaded.
-        ValueError: ``num_draft_tokens`` < 1 with a drafter.
+        ValueError: ``num_draft_tokens`` < 1 with a drafter; ``target`` with a checkpoint, or
+            without a tokenizer.
     """
 
     def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
                  tokenizer: Tokenizer | None = None, drafter: Drafter | None = None,
                  num_draft_tokens: int = 4, draft_policy: DraftPolicy | None = None,
-                 verification_sink: Callable[[VerificationRecord], None] | None = None) -> None:
-        if not isinstance(checkpoint, Checkpoint):
-            checkpoint = load_checkpoint(checkpoint)
-        self.checkpoint = checkpoint
-        self.runner_config = runner_config or default_runner_config()
-        taps = tuple(getattr(drafter, "target_taps", ()))  # a drafter reading the target's hidden states
-        if taps:
-            self.runner_config = replace(self.runner_config, taps=taps)
-        self.tokenizer = tokenizer or load_tokenizer(checkpoint)
-        self.runner = ModelRunner(checkpoint, self.runner_config)
-        if hasattr(drafter, "bind"):
-            drafter.bind(self.runner)
+                 verification_sink: Callable[[VerificationRecord], None] | None = None,
+                 *, target: Target | None = None) -> None:
+        if target is None:
+            if not isinstance(checkpoint, Checkpoint):
+                checkpoint = load_checkpoint(checkpoint)
+            self.runner_config = runner_config or default_runner_config()
+            taps = tuple(getattr(drafter, "target_taps", ()))  # a drafter reading the target's hidden states
+            if taps:
+                self.runner_config = replace(self.runner_config, taps=taps)
+            target = LocalTarget(checkpoint, self.runner_config)
+            self.tokenizer = tokenizer or load_tokenizer(checkpoint)
+        else:
+            if checkpoint is not None or runner_config is not None:
+                raise ValueError("give either a target or a checkpoint / runner_config, not both")
+            if tokenizer is None:
+                raise ValueError("an engine over a given target needs its tokenizer")
+            self.runner_config = None
+            self.tokenizer = tokenizer
+        self.target = target
+        self.checkpoint = getattr(target, "checkpoint", None)  # None for a remote target
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
-        self.max_running = self.cache.num_slots  # admission limit (<= KV cache slots)
+        self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
+        if hasattr(drafter, "bind"):  # reads the target's hidden states (SpecFormer): needs them in-process
+            if not isinstance(self.target, LocalTarget):
+                raise ValueError(f"the {drafter.name} drafter reads the target's hidden states; it needs a local target")
+            drafter.bind(self.runner)
         self.num_draft_tokens = num_draft_tokens
         self.draft_policy = draft_policy
         self.verification_sink = verification_sink
+        self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
+        self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._ids = itertools.count()
 
     @property
+    def _observes(self) -> bool:
+        """The drafter is fed the target's states of every accepted position (SpecFormer)."""
+        return (self.drafter is not None and hasattr(self.drafter, "observe") and self.runner_config is not None
+                and bool(self.runner_config.taps))
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The local target's model runner (AttributeError for a remote target)."""
+        return self.target.runner
+
+    @property
     def cache(self) -> KVCache:
-        return self.runner.cache
+        """The local target's KV cache (AttributeError for a remote target)."""
+        return self.target.cache
 
     @property
     def max_seq_len(self) -> int:
-        return self.cache.capacity
+        return self.target.info.max_seq_len
 
     # ------------------------------------------------------------------ requests
 
@@ -176,8 +229,31 @@ class Engine:
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, logprobs: bool = False) -> str:
         """Queue a request; it joins the running batch at the next step with a free slot.
+
+        Same arguments and errors as ``make_request``; returns the request id.
+        """
+        return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id,
+                                             logprobs=logprobs))
+
+    def submit(self, req: Request) -> str:
+        """Queue a request built by ``make_request``.
+
+        Raises:
+            InvalidRequestError: duplicate request id.
+        """
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return req.request_id
+
+    def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
+                     request_id: str | None = None, logprobs: bool = False) -> Request:
+        """Validate and tokenize a request without touching the engine's queues (a server
+        thread can do this while another thread steps the engine).
 
         Args:
             prompt: text or chat messages (or pass ``prompt_ids``).
@@ -185,9 +261,11 @@ class Engine:
             prompt_ids: pre-tokenized prompt.
             chat: apply the chat template to a plain-text prompt.
             request_id: caller's id (default: a counter).
+            logprobs: also return the target's log-probability of each output token (raw
+                logits, before the sampling transform).
 
         Returns:
-            The request id.
+            The request, ready for ``submit``.
 
         Raises:
             InvalidRequestError: empty prompt, prompt at or over the context limit, token ids
@@ -205,7 +283,7 @@ class Engine:
                 raise InvalidRequestError("prompt token ids must be integers") from None
         if not ids:
             raise InvalidRequestError("prompt is empty")
-        vocab = self.checkpoint.config.vocab_size
+        vocab = self.target.info.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_seq_len:
@@ -216,11 +294,9 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
-        gen = None if params.greedy else make_generator(params.seed, self.runner.device)
-        req = Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen)
-        self.requests[rid] = req
-        self.waiting.append(req)
-        return rid
+        gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
+        return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
+                       logprobs=[] if logprobs else None)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -234,7 +310,7 @@ class Engine:
 
     def _release(self, req: Request) -> None:
         self.running.pop(req.slot, None)
-        self.cache.free(req.slot)
+        self.target.free(req.slot)
         if self.drafter is not None:
             self.drafter.release(req.slot)
         req.slot = None
@@ -248,28 +324,33 @@ class Engine:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
         admitted: dict[int, Request] = {}
-        self.max_running = max(1, min(self.max_running, self.cache.num_slots))
-        while self.waiting and self.cache.num_free() and len(self.running) + len(admitted) < self.max_running:
+        self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
+        while self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running:
             req = self.waiting.popleft()
-            req.slot = self.cache.allocate()
+            req.slot = self.target.allocate()
             admitted[req.slot] = req
         if admitted:
-            taps: dict[int, torch.Tensor] | None = {} if self.runner_config.taps else None
-            if self.runner_config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
-                logits = torch.cat([self.runner.prefill({s: admitted[s].prompt_ids}, taps) for s in sorted(admitted)])
-            else:
-                logits = self.runner.prefill({s: r.prompt_ids for s, r in admitted.items()}, taps)
             reqs = [admitted[s] for s in sorted(admitted)]
-            first = self._sample(reqs, logits)
-            if taps:
-                self.drafter.observe([TargetStates(r.slot, 0, taps[r.slot], t) for r, t in zip(reqs, first)])
-            for req, token in zip(reqs, first):
-                outputs.append(self._append(req, [token]))
+            try:
+                with span("prefill", batch_size=len(reqs)):
+                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator,
+                                                               r.logprobs is not None) for r in reqs])
+            except BaseException:
+                for r in reqs:  # give the slots back; the caller decides what happens to the requests
+                    self.target.free(r.slot)
+                    r.slot = None
+                raise
+            if self._observes:  # SpecFormer: the prompt's target states seed its context
+                self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], res.tokens[0])
+                                      for r, res in zip(reqs, results)])
+            for req, res in zip(reqs, results):
+                outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
                 if not req.finished:
                     self.running[req.slot] = req
         decoding = {s: r for s, r in self.running.items() if s not in admitted}
         if decoding:
-            outputs.extend(self._decode(decoding))
+            with span("round", batch_size=len(decoding)):
+                outputs.extend(self._decode(decoding))
         return outputs
 
     def _decode(self, decoding: dict[int, Request]) -> list[RequestOutput]:
@@ -279,48 +360,75 @@ class Engine:
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
-        lengths = [self.cache.lengths[s] for s in slots]
-        trees = {s: [-1] + [x + 1 for x in p.parents] for s, p in zip(slots, proposals) if p.parents is not None}
-        out = self.runner.step({s: [r.output.token_ids[-1]] + p.tokens for s, r, p in zip(slots, reqs, proposals)},
-                               trees or None)
-        results = verify_batch([p.tokens for p in proposals], [p.probs for p in proposals], [r.params for r in reqs],
-                               [r.generator for r in reqs], out.logits, out.argmax, slots,
-                               [p.parents for p in proposals] if trees else None)
+        if self.drafter is not None and self.overlap_drafting and type(self.drafter).prefetch is not Drafter.prefetch:
+            self._prefetch(reqs, proposals)
+        with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
+            results: list[TargetResult] = self.target.verify(
+                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator, r.logprobs is not None)
+                 for s, r, p in zip(slots, reqs, proposals)])
         outputs = []
-        emitted = 0
-        observed: list[tuple[int, int, list[int], int]] = []  # (slot, start, accepted rows of the step, bonus)
-        for slot, length, req, prop, res in zip(slots, lengths, reqs, proposals, results):
-            if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
-                moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
-                self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-            self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
-            if out.taps is not None:  # the verify pass also yields the next drafts (SpecFormer)
-                observed.append((slot, length, [0] + ([1 + i for i in res.path] if res.path
-                                                      else list(range(1, res.num_accepted + 1))), res.tokens[-1]))
+        emitted = drafted_total = accepted_total = 0
+        per_pos: list[int] = []
+        observed: list[TargetStates] = []
+        for req, prop, res in zip(reqs, proposals, results):
+            if self._observes:  # the verify pass also yields the next drafts (SpecFormer)
+                start = len(req.prompt_ids) + len(req.output.token_ids) - 1  # tokens the target held before
+                observed.append(TargetStates(req.slot, start, res.extras["taps"], res.tokens[-1]))
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
-            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted))
+            before = (req.spec.num_drafted, req.spec.num_accepted)
+            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted,
+                                        logprobs=res.logprobs))
             emitted += len(outputs[-1].new_token_ids)
-        observed = [o for o in observed if o[0] in self.running]
-        if observed:  # one gather of the accepted positions' taps for every sequence
-            taps = out.taps[torch.tensor([s for s, _, rows, _ in observed for _ in rows]),
-                            torch.tensor([r for _, _, rows, _ in observed for r in rows])]
-            pieces = taps.split([len(rows) for _, _, rows, _ in observed])
-            self.drafter.observe([TargetStates(s, length, t, bonus) for (s, length, _, bonus), t in zip(observed, pieces)])
+            drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
+            drafted_total += drafted
+            accepted_total += accepted
+            per_pos.extend([0] * (accepted - len(per_pos)))
+            for i in range(accepted):
+                per_pos[i] += 1
+        round_ms = (time.perf_counter() - t0) * 1e3
+        observed = [o for o in observed if o.slot in self.running]
+        if observed:
+            self.drafter.observe(observed)
         if self.draft_policy is not None:
-            self.draft_policy.observe(emitted, (time.perf_counter() - t0) * 1e3)
+            self.draft_policy.observe(emitted, round_ms)
+        if self.on_round is not None:
+            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(reqs), round_ms))
         return outputs
+
+    def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
+        """Let the drafter draft the next round on the assumption that every draft of this one is
+        accepted, while the target verifies (``Drafter.prefetch``). Token trees are skipped."""
+        asks = []
+        for r, p in zip(reqs, proposals):
+            if p.parents is not None:
+                continue
+            n_out = len(r.output.token_ids) + len(p.tokens) + 1  # after full acceptance + the bonus
+            held = len(r.prompt_ids) + n_out - 1
+            room = min(self.num_draft_tokens, self.max_seq_len - held - 1, r.output.max_new_tokens - n_out - 1)
+            if room > 0:
+                asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids + p.tokens, room + 1, r.params,
+                                         r.generator))
+        if asks:
+            try:
+                self.drafter.prefetch(asks)
+            except Exception:  # an optimisation only: never fatal
+                log.exception("drafter %s failed to prefetch", self.drafter.name)
 
     def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
         if self.drafter is None:
             return [DraftProposal.empty() for _ in reqs]
+        with span("draft", batch_size=len(reqs), drafter=self.drafter.name):
+            return self._collect_proposals(reqs)
+
+    def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
         asks = []
         for r in reqs:
-            held = self.cache.lengths[r.slot]
+            held = len(r.prompt_ids) + len(r.output.token_ids) - 1  # the last token is not in the cache yet
             room = min(self.num_draft_tokens,
-                       self.cache.capacity - held - 1,  # the last token and the drafts must fit
+                       self.max_seq_len - held - 1,  # the last token and the drafts must fit
                        r.output.max_new_tokens - len(r.output.token_ids) - 1)  # no drafts past max_tokens
             asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids, max(room, 0), r.params, r.generator))
         try:
@@ -332,7 +440,7 @@ class Engine:
             log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
                       self.drafter.name, len(proposals), len(asks))
             return [DraftProposal.empty() for _ in reqs]
-        vocab = self.checkpoint.config.vocab_size
+        vocab = self.target.info.vocab_size
 
         def usable(p: DraftProposal, a: DraftRequest) -> bool:  # malformed drafter output is dropped, not fatal
             n = len(p.tokens)
@@ -341,12 +449,19 @@ class Engine:
 
         proposals = [p if usable(p, a) else DraftProposal.empty() for p, a in zip(proposals, asks)]
         if self.draft_policy is not None:
-            proposals = self.draft_policy.apply(proposals)
+            with span("allocate", batch_size=len(reqs)):
+                proposals = self.draft_policy.apply(proposals)
         return proposals
 
-    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0) -> RequestOutput:
-        """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token."""
+    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,
+                logprobs: list[float] | None = None) -> RequestOutput:
+        """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token.
+        ``logprobs`` (one per token) are kept for requests that asked for them, cut with the tokens."""
         kept = req.output.append(tokens)
+        new_logprobs = None
+        if req.logprobs is not None:
+            new_logprobs = list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept
+            req.logprobs.extend(new_logprobs)
         if drafted is not None:
             if req.finished and kept < len(tokens):  # metrics are cut at the stop boundary too
                 drafted, accepted = min(drafted, kept), min(accepted, kept)
@@ -360,24 +475,7 @@ class Engine:
             if req.slot is not None:
                 self._release(req)
         return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
-                             req.output.finish_reason)
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """Next token per request from ``logits`` ``[len(reqs), vocab]``."""
-        out = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled:
-            dev = logits.device
-            ps = [reqs[i].params for i in sampled]
-            probs = sampling_probs(
-                logits[sampled],
-                torch.tensor([p.temperature for p in ps], device=dev),
-                torch.tensor([p.top_k for p in ps], device=dev),
-                torch.tensor([p.top_p for p in ps], device=dev),
-            )
-            for row, i in enumerate(sampled):
-                out[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
-        return out
+                             req.output.finish_reason, new_logprobs)
 
     # ------------------------------------------------------------------ convenience
 
@@ -398,6 +496,7 @@ class Engine:
             finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
             ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
             tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
         )
 
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -175,3 +175,110 @@ def open_store(url: str | None = None) -> StateStore:
     """Redis when ``url`` or ``TANDEM_REDIS_URL`` is given, else the in-memory store."""
     url = url or os.environ.get("TANDEM_REDIS_URL")
     return RedisStore(url) if url else InMemoryStore()
+
+
+class FallbackStore(StateStore):
+    """A shared store (Redis) that degrades to local state instead of failing.
+
+    Every write goes to the local in-memory mirror and to the shared store; while the shared
+    store is down, writes are queued (up to ``max_pending`` operations, oldest dropped past
+    that, with a warning) and replayed in order when it answers again, so nothing is lost across
+    an outage. Reads come from the shared store when up, else from the local mirror. ``up`` says
+    which mode it is in (the router reports it in /health and logs each change).
+
+    Args:
+        shared: the shared store (usually ``RedisStore``).
+        retry_s: how long to wait after a failure before trying the shared store again (s).
+        max_pending: queued operations at most while the shared store is down.
+    """
+
+    def __init__(self, shared: StateStore, retry_s: float = 2.0, max_pending: int = 100_000) -> None:
+        import logging
+        import time
+
+        self._log = logging.getLogger(__name__)
+        self._clock = time.monotonic
+        self.shared = shared
+        self.local = InMemoryStore()
+        self.retry_s = retry_s
+        self._pending: deque = deque(maxlen=max_pending)
+        self._lock = threading.Lock()
+        self._retry_at = 0.0
+        self.up = True
+        self.last_error: str | None = None
+
+    def _mark_down(self, exc: Exception) -> None:
+        if self.up:
+            self._log.warning("state store down, serving on local state (%s)", exc)
+        self.up = False
+        self.last_error = str(exc)
+        self._retry_at = self._clock() + self.retry_s
+
+    def _flush(self) -> bool:
+        """Replay queued writes; True when the shared store is usable now."""
+        if not self.up and self._clock() < self._retry_at:
+            return False
+        try:
+            while self._pending:
+                name, args = self._pending[0]
+                getattr(self.shared, name)(*args)
+                self._pending.popleft()
+        except StateStoreUnavailable as exc:
+            self._mark_down(exc)
+            return False
+        if not self.up:
+            self._log.warning("state store is back; replayed the writes queued during the outage")
+        self.up = True
+        self.last_error = None
+        return True
+
+    def _write(self, name: str, *args) -> None:
+        getattr(self.local, name)(*args)
+        with self._lock:
+            if len(self._pending) == self._pending.maxlen:
+                self._log.warning("state store outage queue is full; dropping the oldest queued write")
+            self._pending.append((name, args))
+            self._flush()
+
+    def _read(self, name: str, *args):
+        with self._lock:
+            if self._flush():
+                try:
+                    return getattr(self.shared, name)(*args)
+                except StateStoreUnavailable as exc:
+                    self._mark_down(exc)
+        return getattr(self.local, name)(*args)
+
+    def get_json(self, key: str) -> dict | None:
+        return self._read("get_json", key)
+
+    def set_json(self, key: str, value: dict) -> None:
+        self._write("set_json", key, value)
+
+    def incr(self, key: str, counts: dict[str, float]) -> None:
+        self._write("incr", key, dict(counts))
+
+    def counters(self, key: str) -> dict[str, float]:
+        return self._read("counters", key)
+
+    def append_log(self, stream: str, record: dict, maxlen: int = 100_000) -> None:
+        self._write("append_log", stream, record, maxlen)
+
+    def read_log(self, stream: str, count: int | None = None) -> list[dict]:
+        return self._read("read_log", stream, count)
+
+    def ping(self) -> bool:
+        with self._lock:
+            self._retry_at = 0.0 if not self.up else self._retry_at
+            ok = self.shared.ping() and self._flush()
+            if not ok and self.up:
+                self._mark_down(StateStoreUnavailable("ping failed"))
+            return ok
+
+    @property
+    def pending(self) -> int:
+        """Writes queued while the shared store is down."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        self.shared.close()

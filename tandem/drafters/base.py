@@ -213,3 +213,13 @@ class Drafter(ABC):
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` finished or was aborted: drop its state."""
+
+    def prefetch(self, requests: list[DraftRequest]) -> None:
+        """Optional overlap: start drafting the next round while this round is being verified.
+
+        Each request's ``token_ids`` is the sequence as it will be if every draft of this round is
+        accepted (without the bonus token, which is not known yet); ``max_draft`` counts a guess of
+        the bonus token plus the next round's drafts. A drafter that can work in the background
+        (a remote one) may use the result in the next ``propose`` where the guess came true. The
+        default does nothing.
+        """

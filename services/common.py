@@ -1,0 +1,246 @@
+"""What every Tandem service shares: protobuf <-> core dataclass conversion, bearer-token auth,
+the standard gRPC health service, and a gRPC server runner.
+
+Conversions raise ``InvalidRequestError`` (mapped to INVALID_ARGUMENT) on malformed input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from services.proto.tandem.v1 import common_pb2
+from tandem.errors import InvalidRequestError
+from tandem.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "TANDEM_API_KEY"
+AUTH_HEADER = "authorization"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # verify batches with sparse q rows can be a few MB
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# Clients reconnect quickly to a restarted drafter / verifier (gRPC's default backoff grows to 120 s).
+CLIENT_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                                 ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+# ----------------------------------------------------------------------------- sampling params
+
+
+def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                     seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                                     ignore_eos=p.ignore_eos)
+
+
+def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises InvalidRequestError naming the bad field (max_tokens 0 included)."""
+    return SamplingParams(max_tokens=int(m.max_tokens), temperature=float(m.temperature), top_k=int(m.top_k),
+                          top_p=float(m.top_p) if m.top_p else 1.0, seed=int(m.seed) if m.HasField("seed") else None,
+                          stop=tuple(m.stop), stop_token_ids=tuple(int(t) for t in m.stop_token_ids),
+                          ignore_eos=bool(m.ignore_eos))
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def probs_to_sparse(probs: torch.Tensor) -> list[common_pb2.SparseProbs]:
+    """``[n, vocab]`` distributions -> n sparse rows holding every non-zero entry exactly."""
+    rows = []
+    for row in probs.detach().float().cpu():
+        idx = row.nonzero().flatten()
+        rows.append(common_pb2.SparseProbs(indices=idx.tolist(), values=row[idx].tolist()))
+    return rows
+
+
+def sparse_to_probs(rows: Sequence[common_pb2.SparseProbs], vocab_size: int) -> torch.Tensor:
+    """n sparse rows -> ``[n, vocab_size]`` float32 (zeros elsewhere).
+
+    Raises:
+        InvalidRequestError: an index outside the vocabulary or mismatched lengths.
+    """
+    out = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        if len(r.indices) != len(r.values):
+            raise InvalidRequestError("sparse probability row with mismatched indices and values")
+        if r.indices:
+            idx = torch.tensor(list(r.indices), dtype=torch.long)
+            if int(idx.min()) < 0 or int(idx.max()) >= vocab_size:
+                raise InvalidRequestError(f"sparse probability index outside [0, {vocab_size})")
+            out[i, idx] = torch.tensor(list(r.values), dtype=torch.float32)
+    return out
+
+
+def tensor_to_pb(name: str, t: torch.Tensor) -> common_pb2.Tensor:
+    t = t.detach().contiguous().cpu()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
+    return common_pb2.Tensor(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                             data=raw.numpy().tobytes())
+
+
+def tensor_from_pb(m: common_pb2.Tensor) -> torch.Tensor:
+    dtype = getattr(torch, m.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"unknown tensor dtype {m.dtype!r}")
+    carrier = torch.int16 if dtype == torch.bfloat16 else dtype
+    flat = torch.frombuffer(bytearray(m.data), dtype=carrier) if m.data else torch.empty(0, dtype=carrier)
+    return flat.view(dtype).reshape(tuple(m.shape))
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+def api_key(explicit: str | None = None) -> str | None:
+    """The bearer token services require: ``explicit`` or ``TANDEM_API_KEY`` (None: no auth)."""
+    return explicit or os.environ.get(API_KEY_ENV) or None
+
+
+def auth_metadata(key: str | None) -> list[tuple[str, str]]:
+    """gRPC call metadata carrying ``key`` as a bearer token (empty without a key)."""
+    return [(AUTH_HEADER, f"Bearer {key}")] if key else []
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <key>`` with UNAUTHENTICATED (health checks
+    are exempt, so orchestrators can probe without the key)."""
+
+    def __init__(self, key: str) -> None:
+        self._expected = f"Bearer {key}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = deny
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        if dict(details.invocation_metadata or ()).get(AUTH_HEADER) == self._expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            async def deny_stream(request_iterator, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                yield  # pragma: no cover - abort raises
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        if handler.response_streaming:
+            async def deny_server_stream(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+                yield  # pragma: no cover
+            return grpc.unary_stream_rpc_method_handler(deny_server_stream)
+        return grpc.unary_unary_rpc_method_handler(self._deny)
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server with the standard health service (``grpc.health.v1.Health``).
+
+    Args:
+        port: TCP port (0: pick a free one; read ``port`` after ``start``).
+        host: bind address.
+        key: bearer token to require (None: no auth).
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", key: str | None = None) -> None:
+        interceptors = [BearerAuthInterceptor(key)] if key else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.host = host
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self, service_names: Sequence[str]) -> None:
+        await self.server.start()
+        for name in ["", *service_names]:
+            await _maybe_await(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        log.info("gRPC serving %s on %s", ", ".join(service_names), self.address)
+
+    async def set_serving(self, serving: bool, service_names: Sequence[str]) -> None:
+        """Report SERVING / NOT_SERVING for the overall server and ``service_names``."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *service_names]:
+            await _maybe_await(self.health.set(name, status))
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await _maybe_await(self.health.enter_graceful_shutdown())
+        await self.server.stop(grace_s)
+
+
+async def _maybe_await(x):
+    if asyncio.iscoroutine(x):
+        return await x
+    return x
+
+
+class BackgroundServer:
+    """Runs a service's ``serve(ready, stop)`` coroutine on its own event loop in a daemon thread
+    (Ray Serve replicas and tests use it to host a ``grpc.aio`` server beside other work).
+
+    Args:
+        serve_factory: ``(ready: Future, stop: Event) -> coroutine``; the coroutine must resolve
+            ``ready`` with the bound address and return after ``stop`` is set.
+        timeout_s: how long to wait for ``ready``.
+
+    Raises:
+        RuntimeError: the server failed to start (its exception is chained).
+    """
+
+    def __init__(self, serve_factory, timeout_s: float = 300.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.address: str | None = None
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            ready = self.loop.create_future()
+            task = asyncio.ensure_future(serve_factory(ready, self._stop))
+            done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+            if ready in done:
+                self.address = ready.result()
+                self._ready.set()
+            await task
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(main())
+            except BaseException as exc:  # noqa: BLE001 - reported to the starter
+                self._error = exc
+                log.exception("background server stopped with an error")
+            finally:
+                self._ready.set()
+
+        self.thread = threading.Thread(target=run, daemon=True, name="grpc-server")
+        self.thread.start()
+        self._ready.wait(timeout_s)
+        if self.address is None:
+            raise RuntimeError(f"server did not start: {self._error!r}") from self._error
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._stop is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=timeout_s)

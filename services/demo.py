@@ -1,0 +1,122 @@
+"""``tandem demo`` (``make run``): the disaggregated stack end to end on loopback.
+
+Starts verifier, drafter and router as separate processes, sends Spec-Bench prompts through
+``/v1/chat/completions`` with the official ``openai`` client (several in flight, so the router
+batches them), prints per-prompt tokens, acceptance and latency and the totals, then shuts the
+stack down.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from tandem.data import PromptRecord
+
+from .launch import Stack, StackConfig, start_stack
+
+
+@dataclass
+class DemoResult:
+    record: PromptRecord
+    completion_tokens: int
+    prompt_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    latency_s: float
+    ttft_s: float
+    finish_reason: str
+    text: str
+
+
+def ask(client, model: str, record: PromptRecord, max_tokens: int, temperature: float) -> DemoResult:
+    """One chat completion through the router (streamed, with usage in the last chunk)."""
+    t0 = time.perf_counter()
+    first = None
+    parts, usage, finish = [], None, ""
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": record.text}],
+                                            max_tokens=max_tokens, temperature=temperature, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"category": record.category})
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta.content or ""
+            if delta and first is None:
+                first = time.perf_counter()
+            parts.append(delta)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    end = time.perf_counter()
+    sd = (usage.model_extra or {}).get("speculative_decoding", {})
+    return DemoResult(record, usage.completion_tokens, usage.prompt_tokens, sd.get("num_draft_tokens", 0),
+                      sd.get("num_accepted_tokens", 0), sd.get("num_verify_steps", 0), end - t0,
+                      (first or end) - t0, finish, "".join(parts))
+
+
+def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, concurrency: int,
+             temperature: float = 0.0, console: Console | None = None) -> list[DemoResult]:
+    """Start the stack, run every record through it, print the table, stop the stack."""
+    import openai
+
+    console = console or Console()
+    t_start = time.perf_counter()
+    console.print(f"starting verifier, {config.drafter} drafter and router on loopback ...", highlight=False)
+    stack: Stack = start_stack(config)
+    try:
+        verifiers = ", ".join(stack.verifier_addresses)
+        console.print(f"stack up in {time.perf_counter() - t_start:.1f} s: router {stack.http_url}, verifier "
+                      f"{verifiers}, drafter {stack.drafter_address}; logs in "
+                      f"{stack.logs['router'].parent}", highlight=False)
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=config.api_key or "none", max_retries=0,
+                               timeout=600)
+        model = client.models.list().data[0].id
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda r: ask(client, model, r, max_tokens, temperature), records))
+        wall = time.perf_counter() - t0
+    finally:
+        stack.stop()
+    _print(console, results, wall, model, config, concurrency)
+    return results
+
+
+def _print(console: Console, results: list[DemoResult], wall: float, model: str, config: StackConfig,
+           concurrency: int) -> None:
+    table = Table(title=f"{model} via router -> verifier + {config.drafter} drafter (k={config.num_draft_tokens}, "
+                        f"{concurrency} requests in flight)")
+    for col in ("prompt id", "category", "prompt tok", "output tok", "finish", "drafted", "accepted", "accept rate",
+                "mean acc len", "TTFT ms", "latency s"):
+        table.add_column(col, justify="left" if col in ("category", "finish") else "right")
+
+    def rate(a: int, d: int) -> str:
+        return f"{a / d:.2f}" if d else "-"
+
+    for r in results:
+        table.add_row(r.record.prompt_id, r.record.category, str(r.prompt_tokens), str(r.completion_tokens),
+                      r.finish_reason, str(r.num_draft_tokens), str(r.num_accepted_tokens),
+                      rate(r.num_accepted_tokens, r.num_draft_tokens),
+                      f"{(r.completion_tokens - 1) / r.num_verify_steps:.2f}" if r.num_verify_steps else "-",
+                      f"{r.ttft_s * 1e3:.0f}", f"{r.latency_s:.2f}")
+    tokens = sum(r.completion_tokens for r in results)
+    drafted = sum(r.num_draft_tokens for r in results)
+    accepted = sum(r.num_accepted_tokens for r in results)
+    steps = sum(r.num_verify_steps for r in results)
+    emitted_after_first = sum(r.completion_tokens - 1 for r in results if r.completion_tokens)
+    table.add_section()
+    table.add_row("total", f"{len(results)} prompts", str(sum(r.prompt_tokens for r in results)), str(tokens), "",
+                  str(drafted), str(accepted), rate(accepted, drafted),
+                  f"{emitted_after_first / steps:.2f}" if steps else "-",
+                  f"p50 {statistics.median(r.ttft_s for r in results) * 1e3:.0f}",
+                  f"p50 {statistics.median(r.latency_s for r in results):.2f}")
+    console.print(table)
+    console.print(f"{tokens} output tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s over the batch; acceptance "
+                  f"{rate(accepted, drafted)}, mean accepted length "
+                  f"{emitted_after_first / steps if steps else 1.0:.2f} tokens per verification step",
+                  highlight=False)

@@ -1,0 +1,1 @@
+"""Drafter service: a ``tandem.drafters`` drafter behind ``tandem.v1.Drafter``."""

@@ -1,0 +1,160 @@
+"""Drafter gRPC server: ``tandem.v1.Drafter`` over any ``tandem.drafters`` drafter.
+
+Each ``Draft`` stream owns its sequences: the router's ``seq_id`` maps to a slot of the wrapped
+drafter (a draft model's KV cache slot), and the stream's accepted-token deltas keep the
+drafter's view of each sequence; the wrapped drafter syncs its own cache to that view (it rolls
+back whatever was rejected). Every slot of a stream is released when the stream ends.
+
+Sampled requests: the wrapped drafter samples from ``q`` truncated to its ``max_probs_per_token``
+most likely tokens (``top_k = min(top_k, K)``), so the sparse ``q`` sent back is exactly the
+distribution each draft was drawn from and speculative sampling on the verifier stays lossless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import replace
+
+import grpc
+import torch
+
+from services.common import GrpcServer, params_from_pb, probs_to_sparse
+from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
+from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
+from tandem.errors import InvalidRequestError
+from tandem.sampling import SamplingParams, make_generator
+from tandem.telemetry import extract_context, span
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tandem.v1.Drafter"
+
+
+SEED_OFFSET = 0x9E3779B97F4A7C15  # golden-ratio constant: the drafter's stream differs from the verifier's
+
+
+def drafter_seed(seed: int | None) -> int | None:
+    """The drafter's generator seed for a request seeded with ``seed``.
+
+    The verifier seeds its generator with ``seed`` itself; had the drafter done the same, its
+    draft draws would reuse the verifier's acceptance draws and bias the output. A fixed offset
+    keeps seeded requests reproducible with independent streams.
+    """
+    return None if seed is None else (seed + SEED_OFFSET) % 2**63
+
+
+class _Sequence:
+    def __init__(self, slot: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.slot = slot
+        self.params = params
+        self.generator = generator
+        self.tokens: list[int] = []
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    """Args:
+        drafter: the wrapped drafter.
+        max_sequences: slots the drafter can hold at once over all streams (a draft model's
+            KV cache slots).
+        max_probs_per_token: K of the top-k truncation of q for sampled requests.
+        device: where sampled requests' generators live (the drafter's device).
+    """
+
+    def __init__(self, drafter: Drafter, max_sequences: int, max_probs_per_token: int = 64, device: str = "cpu"):
+        self.drafter = drafter
+        self.max_sequences = max_sequences
+        self.max_probs_per_token = max_probs_per_token
+        self.device = device
+        self._free = list(range(max_sequences))
+        self._lock = threading.Lock()  # one propose at a time, whatever the stream
+
+    async def Info(self, request, context):
+        return drafter_pb2.DrafterInfo(name=self.drafter.name, num_features=NUM_FEATURES,
+                                       max_sequences=self.max_sequences, max_probs_per_token=self.max_probs_per_token)
+
+    async def Draft(self, request_iterator, context):
+        seqs: dict[int, _Sequence] = {}
+        parent = extract_context(context.invocation_metadata())
+        try:
+            async for msg in request_iterator:
+                if msg.HasField("release"):
+                    await asyncio.to_thread(self._release, seqs, list(msg.release.seq_ids))
+                    continue
+                try:
+                    with span("rpc.server.draft", parent_context=parent, round=int(msg.draft.round),
+                              sequences=len(msg.draft.sequences)):
+                        out = await asyncio.to_thread(self._draft, seqs, msg.draft)
+                except InvalidRequestError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                yield out
+        finally:
+            await asyncio.to_thread(self._release, seqs, list(seqs))
+
+    # ------------------------------------------------------------------ blocking part (worker thread)
+
+    def _release(self, seqs: dict[int, _Sequence], ids: list[int]) -> None:
+        with self._lock:
+            for sid in ids:
+                seq = seqs.pop(sid, None)
+                if seq is not None:
+                    self.drafter.release(seq.slot)
+                    self._free.append(seq.slot)
+
+    def _draft(self, seqs: dict[int, _Sequence], batch) -> drafter_pb2.DraftBatch:
+        asks: list[DraftRequest] = []
+        with self._lock:
+            for d in batch.sequences:
+                seq = seqs.get(d.seq_id)
+                if seq is None:
+                    if d.base_len:
+                        raise InvalidRequestError(f"sequence {d.seq_id} is new to this stream: send it whole (base_len 0)")
+                    if not self._free:
+                        raise InvalidRequestError(f"the drafter holds {self.max_sequences} sequences at most")
+                    params = params_from_pb(d.params)
+                    if not params.greedy:  # sample from the top-K truncation of q: exactly what is sent back
+                        k = self.max_probs_per_token
+                        params = replace(params, top_k=min(params.top_k, k) if params.top_k else k)
+                    gen = None if params.greedy else make_generator(drafter_seed(params.seed), self.device)
+                    self._free.sort()
+                    seq = seqs[d.seq_id] = _Sequence(self._free.pop(0), params, gen)
+                if d.base_len > len(seq.tokens):
+                    raise InvalidRequestError(f"sequence {d.seq_id}: base_len {d.base_len} > {len(seq.tokens)} held")
+                del seq.tokens[d.base_len:]
+                seq.tokens.extend(int(t) for t in d.tokens)
+                if not seq.tokens:
+                    raise InvalidRequestError(f"sequence {d.seq_id} is empty")
+                asks.append(DraftRequest(seq.slot, list(seq.tokens), int(d.max_draft), seq.params, seq.generator))
+            proposals = self.drafter.propose(asks)
+        return drafter_pb2.DraftBatch(round=batch.round, proposals=[
+            _proposal_pb(d.seq_id, p) for d, p in zip(batch.sequences, proposals)])
+
+
+def _proposal_pb(seq_id: int, p: DraftProposal) -> drafter_pb2.DraftProposal:
+    top = p.top_tokens
+    return drafter_pb2.DraftProposal(
+        seq_id=seq_id, tokens=p.tokens, probs=probs_to_sparse(p.probs) if p.probs is not None else [],
+        features=p.features.float().flatten().tolist(), num_features=int(p.features.shape[1]) if p.features.ndim == 2 else NUM_FEATURES,
+        top_tokens=top.flatten().tolist() if top is not None else [], top_m=int(top.shape[1]) if top is not None else 0)
+
+
+async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str = "127.0.0.1", key: str | None = None,
+                device: str = "cpu", max_probs_per_token: int = 64, ready: "asyncio.Future | None" = None,
+                stop: "asyncio.Event | None" = None) -> None:
+    """Run the drafter server until ``stop`` is set (forever without one).
+
+    Args:
+        max_probs_per_token: K of the top-K truncation of q for sampled requests.
+        ready: resolved with the bound address once serving.
+    """
+    server = GrpcServer(port, host, key)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(
+        DrafterServicer(drafter, max_sequences, max_probs_per_token, device), server.server)
+    await server.start([SERVICE_NAME])
+    if ready is not None:
+        ready.set_result(server.address)
+    try:
+        await (stop.wait() if stop is not None else server.server.wait_for_termination())
+    finally:
+        await server.stop()

@@ -1,0 +1,111 @@
+"""Process entry points behind ``tandem serve drafter|verifier|router`` (each runs standalone on
+loopback or any host; the Ray Serve deployments wrap the same pieces)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+
+from services.common import api_key as resolve_api_key
+from tandem.telemetry import init_tracing
+
+log = logging.getLogger(__name__)
+
+
+def _run(coro_factory) -> None:
+    """Run ``coro_factory(stop)`` until SIGINT / SIGTERM sets ``stop`` (clean shutdown)."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await coro_factory(stop)
+
+    asyncio.run(main())
+
+
+def build_local_target(model: str | None, device: str | None, max_batch_size: int | None, max_seq_len: int,
+                       dtype: torch.dtype | None = None):
+    """(LocalTarget, eos ids) for ``model`` (None: the bundled SmolLM2).
+
+    Raises:
+        ModelLoadError / ConfigError: bad model path or device.
+    """
+    from tandem.models.runner import default_runner_config
+    from tandem.models.weights import load_checkpoint
+    from tandem.target import LocalTarget
+    from tandem.tokenizer import load_tokenizer
+
+    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype)
+    checkpoint = load_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint)
+    return LocalTarget(checkpoint, cfg), list(tokenizer.eos_token_ids)
+
+
+def run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure_cost_k: int = 0,
+                 key: str | None = None) -> None:
+    """Serve ``tandem.v1.Verifier`` until signalled.
+
+    Args:
+        measure_cost_k: measure T(b, q) for q = 1..k+1 at start-up (0: skip) and publish it.
+    """
+    from services.verifier.server import serve
+    from tandem.control import CostModel
+
+    init_tracing("tandem-verifier")
+    target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
+    cost = None
+    if measure_cost_k:
+        sizes = sorted({1, target.info.num_slots})
+        cost = CostModel.measure(target.runner, sizes, measure_cost_k + 1, iters=3).table
+    _run(lambda stop: serve(target, eos, port, host, resolve_api_key(key), cost, stop=stop))
+
+
+def build_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, max_sequences: int,
+                  max_seq_len: int):
+    """(the drafter, its device name) from ``tandem serve drafter`` options.
+
+    Raises:
+        InvalidRequestError / ModelLoadError: bad drafter options.
+    """
+    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from tandem.errors import InvalidRequestError
+    from tandem.models.runner import default_runner_config
+    from tandem.models.weights import load_checkpoint
+
+    cfg = default_runner_config(device, max_batch_size=max_sequences, max_seq_len=max_seq_len)
+    if drafter == "ngram":
+        return NgramDrafter(), "cpu"
+    if drafter == "draft-model":
+        if not draft_model:
+            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH or truncate:N")
+        return DraftModelDrafter(load_draft_checkpoint(draft_model, load_checkpoint(model)), cfg), cfg.device
+    raise InvalidRequestError(f"unknown drafter {drafter!r}; use ngram or draft-model")
+
+
+def run_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, port: int, host: str,
+                max_sequences: int, max_seq_len: int, key: str | None = None) -> None:
+    """Serve ``tandem.v1.Drafter`` until signalled.
+
+    Raises:
+        InvalidRequestError / ModelLoadError: bad drafter options.
+    """
+    from services.drafter.server import serve
+
+    init_tracing("tandem-drafter")
+    impl, dev = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
+    _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop))
+
+
+def run_router(config, http_port: int, grpc_port: int | None, host: str, key: str | None,
+               default_max_tokens: int) -> None:
+    """Serve the HTTP and gRPC front doors until signalled."""
+    from services.router.server import serve
+
+    init_tracing("tandem-router")
+    config.api_key = resolve_api_key(key)
+    _run(lambda stop: serve(config, http_port, grpc_port, host, config.api_key, default_max_tokens, stop=stop))

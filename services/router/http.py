@@ -1,0 +1,281 @@
+"""OpenAI-compatible HTTP front door (FastAPI): ``/v1/completions``, ``/v1/chat/completions``
+(``stream: true`` as server-sent events), ``/v1/models``, ``/health``, ``/metrics``.
+
+Usage objects carry the speculative-decoding metrics of the request next to the token counts:
+``usage.speculative_decoding = {num_draft_tokens, num_accepted_tokens, num_verify_steps,
+acceptance_rate, mean_accepted_length}`` (ARCHITECTURE.md §4 definitions).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
+400, a missing or wrong bearer token 401, a failed verifier 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from dataclasses import replace
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+
+from tandem.engine import Completion
+from tandem.errors import InvalidRequestError
+from tandem.sampling import SamplingParams
+
+from .core import Delta, Done, Failed, Router
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    category: str = "default"  # extension: acceptance statistics per category
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError("only n = 1 is supported")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        if self.logprobs:
+            raise InvalidRequestError("top alternatives are not returned; use logprobs=0 for the tokens' own")
+        return self.logprobs is not None
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+    def wants_logprobs(self) -> bool:
+        if self.top_logprobs:
+            raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own")
+        return self.logprobs
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def usage(c: Completion) -> dict:
+    """OpenAI usage plus this request's speculative-decoding metrics."""
+    return {
+        "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+        "total_tokens": c.prompt_tokens + c.completion_tokens,
+        "speculative_decoding": {
+            "num_draft_tokens": c.spec.num_drafted, "num_accepted_tokens": c.spec.num_accepted,
+            "num_verify_steps": c.spec.num_steps, "acceptance_rate": _nan_to_none(c.spec.acceptance_rate),
+            "mean_accepted_length": c.spec.mean_accepted_length,
+        },
+        "latency": {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s, "e2e_s": c.latency_s},
+    }
+
+
+def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: text only
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError("only text content parts are supported")
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def build_app(router: Router, api_key: str | None = None, default_max_tokens: int = 256) -> FastAPI:
+    """The FastAPI app over a running ``Router``.
+
+    Args:
+        api_key: require ``Authorization: Bearer <api_key>`` on /v1/* (None: open).
+        default_max_tokens: ``max_tokens`` when a request gives none.
+    """
+    app = FastAPI(title="Tandem", version="0.1.0")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", exc)),
+                      param=loc or None)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError):
+        return _error(400, str(exc))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {api_key}":
+                return _error(401, "missing or wrong bearer token", "authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        h = router.health()
+        ok = any(v["healthy"] for v in h["verifiers"])
+        return JSONResponse({"status": "ok" if ok else "unavailable", **h}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        router.update_gauges()
+        body, ctype = router.metrics.exposition()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(router.started),
+                                            "owned_by": "tandem"}]}
+
+    async def run(request: Request, req, prompt, chat: bool, params: SamplingParams, chat_api: bool):
+        if req.model is not None and req.model != router.model_name:
+            return _error(404, f"model {req.model!r} is not served here; use {router.model_name!r}", param="model")
+        prompt_ids = None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) and not chat_api:
+            prompt_ids, prompt = prompt, None
+        elif isinstance(prompt, list) and not chat_api:
+            if len(prompt) != 1:
+                raise InvalidRequestError("send one prompt per request (a list of one string)")
+            prompt = prompt[0]
+        rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
+        engine_req = router.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid,
+                                         logprobs=req.wants_logprobs())
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EventSourceResponse(_stream(router, engine_req, req.category, rid, created, chat_api, include_usage),
+                                       ping=15)
+        return await _complete(router, request, engine_req, req.category, rid, created, chat_api)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        if body.echo:
+            raise InvalidRequestError("echo is not supported")
+        return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        params = body.sampling(default_max_tokens)
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            params = replace(params, max_tokens=body.max_completion_tokens)
+        return await run(request, body, _chat_content(body.messages), True, params, chat_api=True)
+
+    return app
+
+
+def _logprobs(router: Router, token_ids: list[int], logprobs: list[float] | None, chat_api: bool) -> dict | None:
+    """OpenAI logprobs object for ``token_ids`` (None when the request did not ask)."""
+    if logprobs is None:
+        return None
+    tokens = [router.tokenizer.decode([t]) for t in token_ids]
+    if chat_api:
+        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                            for tok, lp in zip(tokens, logprobs)]}
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
+def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None) -> dict:
+    if chat_api:
+        key = "delta" if stream else "message"
+        body = {"content": text} if stream else {"role": "assistant", "content": text}
+        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs}
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,
+                    chat_api: bool):
+    async def collect():
+        async for event in router.generate(engine_req, category):
+            if isinstance(event, (Done, Failed)):
+                return event
+        raise RuntimeError("the request ended without a result")
+
+    task = asyncio.ensure_future(collect())
+    while not task.done():  # a client that goes away cancels its request and frees its KV slots
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)
+    event = task.result()
+    if isinstance(event, Failed):
+        return _error(503, event.message, "server_error")
+    c = event.completion
+    return {"id": rid, "object": "chat.completion" if chat_api else "text_completion", "created": created,
+            "model": router.model_name,
+            "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(router, c.token_ids, c.logprobs,
+                                                                                     chat_api))],
+            "usage": usage(c)}
+
+
+async def _stream(router: Router, engine_req, category: str, rid: str, created: int, chat_api: bool,
+                  include_usage: bool):
+    obj = "chat.completion.chunk" if chat_api else "text_completion"
+
+    def chunk(choices: list, usage_: dict | None = None) -> str:
+        return json.dumps({"id": rid, "object": obj, "created": created, "model": router.model_name,
+                           "choices": choices, "usage": usage_})
+
+    if chat_api:
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                      "logprobs": None}])
+    async for event in router.generate(engine_req, category):
+        if isinstance(event, Delta):
+            out = event.output
+            if out.text_delta or out.finished or out.logprobs:
+                lp = _logprobs(router, out.new_token_ids, out.logprobs, chat_api)
+                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp)])
+        elif isinstance(event, Failed):
+            yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
+                                        "code": 503}})
+            break
+        elif isinstance(event, Done) and include_usage:
+            yield chunk([], usage(event.completion))
+    yield "[DONE]"

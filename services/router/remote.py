@@ -1,0 +1,392 @@
+"""The router's clients of the drafter and verifier services, behind the core's interfaces:
+``RemoteTarget`` is a ``tandem.target.Target`` and ``RemoteDrafter`` a ``tandem.drafters.Drafter``,
+so ``tandem.engine.Engine`` schedules them exactly as it schedules local parts.
+
+Both keep one bidirectional stream open (blocking gRPC; the engine runs in its own thread) and
+send one message per round, waiting for its answer with a timeout.
+
+Faults:
+- a drafter that fails or times out is marked down: the engine gets empty proposals
+  (target-only decoding, identical output under greedy) and the client reconnects with backoff;
+  a new stream starts from full sequences, since the drafter's state belonged to the old one.
+- a verifier that fails raises ``TargetUnavailable``: the sequences on that stream are lost
+  (their KV cache was there), so the router fails those requests with a clear error; the next
+  call opens a new stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from services.common import CLIENT_OPTIONS, auth_metadata, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
+from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tandem.control import CostModel
+from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
+from tandem.models.kv_cache import CacheFullError
+from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
+from tandem.telemetry import inject_metadata, span
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+class BidiStream:
+    """One bidirectional gRPC stream used as request/response: ``call(msg, timeout_s)`` sends a
+    message and returns the next response.
+
+    Raises (from ``call``):
+        grpc.RpcError: the stream failed; TimeoutError: no answer in time; EOFError: the server
+        ended the stream.
+    """
+
+    def __init__(self, method, metadata: list[tuple[str, str]]) -> None:
+        self._out: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue()
+        self._call = method(iter(self._out.get, _CLOSE), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, daemon=True, name="grpc-stream-reader")
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                self._in.put(msg)
+            self._in.put(EOFError("the server closed the stream"))
+        except grpc.RpcError as exc:
+            self._in.put(exc)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller
+            self._in.put(exc)
+
+    def send(self, msg) -> None:
+        self._out.put(msg)
+
+    def call(self, msg, timeout_s: float):
+        self._out.put(msg)
+        return self.recv(timeout_s)
+
+    def recv(self, timeout_s: float):
+        """The next response (see the class docstring for the errors)."""
+        try:
+            item = self._in.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no answer within {timeout_s:.1f} s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._out.put(_CLOSE)
+        self._call.cancel()
+
+
+def _rpc_error_text(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__
+
+
+class RemoteTarget(Target):
+    """``tandem.v1.Verifier`` client as a ``Target``.
+
+    Args:
+        address: ``host:port`` of a verifier.
+        key: bearer token (None: no auth).
+        timeout_s: longest wait for one verify batch (s).
+        connect_timeout_s: longest wait for the verifier to answer ``Info`` at construction (s).
+
+    Raises:
+        TargetUnavailable: the verifier does not answer ``Info`` in time.
+    """
+
+    def __init__(self, address: str, key: str | None = None, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = auth_metadata(key)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        try:
+            info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=connect_timeout_s,
+                                   metadata=self._metadata, wait_for_ready=True)
+        except grpc.RpcError as exc:
+            raise TargetUnavailable(f"verifier {address} did not answer: {_rpc_error_text(exc)}") from None
+        self._info = TargetInfo(info.model, info.vocab_size, info.num_slots, info.max_seq_len, "cpu")
+        self.eos_token_ids = list(info.eos_token_ids)
+        table: dict[int, dict[int, float]] = {}
+        for c in info.cost:
+            table.setdefault(c.batch_size, {})[c.tokens_per_sequence] = c.ms
+        self.cost = CostModel(table) if table else None
+        self._free = list(range(info.num_slots))
+        self._released: list[int] = []
+        self._stream: BidiStream | None = None
+        self._batches = 0
+
+    @property
+    def info(self) -> TargetInfo:
+        return self._info
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError("no free slot on the verifier")
+        self._free.sort()
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self._free.append(slot)
+        if self._stream is not None:
+            self._released.append(slot)  # sent with the next batch
+
+    def _send(self, batch: verifier_pb2.VerifyBatch) -> verifier_pb2.VerifyResult:
+        if self._stream is None:
+            self._released.clear()  # the verifier dropped everything of the old stream
+            batch.ClearField("release")
+            self._stream = BidiStream(self._stub.Verify, inject_metadata(self._metadata))
+        self._batches += 1
+        batch.batch_id = self._batches
+        try:
+            with span("rpc.client.verify", address=self.address, prefill=len(batch.prefill), verify=len(batch.verify)):
+                result = self._stream.call(batch, self.timeout_s)
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._stream.close()
+            self._stream = None
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise CacheFullError(f"verifier {self.address}: {exc.details()}") from None
+            raise TargetUnavailable(f"verifier {self.address} failed: {_rpc_error_text(exc)}") from None
+        if result.batch_id != batch.batch_id:
+            self._stream.close()
+            self._stream = None
+            raise TargetUnavailable(f"verifier {self.address} answered batch {result.batch_id}, expected {batch.batch_id}")
+        return result
+
+    def _take_released(self) -> list[int]:
+        out, self._released = self._released, []
+        return out
+
+    def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
+        batch = verifier_pb2.VerifyBatch(release=self._take_released(), prefill=[
+            verifier_pb2.PrefillSequence(seq_id=it.slot, prompt_ids=it.prompt_ids, params=params_to_pb(it.params),
+                                         return_logprobs=it.return_logprobs) for it in items])
+        return [_result(r) for r in self._send(batch).prefill]
+
+    def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
+        seqs = []
+        for it in items:
+            p = it.proposal
+            seqs.append(verifier_pb2.VerifySequence(
+                seq_id=it.slot, last_token=it.last_token, draft_tokens=p.tokens,
+                draft_probs=probs_to_sparse(p.probs) if p.probs is not None else [],
+                parents=p.parents or [], is_tree=p.parents is not None, return_logprobs=it.return_logprobs))
+        return [_result(r) for r in self._send(verifier_pb2.VerifyBatch(release=self._take_released(), verify=seqs)).verify]
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._channel.close()
+
+
+def _result(r: verifier_pb2.SequenceResult) -> TargetResult:
+    return TargetResult(list(r.tokens), int(r.num_accepted), list(r.logprobs) or None,
+                        {t.name: tensor_from_pb(t) for t in r.extras})
+
+
+class RemoteDrafter(Drafter):
+    """``tandem.v1.Drafter`` client as a ``Drafter``: sends each sequence's accepted-token delta
+    (what the drafter has not seen yet) with its draft request.
+
+    Args:
+        address: ``host:port`` of a drafter.
+        vocab_size: the target's vocabulary (dense q rows are rebuilt at this size).
+        key: bearer token (None: no auth).
+        timeout_s: longest wait for one draft batch (s); past it the drafter counts as down.
+        retry_s: first reconnection delay after a failure (s); doubles up to ``max_retry_s``.
+        resolve: returns the drafter's current address; asked again after a failure (a Ray Serve
+            replica that was replaced listens elsewhere). None: ``address`` for good.
+    """
+
+    def __init__(self, address: str, vocab_size: int, key: str | None = None, timeout_s: float = 10.0,
+                 retry_s: float = 0.5, max_retry_s: float = 5.0, resolve: Callable[[], str] | None = None) -> None:
+        self.address = address
+        self._resolve = resolve
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.retry_s, self.max_retry_s = retry_s, max_retry_s
+        self._metadata = auth_metadata(key)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self._stream: BidiStream | None = None
+        self._synced: dict[int, list[int]] = {}  # slot -> the sequence as the drafter holds it
+        self._rounds = 0
+        self._down_until = 0.0
+        self._backoff = retry_s
+        self.name = "remote"
+        self.available = True
+        self._pending: dict[int, list[int]] | None = None  # prefetch in flight: slot -> sequence it drafts from
+        self.prefetch_hits = 0  # next-round drafts that were ready when verification returned
+        self.prefetch_misses = 0
+
+    def _connect(self) -> BidiStream:
+        if self._resolve is not None and not self.available:
+            try:
+                address = self._resolve()
+            except Exception as exc:  # noqa: BLE001 - whatever the resolver raises, the drafter is down
+                raise EOFError(f"cannot resolve the drafter's address: {exc}") from None
+            if address != self.address:
+                log.warning("drafter moved from %s to %s", self.address, address)
+                self._channel.close()
+                self.address = address
+                self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+                self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=min(self.timeout_s, 2.0),
+                               metadata=self._metadata)
+        self.name = info.name
+        self._synced.clear()  # a new stream starts from full sequences
+        return BidiStream(self._stub.Draft, inject_metadata(self._metadata))
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self._pending = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._synced.clear()
+        if self.available:
+            log.warning("drafter %s unavailable (%s); decoding target-only until it returns",
+                        self.address, _rpc_error_text(exc))
+        self.available = False
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self.max_retry_s)
+
+    def _deltas(self, requests: list[DraftRequest]) -> list[drafter_pb2.SequenceDelta]:
+        """Each sequence as what the drafter holds (base_len) plus what it has not seen."""
+        seqs = []
+        for r in requests:
+            held = self._synced.get(r.slot)
+            n = len(held) if held is not None else 0
+            if held is not None and (n > len(r.token_ids) or r.token_ids[n - 1] != held[-1]):
+                n = next((i for i, (a, b) in enumerate(zip(held, r.token_ids)) if a != b), min(len(held), len(r.token_ids)))
+            seqs.append(drafter_pb2.SequenceDelta(seq_id=r.slot, base_len=n, tokens=r.token_ids[n:],
+                                                  max_draft=r.max_draft,
+                                                  params=params_to_pb(r.params) if held is None else None))
+        return seqs
+
+    def _send(self, requests: list[DraftRequest], wait: bool):
+        """Send one draft batch (connecting first if needed); return its answer when ``wait``."""
+        seqs = self._deltas(requests)
+        if self._stream is None:
+            self._stream = self._connect()
+            for s, r in zip(seqs, requests):  # everything is new to a new stream
+                s.base_len, s.tokens[:] = 0, r.token_ids
+                s.params.CopyFrom(params_to_pb(r.params))
+        self._rounds += 1
+        msg = drafter_pb2.DraftStreamRequest(draft=drafter_pb2.DraftRequestBatch(round=self._rounds, sequences=seqs))
+        for r in requests:
+            self._synced[r.slot] = list(r.token_ids)
+        if not wait:
+            self._stream.send(msg)
+            return None
+        with span("rpc.client.draft", address=self.address, sequences=len(seqs)):
+            return self._check(self._stream.call(msg, self.timeout_s), self._rounds, len(requests))
+
+    @staticmethod
+    def _check(batch, round_id: int, n: int):
+        if batch.round != round_id or len(batch.proposals) != n:
+            raise EOFError(f"drafter answered round {batch.round} with {len(batch.proposals)} proposals, "
+                           f"expected round {round_id} with {n}")
+        return batch
+
+    def prefetch(self, requests: list[DraftRequest]) -> None:
+        """Send the next round's draft requests now (the drafter works while the target
+        verifies); ``propose`` uses the answers whose guessed bonus token came true."""
+        if self._pending is not None or self._stream is None or time.monotonic() < self._down_until:
+            return
+        try:
+            self._send(requests, wait=False)
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._mark_down(exc)
+            return
+        self._pending = {r.slot: list(r.token_ids) for r in requests}
+        self._pending_round = self._rounds
+
+    def _take_prefetched(self, requests: list[DraftRequest]) -> dict[int, DraftProposal]:
+        """Wait for the prefetch in flight; the proposals it got right, by slot."""
+        pending, self._pending = self._pending, None
+        with span("rpc.client.draft", address=self.address, sequences=len(pending), prefetched=True):
+            batch = self._check(self._stream.recv(self.timeout_s), self._pending_round, len(pending))
+        by_slot = {p.seq_id: p for p in batch.proposals}
+        hits: dict[int, DraftProposal] = {}
+        for r in requests:
+            base, p = pending.get(r.slot), by_slot.get(r.slot)
+            if base is None or p is None:
+                continue
+            # the guess (first prefetched token) must be the token the target emitted after base
+            if len(p.tokens) > 1 and len(r.token_ids) == len(base) + 1 and r.token_ids[-1] == p.tokens[0] \
+                    and r.token_ids[:-1] == base:
+                hits[r.slot] = self._proposal(p, skip=1, limit=r.max_draft)
+                self.prefetch_hits += 1
+            else:
+                self.prefetch_misses += 1
+        return hits
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        if not any(r.max_draft > 0 for r in requests) or time.monotonic() < self._down_until:
+            if self._pending is not None:  # its answer must still be read off the stream
+                try:
+                    self._take_prefetched([])
+                except (grpc.RpcError, TimeoutError, EOFError) as exc:
+                    self._mark_down(exc)
+            return [DraftProposal.empty() for _ in requests]
+        try:
+            ready = self._take_prefetched(requests) if self._pending is not None else {}
+            rest = [r for r in requests if r.slot not in ready]
+            if rest:
+                batch = self._send(rest, wait=True)
+                for r, p in zip(rest, batch.proposals):
+                    ready[r.slot] = self._proposal(p)
+        except (grpc.RpcError, TimeoutError, EOFError) as exc:
+            self._mark_down(exc)
+            return [DraftProposal.empty() for _ in requests]
+        if not self.available:
+            log.warning("drafter %s is back", self.address)
+        self.available = True
+        self._backoff = self.retry_s
+        return [ready[r.slot] for r in requests]
+
+    def _proposal(self, p: drafter_pb2.DraftProposal, skip: int = 0, limit: int | None = None) -> DraftProposal:
+        """A core proposal from the wire; ``skip`` leading drafts dropped (a prefetch's guessed
+        bonus token: later positions move up, their position feature too), at most ``limit`` kept."""
+        n = len(p.tokens)
+        nf = p.num_features or NUM_FEATURES
+        feats = torch.tensor(list(p.features), dtype=torch.float32).reshape(n, nf) if n else torch.zeros(0, nf)
+        probs = sparse_to_probs(p.probs, self.vocab_size) if len(p.probs) == n and n else None
+        top = torch.tensor(list(p.top_tokens), dtype=torch.long).reshape(n, p.top_m) if p.top_m and n else None
+        end = n if limit is None else min(n, skip + limit)
+        if skip or end < n:
+            feats = feats[skip:end].clone()
+            if skip and nf == NUM_FEATURES:
+                feats[:, NUM_FEATURES - 1] -= skip  # the position feature is 1-based from the new start
+            probs = None if probs is None else probs[skip:end]
+            top = None if top is None else top[skip:end]
+        return DraftProposal(list(p.tokens[skip:end]), probs, feats, top)
+
+    def release(self, slot: int) -> None:
+        if self._synced.pop(slot, None) is not None and self._stream is not None:
+            self._stream.send(drafter_pb2.DraftStreamRequest(release=drafter_pb2.ReleaseSequences(seq_ids=[slot])))
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._channel.close()

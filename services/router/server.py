@@ -1,0 +1,125 @@
+"""Router process: HTTP (OpenAI-compatible) and gRPC (``tandem.v1.Router``) front doors over one
+``Router`` core, plus the standard gRPC health service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common import GrpcServer, params_from_pb
+from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
+from tandem.errors import InvalidRequestError
+from tandem.telemetry import extract_context, span
+
+from .core import Delta, Done, Failed, Router, RouterConfig
+from .http import build_app
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tandem.v1.Router"
+
+
+def _usage_pb(c) -> router_pb2.Usage:
+    return router_pb2.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                            num_draft_tokens=c.spec.num_drafted, num_accepted_tokens=c.spec.num_accepted,
+                            num_verify_steps=c.spec.num_steps, acceptance_rate=c.spec.acceptance_rate,
+                            mean_accepted_length=c.spec.mean_accepted_length, ttft_s=c.ttft_s, e2e_s=c.latency_s)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``Router.Generate``: bad input -> INVALID_ARGUMENT; a failed verifier -> UNAVAILABLE;
+    a cancelled call aborts the request and frees its slots."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request, context):
+        try:
+            if bool(request.prompt) == bool(request.messages):
+                raise InvalidRequestError("give exactly one of prompt or messages")
+            params = params_from_pb(request.params)
+            prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
+            req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
+                                           request_id=request.request_id or None, logprobs=request.logprobs)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        with span("rpc.server.generate", parent_context=extract_context(context.invocation_metadata()),
+                  request_id=req.request_id):
+            async for event in self.router.generate(req, request.category or "default"):
+                if isinstance(event, Delta):
+                    out = event.output
+                    if out.new_token_ids or out.text_delta:
+                        yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
+                                                          text=out.text_delta, logprobs=out.logprobs or [])
+                elif isinstance(event, Done):
+                    yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
+                                                      finish_reason=event.completion.finish_reason,
+                                                      usage=_usage_pb(event.completion))
+                elif isinstance(event, Failed):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+
+
+async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: str | None = None,
+                     ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None) -> None:
+    """Serve ``tandem.v1.Router`` (and health) for an existing ``Router`` until ``stop`` is set."""
+    server = GrpcServer(port, host, key)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server.server)
+    await server.start([SERVICE_NAME])
+    watcher = asyncio.ensure_future(_watch_health(router, server))
+    if ready is not None:
+        ready.set_result(server.address)
+    try:
+        await (stop.wait() if stop is not None else server.server.wait_for_termination())
+    finally:
+        watcher.cancel()
+        await server.stop()
+
+
+async def _watch_health(router: Router, server: GrpcServer, period_s: float = 2.0) -> None:
+    """Keep the gRPC health status in step with the verifiers (NOT_SERVING when none is healthy)."""
+    serving = True
+    while True:
+        await asyncio.sleep(period_s)
+        now = any(w.healthy for w in router.workers)
+        if now != serving:
+            serving = now
+            await server.set_serving(now, [SERVICE_NAME])
+
+
+async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = None, host: str = "127.0.0.1",
+                api_key: str | None = None, default_max_tokens: int = 256, stop: "asyncio.Event | None" = None) -> None:
+    """Run the router until ``stop`` is set (or the process is signalled).
+
+    Raises:
+        TargetUnavailable: a verifier does not answer at start-up.
+    """
+    import uvicorn
+
+    router = await asyncio.to_thread(Router, config)
+    app = build_app(router, api_key, default_max_tokens)
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=http_port, log_level="warning", lifespan="off"))
+    grpc_task = None
+    if grpc_port is not None:
+        grpc_stop = asyncio.Event()
+        grpc_ready = asyncio.get_running_loop().create_future()
+        grpc_task = asyncio.ensure_future(serve_grpc(router, grpc_port, host, api_key, grpc_ready, grpc_stop))
+        await asyncio.wait({grpc_task, grpc_ready}, return_when=asyncio.FIRST_COMPLETED)
+        if grpc_task.done():
+            grpc_task.result()  # raises the start-up error
+    log.info("router: HTTP on %s:%d, verifiers %s, drafter %s", host, http_port, config.verifiers, config.drafter)
+    try:
+        if stop is None:
+            await http.serve()
+        else:
+            task = asyncio.ensure_future(http.serve())
+            await asyncio.wait({task, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+            http.should_exit = True
+            await task
+    finally:
+        if grpc_task is not None:
+            grpc_stop.set()
+            await grpc_task
+        await asyncio.to_thread(router.close)

@@ -1,0 +1,1 @@
+"""Verifier service: the target model behind ``tandem.v1.Verifier``."""

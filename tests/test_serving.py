@@ -1,0 +1,559 @@
+"""Disaggregated serving end to end: verifier, drafter and router as real processes talking real
+gRPC on loopback, driven through the official ``openai`` client and ``tandem.v1.Router``.
+
+Outputs through the router equal the in-process engine's (greedy), streaming and not; a killed
+drafter loses no request and changes no output; 50 concurrent streams complete; malformed input
+gets 4xx / INVALID_ARGUMENT without disturbing other requests; a client that goes away frees
+its slots; auth is enforced; a dead verifier fails its requests with a clear error. The gRPC
+path of speculative *sampling* (sparse top-K q) is checked for losslessness in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+from conftest import SMALL_VOCAB, spec_bench_prompts
+from test_speculative import sampling_setup  # noqa: F401  (fixture: small-vocabulary target, draft, exact logits)
+
+from services.common import BackgroundServer, auth_metadata, params_to_pb
+from services.launch import StackConfig, start_stack
+from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tandem.drafters import DraftModelDrafter, NgramDrafter
+from tandem.engine import Engine
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+SLOTS = 4
+CONTEXT = 256
+MAX_TOKENS = 24
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    """Verifier (tiny random llama, real tokenizer), n-gram drafter and router, with a bearer key."""
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                api_key=KEY, drafter_timeout_s=5.0), timeout_s=180)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_dir):
+    """The in-process engine with the same model, drafter and k: the reference."""
+    return Engine(tiny_dir, RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT),
+                  drafter=NgramDrafter(), num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return spec_bench_prompts(6)
+
+
+def reference(engine: Engine, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list:
+    """In-process greedy completions, one prompt at a time."""
+    return [engine.generate([p], SamplingParams(max_tokens=max_tokens))[0] for p in prompts]
+
+
+def grpc_generate(stack, prompt: str, params: SamplingParams, key: str | None = KEY) -> tuple[list[int], str, object]:
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        ids, text, last = [], "", None
+        for m in stub.Generate(router_pb2.GenerateRequest(prompt=prompt, params=params_to_pb(params)),
+                               metadata=auth_metadata(key), timeout=120):
+            ids += list(m.token_ids)
+            text += m.text
+            last = m
+    return ids, text, last
+
+
+def health(stack) -> dict:
+    try:
+        with urllib.request.urlopen(f"{stack.http_url}/health", timeout=5) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def stream_text(client, model_id: str, prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[str, object, str]:
+    parts, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage, finish
+
+
+# ----------------------------------------------------------------------------- equality with the engine
+
+
+def test_router_equals_engine_greedy(stack, client, model_id, local_engine, prompts):
+    """Non-streaming HTTP, streaming HTTP (SSE) and gRPC Router.Generate all return exactly the
+    in-process engine's greedy output, with speculative-decoding usage."""
+    expected = reference(local_engine, prompts[:3])
+    for prompt, ref in zip(prompts[:3], expected):
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == ref.text
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert r.usage.completion_tokens == ref.completion_tokens
+        assert r.usage.prompt_tokens == ref.prompt_tokens
+        sd = r.usage.model_extra["speculative_decoding"]
+        assert sd["num_verify_steps"] == ref.spec.num_steps and sd["num_draft_tokens"] == ref.spec.num_drafted
+        text, usage, finish = stream_text(client, model_id, prompt)
+        assert text == ref.text and finish == ref.finish_reason and usage.completion_tokens == ref.completion_tokens
+        ids, gtext, last = grpc_generate(stack, prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        assert ids == ref.token_ids and gtext == ref.text
+        assert last.finished and last.finish_reason == ref.finish_reason
+        assert last.usage.num_accepted_tokens == ref.spec.num_accepted
+
+
+def test_completions_endpoint_and_stop_strings(stack, client, model_id, local_engine, prompts):
+    ref = local_engine.generate([prompts[3]], SamplingParams(max_tokens=MAX_TOKENS), chat=False)[0]
+    r = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == ref.text
+    stop = ref.text[len(ref.text) // 2:][:3]  # a string from the middle of the output
+    assert stop
+    ref_stop = local_engine.generate([prompts[3]], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)), chat=False)[0]
+    r = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    assert r.choices[0].text == ref_stop.text and r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_through_router(client, model_id, prompts):
+    """A seeded sampled request is reproducible (the verifier seeds its generator from the seed)."""
+    outs = [client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                           max_tokens=12, temperature=0.9, top_p=0.95, seed=7).choices[0].message.content
+            for _ in range(2)]
+    assert outs[0] == outs[1]
+
+
+def run_with_logprobs(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS):
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), logprobs=True)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == rid:
+                return engine.completion(rid)
+    raise AssertionError("request did not finish")
+
+
+def test_logprobs_same_with_and_without_speculation(tiny_dir, prompts):
+    """Log-probabilities read off the verification pass (accepted drafts + bonus) equal
+    target-only decoding's (drafts from an oracle that is right two times in three)."""
+    from test_speculative import OracleDrafter
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
+    plain = Engine(tiny_dir, cfg)
+    for prompt in prompts[:2]:
+        ref = run_with_logprobs(plain, prompt)
+        full = plain.encode_prompt(prompt) + ref.token_ids
+        spec_engine = Engine(plain.checkpoint, cfg, tokenizer=plain.tokenizer,
+                             drafter=OracleDrafter([full], mode="noisy", vocab=plain.target.info.vocab_size))
+        spec = run_with_logprobs(spec_engine, prompt)
+        assert spec.token_ids == ref.token_ids and spec.spec.num_accepted > 0
+        assert len(spec.logprobs) == len(spec.token_ids)
+        assert spec.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+        assert all(lp <= 0 for lp in spec.logprobs)
+
+
+def test_logprobs_through_router(stack, client, model_id, local_engine, prompts):
+    ref = run_with_logprobs(local_engine, prompts[0])
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                       max_tokens=MAX_TOKENS, temperature=0, logprobs=True)
+    got = [c.logprob for c in r.choices[0].logprobs.content]
+    assert got == pytest.approx(ref.logprobs, abs=1e-5)
+    streamed = []
+    for chunk in client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                                max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += [c.logprob for c in chunk.choices[0].logprobs.content]
+    assert streamed == pytest.approx(ref.logprobs, abs=1e-5)
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        msgs = list(router_pb2_grpc.RouterStub(ch).Generate(
+            router_pb2.GenerateRequest(prompt=prompts[0], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
+                                       logprobs=True), metadata=auth_metadata(KEY), timeout=60))
+    assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
+    """The router's drafter client drafts the next round while the target verifies (assuming every
+    draft is accepted and guessing the bonus token); where the guess holds, those drafts are used
+    without another drafter round trip. Outputs stay the target's own, greedy and sampled."""
+    from test_speculative import OracleDrafter
+
+    from services.drafter.server import serve as serve_drafter
+    from services.router.remote import RemoteDrafter
+    from tandem.target import LocalTarget
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
+    plain = Engine(tiny_dir, cfg)
+    refs = [plain.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts[:SLOTS]]
+    full = [plain.encode_prompt(p) + r.token_ids for p, r in zip(prompts, refs)]
+    for mode in ("right", "noisy"):
+        oracle = OracleDrafter(full, mode=mode, vocab=plain.target.info.vocab_size)
+        server = BackgroundServer(lambda ready, stop: serve_drafter(oracle, SLOTS, 0, ready=ready, stop=stop))
+        try:
+            drafter = RemoteDrafter(server.address, plain.target.info.vocab_size)
+            eng = Engine(tokenizer=plain.tokenizer, drafter=drafter, num_draft_tokens=4,
+                         target=LocalTarget(plain.checkpoint, cfg))
+            got = eng.generate(prompts[:SLOTS], SamplingParams(max_tokens=MAX_TOKENS))
+            assert [g.token_ids for g in got] == [r.token_ids for r in refs]
+            if mode == "right":  # every guess holds: the drafter is never waited for after the first round
+                assert drafter.prefetch_hits > 0 and drafter.prefetch_misses <= SLOTS
+                assert eng.stats.acceptance_rate == 1.0
+            else:  # a wrong draft in every run: no guess holds, each round drafts again after verification
+                assert drafter.prefetch_misses > 0 and 0 < eng.stats.acceptance_rate < 1.0
+            drafter.close()
+        finally:
+            server.stop()
+
+
+# ----------------------------------------------------------------------------- load, bad input, disconnects
+
+
+def test_fifty_concurrent_streams(stack, model_id, prompts):
+    """50 streaming requests at once over 4 KV slots: all complete (continuous batching, queueing)."""
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        async def one(i: int):
+            chunks, usage = [], None
+            stream = await aclient.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=6,
+                temperature=0, stream=True, stream_options={"include_usage": True})
+            async for c in stream:
+                if c.choices:
+                    chunks.append(c.choices[0].delta.content or "")
+                if c.usage is not None:
+                    usage = c.usage
+            return "".join(chunks), usage
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(50)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 50
+    assert all(u is not None and 1 <= u.completion_tokens <= 6 for _, u in results)
+    by_prompt: dict[int, set] = {}
+    for i, (text, _) in enumerate(results):  # same prompt, greedy: same text whatever the batch
+        by_prompt.setdefault(i % len(prompts), set()).add(text)
+    assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
+
+
+def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(f"{stack.http_url}{path}", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b"{not json", ""),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "not served"),
+])
+def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, prompts, body, needle):
+    """Each bad request gets a 4xx with a message while a good streaming request runs alongside."""
+    result = {}
+    good = threading.Thread(target=lambda: result.setdefault("r", stream_text(client, model_id, prompts[1], 12)))
+    good.start()
+    status, payload = _post(stack, "/v1/chat/completions", body)
+    good.join(timeout=120)
+    assert 400 <= status < 500, payload
+    assert needle in payload["error"]["message"]
+    text, usage, finish = result["r"]
+    assert usage.completion_tokens >= 1 and finish in ("stop", "length")
+
+
+def test_grpc_invalid_argument(stack):
+    for req in (router_pb2.GenerateRequest(prompt="", params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=0)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0))):
+        with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
+            list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+
+
+def test_bearer_token_required(stack, model_id):
+    status, payload = _post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
+    assert status == 401 and "bearer" in payload["error"]["message"]
+    status, _ = _post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key="wrong")
+    assert status == 401
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_generate(stack, "hi", SamplingParams(max_tokens=2), key=None)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_client_disconnect_frees_slots(stack, client, model_id, prompts):
+    """Closing a stream mid-generation aborts the request: the router's load drops to zero and
+    every KV slot can be used again."""
+    streams = []
+    for i in range(SLOTS):
+        s = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[i]}],
+                                           max_tokens=CONTEXT, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(s))  # the request is running
+        streams.append(s)
+    for s in streams:
+        s.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"]:
+        time.sleep(0.2)
+    assert health(stack)["verifiers"][0]["load"] == 0
+    results = {}  # all slots free again: SLOTS new requests run at once
+    threads = [threading.Thread(target=lambda i=i: results.setdefault(i, stream_text(client, model_id, prompts[i], 4)))
+               for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == SLOTS and all(u.completion_tokens >= 1 for _, u, _ in results.values())
+
+
+def test_metrics_and_health(stack):
+    with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    assert "tandem_spec_decode_num_draft_tokens_total" in body
+    drafted = [float(line.split()[-1]) for line in body.splitlines()
+               if line.startswith("tandem_spec_decode_num_draft_tokens_total")]
+    assert drafted and drafted[0] > 0
+    h = health(stack)
+    assert h["status"] == "ok" and h["drafter"]["available"] and h["state_store"]["backend"] == "memory"
+
+
+# ----------------------------------------------------------------------------- faults (they change the stack: last)
+
+
+def test_killed_drafter_loses_nothing_and_recovers(stack, client, model_id, local_engine, prompts):
+    """SIGKILL the drafter while requests stream: every request completes with the engine's exact
+    greedy output (target-only while the drafter is gone); a restarted drafter is used again."""
+    max_tokens = 48
+    expected = reference(local_engine, prompts[:SLOTS], max_tokens)
+    results: dict[int, tuple] = {}
+    started = threading.Event()
+
+    def run(i: int) -> None:
+        parts, usage = [], None
+        for chunk in client.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True}):
+            started.set()
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        results[i] = ("".join(parts), usage)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(SLOTS)]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    stack.processes["drafter"].send_signal(signal.SIGKILL)
+    stack.processes["drafter"].wait()
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == list(range(SLOTS))
+    for i, ref in enumerate(expected):
+        assert results[i][0] == ref.text, f"prompt {i} changed after the drafter died"
+        assert results[i][1].completion_tokens == ref.completion_tokens
+    assert health(stack)["drafter"]["available"] is False
+    usage = stream_text(client, model_id, prompts[0])[1]  # target-only meanwhile (prompt 0 drafts when it can)
+    assert expected[0].spec.num_drafted > 0
+    assert usage.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+    stack.restart_drafter()
+    deadline = time.monotonic() + 30
+    drafted = 0
+    while time.monotonic() < deadline and not drafted:
+        text, usage, _ = stream_text(client, model_id, prompts[0], max_tokens)
+        drafted = usage.model_extra["speculative_decoding"]["num_draft_tokens"]
+    assert drafted > 0 and health(stack)["drafter"]["available"] is True
+    assert text == expected[0].text
+
+
+def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
+    """Killing the verifier fails its requests with a clear 503 and marks /health unavailable."""
+    stack.processes["verifier"].send_signal(signal.SIGKILL)
+    stack.processes["verifier"].wait()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                       max_tokens=8, temperature=0)
+    assert err.value.status_code == 503 and "verifier" in err.value.message
+    h = health(stack)
+    assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(stack.grpc_address) as ch:  # the standard health service follows
+        stub = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        status = None
+        while time.monotonic() < deadline and status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            status = stub.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Router"), timeout=5).status
+            time.sleep(0.2)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_verifier_failure_spares_other_replicas(tiny_dir, local_engine, prompts):
+    """Two verifier replicas: killing one mid-run fails only its requests (with a clear error);
+    the other replica's requests finish with the engine's exact output, and new requests go to it."""
+    stack = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                    num_verifiers=2, grpc_front_door=False), timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        params = SamplingParams(max_tokens=CONTEXT, ignore_eos=True)  # as long as the context allows
+        expected = [local_engine.generate([p], params)[0] for p in prompts[:4]]
+        results: dict[int, object] = {}
+        started = [threading.Event() for _ in range(4)]
+
+        def run(i: int) -> None:
+            parts = []
+            try:
+                for chunk in client.chat.completions.create(
+                        model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=CONTEXT,
+                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    started[i].set()
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].delta.content or "")
+                results[i] = "".join(parts)
+            except openai.APIError as exc:
+                results[i] = exc
+            finally:
+                started[i].set()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        stack.processes["verifier0"].send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+        failed = [i for i, r in results.items() if isinstance(r, Exception)]
+        done = [i for i, r in results.items() if not isinstance(r, Exception)]
+        assert len(results) == 4 and failed and done, results
+        assert all("verifier" in str(results[i]) for i in failed)
+        assert all(results[i] == expected[i].text for i in done)
+        h = health(stack)
+        assert h["status"] == "ok" and [v["healthy"] for v in h["verifiers"]] == [False, True]
+        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == reference(local_engine, prompts[:1])[0].text
+    finally:
+        stack.stop()
+
+
+# ----------------------------------------------------------------------------- sampling over gRPC is lossless
+
+
+def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
+    """Draft-model drafts with sparse top-K q (K < vocabulary, so the truncation matters) go through
+    the drafter service, the router's clients and the verifier service; sampled tokens still follow
+    target-only sampling exactly (chi-square on marginals and a joint, as in test_speculative)."""
+    from test_speculative import SAMPLING_CONFIGS, SAMPLING_DEPTH, check_distributions, exact_distributions
+
+    from services.drafter.server import serve as serve_drafter
+    from services.router.remote import RemoteDrafter, RemoteTarget
+    from services.verifier.server import serve as serve_verifier
+    from tandem.target import LocalTarget
+
+    target, draft_ck, prompt, logits = sampling_setup
+    n = 1200
+    cfg = RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64)
+    local = LocalTarget(target.checkpoint, cfg)
+    verifier = BackgroundServer(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
+    draft_model = DraftModelDrafter(draft_ck, cfg)
+    drafter = BackgroundServer(lambda ready, stop: serve_drafter(draft_model, 64, 0, max_probs_per_token=8,
+                                                              ready=ready, stop=stop))
+    try:
+        remote_target = RemoteTarget(verifier.address)
+        eng = Engine(tokenizer=target.tokenizer, drafter=RemoteDrafter(drafter.address, SMALL_VOCAB),
+                     num_draft_tokens=SAMPLING_DEPTH - 2, target=remote_target)
+        params = SAMPLING_CONFIGS["T1.0"]
+        ids = [eng.add_request(prompt_ids=prompt, params=replace(params, max_tokens=SAMPLING_DEPTH, seed=s,
+                                                                   ignore_eos=True)) for s in range(n)]
+        done = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = eng.completion(out.request_id)
+        samples = torch.tensor([done[i].token_ids for i in ids])
+        marginals, pair = exact_distributions(logits, params)
+        check_distributions(samples, marginals, pair, "draft model over gRPC, top-8 q")
+        assert eng.stats.num_drafted > n and 0.05 < eng.stats.acceptance_rate < 0.95, eng.stats
+        remote_target.close()
+    finally:
+        drafter.stop()
+        verifier.stop()
+
+
+# ----------------------------------------------------------------------------- the real model (slow)
+
+
+@pytest.mark.slow
+def test_real_model_through_the_stack(real_checkpoint):
+    """The bundled SmolLM2-135M through verifier + n-gram drafter + router processes: greedy
+    outputs (streamed and not) equal the in-process engine's, and drafts are accepted."""
+    stack = start_stack(StackConfig(drafter="ngram", max_batch_size=4, max_seq_len=1024), timeout_s=300)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=300)
+        model_id = client.models.list().data[0].id
+        engine = Engine(real_checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=1024),
+                        drafter=NgramDrafter(), num_draft_tokens=4)
+        prompts = [spec_bench_prompts(250)[i] for i in (244, 41)]  # qa, coding
+        accepted = 0
+        for prompt in prompts:
+            ref = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
+            r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=32, temperature=0)
+            assert r.choices[0].message.content == ref.text
+            text, usage, _ = stream_text(client, model_id, prompt, 32)
+            assert text == ref.text
+            accepted += usage.model_extra["speculative_decoding"]["num_accepted_tokens"]
+        assert accepted > 0
+    finally:
+        stack.stop()
