@@ -48,6 +48,9 @@ class StackConfig:
         predictor: acceptance predictor file for ``policy="predictor"``.
         measure_cost: verifiers measure T(b, q) for q <= K+1 at start-up (0: off); adaptive
             policies allocate draft tokens with it.
+        trace_dir: each process exports its spans as OTLP JSON to ``trace_dir/<name>.jsonl``
+            (``TANDEM_TRACE_FILE``; read them with ``tandem trace-report``); None: as the
+            environment says.
     """
 
     model: str | None = None
@@ -66,6 +69,7 @@ class StackConfig:
     policy: str = "fixed"
     predictor: str | None = None
     measure_cost: int = 0
+    trace_dir: str | None = None
 
 
 @dataclass
@@ -96,15 +100,19 @@ class Stack:
 
     def restart_drafter(self) -> None:
         """Start the drafter again on its old port (after a crash or a kill)."""
-        self.processes["drafter"] = _spawn("drafter", self._drafter_args, self.logs["drafter"], self.config.api_key)
+        self.processes["drafter"] = _spawn("drafter", self._drafter_args, self.logs["drafter"], self.config.api_key,
+                                           _trace_file(self.config, "drafter"))
         wait_grpc_healthy(self.drafter_address, 120, self.processes["drafter"], self.logs["drafter"])
 
     _drafter_args: list[str] = field(default_factory=list)
 
 
-def _spawn(name: str, args: list[str], log_path: Path, api_key: str | None) -> subprocess.Popen:
+def _spawn(name: str, args: list[str], log_path: Path, api_key: str | None,
+           trace_file: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if trace_file is not None:
+        env["TANDEM_TRACE_FILE"] = str(trace_file)
     if api_key:
         env["TANDEM_API_KEY"] = api_key
     root = str(Path(__file__).resolve().parent.parent)
@@ -112,6 +120,13 @@ def _spawn(name: str, args: list[str], log_path: Path, api_key: str | None) -> s
     log = open(log_path, "ab")
     return subprocess.Popen([sys.executable, "-m", "tandem", "-v", "serve", name, *args], stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=root)
+
+
+def _trace_file(config: StackConfig, name: str) -> Path | None:
+    if config.trace_dir is None:
+        return None
+    Path(config.trace_dir).mkdir(parents=True, exist_ok=True)
+    return Path(config.trace_dir) / f"{name}.jsonl"
 
 
 def _check_alive(proc: subprocess.Popen, log_path: Path, what: str) -> None:
@@ -181,13 +196,14 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
             stack.processes[name] = _spawn("verifier", [
                 "--port", str(port), "--max-batch-size", str(config.max_batch_size), "--max-seq-len",
                 str(config.max_seq_len), "--measure-cost", str(config.measure_cost), *model], stack.logs[name],
-                config.api_key)
+                config.api_key, _trace_file(config, name))
         if stack.drafter_address:
             stack._drafter_args = ["--port", str(dport), "--drafter", config.drafter,
                                    "--max-sequences", str(config.max_batch_size * config.num_verifiers),
                                    "--max-seq-len", str(config.max_seq_len), *model,
                                    *(["--draft-model", config.draft_model] if config.draft_model else [])]
-            stack.processes["drafter"] = _spawn("drafter", stack._drafter_args, stack.logs["drafter"], config.api_key)
+            stack.processes["drafter"] = _spawn("drafter", stack._drafter_args, stack.logs["drafter"], config.api_key,
+                                                _trace_file(config, "drafter"))
         for name, address in zip(vnames, stack.verifier_addresses):
             wait_grpc_healthy(address, timeout_s, stack.processes[name], stack.logs[name])
         if stack.drafter_address:
@@ -204,7 +220,8 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
             router_args += ["--grpc-port", str(gport)]
         if config.redis_url:
             router_args += ["--redis-url", config.redis_url]
-        stack.processes["router"] = _spawn("router", router_args, stack.logs["router"], config.api_key)
+        stack.processes["router"] = _spawn("router", router_args, stack.logs["router"], config.api_key,
+                                           _trace_file(config, "router"))
         wait_http_healthy(stack.http_url, timeout_s, stack.processes["router"], stack.logs["router"])
     except BaseException:
         stack.stop()

@@ -10,7 +10,7 @@ import signal
 import torch
 
 from services.common import api_key as resolve_api_key
-from tandem.telemetry import init_tracing
+from tandem.telemetry import force_flush, init_tracing
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ def _run(coro_factory) -> None:
         await coro_factory(stop)
 
     asyncio.run(main())
+    force_flush()  # spans of the last rounds reach the exporter before the process exits
 
 
 def build_local_target(model: str | None, device: str | None, max_batch_size: int | None, max_seq_len: int,
@@ -72,19 +73,17 @@ def build_drafter(drafter: str, draft_model: str | None, model: str | None, devi
     Raises:
         InvalidRequestError / ModelLoadError: bad drafter options.
     """
-    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from tandem.drafters.factory import build_drafter as build
     from tandem.errors import InvalidRequestError
     from tandem.models.runner import default_runner_config
     from tandem.models.weights import load_checkpoint
 
+    if drafter not in ("ngram", "draft-model"):  # SpecFormer drafts inside the verifier's pass: no service
+        raise InvalidRequestError(f"unknown drafter {drafter!r} for a drafter service; use ngram or draft-model")
     cfg = default_runner_config(device, max_batch_size=max_sequences, max_seq_len=max_seq_len)
     if drafter == "ngram":
-        return NgramDrafter(), "cpu"
-    if drafter == "draft-model":
-        if not draft_model:
-            raise InvalidRequestError("--drafter draft-model needs --draft-model PATH or truncate:N")
-        return DraftModelDrafter(load_draft_checkpoint(draft_model, load_checkpoint(model)), cfg), cfg.device
-    raise InvalidRequestError(f"unknown drafter {drafter!r}; use ngram or draft-model")
+        return build(drafter, None, None, cfg), "cpu"
+    return build(drafter, draft_model, load_checkpoint(model), cfg), cfg.device
 
 
 def run_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, port: int, host: str,

@@ -863,7 +863,8 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, measu
 
 @serve.command("drafter")
 @click.option("--drafter", type=click.Choice(["ngram", "draft-model"]), default="ngram", show_default=True)
-@click.option("--draft-model", default=None, metavar="PATH|truncate:N", help="Draft model for --drafter draft-model.")
+@click.option("--draft-model", default=None, metavar="PATH|truncate:N",
+              help="Draft model for --drafter draft-model (default with the bundled target: the shipped one).")
 @model_option
 @device_option
 @click.option("--port", type=click.IntRange(min=1, max=65535), required=True, help="gRPC port.")

@@ -557,3 +557,40 @@ def test_real_model_through_the_stack(real_checkpoint):
         assert accepted > 0
     finally:
         stack.stop()
+
+
+def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
+    """Each process writes its spans (TANDEM_TRACE_FILE); the router's rpc.client.* spans parent the
+    verifier's and drafter's rpc.server.* spans through the trace context each stream message
+    carries, so trace-report pairs them into network samples inside rounds."""
+    from click.testing import CliRunner
+
+    from tandem.cli import main
+
+    traces = tmp_path / "traces"
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                trace_dir=str(traces), overlap=False), timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        for p in prompts[:3]:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": p}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    finally:
+        s.stop()
+    files = sorted(str(f) for f in traces.glob("*.jsonl"))
+    assert [f.rsplit("/", 1)[1] for f in files] == ["drafter.jsonl", "router.jsonl", "verifier.jsonl"]
+    res = CliRunner().invoke(main, ["trace-report", *files, "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    ph = report["phases"]
+    assert ph["request"]["count"] == 3 and ph["round"]["count"] >= 3
+    # every verify batch and draft round crossed the wire once: one network sample per client RPC
+    assert ph["network"]["count"] >= ph["round"]["count"]
+    assert 0 < report["network_share"] < 1
+    from tandem.trace_report import read_spans
+
+    spans = [sp for f in files for sp in read_spans(f)]
+    client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
+    servers = [sp for sp in spans if sp.name.startswith("rpc.server.")]
+    assert servers and all(sp.trace_id in client_traces for sp in servers)  # joined their callers' traces

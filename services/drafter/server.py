@@ -83,7 +83,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await asyncio.to_thread(self._release, seqs, list(msg.release.seq_ids))
                     continue
                 try:
-                    with span("rpc.server.draft", parent_context=parent, round=int(msg.draft.round),
+                    ctx = extract_context(msg.draft.trace_context.items()) if msg.draft.trace_context else parent
+                    with span("rpc.server.draft", parent_context=ctx, round=int(msg.draft.round),
                               sequences=len(msg.draft.sequences)):
                         out = await asyncio.to_thread(self._draft, seqs, msg.draft)
                 except InvalidRequestError as exc:

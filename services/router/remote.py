@@ -157,6 +157,7 @@ class RemoteTarget(Target):
         batch.batch_id = self._batches
         try:
             with span("rpc.client.verify", address=self.address, prefill=len(batch.prefill), verify=len(batch.verify)):
+                batch.trace_context.update(dict(inject_metadata()))  # parent of this batch's server span
                 result = self._stream.call(batch, self.timeout_s)
         except (grpc.RpcError, TimeoutError, EOFError) as exc:
             self._stream.close()
@@ -298,6 +299,7 @@ class RemoteDrafter(Drafter):
             self._stream.send(msg)
             return None
         with span("rpc.client.draft", address=self.address, sequences=len(seqs)):
+            msg.draft.trace_context.update(dict(inject_metadata()))  # parent of this round's server span
             return self._check(self._stream.call(msg, self.timeout_s), self._rounds, len(requests))
 
     @staticmethod

@@ -63,7 +63,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             async for batch in request_iterator:
                 try:
-                    with span("rpc.server.verify", parent_context=parent, batch_id=int(batch.batch_id),
+                    ctx = extract_context(batch.trace_context.items()) if batch.trace_context else parent
+                    with span("rpc.server.verify", parent_context=ctx, batch_id=int(batch.batch_id),
                               prefill=len(batch.prefill), verify=len(batch.verify)):
                         result = await asyncio.to_thread(self._run, stream, batch)
                 except InvalidRequestError as exc:

@@ -38,16 +38,25 @@ class VerifySequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., last_token: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., is_tree: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
-    __slots__ = ("batch_id", "release", "prefill", "verify")
+    __slots__ = ("batch_id", "release", "prefill", "verify", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillSequence]
     verify: _containers.RepeatedCompositeFieldContainer[VerifySequence]
-    def __init__(self, batch_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillSequence, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[VerifySequence, _Mapping]]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, batch_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillSequence, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[VerifySequence, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SequenceResult(_message.Message):
     __slots__ = ("seq_id", "tokens", "num_accepted", "logprobs", "extras")
