@@ -22,7 +22,8 @@ def run():
     (["bench", "--model", "/nonexistent", "--no-hf-baseline"], "does not exist"),
     (["bench", "--batch-sizes", "abc"], "--batch-sizes must be positive integers"),
     (["generate", "--prompts-file", "/nonexistent/[bold]x[/bold].jsonl"], "[bold]x[/bold]"),
-    (["generate", "--prompt", "hi", "--drafter", "draft-model"], "needs --draft-model"),
+    (["generate", "--prompt", "hi", "--drafter", "draft-model", "--draft-model", "/nonexistent"], "does not exist"),
+    (["generate", "--prompt", "hi", "--drafter", "specformer", "--draft-model", "README.md"], "cannot read SpecFormer head"),
     (["generate"], "give exactly one of --prompt or --prompts-file"),
 ])
 def test_user_errors_are_one_line(run, args, message):
