@@ -139,11 +139,10 @@ def test_config_registry_errors(tiny_dir, tmp_path):
     (["--configs", "eagle"], "unknown configuration 'eagle'"),
     (["--configs", "ngram", "--drafter", "ngram"], "--drafter is for --ablation"),
     (["--configs", "specformer"], "specformer needs --specformer PATH"),
-    (["--mode", "distributed"], "distributed mode needs the serving stack (tandem serve)"),
+    (["--configs", "specformer", "--specformer", "README.md"], "cannot read SpecFormer head"),
+    (["--mode", "distributed", "--configs", "ngram,specformer"], "--mode distributed cannot run 'specformer'"),
 ])
 def test_bench_cli_config_errors(tiny_dir, args, message):
-    if "distributed" in args and importlib.util.find_spec("services"):
-        pytest.skip("this build has the serving stack")
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
     assert res.exit_code == 2, res.output
     assert message in res.stderr and "Traceback" not in res.output
@@ -247,3 +246,20 @@ def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_promp
         assert sf.lossless_share == 1.0 and sf.drafted > 0 and sf.k == 4, (exact, sf)
         if not exact:  # context-aware over SpecFormer; a random head's drafts are rightly mostly cut
             assert report.get("context-aware", 2).lossless_share == 1.0
+
+
+def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
+    """--mode distributed runs each configuration through real verifier / drafter / router
+    processes over loopback gRPC: same greedy output as target-only, acceptance reported."""
+    out = tmp_path / "dist"
+    res = CliRunner().invoke(main, [
+        "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2",
+        "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target,ngram", "--mode", "distributed",
+        "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "results.json").read_text())
+    assert report["meta"]["mode"] == "distributed"
+    rows = {r["config"]: r for r in report["results"]}
+    assert rows["target"]["speedup"] == 1.0 and rows["ngram"]["lossless_share"] == 1.0
+    assert rows["ngram"]["drafted"] > 0 and 0.0 <= rows["ngram"]["acceptance_rate"] <= 1.0
+    assert rows["ngram"]["ttft_p50_ms"] > 0

@@ -190,18 +190,67 @@ def check_mode(mode: str) -> None:
                           "importable here")
 
 
-def run_distributed(config: BenchConfig, options: BenchOptions, records: list[PromptRecord], batch_size: int,
-                    params: SamplingParams) -> tuple[list[Completion], float]:
-    """DISTRIBUTED RUNNER PLUG-IN POINT: run ``records`` through the router / drafter / verifier
-    services (``tandem serve``) with at most ``batch_size`` requests in flight under
-    ``config`` and return the completions (prompt order, with TTFT / TPOT and acceptance
-    counters) and the wall time of the pass (s). The in-process counterpart is ``_engine_pass``.
+DISTRIBUTED_DRAFTERS = {"target": "none", "ngram": "ngram", "draft-model": "draft-model"}
+
+
+def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None:
+    """Fail before any run for a configuration the service stack cannot run.
 
     Raises:
-        ConfigError: until the gRPC services' client is wired in here.
+        ConfigError: SpecFormer (its drafts come out of the verifier's own forward, not from a
+            drafter service), or context-aware over a drafter without a service.
     """
-    raise ConfigError("distributed bench runner is not wired to the serving stack yet: implement "
-                      "tandem.bench.spec_bench.run_distributed")
+    for c in configs:
+        if c.is_reference or c.name in DISTRIBUTED_DRAFTERS:
+            continue
+        if c.name == "context-aware" and options.ca_drafter in DISTRIBUTED_DRAFTERS:
+            continue
+        raise ConfigError(f"--mode distributed cannot run {c.name!r}: the service stack has drafter services for "
+                          f"ngram and draft-model only (SpecFormer drafts inside the verifier's forward)")
+
+
+def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runner_config: RunnerConfig,
+                    records: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
+                    progress: bool) -> tuple[list[Completion], float]:
+    """Run ``records`` through the disaggregated stack: ``tandem serve`` verifier, drafter and
+    router as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
+    in flight through ``Router.Generate``; a warm-up pass, then the timed pass.
+
+    Returns:
+        Completions (record order; TTFT / TPOT measured by the client, network included) and the
+        timed pass's wall time (s).
+
+    Raises:
+        ConfigError: a configuration the stack cannot run (``check_distributed``).
+        RuntimeError / TimeoutError: a service failed to start.
+    """
+    from services.launch import StackConfig, start_stack
+    from services.router.client import generate_all
+
+    check_distributed([config], options)
+    name = options.ca_drafter if config.name == "context-aware" else config.name
+    policy, predictor, k = "fixed", None, config.draft_tokens(options) or 1
+    if config.name == "context-aware":
+        from ..drafters.factory import drafter_predictor
+        from ..models.weights import load_checkpoint
+
+        predictor = options.predictor or drafter_predictor(name, options.draft_model, load_checkpoint(model))
+        policy = "predictor" if predictor else "entropy"
+    stack = start_stack(StackConfig(model=model, drafter=DISTRIBUTED_DRAFTERS[name],
+                                    draft_model=options.draft_model if name == "draft-model" else None,
+                                    num_draft_tokens=k, max_batch_size=batch_size,
+                                    max_seq_len=runner_config.max_seq_len, policy=policy, predictor=predictor,
+                                    measure_cost=k if config.uses_cost_model else 0), timeout_s=900)
+    try:
+        for label in ("warm-up", "timed"):
+            with tqdm(total=len(records), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
+                      file=sys.stderr, disable=None if progress else True) as bar:
+                t0 = time.perf_counter()
+                comps = generate_all(stack.grpc_address, records, params, batch_size, on_finish=lambda _: bar.update())
+                wall = time.perf_counter() - t0
+    finally:
+        stack.stop()
+    return comps, wall
 
 
 def bench_prompts(records: list[PromptRecord], batch_size: int, limit: int) -> list[PromptRecord]:
@@ -262,10 +311,10 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     sizes = sorted(set(batch_sizes))
     engine_configs = [c for c in configs if not c.is_reference]
     fixed = max(c.tokens_per_row(options) for c in engine_configs) if exact_kernels else 0
+    if mode == "distributed":
+        check_distributed(configs, options)
     ctx = BuildContext(checkpoint, options)
     prepare_configs(configs, ctx)
-    if mode == "distributed":
-        run_distributed(configs[0], options, records, sizes[0], SamplingParams(max_tokens=max_tokens))
     if cost_table or any(c.uses_cost_model for c in configs):
         max_q = max([options.num_draft_tokens + 1] + [c.tokens_per_row(options) for c in configs if c.uses_cost_model])
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
@@ -295,6 +344,13 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 bar.set_postfix_str(f"{c.name} b={b}")
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
+                elif mode == "distributed":
+                    comps, wall = run_distributed(c, options, str(checkpoint.path), engine.runner_config, prompts, b,
+                                                  params, f"{c.name} b={b}", progress)
+                    res = _engine_result(c, options, b, prompts, comps, wall, 0.0, base, base_tokens)
+                    if c.name == "target":
+                        base = res
+                        base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
                 else:
                     decoding = c.build(ctx)
                     own = _needs_own_engine(decoding)

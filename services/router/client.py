@@ -1,0 +1,71 @@
+"""A ``tandem.v1.Router`` gRPC client that turns streamed answers into ``Completion`` objects
+(what ``tandem bench --mode distributed`` measures), with at most N requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from services.common import params_to_pb
+from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
+from tandem.data import PromptRecord
+from tandem.engine import Completion
+from tandem.metrics import SpecDecodeStats
+from tandem.sampling import SamplingParams
+
+
+async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.Semaphore,
+               timeout_s: float) -> Completion:
+    async with sem:
+        req = router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=record.text)],
+                                         params=params_to_pb(params), category=record.category)
+        t0 = time.perf_counter()
+        ttft = None
+        ids: list[int] = []
+        text: list[str] = []
+        last = None
+        async for msg in stub.Generate(req, timeout=timeout_s):
+            if msg.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids.extend(msg.token_ids)
+            text.append(msg.text)
+            if msg.finished:
+                last = msg
+        e2e = time.perf_counter() - t0
+        if last is None:
+            raise RuntimeError(f"the router's stream for prompt {record.prompt_id} ended without a final message")
+        u = last.usage
+        spec = SpecDecodeStats(num_steps=u.num_verify_steps, num_emitted=max(0, u.completion_tokens - 1),
+                               num_drafted=u.num_draft_tokens, num_accepted=u.num_accepted_tokens)
+        ttft = ttft if ttft is not None else e2e
+        n = len(ids)
+        return Completion(last.request_id, "".join(text), ids, last.finish_reason, u.prompt_tokens, ttft, e2e,
+                          (e2e - ttft) / (n - 1) if n > 1 else 0.0, spec)
+
+
+def generate_all(address: str, records: list[PromptRecord], params: SamplingParams, concurrency: int,
+                 timeout_s: float = 600.0, on_finish=None) -> list[Completion]:
+    """Send every record (first turn, chat template) to ``Router.Generate`` at ``address`` with at
+    most ``concurrency`` in flight; completions in record order. TTFT / latency are measured on
+    the client (s), so they include the network.
+
+    Raises:
+        grpc.RpcError: a request failed (e.g. UNAVAILABLE when the verifier is down).
+    """
+
+    async def main() -> list[Completion]:
+        sem = asyncio.Semaphore(max(1, concurrency))
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+
+            async def run(r: PromptRecord) -> Completion:
+                c = await _one(stub, r, params, sem, timeout_s)
+                if on_finish is not None:
+                    on_finish(c)
+                return c
+
+            return list(await asyncio.gather(*(run(r) for r in records)))
+
+    return asyncio.run(main())
