@@ -155,13 +155,14 @@ class GrpcServer:
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", key: str | None = None) -> None:
         interceptors = [BearerAuthInterceptor(key)] if key else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        # so_reuseport off: a second server on a taken port must fail, not silently share it
+        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.host = host
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+            raise OSError(f"cannot bind {host}:{port} (address in use?)")
 
     @property
     def address(self) -> str:
@@ -244,3 +245,14 @@ class BackgroundServer:
         if self._stop is not None and self.thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(timeout=timeout_s)
+
+
+def probe_health(channel: grpc.Channel, metadata: list[tuple[str, str]], timeout_s: float = 1.0) -> bool:
+    """One standard gRPC health check (``grpc.health.v1.Health/Check``) over ``channel``: True when
+    the peer answers SERVING within ``timeout_s``."""
+    try:
+        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
+                                                         metadata=metadata, wait_for_ready=True)
+    except grpc.RpcError:
+        return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING

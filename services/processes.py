@@ -15,6 +15,22 @@ from tandem.telemetry import force_flush, init_tracing
 log = logging.getLogger(__name__)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast, before loading any model, when ``host:port`` is taken.
+
+    Raises:
+        OSError: the address is in use (or cannot be bound).
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def _run(coro_factory) -> None:
     """Run ``coro_factory(stop)`` until SIGINT / SIGTERM sets ``stop`` (clean shutdown)."""
 
@@ -57,6 +73,7 @@ def run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure
     from services.verifier.server import serve
     from tandem.control import CostModel
 
+    check_port_free(host, port)
     init_tracing("tandem-verifier")
     target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
     cost = None
@@ -95,6 +112,7 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
     """
     from services.drafter.server import serve
 
+    check_port_free(host, port)
     init_tracing("tandem-drafter")
     impl, dev = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
     _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop))
@@ -105,6 +123,9 @@ def run_router(config, http_port: int, grpc_port: int | None, host: str, key: st
     """Serve the HTTP and gRPC front doors until signalled."""
     from services.router.server import serve
 
+    for p in (http_port, grpc_port):
+        if p:
+            check_port_free(host, p)
     init_tracing("tandem-router")
     config.api_key = resolve_api_key(key)
     _run(lambda stop: serve(config, http_port, grpc_port, host, config.api_key, default_max_tokens, stop=stop))

@@ -47,11 +47,14 @@ class _Group(click.Group):
     def invoke(self, ctx):
         from .errors import ConfigError, InvalidRequestError
         from .models.config import ModelLoadError
+        from .target import TargetUnavailable
 
         try:
             return super().invoke(ctx)
-        except (InvalidRequestError, ModelLoadError, ConfigError) as exc:
+        except (InvalidRequestError, ModelLoadError, ConfigError, TargetUnavailable) as exc:
             _fail(str(exc))
+        except OSError as exc:  # e.g. a port already in use, an unreadable file
+            _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
 
 
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
@@ -836,7 +839,15 @@ def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, se
 
 @main.group()
 def serve() -> None:
-    """Run one Tandem service (drafter, verifier, router) as a standalone process."""
+    """Run one Tandem service (drafter, verifier, router) as a standalone process.
+
+    Start order: verifier(s), then drafter, then the router (it asks the verifiers for their model
+    at start-up). Services log at INFO (a "serving on" line when ready); -v adds engine events.
+    """
+    for name in ("services", "tandem"):
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
 
 
 host_option = click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")

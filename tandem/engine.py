@@ -35,6 +35,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
 
 
 @dataclass
@@ -224,6 +225,10 @@ class Engine:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and prompt:
+            for i, m in enumerate(prompt):
+                if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}] must have a role in {', '.join(CHAT_ROLES)} and a "
+                                              f"string content")
             return self.tokenizer.apply_chat_template(prompt)
         raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
 

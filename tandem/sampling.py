@@ -45,22 +45,24 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                or not 1 <= self.max_tokens < 2**31):
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+                raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}")
 
     @property
     def greedy(self) -> bool:

@@ -122,6 +122,10 @@ def test_generate_with_one_empty_prompt_queues_nothing(real_engine, good_tokens)
     (dict(stop=["ok", None]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(seed="abc"), "seed"),
+    (dict(seed=10**23), "seed"),
+    (dict(seed=-1), "seed"),
+    (dict(top_k=2**40), "top_k"),
+    (dict(stop_token_ids=[2**40]), "stop_token_ids"),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else None)
 def test_bad_sampling_params(real_engine, good_tokens, kwargs, field):
     with pytest.raises(InvalidRequestError, match=field) as exc:

@@ -314,7 +314,9 @@ def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id,
 def test_grpc_invalid_argument(stack):
     for req in (router_pb2.GenerateRequest(prompt="", params=common_pb2.SamplingParams(max_tokens=4)),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=0)),
-                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0))):
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0)),
+                router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="wizard", content="hi")],
+                                           params=common_pb2.SamplingParams(max_tokens=4))):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
@@ -594,3 +596,44 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
     servers = [sp for sp in spans if sp.name.startswith("rpc.server.")]
     assert servers and all(sp.trace_id in client_traces for sp in servers)  # joined their callers' traces
+
+
+def test_health_is_live_without_traffic(tiny_dir):
+    """/health probes the services itself: a drafter or verifier that dies while no request runs
+    shows at once, and a drafter that comes back shows as available again, still without traffic."""
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                grpc_front_door=False), timeout_s=180)
+    try:
+        assert health(s)["drafter"]["available"] is True
+        s.processes["drafter"].send_signal(signal.SIGKILL)
+        s.processes["drafter"].wait()
+        assert health(s)["drafter"]["available"] is False
+        s.restart_drafter()
+        deadline = time.monotonic() + 15  # the router's channel reconnects within its back-off (<= 2 s)
+        while not health(s)["drafter"]["available"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert health(s)["drafter"]["available"] is True
+        s.processes["verifier"].send_signal(signal.SIGKILL)
+        s.processes["verifier"].wait()
+        h = health(s)
+        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+    finally:
+        s.stop()
+
+
+def test_port_in_use_is_a_one_line_error():
+    """A service on a taken port fails at once with a clear message (no silent port sharing)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = str(held.getsockname()[1])
+        for service in (["drafter", "--drafter", "ngram"], ["router", "--verifier", "127.0.0.1:9"]):
+            args = [service[0], "--port", taken, *service[1:]]
+            res = subprocess.run([sys.executable, "-m", "tandem", "serve", *args], capture_output=True, text=True,
+                                 timeout=120)
+            assert res.returncode == 2 and f"cannot listen on 127.0.0.1:{taken}" in res.stderr, res.stderr
+            assert "Traceback" not in res.stderr

@@ -399,8 +399,27 @@ class Router:
             else:
                 self.forget(rid)
 
+    def probe(self) -> None:
+        """Actively health-check every verifier and the drafter (gRPC health service, 1 s each), so
+        /health and the router's own gRPC health follow them while no request runs: a verifier that
+        died is marked unhealthy, one that came back healthy again; a drafter that came back is
+        retried at the next round instead of after its back-off. Blocking: call from a thread."""
+        for w in self.workers:
+            if w.engine.target.probe():
+                if not w.healthy:
+                    log.info("verifier %s answers its health check again", w.name)
+                w.healthy, w.last_error = True, None
+            elif w.healthy:
+                log.error("verifier %s fails its health check", w.name)
+                w.healthy, w.last_error = False, "the verifier does not answer its health check"
+        for d in self.drafters:
+            d.reachable = d.probe()  # what /health reports (``available`` flips only when a round reconnects)
+            if d.reachable and not d.available:
+                d.retry_now()
+
     def health(self) -> dict:
-        """Replica, drafter and state-store status (what /health reports)."""
+        """Replica, drafter and state-store status (what /health reports; call ``probe`` first for
+        live status)."""
         shared = isinstance(self.store, FallbackStore)
         store_up = True
         if shared:
@@ -411,7 +430,7 @@ class Router:
             "verifiers": [{"address": w.name, "healthy": w.healthy, "error": w.last_error, "load": w.load}
                           for w in self.workers],
             "drafter": None if not self.drafters else {"address": self.config.drafter,
-                                                       "available": all(d.available for d in self.drafters)},
+                                                       "available": all(d.reachable for d in self.drafters)},
             "state_store": {"backend": "redis" if shared else "memory",
                             "up": store_up,
                             "mode": ("shared" if store_up else "local: Redis unreachable, writes queued for replay")

@@ -156,6 +156,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
 
     @app.get("/health")
     async def health():
+        await asyncio.to_thread(router.probe)  # live status, even while no request runs
         h = router.health()
         ok = any(v["healthy"] for v in h["verifiers"])
         return JSONResponse({"status": "ok" if ok else "unavailable", **h}, status_code=200 if ok else 503)

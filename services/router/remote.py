@@ -25,7 +25,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.common import CLIENT_OPTIONS, auth_metadata, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
+from services.common import CLIENT_OPTIONS, auth_metadata, probe_health, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tandem.control import CostModel
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
@@ -118,6 +118,7 @@ class RemoteTarget(Target):
         except grpc.RpcError as exc:
             raise TargetUnavailable(f"verifier {address} did not answer: {_rpc_error_text(exc)}") from None
         self._info = TargetInfo(info.model, info.vocab_size, info.num_slots, info.max_seq_len, "cpu")
+        self.probe = lambda timeout_s=1.0: probe_health(self._channel, self._metadata, timeout_s)
         self.eos_token_ids = list(info.eos_token_ids)
         table: dict[int, dict[int, float]] = {}
         for c in info.cost:
@@ -228,6 +229,7 @@ class RemoteDrafter(Drafter):
         self._metadata = auth_metadata(key)
         self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self.probe = lambda timeout_s=1.0: probe_health(self._channel, self._metadata, timeout_s)
         self._stream: BidiStream | None = None
         self._synced: dict[int, list[int]] = {}  # slot -> the sequence as the drafter holds it
         self._rounds = 0
@@ -235,6 +237,7 @@ class RemoteDrafter(Drafter):
         self._backoff = retry_s
         self.name = "remote"
         self.available = True
+        self.reachable = True  # last health-check result (what /health reports)
         self._pending: dict[int, list[int]] | None = None  # prefetch in flight: slot -> sequence it drafts from
         self.prefetch_hits = 0  # next-round drafts that were ready when verification returned
         self.prefetch_misses = 0
@@ -269,6 +272,10 @@ class RemoteDrafter(Drafter):
         self.available = False
         self._down_until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self.max_retry_s)
+
+    def retry_now(self) -> None:
+        """The drafter answers health checks again: reconnect at the next round, not after the back-off."""
+        self._down_until = 0.0
 
     def _deltas(self, requests: list[DraftRequest]) -> list[drafter_pb2.SequenceDelta]:
         """Each sequence as what the drafter holds (base_len) plus what it has not seen."""

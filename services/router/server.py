@@ -83,6 +83,7 @@ async def _watch_health(router: Router, server: GrpcServer, period_s: float = 2.
     serving = True
     while True:
         await asyncio.sleep(period_s)
+        await asyncio.to_thread(router.probe)
         now = any(w.healthy for w in router.workers)
         if now != serving:
             serving = now
