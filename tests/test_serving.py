@@ -426,6 +426,10 @@ def test_dead_verifier_fails_requests_clearly(stack, client, model_id, prompts):
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
                                        max_tokens=8, temperature=0)
     assert err.value.status_code == 503 and "verifier" in err.value.message
+    with pytest.raises(openai.APIStatusError) as err:  # a stream is refused up front too, not a 200 then an error
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                       max_tokens=8, temperature=0, stream=True)
+    assert err.value.status_code == 503
     h = health(stack)
     assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
     from grpc_health.v1 import health_pb2, health_pb2_grpc

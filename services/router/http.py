@@ -187,6 +187,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                          logprobs=req.wants_logprobs())
         created = int(time.time())
         if req.stream:
+            if not any(w.healthy for w in router.workers):  # known down: say so before the 200 of a stream
+                return _error(503, "no verifier is available; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_req, req.category, rid, created, chat_api, include_usage),
                                        ping=15)
