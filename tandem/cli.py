@@ -79,6 +79,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     if predictor == "auto":  # the predictor trained for this drafter, saved next to its weights
         from .drafters.factory import PREDICTOR_FILE, drafter_predictor
 
+        if drafter not in ("draft-model", "specformer"):
+            raise InvalidRequestError("--predictor auto needs a trained drafter (--drafter draft-model or specformer)")
         predictor = drafter_predictor(drafter, draft_model, checkpoint)
         if predictor is None:
             raise InvalidRequestError(f"--predictor auto: no {PREDICTOR_FILE} next to the {drafter} drafter's weights")
