@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Split the bundled target GGUF into N parts (default 5) in ignored folders .device-stage/pI, so
+# Split the bundled target GGUF into N parts (default 6) in ignored folders .device-stage/pI, so
 # each device call stays under the 64 MiB it may carry *with* the working tree (the shipped
 # drafter weights make the tree ~36 MiB, too big beside ../shared/tools/stage-for-device's 56 MiB
 # parts). Prints the calls to make back to back; the last one rebuilds and checks the file.
 #   scripts/stage_model.sh [PARTS] [FILE]
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
-parts=${1:-5}
+parts=${1:-6}
 file=${2:-$("$top/.venv/bin/python" -c 'from tandem.models.weights import default_model_path; print(default_model_path())')}
 name=$(basename "$file")
 stage=$top/.device-stage
