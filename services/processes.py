@@ -104,8 +104,9 @@ def build_drafter(drafter: str, draft_model: str | None, model: str | None, devi
 
 
 def run_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, port: int, host: str,
-                max_sequences: int, max_seq_len: int, key: str | None = None) -> None:
-    """Serve ``tandem.v1.Drafter`` until signalled.
+                max_sequences: int, max_seq_len: int, key: str | None = None, predictor: str | None = None) -> None:
+    """Serve ``tandem.v1.Drafter`` until signalled; with ``predictor`` (a path, or "auto" = the one
+    saved beside the drafter's weights) every draft goes out with its predicted acceptance.
 
     Raises:
         InvalidRequestError / ModelLoadError: bad drafter options.
@@ -115,7 +116,21 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
     check_port_free(host, port)
     init_tracing("tandem-drafter")
     impl, dev = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
-    _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop))
+    scorer = None
+    if predictor is not None:
+        from tandem.drafters.factory import drafter_predictor
+        from tandem.errors import ConfigError
+        from tandem.models.weights import load_checkpoint
+        from tandem.predictor import AcceptancePredictor
+
+        path = drafter_predictor(drafter, draft_model, load_checkpoint(model)) if predictor == "auto" else predictor
+        if path is None:
+            raise ConfigError(f"--predictor auto: no predictor saved beside the {drafter} drafter's weights")
+        try:
+            scorer = AcceptancePredictor.load(path)
+        except Exception as exc:  # missing file, not a predictor
+            raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
+    _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop, predictor=scorer))
 
 
 def run_router(config, http_port: int, grpc_port: int | None, host: str, key: str | None,

@@ -886,11 +886,15 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, measu
               help="Sequences held at once over all router streams (draft-model KV cache slots).")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @key_option
-def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences, max_seq_len, api_key) -> None:
+@click.option("--predictor", default=None, metavar="PATH|auto",
+              help="Send each draft's predicted acceptance with it (acceptance predictor; auto = the one saved "
+                   "beside the drafter's weights). Without it the router scores the drafts' features.")
+def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences, max_seq_len, api_key,
+                  predictor) -> None:
     """A drafter: tandem.v1.Drafter over gRPC."""
     from services.processes import run_drafter
 
-    run_drafter(drafter, draft_model, model, device, port, host, max_sequences, max_seq_len, api_key)
+    run_drafter(drafter, draft_model, model, device, port, host, max_sequences, max_seq_len, api_key, predictor)
 
 
 @serve.command("router")

@@ -292,8 +292,10 @@ class DraftPolicy:
         self.max_total_tokens = max_total_tokens
         self._tau_used = tau
 
-    def lengths(self, features: Sequence) -> list[int]:
-        """Draft length per sequence from each sequence's features ``[n_i, F]``."""
+    def lengths(self, features: Sequence, scores: Sequence | None = None) -> list[int]:
+        """Draft length per sequence from each sequence's features ``[n_i, F]``; a sequence whose
+        ``scores[i]`` (``[n_i]`` acceptance probabilities its drafter computed) is given uses
+        those instead of ``score(features)``."""
         import torch
 
         tau = self.controller.current() if self.controller is not None else self.fixed_tau
@@ -301,9 +303,14 @@ class DraftPolicy:
         sizes = [f.shape[0] for f in features]
         if not any(sizes):
             return sizes
-        flat = self.score(torch.cat([f for f in features if f.shape[0]])).tolist()
+        given = list(scores) if scores is not None else [None] * len(sizes)
+        todo = [f for f, g in zip(features, given) if f.shape[0] and g is None]
+        flat = self.score(torch.cat(todo)).tolist() if todo else []
         probs, i = [], 0
-        for n in sizes:
+        for n, g in zip(sizes, given):
+            if g is not None:
+                probs.append([float(x) for x in g[:n]])
+                continue
             probs.append(flat[i:i + n])
             i += n
         if self.cost is None:
@@ -312,7 +319,7 @@ class DraftPolicy:
 
     def apply(self, proposals: list) -> list:
         """Cut every proposal to its allocated length, then branch at hard positions."""
-        keep = self.lengths([p.features for p in proposals])
+        keep = self.lengths([p.features for p in proposals], [p.scores for p in proposals])
         out = [p.truncated(n) for p, n in zip(proposals, keep)]
         if self.branch_top_m > 1:
             spare = None if self.max_total_tokens is None else self.max_total_tokens - sum(len(p.tokens) for p in out)

@@ -142,3 +142,19 @@ def test_tau_controller_state_round_trip():
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert not any(math.isnan(g) for g in b.goodput())
+
+
+def test_policy_uses_drafter_scores_when_given():
+    """Proposals that carry their drafter's acceptance scores are cut by those, not by the
+    policy's own score of their features."""
+    import torch
+
+    from tandem.control import DraftPolicy
+    from tandem.drafters.base import DraftProposal, one_hot_features
+
+    policy = DraftPolicy(lambda f: torch.zeros(f.shape[0]), tau=0.5)  # own score: reject everything
+    scored = DraftProposal([1, 2, 3], None, one_hot_features(3), scores=torch.tensor([0.9, 0.8, 0.1]))
+    plain = DraftProposal([1, 2, 3], None, one_hot_features(3))
+    out = policy.apply([scored, plain])
+    assert [len(p.tokens) for p in out] == [2, 0]
+    assert out[0].scores.tolist() == pytest.approx([0.9, 0.8])

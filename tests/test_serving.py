@@ -641,3 +641,33 @@ def test_port_in_use_is_a_one_line_error():
                                  timeout=120)
             assert res.returncode == 2 and f"cannot listen on 127.0.0.1:{taken}" in res.stderr, res.stderr
             assert "Traceback" not in res.stderr
+
+
+def test_drafter_service_sends_predictor_scores(tiny_dir):
+    """`tandem serve drafter --predictor PATH`: each draft arrives with the predictor's acceptance
+    probability of its features (the router then allocates with those)."""
+    import subprocess
+    import sys
+
+    from services.launch import free_port, wait_grpc_healthy
+    from services.router.remote import RemoteDrafter
+    from tandem.drafters.base import DraftRequest
+    from tandem.predictor import AcceptancePredictor
+
+    pred = "tandem/drafters/weights/draft-model-smollm2-135m/predictor.safetensors"
+    port = free_port()
+    log = open(f"/tmp/drafter-scores-{port}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "drafter", "--port", str(port), "--drafter",
+                             "ngram", "--model", tiny_dir, "--predictor", pred], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_grpc_healthy(f"127.0.0.1:{port}", 120, proc, log.name)
+        drafter = RemoteDrafter(f"127.0.0.1:{port}", 1000)
+        seq = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # n-gram lookup proposes 8, 5, 6, 7
+        [p] = drafter.propose([DraftRequest(0, seq, 4, SamplingParams(max_tokens=8))])
+        assert p.tokens and p.scores is not None and len(p.scores) == len(p.tokens)
+        want = AcceptancePredictor.load(pred).predict(p.features)
+        assert torch.allclose(p.scores, want, atol=1e-5)
+        drafter.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

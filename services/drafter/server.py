@@ -62,8 +62,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         device: where sampled requests' generators live (the drafter's device).
     """
 
-    def __init__(self, drafter: Drafter, max_sequences: int, max_probs_per_token: int = 64, device: str = "cpu"):
+    def __init__(self, drafter: Drafter, max_sequences: int, max_probs_per_token: int = 64, device: str = "cpu",
+                 predictor=None):
         self.drafter = drafter
+        self.predictor = predictor  # AcceptancePredictor: drafts go out with predicted acceptance scores
         self.max_sequences = max_sequences
         self.max_probs_per_token = max_probs_per_token
         self.device = device
@@ -128,6 +130,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise InvalidRequestError(f"sequence {d.seq_id} is empty")
                 asks.append(DraftRequest(seq.slot, list(seq.tokens), int(d.max_draft), seq.params, seq.generator))
             proposals = self.drafter.propose(asks)
+        if self.predictor is not None:
+            for p in proposals:
+                if p.tokens:
+                    p.scores = self.predictor.predict(p.features)
         return drafter_pb2.DraftBatch(round=batch.round, proposals=[
             _proposal_pb(d.seq_id, p) for d, p in zip(batch.sequences, proposals)])
 
@@ -137,12 +143,13 @@ def _proposal_pb(seq_id: int, p: DraftProposal) -> drafter_pb2.DraftProposal:
     return drafter_pb2.DraftProposal(
         seq_id=seq_id, tokens=p.tokens, probs=probs_to_sparse(p.probs) if p.probs is not None else [],
         features=p.features.float().flatten().tolist(), num_features=int(p.features.shape[1]) if p.features.ndim == 2 else NUM_FEATURES,
-        top_tokens=top.flatten().tolist() if top is not None else [], top_m=int(top.shape[1]) if top is not None else 0)
+        top_tokens=top.flatten().tolist() if top is not None else [], top_m=int(top.shape[1]) if top is not None else 0,
+        scores=p.scores.float().tolist() if p.scores is not None else [])
 
 
 async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str = "127.0.0.1", key: str | None = None,
                 device: str = "cpu", max_probs_per_token: int = 64, ready: "asyncio.Future | None" = None,
-                stop: "asyncio.Event | None" = None) -> None:
+                stop: "asyncio.Event | None" = None, predictor=None) -> None:
     """Run the drafter server until ``stop`` is set (forever without one).
 
     Args:
@@ -151,7 +158,7 @@ async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str =
     """
     server = GrpcServer(port, host, key)
     drafter_pb2_grpc.add_DrafterServicer_to_server(
-        DrafterServicer(drafter, max_sequences, max_probs_per_token, device), server.server)
+        DrafterServicer(drafter, max_sequences, max_probs_per_token, device, predictor), server.server)
     await server.start([SERVICE_NAME])
     if ready is not None:
         ready.set_result(server.address)

@@ -381,6 +381,8 @@ class RemoteDrafter(Drafter):
         feats = torch.tensor(list(p.features), dtype=torch.float32).reshape(n, nf) if n else torch.zeros(0, nf)
         probs = sparse_to_probs(p.probs, self.vocab_size) if len(p.probs) == n and n else None
         top = torch.tensor(list(p.top_tokens), dtype=torch.long).reshape(n, p.top_m) if p.top_m and n else None
+        # drafter-side scores saw the original positions: after a skip the router rescores the shifted features
+        scores = torch.tensor(list(p.scores), dtype=torch.float32) if len(p.scores) == n and n and not skip else None
         end = n if limit is None else min(n, skip + limit)
         if skip or end < n:
             feats = feats[skip:end].clone()
@@ -388,7 +390,8 @@ class RemoteDrafter(Drafter):
                 feats[:, NUM_FEATURES - 1] -= skip  # the position feature is 1-based from the new start
             probs = None if probs is None else probs[skip:end]
             top = None if top is None else top[skip:end]
-        return DraftProposal(list(p.tokens[skip:end]), probs, feats, top)
+            scores = None if scores is None else scores[skip:end]
+        return DraftProposal(list(p.tokens[skip:end]), probs, feats, top, scores=scores)
 
     def release(self, slot: int) -> None:
         if self._synced.pop(slot, None) is not None and self._stream is not None:

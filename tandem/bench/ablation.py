@@ -29,7 +29,7 @@ class RandomLengthPolicy(DraftPolicy):
         super().__init__(score=None)
         self._rng = random.Random(seed)
 
-    def lengths(self, features) -> list[int]:
+    def lengths(self, features, scores=None) -> list[int]:
         return [self._rng.randint(0, f.shape[0]) for f in features]
 
 

@@ -52,6 +52,9 @@ class DraftProposal:
             (for branching at hard positions), or None.
         parents: token-tree parent index of each token (-1: the sequence's last token), or
             None for a chain.
+        scores: ``[len(tokens)]`` float32 predicted acceptance probabilities when the drafter
+            scored its own drafts (a drafter service with a predictor), else None (the engine's
+            draft policy scores the features).
     """
 
     tokens: list[int]
@@ -59,6 +62,7 @@ class DraftProposal:
     features: torch.Tensor
     top_tokens: torch.Tensor | None = None
     parents: list[int] | None = None
+    scores: torch.Tensor | None = None
 
     @property
     def chain_length(self) -> int:
@@ -74,7 +78,8 @@ class DraftProposal:
         if self.parents is not None:
             raise ValueError("truncate token trees by rebuilding them")
         return DraftProposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.features[:n],
-                             None if self.top_tokens is None else self.top_tokens[:n])
+                             None if self.top_tokens is None else self.top_tokens[:n],
+                             scores=None if self.scores is None else self.scores[:n])
 
     def branched(self, n: int, m: int) -> "DraftProposal":
         """Keep the first ``n`` drafts as a chain and branch position ``n + 1`` into its ``m``

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"{\n\x12\x44raftStreamRequest\x12-\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x1c.tandem.v1.DraftRequestBatchH\x00\x12.\n\x07release\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.ReleaseSequencesH\x00\x42\x06\n\x04kind\"\x7f\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x11\n\tmax_draft\x18\x04 \x01(\r\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xcb\x01\n\x11\x44raftRequestBatch\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.tandem.v1.SequenceDelta\x12\x45\n\rtrace_context\x18\x03 \x03(\x0b\x32..tandem.v1.DraftRequestBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x10ReleaseSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\xa1\x01\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12%\n\x05probs\x18\x03 \x03(\x0b\x32\x16.tandem.v1.SparseProbs\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\x02\x12\x14\n\x0cnum_features\x18\x05 \x01(\r\x12\x12\n\ntop_tokens\x18\x06 \x03(\x05\x12\r\n\x05top_m\x18\x07 \x01(\r\"H\n\nDraftBatch\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\tproposals\x18\x02 \x03(\x0b\x32\x18.tandem.v1.DraftProposal\"\x14\n\x12\x44rafterInfoRequest\"e\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_features\x18\x02 \x01(\r\x12\x15\n\rmax_sequences\x18\x03 \x01(\r\x12\x1b\n\x13max_probs_per_token\x18\x04 \x01(\r2\x8b\x01\n\x07\x44rafter\x12\x41\n\x05\x44raft\x12\x1d.tandem.v1.DraftStreamRequest\x1a\x15.tandem.v1.DraftBatch(\x01\x30\x01\x12=\n\x04Info\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/drafter.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"{\n\x12\x44raftStreamRequest\x12-\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x1c.tandem.v1.DraftRequestBatchH\x00\x12.\n\x07release\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.ReleaseSequencesH\x00\x42\x06\n\x04kind\"\x7f\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x11\n\tmax_draft\x18\x04 \x01(\r\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xcb\x01\n\x11\x44raftRequestBatch\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\tsequences\x18\x02 \x03(\x0b\x32\x18.tandem.v1.SequenceDelta\x12\x45\n\rtrace_context\x18\x03 \x03(\x0b\x32..tandem.v1.DraftRequestBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x10ReleaseSequences\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"\xb1\x01\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12%\n\x05probs\x18\x03 \x03(\x0b\x32\x16.tandem.v1.SparseProbs\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\x02\x12\x14\n\x0cnum_features\x18\x05 \x01(\r\x12\x12\n\ntop_tokens\x18\x06 \x03(\x05\x12\r\n\x05top_m\x18\x07 \x01(\r\x12\x0e\n\x06scores\x18\x08 \x03(\x02\"H\n\nDraftBatch\x12\r\n\x05round\x18\x01 \x01(\x04\x12+\n\tproposals\x18\x02 \x03(\x0b\x32\x18.tandem.v1.DraftProposal\"\x14\n\x12\x44rafterInfoRequest\"e\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnum_features\x18\x02 \x01(\r\x12\x15\n\rmax_sequences\x18\x03 \x01(\r\x12\x1b\n\x13max_probs_per_token\x18\x04 \x01(\r2\x8b\x01\n\x07\x44rafter\x12\x41\n\x05\x44raft\x12\x1d.tandem.v1.DraftStreamRequest\x1a\x15.tandem.v1.DraftBatch(\x01\x30\x01\x12=\n\x04Info\x12\x1d.tandem.v1.DrafterInfoRequest\x1a\x16.tandem.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,13 +45,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASESEQUENCES']._serialized_start=522
   _globals['_RELEASESEQUENCES']._serialized_end=557
   _globals['_DRAFTPROPOSAL']._serialized_start=560
-  _globals['_DRAFTPROPOSAL']._serialized_end=721
-  _globals['_DRAFTBATCH']._serialized_start=723
-  _globals['_DRAFTBATCH']._serialized_end=795
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=797
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=817
-  _globals['_DRAFTERINFO']._serialized_start=819
-  _globals['_DRAFTERINFO']._serialized_end=920
-  _globals['_DRAFTER']._serialized_start=923
-  _globals['_DRAFTER']._serialized_end=1062
+  _globals['_DRAFTPROPOSAL']._serialized_end=737
+  _globals['_DRAFTBATCH']._serialized_start=739
+  _globals['_DRAFTBATCH']._serialized_end=811
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=813
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=833
+  _globals['_DRAFTERINFO']._serialized_start=835
+  _globals['_DRAFTERINFO']._serialized_end=936
+  _globals['_DRAFTER']._serialized_start=939
+  _globals['_DRAFTER']._serialized_end=1078
 # @@protoc_insertion_point(module_scope)

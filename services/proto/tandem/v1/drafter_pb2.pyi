@@ -53,7 +53,7 @@ class ReleaseSequences(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("seq_id", "tokens", "probs", "features", "num_features", "top_tokens", "top_m")
+    __slots__ = ("seq_id", "tokens", "probs", "features", "num_features", "top_tokens", "top_m", "scores")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class DraftProposal(_message.Message):
     NUM_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOP_M_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
@@ -68,7 +69,8 @@ class DraftProposal(_message.Message):
     num_features: int
     top_tokens: _containers.RepeatedScalarFieldContainer[int]
     top_m: int
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., features: _Optional[_Iterable[float]] = ..., num_features: _Optional[int] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_m: _Optional[int] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., features: _Optional[_Iterable[float]] = ..., num_features: _Optional[int] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_m: _Optional[int] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftBatch(_message.Message):
     __slots__ = ("round", "proposals")
