@@ -288,7 +288,8 @@ def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("body, needle", [
-    (b"{not json", ""),
+    (b"{not json", "not valid JSON"),
+    (b"", "body is empty"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),

@@ -139,6 +139,11 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", byte offset): not a parameter
+            pos = first.get("loc", ("", "?"))[-1]
+            return _error(400, f"the request body is not valid JSON (at byte {pos}): {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+        if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            return _error(400, "the request body is empty; send a JSON object")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", exc)),
                       param=loc or None)
