@@ -16,7 +16,7 @@ import torch
 
 from tandem.cli import _engine
 from tandem.data import bundled_spec_bench, load_prompts, round_robin_by_category
-from tandem.metrics import SpecDecodeStats
+from tandem.bench.acceptance import measure_acceptance
 from tandem.sampling import SamplingParams
 
 out = Path(sys.argv[1])
@@ -36,25 +36,18 @@ for spec in sys.argv[2:]:
     params = SamplingParams(max_tokens=int(os.environ.get("MAX_TOKENS", 256)))
     if torch.cuda.is_available():  # warm-up: captures the graphs
         e.generate([r.text for r in recs[:min(len(recs), 2 * batch)]], params)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
     t0 = time.perf_counter()
-    res = e.generate([r.text for r in recs], params)
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-    wall = time.perf_counter() - t0
-    overall, cats = SpecDecodeStats(), {}
-    for r, c in zip(recs, res):
-        overall.merge(c.spec)
-        cats.setdefault(r.category, SpecDecodeStats()).merge(c.spec)
+    report, res = measure_acceptance(e, recs, params.max_tokens)
+    wall = report.wall_s
     ids = [c.token_ids for c in res]
     key = (batch, len(recs))
     if drafter == "none":
         reference[key] = ids
     ref = reference.get(key)
     row = {"name": name, "drafter": drafter, "k": k, "batch": batch, "prompts": len(recs),
-           "output_tokens": sum(map(len, ids)), "wall_s": wall, "tps": sum(map(len, ids)) / wall,
+           "output_tokens": report.output_tokens, "wall_s": wall, "tps": report.output_tokens / wall,
            "identical_to_target": None if ref is None else sum(a == b for a, b in zip(ids, ref)) / len(ids),
-           "overall": overall.to_dict(), "per_category": {c: s.to_dict() for c, s in sorted(cats.items())},
-           "load_and_warmup_s": t0 - t_load}
+           "overall": report.overall, "per_category": report.per_category, "load_and_warmup_s": t0 - t_load}
     (out / f"{name}-b{batch}.json").write_text(json.dumps(row, indent=1))
     o = row["overall"]
     print(f"{name:14s} b{batch:<3d} k{k} tps {row['tps']:8.1f}  acc {o['acceptance_rate']:.3f}  "

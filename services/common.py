@@ -184,6 +184,18 @@ class GrpcServer:
         await _maybe_await(self.health.enter_graceful_shutdown())
         await self.server.stop(grace_s)
 
+    async def serve_until(self, service_names: Sequence[str], ready: "asyncio.Future | None" = None,
+                          stop: "asyncio.Event | None" = None) -> None:
+        """Start, resolve ``ready`` with the bound address, serve until ``stop`` is set (forever
+        without one), then shut down gracefully."""
+        await self.start(service_names)
+        if ready is not None:
+            ready.set_result(self.address)
+        try:
+            await (stop.wait() if stop is not None else self.server.wait_for_termination())
+        finally:
+            await self.stop()
+
 
 async def _maybe_await(x):
     if asyncio.iscoroutine(x):

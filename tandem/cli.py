@@ -750,11 +750,13 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
         from .bench.acceptance import measure_acceptance
         from .data import bundled_spec_bench, load_prompts, round_robin_by_category
 
-        on_gpu = (device or "").startswith("cuda") or (device is None and __import__("torch").cuda.is_available())
+        import torch
+
+        on_gpu = (device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
         engine = _engine(model, device, eval_batch_size or (64 if on_gpu else 8), 2048, drafter=kind,
                          draft_model=out, num_draft_tokens=num_draft_tokens)
         records = round_robin_by_category(load_prompts(bundled_spec_bench()), eval_limit)
-        report = measure_acceptance(engine, records, eval_max_tokens).to_dict()
+        report = measure_acceptance(engine, records, eval_max_tokens)[0].to_dict()
     card = {"kind": kind, "command": " ".join(sys.argv), "data": {
                 "answers": len(manifest.records), "answer_tokens": sum(r.answer_len for r in manifest.records),
                 "target": manifest.target, "settings": manifest.settings},

@@ -151,9 +151,8 @@ class Engine:
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = load_checkpoint(checkpoint)
             self.runner_config = runner_config or default_runner_config()
-            taps = tuple(getattr(drafter, "target_taps", ()))  # a drafter reading the target's hidden states
-            if taps:
-                self.runner_config = replace(self.runner_config, taps=taps)
+            if drafter is not None and drafter.target_taps:  # a drafter reading the target's hidden states
+                self.runner_config = replace(self.runner_config, taps=tuple(drafter.target_taps))
             target = LocalTarget(checkpoint, self.runner_config)
             self.tokenizer = tokenizer or load_tokenizer(checkpoint)
         else:
@@ -172,7 +171,7 @@ class Engine:
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
-        if hasattr(drafter, "bind"):  # reads the target's hidden states (SpecFormer): needs them in-process
+        if drafter is not None and drafter.target_taps:  # reads the target's hidden states: needs them in-process
             if not isinstance(self.target, LocalTarget):
                 raise ValueError(f"the {drafter.name} drafter reads the target's hidden states; it needs a local target")
             drafter.bind(self.runner)
@@ -187,7 +186,7 @@ class Engine:
     @property
     def _observes(self) -> bool:
         """The drafter is fed the target's states of every accepted position (SpecFormer)."""
-        return (self.drafter is not None and hasattr(self.drafter, "observe") and self.runner_config is not None
+        return (self.drafter is not None and bool(self.drafter.target_taps) and self.runner_config is not None
                 and bool(self.runner_config.taps))
 
     @property

@@ -232,10 +232,9 @@ class LocalTarget(Target):
                                 torch.tensor([r for rows in kept for r in rows])]
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
         outs = []
-        for it, res, extras in zip(items, results, taps):
+        for it, res, extras, rows in zip(items, results, taps, kept):
             lp = None
             if it.return_logprobs:  # row j of the forward predicts the token after the j-th input
-                rows = [0] + [i + 1 for i in res.path] if res.path else list(range(len(res.tokens)))
                 logp = out.logits[it.slot, rows].float().log_softmax(-1)
                 lp = logp.gather(-1, torch.tensor(res.tokens, device=logp.device)[:, None])[:, 0].tolist()
             outs.append(TargetResult(list(res.tokens), res.num_accepted, lp, extras))

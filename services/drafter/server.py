@@ -159,10 +159,4 @@ async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str =
     server = GrpcServer(port, host, key)
     drafter_pb2_grpc.add_DrafterServicer_to_server(
         DrafterServicer(drafter, max_sequences, max_probs_per_token, device, predictor), server.server)
-    await server.start([SERVICE_NAME])
-    if ready is not None:
-        ready.set_result(server.address)
-    try:
-        await (stop.wait() if stop is not None else server.server.wait_for_termination())
-    finally:
-        await server.stop()
+    await server.serve_until([SERVICE_NAME], ready, stop)

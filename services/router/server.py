@@ -67,15 +67,11 @@ async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: st
     """Serve ``tandem.v1.Router`` (and health) for an existing ``Router`` until ``stop`` is set."""
     server = GrpcServer(port, host, key)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server.server)
-    await server.start([SERVICE_NAME])
     watcher = asyncio.ensure_future(_watch_health(router, server))
-    if ready is not None:
-        ready.set_result(server.address)
     try:
-        await (stop.wait() if stop is not None else server.server.wait_for_termination())
+        await server.serve_until([SERVICE_NAME], ready, stop)
     finally:
         watcher.cancel()
-        await server.stop()
 
 
 async def _watch_health(router: Router, server: GrpcServer, period_s: float = 2.0) -> None:

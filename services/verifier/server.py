@@ -153,10 +153,4 @@ async def serve(target: LocalTarget, eos_token_ids: list[int], port: int = 0, ho
     """
     server = GrpcServer(port, host, key)
     verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(target, eos_token_ids, cost), server.server)
-    await server.start([SERVICE_NAME])
-    if ready is not None:
-        ready.set_result(server.address)
-    try:
-        await (stop.wait() if stop is not None else server.server.wait_for_termination())
-    finally:
-        await server.stop()
+    await server.serve_until([SERVICE_NAME], ready, stop)

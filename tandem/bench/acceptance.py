@@ -35,15 +35,13 @@ class AcceptanceReport:
 
 
 def measure_acceptance(engine, records: list[PromptRecord], max_tokens: int = 256,
-                       on_finish=None) -> AcceptanceReport:
-    """Run ``records`` greedily (chat template) through ``engine`` (which has a drafter) and
-    aggregate the speculative decoding counters per category.
+                       on_finish=None) -> tuple[AcceptanceReport, list]:
+    """Run ``records`` greedily (chat template) through ``engine`` and aggregate the speculative
+    decoding counters per category (all 1.0 / zero for an engine without a drafter).
 
-    Raises:
-        ValueError: the engine has no drafter.
+    Returns:
+        The report and the completions (record order; their token ids serve lossless checks).
     """
-    if engine.drafter is None:
-        raise ValueError("measuring acceptance needs an engine with a drafter")
     t0 = time.perf_counter()
     results = engine.generate([r.text for r in records], SamplingParams(max_tokens=max_tokens), on_finish=on_finish)
     wall = time.perf_counter() - t0
@@ -51,6 +49,8 @@ def measure_acceptance(engine, records: list[PromptRecord], max_tokens: int = 25
     for rec, c in zip(records, results):
         overall.merge(c.spec)
         per_cat.setdefault(rec.category, SpecDecodeStats()).merge(c.spec)
-    return AcceptanceReport(engine.drafter.name, engine.num_draft_tokens, len(records), max_tokens, wall,
-                            sum(c.completion_tokens for c in results), overall.to_dict(),
-                            {k: v.to_dict() for k, v in sorted(per_cat.items())})
+    name = engine.drafter.name if engine.drafter is not None else "none"
+    report = AcceptanceReport(name, engine.num_draft_tokens, len(records), max_tokens, wall,
+                              sum(c.completion_tokens for c in results), overall.to_dict(),
+                              {k: v.to_dict() for k, v in sorted(per_cat.items())})
+    return report, results

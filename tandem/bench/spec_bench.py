@@ -378,7 +378,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
 def _needs_own_engine(decoding: Decoding) -> bool:
     """A drafter that reads the target's hidden states (``target_taps``, SpecFormer) must be given
     to ``Engine`` at construction (it sets the runner's taps and binds the drafter)."""
-    return bool(getattr(decoding.drafter, "target_taps", ()))
+    return decoding.drafter is not None and bool(decoding.drafter.target_taps)
 
 
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,

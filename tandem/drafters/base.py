@@ -211,6 +211,10 @@ class Drafter(ABC):
     """Proposes draft tokens; see the module docstring for the sync contract."""
 
     name: str = "drafter"
+    # Residual-stream depths of the target this drafter reads (SpecFormer); empty for drafters
+    # that only see token ids. Non-empty: the engine taps the target, calls ``bind`` once and
+    # ``observe`` after every prefill and verification.
+    target_taps: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
@@ -218,6 +222,12 @@ class Drafter(ABC):
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` finished or was aborted: drop its state."""
+
+    def bind(self, runner) -> None:
+        """Attach to the in-process target ``ModelRunner`` (drafters with ``target_taps`` only)."""
+
+    def observe(self, states: list) -> None:
+        """Newly accepted positions' tapped target states (``TargetStates``; ``target_taps`` only)."""
 
     def prefetch(self, requests: list[DraftRequest]) -> None:
         """Optional overlap: start drafting the next round while this round is being verified.
