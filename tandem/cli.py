@@ -507,6 +507,92 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
     console.print(table)
 
 
+@main.command("replay")
+@click.option("--drafter", "drafters", multiple=True, required=True, metavar="KIND[:PATH]",
+              help="specformer or draft-model, optionally with its weights (default: the shipped ones); repeatable.")
+@click.option("--traces", "traces_file", type=click.Path(dir_okay=False), default=None,
+              help="Greedy traces (JSONL) from an earlier --save-traces; default: decode the prompts target-only now.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Prompt JSONL (default: the bundled Spec-Bench questions).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Round-robin N prompts over the categories.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Target-only decode batch (default per device).")
+@click.option("--save-traces", type=click.Path(dir_okay=False), default=None, help="Write the traces here (JSONL).")
+@click.option("-k", "--num-draft-tokens", type=click.IntRange(min=1, max=16), default=None,
+              help="Draft tokens per round (default: a head's l_d, 4 for a draft model).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
+@model_option
+@device_option
+def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_size, save_traces, num_draft_tokens,
+               out, model, device) -> None:
+    """Acceptance of trained drafters on a prompt set by exact greedy replay: one teacher-forced
+    pass over the target's own greedy outputs gives every round's accepted length (the engine's
+    counters, see tandem.bench.replay), so drafter variants compare in seconds, not decode runs."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from .bench.replay import drafter_drafts, load_traces, record_traces, replay, save_traces as write_traces
+    from .data import bundled_spec_bench, load_prompts, round_robin_by_category
+    from .errors import InvalidRequestError
+    from .models.config import ModelLoadError
+    from .models.runner import default_runner_config
+    from .models.weights import load_checkpoint
+
+    specs = []
+    for spec in drafters:
+        kind, _, path = spec.partition(":")
+        if kind not in ("specformer", "draft-model"):
+            _fail(f"--drafter {spec!r}: replay supports specformer and draft-model")
+        specs.append((spec, kind, path or None))
+    try:
+        checkpoint = load_checkpoint(model)
+        if traces_file:
+            traces = load_traces(traces_file)
+        else:
+            records = load_prompts(prompts_file or bundled_spec_bench())
+            if limit:
+                records = round_robin_by_category(records, limit)
+            engine = _engine(model, device, batch_size or (128 if torch.cuda.is_available() else 8), 2048)
+            traces = record_traces(engine, records, max_tokens)
+            del engine
+        if save_traces:
+            write_traces(traces, save_traces)
+        if not traces:
+            raise InvalidRequestError("no traces to replay")
+        cfg = default_runner_config(device)
+        results = {}
+        for spec, kind, path in specs:
+            k = num_draft_tokens
+            if k is None and kind == "specformer":
+                from .drafters.factory import drafter_weights
+                from .drafters.specformer import load_specformer
+
+                k = load_specformer(drafter_weights(kind, path, checkpoint)).config.num_draft_tokens
+            k = k or 4
+            drafts = drafter_drafts(kind, path, checkpoint, traces, k, cfg.device, cfg.dtype)
+            overall, per_cat = replay(traces, drafts, k)
+            results[spec] = {"kind": kind, "path": path, "k": k, "overall": overall, "per_category": per_cat}
+    except (InvalidRequestError, ModelLoadError, ValueError, OSError) as exc:
+        _fail(str(exc))
+        return
+    table = Table(title=f"greedy replay over {len(traces)} prompts (max {traces[0].max_tokens} new tokens)")
+    table.add_column("category")
+    for spec in results:
+        table.add_column(f"{spec}\nacceptance / mean accepted length", justify="right")
+    cats = sorted({c for r in results.values() for c in r["per_category"]})
+    for cat in cats + ["overall"]:
+        cells = []
+        for r in results.values():
+            s = r["overall"] if cat == "overall" else r["per_category"][cat]
+            cells.append(f"{s['acceptance_rate']:.3f} / {s['mean_accepted_length']:.2f}")
+        table.add_row(cat, *cells)
+    console.print(table)
+    if out:
+        Path(out).write_text(json.dumps({"prompts": len(traces), "drafters": results}, indent=1))
+
+
 @main.command("collect-logs")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), required=True,
               help="JSONL prompts (e.g. ../shared/data/train_prompts.jsonl; never a benchmark set).")

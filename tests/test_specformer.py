@@ -344,3 +344,61 @@ def test_predictor_next_to_its_drafter(trained, tmp_path):
     res = runner.invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu", "--max-tokens", "8",
                                "--drafter", "draft-model", "--draft-model", draft, "--predictor", "auto"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("kind", ["specformer", "draft-model"])
+@pytest.mark.parametrize("k", [4, 3])
+def test_replay_equals_engine_counters(trained, tiny_ck, kind, k):
+    """The teacher-forced replay (tandem.bench.replay) gives every request exactly the engine's
+    speculative decoding counters (float32): drafted, accepted and emitted per round position."""
+    from tandem.bench.replay import draft_model_drafts, record_traces, specformer_drafts, walk
+
+    _, out = trained
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    records = [PromptRecord(str(i), "c", p) for i, p in enumerate(PROMPTS)]
+    traces = record_traces(Engine(tiny_ck, cfg), records, max_tokens=24)
+    if kind == "specformer":
+        drafter = SpecFormerDrafter.load(out / kind)
+        target = Transformer(tiny_ck.config, 256)
+        target.load_weights(tiny_ck.tensors)
+        drafts = specformer_drafts(load_specformer(out / kind), target.eval(), traces)
+    else:
+        draft_ck = load_draft_checkpoint(str(out / kind), tiny_ck)
+        drafter = DraftModelDrafter(draft_ck, cfg)
+        draft = Transformer(draft_ck.config, 256)
+        draft.load_weights(draft_ck.tensors)
+        drafts = draft_model_drafts(draft.eval(), traces, k)
+    engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=k)
+    done = engine.generate([r.text for r in records], SamplingParams(max_tokens=24))
+    assert [c.token_ids for c in done] == [t.output_ids for t in traces]
+    accepted = 0
+    for c, t, d in zip(done, traces, drafts):
+        got = walk(t, d, k)
+        assert got.to_dict() == c.spec.to_dict()
+        accepted += got.num_accepted
+    assert accepted > 0
+
+
+def test_training_stops_cleanly_on_sigterm(distilled, tmp_path):
+    """SIGTERM (a scheduler's time limit) ends training after the current step with a checkpoint;
+    the same call resumes from it and runs to the planned step count."""
+    import os
+    import signal
+
+    _, seqs = read_distilled(distilled)
+    module = torch.nn.Linear(4, 1)
+    calls = []
+
+    def loss_fn(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return module(torch.ones(len(batch), 4)).pow(2).mean(), {}
+
+    cfg = TrainConfig(max_steps=8, max_batch_tokens=64, checkpoint_every=100)
+    first = train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
+    assert (first.steps, first.planned_steps) == (3, 8)
+    assert (tmp_path / "checkpoint.pt").is_file()
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
+    second = train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
+    assert (second.steps, second.planned_steps) == (8, 8)

@@ -14,7 +14,10 @@ def model_card(card: dict) -> str:
         f"- **Data**: self-distillation: {data['answers']} answers ({data['answer_tokens']} answer tokens) the target "
         f"generated greedily with its chat template for prompts of `{data['settings'].get('prompts_file', '?')}` "
         f"(max {data['settings'].get('max_tokens')} tokens each); Spec-Bench and MT-Bench prompts excluded.",
-        f"- **Training**: {tr['steps']} steps, {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
+        f"- **Training**: {tr['steps']} steps"
+        + (f" of {tr['planned_steps']} (stopped early by SIGTERM; the same command resumes)"
+           if tr.get("planned_steps", 0) > tr["steps"] else "")
+        + f", {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
         f"{tr['warmup_frac']:.0%}, cosine decay), {tr['max_batch_tokens']} padded tokens per batch, seed {tr['seed']}; "
         f"loss {tr['first_loss']:.3f} -> {tr['final_loss']:.3f}.",
     ]

@@ -4,11 +4,15 @@ AdamW with linear warm-up and cosine decay (``transformers.get_cosine_schedule_w
 bf16 autocast on CUDA, gradient clipping, a fixed seed, tqdm progress, and resumable
 checkpoints (``checkpoint.pt``: parameters, optimiser, scheduler and step; batches are a pure
 function of the seed and epoch, so a resumed run sees exactly the batches it would have seen).
+SIGTERM (a job scheduler's time limit, ``timeout``) ends the run after the current step with a
+checkpoint, so the weights so far are saved and the same command resumes.
 """
 
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -50,13 +54,15 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What a run did: steps, wall time (s), the first/last logged loss and extra metrics."""
+    """What a run did: steps, wall time (s), the first/last logged loss and extra metrics;
+    ``planned_steps`` exceeds ``steps`` when SIGTERM stopped the run early."""
 
     steps: int
     wall_s: float
     first_loss: float
     final_loss: float
     metrics: dict
+    planned_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,8 +128,12 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     t0 = time.perf_counter()
     bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
     epoch, seen = 0, 0
+    stop = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     module.train()
-    while step < total:
+    while step < total and not stop.is_set():
         for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng([cfg.seed, epoch]), cfg.max_len):
             if step >= total:
                 break
@@ -144,15 +154,19 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                     tail.setdefault(k, []).append(float(v))
             bar.update(1)
             bar.set_postfix(loss=f"{value:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
-            if step % cfg.checkpoint_every == 0 or step == total:
+            if step % cfg.checkpoint_every == 0 or step == total or stop.is_set():
                 tmp = out / "checkpoint.pt.tmp"
                 torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
                 tmp.replace(ckpt)
+            if stop.is_set():
+                break
         epoch += 1
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
     bar.close()
     module.eval()
     window = max(1, len(losses) // 10)
     return TrainResult(step, time.perf_counter() - t0, float(np.mean(losses[:window])) if losses else float("nan"),
                        float(np.mean(losses[-window:])) if losses else float("nan"),
-                       {k: float(np.mean(v)) for k, v in tail.items()})
+                       {k: float(np.mean(v)) for k, v in tail.items()}, total)
