@@ -484,6 +484,12 @@ def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graph
     ck = load_checkpoint(model)
     build_drafter(drafter, draft_model, ck, cfg)  # fail early on a bad drafter
     make = lambda: build_drafter(drafter, draft_model, ck, cfg)  # noqa: E731  a fresh drafter per configuration
+    if predictor == "auto":  # the predictor saved next to the drafter's weights
+        from .drafters.factory import PREDICTOR_FILE, drafter_predictor
+
+        predictor = drafter_predictor(drafter, draft_model, ck) if drafter in ("draft-model", "specformer") else None
+        if predictor is None:
+            _fail(f"--predictor auto: no {PREDICTOR_FILE} next to the {drafter} drafter's weights")
     try:
         pred = AcceptancePredictor.load(predictor)
     except (FileNotFoundError, ValueError) as exc:
@@ -554,7 +560,7 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             records = load_prompts(prompts_file or bundled_spec_bench())
             if limit:
                 records = round_robin_by_category(records, limit)
-            engine = _engine(model, device, batch_size or (128 if torch.cuda.is_available() else 8), 2048)
+            engine = _engine(model, device, batch_size or (128 if torch.cuda.is_available() else 8), 2048, compile_=False)
             traces = record_traces(engine, records, max_tokens)
             del engine
         if save_traces:
