@@ -17,7 +17,7 @@ data=/tmp/distill
 t() { local name=$1 limit=$2; shift 2
       timeout "$limit" python3 -m tandem train "$@" --data "$data" --out "/tmp/train/$name" --model "$model" \
         > "/tmp/s3/logs/train-$name.log" 2>&1; echo "$name rc=$? $(tail -c 120 /tmp/s3/logs/train-$name.log | tr '\r' '\n' | tail -1)"; }
-pack() { tar --exclude='*.pt' --exclude='*.safetensors' --exclude=traces.jsonl --exclude=vlogs.npz -C /tmp -czf "$out/$1.tgz" s3 train; }
+pack() { tar --exclude='*.pt' --exclude='model.safetensors' --exclude=traces.jsonl --exclude=vlogs.npz -C /tmp -czf "$out/$1.tgz" s3 train; }
 case $step in
 train)
   t sf-l4-bonus 500 specformer --num-draft-tokens 4 --bonus-token --max-steps 1300 --batch-tokens 16384 &
@@ -26,8 +26,8 @@ train)
   t draft-3 420 draft-model --init-layers 0,1,29 --max-steps 900 --lr 1e-3 --batch-tokens 16384 &
   wait; pack train ;;
 prep)
-  t sf-l4-causal 300 specformer --num-draft-tokens 4 --causal --max-steps 702 --batch-tokens 16384 &
-  t sf-l8 300 specformer --num-draft-tokens 8 --max-steps 702 --batch-tokens 16384 &
+  t sf-l4-causal 260 specformer --num-draft-tokens 4 --causal --max-steps 702 --batch-tokens 16384 &
+  t sf-l8 260 specformer --num-draft-tokens 8 --max-steps 702 --batch-tokens 16384 &
   timeout 150 python3 -m tandem replay --drafter specformer --drafter draft-model --max-tokens 256 --batch-size 160 \
     --save-traces /tmp/s3/traces.jsonl --model "$model" --out /tmp/s3/replay-shipped.json > /tmp/s3/logs/replay-shipped.log 2>&1
   echo "traces + replay rc=$?"; tail -20 /tmp/s3/logs/replay-shipped.log
@@ -45,25 +45,35 @@ prep)
   echo "replay ablations rc=$?"; tail -20 /tmp/s3/logs/replay-ablations.log
   pack prep ;;
 bench)
+  [[ -f /tmp/s3/replay-shipped.json ]] || { timeout 60 python3 -m tandem replay --traces /tmp/s3/traces.jsonl --drafter specformer \
+    --drafter draft-model --model "$model" --out /tmp/s3/replay-shipped.json > /tmp/s3/logs/replay-shipped.log 2>&1
+    echo "replay rc=$?"; tail -18 /tmp/s3/logs/replay-shipped.log; }
   ca=$(python3 -c "
 import json; d=json.load(open('/tmp/s3/replay-shipped.json'))['drafters']
 print(max(d, key=lambda k: d[k]['overall']['mean_accepted_length']))" 2>/dev/null || echo draft-model)
   pred=(); [[ -f /tmp/pred/predictor.safetensors && $ca == draft-model ]] && pred=(--predictor /tmp/pred/predictor.safetensors)
   echo "context-aware over $ca ${pred[*]}"
   common=(--model "$model" --max-tokens 256 --cost-table --ca-drafter "$ca" "${pred[@]}")
-  timeout 170 python3 -m tandem bench "${common[@]}" --limit 26 --hf-limit 5 --batch-sizes 1 \
+  timeout 150 python3 -m tandem bench "${common[@]}" --limit 26 --hf-limit 5 --batch-sizes 1 \
     --configs target,ngram,draft-model,specformer,context-aware,hf-generate,hf-prompt-lookup --out /tmp/s3/bench-b1 \
     > /tmp/s3/logs/bench-b1.log 2>&1; echo "bench b1 rc=$?"
-  timeout 280 python3 -m tandem bench "${common[@]}" --limit 128 --batch-sizes 16,64,128 --no-hf-baseline \
+  timeout 220 python3 -m tandem bench "${common[@]}" --limit 128 --batch-sizes 16,64,128 --no-hf-baseline \
     --configs target,ngram,draft-model,specformer,context-aware --out /tmp/s3/bench-big \
     > /tmp/s3/logs/bench-big.log 2>&1; echo "bench 16-128 rc=$?"
   pack bench
   tail -30 /tmp/s3/logs/bench-b1.log; tail -40 /tmp/s3/logs/bench-big.log ;;
 ablate)
-  timeout 200 python3 -m tandem bench --ablation --model "$model" --drafter draft-model \
+  if [[ ! -f /tmp/pred/predictor.safetensors ]]; then
+    timeout 60 python3 -m tandem collect-logs --drafter draft-model --prompts data/train_prompts.jsonl --max-seq-len 4096 \
+      --limit 256 --batch-size 128 --max-tokens 128 --model "$model" --out /tmp/s3/vlogs.npz > /tmp/s3/logs/collect.log 2>&1
+    echo "collect-logs rc=$?"; tail -c 300 /tmp/s3/logs/collect.log
+    timeout 40 python3 -m tandem train predictor --logs /tmp/s3/vlogs.npz --out /tmp/pred/predictor.safetensors \
+      > /tmp/s3/logs/predictor.log 2>&1; echo "predictor rc=$?"; tail -5 /tmp/s3/logs/predictor.log; cp /tmp/pred/* /tmp/s3/
+  fi
+  timeout 160 python3 -m tandem bench --ablation --model "$model" --drafter draft-model \
     --predictor /tmp/pred/predictor.safetensors --num-draft-tokens 5 --limit 13 --batch-sizes 1 --max-tokens 256 \
     --out /tmp/s3/ablation-b1 > /tmp/s3/logs/ablation-b1.log 2>&1; echo "ablation rc=$?"; tail -14 /tmp/s3/logs/ablation-b1.log
-  timeout 170 python3 -m tandem bench --mode distributed --model "$model" --limit 128 --batch-sizes 64 \
+  timeout 150 python3 -m tandem bench --mode distributed --model "$model" --limit 128 --batch-sizes 64 \
     --configs target,ngram --no-hf-baseline --max-tokens 256 --out /tmp/s3/distributed \
     > /tmp/s3/logs/distributed.log 2>&1; echo "distributed rc=$?"
   pack ablate

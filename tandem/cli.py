@@ -645,7 +645,13 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
             log.warning("verification log not streamed: %s", exc)
 
     engine.verification_sink = sink
-    results, wall = _run_file(engine, prompts, SamplingParams(max_tokens=max_tokens), True, desc="collecting")
+    fits = [r for r in prompts if len(engine.encode_prompt(r.text)) < engine.max_seq_len]
+    if len(fits) < len(prompts):  # a data job over a training set: skip what cannot fit, say so, go on
+        log.warning("skipped %d of %d prompts longer than the context limit (%d tokens; raise --max-seq-len)",
+                    len(prompts) - len(fits), len(prompts), engine.max_seq_len)
+    if not fits:
+        _fail("no prompt fits the context limit; raise --max-seq-len")
+    results, wall = _run_file(engine, fits, SamplingParams(max_tokens=max_tokens), True, desc="collecting")
     if not records:
         _fail("no drafts were verified; nothing to log")
     feats, labels = zip(*(r.labelled() for r in records))

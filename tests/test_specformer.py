@@ -329,12 +329,14 @@ def test_predictor_next_to_its_drafter(trained, tmp_path):
     model, out = trained
     draft = str(out / "draft-model")
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    long_prompt = "tell me more " * 200  # longer than the context: skipped, the rest still collected
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in [long_prompt] + PROMPTS))
     runner = CliRunner()
-    res = runner.invoke(main, ["collect-logs", "--prompts", str(prompts), "--limit", "6", "--out", str(tmp_path / "l.npz"),
+    res = runner.invoke(main, ["collect-logs", "--prompts", str(prompts), "--limit", "7", "--out", str(tmp_path / "l.npz"),
                                "--model", model, "--device", "cpu", "--drafter", "draft-model", "--draft-model", draft,
-                               "--max-tokens", "24"])
+                               "--max-tokens", "24", "--max-seq-len", "256"])
     assert res.exit_code == 0, res.output
+    assert "from 6 prompts" in res.output
     res = runner.invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu", "--max-tokens", "8",
                                "--drafter", "draft-model", "--draft-model", draft, "--predictor", "auto"])
     assert res.exit_code == 2 and "no predictor.safetensors" in res.output

@@ -32,6 +32,7 @@ def model_card(card: dict) -> str:
         o = sb["overall"]
         lines += ["", f"## Measured acceptance (Spec-Bench, {sb['prompts']} prompts, greedy, max {sb['max_tokens']} "
                       f"new tokens, k = {sb['num_draft_tokens']})", "",
+                  *([sb["method"], ""] if sb.get("method") else []),
                   "| category | acceptance rate | mean accepted length |", "|---|---:|---:|"]
         for cat, st in sb["per_category"].items():
             lines.append(f"| {cat} | {st['acceptance_rate']:.3f} | {st['mean_accepted_length']:.2f} |")
