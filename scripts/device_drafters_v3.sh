@@ -70,9 +70,10 @@ ablate)
     timeout 40 python3 -m tandem train predictor --logs /tmp/s3/vlogs.npz --out /tmp/pred/predictor.safetensors \
       > /tmp/s3/logs/predictor.log 2>&1; echo "predictor rc=$?"; tail -5 /tmp/s3/logs/predictor.log; cp /tmp/pred/* /tmp/s3/
   fi
-  timeout 160 python3 -m tandem bench --ablation --model "$model" --drafter draft-model \
-    --predictor /tmp/pred/predictor.safetensors --num-draft-tokens 5 --limit 13 --batch-sizes 1 --max-tokens 256 \
-    --out /tmp/s3/ablation-b1 > /tmp/s3/logs/ablation-b1.log 2>&1; echo "ablation rc=$?"; tail -14 /tmp/s3/logs/ablation-b1.log
+  # (the ablation rows became tandem bench configurations after this pass: one engine and warm-up per batch size)
+  timeout 300 python3 -m tandem bench --ablation --model "$model" --drafter draft-model \
+    --predictor /tmp/pred/predictor.safetensors --num-draft-tokens 5 --limit 26 --batch-sizes 1,64 --max-tokens 256 \
+    --out /tmp/s3/ablation > /tmp/s3/logs/ablation.log 2>&1; echo "ablation rc=$?"; tail -30 /tmp/s3/logs/ablation.log
   timeout 150 python3 -m tandem bench --mode distributed --model "$model" --limit 128 --batch-sizes 64 \
     --configs target,ngram --no-hf-baseline --max-tokens 256 --out /tmp/s3/distributed \
     > /tmp/s3/logs/distributed.log 2>&1; echo "distributed rc=$?"

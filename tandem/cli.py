@@ -352,8 +352,9 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
 @click.option("--ablation", is_flag=True,
-              help="Context-aware drafting ablation (fixed k, random length, entropy threshold, predictor, full "
-                   "system) instead of the configuration sweep; needs --drafter and --predictor.")
+              help="The context-aware ablation as the configuration set: target, fixed-k, random-length, "
+                   "entropy-threshold, predictor, full-system over --drafter (or --ca-drafter) at k = "
+                   "--num-draft-tokens; the predictor rows use --predictor PATH|auto.")
 @with_drafter_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write results.json, results.md and the PNG plots here.")
@@ -386,10 +387,16 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
         return
     if not records:
         _fail("the prompts file has no prompts")
-    if ablation:
-        _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
-                        drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out)
-        return
+    if ablation:  # the paper's ablation rows are configurations on the same engines (tandem.bench.configs)
+        from .bench.configs import ABLATION_CONFIGS
+
+        if configs_spec:
+            _fail("--ablation runs its own configuration set; drop --configs")
+        configs_spec, hf_baseline = ",".join(ABLATION_CONFIGS), False
+        if drafter != "none":
+            ca_drafter, drafter = drafter, "none"
+        if predictor == "auto":  # the predictor saved next to the drafter's weights
+            predictor = None
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
@@ -419,6 +426,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         names = [n for n in names if n != "hf-generate"]
     configs = parse_configs(",".join(names))
     check_mode(mode)
+    predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter,
                            predictor=predictor, tau=tau, branch_top_m=branch_top_m)
@@ -458,59 +466,6 @@ def _bench_from_results(files: str, out) -> None:
     for t in tables(report):
         console.print(t.to_rich())
     console.print("wrote " + ", ".join(str(p) for p in write_report(report, out)), highlight=False)
-
-
-def _bench_ablation(records, limit, sizes, max_tokens, model, device, cuda_graphs, compile_, max_seq_len, dtype,
-                    drafter, draft_model, num_draft_tokens, predictor, branch_top_m, out) -> None:
-    import json
-    from pathlib import Path
-
-    import torch
-
-    from .bench.ablation import run_ablation
-    from .data import round_robin_by_category
-    from .drafters.factory import build_drafter
-    from .models.runner import default_runner_config
-    from .models.weights import load_checkpoint
-    from .predictor import AcceptancePredictor
-    from .tokenizer import load_tokenizer
-
-    if drafter == "none" or predictor is None:
-        _fail("--ablation needs --drafter and --predictor (tandem collect-logs, then tandem train predictor)")
-    if len(sizes) != 1:
-        _fail("--ablation runs one batch size; pass a single --batch-sizes value")
-    cfg = default_runner_config(device, max_batch_size=sizes[0], max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
-                                compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
-    ck = load_checkpoint(model)
-    build_drafter(drafter, draft_model, ck, cfg)  # fail early on a bad drafter
-    make = lambda: build_drafter(drafter, draft_model, ck, cfg)  # noqa: E731  a fresh drafter per configuration
-    if predictor == "auto":  # the predictor saved next to the drafter's weights
-        from .drafters.factory import PREDICTOR_FILE, drafter_predictor
-
-        predictor = drafter_predictor(drafter, draft_model, ck) if drafter in ("draft-model", "specformer") else None
-        if predictor is None:
-            _fail(f"--predictor auto: no {PREDICTOR_FILE} next to the {drafter} drafter's weights")
-    try:
-        pred = AcceptancePredictor.load(predictor)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
-        return
-    prompts = [r.text for r in round_robin_by_category(records, limit)]
-    rows = run_ablation(ck, load_tokenizer(ck), cfg, make, pred, prompts, max_tokens=max_tokens,
-                        k=num_draft_tokens, batch_size=sizes[0], branch_top_m=max(branch_top_m, 2),
-                        progress=lambda name: err_console.print(f"running {name}", highlight=False))
-    table = Table(title=f"Context-aware drafting ablation ({drafter}, k={num_draft_tokens}, batch {sizes[0]}, "
-                        f"{len(prompts)} prompts, greedy)")
-    for col in ("configuration", "TPS", "speedup", "acceptance rate", "mean accepted length", "drafted", "identical"):
-        table.add_column(col, justify="left" if col == "configuration" else "right")
-    for r in rows:
-        table.add_row(r.name, f"{r.tps:.1f}", f"{r.speedup:.2f}x", _fmt(r.acceptance_rate, ".3f"),
-                      f"{r.mean_accepted_length:.2f}", str(r.drafted), f"{r.identical}/{r.prompts}")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "ablation.json").write_text(json.dumps({"device": cfg.device, "rows": [r.to_dict() for r in rows]},
-                                                            indent=2))
-    console.print(table)
 
 
 @main.command("replay")

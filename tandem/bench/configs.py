@@ -5,7 +5,10 @@ run on the same target engine, which the runner builds once per batch size; each
 the engine's drafter, draft length k and draft policy (a drafter that reads the target's hidden
 states, SpecFormer, gets an engine of its own built with it). Outside references
 (``hf-generate``, ``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at
-batch 1.
+batch 1. The ablation rows of the context-aware paper (``fixed-k``, ``random-length``,
+``entropy-threshold``, ``predictor``, ``full-system``; ``ABLATION_CONFIGS``, what ``tandem bench
+--ablation`` runs) are configurations too, over ``--ca-drafter`` at k = ``--num-draft-tokens``, so
+they share the target engine, its warm-up and the report.
 
 Every check a configuration needs (a draft model, a SpecFormer head, a predictor) runs in
 ``prepare_configs`` before anything is timed, so a bad option fails in a second, not after the
@@ -14,10 +17,11 @@ target-only pass.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..control import CostModel, DraftPolicy, entropy_score, make_draft_policy
+from ..control import CostModel, DraftPolicy, TauController, entropy_score, make_draft_policy
 from ..drafters.base import Drafter
 from ..errors import ConfigError
 from ..models.weights import Checkpoint
@@ -172,22 +176,77 @@ def _ca_base(ctx: BuildContext) -> BenchConfig:
 
 
 def _context_aware(ctx: BuildContext) -> Decoding:
+    base = _ca_base(ctx).build(ctx)
+    return Decoding(base.drafter, ctx.options.num_draft_tokens, _with_draft_cost(ctx, base.drafter, _ca_policy(ctx)))
+
+
+def _with_draft_cost(ctx: BuildContext, drafter: Drafter | None, policy: DraftPolicy | None) -> DraftPolicy | None:
+    """An autoregressive drafter pays one draft forward per draft position: the allocator weighs
+    that against the verifier's T(b, q) (``CostModel.round_ms``), measured here on its runner."""
     from ..drafters import DraftModelDrafter
 
-    base = _ca_base(ctx).build(ctx)
-    policy = _ca_policy(ctx)
-    if policy.cost is not None and isinstance(base.drafter, DraftModelDrafter):
-        # An autoregressive drafter pays one draft forward per draft position: the allocator
-        # weighs that against the verifier's T(b, q) (CostModel.round_ms).
-        runner, slots = base.drafter.runner, ctx.engine.cache.num_slots
+    if policy is not None and policy.cost is not None and isinstance(drafter, DraftModelDrafter):
+        runner, slots = drafter.runner, ctx.engine.cache.num_slots
         step_ms = runner.measure_step_ms(slots, 1, min(512, runner.cache.capacity - 1))
         policy.cost = replace(policy.cost, draft_step_ms=step_ms)
-    return Decoding(base.drafter, ctx.options.num_draft_tokens, policy)
+    return policy
 
 
 def _prepare_context_aware(ctx: BuildContext) -> None:
     _ca_base(ctx).prepare(ctx)
     _ca_policy(ctx)  # a bad --tau / --predictor fails now
+
+
+class RandomLengthPolicy(DraftPolicy):
+    """Draft length drawn uniformly from 0..n per sequence (the ablation's "random length" row)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(score=None)
+        self._rng = random.Random(seed)
+
+    def lengths(self, features, scores=None) -> list[int]:
+        return [self._rng.randint(0, f.shape[0]) for f in features]
+
+
+def _ablation_predictor(ctx: BuildContext):
+    """The learned predictor's score function for the ablation rows that use it.
+
+    Raises:
+        ConfigError: neither ``--predictor`` nor a predictor saved next to the drafter's weights.
+    """
+    from ..drafters.factory import PREDICTOR_FILE, drafter_predictor
+    from ..predictor import AcceptancePredictor
+
+    o = ctx.options
+    weights = {"draft-model": o.draft_model, "specformer": o.specformer}.get(o.ca_drafter)
+    path = o.predictor or drafter_predictor(o.ca_drafter, weights, ctx.checkpoint)
+    if path is None:
+        raise ConfigError(f"the ablation's predictor rows need --predictor (or a {PREDICTOR_FILE} next to the "
+                          f"{o.ca_drafter} drafter's weights)")
+    try:
+        return AcceptancePredictor.load(path).predict
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"cannot load predictor {path}: {exc}") from None
+
+
+def _ablation(make_policy: Callable[[BuildContext], DraftPolicy | None]) -> Callable[[BuildContext], Decoding]:
+    """An ablation row: the ``--ca-drafter`` drafter at k = ``--num-draft-tokens`` under a policy."""
+    def build(ctx: BuildContext) -> Decoding:
+        drafter = _ca_base(ctx).build(ctx).drafter
+        return Decoding(drafter, ctx.options.num_draft_tokens, _with_draft_cost(ctx, drafter, make_policy(ctx)))
+    return build
+
+
+def _prepare_ablation(uses_predictor: bool) -> Callable[[BuildContext], None]:
+    def prepare(ctx: BuildContext) -> None:
+        _ca_base(ctx).prepare(ctx)
+        if uses_predictor:
+            _ablation_predictor(ctx)
+    return prepare
+
+
+def _full_system_m(o: BenchOptions) -> int:
+    return max(o.branch_top_m, 2)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
@@ -203,6 +262,27 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
                 lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
                 build=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
+    # The context-aware paper's ablation table, over --ca-drafter (tandem bench --ablation runs these).
+    BenchConfig("fixed-k", "ablation: fixed k = --num-draft-tokens over --ca-drafter", lambda o: o.num_draft_tokens,
+                lambda o: o.num_draft_tokens + 1, build=_ablation(lambda ctx: None), prepare=_prepare_ablation(False)),
+    BenchConfig("random-length", "ablation: draft length uniform in 0..k per sequence", lambda o: o.num_draft_tokens,
+                lambda o: o.num_draft_tokens + 1, build=_ablation(lambda ctx: RandomLengthPolicy(seed=0)),
+                prepare=_prepare_ablation(False)),
+    BenchConfig("entropy-threshold", "ablation: entropy score exp(-H(q)) with the online tau, no learned predictor",
+                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
+                build=_ablation(lambda ctx: DraftPolicy(entropy_score, controller=TauController())),
+                prepare=_prepare_ablation(False)),
+    BenchConfig("predictor", "ablation: learned predictor + online tau + batch allocation, no enhancement",
+                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
+                build=_ablation(lambda ctx: DraftPolicy(_ablation_predictor(ctx), controller=TauController(),
+                                                        cost=ctx.cost)),
+                prepare=_prepare_ablation(True), uses_cost_model=True),
+    BenchConfig("full-system", "ablation: predictor + online tau + batch allocation + top-m hard-position branching "
+                "(m = max(--branch-top-m, 2))", lambda o: o.num_draft_tokens,
+                lambda o: o.num_draft_tokens + _full_system_m(o),
+                build=_ablation(lambda ctx: DraftPolicy(_ablation_predictor(ctx), controller=TauController(),
+                                                        cost=ctx.cost, branch_top_m=_full_system_m(ctx.options))),
+                prepare=_prepare_ablation(True), uses_cost_model=True),
     BenchConfig("hf-generate", "Hugging Face generate, greedy (batch 1)", lambda o: 0, lambda o: 0,
                 hf_prompt_lookup=lambda o: 0),
     BenchConfig("hf-prompt-lookup", "Hugging Face prompt-lookup decoding, k = --num-draft-tokens (batch 1)",
@@ -210,6 +290,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 ]}
 
 CA_DRAFTERS = ("ngram", "draft-model", "specformer")
+ABLATION_CONFIGS = ("target", "fixed-k", "random-length", "entropy-threshold", "predictor", "full-system")
 
 
 def parse_configs(spec: str) -> list[BenchConfig]:
