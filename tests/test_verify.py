@@ -349,3 +349,35 @@ def test_ngram_in_a_loop_proposes_a_full_draft():
     # the most recent match of [17, 17] ends at the sequence's end; an earlier one has k tokens after it
     toks = _arr(3, 17, 17, 17, 17, 17, 17)
     assert ngram_lookup(toks, max_n=2, min_n=1, k=3) == [17, 17, 17]
+
+
+def test_ngram_index_equals_full_scan():
+    """The drafter's incremental index answers exactly what a scan of the whole sequence answers,
+    for every prefix of random low-entropy sequences (many repeats) and every k."""
+    from tandem.drafters.ngram import NgramIndex
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        seq = rng.integers(0, 1 + trial % 6, size=int(rng.integers(2, 80))).tolist()
+        max_n, min_n = int(rng.integers(1, 5)), 1
+        min_n = int(rng.integers(1, max_n + 1))
+        index = NgramIndex(max_n, min_n)
+        for t in range(len(seq)):
+            index.extend([seq[t]])
+            if t + 1 < 2:
+                continue
+            for k in (1, 3, 8):
+                assert index.lookup(k) == ngram_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
+
+
+def test_ngram_drafter_rebuilds_for_a_reused_slot():
+    from tandem.drafters.base import DraftRequest
+    from tandem.sampling import SamplingParams
+
+    d = NgramDrafter(max_n=3, min_n=1)
+    ask = lambda toks: d.propose([DraftRequest(0, toks, 3, SamplingParams(), None)])[0].tokens  # noqa: E731
+    assert ask([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert ask([1, 2, 3, 1, 2, 3]) == [1, 2, 3]  # extended in place
+    assert ask([7, 8, 9, 7]) == [8, 9, 7]  # another sequence in the same slot: index rebuilt
+    d.release(0)
+    assert ask([5, 5]) == [5]

@@ -201,8 +201,16 @@ def draft_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator
     return DraftRows(tokens_dev.tolist(), feats, tops, probs)
 
 
+_ONE_HOT_FEATURES = torch.stack([torch.zeros(64), torch.ones(64), torch.ones(64),
+                                 torch.arange(1, 65, dtype=torch.float32)], dim=-1)
+
+
 def one_hot_features(n: int) -> torch.Tensor:
-    """Features of a deterministic drafter's n positions (q one-hot: entropy 0, top-1 1)."""
+    """Features ``[n, 4]`` of a deterministic drafter's n positions (q one-hot: entropy 0, top-1
+    1, margin 1, position 1..n). A read-only view of one shared table for n <= 64 (this runs per
+    request per round)."""
+    if n <= _ONE_HOT_FEATURES.shape[0]:
+        return _ONE_HOT_FEATURES[:n]
     pos = torch.arange(1, n + 1, dtype=torch.float32)
     return torch.stack([torch.zeros(n), torch.ones(n), torch.ones(n), pos], dim=-1)
 

@@ -8,6 +8,8 @@ one-hot, so speculative sampling accepts draft token x with probability p(x).
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from .base import DraftProposal, DraftRequest, Drafter, one_hot_features
@@ -39,8 +41,52 @@ def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int
     return []
 
 
+class NgramIndex:
+    """Incremental n-gram index of one sequence: ``lookup`` answers exactly what ``ngram_lookup``
+    answers over the whole sequence, in O(max_n - min_n) dictionary probes instead of a scan.
+
+    Each n-gram (n in [min_n, max_n]) maps to its start positions in ascending order; a round only
+    indexes the tokens accepted since the last one.
+
+    Args:
+        max_n, min_n: n-gram sizes indexed.
+    """
+
+    def __init__(self, max_n: int, min_n: int) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, new: list[int]) -> None:
+        """Append tokens and index every n-gram that ends in them."""
+        toks = self.tokens
+        for tok in new:
+            toks.append(tok)
+            end = len(toks)
+            for n, table in self.starts.items():
+                if end >= n:
+                    table.setdefault(tuple(toks[end - n:]), []).append(end - n)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to ``k`` tokens after an earlier occurrence of the longest recurring suffix (the
+        rules of ``ngram_lookup``)."""
+        toks = self.tokens
+        T = len(toks)
+        for n in range(min(self.max_n, T - 1), self.min_n - 1, -1):
+            hits = self.starts[n].get(tuple(toks[T - n:]))
+            if not hits or hits[0] > T - 1 - n:  # the only occurrence is the suffix itself
+                continue
+            i = bisect_right(hits, T - n - k) - 1  # the most recent start with k tokens after it
+            start = (hits[i] if i >= 0 else hits[0]) + n
+            return toks[start:start + k]
+        return []
+
+
 class NgramDrafter(Drafter):
-    """Prompt-lookup drafter. Stateless: nothing to roll back.
+    """Prompt-lookup drafter. Keeps one ``NgramIndex`` per KV slot, extended with the tokens
+    accepted since the previous round (rebuilt if the slot's sequence is not an extension of
+    what it indexed, e.g. after the slot was reused); nothing to roll back, since only accepted
+    tokens are ever indexed.
 
     Args:
         max_n, min_n: n-gram sizes to match, longest first (1 <= min_n <= max_n).
@@ -55,6 +101,19 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self._index: dict[int, NgramIndex] = {}
+
+    def release(self, slot: int) -> None:
+        self._index.pop(slot, None)
+
+    def _synced(self, req: DraftRequest) -> NgramIndex:
+        index = self._index.get(req.slot)
+        held = len(index.tokens) if index is not None else 0
+        if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
+            index = self._index[req.slot] = NgramIndex(self.max_n, self.min_n)
+            held = 0
+        index.extend(req.token_ids[held:])
+        return index
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         out = []
@@ -62,6 +121,6 @@ class NgramDrafter(Drafter):
             if req.max_draft <= 0 or len(req.token_ids) < 2:
                 out.append(DraftProposal.empty())
                 continue
-            toks = ngram_lookup(np.asarray(req.token_ids, dtype=np.int64), self.max_n, self.min_n, req.max_draft)
+            toks = self._synced(req).lookup(req.max_draft)
             out.append(DraftProposal(toks, None, one_hot_features(len(toks))))
         return out
