@@ -750,6 +750,9 @@ train_options = [
                  help="Padded tokens per batch."),
     click.option("--seed", type=int, default=0, show_default=True),
     click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out."),
+    click.option("--val-fraction", type=click.FloatRange(min=0, max=0.5), default=0.02, show_default=True,
+                 help="Share of the distilled answers held out (at most 256); the weights of the step with the "
+                      "lowest held-out loss are kept."),
     click.option("--eval-limit", type=click.IntRange(min=0), default=0, show_default=True,
                  help="After training, measure acceptance on the first N Spec-Bench prompts (round robin over "
                       "categories, greedy, --eval-max-tokens) and put it in the model card."),
@@ -832,7 +835,7 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
 @click.option("--taps", default=None, help="Target depths read, comma separated (default 0,L/2,L-1,L).")
 @click.option("--bonus-token", is_flag=True,
               help="Also condition the draft slots on the bonus token's embedding (an extension beyond the paper).")
-def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, eval_limit,
+def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, val_fraction, eval_limit,
                          eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps, bonus_token) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
@@ -852,7 +855,8 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     except ValueError as exc:
         _fail(str(exc))
         return
-    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed)
+    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed,
+                       val_fraction=val_fraction)
     result = run_training(head, SpecFormerObjective(head, target, amp), seqs, tcfg, out, resume=not no_resume)
     save_specformer(head, out, extra={"train": result.to_dict()})
     _finish_training("specformer", out, result, manifest, asdict(tcfg), asdict(head.config), model, device,
@@ -865,7 +869,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
               help="Target blocks the draft model's blocks start from (comma separated; the count sets its depth).")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
               help="k used by the optional evaluation.")
-def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, eval_limit,
+def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, val_fraction, eval_limit,
                           eval_max_tokens, eval_batch_size, model, device, init_layers, num_draft_tokens) -> None:
     """Distil a small draft LM (target tokenizer, embeddings and LM head shared) from the target."""
     from dataclasses import asdict
@@ -884,7 +888,8 @@ def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, se
 
     torch.manual_seed(seed)
     draft = init_draft_model(ck, layers, target.max_positions).to(rcfg.device)
-    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed)
+    tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed,
+                       val_fraction=val_fraction)
     result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
     save_draft_model(draft, out, layers, extra={"train": result.to_dict()})
     _finish_training("draft-model", out, result, manifest, asdict(tcfg), {"init_layers": list(layers)}, model,

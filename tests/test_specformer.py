@@ -404,3 +404,26 @@ def test_training_stops_cleanly_on_sigterm(distilled, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
     second = train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
     assert (second.steps, second.planned_steps) == (8, 8)
+
+
+def test_training_keeps_the_best_held_out_step(distilled, tmp_path):
+    """A seeded share of the answers is held out; the module ends with the parameters of the step
+    whose held-out loss was lowest, even when later steps are worse (here: lr pushes past the optimum)."""
+    from tandem.train.loop import evaluate, split_validation
+
+    _, seqs = read_distilled(distilled)
+    cfg = TrainConfig(max_steps=12, max_batch_tokens=64, checkpoint_every=2, val_fraction=0.3, lr=0.5, warmup_frac=0.0)
+    train_part, val_part = split_validation(seqs, cfg)
+    assert len(val_part) == 3 and len(train_part) == 7
+    assert not {id(s) for s in val_part} & {id(s) for s in train_part}
+    module = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        module.weight.fill_(3.0)
+
+    def loss_fn(batch):  # minimum at w = 1; lr 0.5 with AdamW overshoots and oscillates
+        return (module(torch.ones(1, 1)) - 1.0).pow(2).mean(), {"w": float(module.weight.detach())}
+
+    result = train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
+    val = result.validation
+    assert val["sequences"] == 3 and val["best_step"] % 2 == 0
+    assert evaluate(module, loss_fn, val_part, cfg)["loss"] == pytest.approx(val["loss"])

@@ -24,6 +24,11 @@ def model_card(card: dict) -> str:
     if tr.get("metrics"):
         lines.append("- **Training metrics (last 10% of steps)**: "
                      + ", ".join(f"{k} {v:.3f}" for k, v in tr["metrics"].items()) + ".")
+    val = tr.get("validation") or {}
+    if val:
+        lines.append(f"- **Held out** ({val['sequences']} answers, never trained on): best step {val['best_step']} "
+                     f"(its weights are the ones saved), loss {val['loss']:.3f}"
+                     + "".join(f", {k} {v:.3f}" for k, v in val.get("metrics", {}).items()) + ".")
     if card.get("extra"):
         lines.append(f"- **Shape**: `{card['extra']}`.")
     lines.append(f"- **Command**: `{card['command']}`")

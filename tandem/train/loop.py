@@ -6,6 +6,11 @@ checkpoints (``checkpoint.pt``: parameters, optimiser, scheduler and step; batch
 function of the seed and epoch, so a resumed run sees exactly the batches it would have seen).
 SIGTERM (a job scheduler's time limit, ``timeout``) ends the run after the current step with a
 checkpoint, so the weights so far are saved and the same command resumes.
+
+A seeded share of the sequences (``val_fraction``, at most ``max_val_sequences``) is held out:
+the objective is evaluated on it at every checkpoint and at the end, and the module ends with the
+parameters of the step with the lowest held-out loss (the distilled answers are few, so later
+epochs can memorise them).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +42,9 @@ class TrainConfig:
         max_batch_tokens: padded tokens (rows x longest row) per batch.
         max_len: sequences are cut to this many tokens.
         seed: batches, initialisation and dropout-free training are reproducible from it.
-        checkpoint_every: steps between resumable checkpoints.
+        checkpoint_every: steps between resumable checkpoints (and held-out evaluations).
+        val_fraction: share of sequences held out for validation (0: none).
+        max_val_sequences: cap on the held-out sequences (keeps each evaluation to seconds).
     """
 
     epochs: float = 2.0
@@ -50,12 +57,15 @@ class TrainConfig:
     max_len: int = 1536
     seed: int = 0
     checkpoint_every: int = 200
+    val_fraction: float = 0.02
+    max_val_sequences: int = 256
 
 
 @dataclass
 class TrainResult:
     """What a run did: steps, wall time (s), the first/last logged loss and extra metrics;
-    ``planned_steps`` exceeds ``steps`` when SIGTERM stopped the run early."""
+    ``planned_steps`` exceeds ``steps`` when SIGTERM stopped the run early; ``validation``:
+    held-out sequences, the best step and its held-out loss and metrics (empty without a split)."""
 
     steps: int
     wall_s: float
@@ -63,6 +73,7 @@ class TrainResult:
     final_loss: float
     metrics: dict
     planned_steps: int = 0
+    validation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +88,32 @@ def pad_batch(batch: list[DistilledSequence], device) -> tuple[torch.Tensor, tor
     lengths = torch.tensor([len(s.tokens) for s in batch], device=device)
     prompt_lens = torch.tensor([s.prompt_len for s in batch], device=device)
     return torch.from_numpy(tokens).to(device), lengths, prompt_lens
+
+
+def split_validation(seqs: list[DistilledSequence], cfg: TrainConfig) -> tuple[list[DistilledSequence],
+                                                                               list[DistilledSequence]]:
+    """(training, held-out) sequences: a seeded random ``val_fraction`` share, at most
+    ``max_val_sequences``, never all of them."""
+    n_val = min(int(len(seqs) * cfg.val_fraction), cfg.max_val_sequences, len(seqs) - 1)
+    if n_val <= 0:
+        return seqs, []
+    held = set(np.random.default_rng([cfg.seed, 7]).permutation(len(seqs))[:n_val].tolist())
+    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+
+
+@torch.no_grad()
+def evaluate(module: torch.nn.Module, loss_fn, seqs: list[DistilledSequence], cfg: TrainConfig) -> dict:
+    """Mean loss and metrics of ``loss_fn`` over ``seqs`` (batch-weighted), module in eval mode."""
+    was_training = module.training
+    module.eval()
+    losses, metrics = [], {}
+    for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len):
+        loss, m = loss_fn(batch)
+        losses.append(float(loss))
+        for k, v in m.items():
+            metrics.setdefault(k, []).append(float(v))
+    module.train(was_training)
+    return {"loss": float(np.mean(losses)), "metrics": {k: float(np.mean(v)) for k, v in metrics.items()}}
 
 
 def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], tuple[torch.Tensor, dict]],
@@ -102,6 +139,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
 
     if not seqs:
         raise ValueError("no training sequences")
+    seqs, val_seqs = split_validation(seqs, cfg)
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the module has no trainable parameters")
@@ -115,6 +153,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     sched = get_cosine_schedule_with_warmup(opt, max(1, int(cfg.warmup_frac * total)), total)
     step = 0
+    best: dict = {}  # held-out loss, step, metrics and trainable parameters of the best step so far
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -122,6 +161,16 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
+        best = state.get("best", {})
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+
+    def validate() -> None:
+        if not val_seqs:
+            return
+        res = evaluate(module, loss_fn, val_seqs, cfg)
+        if not best or res["loss"] < best["loss"]:
+            params = dict(module.named_parameters())
+            best.update(res, step=step, params={k: params[k].detach().to("cpu", copy=True) for k in trainable})
     torch.manual_seed(cfg.seed)
     losses: list[float] = []
     tail: dict[str, list[float]] = {}
@@ -155,9 +204,10 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
             bar.update(1)
             bar.set_postfix(loss=f"{value:.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
             if step % cfg.checkpoint_every == 0 or step == total or stop.is_set():
+                validate()
                 tmp = out / "checkpoint.pt.tmp"
                 torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
-                            "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg)}, tmp)
+                            "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg), "best": best}, tmp)
                 tmp.replace(ckpt)
             if stop.is_set():
                 break
@@ -165,8 +215,16 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
     bar.close()
+    validation = {}
+    if best:
+        with torch.no_grad():  # end with the best held-out step's parameters
+            params = dict(module.named_parameters())
+            for k, v in best["params"].items():
+                params[k].copy_(v.to(params[k].device))
+        validation = {"sequences": len(val_seqs), "best_step": best["step"], "loss": best["loss"],
+                      "metrics": best["metrics"]}
     module.eval()
     window = max(1, len(losses) // 10)
     return TrainResult(step, time.perf_counter() - t0, float(np.mean(losses[:window])) if losses else float("nan"),
                        float(np.mean(losses[-window:])) if losses else float("nan"),
-                       {k: float(np.mean(v)) for k, v in tail.items()}, total)
+                       {k: float(np.mean(v)) for k, v in tail.items()}, total, validation)
