@@ -214,7 +214,7 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
                     progress: bool) -> tuple[list[Completion], float]:
     """Run ``records`` through the disaggregated stack: ``tandem serve`` verifier, drafter and
     router as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
-    in flight through ``Router.Generate``; a warm-up pass, then the timed pass.
+    in flight through ``Router.Generate``; a warm-up pass (``max(2b, 4)`` prompts), then the timed pass.
 
     Returns:
         Completions (record order; TTFT / TPOT measured by the client, network included) and the
@@ -242,11 +242,11 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
                                     max_seq_len=runner_config.max_seq_len, policy=policy, predictor=predictor,
                                     measure_cost=k if config.uses_cost_model else 0), timeout_s=900)
     try:
-        for label in ("warm-up", "timed"):
-            with tqdm(total=len(records), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
+        for label, run in (("warm-up", records[:max(2 * batch_size, 4)]), ("timed", records)):  # see _engine_pass
+            with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
-                comps = generate_all(stack.grpc_address, records, params, batch_size, on_finish=lambda _: bar.update())
+                comps = generate_all(stack.grpc_address, run, params, batch_size, on_finish=lambda _: bar.update())
                 wall = time.perf_counter() - t0
     finally:
         stack.stop()
@@ -383,21 +383,25 @@ def _needs_own_engine(decoding: Decoding) -> bool:
 
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
                  params: SamplingParams, desc: str, progress: bool) -> tuple[list[Completion], float, float]:
-    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass (compiles and captures every CUDA graph
-    shape, trains the online τ), then the timed pass. Returns (completions, wall s, peak GiB)."""
+    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass, then
+    the timed pass. Returns (completions, wall s, peak GiB).
+
+    The warm-up runs ``max(2 * batch_size, 4)`` of the prompts: enough for the batch to fill and
+    drain through every running-count bucket (so every CUDA graph shape is captured and compiled
+    before timing, and the online τ has rounds behind it) without doubling the benchmark's time."""
     engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
                                                                     decoding.draft_policy)
     engine.max_running = batch_size
     texts = [r.text for r in prompts]
     dev = engine.runner.device
-    for label in ("warm-up", "timed"):
-        with tqdm(total=len(texts), desc=f"{desc} {label}", unit="prompt", leave=False, file=sys.stderr,
+    for label, run in (("warm-up", texts[:max(2 * batch_size, 4)]), ("timed", texts)):
+        with tqdm(total=len(run), desc=f"{desc} {label}", unit="prompt", leave=False, file=sys.stderr,
                   disable=None if progress else True) as bar:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            comps = engine.generate(texts, params, on_finish=lambda _: bar.update())
+            comps = engine.generate(run, params, on_finish=lambda _: bar.update())
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
