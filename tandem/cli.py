@@ -470,7 +470,8 @@ def _bench_from_results(files: str, out) -> None:
 
 @main.command("replay")
 @click.option("--drafter", "drafters", multiple=True, required=True, metavar="KIND[:PATH]",
-              help="specformer or draft-model, optionally with its weights (default: the shipped ones); repeatable.")
+              help="specformer or draft-model, optionally with its weights (default: the shipped ones), or ngram; "
+                   "repeatable.")
 @click.option("--traces", "traces_file", type=click.Path(dir_okay=False), default=None,
               help="Greedy traces (JSONL) from an earlier --save-traces; default: decode the prompts target-only now.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
@@ -504,8 +505,10 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
     specs = []
     for spec in drafters:
         kind, _, path = spec.partition(":")
-        if kind not in ("specformer", "draft-model"):
-            _fail(f"--drafter {spec!r}: replay supports specformer and draft-model")
+        if kind not in ("specformer", "draft-model", "ngram"):
+            _fail(f"--drafter {spec!r}: replay supports specformer, draft-model and ngram")
+        if kind == "ngram" and path:
+            _fail("--drafter ngram takes no weights path")
         specs.append((spec, kind, path or None))
     try:
         checkpoint = load_checkpoint(model)

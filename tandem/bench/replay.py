@@ -93,14 +93,16 @@ def load_traces(path: str | Path) -> list[GreedyTrace]:
     return out
 
 
-def walk(trace: GreedyTrace, drafts: np.ndarray, k: int) -> SpecDecodeStats:
+def walk(trace: GreedyTrace, drafts, k: int) -> SpecDecodeStats:
     """Replay the engine's rounds over one trace.
 
     Args:
         trace: the target's greedy decode.
-        drafts: ``[T, >= k]`` int; row ``p`` holds the drafts a round at position ``p`` proposes
-            for ``x[p+2], x[p+3], ...`` (T = prompt + output length).
-        k: draft tokens per round (the engine's ``num_draft_tokens``; a drafter with fewer
+        drafts: ``[T, >= k]`` int array whose row ``p`` holds the drafts a round at position
+            ``p`` proposes for ``x[p+2], x[p+3], ...`` (T = prompt + output length), or a
+            function ``(p, room) -> draft token ids`` (at most ``room``) for drafters replayed
+            through ``propose``.
+        k: draft tokens per round (the engine's ``num_draft_tokens``; an array with fewer
             columns, e.g. a SpecFormer head with l_d < k, drafts that many).
 
     Returns:
@@ -108,18 +110,19 @@ def walk(trace: GreedyTrace, drafts: np.ndarray, k: int) -> SpecDecodeStats:
     """
     x = trace.tokens
     P, C = len(trace.prompt_ids), len(trace.output_ids)
+    width = drafts.shape[1] if isinstance(drafts, np.ndarray) else k
     stats = SpecDecodeStats()
     out_len, p = 1, P - 1  # the prefill emitted x[P]
     while out_len < C:
-        room = max(0, min(k, drafts.shape[1], trace.max_tokens - out_len - 1))
-        truth = x[p + 2:p + 2 + room]
-        row = drafts[p]
+        room = max(0, min(k, width, trace.max_tokens - out_len - 1))
+        row = drafts[p][:room] if isinstance(drafts, np.ndarray) else (drafts(p, room) if room else [])
+        truth = x[p + 2:p + 2 + len(row)]
         n = 0
         while n < len(truth) and int(row[n]) == truth[n]:
             n += 1
         emitted = n + 1
         kept = min(emitted, C - out_len)
-        drafted, accepted = room, n
+        drafted, accepted = len(row), n
         if kept < emitted:  # the stop token came inside the run: counters cut there (Engine._append)
             drafted, accepted = min(drafted, kept), min(accepted, kept)
         stats.record(drafted, accepted, kept)
@@ -201,10 +204,25 @@ def draft_model_drafts(draft, traces: list[GreedyTrace], k: int, batch_tokens: i
     return out
 
 
-def replay(traces: list[GreedyTrace], drafts: list[np.ndarray], k: int) -> tuple[dict, dict[str, dict]]:
+def token_drafter_drafts(drafter, traces: list[GreedyTrace]) -> list:
+    """``walk`` callables that ask a drafter reading only token ids (n-gram) for each round's
+    drafts through ``Drafter.propose``, one sequence at a time on KV slot 0, greedy."""
+    from ..drafters.base import DraftRequest
+    from ..sampling import SamplingParams
+
+    params = SamplingParams()
+
+    def for_trace(t: GreedyTrace):  # the drafter notices a new sequence on slot 0 (not an extension of the last)
+        x = t.tokens
+        return lambda p, room: drafter.propose([DraftRequest(0, x[:p + 2], room, params, None)])[0].tokens
+
+    return [for_trace(t) for t in traces]
+
+
+def replay(traces: list[GreedyTrace], drafts: list, k: int) -> tuple[dict, dict[str, dict]]:
     """Overall and per-category ``SpecDecodeStats.to_dict()`` of a drafter over ``traces``."""
     overall, per_cat = SpecDecodeStats(), {}
-    for t, d in zip(traces, drafts):
+    for t, d in zip(traces, drafts):  # sequentially: a propose-based drafter is stateful per slot
         s = walk(t, d, k)
         overall.merge(s)
         per_cat.setdefault(t.category, SpecDecodeStats()).merge(s)
@@ -214,7 +232,8 @@ def replay(traces: list[GreedyTrace], drafts: list[np.ndarray], k: int) -> tuple
 def drafter_drafts(kind: str, path: str | None, checkpoint, traces: list[GreedyTrace], k: int,
                    device: str, dtype: torch.dtype) -> list[np.ndarray]:
     """Load a trained drafter (``specformer`` head or distilled ``draft-model``; ``path`` None =
-    the one shipped for the bundled target) and compute its drafts over ``traces``.
+    the one shipped for the bundled target) and compute its drafts over ``traces``; ``ngram``
+    (no weights) is replayed through its ``propose``.
 
     Raises:
         ModelLoadError: unloadable weights or weights made for another target.
@@ -223,6 +242,10 @@ def drafter_drafts(kind: str, path: str | None, checkpoint, traces: list[GreedyT
     from ..drafters.factory import drafter_weights
     from ..models.transformer import Transformer
 
+    if kind == "ngram":
+        from ..drafters import NgramDrafter
+
+        return token_drafter_drafts(NgramDrafter(), traces)
     longest = max(len(t.tokens) for t in traces) + k + 2
     target = Transformer(checkpoint.config, longest)
     target.load_weights(checkpoint.tensors)
@@ -241,4 +264,4 @@ def drafter_drafts(kind: str, path: str | None, checkpoint, traces: list[GreedyT
         draft = Transformer(draft_ck.config, longest)
         draft.load_weights(draft_ck.tensors)
         return draft_model_drafts(draft.to(device, dtype).eval(), traces, k)
-    raise ValueError(f"replay supports the trained drafters (specformer, draft-model), not {kind!r}")
+    raise ValueError(f"replay supports specformer, draft-model and ngram, not {kind!r}")
