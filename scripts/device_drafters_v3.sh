@@ -6,8 +6,15 @@
 #                                                   # (re)trains the causal and l_d = 8 heads meanwhile
 #   scripts/device_drafters_v3.sh MODEL OUT bench   # tandem bench: batch 1 (with HF references), then 16/64/128
 #   scripts/device_drafters_v3.sh MODEL OUT ablate  # tandem bench --ablation (batch 1), then --mode distributed at 64
-# Every step is time-boxed; training stops cleanly on SIGTERM (weights saved); logs and JSON come
-# back as one tarball per call (a call returns at most 8 files).
+# Every step is time-boxed; training stops cleanly on SIGTERM (weights saved); logs, JSON, traces and
+# predictors come back as one tarball per call (a call returns at most 8 files).
+# Staging: the tree is ~52 MiB, so `scripts/stage_model.sh 9` (parts of ~10 MiB) and carry .whl/ in a
+# call of its own (gguf, opentelemetry-api/sdk/semantic-conventions, prometheus_client,
+# grpcio-health-checking 1.84, fastapi/starlette/uvicorn/sse-starlette/pydantic(+core cp312)/anyio/
+# sniffio/h11/annotated-types/typing-inspection: the GPU machine lacks them), install with
+# `pip install --no-index --no-deps --target /tmp/site /tmp/whl/*.whl`, PYTHONPATH=/tmp/site:$PWD.
+# Time: bench ~9 min and ablate ~9 min; with staging (~1 min) both fit one session's 30 minutes,
+# with prep (~4 min) too if its training runs are dropped.
 set -uo pipefail
 model=$1; out=$2; step=$3
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -17,7 +24,7 @@ data=/tmp/distill
 t() { local name=$1 limit=$2; shift 2
       timeout "$limit" python3 -m tandem train "$@" --data "$data" --out "/tmp/train/$name" --model "$model" \
         > "/tmp/s3/logs/train-$name.log" 2>&1; echo "$name rc=$? $(tail -c 120 /tmp/s3/logs/train-$name.log | tr '\r' '\n' | tail -1)"; }
-pack() { tar --exclude='*.pt' --exclude='model.safetensors' --exclude=traces.jsonl --exclude=vlogs.npz -C /tmp -czf "$out/$1.tgz" s3 train; }
+pack() { tar --exclude='*.pt' --exclude='model.safetensors' --exclude=vlogs.npz -C /tmp -czf "$out/$1.tgz" s3 train; }
 case $step in
 train)
   t sf-l4-bonus 500 specformer --num-draft-tokens 4 --bonus-token --max-steps 1300 --batch-tokens 16384 &
@@ -54,10 +61,10 @@ print(max(d, key=lambda k: d[k]['overall']['mean_accepted_length']))" 2>/dev/nul
   pred=(); [[ -f /tmp/pred/predictor.safetensors && $ca == draft-model ]] && pred=(--predictor /tmp/pred/predictor.safetensors)
   echo "context-aware over $ca ${pred[*]}"
   common=(--model "$model" --max-tokens 256 --cost-table --ca-drafter "$ca" "${pred[@]}")
-  timeout 150 python3 -m tandem bench "${common[@]}" --limit 26 --hf-limit 5 --batch-sizes 1 \
+  timeout 240 python3 -m tandem bench "${common[@]}" --limit 13 --hf-limit 4 --batch-sizes 1 \
     --configs target,ngram,draft-model,specformer,context-aware,hf-generate,hf-prompt-lookup --out /tmp/s3/bench-b1 \
     > /tmp/s3/logs/bench-b1.log 2>&1; echo "bench b1 rc=$?"
-  timeout 220 python3 -m tandem bench "${common[@]}" --limit 128 --batch-sizes 16,64,128 --no-hf-baseline \
+  timeout 300 python3 -m tandem bench "${common[@]}" --limit 128 --batch-sizes 16,64,128 --no-hf-baseline \
     --configs target,ngram,draft-model,specformer,context-aware --out /tmp/s3/bench-big \
     > /tmp/s3/logs/bench-big.log 2>&1; echo "bench 16-128 rc=$?"
   pack bench
@@ -74,7 +81,7 @@ ablate)
   timeout 300 python3 -m tandem bench --ablation --model "$model" --drafter draft-model \
     --predictor /tmp/pred/predictor.safetensors --num-draft-tokens 5 --limit 26 --batch-sizes 1,64 --max-tokens 256 \
     --out /tmp/s3/ablation > /tmp/s3/logs/ablation.log 2>&1; echo "ablation rc=$?"; tail -30 /tmp/s3/logs/ablation.log
-  timeout 150 python3 -m tandem bench --mode distributed --model "$model" --limit 128 --batch-sizes 64 \
+  timeout 220 python3 -m tandem bench --mode distributed --model "$model" --limit 128 --batch-sizes 64 \
     --configs target,ngram --no-hf-baseline --max-tokens 256 --out /tmp/s3/distributed \
     > /tmp/s3/logs/distributed.log 2>&1; echo "distributed rc=$?"
   pack ablate
