@@ -392,6 +392,8 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
 
         if configs_spec:
             _fail("--ablation runs its own configuration set; drop --configs")
+        if tau != "auto":
+            _fail("--ablation rows set τ themselves (the online controller, or none); drop --tau")
         configs_spec, hf_baseline = ",".join(ABLATION_CONFIGS), False
         if drafter != "none":
             ca_drafter, drafter = drafter, "none"
@@ -427,6 +429,11 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     configs = parse_configs(",".join(names))
     check_mode(mode)
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
+    if predictor is None and ca_drafter in ("draft-model", "specformer"):  # record which one that is
+        from .drafters.factory import drafter_predictor
+
+        predictor = drafter_predictor(ca_drafter, draft_model if ca_drafter == "draft-model" else specformer_path,
+                                      load_checkpoint(model))
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter,
                            predictor=predictor, tau=tau, branch_top_m=branch_top_m)
@@ -473,23 +480,24 @@ def _bench_from_results(files: str, out) -> None:
               help="specformer or draft-model, optionally with its weights (default: the shipped ones), or ngram; "
                    "repeatable.")
 @click.option("--traces", "traces_file", type=click.Path(dir_okay=False), default=None,
-              help="Greedy traces (JSONL) from an earlier --save-traces; default: decode the prompts target-only now.")
+              help="Greedy traces (JSONL) from an earlier --save-traces, made with the same --model; the prompt "
+                   "options below then do not apply. Default: decode the prompts target-only now.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Prompt JSONL (default: the bundled Spec-Bench questions).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Round-robin N prompts over the categories.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt [default: 256].")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Target-only decode batch (default per device).")
 @click.option("--save-traces", type=click.Path(dir_okay=False), default=None, help="Write the traces here (JSONL).")
 @click.option("-k", "--num-draft-tokens", type=click.IntRange(min=1, max=16), default=None,
-              help="Draft tokens per round (default: a head's l_d, 4 for a draft model).")
+              help="Draft tokens per round (default: a head's l_d, 4 for the others; a head drafts at most l_d).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @model_option
 @device_option
 def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_size, save_traces, num_draft_tokens,
                out, model, device) -> None:
-    """Acceptance of trained drafters on a prompt set by exact greedy replay: one teacher-forced
-    pass over the target's own greedy outputs gives every round's accepted length (the engine's
-    counters, see tandem.bench.replay), so drafter variants compare in seconds, not decode runs."""
+    """Acceptance of drafters on a prompt set by exact greedy replay: one teacher-forced pass over
+    the target's own greedy outputs gives every round's accepted length (the engine's counters,
+    see tandem.bench.replay), so drafter variants compare in seconds, not decode runs."""
     import json
     from pathlib import Path
 
@@ -497,13 +505,20 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
 
     from .bench.replay import drafter_drafts, load_traces, record_traces, replay, save_traces as write_traces
     from .data import bundled_spec_bench, load_prompts, round_robin_by_category
+    from .drafters.factory import drafter_weights
     from .errors import InvalidRequestError
     from .models.config import ModelLoadError
     from .models.runner import default_runner_config
     from .models.weights import load_checkpoint
+    from .train.distill import model_fingerprint
 
+    if traces_file and (prompts_file or limit or max_tokens or batch_size):
+        _fail("--traces replays saved traces: --prompts, --limit, --max-tokens and --batch-size do not apply")
+    for path in (out, save_traces):
+        if path and not Path(path).resolve().parent.is_dir():
+            _fail(f"cannot write {path}: its directory does not exist")
     specs = []
-    for spec in drafters:
+    for spec in dict.fromkeys(drafters):  # a repeated drafter is replayed once
         kind, _, path = spec.partition(":")
         if kind not in ("specformer", "draft-model", "ngram"):
             _fail(f"--drafter {spec!r}: replay supports specformer, draft-model and ngram")
@@ -512,29 +527,45 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
         specs.append((spec, kind, path or None))
     try:
         checkpoint = load_checkpoint(model)
+        heads = {}
+        for spec, kind, path in specs:  # every drafter's weights load before anything is decoded
+            try:
+                if kind == "specformer":
+                    from .drafters.specformer import load_specformer
+
+                    heads[spec] = load_specformer(drafter_weights(kind, path, checkpoint))
+                    heads[spec].config.check_target(checkpoint.config)
+                elif kind == "draft-model":
+                    from .drafters.draft_model import load_draft_checkpoint
+
+                    load_draft_checkpoint(drafter_weights(kind, path, checkpoint), checkpoint)
+            except (InvalidRequestError, ModelLoadError) as exc:
+                raise InvalidRequestError(f"--drafter {spec}: {exc}") from None
         if traces_file:
-            traces = load_traces(traces_file)
+            traces = load_traces(traces_file, checkpoint.config.vocab_size)
+            made_by = {t.model for t in traces if t.model}
+            if made_by and made_by != {model_fingerprint(checkpoint.path)}:
+                raise InvalidRequestError(f"{traces_file} was decoded by another target model than --model; "
+                                          "replay needs the target's own greedy outputs")
         else:
             records = load_prompts(prompts_file or bundled_spec_bench())
             if limit:
                 records = round_robin_by_category(records, limit)
+            if not records:
+                raise InvalidRequestError("the prompts file has no prompts")
             engine = _engine(model, device, batch_size or (128 if torch.cuda.is_available() else 8), 2048, compile_=False)
-            traces = record_traces(engine, records, max_tokens)
+            traces = record_traces(engine, records, max_tokens or 256)
             del engine
+        if not traces:
+            raise InvalidRequestError(f"{traces_file} holds no traces")
         if save_traces:
             write_traces(traces, save_traces)
-        if not traces:
-            raise InvalidRequestError("no traces to replay")
         cfg = default_runner_config(device)
         results = {}
         for spec, kind, path in specs:
-            k = num_draft_tokens
-            if k is None and kind == "specformer":
-                from .drafters.factory import drafter_weights
-                from .drafters.specformer import load_specformer
-
-                k = load_specformer(drafter_weights(kind, path, checkpoint)).config.num_draft_tokens
-            k = k or 4
+            k = num_draft_tokens or 4
+            if kind == "specformer":  # a head drafts l_d tokens at most
+                k = min(num_draft_tokens or 99, heads[spec].config.num_draft_tokens)
             drafts = drafter_drafts(kind, path, checkpoint, traces, k, cfg.device, cfg.dtype)
             overall, per_cat = replay(traces, drafts, k)
             results[spec] = {"kind": kind, "path": path, "k": k, "overall": overall, "per_category": per_cat}
@@ -549,12 +580,21 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
     for cat in cats + ["overall"]:
         cells = []
         for r in results.values():
-            s = r["overall"] if cat == "overall" else r["per_category"][cat]
-            cells.append(f"{s['acceptance_rate']:.3f} / {s['mean_accepted_length']:.2f}")
-        table.add_row(cat, *cells)
+            st = r["overall"] if cat == "overall" else r["per_category"][cat]
+            cells.append(f"{_fmt(st['acceptance_rate'], '.3f')} / {st['mean_accepted_length']:.2f}")
+        table.add_row(cat or "(none)", *cells)
     console.print(table)
     if out:
-        Path(out).write_text(json.dumps({"prompts": len(traces), "drafters": results}, indent=1))
+        def finite(x):  # strict JSON: an undefined rate (nothing drafted) is null
+            if isinstance(x, float) and x != x:
+                return None
+            if isinstance(x, dict):
+                return {k: finite(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [finite(v) for v in x]
+            return x
+        Path(out).write_text(json.dumps(finite({"prompts": len(traces), "drafters": results}), indent=1,
+                                        allow_nan=False))
 
 
 @main.command("collect-logs")

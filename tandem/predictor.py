@@ -93,12 +93,17 @@ class AcceptancePredictor(nn.Module):
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"no predictor at {p}")
-        with safe_open(str(p), framework="pt") as f:
-            meta = f.metadata() or {}
-            if "num_features" not in meta:
-                raise ValueError(f"{p} is not a Tandem acceptance predictor")
-            model = cls(int(meta["num_features"]), int(meta["hidden"]))
-            model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+                if "num_features" not in meta:
+                    raise ValueError(f"{p} is not a Tandem acceptance predictor")
+                model = cls(int(meta["num_features"]), int(meta["hidden"]))
+                model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        except ValueError:
+            raise
+        except Exception as exc:  # not safetensors at all, or tensors that do not fit
+            raise ValueError(f"{p} is not a Tandem acceptance predictor ({type(exc).__name__})") from None
         return model.eval()
 
 

@@ -80,3 +80,50 @@ def test_ablation_cli(setup, tmp_path):
     assert res.exit_code == 2 and "predictor rows need --predictor" in res.output
     res = CliRunner().invoke(main, base + ["--configs", "target,ngram"])
     assert res.exit_code == 2 and "drop --configs" in res.output
+
+
+def test_ablation_cli_refuses_bad_options(setup, tmp_path):
+    target, draft, predictor = setup
+    base = ["bench", "--ablation", "--model", str(target), "--device", "cpu", "--batch-sizes", "1", "--limit", "1",
+            "--max-tokens", "4"]
+    garbage = tmp_path / "g.safetensors"
+    garbage.write_text("not a predictor")
+    for extra, message in ((["--drafter", "draft-model", "--draft-model", str(draft), "--predictor", str(garbage)],
+                            "is not a Tandem acceptance predictor"),
+                           (["--drafter", "draft-model", "--draft-model", str(draft), "--tau", "foo"], "drop --tau"),
+                           (["--drafter", "ngram"], "trained on n-gram verification logs")):
+        res = CliRunner().invoke(main, base + extra)
+        assert res.exit_code == 2 and message in res.output, (extra, res.output)
+
+
+def test_replay_cli_checks_its_input(setup, tmp_path):
+    """tandem replay: traces are recorded with the model's fingerprint and checked when read back;
+    bad files, ids outside the vocabulary, conflicting options and unwritable outputs are refused."""
+    target, _, _ = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
+                               for c, p in (("a", "count: 1 2 3 1 2 3"), ("b", "hello hello"))))
+    base = ["replay", "--model", str(target), "--device", "cpu", "--drafter", "ngram"]
+    res = CliRunner().invoke(main, base + ["--prompts", str(prompts), "--max-tokens", "8",
+                                           "--save-traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "r.json").read_text())  # strict JSON (no NaN)
+    assert data["prompts"] == 2 and data["drafters"]["ngram"]["k"] == 4
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert all(len(json.loads(line)["model"]) == 64 for line in lines)
+    res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "t.jsonl")])
+    assert res.exit_code == 0, res.output
+    bad = {"types": '{"category": "x", "prompt_ids": [1], "output_ids": "abc", "max_tokens": 5}',
+           "vocab": '{"category": "x", "prompt_ids": [1], "output_ids": [99999999], "max_tokens": 5}',
+           "json": 'not json', "other model": lines[0].replace(json.loads(lines[0])["model"], "0" * 64)}
+    for name, line in bad.items():
+        (tmp_path / "bad.jsonl").write_text(line + "\n")
+        res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "bad.jsonl")])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (name, res.output)
+    for extra, message in ((["--traces", str(tmp_path / "t.jsonl"), "--limit", "1"], "do not apply"),
+                           (["--traces", str(tmp_path / "missing.jsonl")], "does not exist"),
+                           (["--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "no" / "r.json")],
+                            "directory does not exist"),
+                           (["--drafter", "ngram:/x"], "takes no weights path")):
+        res = CliRunner().invoke(main, base + extra)
+        assert res.exit_code == 2 and message in res.output, (extra, res.output)

@@ -220,6 +220,9 @@ def _ablation_predictor(ctx: BuildContext):
     o = ctx.options
     weights = {"draft-model": o.draft_model, "specformer": o.specformer}.get(o.ca_drafter)
     path = o.predictor or drafter_predictor(o.ca_drafter, weights, ctx.checkpoint)
+    if path is None and o.ca_drafter == "ngram":
+        raise ConfigError("the ablation's predictor rows need a predictor trained on n-gram verification logs "
+                          "(--predictor PATH); none ships, since n-gram's one-hot drafts give it nothing to score")
     if path is None:
         raise ConfigError(f"the ablation's predictor rows need --predictor (or a {PREDICTOR_FILE} next to the "
                           f"{o.ca_drafter} drafter's weights)")

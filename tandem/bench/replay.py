@@ -41,12 +41,29 @@ class GreedyTrace:
         prompt_ids: the encoded prompt (chat template applied).
         output_ids: the generated tokens, stop token included (``Completion.token_ids``).
         max_tokens: the request's max new tokens.
+        model: sha256 of the target model file that decoded it ("" when unknown).
     """
 
     category: str
     prompt_ids: list[int]
     output_ids: list[int]
     max_tokens: int
+    model: str = ""
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError unless the fields have the right types and ranges (non-empty prompt
+        and output of int ids, below ``vocab_size`` when given; 1 <= len(output) <= max_tokens)."""
+        if not isinstance(self.category, str) or not isinstance(self.model, str):
+            raise ValueError("category and model must be strings")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name, ids in (("prompt_ids", self.prompt_ids), ("output_ids", self.output_ids)):
+            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+                raise ValueError(f"{name} must be a non-empty list of non-negative integer token ids")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise ValueError(f"{name} holds token id {max(ids)}, outside the model's vocabulary ({vocab_size})")
+        if len(self.output_ids) > self.max_tokens:
+            raise ValueError(f"{len(self.output_ids)} output tokens exceed max_tokens {self.max_tokens}")
 
     @property
     def tokens(self) -> list[int]:
@@ -61,10 +78,13 @@ def record_traces(engine, records: list[PromptRecord], max_tokens: int = 256) ->
     """
     from ..sampling import SamplingParams
 
+    from ..train.distill import model_fingerprint
+
     if engine.drafter is not None:
         raise ValueError("greedy traces come from a target-only engine (drafter none)")
     done = engine.generate([r.text for r in records], SamplingParams(max_tokens=max_tokens))
-    return [GreedyTrace(r.category, engine.encode_prompt(r.text), list(c.token_ids), max_tokens)
+    model = model_fingerprint(engine.checkpoint.path)
+    return [GreedyTrace(r.category or "", engine.encode_prompt(r.text), list(c.token_ids), max_tokens, model)
             for r, c in zip(records, done)]
 
 
@@ -76,20 +96,28 @@ def save_traces(traces: list[GreedyTrace], path: str | Path) -> Path:
     return p
 
 
-def load_traces(path: str | Path) -> list[GreedyTrace]:
-    """Read traces written by ``save_traces``.
+def load_traces(path: str | Path, vocab_size: int | None = None) -> list[GreedyTrace]:
+    """Read traces written by ``save_traces`` and check each (``GreedyTrace.check``).
 
     Raises:
-        ValueError: a line that is not a trace.
+        ValueError: an unreadable file or a line that is not a valid trace (file and line named).
     """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"traces file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read traces file {path}: {exc}") from None
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            out.append(GreedyTrace(**json.loads(line)))
-        except (TypeError, json.JSONDecodeError) as exc:
+            trace = GreedyTrace(**json.loads(line))
+            trace.check(vocab_size)
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: not a greedy trace ({exc})") from None
+        out.append(trace)
     return out
 
 
