@@ -412,7 +412,9 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     import torch
     from tqdm import tqdm
 
-    from .bench.configs import BenchOptions, parse_configs
+    from dataclasses import replace
+
+    from .bench.configs import BenchOptions, parse_configs, predictor_path
     from .bench.report import tables, write_json, write_report
     from .bench.spec_bench import check_mode, run_benchmark
     from .models.runner import default_runner_config
@@ -429,17 +431,13 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     configs = parse_configs(",".join(names))
     check_mode(mode)
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
-    if predictor is None and ca_drafter in ("draft-model", "specformer"):  # record which one that is
-        from .drafters.factory import drafter_predictor
-
-        predictor = drafter_predictor(ca_drafter, draft_model if ca_drafter == "draft-model" else specformer_path,
-                                      load_checkpoint(model))
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter,
                            predictor=predictor, tau=tau, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     checkpoint = load_checkpoint(model)
+    options = replace(options, predictor=predictor_path(options, checkpoint))  # the results record which one
     err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
                       f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False)
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
@@ -503,9 +501,8 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
 
     import torch
 
-    from .bench.replay import drafter_drafts, load_traces, record_traces, replay, save_traces as write_traces
+    from .bench.replay import Replayer, load_drafter, load_traces, record_traces, replay, save_traces as write_traces
     from .data import bundled_spec_bench, load_prompts, round_robin_by_category
-    from .drafters.factory import drafter_weights
     from .errors import InvalidRequestError
     from .models.config import ModelLoadError
     from .models.runner import default_runner_config
@@ -527,18 +524,10 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
         specs.append((spec, kind, path or None))
     try:
         checkpoint = load_checkpoint(model)
-        heads = {}
+        loaded = {}
         for spec, kind, path in specs:  # every drafter's weights load before anything is decoded
             try:
-                if kind == "specformer":
-                    from .drafters.specformer import load_specformer
-
-                    heads[spec] = load_specformer(drafter_weights(kind, path, checkpoint))
-                    heads[spec].config.check_target(checkpoint.config)
-                elif kind == "draft-model":
-                    from .drafters.draft_model import load_draft_checkpoint
-
-                    load_draft_checkpoint(drafter_weights(kind, path, checkpoint), checkpoint)
+                loaded[spec] = load_drafter(kind, path, checkpoint)
             except (InvalidRequestError, ModelLoadError) as exc:
                 raise InvalidRequestError(f"--drafter {spec}: {exc}") from None
         if traces_file:
@@ -561,13 +550,13 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
         if save_traces:
             write_traces(traces, save_traces)
         cfg = default_runner_config(device)
+        replayer = Replayer(checkpoint, traces, cfg.device, cfg.dtype)
         results = {}
         for spec, kind, path in specs:
             k = num_draft_tokens or 4
             if kind == "specformer":  # a head drafts l_d tokens at most
-                k = min(num_draft_tokens or 99, heads[spec].config.num_draft_tokens)
-            drafts = drafter_drafts(kind, path, checkpoint, traces, k, cfg.device, cfg.dtype)
-            overall, per_cat = replay(traces, drafts, k)
+                k = min(num_draft_tokens or 99, loaded[spec].config.num_draft_tokens)
+            overall, per_cat = replay(traces, replayer.drafts(kind, loaded[spec], k), k)
             results[spec] = {"kind": kind, "path": path, "k": k, "overall": overall, "per_category": per_cat}
     except (InvalidRequestError, ModelLoadError, ValueError, OSError) as exc:
         _fail(str(exc))
@@ -584,16 +573,10 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             cells.append(f"{_fmt(st['acceptance_rate'], '.3f')} / {st['mean_accepted_length']:.2f}")
         table.add_row(cat or "(none)", *cells)
     console.print(table)
-    if out:
-        def finite(x):  # strict JSON: an undefined rate (nothing drafted) is null
-            if isinstance(x, float) and x != x:
-                return None
-            if isinstance(x, dict):
-                return {k: finite(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [finite(v) for v in x]
-            return x
-        Path(out).write_text(json.dumps(finite({"prompts": len(traces), "drafters": results}), indent=1,
+    if out:  # strict JSON: an undefined rate (nothing drafted) is null
+        from .bench.spec_bench import json_safe
+
+        Path(out).write_text(json.dumps(json_safe({"prompts": len(traces), "drafters": results}), indent=1,
                                         allow_nan=False))
 
 

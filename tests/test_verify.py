@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import chi_square_pvalue, total_variation
 
-from tandem.drafters import (NUM_FEATURES, DraftRequest, NgramDrafter, distribution_features, load_draft_checkpoint,
-                             ngram_lookup, truncated_checkpoint)
+from tandem.drafters import (NUM_FEATURES, DraftRequest, NgramDrafter, NgramIndex, distribution_features,
+                             load_draft_checkpoint, truncated_checkpoint)
 from tandem.drafters.base import one_hot_features
 from tandem.drafters.draft_model import check_compatible
 from tandem.metrics import SpecDecodeStats
@@ -37,6 +37,39 @@ def test_chi_square_helper_sanity():
 
 def _arr(*xs) -> np.ndarray:
     return np.asarray(xs, dtype=np.int64)
+
+
+def scan_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
+    """Reference: a scan of the whole sequence. Continuation of an earlier occurrence of the longest matching suffix: the most recent one
+    that still has ``k`` tokens after it, else the earliest (in a loop the most recent match ends
+    just before the sequence's end and would propose almost nothing).
+
+    Args:
+        tokens: ``[T]`` int64 sequence.
+        max_n, min_n: suffix lengths to try, longest first.
+        k: tokens to propose at most.
+
+    Returns:
+        Up to k token ids (empty when no suffix of length >= min_n recurs).
+    """
+    T = len(tokens)
+    for n in range(min(max_n, T - 1), min_n - 1, -1):
+        suffix = tokens[T - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:T - 1], n)  # starts 0..T-1-n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = hits[hits + n < T]  # a continuation must exist
+        if hits.size:
+            full = hits[hits + n + k <= T]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
+    """The drafter's incremental index over ``tokens`` (the code under test)."""
+    index = NgramIndex(max_n, min_n)
+    index.extend(tokens.tolist())
+    return index.lookup(k)
 
 
 def test_ngram_longest_match_wins():
@@ -354,8 +387,6 @@ def test_ngram_in_a_loop_proposes_a_full_draft():
 def test_ngram_index_equals_full_scan():
     """The drafter's incremental index answers exactly what a scan of the whole sequence answers,
     for every prefix of random low-entropy sequences (many repeats) and every k."""
-    from tandem.drafters.ngram import NgramIndex
-
     rng = np.random.default_rng(0)
     for trial in range(40):
         seq = rng.integers(0, 1 + trial % 6, size=int(rng.integers(2, 80))).tolist()
@@ -367,7 +398,7 @@ def test_ngram_index_equals_full_scan():
             if t + 1 < 2:
                 continue
             for k in (1, 3, 8):
-                assert index.lookup(k) == ngram_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
+                assert index.lookup(k) == scan_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
 
 
 def test_ngram_drafter_rebuilds_for_a_reused_slot():

@@ -158,14 +158,19 @@ def _specformer(ctx: BuildContext) -> Decoding:
     return Decoding(SpecFormerDrafter(ctx.specformer_head()), SPECFORMER_K)
 
 
-def _ca_policy(ctx: BuildContext) -> DraftPolicy:
-    """``--predictor``, else the predictor saved next to the drafter's weights, else the entropy score."""
+def predictor_path(options: BenchOptions, checkpoint: Checkpoint) -> str | None:
+    """``--predictor``, else the predictor saved next to the ``--ca-drafter``'s weights, else None."""
     from ..drafters.factory import drafter_predictor
 
+    weights = {"draft-model": options.draft_model, "specformer": options.specformer}.get(options.ca_drafter)
+    return options.predictor or drafter_predictor(options.ca_drafter, weights, checkpoint)
+
+
+def _ca_policy(ctx: BuildContext) -> DraftPolicy:
+    """The predictor (``predictor_path``), else the entropy score."""
     o = ctx.options
-    weights = {"draft-model": o.draft_model, "specformer": o.specformer}.get(o.ca_drafter)
-    predictor = o.predictor or drafter_predictor(o.ca_drafter, weights, ctx.checkpoint)
-    return make_draft_policy(predictor, o.tau, o.branch_top_m, fallback_score=entropy_score, cost=ctx.cost)
+    return make_draft_policy(predictor_path(o, ctx.checkpoint), o.tau, o.branch_top_m, fallback_score=entropy_score,
+                             cost=ctx.cost)
 
 
 def _ca_base(ctx: BuildContext) -> BenchConfig:
@@ -214,12 +219,11 @@ def _ablation_predictor(ctx: BuildContext):
     Raises:
         ConfigError: neither ``--predictor`` nor a predictor saved next to the drafter's weights.
     """
-    from ..drafters.factory import PREDICTOR_FILE, drafter_predictor
+    from ..drafters.factory import PREDICTOR_FILE
     from ..predictor import AcceptancePredictor
 
     o = ctx.options
-    weights = {"draft-model": o.draft_model, "specformer": o.specformer}.get(o.ca_drafter)
-    path = o.predictor or drafter_predictor(o.ca_drafter, weights, ctx.checkpoint)
+    path = predictor_path(o, ctx.checkpoint)
     if path is None and o.ca_drafter == "ngram":
         raise ConfigError("the ablation's predictor rows need a predictor trained on n-gram verification logs "
                           "(--predictor PATH); none ships, since n-gram's one-hot drafts give it nothing to score")

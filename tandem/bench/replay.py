@@ -176,36 +176,30 @@ def _batches(traces: list[GreedyTrace], max_tokens: int) -> list[list[int]]:
 
 
 def _padded(traces: list[GreedyTrace], idx: list[int], device) -> torch.Tensor:
-    T = max(len(traces[i].tokens) for i in idx)
-    out = torch.zeros(len(idx), T, dtype=torch.long)
-    for row, i in enumerate(idx):
-        t = traces[i].tokens
-        out[row, :len(t)] = torch.tensor(t)
-    return out.to(device)
+    """``[len(idx), T]`` right-padded token ids of the chosen traces (``train.loop.pad_batch``)."""
+    from ..train.distill import DistilledSequence
+    from ..train.loop import pad_batch
+
+    seqs = [DistilledSequence(np.asarray(traces[i].tokens), len(traces[i].prompt_ids)) for i in idx]
+    return pad_batch(seqs, device)[0]
 
 
 @torch.inference_mode()
 def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int = 32768) -> list[np.ndarray]:
-    """Every position's SpecFormer drafts, ``[T, l_d]`` per trace (teacher-forced).
+    """Every position's SpecFormer drafts, ``[T, l_d]`` per trace (teacher-forced, the training
+    objective's ``teacher_forced_states``).
 
     Args:
         head: a ``SpecFormerHead`` on the target's device and dtype.
         target: the target ``Transformer``.
     """
+    from ..train.specformer import teacher_forced_states
+
     out: list[np.ndarray | None] = [None] * len(traces)
-    cfg = head.config
     for idx in _batches(traces, batch_tokens):
         tokens = _padded(traces, idx, target.embed.weight.device)
         B, T = tokens.shape
-        _, taps = target.forward_causal(tokens, taps=cfg.taps)
-        dtype = taps.dtype
-        cos = target.rope_cos[:T].to(dtype).expand(B, T, -1)
-        sin = target.rope_sin[:T].to(dtype).expand(B, T, -1)
-        bonus = None
-        if cfg.bonus_token:
-            nxt = tokens[:, (torch.arange(T, device=tokens.device) + 1).clamp(max=T - 1)]
-            bonus = target.embed(nxt.reshape(-1))
-        y = head.forward_train(taps, cos, sin, None, bonus)  # [B*T, l_d, d]
+        y = teacher_forced_states(head, target, tokens)  # [B*T, l_d, d]
         ids = target.logits(target.norm(y)).argmax(-1).view(B, T, -1).cpu().numpy()
         for row, i in enumerate(idx):
             out[i] = ids[row, :len(traces[i].tokens)]
@@ -257,39 +251,61 @@ def replay(traces: list[GreedyTrace], drafts: list, k: int) -> tuple[dict, dict[
     return overall.to_dict(), {c: v.to_dict() for c, v in sorted(per_cat.items())}
 
 
-def drafter_drafts(kind: str, path: str | None, checkpoint, traces: list[GreedyTrace], k: int,
-                   device: str, dtype: torch.dtype) -> list[np.ndarray]:
-    """Load a trained drafter (``specformer`` head or distilled ``draft-model``; ``path`` None =
-    the one shipped for the bundled target) and compute its drafts over ``traces``; ``ngram``
-    (no weights) is replayed through its ``propose``.
+def load_drafter(kind: str, path: str | None, checkpoint):
+    """A drafter's weights for replay, loaded and checked against the target: a ``SpecFormerHead``
+    (``specformer``), a draft ``Checkpoint`` (``draft-model``; ``path`` None = the weights shipped
+    for the bundled target) or None (``ngram``, nothing to load).
 
     Raises:
+        InvalidRequestError: no path and no shipped weights for this target.
         ModelLoadError: unloadable weights or weights made for another target.
         ValueError: an unknown ``kind``.
     """
     from ..drafters.factory import drafter_weights
-    from ..models.transformer import Transformer
 
     if kind == "ngram":
-        from ..drafters import NgramDrafter
-
-        return token_drafter_drafts(NgramDrafter(), traces)
-    longest = max(len(t.tokens) for t in traces) + k + 2
-    target = Transformer(checkpoint.config, longest)
-    target.load_weights(checkpoint.tensors)
-    target = target.to(device, dtype).eval()
-    weights = drafter_weights(kind, path, checkpoint)
+        return None
     if kind == "specformer":
         from ..drafters.specformer import load_specformer
 
-        head = load_specformer(weights)
+        head = load_specformer(drafter_weights(kind, path, checkpoint))
         head.config.check_target(checkpoint.config)
-        return specformer_drafts(head.to(device, dtype).eval(), target, traces)
+        return head
     if kind == "draft-model":
         from ..drafters.draft_model import load_draft_checkpoint
 
-        draft_ck = load_draft_checkpoint(str(weights), checkpoint)
-        draft = Transformer(draft_ck.config, longest)
-        draft.load_weights(draft_ck.tensors)
-        return draft_model_drafts(draft.to(device, dtype).eval(), traces, k)
+        return load_draft_checkpoint(str(drafter_weights(kind, path, checkpoint)), checkpoint)
     raise ValueError(f"replay supports specformer, draft-model and ngram, not {kind!r}")
+
+
+class Replayer:
+    """Drafts of several drafters over one set of traces; the target ``Transformer`` that
+    SpecFormer heads read is built once, on first use.
+
+    Args:
+        checkpoint: the target; traces: its greedy traces; device, dtype: where the models run.
+    """
+
+    def __init__(self, checkpoint, traces: list[GreedyTrace], device: str, dtype: torch.dtype) -> None:
+        self.checkpoint, self.traces, self.device, self.dtype = checkpoint, traces, device, dtype
+        self.max_positions = max(len(t.tokens) for t in traces) + 1
+        self._target = None
+
+    def _model(self, checkpoint):
+        from ..models.transformer import Transformer
+
+        model = Transformer(checkpoint.config, self.max_positions)
+        model.load_weights(checkpoint.tensors)
+        return model.to(self.device, self.dtype).eval()
+
+    def drafts(self, kind: str, drafter, k: int) -> list:
+        """``walk``'s drafts for ``drafter`` (what ``load_drafter`` returned for ``kind``)."""
+        if kind == "ngram":
+            from ..drafters import NgramDrafter
+
+            return token_drafter_drafts(NgramDrafter(), self.traces)
+        if kind == "specformer":
+            if self._target is None:
+                self._target = self._model(self.checkpoint)
+            return specformer_drafts(drafter.to(self.device, self.dtype).eval(), self._target, self.traces)
+        return draft_model_drafts(self._model(drafter), self.traces, k)

@@ -117,7 +117,7 @@ class BenchReport:
 
     def to_dict(self) -> dict:
         """JSON-ready (NaN becomes null)."""
-        return _json_safe({"meta": asdict(self.meta), "results": [asdict(r) for r in self.results],
+        return json_safe({"meta": asdict(self.meta), "results": [asdict(r) for r in self.results],
                            "cost_table": self.cost_table})
 
     @classmethod
@@ -167,13 +167,14 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
     return BenchReport(replace(first, configs=configs, batch_sizes=sizes), list(results.values()), table or None)
 
 
-def _json_safe(x):
+def json_safe(x):
+    """``x`` with NaN and infinities as None (strict JSON), dict keys as strings."""
     if isinstance(x, float):
         return None if math.isnan(x) or math.isinf(x) else x
     if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -231,10 +232,10 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
     name = options.ca_drafter if config.name == "context-aware" else config.name
     policy, predictor, k = "fixed", None, config.draft_tokens(options) or 1
     if config.name == "context-aware":
-        from ..drafters.factory import drafter_predictor
         from ..models.weights import load_checkpoint
+        from .configs import predictor_path
 
-        predictor = options.predictor or drafter_predictor(name, options.draft_model, load_checkpoint(model))
+        predictor = predictor_path(options, load_checkpoint(model))
         policy = "predictor" if predictor else "entropy"
     stack = start_stack(StackConfig(model=model, drafter=DISTRIBUTED_DRAFTERS[name],
                                     draft_model=options.draft_model if name == "draft-model" else None,

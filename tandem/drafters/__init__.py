@@ -2,9 +2,9 @@
 
 from .base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, distribution_features
 from .draft_model import DraftModelDrafter, load_draft_checkpoint, truncated_checkpoint
-from .ngram import NgramDrafter, ngram_lookup
+from .ngram import NgramDrafter, NgramIndex
 
 __all__ = [
     "NUM_FEATURES", "DraftModelDrafter", "DraftProposal", "DraftRequest", "Drafter", "NgramDrafter",
-    "distribution_features", "load_draft_checkpoint", "ngram_lookup", "truncated_checkpoint",
+    "distribution_features", "load_draft_checkpoint", "NgramIndex", "truncated_checkpoint",
 ]

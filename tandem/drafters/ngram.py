@@ -10,40 +10,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-import numpy as np
-
 from .base import DraftProposal, DraftRequest, Drafter, one_hot_features
 
 
-def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
-    """Continuation of an earlier occurrence of the longest matching suffix: the most recent one
-    that still has ``k`` tokens after it, else the earliest (in a loop the most recent match ends
-    just before the sequence's end and would propose almost nothing).
-
-    Args:
-        tokens: ``[T]`` int64 sequence.
-        max_n, min_n: suffix lengths to try, longest first.
-        k: tokens to propose at most.
-
-    Returns:
-        Up to k token ids (empty when no suffix of length >= min_n recurs).
-    """
-    T = len(tokens)
-    for n in range(min(max_n, T - 1), min_n - 1, -1):
-        suffix = tokens[T - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:T - 1], n)  # starts 0..T-1-n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        hits = hits[hits + n < T]  # a continuation must exist
-        if hits.size:
-            full = hits[hits + n + k <= T]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
-
-
 class NgramIndex:
-    """Incremental n-gram index of one sequence: ``lookup`` answers exactly what ``ngram_lookup``
-    answers over the whole sequence, in O(max_n - min_n) dictionary probes instead of a scan.
+    """Incremental n-gram index of one sequence: ``lookup`` finds the longest recurring suffix in
+    O(max_n - min_n) dictionary probes instead of a scan of the sequence (a scan is the reference
+    in tests/test_verify.py).
 
     Each n-gram (n in [min_n, max_n]) maps to its start positions in ascending order; a round only
     indexes the tokens accepted since the last one.
@@ -68,8 +41,10 @@ class NgramIndex:
                     table.setdefault(tuple(toks[end - n:]), []).append(end - n)
 
     def lookup(self, k: int) -> list[int]:
-        """Up to ``k`` tokens after an earlier occurrence of the longest recurring suffix (the
-        rules of ``ngram_lookup``)."""
+        """Continuation of an earlier occurrence of the longest matching suffix (n from ``max_n``
+        down to ``min_n``): the most recent one that still has ``k`` tokens after it, else the
+        earliest (in a loop the most recent match ends just before the sequence's end and would
+        propose almost nothing). Up to ``k`` ids; empty when no suffix of length >= min_n recurs."""
         toks = self.tokens
         T = len(toks)
         for n in range(min(self.max_n, T - 1), self.min_n - 1, -1):

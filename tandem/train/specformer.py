@@ -36,6 +36,31 @@ def specformer_labels(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lens: 
     return labels, valid
 
 
+def teacher_forced_states(head: SpecFormerHead, target: Transformer, tokens: torch.Tensor,
+                          select: torch.Tensor | None = None) -> torch.Tensor:
+    """The head's draft states for every (selected) position of whole sequences, as the engine
+    would produce them round by round: the frozen target's taps (no grad), RoPE tables in the
+    taps' dtype, and for bonus-token heads the embedding of x[t+1].
+
+    Args:
+        tokens: ``[B, T]`` ids from position 0 (right padding is harmless).
+        select: optional ``[B, T]`` bool, the positions needed.
+
+    Returns:
+        ``[N, l_d, d]`` states before the target's final norm (N = B*T or the selected count).
+    """
+    B, T = tokens.shape
+    with torch.no_grad():
+        _, taps = target.forward_causal(tokens, taps=head.config.taps)
+    cos = target.rope_cos[:T].to(taps.dtype).expand(B, T, -1)
+    sin = target.rope_sin[:T].to(taps.dtype).expand(B, T, -1)
+    bonus = None
+    if head.config.bonus_token:  # position t's bonus token is x[t+1] (the target's own next token)
+        nxt = tokens[:, (torch.arange(T, device=tokens.device) + 1).clamp(max=T - 1)]
+        bonus = target.embed(nxt[select] if select is not None else nxt.reshape(-1))
+    return head.forward_train(taps, cos, sin, select, bonus)
+
+
 class SpecFormerObjective:
     """Loss over a batch of distilled sequences: target forward (no grad) -> head -> CE.
 
@@ -52,20 +77,11 @@ class SpecFormerObjective:
     def __call__(self, batch: list[DistilledSequence]) -> tuple[torch.Tensor, dict]:
         cfg = self.head.config
         tokens, lengths, prompt_lens = pad_batch(batch, self.device)
-        B, T = tokens.shape
         labels, valid = specformer_labels(tokens, lengths, prompt_lens, cfg.num_draft_tokens)
         select = valid.any(-1)
-        with torch.no_grad():
-            _, taps = self.target.forward_causal(tokens, taps=cfg.taps)
-        cos = self.target.rope_cos[:T].expand(B, T, -1)
-        sin = self.target.rope_sin[:T].expand(B, T, -1)
-        bonus = None
-        if cfg.bonus_token:  # position t's bonus token is x[t+1] (the target's own next token)
-            nxt = tokens.gather(1, (torch.arange(T, device=self.device) + 1).clamp(max=T - 1).expand(B, T))
-            bonus = self.target.embed(nxt[select])
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            y = self.head.forward_train(taps.float() if not self.amp else taps, cos, sin, select, bonus)
-            logits = self.target.logits(self.target.norm(y))  # [N, l_d, vocab] float32
+            logits = self.target.logits(self.target.norm(teacher_forced_states(self.head, self.target, tokens,
+                                                                               select)))  # [N, l_d, vocab] fp32
         lab, ok = labels[select], valid[select]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view_as(lab)
         loss = (ce * ok).sum() / ok.sum().clamp_min(1)
