@@ -133,7 +133,7 @@ dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default=
 @click.option("-v", "--verbose", is_flag=True, help="Log engine events.")
 def main(verbose: bool) -> None:
     """Tandem: lossless speculative decoding for LLM serving."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 @main.command()
