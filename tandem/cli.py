@@ -343,6 +343,10 @@ def info(model, device, batch_size, max_seq_len) -> None:
               help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
                    "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")
 @click.option("--cost-table", is_flag=True, help="Also measure the verifier step time T(b, q) for q = 1..k+1.")
+@click.option("--warmup", type=click.Choice(["full", "short"]), default="full", show_default=True,
+              help="Warm-up pass before each timed pass: full = the same prompts (every CUDA graph and compile "
+                   "is made before timing); short = max(2b, 4) of them (faster; later context lengths are "
+                   "captured inside the timing).")
 @click.option("--mode", type=click.Choice(["inproc", "distributed"]), default="inproc", show_default=True,
               help="inproc: one process; distributed: through the gRPC services (tandem serve).")
 @model_option
@@ -362,7 +366,7 @@ def info(model, device, batch_size, max_seq_len) -> None:
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
+          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
           draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
@@ -402,12 +406,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
-                   out)
+                   out, warmup)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
-                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out) -> None:
+                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out,
+                   warmup) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     import torch
     from tqdm import tqdm
@@ -442,7 +447,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                       f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False)
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
-                           cost_table=cost_table, mode=mode, prompts_file=prompts_file,
+                           cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup,
                            say=lambda msg: tqdm.write(msg, file=sys.stderr),
                            on_result=(lambda partial: write_json(partial, out)) if out else None)
     for t in tables(report):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from tandem.bench import configs as bench_configs
 from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
-from tandem.bench.spec_bench import check_mode, run_benchmark
+from tandem.bench.spec_bench import BenchReport, check_mode, run_benchmark, warmup_share
 from tandem.cli import main
 from tandem.data import load_prompts
 from tandem.engine import Engine
@@ -25,7 +25,7 @@ from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
 from tandem.tokenizer import load_tokenizer
 
-from conftest import SPEC_BENCH
+from conftest import DATA_DIR, SPEC_BENCH
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,6 +67,7 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     rows = {(r["config"], r["batch_size"]): r for r in data["results"]}
     assert set(rows) == {(c, b) for c in ("target", "ngram", "draft-model") for b in (1, 2)}
     assert data["meta"]["configs"] == ["target", "ngram", "draft-model"] and data["meta"]["exact_kernels"] is False
+    assert data["meta"]["warmup"] == "full"
     for (name, b), r in rows.items():
         assert r["prompts"] == (3 if b == 1 else 4)  # max(limit, 2b)
         assert r["tps"] > 0 and r["output_tokens"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
@@ -89,6 +90,19 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     # Not a terminal: no progress-bar redraws, one plain line per finished run, tables on stdout.
     assert "\r" not in res.stderr and res.stderr.count("lossless") == 6
     assert "Spec-Bench, greedy" in res.stdout and "wrote" in res.stdout
+
+
+def test_warmup_share():
+    """full: the timed prompts themselves (every graph shape made before timing); short: max(2b, 4)."""
+    items = list(range(10))
+    assert warmup_share(items, 16) == items and warmup_share(items, 16, "full") == items
+    assert warmup_share(items, 1, "short") == items[:4] and warmup_share(items, 3, "short") == items[:6]
+    assert warmup_share(items, 64, "short") == items
+    with pytest.raises(ValueError, match="warm-up mode 'none'"):
+        warmup_share(items, 1, "none")
+    # results.json written before the option existed load as the short warm-up they ran
+    old = json.loads((DATA_DIR.parent / "docs/results/2026-12-01/bench-16-128/results.json").read_text())
+    assert "warmup" not in old["meta"] and BenchReport.from_dict(old).meta.warmup == "short"
 
 
 def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):

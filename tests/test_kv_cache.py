@@ -263,3 +263,41 @@ def test_cuda_graph_ragged_steps_match_cpu(tiny, compile):
         want = cpu.step(app).logits
         for s, toks in app.items():
             torch.testing.assert_close(got[s, :len(toks)], want[s, :len(toks)], atol=1e-3, rtol=0)
+
+
+# ----------------------------------------------------------------------------- torch.compile (Dynamo on CPU)
+
+
+@pytest.mark.parametrize("taps", [(), (0, 1, 2)], ids=["no-taps", "taps"])
+def test_compiled_forward_one_graph_for_every_draft_length(tiny, taps):
+    """The batch-1 forward that ``RunnerConfig.compile`` compiles (``dynamic=True, fullgraph=True``)
+    traces once for q = 1 and once for every q > 1 and every context (no recompile per draft
+    length: on the H200 each one cost ~30 s), and returns the same logits and tapped hidden
+    states as the uncompiled forward. Dynamo runs here with a graph-counting backend, so the test
+    needs no C++ / Triton toolchain. A tap set once vanished from the compiled graph (``int in
+    tuple`` of symbolic ints is False under Dynamo), which broke SpecFormer under compile."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    runner = ModelRunner(tiny, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=128, taps=taps))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(runner._forward_logits, backend=backend, dynamic=True, fullgraph=True)
+    k, v = runner.cache.k[:, :1], runner.cache.v[:, :1]
+    rand = Tokens(tiny.config.vocab_size, seed=9)
+    with torch.inference_mode():
+        for attn_len in (64, 128):
+            for q in range(1, 6):
+                packed = torch.tensor([[3, q] + rand(q)])
+                got, want = compiled(packed, k, v, attn_len, q), runner._forward_logits(packed, k, v, attn_len, q)
+                torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+                if taps:
+                    assert got.taps is not None and got.taps.shape == (1, q, len(taps), tiny.config.hidden_size)
+                    torch.testing.assert_close(got.taps, want.taps, atol=ATOL, rtol=0)
+                else:
+                    assert got.taps is None
+    assert len(graphs) == 2, f"{len(graphs)} traces for q = 1..5 at two contexts"

@@ -102,6 +102,7 @@ class BenchMeta:
     options: dict
     torch: str
     date_utc: str
+    warmup: str = "short"  # results written before the option existed ran the short warm-up
 
 
 @dataclass
@@ -212,10 +213,10 @@ def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None
 
 def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runner_config: RunnerConfig,
                     records: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
-                    progress: bool) -> tuple[list[Completion], float]:
+                    progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
     """Run ``records`` through the disaggregated stack: ``tandem serve`` verifier, drafter and
     router as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
-    in flight through ``Router.Generate``; a warm-up pass (``max(2b, 4)`` prompts), then the timed pass.
+    in flight through ``Router.Generate``; a warm-up pass (``warmup_share``), then the timed pass.
 
     Returns:
         Completions (record order; TTFT / TPOT measured by the client, network included) and the
@@ -243,7 +244,7 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
                                     max_seq_len=runner_config.max_seq_len, policy=policy, predictor=predictor,
                                     measure_cost=k if config.uses_cost_model else 0), timeout_s=900)
     try:
-        for label, run in (("warm-up", records[:max(2 * batch_size, 4)]), ("timed", records)):  # see _engine_pass
+        for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
@@ -252,6 +253,28 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
     finally:
         stack.stop()
     return comps, wall
+
+
+WARMUP_MODES = ("full", "short")
+
+
+def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
+    """The prompts a warm-up pass runs before the timed pass over ``items``.
+
+    ``full`` (default): all of them. Greedy decoding and the scheduler are deterministic, so the
+    timed pass then meets only CUDA graphs (batch bucket x tokens per row x context bucket) and
+    compiled shapes the warm-up already made: a capture or a compile never lands inside the timing.
+    ``short``: the first ``max(2 * batch_size, 4)`` (the batch fills and drains through every batch
+    bucket, but context buckets first met later are captured inside the timed pass; about half the
+    wall time, for quick runs). Measured on the H200 (docs/benchmarks.md, pass 4): at batch 16 with
+    ``short`` a fresh engine's captures and its batch-1 compile fell inside the timed pass.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in WARMUP_MODES:
+        raise ValueError(f"warm-up mode {mode!r}: expected one of {', '.join(WARMUP_MODES)}")
+    return list(items) if mode == "full" else list(items[:max(2 * batch_size, 4)])
 
 
 def bench_prompts(records: list[PromptRecord], batch_size: int, limit: int) -> list[PromptRecord]:
@@ -278,6 +301,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
+                  warmup: str = "full",
                   say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy, chat template, first turns).
@@ -296,6 +320,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         cost_table: also measure T(b, q), q = 1..k+1.
         mode: "inproc" (this process) or "distributed" (``run_distributed``).
         progress: tqdm bars on stderr (shown only on a terminal).
+        warmup: "full" or "short" (``warmup_share``).
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -307,6 +332,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         ConfigError, ModelLoadError: a configuration cannot be built (checked before any run).
     """
     check_mode(mode)
+    warmup_share([], 1, warmup)  # an unknown mode fails before anything is built
     if not configs or configs[0].name != "target":
         raise ValueError("configs must start with target (configs.parse_configs orders them)")
     sizes = sorted(set(batch_sizes))
@@ -326,7 +352,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
-                     torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                     torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                     warmup=warmup)
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
@@ -347,7 +374,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
                     comps, wall = run_distributed(c, options, str(checkpoint.path), engine.runner_config, prompts, b,
-                                                  params, f"{c.name} b={b}", progress)
+                                                  params, f"{c.name} b={b}", progress, warmup)
                     res = _engine_result(c, options, b, prompts, comps, wall, 0.0, base, base_tokens)
                     if c.name == "target":
                         base = res
@@ -359,7 +386,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                                      num_draft_tokens=decoding.num_draft_tokens, draft_policy=decoding.draft_policy)
                               if own else engine)
                     comps, wall, peak = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
-                                                     progress)
+                                                     progress, warmup)
                     res = _engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens)
                     engine.drafter = engine.draft_policy = decoding = run_on = None
                     _free_memory()
@@ -383,19 +410,17 @@ def _needs_own_engine(decoding: Decoding) -> bool:
 
 
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
-                 params: SamplingParams, desc: str, progress: bool) -> tuple[list[Completion], float, float]:
-    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass, then
-    the timed pass. Returns (completions, wall s, peak GiB).
-
-    The warm-up runs ``max(2 * batch_size, 4)`` of the prompts: enough for the batch to fill and
-    drain through every running-count bucket (so every CUDA graph shape is captured and compiled
-    before timing, and the online τ has rounds behind it) without doubling the benchmark's time."""
+                 params: SamplingParams, desc: str, progress: bool,
+                 warmup: str = "full") -> tuple[list[Completion], float, float]:
+    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass
+    (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
+    the timed pass. Returns (completions, wall s, peak GiB)."""
     engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
                                                                     decoding.draft_policy)
     engine.max_running = batch_size
     texts = [r.text for r in prompts]
     dev = engine.runner.device
-    for label, run in (("warm-up", texts[:max(2 * batch_size, 4)]), ("timed", texts)):
+    for label, run in (("warm-up", warmup_share(texts, batch_size, warmup)), ("timed", texts)):
         with tqdm(total=len(run), desc=f"{desc} {label}", unit="prompt", leave=False, file=sys.stderr,
                   disable=None if progress else True) as bar:
             if dev.type == "cuda":

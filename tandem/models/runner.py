@@ -130,13 +130,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ forwards
 
     def _forward_logits(self, packed: torch.Tensor, k_cache, v_cache, attn_len: int, q: int) -> StepOutput:
-        """``packed`` int64 rows (one H2D copy): ``q`` tokens, start, q_len; for token trees also
-        ``q`` depths and the ``q x q`` visibility mask, flattened."""
+        """``packed`` int64 rows (one H2D copy): start, q_len, then ``q`` tokens; for token trees
+        also ``q`` depths and the ``q x q`` visibility mask, flattened. (start and q_len come first
+        so that every index into a row is a constant or a slice: an integer index that depends on
+        ``q`` would make ``torch.compile`` specialise on q and recompile for every draft length.)"""
         depth = tree_mask = None
         if packed.shape[1] > q + 2:
             depth = packed[:, q + 2:2 * q + 2]
             tree_mask = packed[:, 2 * q + 2:].reshape(packed.shape[0], q, q) > 0
-        hidden, taps = self.model.forward_hidden(packed[:, :q], packed[:, q], packed[:, q + 1], k_cache, v_cache,
+        hidden, taps = self.model.forward_hidden(packed[:, 2:q + 2], packed[:, 0], packed[:, 1], k_cache, v_cache,
                                                  attn_len, depth, tree_mask, self.config.taps)
         logits = self.model.logits(hidden)
         return StepOutput(logits, logits.argmax(dim=-1), taps)
@@ -256,7 +258,7 @@ class ModelRunner:
         rows = []
         for slot in range(n):
             toks = tokens_per_slot.get(slot) or []
-            row = toks + [0] * (q - len(toks)) + [self.cache.lengths[slot] if toks else 0, len(toks)]
+            row = [self.cache.lengths[slot] if toks else 0, len(toks)] + toks + [0] * (q - len(toks))
             if tree:
                 row += _tree_columns(q, len(toks), (trees or {}).get(slot))
             rows.append(row)

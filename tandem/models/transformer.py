@@ -201,10 +201,10 @@ class Transformer(nn.Module):
             mask = (rel < 0)[:, None, :] | (is_new[:, None, :] & new_vis)
         mask = mask.repeat(1, g, 1).unsqueeze(1)  # [B, 1, g*Q, L], matches the folded query rows
         x = self.embed(tokens)
-        tapped = [x] if 0 in taps else []
+        tapped = [x] if _is_tap(0, taps) else []
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], rows, write_pos, mask, attn_len)
-            if i + 1 in taps:
+            if _is_tap(i + 1, taps):
                 tapped.append(x)
         return self.norm(x), _stack_taps(tapped, taps)
 
@@ -225,16 +225,23 @@ class Transformer(nn.Module):
         cos = self.rope_cos[:T].to(self.embed.weight.dtype).expand(B, T, -1)
         sin = self.rope_sin[:T].to(self.embed.weight.dtype).expand(B, T, -1)
         x = self.embed(tokens)
-        tapped = [x] if 0 in taps else []
+        tapped = [x] if _is_tap(0, taps) else []
         for i, layer in enumerate(self.layers[:num_layers]):
             x = layer.forward_causal(x, cos, sin)
-            if i + 1 in taps:
+            if _is_tap(i + 1, taps):
                 tapped.append(x)
         return self.norm(x), _stack_taps(tapped, taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: ``[..., d]`` hidden -> ``[..., vocab]`` float32 logits."""
         return self.lm_head(hidden).float()
+
+
+def _is_tap(depth: int, taps: tuple[int, ...]) -> bool:
+    """``depth in taps``, spelled as comparisons: under ``torch.compile(dynamic=True)`` the tap
+    depths become symbolic ints and Dynamo evaluates ``int in tuple`` as False (torch 2.11-2.13),
+    which silently dropped every tap from the compiled batch-1 graph."""
+    return any(depth == t for t in taps)
 
 
 def _stack_taps(tapped: list[torch.Tensor], taps: tuple[int, ...]) -> torch.Tensor | None:
