@@ -158,3 +158,37 @@ def test_policy_uses_drafter_scores_when_given():
     out = policy.apply([scored, plain])
     assert [len(p.tokens) for p in out] == [2, 0]
     assert out[0].scores.tolist() == pytest.approx([0.9, 0.8])
+
+
+def test_round_overhead_is_fitted_online_and_lengthens_drafts():
+    """A round costs a fixed host part on top of T(b, q). DraftPolicy fits it from measured round
+    times (EMA of measured - modelled) and allocates with it: against a large fixed cost a verified
+    draft is cheap, so drafts that the bare T(b, q) model would cut are kept."""
+    import torch
+
+    from tandem.control import DraftPolicy
+
+    cost = linear_cost(base=1.0, per_token=0.5, per_row=0.0)  # T(1, q) = 0.5 + 0.5 q
+    probs = [0.6, 0.5, 0.45, 0.4]
+    bare = allocate_draft_lengths([probs], cost)
+    heavy = allocate_draft_lengths([probs], CostModel(cost.table, overhead_ms=20.0))
+    assert bare.lengths == [1] and heavy.lengths == [4]  # brute force below agrees
+    for c, got in ((cost, bare), (CostModel(cost.table, overhead_ms=20.0), heavy)):
+        best = max(range(5), key=lambda n: expected_emitted(probs, n) / c.round_ms(1, n))
+        assert got.lengths == [best] and got.predicted_ms == pytest.approx(c.round_ms(1, best))
+
+    policy = DraftPolicy(lambda f: f[:, 0], cost=cost, tau=0.0)
+    features = [torch.tensor([[p] for p in probs])]
+    assert policy.lengths(features) == [1] and policy.overhead_ms == 0.0
+    for _ in range(60):  # every round really takes the modelled time + 20 ms
+        n = policy.lengths(features)[0]
+        policy.observe(1, cost.round_ms(1, n) + 20.0)
+    assert policy.overhead_ms == pytest.approx(20.0, rel=0.02)
+    assert policy.lengths(features) == [4]
+    assert cost.overhead_ms == 0.0  # the shared cost model is never modified
+    for _ in range(100):  # rounds faster than modelled pull the estimate down to 0, never below
+        policy.lengths(features)
+        policy.observe(1, 0.1)
+    assert 0.0 <= policy.overhead_ms < 0.01 and policy.lengths(features) == [1]
+    with pytest.raises(ValueError, match="overhead_rate"):
+        DraftPolicy(lambda f: f[:, 0], overhead_rate=0.0)

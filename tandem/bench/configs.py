@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..control import CostModel, DraftPolicy, TauController, entropy_score, make_draft_policy
 from ..drafters.base import Drafter
@@ -182,19 +182,7 @@ def _ca_base(ctx: BuildContext) -> BenchConfig:
 
 def _context_aware(ctx: BuildContext) -> Decoding:
     base = _ca_base(ctx).build(ctx)
-    return Decoding(base.drafter, ctx.options.num_draft_tokens, _with_draft_cost(ctx, base.drafter, _ca_policy(ctx)))
-
-
-def _with_draft_cost(ctx: BuildContext, drafter: Drafter | None, policy: DraftPolicy | None) -> DraftPolicy | None:
-    """An autoregressive drafter pays one draft forward per draft position: the allocator weighs
-    that against the verifier's T(b, q) (``CostModel.round_ms``), measured here on its runner."""
-    from ..drafters import DraftModelDrafter
-
-    if policy is not None and policy.cost is not None and isinstance(drafter, DraftModelDrafter):
-        runner, slots = drafter.runner, ctx.engine.cache.num_slots
-        step_ms = runner.measure_step_ms(slots, 1, min(512, runner.cache.capacity - 1))
-        policy.cost = replace(policy.cost, draft_step_ms=step_ms)
-    return policy
+    return Decoding(base.drafter, ctx.options.num_draft_tokens, _ca_policy(ctx))
 
 
 def _prepare_context_aware(ctx: BuildContext) -> None:
@@ -240,7 +228,7 @@ def _ablation(make_policy: Callable[[BuildContext], DraftPolicy | None]) -> Call
     """An ablation row: the ``--ca-drafter`` drafter at k = ``--num-draft-tokens`` under a policy."""
     def build(ctx: BuildContext) -> Decoding:
         drafter = _ca_base(ctx).build(ctx).drafter
-        return Decoding(drafter, ctx.options.num_draft_tokens, _with_draft_cost(ctx, drafter, make_policy(ctx)))
+        return Decoding(drafter, ctx.options.num_draft_tokens, make_policy(ctx))
     return build
 
 
