@@ -13,6 +13,8 @@
 # SIGINT with its shards flushed, training on SIGTERM with its weights saved, the bench keeps every
 # finished run in results.json. Logs and JSON come back as one tarball per call; trained weights as
 # files of their own (split below 16 MiB).
+# As run on 2026-12-01 (commit 9377310), before `tandem bench --warmup full` became the default: the
+# bench time boxes below fit the short warm-up; with the full one a run takes about twice as long.
 # Staging as in scripts/device_drafters_v3.sh: `scripts/stage_model.sh 9`, .whl/ carried in a call of
 # its own, `pip install --no-index --no-deps --target /tmp/site /tmp/whl/*.whl`, PYTHONPATH=/tmp/site:$PWD.
 set -uo pipefail
