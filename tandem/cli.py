@@ -58,8 +58,13 @@ class _Group(click.Group):
 
 
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",
-            drafter="none", draft_model=None, num_draft_tokens=4, predictor=None, tau="auto", branch_top_m=0):
-    """Build an Engine (and its drafter) from CLI options. Raises ModelLoadError / InvalidRequestError."""
+            drafter="none", draft_model=None, num_draft_tokens=4, predictor=None, tau="auto", branch_top_m=0,
+            num_requests=None):
+    """Build an Engine (and its drafter) from CLI options; without ``max_batch_size`` the KV cache
+    gets the device's default slots, or ``num_requests`` when fewer requests will ever run.
+    Raises ModelLoadError / InvalidRequestError / ConfigError."""
+    from dataclasses import replace
+
     import torch
 
     from .control import make_draft_policy
@@ -72,6 +77,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                 cuda_graphs=cuda_graphs, compile=compile_,
                                 dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+    if max_batch_size is None and num_requests:
+        cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
     checkpoint = load_checkpoint(model)
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
@@ -180,7 +187,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             _fail("the prompts file has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, dtype=dtype, drafter=drafter,
                          draft_model=draft_model, num_draft_tokens=num_draft_tokens, predictor=predictor, tau=tau,
-                         branch_top_m=branch_top_m)
+                         branch_top_m=branch_top_m, num_requests=1 if records is None else len(records))
     except (InvalidRequestError, ModelLoadError) as exc:
         _fail(str(exc))
         return
@@ -378,7 +385,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
         return
 
     try:
-        sizes = sorted({int(b) for b in batch_sizes.split(",") if b.strip()})
+        sizes = sorted({int(b) for b in batch_sizes.split(",")})  # an empty item is an error, not skipped
         if not sizes or min(sizes) < 1:
             raise ValueError
     except ValueError:
@@ -428,7 +435,9 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
 
     if drafter != "none":
         _fail("--drafter is for --ablation; choose configurations with --configs")
-    names = [n.strip() for n in (configs_spec or "target").split(",") if n.strip()]
+    if configs_spec is not None:
+        parse_configs(configs_spec)  # an empty list or item is an error before anything else
+    names = [n.strip() for n in (configs_spec or "target").split(",")]
     if hf_baseline or (hf_baseline is None and configs_spec is None):
         names.append("hf-generate")
     elif hf_baseline is False:
@@ -442,9 +451,12 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
     checkpoint = load_checkpoint(model)
-    options = replace(options, predictor=predictor_path(options, checkpoint))  # the results record which one
+    uses_predictor = any(c.name in ("context-aware", "predictor", "full-system") for c in configs)
+    options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
+                      predictor=predictor_path(options, checkpoint) if uses_predictor else None)
     err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
-                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False)
+                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False,
+                      soft_wrap=True)
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
                            cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup,

@@ -31,8 +31,9 @@ class CostModel:
     ``overhead_ms`` is the part of a round that does not depend on the allocation (host work of
     drafting, packing, verification and rollback; drafts already made): ``DraftPolicy`` fits it
     online from measured round times. ``draft_step_ms`` is for drafters that draft only the
-    allocated positions (0 when every position is drafted before the allocation, as the engine
-    does today: that time is then part of the overhead).
+    allocated positions (0 for positions drafted before the allocation runs, as in the engine:
+    that time is part of the overhead; ``DraftPolicy.begin_round`` saves drafting instead, by
+    stopping a position-by-position drafter at τ).
     """
 
     table: dict[int, dict[int, float]]
@@ -314,6 +315,31 @@ class DraftPolicy:
         self.cumulative = cumulative
         self.max_total_tokens = max_total_tokens
         self._tau_used = tau
+        self._round_open = False  # begin_round chose τ for a round that lengths() has not closed
+        self._survival: dict[int, float] = {}  # slot -> Π p over the positions drafted this round
+
+    def begin_round(self):
+        """Choose this round's τ (the controller's next candidate, or the fixed τ) and return the
+        early-stop rule for the drafter (``Drafter.early_stop``): draft a sequence while its last
+        position's predicted acceptance (or, with ``cumulative``, its survival product) is at
+        least τ. The first position below τ is still drafted, so ``lengths`` can cut there and
+        branch on its top candidates; ``lengths`` then uses the same τ."""
+        self._tau_used = self.controller.current() if self.controller is not None else self.fixed_tau
+        self._round_open = True
+        self._survival = {}
+        return self.keep_drafting
+
+    def keep_drafting(self, slots: Sequence[int], features) -> list[bool]:
+        """The early-stop rule of ``begin_round``: ``features`` ``[n, F]`` of the position just drafted
+        for each slot in ``slots`` -> keep drafting it?"""
+        if len(slots) == 0:
+            return []
+        out = []
+        for slot, p in zip(slots, self.score(features).tolist()):
+            survive = self._survival.get(slot, 1.0) * p
+            self._survival[slot] = survive
+            out.append((survive if self.cumulative else p) >= self._tau_used)
+        return out
 
     def lengths(self, features: Sequence, scores: Sequence | None = None) -> list[int]:
         """Draft length per sequence from each sequence's features ``[n_i, F]``; a sequence whose
@@ -321,8 +347,10 @@ class DraftPolicy:
         those instead of ``score(features)``."""
         import torch
 
-        tau = self.controller.current() if self.controller is not None else self.fixed_tau
-        self._tau_used = tau
+        if not self._round_open:  # no begin_round this round (e.g. a caller without early stop)
+            self.begin_round()
+        self._round_open = False
+        tau = self._tau_used
         sizes = [f.shape[0] for f in features]
         if not any(sizes):
             return sizes

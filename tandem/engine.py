@@ -435,11 +435,15 @@ class Engine:
                        self.max_seq_len - held - 1,  # the last token and the drafts must fit
                        r.output.max_new_tokens - len(r.output.token_ids) - 1)  # no drafts past max_tokens
             asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids, max(room, 0), r.params, r.generator))
+        # adaptive length: a drafter that drafts position by position stops where τ says (the policy's rule)
+        self.drafter.early_stop = self.draft_policy.begin_round() if self.draft_policy is not None else None
         try:
             proposals = self.drafter.propose(asks)
         except Exception:  # a failing drafter costs speed, never output: decode target-only this round
             log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
             return [DraftProposal.empty() for _ in reqs]
+        finally:
+            self.drafter.early_stop = None
         if len(proposals) != len(asks):
             log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
                       self.drafter.name, len(proposals), len(asks))

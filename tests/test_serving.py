@@ -298,6 +298,7 @@ def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
     ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "not served"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded"),
 ])
 def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, prompts, body, needle):
     """Each bad request gets a 4xx with a message while a good streaming request runs alongside."""
@@ -310,6 +311,30 @@ def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id,
     assert needle in payload["error"]["message"]
     text, usage, finish = result["r"]
     assert usage.completion_tokens >= 1 and finish in ("stop", "length")
+
+
+def test_http_protocol_errors_use_the_openai_shape(stack):
+    """Unknown path 404, wrong method 405 and a body without a JSON content type 400, each as
+    {"error": {"message", "type", "param", "code"}} like every other error."""
+    def call(path, method="POST", data=b"{}", ctype="application/json"):
+        headers = {"authorization": f"Bearer {KEY}", **({"content-type": ctype} if ctype else {})}
+        req = urllib.request.Request(f"{stack.http_url}{path}", data=data if method == "POST" else None,
+                                     headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    for (status, payload), want, needle in [
+        (call("/v1/nothing"), 404, "no such endpoint"),
+        (call("/v1/chat/completions", method="GET"), 405, "GET is not allowed"),
+        (call("/v1/chat/completions", data=body, ctype="application/x-www-form-urlencoded"), 400,
+         "Content-Type: application/json"),
+    ]:
+        assert status == want and set(payload["error"]) == {"message", "type", "param", "code"}, payload
+        assert needle in payload["error"]["message"] and payload["error"]["code"] == want
 
 
 def test_grpc_invalid_argument(stack):

@@ -260,6 +260,49 @@ def test_greedy_identical_tiny(tiny, tiny_drafters, tiny_requests, tiny_referenc
         assert sum(c.spec.num_accepted for c in got) > 0, "speculation never accepted a draft"
 
 
+@pytest.mark.parametrize("cumulative", [False, True], ids=["per-token", "survival"])
+def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests, tiny_reference, cumulative):
+    """Adaptive length as the context-aware paper drafts it: with a policy, the draft model stops a
+    sequence after the first position whose predicted acceptance (or survival product) is below τ,
+    so the draft-model forwards past it never run. That position is still drafted (the policy cuts
+    there and may branch on it). Output stays identical to target-only."""
+    def score(f):  # position 1 likely, later positions unlikely
+        return torch.where(f[:, 3] <= 1, 0.9, 0.3)
+
+    def drafted_run(policy):
+        drafter = tiny_drafters["draft-truncated"](tiny.runner_config)
+        calls = []
+        real_step = drafter.runner.step
+        drafter.runner.step = lambda batch, *a, **kw: (calls.append(len(batch)), real_step(batch, *a, **kw))[1]
+        eng = make_engine(tiny, drafter)
+        eng.draft_policy = policy
+        rule_set = []
+        real_propose = drafter.propose
+
+        def propose(asks):
+            rule_set.append(drafter.early_stop is not None)
+            return real_propose(asks)
+
+        drafter.propose = propose
+        got = run(eng, tiny_requests)
+        assert rule_set and all(rule_set) == (policy is not None) and drafter.early_stop is None  # one round only
+        return got, len(calls)
+
+    plain, plain_steps = drafted_run(None)
+    policy = DraftPolicy(score, tau=0.5, cumulative=cumulative)
+    adaptive, adaptive_steps = drafted_run(policy)
+    assert_same_outputs(plain, tiny_reference)
+    assert_same_outputs(adaptive, tiny_reference)
+    assert adaptive_steps < plain_steps  # draft forwards past the τ cut were never run
+    for c in adaptive:
+        assert c.spec.num_drafted <= c.spec.num_steps  # one verified draft per round at most (τ cut)
+    # the rule itself: per token, 0.9 keeps and 0.3 stops; survival 0.9 * 0.3 stops too
+    policy.begin_round()
+    feats = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
+    assert policy.keep_drafting([3, 4], feats) == [True, True]
+    assert policy.keep_drafting([3], feats[:1] + torch.tensor([0.0, 0.0, 0.0, 1.0])) == [False]
+
+
 # ----------------------------------------------------------------------------- oracle drafters and metrics
 
 

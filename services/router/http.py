@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.engine import Completion
 from tandem.errors import InvalidRequestError
@@ -144,6 +145,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             return _error(400, f"the request body is not valid JSON (at byte {pos}): {first.get('ctx', {}).get('error', '')}".rstrip(": "))
         if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
             return _error(400, "the request body is empty; send a JSON object")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in request.headers.get("content-type", ""):
+            return _error(400, "the request body must be a JSON object sent with Content-Type: application/json "
+                               f"(got {request.headers.get('content-type') or 'no content type'})")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", exc)),
                       param=loc or None)
@@ -151,6 +155,21 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
         return _error(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        """Starlette's own errors in OpenAI's shape: unknown path 404, wrong method 405, and a body
+        it cannot decode (e.g. invalid UTF-8) 400."""
+        if exc.status_code == 400 and "parsing the body" in str(exc.detail):
+            message = "the request body could not be decoded; send UTF-8 JSON"
+        elif exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(exc.status_code, message, kind)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

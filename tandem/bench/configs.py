@@ -197,6 +197,9 @@ class RandomLengthPolicy(DraftPolicy):
         super().__init__(score=None)
         self._rng = random.Random(seed)
 
+    def begin_round(self):
+        return None  # lengths are drawn after drafting: no early stop
+
     def lengths(self, features, scores=None) -> list[int]:
         return [self._rng.randint(0, f.shape[0]) for f in features]
 
@@ -295,9 +298,11 @@ def parse_configs(spec: str) -> list[BenchConfig]:
     Raises:
         ConfigError: an unknown name or an empty list.
     """
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if not names:
+    names = [n.strip() for n in spec.split(",")]
+    if not any(names):
         raise ConfigError("--configs is empty")
+    if not all(names):
+        raise ConfigError(f"--configs {spec!r} has an empty item")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ConfigError(f"unknown configuration {', '.join(map(repr, unknown))}; choose from {', '.join(CONFIGS)}")

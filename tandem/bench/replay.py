@@ -21,6 +21,8 @@ seconds on the GPU instead of a decode run per variant.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,7 +115,16 @@ def load_traces(path: str | Path, vocab_size: int | None = None) -> list[GreedyT
         if not line.strip():
             continue
         try:
-            trace = GreedyTrace(**json.loads(line))
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("a line must be a JSON object")
+            fields = {f.name for f in dataclasses.fields(GreedyTrace)}
+            required = {f.name for f in dataclasses.fields(GreedyTrace) if f.default is dataclasses.MISSING}
+            if not required <= set(record) <= fields:
+                missing, extra = sorted(required - set(record)), sorted(set(record) - fields)
+                raise ValueError("; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                           + ([f"unknown {', '.join(extra)}"] if extra else [])))
+            trace = GreedyTrace(**record)
             trace.check(vocab_size)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: not a greedy trace ({exc})") from None

@@ -375,7 +375,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 elif mode == "distributed":
                     comps, wall = run_distributed(c, options, str(checkpoint.path), engine.runner_config, prompts, b,
                                                   params, f"{c.name} b={b}", progress, warmup)
-                    res = _engine_result(c, options, b, prompts, comps, wall, 0.0, base, base_tokens)
+                    res = _engine_result(c, options, b, prompts, comps, wall, math.nan, base, base_tokens)  # other processes' memory
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
@@ -431,7 +431,7 @@ def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord]
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
     engine.stats = SpecDecodeStats()
     return comps, wall, peak
 

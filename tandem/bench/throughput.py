@@ -6,6 +6,8 @@ expose per-request latency or acceptance counts.
 
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,7 +26,7 @@ class ThroughputResult:
         batch_size: prompts per ``generate`` call (left-padded).
         prompts: prompts run; output_tokens: tokens generated in total (cut after EOS).
         wall_s: wall time of the timed pass (s); tps: output_tokens / wall_s.
-        peak_mem_gib: peak GPU memory (GiB; 0 on CPU).
+        peak_mem_gib: peak GPU memory (GiB; NaN on CPU, where it is not measured).
     """
 
     system: str
@@ -40,7 +42,7 @@ class ThroughputResult:
 
 
 def _peak_mem(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
 
 
 _HF_MODELS: dict[tuple, object] = {}

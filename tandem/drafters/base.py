@@ -223,6 +223,13 @@ class Drafter(ABC):
     # that only see token ids. Non-empty: the engine taps the target, calls ``bind`` once and
     # ``observe`` after every prefill and verification.
     target_taps: tuple[int, ...] = ()
+    # Adaptive draft length ("draft while the predicted acceptance is at least τ", the context-aware
+    # paper): set by the engine for one round (``DraftPolicy.begin_round``), else None. Called as
+    # ``early_stop(slots, features)`` with the ``[n, NUM_FEATURES]`` features of the position just
+    # drafted for the sequences in ``slots``; returns one bool per sequence, False = stop drafting
+    # it after this position. Drafters that draft position by position (the draft model) honour
+    # it and save the draft steps; the others draft in full and the policy cuts afterwards.
+    early_stop = None
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:

@@ -203,7 +203,8 @@ class DraftModelDrafter(Drafter):
                               [r.generator for r in live], [pos] * len(live), self.top_m)
             for i, r in enumerate(live):
                 parts[r.slot].append(rows.proposal([i]))
-            live = [r for r in live if len(parts[r.slot]) < r.max_draft]
+            keep = self.early_stop([r.slot for r in live], rows.features) if self.early_stop else [True] * len(live)
+            live = [r for r, k in zip(live, keep) if k and len(parts[r.slot]) < r.max_draft]
             if not live:
                 break
             last = {r.slot: parts[r.slot][-1].tokens[0] for r in live}

@@ -9,13 +9,42 @@ speculative decoding rolls back rejected draft tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..errors import ConfigError
 from .config import ModelConfig
 
 
 class CacheFullError(RuntimeError):
     """A slot would grow past the cache capacity, or no slot is free."""
+
+
+MEMORY_HEADROOM = 0.9  # share of the free memory one allocation may take
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` in bytes: ``torch.cuda.mem_get_info`` on CUDA, the operating
+    system's available memory (psutil) elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse an allocation that cannot fit before trying it (a CPU process would be OOM-killed,
+    not get an exception).
+
+    Raises:
+        ConfigError: ``nbytes`` exceeds ``MEMORY_HEADROOM`` of the free memory on ``device``.
+    """
+    free = free_memory_bytes(device)
+    if nbytes > MEMORY_HEADROOM * free:
+        raise ConfigError(f"{what} needs {nbytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free on "
+                          f"{device}: lower --max-seq-len or --batch-size")
 
 
 class KVCache:
@@ -37,6 +66,8 @@ class KVCache:
         if num_slots < 1 or capacity < 2:
             raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
         shape = (config.num_layers, num_slots, config.num_kv_heads, capacity + 1, config.head_dim)
+        check_fits(2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size(), torch.device(device),
+                   f"a KV cache of {num_slots} slots x {capacity} tokens")
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots = num_slots

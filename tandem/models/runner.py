@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import ConfigError
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .transformer import Transformer
@@ -106,6 +107,8 @@ class ModelRunner:
 
     Raises:
         ValueError: CUDA graphs or compile asked for on a CPU device.
+        ConfigError: ``max_seq_len`` past the model's trained context, or a KV cache that does
+            not fit the device's free memory (``kv_cache.check_fits``).
     """
 
     def __init__(self, checkpoint: Checkpoint, config: RunnerConfig) -> None:
@@ -114,6 +117,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if (config.cuda_graphs or config.compile) and self.device.type != "cuda":
             raise ValueError("cuda_graphs and compile need a CUDA device")
+        trained = checkpoint.config.max_position_embeddings
+        if config.max_seq_len > trained:
+            raise ConfigError(f"--max-seq-len {config.max_seq_len} is past the model's trained context of "
+                              f"{trained} tokens")
         model = Transformer(checkpoint.config, max_positions=config.max_seq_len + 1)
         model.load_weights(checkpoint.tensors)
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
