@@ -144,6 +144,12 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
 # ----------------------------------------------------------------------------- servers
 
 
+def _drop_cancelled_rpc_logs(record: logging.LogRecord) -> bool:
+    """Logging filter: False (drop) for grpc's report of an RPC cancelled by the server's stop."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(exc, asyncio.CancelledError) and "_handle_exceptions" in record.getMessage())
+
+
 class GrpcServer:
     """A ``grpc.aio`` server with the standard health service (``grpc.health.v1.Health``).
 
@@ -181,8 +187,13 @@ class GrpcServer:
             await _maybe_await(self.health.set(name, status))
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        """Graceful shutdown: health NOT_SERVING, then ``grace_s`` for in-flight RPCs. Long-lived
+        streams (a router's Verify / Draft stream) are still open then and grpc cancels them; that
+        cancellation is the shutdown itself, so its "Exception not handled" log is dropped."""
         await _maybe_await(self.health.enter_graceful_shutdown())
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_rpc_logs)
         await self.server.stop(grace_s)
+
 
     async def serve_until(self, service_names: Sequence[str], ready: "asyncio.Future | None" = None,
                           stop: "asyncio.Event | None" = None) -> None:
