@@ -87,9 +87,11 @@ def _health(url: str) -> dict:
 
 def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    # adaptive draft lengths: tau controller over exp(-entropy) scores, the verifier's measured cost model
+    # adaptive draft lengths: tau controller over exp(-entropy) scores. No cost model here: T(b, q)
+    # timed on a loaded 2-core CI machine can be noisy enough for the allocator to draft nothing,
+    # and this test is about what reaches the state store (the allocator has its own tests).
     stack = start_stack(StackConfig(model=model, drafter="ngram", max_batch_size=4, max_seq_len=256,
-                                    redis_url=redis_proc.url, policy="entropy", measure_cost=4), timeout_s=180)
+                                    redis_url=redis_proc.url, policy="entropy"), timeout_s=180)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
@@ -105,6 +107,14 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
         for p in prompts:  # enough rounds for the router to publish its tau controller state (every 32)
             client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}], max_tokens=48,
                                            temperature=0)
+        # writes that met a slow Redis (0.5 s timeout; a loaded CI machine) are queued and replayed:
+        # delivery is eventual, so wait for the queue to drain before reading the streams
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = _health(stack.http_url)["state_store"]
+            if st["up"] and not st.get("pending_writes"):
+                break
+            time.sleep(0.3)
         tau = RedisStore(redis_proc.url).get_json("tau")
         assert tau is not None and sum(tau["counts"]) > 0 and len(tau["grid"]) == len(tau["counts"])
         vlog = RedisStore(redis_proc.url).read_log("vlog:ngram", 10)  # labelled drafts that retrain the predictor
