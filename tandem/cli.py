@@ -856,7 +856,7 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
                          draft_model=out, num_draft_tokens=num_draft_tokens)
         records = round_robin_by_category(load_prompts(bundled_spec_bench()), eval_limit)
         report = measure_acceptance(engine, records, eval_max_tokens)[0].to_dict()
-    card = {"kind": kind, "command": " ".join(sys.argv), "data": {
+    card = {"kind": kind, "command": " ".join(["tandem", *sys.argv[1:]]), "data": {
                 "answers": len(manifest.records), "answer_tokens": sum(r.answer_len for r in manifest.records),
                 "target": manifest.target, "settings": manifest.settings},
             "training": dict(train_cfg, **result.to_dict()), "extra": extra, "spec_bench": report}
@@ -878,8 +878,19 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
 @click.option("--taps", default=None, help="Target depths read, comma separated (default 0,L/2,L-1,L).")
 @click.option("--bonus-token", is_flag=True,
               help="Also condition the draft slots on the bonus token's embedding (an extension beyond the paper).")
+@click.option("--context-next-token", is_flag=True,
+              help="Add each position's next token embedding to the context stream (EAGLE-style; beyond the paper).")
+@click.option("--context-layers", type=click.IntRange(min=1, max=8), default=1, show_default=True,
+              help="Context causal attention sub-layers (the paper has one).")
+@click.option("--context-mlp", is_flag=True, help="A SwiGLU MLP after each context attention sub-layer.")
+@click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
+              help="SwiGLU width of the head (default 2 x the target's hidden size).")
+@click.option("--soft-labels", "soft_weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="Weight of the soft-label term: cross-entropy against the target's own distribution "
+                   "(0 = hard labels only, the paper's loss).")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, val_fraction, eval_limit,
-                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps, bonus_token) -> None:
+                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps, bonus_token,
+                         context_next_token, context_layers, context_mlp, intermediate_size, soft_weight) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
 
@@ -894,15 +905,19 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         return
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:
-        head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token).to(rcfg.device)
+        head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token,
+                        context_next_token=context_next_token, context_layers=context_layers,
+                        context_mlp=context_mlp, intermediate_size=intermediate_size).to(rcfg.device)
     except ValueError as exc:
         _fail(str(exc))
         return
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed,
                        val_fraction=val_fraction)
-    result = run_training(head, SpecFormerObjective(head, target, amp), seqs, tcfg, out, resume=not no_resume)
-    save_specformer(head, out, extra={"train": result.to_dict()})
-    _finish_training("specformer", out, result, manifest, asdict(tcfg), asdict(head.config), model, device,
+    result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
+                          resume=not no_resume)
+    save_specformer(head, out, extra={"train": result.to_dict(), "soft_label_weight": soft_weight})
+    _finish_training("specformer", out, result, manifest, dict(asdict(tcfg), soft_label_weight=soft_weight),
+                     asdict(head.config), model, device,
                      eval_limit, eval_max_tokens, eval_batch_size, num_draft)
 
 

@@ -345,7 +345,7 @@ class Engine:
                     r.slot = None
                 raise
             if self._observes:  # SpecFormer: the prompt's target states seed its context
-                self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], res.tokens[0])
+                self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], [*r.prompt_ids[1:], res.tokens[0]])
                                       for r, res in zip(reqs, results)])
             for req, res in zip(reqs, results):
                 outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
@@ -377,7 +377,7 @@ class Engine:
         for req, prop, res in zip(reqs, proposals, results):
             if self._observes:  # the verify pass also yields the next drafts (SpecFormer)
                 start = len(req.prompt_ids) + len(req.output.token_ids) - 1  # tokens the target held before
-                observed.append(TargetStates(req.slot, start, res.extras["taps"], res.tokens[-1]))
+                observed.append(TargetStates(req.slot, start, res.extras["taps"], res.tokens))
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),

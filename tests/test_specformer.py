@@ -55,9 +55,15 @@ def distilled(tiny_ck, tmp_path_factory):
     return out
 
 
-def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False) -> SpecFormerHead:
+# head variants: the paper's head, the bonus-token extension, and the EAGLE-style shifted-token
+# context with two context layers (each followed by an MLP) on top of it
+VARIANTS = {"paper": {}, "bonus": {"bonus_token": True},
+            "next-token": {"bonus_token": True, "context_next_token": True, "context_layers": 2, "context_mlp": True}}
+
+
+def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False, **shape) -> SpecFormerHead:
     """A head with every weight random (the trained-from-zero residual branches made non-zero)."""
-    head = new_head(cfg, num_draft, None, causal, seed, bonus_token)
+    head = new_head(cfg, num_draft, None, causal, seed, bonus_token, **shape)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
@@ -127,15 +133,35 @@ def test_labels_only_answer_tokens():
 # ----------------------------------------------------------------------------- drafts from the verify pass
 
 
-@pytest.mark.parametrize("bonus_token", [False, True])
-def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, bonus_token):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, variant):
     """After rounds of speculative decoding with rollbacks, the head's incremental state (its own
-    KV cache fed by the verify passes) gives the same drafts as a from-scratch forward over the
-    accepted sequence; no separate target pass ran. With ``bonus_token`` the drafts also see the
-    round's bonus token."""
-    head = _random_head(tiny_ck.config, bonus_token=bonus_token)
-    drafter = SpecFormerDrafter(head)
-    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128), drafter=drafter)
+    KV caches fed by the verify passes) gives the same drafts as a from-scratch forward over the
+    accepted sequence; no separate target pass ran. Bonus-token heads also see the round's bonus
+    token; shifted-token heads see every position's next token in their context."""
+    from tandem.train.specformer import teacher_forced_states
+
+    from tandem.drafters.base import NUM_FEATURES, DraftProposal
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    greedy = Engine(tiny_ck, cfg).generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+
+    class Oracle(SpecFormerDrafter):
+        """Observes like SpecFormer but proposes two right tokens and a wrong one, so rounds keep
+        several drafts and roll one back (the head's random drafts would never be accepted)."""
+
+        def propose(self, requests):
+            out = []
+            for r in requests:
+                done = len(r.token_ids) - len(prompt_ids)
+                toks = greedy.token_ids[done:done + 2] + [(greedy.token_ids[min(done + 2, 19)] + 1) % 256]
+                out.append(DraftProposal(toks, None, torch.zeros(len(toks), NUM_FEATURES)))
+            return out
+
+    head = _random_head(tiny_ck.config, **VARIANTS[variant])
+    drafter = Oracle(head)
+    engine = Engine(tiny_ck, cfg, drafter=drafter)
+    prompt_ids = engine.make_request(PROMPTS[0], SamplingParams(max_tokens=20)).prompt_ids
     calls = []
     step = engine.runner.step
     engine.runner.step = lambda *a, **k: calls.append(1) or step(*a, **k)
@@ -146,16 +172,34 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, bonu
     seq = req.prompt_ids + req.output.token_ids
     pending = drafter.pending[req.slot]
     assert pending.length == len(seq) - 1 and len(calls) == 5  # one target forward per decode round
-    tokens = torch.tensor([seq[:-1]])
-    T = tokens.shape[1]
-    _, taps = tiny_target.forward_causal(tokens, taps=head.config.taps)
-    select = torch.zeros(1, T, dtype=torch.bool)
-    select[0, -1] = True
-    bonus = tiny_target.embed(torch.tensor([seq[-1]])) if bonus_token else None
-    y = head.forward_train(taps, tiny_target.rope_cos[:T][None], tiny_target.rope_sin[:T][None], select, bonus)
+    assert req.spec.num_accepted == 10 and seq[len(prompt_ids):] == greedy.token_ids[:16]  # 3 tokens a round
+    tokens = torch.tensor([seq])  # the last token is the bonus token the target has not consumed
+    select = torch.zeros(1, len(seq), dtype=torch.bool)
+    select[0, -2] = True
+    y = teacher_forced_states(head, tiny_target, tokens, select)
     want = tiny_target.logits(tiny_target.norm(y[0]))
     assert torch.allclose(pending.logits, want, atol=1e-4)
     engine.abort(rid)
+
+
+def test_shifted_token_head_reads_the_next_token(tiny_ck, tiny_target):
+    """A ``context_next_token`` head's drafts at position t change with x[t+1] and with earlier
+    positions' next tokens, and never with tokens after x[t+1]."""
+    from tandem.train.specformer import teacher_forced_states
+
+    head = _random_head(tiny_ck.config, context_next_token=True)
+    base = torch.randint(3, tiny_ck.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    select = torch.zeros(1, 12, dtype=torch.bool)
+    select[0, 6] = True
+    ref = teacher_forced_states(head, tiny_target, base, select)
+    later = base.clone()
+    later[0, 8:] = (later[0, 8:] + 1) % tiny_ck.config.vocab_size
+    assert torch.allclose(teacher_forced_states(head, tiny_target, later, select), ref, atol=1e-5)
+    nxt = base.clone()
+    nxt[0, 7] = (nxt[0, 7] + 1) % tiny_ck.config.vocab_size
+    assert not torch.allclose(teacher_forced_states(head, tiny_target, nxt, select), ref, atol=1e-3)
+    with pytest.raises(ValueError, match="next token"):
+        head.context_input(torch.zeros(1, 2, len(head.config.taps), tiny_ck.config.hidden_size))
 
 
 # ----------------------------------------------------------------------------- distillation data
@@ -190,11 +234,11 @@ def test_batches_respect_token_budget(distilled):
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("bonus_token", [False, True])
-def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path, bonus_token):
+@pytest.mark.parametrize("variant,soft", [("paper", 0.0), ("bonus", 0.0), ("next-token", 0.5)])
+def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path, variant, soft):
     _, seqs = read_distilled(distilled)
-    head = new_head(tiny_ck.config, 4, seed=0, bonus_token=bonus_token)
-    objective = SpecFormerObjective(head, tiny_target, amp=False)
+    head = new_head(tiny_ck.config, 4, seed=0, **VARIANTS[variant])
+    objective = SpecFormerObjective(head, tiny_target, amp=False, soft_weight=soft)
     before = float(objective(seqs[:4])[0].detach())
     cfg = TrainConfig(max_steps=40, lr=3e-3, max_batch_tokens=512, checkpoint_every=20)
     result = train(head, objective, seqs, cfg, tmp_path, progress=False)
@@ -209,6 +253,54 @@ def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, d
     # resuming at the last checkpoint does no further steps
     again = train(head, objective, seqs, cfg, tmp_path, progress=False)
     assert again.steps == 40
+
+
+def test_soft_label_loss_is_cross_entropy_against_the_target(tiny_ck, tiny_target, distilled):
+    """soft_weight 1: the loss is the mean over valid (position, slot) pairs of
+    -sum_v p_target(v | x[..t+1+j]) log q_j(v | t), computed here from a plain target forward;
+    soft_weight 0 is the hard-label cross-entropy; and weights outside [0, 1] are refused."""
+    from tandem.train.loop import pad_batch
+    from tandem.train.specformer import teacher_forced_states
+
+    _, seqs = read_distilled(distilled)
+    batch = seqs[:3]
+    head = _random_head(tiny_ck.config, bonus_token=True)
+    tokens, lengths, prompt_lens = pad_batch(batch, "cpu")
+    labels, valid = specformer_labels(tokens, lengths, prompt_lens, 4)
+    select = valid.any(-1)
+    logp = tiny_target.logits(tiny_target.norm(teacher_forced_states(head, tiny_target, tokens, select))).log_softmax(-1)
+    teacher = tiny_target.logits(tiny_target.forward_causal(tokens)[0]).softmax(-1)  # [B, T, vocab]
+    b, t = select.nonzero(as_tuple=True)
+    ok = valid[select]
+    soft = torch.stack([-(teacher[b, (t + 1 + j).clamp(max=tokens.shape[1] - 1)] * logp[:, j]).sum(-1)
+                        for j in range(4)], dim=1)
+    hard = -logp.gather(-1, labels[select][..., None])[..., 0]
+    for w, want in ((1.0, soft), (0.0, hard), (0.25, 0.75 * hard + 0.25 * soft)):
+        got = float(SpecFormerObjective(head, tiny_target, amp=False, soft_weight=w)(batch)[0].detach())
+        assert got == pytest.approx(float((want * ok).sum().detach() / ok.sum()), rel=1e-5)
+    with pytest.raises(ValueError, match="soft_weight"):
+        SpecFormerObjective(head, tiny_target, amp=False, soft_weight=1.5)
+
+
+def test_head_saved_before_context_layers_loads(tiny_ck, tmp_path):
+    """Heads written before the context sub-layers were a list (one layer, flat parameter names,
+    as the first shipped heads) load into the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    head = _random_head(tiny_ck.config, bonus_token=True)
+    file = save_specformer(head, tmp_path / "new")
+    new_names = {"ctx.0.norm.weight": "ctx_norm.weight", "ctx.0.qkv.weight": "ctx_qkv.weight",
+                 "ctx.0.o.weight": "ctx_o.weight", "mlp.norm.weight": "mlp_norm.weight",
+                 "mlp.w13.weight": "w13.weight", "mlp.w2.weight": "w2.weight"}
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    legacy = {new_names.get(k, k): v for k, v in load_file(str(file)).items()}
+    (tmp_path / "old").mkdir()
+    save_file(legacy, str(tmp_path / "old" / "model.safetensors"), metadata=meta)
+    a, b = load_specformer(tmp_path / "new").state_dict(), load_specformer(tmp_path / "old").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_draft_model_training_lowers_loss(tiny_ck, tiny_target, distilled, tmp_path):
@@ -232,7 +324,8 @@ def trained(tiny_checkpoint, distilled, tmp_path_factory):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     out = tmp_path_factory.mktemp("trained")
     runner = CliRunner()
-    for kind, extra in (("specformer", []), ("draft-model", ["--init-layers", "0"])):
+    head_flags = ["--bonus-token", "--context-next-token", "--context-layers", "2", "--soft-labels", "0.5"]
+    for kind, extra in (("specformer", head_flags), ("draft-model", ["--init-layers", "0"])):
         res = runner.invoke(main, ["train", kind, "--data", str(distilled), "--out", str(out / kind), "--model", model,
                                    "--device", "cpu", "--max-steps", "30", "--lr", "3e-3", "--batch-tokens", "512",
                                    "--eval-limit", "3", "--eval-max-tokens", "16"] + extra)
@@ -249,6 +342,10 @@ def test_cli_training_writes_weights_and_model_card(trained):
         assert sb["prompts"] == 3 and 0.0 <= sb["overall"]["acceptance_rate"] <= 1.0
         readme = (out / kind / "README.md").read_text()
         assert "Measured acceptance" in readme and "self-distillation" in readme
+    card = json.loads((out / "specformer" / "card.json").read_text())
+    assert card["extra"]["context_next_token"] and card["extra"]["context_layers"] == 2
+    assert card["training"]["soft_label_weight"] == 0.5
+    assert "0.5 of it against the target's soft labels" in (out / "specformer" / "README.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])
@@ -294,10 +391,11 @@ def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):
 
 
 @pytest.mark.gpu
-def test_specformer_cuda_graphs_lossless(tiny_ck):
+@pytest.mark.parametrize("variant", ["bonus", "next-token"])
+def test_specformer_cuda_graphs_lossless(tiny_ck, variant):
     """On the GPU the taps come out of captured CUDA graphs; greedy output stays identical."""
     cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=128, cuda_graphs=True)
-    head = _random_head(tiny_ck.config, bonus_token=True)
+    head = _random_head(tiny_ck.config, **VARIANTS[variant])
     engine = Engine(tiny_ck, cfg, drafter=SpecFormerDrafter(head), num_draft_tokens=4)
     ref = Engine(tiny_ck, cfg)
     params = SamplingParams(max_tokens=24)

@@ -10,6 +10,13 @@ position-dependent parameters) fans each position out into ``l_d`` draft slots; 
 attention** across those slots (bidirectional by default, causal as an option) and a SwiGLU
 MLP refine them; the target's frozen final norm and LM head turn them into logits.
 
+Two extensions beyond the paper, each off by default (off = the paper's head): ``bonus_token``
+adds the embedding of the round's bonus token to the draft slots, and ``context_next_token``
+adds, at every position ``t`` of the context stream, the embedding of the token that follows it
+(EAGLE's feature + shifted-token input, Li et al. 2024), so the context attention can match the
+next token against the history (copying, as n-gram lookup does). ``context_layers`` stacks more
+context attention sub-layers (``context_mlp`` adds a SwiGLU after each).
+
 At target position ``t`` (whose target logits give the bonus token ``x[t+1]``) draft slot ``j``
 (0-based) predicts ``x[t+2+j]``. The target forward that verifies round r therefore also yields
 round r+1's drafts: the engine hands the tapped states of the accepted positions to
@@ -19,6 +26,7 @@ round r+1's drafts: the engine hands the tapped states of the accepted positions
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +64,11 @@ class SpecFormerConfig:
         bonus_token: also condition the draft slots on the embedding of the bonus token x[t+1]
             (known once the round is verified) through the target's frozen embedding: an
             EAGLE-style extension beyond the paper, off by default (off = the paper's head).
+        context_next_token: add the embedding of x[t+1] to the context stream at every position t
+            (the last position's x[t+1] is the bonus token): EAGLE-style shifted tokens, off by
+            default.
+        context_layers: context causal attention sub-layers (the paper has one).
+        context_mlp: a SwiGLU MLP (width ``intermediate_size``) after each context attention.
         rms_norm_eps: epsilon of the head's RMSNorms.
         target_layers: the target's layer count (checked when the head is bound).
     """
@@ -71,24 +84,34 @@ class SpecFormerConfig:
     rms_norm_eps: float = 1e-5
     target_layers: int = 0
     bonus_token: bool = False
+    context_next_token: bool = False
+    context_layers: int = 1
+    context_mlp: bool = False
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
                    causal_draft: bool = False, intermediate_size: int | None = None,
-                   bonus_token: bool = False) -> "SpecFormerConfig":
+                   bonus_token: bool = False, context_next_token: bool = False, context_layers: int = 1,
+                   context_mlp: bool = False) -> "SpecFormerConfig":
         """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
 
         Raises:
-            ValueError: ``num_draft_tokens`` < 1 or a tap outside [0, num_layers].
+            ValueError: ``num_draft_tokens`` or ``context_layers`` < 1, ``intermediate_size`` < 1,
+                or a tap outside [0, num_layers].
         """
         taps = tuple(sorted(set(taps))) if taps else default_taps(target.num_layers)
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if context_layers < 1:
+            raise ValueError(f"context_layers must be >= 1, got {context_layers}")
+        if intermediate_size is not None and intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
         if not all(0 <= t <= target.num_layers for t in taps):
             raise ValueError(f"taps {taps} must lie in [0, {target.num_layers}]")
         return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
                    intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
-                   target.rms_norm_eps, target.num_layers, bonus_token)
+                   target.rms_norm_eps, target.num_layers, bonus_token, context_next_token, context_layers,
+                   context_mlp)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
@@ -98,6 +121,56 @@ class SpecFormerConfig:
                 f"SpecFormer head was trained for a target with d={self.hidden_size}, vocab={self.vocab_size}, "
                 f"{self.target_layers} layers; this target has d={target.hidden_size}, vocab={target.vocab_size}, "
                 f"{target.num_layers} layers")
+
+
+class ContextLayer(nn.Module):
+    """One context causal attention sub-layer (pre-norm, RoPE at the target's positions, residual),
+    optionally followed by a SwiGLU MLP. Its output projections start at zero (identity layer)."""
+
+    def __init__(self, config: "SpecFormerConfig") -> None:
+        super().__init__()
+        d, nh, hd = config.hidden_size, config.num_heads, config.head_dim
+        self.num_heads, self.head_dim = nh, hd
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv = nn.Linear(d, 3 * nh * hd, bias=False)
+        self.o = nn.Linear(nh * hd, d, bias=False)
+        self.mlp = _SwiGLU(d, config.intermediate_size, config.rms_norm_eps) if config.context_mlp else None
+        with torch.no_grad():
+            self.o.weight.zero_()
+
+    def qkv_rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q, k, v ``[B, Q, heads, hd]`` for ``h`` ``[B, Q, d]``."""
+        B, Q, _ = h.shape
+        q, k, v = self.qkv(self.norm(h)).view(B, Q, 3, self.num_heads, self.head_dim).unbind(2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual update of ``h`` ``[B, Q, d]`` with the attention output ``att`` ``[B, heads, Q, hd]``."""
+        B, Q, _ = h.shape
+        h = h + self.o(att.transpose(1, 2).reshape(B, Q, -1))
+        return h if self.mlp is None else self.mlp(h)
+
+
+class _SwiGLU(nn.Module):
+    """Pre-norm SwiGLU MLP with a residual; the down projection starts at zero."""
+
+    def __init__(self, d: int, width: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(d, eps)
+        self.w13 = nn.Linear(d, 2 * width, bias=False)
+        self.w2 = nn.Linear(width, d, bias=False)
+        with torch.no_grad():
+            self.w2.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+# parameter names of heads saved before context layers were stacked (one layer, no MLP)
+_LEGACY_KEYS = {"ctx_norm.weight": "ctx.0.norm.weight", "ctx_qkv.weight": "ctx.0.qkv.weight",
+                "ctx_o.weight": "ctx.0.o.weight", "mlp_norm.weight": "mlp.norm.weight",
+                "w13.weight": "mlp.w13.weight", "w2.weight": "mlp.w2.weight"}
 
 
 class SpecFormerHead(nn.Module):
@@ -114,37 +187,41 @@ class SpecFormerHead(nn.Module):
         eps = config.rms_norm_eps
         self.tap_norms = nn.ModuleList(RMSNorm(d, eps) for _ in config.taps)
         self.down = nn.Linear(len(config.taps) * d, d, bias=False)
-        self.ctx_norm = RMSNorm(d, eps)
-        self.ctx_qkv = nn.Linear(d, 3 * nh * hd, bias=False)
-        self.ctx_o = nn.Linear(nh * hd, d, bias=False)
+        if config.context_next_token:
+            self.next_norm = RMSNorm(d, eps)
+            self.next_proj = nn.Linear(d, d, bias=False)
+        self.ctx = nn.ModuleList(ContextLayer(config) for _ in range(config.context_layers))
         self.pos_norm = RMSNorm(d, eps)
         self.pos_ffn = nn.Linear(d, config.num_draft_tokens * d, bias=False)
         self.draft_norm = RMSNorm(d, eps)
         self.draft_qkv = nn.Linear(d, 3 * nh * hd, bias=False)
         self.draft_o = nn.Linear(nh * hd, d, bias=False)
-        self.mlp_norm = RMSNorm(d, eps)
-        self.w13 = nn.Linear(d, 2 * config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, d, bias=False)
+        self.mlp = _SwiGLU(d, config.intermediate_size, eps)
         if config.bonus_token:
             self.bonus_norm = RMSNorm(d, eps)
             self.bonus_proj = nn.Linear(d, d, bias=False)
         with torch.no_grad():  # start as "copy the final tap into every slot": residual branches at zero
-            for lin in (self.ctx_o, self.pos_ffn, self.draft_o, self.w2) + ((self.bonus_proj,) if config.bonus_token else ()):
-                lin.weight.zero_()
+            for name in ("pos_ffn", "draft_o", "bonus_proj", "next_proj"):
+                if hasattr(self, name):
+                    getattr(self, name).weight.zero_()
             self.down.weight.zero_()
             self.down.weight[:, -d:] = torch.eye(d)
 
-    def fuse_taps(self, taps: torch.Tensor) -> torch.Tensor:
-        """``[..., len(taps), d]`` target states -> ``[..., d]`` (per-tap RMSNorm, concat, downsample)."""
-        normed = [norm(taps[..., i, :]) for i, norm in enumerate(self.tap_norms)]
-        return self.down(torch.cat(normed, dim=-1))
+    def context_input(self, taps: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """The context stream's input ``[..., d]``: per-tap RMSNorm, concat, downsample of ``taps``
+        ``[..., len(taps), d]``, plus (``context_next_token`` heads) the projected embedding of
+        each position's next token ``next_emb`` ``[..., d]``.
 
-    def context_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q, k, v ``[B, Q, heads, hd]`` of the context attention for ``h`` ``[B, Q, d]``."""
-        B, Q, _ = h.shape
-        nh, hd = self.config.num_heads, self.config.head_dim
-        q, k, v = self.ctx_qkv(self.ctx_norm(h)).view(B, Q, 3, nh, hd).unbind(2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        Raises:
+            ValueError: a ``context_next_token`` head without ``next_emb``.
+        """
+        normed = [norm(taps[..., i, :]) for i, norm in enumerate(self.tap_norms)]
+        h = self.down(torch.cat(normed, dim=-1))
+        if self.config.context_next_token:
+            if next_emb is None:
+                raise ValueError("this SpecFormer head reads each position's next token: pass next_emb")
+            h = h + self.next_proj(self.next_norm(next_emb))
+        return h
 
     def draft(self, h: torch.Tensor, bonus_emb: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, d]`` context states -> ``[N, l_d, d]`` draft states (before the target's final norm).
@@ -165,11 +242,11 @@ class SpecFormerHead(nn.Module):
         q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
         x = x + self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd))
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        return self.mlp(x)
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None) -> torch.Tensor:
+                      select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None,
+                      next_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Whole-sequence forward for training.
 
         Args:
@@ -177,15 +254,18 @@ class SpecFormerHead(nn.Module):
             cos, sin: ``[B, T, head_dim]`` rotary tables of positions 0..T-1.
             select: optional ``[B, T]`` bool, positions whose drafts are needed (saves memory).
             bonus_emb: ``[N, d]`` embeddings of each needed position's next token (``bonus_token``).
+            next_emb: ``[B, T, d]`` embeddings of every position's next token (``context_next_token``).
 
         Returns:
             ``[N, l_d, d]`` draft states, N = B*T or the selected count (row-major order).
         """
         B, T = taps.shape[:2]
-        h = self.fuse_taps(taps)
-        q, k, v = self.context_qkv(h, cos, sin)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        h = h + self.ctx_o(att.transpose(1, 2).reshape(B, T, -1))
+        h = self.context_input(taps, next_emb)
+        for layer in self.ctx:
+            q, k, v = layer.qkv_rotated(h, cos, sin)
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True)
+            h = layer.finish(h, att)
         h = h[select] if select is not None else h.reshape(B * T, -1)
         return self.draft(h, bonus_emb)
 
@@ -231,7 +311,7 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
     raw["taps"] = tuple(raw["taps"])
     head = SpecFormerHead(SpecFormerConfig(**raw))
     try:
-        head.load_state_dict({k: v.float() for k, v in tensors.items()})
+        head.load_state_dict({_LEGACY_KEYS.get(k, k): v.float() for k, v in tensors.items()})
     except RuntimeError as exc:
         raise ModelLoadError(f"SpecFormer head {str(file)!r} does not match its config: {exc}") from None
     return head
@@ -245,14 +325,20 @@ class TargetStates:
         slot: the sequence's KV cache slot.
         start: target position of the first row (the target's cache length before them).
         taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
-        next_token: the token after the last of them (this round's bonus token), for heads that
-            condition on it.
+        next_tokens: the ``m`` tokens at positions ``start + 1 .. start + m``, i.e. each row's next
+            token; the last is this round's bonus token (the target has not consumed it yet).
+            Needed by ``bonus_token`` and ``context_next_token`` heads.
     """
 
     slot: int
     start: int
     taps: torch.Tensor
-    next_token: int | None = None
+    next_tokens: Sequence[int] | None = None
+
+    @property
+    def next_token(self) -> int | None:
+        """This round's bonus token (the token after the last row), or None."""
+        return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
 
 
 @dataclass
@@ -291,7 +377,7 @@ class SpecFormerDrafter(Drafter):
 
     def bind(self, runner) -> None:
         """Attach to the target ``ModelRunner`` (its final norm, LM head, RoPE tables, device, dtype)
-        and allocate the context-attention KV cache ``[slots, heads, capacity + 1, head_dim]``.
+        and allocate the context-attention KV cache ``[context_layers, slots, heads, capacity + 1, head_dim]``.
 
         Raises:
             ModelLoadError: the head was trained for a target of another shape.
@@ -304,7 +390,7 @@ class SpecFormerDrafter(Drafter):
         self._target = runner.model
         dev, dtype = runner.device, runner.config.dtype
         self.head.to(device=dev, dtype=dtype)
-        shape = (runner.cache.num_slots, cfg.num_heads, runner.cache.capacity + 1, cfg.head_dim)
+        shape = (cfg.context_layers, runner.cache.num_slots, cfg.num_heads, runner.cache.capacity + 1, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
 
@@ -326,29 +412,38 @@ class SpecFormerDrafter(Drafter):
         lens = [s.taps.shape[0] for s in states]
         x = pad_sequence([s.taps.to(self.k_cache.dtype) for s in states], batch_first=True)  # [n, M, taps, d]
         M = x.shape[1]
+        cfg = head.config
+        if (cfg.bonus_token or cfg.context_next_token) and any(
+                s.next_tokens is None or len(s.next_tokens) != m for s, m in zip(states, lens)):
+            raise ValueError("this SpecFormer head needs each row's next token (TargetStates.next_tokens, one per row)")
+        next_emb = None
+        if cfg.context_next_token:
+            ids = pad_sequence([torch.as_tensor(list(s.next_tokens), dtype=torch.long) for s in states],
+                               batch_first=True)
+            next_emb = target.embed(ids.to(dev))  # [n, M, d]
         q_lens = torch.tensor(lens, device=dev)
         start = torch.tensor([s.start for s in states], device=dev)
         slots = torch.tensor([s.slot for s in states], device=dev)
         offs = torch.arange(M, device=dev)
         pos = start[:, None] + offs[None, :]  # [n, M]
-        scratch = self.k_cache.shape[2] - 1
+        scratch = self.k_cache.shape[3] - 1
         write = torch.where(offs[None, :] < q_lens[:, None], pos, torch.full_like(pos, scratch))
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
-        h = head.fuse_taps(x)
-        q, k, v = head.context_qkv(h, cos, sin)  # [n, M, heads, hd]
-        self.k_cache[slots[:, None], :, write] = k
-        self.v_cache[slots[:, None], :, write] = v
+        h = head.context_input(x, next_emb)
         attn_len = max(s.start + m for s, m in zip(states, lens))
-        keys, values = self.k_cache[slots, :, :attn_len], self.v_cache[slots, :, :attn_len]
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
-        h = h + head.ctx_o(att.transpose(1, 2).reshape(n, M, -1))
+        for i, layer in enumerate(head.ctx):
+            q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache[slots[:, None], :, write] = k
+            v_cache[slots[:, None], :, write] = v
+            keys, values = k_cache[slots, :, :attn_len], v_cache[slots, :, :attn_len]
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            h = layer.finish(h, att)
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
         bonus = None
-        if head.config.bonus_token:
-            if any(s.next_token is None for s in states):
-                raise ValueError("this SpecFormer head needs each sequence's bonus token (TargetStates.next_token)")
+        if cfg.bonus_token:
             bonus = target.embed(torch.tensor([s.next_token for s in states], device=dev))
         logits = target.logits(target.norm(head.draft(last, bonus)))  # [n, l_d, vocab]
         for i, (s, m) in enumerate(zip(states, lens)):

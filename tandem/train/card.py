@@ -19,7 +19,9 @@ def model_card(card: dict) -> str:
            if tr.get("planned_steps", 0) > tr["steps"] else "")
         + f", {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
         f"{tr['warmup_frac']:.0%}, cosine decay), {tr['max_batch_tokens']} padded tokens per batch, seed {tr['seed']}; "
-        f"loss {tr['first_loss']:.3f} -> {tr['final_loss']:.3f}.",
+        f"loss {tr['first_loss']:.3f} -> {tr['final_loss']:.3f}"
+        + (f" (cross-entropy, {tr['soft_label_weight']:g} of it against the target's soft labels)."
+           if tr.get("soft_label_weight") else "."),
     ]
     if tr.get("metrics"):
         lines.append("- **Training metrics (last 10% of steps)**: "

@@ -9,7 +9,6 @@ own answers are labels; prompt positions still feed the head's context attention
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..drafters.specformer import SpecFormerConfig, SpecFormerHead
 from ..models.transformer import Transformer
@@ -37,41 +36,62 @@ def specformer_labels(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lens: 
 
 
 def teacher_forced_states(head: SpecFormerHead, target: Transformer, tokens: torch.Tensor,
-                          select: torch.Tensor | None = None) -> torch.Tensor:
+                          select: torch.Tensor | None = None,
+                          target_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The head's draft states for every (selected) position of whole sequences, as the engine
     would produce them round by round: the frozen target's taps (no grad), RoPE tables in the
-    taps' dtype, and for bonus-token heads the embedding of x[t+1].
+    taps' dtype, and the embedding of x[t+1] at position t (the bonus token for ``bonus_token``
+    heads; every position's next token for ``context_next_token`` heads).
 
     Args:
         tokens: ``[B, T]`` ids from position 0 (right padding is harmless).
         select: optional ``[B, T]`` bool, the positions needed.
+        target_out: ``target.forward_causal(tokens, taps=head.config.taps)`` when the caller
+            already ran it (no grad).
 
     Returns:
         ``[N, l_d, d]`` states before the target's final norm (N = B*T or the selected count).
     """
     B, T = tokens.shape
-    with torch.no_grad():
-        _, taps = target.forward_causal(tokens, taps=head.config.taps)
+    if target_out is None:
+        with torch.no_grad():
+            target_out = target.forward_causal(tokens, taps=head.config.taps)
+    taps = target_out[1]
     cos = target.rope_cos[:T].to(taps.dtype).expand(B, T, -1)
     sin = target.rope_sin[:T].to(taps.dtype).expand(B, T, -1)
-    bonus = None
-    if head.config.bonus_token:  # position t's bonus token is x[t+1] (the target's own next token)
-        nxt = tokens[:, (torch.arange(T, device=tokens.device) + 1).clamp(max=T - 1)]
+    cfg = head.config
+    nxt = tokens[:, (torch.arange(T, device=tokens.device) + 1).clamp(max=T - 1)]  # x[t+1] at position t
+    bonus = next_emb = None
+    if cfg.bonus_token:
         bonus = target.embed(nxt[select] if select is not None else nxt.reshape(-1))
-    return head.forward_train(taps, cos, sin, select, bonus)
+    if cfg.context_next_token:
+        next_emb = target.embed(nxt)
+    return head.forward_train(taps, cos, sin, select, bonus, next_emb)
 
 
 class SpecFormerObjective:
     """Loss over a batch of distilled sequences: target forward (no grad) -> head -> CE.
 
+    The loss of draft slot ``j`` at position ``t`` is ``(1 - soft_weight)`` times the
+    cross-entropy against the distilled token ``x[t+2+j]`` plus ``soft_weight`` times the
+    cross-entropy against the target's own next-token distribution at position ``t+1+j``
+    (soft-label knowledge distillation, Hinton et al. 2015; its argmax is the distilled greedy
+    token, the rest of it says which near-misses the target considers).
+
     Args:
         head: the head being trained (float32 master weights).
         target: the frozen target ``Transformer`` (bf16 on GPU), on the same device.
         amp: bf16 autocast for the head (CUDA).
+        soft_weight: weight of the soft-label term in [0, 1] (0: hard labels only, the paper's loss).
+
+    Raises:
+        ValueError: ``soft_weight`` outside [0, 1].
     """
 
-    def __init__(self, head: SpecFormerHead, target: Transformer, amp: bool) -> None:
-        self.head, self.target, self.amp = head, target, amp
+    def __init__(self, head: SpecFormerHead, target: Transformer, amp: bool, soft_weight: float = 0.0) -> None:
+        if not 0.0 <= soft_weight <= 1.0:
+            raise ValueError(f"soft_weight must lie in [0, 1], got {soft_weight}")
+        self.head, self.target, self.amp, self.soft_weight = head, target, amp, soft_weight
         self.device = next(target.parameters()).device
 
     def __call__(self, batch: list[DistilledSequence]) -> tuple[torch.Tensor, dict]:
@@ -80,10 +100,15 @@ class SpecFormerObjective:
         labels, valid = specformer_labels(tokens, lengths, prompt_lens, cfg.num_draft_tokens)
         select = valid.any(-1)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            logits = self.target.logits(self.target.norm(teacher_forced_states(self.head, self.target, tokens,
-                                                                               select)))  # [N, l_d, vocab] fp32
+            with torch.no_grad():
+                target_out = self.target.forward_causal(tokens, taps=cfg.taps)
+            states = teacher_forced_states(self.head, self.target, tokens, select, target_out)
+            logits = self.target.logits(self.target.norm(states))  # [N, l_d, vocab] fp32
         lab, ok = labels[select], valid[select]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), reduction="none").view_as(lab)
+        logp = logits.log_softmax(-1)
+        ce = -logp.gather(-1, lab[..., None])[..., 0]  # [N, l_d]
+        if self.soft_weight > 0:
+            ce = (1 - self.soft_weight) * ce + self.soft_weight * self._soft_ce(logp, target_out[0], select)
         loss = (ce * ok).sum() / ok.sum().clamp_min(1)
         with torch.no_grad():
             hit = (logits.argmax(-1) == lab) & ok
@@ -93,10 +118,27 @@ class SpecFormerObjective:
             metrics["expected_accepted"] = float(chain.sum() / ok[:, 0].sum().clamp_min(1))
         return loss, metrics
 
+    def _soft_ce(self, logp: torch.Tensor, hidden: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """``[N, l_d]`` cross-entropy of the head's ``logp`` against the target's distribution at
+        position ``t+1+j`` (``hidden``: the target's final-norm states ``[B, T, d]``)."""
+        T = select.shape[1]
+        b, t = select.nonzero(as_tuple=True)
+        out = []
+        for j in range(self.head.config.num_draft_tokens):  # one slot at a time: [N, vocab] temporaries
+            idx = (t + 1 + j).clamp(max=T - 1)  # past-the-end slots are masked by the caller
+            with torch.no_grad():
+                teacher = self.target.logits(hidden[b, idx]).softmax(-1)
+            out.append(-(teacher * logp[:, j]).sum(-1))
+        return torch.stack(out, dim=1)
 
 def new_head(target_config, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
-             causal_draft: bool = False, seed: int = 0, bonus_token: bool = False) -> SpecFormerHead:
-    """A freshly initialised head for ``target_config`` (seeded)."""
+             causal_draft: bool = False, seed: int = 0, bonus_token: bool = False, **shape) -> SpecFormerHead:
+    """A freshly initialised head for ``target_config`` (seeded); ``shape``: further
+    ``SpecFormerConfig.for_target`` arguments (``context_next_token``, ``context_layers``, ...).
+
+    Raises:
+        ValueError: see ``SpecFormerConfig.for_target``.
+    """
     torch.manual_seed(seed)
     return SpecFormerHead(SpecFormerConfig.for_target(target_config, num_draft_tokens, taps, causal_draft,
-                                                      bonus_token=bonus_token))
+                                                      bonus_token=bonus_token, **shape))
