@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Sixth GPU pass (issue #4), planned on 2026-12-01 for one H200: SpecFormer heads with the
+# EAGLE-style shifted next-token context (--context-next-token) and soft-label distillation
+# (--soft-labels 0.5), measured by exact greedy replay on the committed Spec-Bench traces (all 480
+# prompts, max 256 new tokens). Staging as in scripts/device_pass4.sh (wheels, then
+# scripts/stage_model.sh 9); then, back to back:
+#   scripts/device_pass6.sh MODEL OUT one          # resume the distillation in the background;
+#       # meanwhile heads A (1 context layer) and B (2) train concurrently on the committed 8,060
+#       # answers; replay A, B and the shipped head
+#   scripts/device_pass6.sh MODEL OUT two 'FLAGS'  # head C (the better of A/B, FLAGS) on every
+#       # answer, longer; replay it
+#   scripts/device_pass6.sh MODEL OUT three HEAD   # live engine, batch 1 and 64: target-only vs
+#       # SpecFormer with head HEAD (/tmp/train/NAME): lossless check, tau_acc, speed
+# Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
+set -uo pipefail
+model=$1; out=$2; step=$3; arg=${4:-}
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4
+w=/tmp/p6
+mkdir -p "$out" $w/logs /tmp/train
+full=/tmp/distill          # grows to every answer (the resumed distillation writes here)
+committed=/tmp/distill-committed  # the 8,060 answers in the repository
+[[ -d $full ]] || cp -r data/distill/smollm2-135m-instruct $full
+[[ -d $committed ]] || cp -r data/distill/smollm2-135m-instruct $committed
+[[ -f $w/traces.jsonl ]] || gunzip -c docs/results/2026-12-01/drafters/spec-bench-traces.jsonl.gz > $w/traces.jsonl
+log() { echo "[$(date +%T)] $*"; }
+flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5 --batch-tokens 16384)
+train() {  # NAME DATA STEPS TIME_LIMIT [more flags]: SIGTERM at the limit saves the best step so far
+  local name=$1 data=$2 steps=$3 limit=$4; shift 4
+  timeout "$limit" python3 -m tandem train specformer "${flags[@]}" --max-steps "$steps" "$@" --data "$data" \
+    --out /tmp/train/"$name" --model "$model" > $w/logs/train-"$name".log 2>&1
+  log "train $name rc=$? $(tail -c 300 $w/logs/train-"$name".log | tr '\r' '\n' | tail -1)"; }
+replay() {  # TAG HEAD...: replay the heads (and the shipped one) on the Spec-Bench traces
+  local tag=$1; shift
+  timeout 120 python3 -m tandem replay --traces $w/traces.jsonl --model "$model" --drafter specformer \
+    $(for h in "$@"; do echo "--drafter specformer:/tmp/train/$h"; done) --out $w/replay-"$tag".json \
+    > $w/logs/replay-"$tag".log 2>&1
+  log "replay $tag rc=$?"; }
+ship() { for h in "$@"; do [[ -f /tmp/train/$h/model.safetensors ]] && \
+  split -b 15M -d -a 1 /tmp/train/"$h"/model.safetensors "$out/$h.safetensors.part"; done; }
+case $step in
+one)
+  timeout -s INT 540 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
+    --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1 &
+  dpid=$!
+  train sf-a $committed 1200 470 &
+  apid=$!
+  train sf-b $committed 1200 470 --context-layers 2
+  wait $apid
+  replay one sf-a sf-b
+  wait $dpid; log "distill rc=$? $(tail -c 400 $w/logs/distill.log | tr '\r' '\n' | tail -2 | tr '\n' ' ')"
+  ship sf-a sf-b
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/one.tgz" p6/logs p6/replay-one.json train
+  tail -22 $w/logs/replay-one.log ;;
+two)
+  # shellcheck disable=SC2086  # FLAGS is a word list
+  train sf-c $full 3000 500 $arg
+  replay two sf-c
+  ship sf-c
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/two.tgz" p6/logs p6/replay-two.json train/sf-c
+  tail -22 $w/logs/replay-two.log ;;
+three)
+  timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
+    --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \
+    > $w/logs/bench-sf.log 2>&1
+  log "bench rc=$?"
+  tar -C /tmp -czf "$out/three.tgz" p6/logs p6/bench-sf
+  grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -20 ;;
+esac
