@@ -485,7 +485,7 @@ def test_replay_equals_engine_counters(trained, tiny_ck, kind, k):
 
 def test_training_stops_cleanly_on_sigterm(distilled, tmp_path):
     """SIGTERM (a scheduler's time limit) ends training after the current step with a checkpoint;
-    the same call resumes from it and runs to the planned step count."""
+    the same call resumes from it, runs to the planned step count and reports the whole run."""
     import os
     import signal
 
@@ -506,6 +506,8 @@ def test_training_stops_cleanly_on_sigterm(distilled, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
     second = train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
     assert (second.steps, second.planned_steps) == (8, 8)
+    # the resumed run reports the whole run: its first step's loss and both runs' training time
+    assert second.first_loss == first.first_loss and second.wall_s >= first.wall_s
 
 
 def test_training_keeps_the_best_held_out_step(distilled, tmp_path):

@@ -63,7 +63,8 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What a run did: steps, wall time (s), the first/last logged loss and extra metrics;
+    """What a run did, resumed runs included: steps, wall time (s, every run's training time
+    summed), the mean loss of the first and last 10% of steps and extra metrics;
     ``planned_steps`` exceeds ``steps`` when SIGTERM stopped the run early; ``validation``:
     held-out sequences, the best step and its held-out loss and metrics (empty without a split)."""
 
@@ -154,6 +155,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     sched = get_cosine_schedule_with_warmup(opt, max(1, int(cfg.warmup_frac * total)), total)
     step = 0
     best: dict = {}  # held-out loss, step, metrics and trainable parameters of the best step so far
+    history: dict = {"losses": [], "wall_s": 0.0}  # of the earlier runs a resumed run continues
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -162,6 +164,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
         best = state.get("best", {})
+        history = state.get("history", history)
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
 
     def validate() -> None:
@@ -172,7 +175,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
             params = dict(module.named_parameters())
             best.update(res, step=step, params={k: params[k].detach().to("cpu", copy=True) for k in trainable})
     torch.manual_seed(cfg.seed)
-    losses: list[float] = []
+    losses: list[float] = list(history["losses"])  # every step's loss, earlier runs included
     tail: dict[str, list[float]] = {}
     t0 = time.perf_counter()
     bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
@@ -207,7 +210,9 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                 validate()
                 tmp = out / "checkpoint.pt.tmp"
                 torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
-                            "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg), "best": best}, tmp)
+                            "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg), "best": best,
+                            "history": {"losses": losses, "wall_s": history["wall_s"] + time.perf_counter() - t0}},
+                           tmp)
                 tmp.replace(ckpt)
             if stop.is_set():
                 break
@@ -225,6 +230,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                       "metrics": best["metrics"]}
     module.eval()
     window = max(1, len(losses) // 10)
-    return TrainResult(step, time.perf_counter() - t0, float(np.mean(losses[:window])) if losses else float("nan"),
+    return TrainResult(step, history["wall_s"] + time.perf_counter() - t0,
+                       float(np.mean(losses[:window])) if losses else float("nan"),
                        float(np.mean(losses[-window:])) if losses else float("nan"),
                        {k: float(np.mean(v)) for k, v in tail.items()}, total, validation)
