@@ -792,6 +792,9 @@ train_options = [
     click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
                  help="Padded tokens per batch."),
     click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--max-answer-tokens", type=click.IntRange(min=1), default=None,
+                 help="Train on the first N tokens of each answer only (default: all); long answers of a small "
+                      "target often end in repetition loops."),
     click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out."),
     click.option("--val-fraction", type=click.FloatRange(min=0, max=0.5), default=0.02, show_default=True,
                  help="Share of the distilled answers held out (at most 256); the weights of the step with the "
@@ -888,8 +891,9 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
 @click.option("--soft-labels", "soft_weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="Weight of the soft-label term: cross-entropy against the target's own distribution "
                    "(0 = hard labels only, the paper's loss).")
-def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, val_fraction, eval_limit,
-                         eval_max_tokens, eval_batch_size, model, device, num_draft, causal, taps, bonus_token,
+def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
+                         val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
+                         taps, bonus_token,
                          context_next_token, context_layers, context_mlp, intermediate_size, soft_weight) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
@@ -912,7 +916,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         _fail(str(exc))
         return
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed,
-                       val_fraction=val_fraction)
+                       val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
     result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
                           resume=not no_resume)
     save_specformer(head, out, extra={"train": result.to_dict(), "soft_label_weight": soft_weight})
@@ -927,8 +931,9 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
               help="Target blocks the draft model's blocks start from (comma separated; the count sets its depth).")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
               help="k used by the optional evaluation.")
-def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, no_resume, val_fraction, eval_limit,
-                          eval_max_tokens, eval_batch_size, model, device, init_layers, num_draft_tokens) -> None:
+def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
+                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, init_layers,
+                          num_draft_tokens) -> None:
     """Distil a small draft LM (target tokenizer, embeddings and LM head shared) from the target."""
     from dataclasses import asdict
 
@@ -947,7 +952,7 @@ def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, se
     torch.manual_seed(seed)
     draft = init_draft_model(ck, layers, target.max_positions).to(rcfg.device)
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed,
-                       val_fraction=val_fraction)
+                       val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
     result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
     save_draft_model(draft, out, layers, extra={"train": result.to_dict()})
     _finish_training("draft-model", out, result, manifest, asdict(tcfg), {"init_layers": list(layers)}, model,

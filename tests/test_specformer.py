@@ -229,6 +229,14 @@ def test_batches_respect_token_budget(distilled):
     batches = list(iter_batches(seqs, 256, np.random.default_rng(0), max_len=60))
     assert sum(len(b) for b in batches) == len(seqs)
     assert all(len(b) * max(len(s.tokens) for s in b) <= 256 or len(b) == 1 for b in batches)
+    # an answer cap keeps each prompt whole and the first N answer tokens
+    capped = [s for b in iter_batches(seqs, 256, np.random.default_rng(0), max_answer_tokens=5) for s in b]
+    by_prompt = {tuple(s.tokens[:s.prompt_len]): s for s in seqs}
+    assert len(capped) == len(seqs)
+    for s in capped:
+        full = by_prompt[tuple(s.tokens[:s.prompt_len])]
+        assert len(s.tokens) == min(len(full.tokens), full.prompt_len + 5)
+        assert np.array_equal(s.tokens, full.tokens[:len(s.tokens)])
 
 
 # ----------------------------------------------------------------------------- training
@@ -324,7 +332,8 @@ def trained(tiny_checkpoint, distilled, tmp_path_factory):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     out = tmp_path_factory.mktemp("trained")
     runner = CliRunner()
-    head_flags = ["--bonus-token", "--context-next-token", "--context-layers", "2", "--soft-labels", "0.5"]
+    head_flags = ["--bonus-token", "--context-next-token", "--context-layers", "2", "--soft-labels", "0.5",
+                  "--max-answer-tokens", "24"]
     for kind, extra in (("specformer", head_flags), ("draft-model", ["--init-layers", "0"])):
         res = runner.invoke(main, ["train", kind, "--data", str(distilled), "--out", str(out / kind), "--model", model,
                                    "--device", "cpu", "--max-steps", "30", "--lr", "3e-3", "--batch-tokens", "512",
@@ -344,7 +353,7 @@ def test_cli_training_writes_weights_and_model_card(trained):
         assert "Measured acceptance" in readme and "self-distillation" in readme
     card = json.loads((out / "specformer" / "card.json").read_text())
     assert card["extra"]["context_next_token"] and card["extra"]["context_layers"] == 2
-    assert card["training"]["soft_label_weight"] == 0.5
+    assert card["training"]["soft_label_weight"] == 0.5 and card["training"]["max_answer_tokens"] == 24
     assert "0.5 of it against the target's soft labels" in (out / "specformer" / "README.md").read_text()
 
 

@@ -18,7 +18,9 @@ def model_card(card: dict) -> str:
         + (f" of {tr['planned_steps']} (stopped early by SIGTERM; the same command resumes)"
            if tr.get("planned_steps", 0) > tr["steps"] else "")
         + f", {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
-        f"{tr['warmup_frac']:.0%}, cosine decay), {tr['max_batch_tokens']} padded tokens per batch, seed {tr['seed']}; "
+        f"{tr['warmup_frac']:.0%}, cosine decay), {tr['max_batch_tokens']} padded tokens per batch, seed {tr['seed']}"
+        + (f", the first {tr['max_answer_tokens']} tokens of each answer" if tr.get("max_answer_tokens") else "")
+        + "; "
         f"loss {tr['first_loss']:.3f} -> {tr['final_loss']:.3f}"
         + (f" (cross-entropy, {tr['soft_label_weight']:g} of it against the target's soft labels)."
            if tr.get("soft_label_weight") else "."),

@@ -256,14 +256,28 @@ def read_distilled(out_dir: str | Path, verify: bool = True) -> tuple[DistillMan
     return manifest, seqs
 
 
+def cut_answers(seqs: list[DistilledSequence], max_len: int | None = None,
+                max_answer_tokens: int | None = None) -> list[DistilledSequence]:
+    """Sequences cut to at most ``max_len`` tokens in all and ``max_answer_tokens`` answer tokens
+    (the answers' tails are dropped; None: no limit)."""
+    out = []
+    for s in seqs:
+        n = len(s.tokens)
+        if max_len is not None:
+            n = min(n, max_len)
+        if max_answer_tokens is not None:
+            n = min(n, s.prompt_len + max_answer_tokens)
+        out.append(s if n == len(s.tokens) else DistilledSequence(s.tokens[:n], s.prompt_len))
+    return out
+
+
 def iter_batches(seqs: list[DistilledSequence], max_batch_tokens: int, rng: np.random.Generator,
-                 max_len: int | None = None) -> Iterator[list[DistilledSequence]]:
+                 max_len: int | None = None, max_answer_tokens: int | None = None) -> Iterator[list[DistilledSequence]]:
     """Length-bucketed batches (padded rows x longest length <= ``max_batch_tokens``) in random order.
 
-    Sequences longer than ``max_len`` are cut (their answers' tails are dropped).
+    Sequences are cut to ``max_len`` tokens and ``max_answer_tokens`` answer tokens (``cut_answers``).
     """
-    if max_len is not None:
-        seqs = [s if len(s.tokens) <= max_len else DistilledSequence(s.tokens[:max_len], s.prompt_len) for s in seqs]
+    seqs = cut_answers(seqs, max_len, max_answer_tokens)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
     batches, cur, width = [], [], 0
     for i in order:

@@ -41,6 +41,9 @@ class TrainConfig:
         weight_decay, grad_clip: AdamW decoupled weight decay and max gradient norm.
         max_batch_tokens: padded tokens (rows x longest row) per batch.
         max_len: sequences are cut to this many tokens.
+        max_answer_tokens: only the first N tokens of each answer are trained on (None: all). The
+            distilled answers of a small target often end in long repetition loops past a few
+            hundred tokens; a cap keeps those loops from dominating the labels.
         seed: batches, initialisation and dropout-free training are reproducible from it.
         checkpoint_every: steps between resumable checkpoints (and held-out evaluations).
         val_fraction: share of sequences held out for validation (0: none).
@@ -55,6 +58,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_batch_tokens: int = 8192
     max_len: int = 1536
+    max_answer_tokens: int | None = None
     seed: int = 0
     checkpoint_every: int = 200
     val_fraction: float = 0.02
@@ -108,7 +112,7 @@ def evaluate(module: torch.nn.Module, loss_fn, seqs: list[DistilledSequence], cf
     was_training = module.training
     module.eval()
     losses, metrics = [], {}
-    for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len):
+    for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len, cfg.max_answer_tokens):
         loss, m = loss_fn(batch)
         losses.append(float(loss))
         for k, v in m.items():
@@ -146,7 +150,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         raise ValueError("the module has no trainable parameters")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    per_epoch = sum(1 for _ in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len))
+    per_epoch = sum(1 for _ in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len, cfg.max_answer_tokens))
     total = cfg.max_steps or max(1, math.ceil(per_epoch * cfg.epochs))
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -186,7 +190,8 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     module.train()
     while step < total and not stop.is_set():
-        for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng([cfg.seed, epoch]), cfg.max_len):
+        for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng([cfg.seed, epoch]),
+                                  cfg.max_len, cfg.max_answer_tokens):
             if step >= total:
                 break
             seen += 1
