@@ -11,6 +11,11 @@
 #       # answer, longer; replay it
 #   scripts/device_pass6.sh MODEL OUT three HEAD   # live engine, batch 1 and 64: target-only vs
 #       # SpecFormer with head HEAD (/tmp/train/NAME): lossless check, tau_acc, speed
+# Planned for the next pass (pass 7), same staging:
+#   scripts/device_pass6.sh MODEL OUT seven-one    # resume the distillation from the committed 8,060 answers (~380 s),
+#       # then head D = head C's recipe on the first 256 tokens of each answer (--max-answer-tokens)
+#   scripts/device_pass6.sh MODEL OUT seven-two    # head D resumed to 4,000 steps; replay C (shipped)
+#       # and D; live engine batch 1 (no compile) target-only vs the better head
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
 set -uo pipefail
 model=$1; out=$2; step=$3; arg=${4:-}
@@ -58,6 +63,24 @@ two)
   ship sf-c
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/two.tgz" p6/logs p6/replay-two.json train/sf-c
   tail -22 $w/logs/replay-two.log ;;
+seven-one)
+  timeout -s INT 400 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
+    --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
+  log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
+  train sf-d $full 4000 $((590 - SECONDS)) --context-layers 2 --max-answer-tokens 256
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-one.tgz" p6/logs train/sf-d ;;
+seven-two)
+  train sf-d $full 4000 380 --context-layers 2 --max-answer-tokens 256
+  replay seven sf-d
+  ship sf-d
+  best=/tmp/train/sf-d
+  timeout $((585 - SECONDS)) python3 -m tandem bench --model "$model" --max-tokens 256 --limit 13 --batch-sizes 1 \
+    --no-hf-baseline --no-compile --configs target,specformer --specformer $best --warmup short \
+    --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
+  log "bench rc=$?"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-two.tgz" p6/logs p6/replay-seven.json \
+    p6/bench-sf train/sf-d
+  tail -22 $w/logs/replay-seven.log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8 ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \
