@@ -917,8 +917,12 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         return
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed,
                        val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
-    result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
-                          resume=not no_resume)
+    try:
+        result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
+                              resume=not no_resume)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
     save_specformer(head, out, extra={"train": result.to_dict(), "soft_label_weight": soft_weight})
     _finish_training("specformer", out, result, manifest, dict(asdict(tcfg), soft_label_weight=soft_weight),
                      asdict(head.config), model, device,
@@ -953,7 +957,11 @@ def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, se
     draft = init_draft_model(ck, layers, target.max_positions).to(rcfg.device)
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed,
                        val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
-    result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
+    try:
+        result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
     save_draft_model(draft, out, layers, extra={"train": result.to_dict()})
     _finish_training("draft-model", out, result, manifest, asdict(tcfg), {"init_layers": list(layers)}, model,
                      device, eval_limit, eval_max_tokens, eval_batch_size, num_draft_tokens)

@@ -163,9 +163,13 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        module.load_state_dict(state["module"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        try:
+            module.load_state_dict(state["module"], strict=False)
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+        except (ValueError, RuntimeError):
+            raise ValueError(f"{ckpt} was written by a run with another model shape; resume with the same "
+                             "options, or start over (--no-resume, or another --out)") from None
         step = state["step"]
         best = state.get("best", {})
         history = state.get("history", history)
