@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import torch
 
-from tandem.bench.replay import GreedyTrace, load_traces, specformer_drafts, walk
+from tandem.bench.replay import GreedyTrace, load_traces, replay, specformer_drafts
 from tandem.drafters.specformer import load_specformer
 from tandem.models.transformer import Transformer
 from tandem.models.weights import default_model_path, load_checkpoint
@@ -35,8 +35,7 @@ def repeated_share(answers, n: int = 8) -> float:
 def tau(head, target, traces) -> float:
     with torch.inference_mode():
         drafts = specformer_drafts(head, target, traces, batch_tokens=8192)
-    stats = [walk(t, d, head.config.num_draft_tokens) for t, d in zip(traces, drafts)]
-    return sum(s.num_emitted for s in stats) / sum(s.num_steps for s in stats)
+    return replay(traces, drafts, head.config.num_draft_tokens)[0]["mean_accepted_length"]
 
 
 def main() -> None:

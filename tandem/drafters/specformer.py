@@ -443,8 +443,9 @@ class SpecFormerDrafter(Drafter):
             h = layer.finish(h, att)
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
         bonus = None
-        if cfg.bonus_token:
-            bonus = target.embed(torch.tensor([s.next_token for s in states], device=dev))
+        if cfg.bonus_token:  # the bonus token is each sequence's last next token
+            bonus = (next_emb[torch.arange(n, device=dev), q_lens - 1] if next_emb is not None
+                     else target.embed(torch.tensor([s.next_token for s in states], device=dev)))
         logits = target.logits(target.norm(head.draft(last, bonus)))  # [n, l_d, vocab]
         for i, (s, m) in enumerate(zip(states, lens)):
             self.pending[s.slot] = _Pending(s.start + m, logits[i])
