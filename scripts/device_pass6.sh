@@ -11,11 +11,12 @@
 #       # answer, longer; replay it
 #   scripts/device_pass6.sh MODEL OUT three HEAD   # live engine, batch 1 and 64: target-only vs
 #       # SpecFormer with head HEAD (/tmp/train/NAME): lossless check, tau_acc, speed
-# Planned for the next pass (pass 7), same staging:
-#   scripts/device_pass6.sh MODEL OUT seven-one    # resume the distillation from the committed 8,060 answers (~380 s),
-#       # then head D = head C's recipe on the first 256 tokens of each answer (--max-answer-tokens)
-#   scripts/device_pass6.sh MODEL OUT seven-two    # head D resumed to 4,000 steps; replay C (shipped)
-#       # and D; live engine batch 1 (no compile) target-only vs the better head
+# Pass 7 (same staging): head E, whose context sub-layers are decoder blocks copied from target
+# blocks 0 and 29 (--context-init-layers), on the whole distillation cut to 256 answer tokens:
+#   scripts/device_pass6.sh MODEL OUT seven-one    # finish the distillation (alone, <= 420 s), then head E
+#   scripts/device_pass6.sh MODEL OUT seven-two    # head E resumed (540 s box); weights back
+#   scripts/device_pass6.sh MODEL OUT seven-three  # head E to its last step; replay E and the shipped
+#       # head on all 480 Spec-Bench traces; live engine at batch 1 (no compile): target-only vs E
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
 set -uo pipefail
 model=$1; out=$2; step=$3; arg=${4:-}
@@ -29,6 +30,9 @@ committed=/tmp/distill-committed  # the 8,060 answers in the repository
 [[ -f $w/traces.jsonl ]] || gunzip -c docs/results/2026-12-01/drafters/spec-bench-traces.jsonl.gz > $w/traces.jsonl
 log() { echo "[$(date +%T)] $*"; }
 flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5 --batch-tokens 16384)
+# head E (pass 7): no separate bonus-token branch (the shifted-token context already holds the bonus
+# token), context decoder blocks from target blocks 0 and 29, draft SwiGLU 576 wide (< 25 MB)
+head_e=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --max-answer-tokens 256)
 train() {  # NAME DATA STEPS TIME_LIMIT [more flags]: SIGTERM at the limit saves the best step so far
   local name=$1 data=$2 steps=$3 limit=$4; shift 4
   timeout "$limit" python3 -m tandem train specformer "${flags[@]}" --max-steps "$steps" "$@" --data "$data" \
@@ -64,22 +68,25 @@ two)
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/two.tgz" p6/logs p6/replay-two.json train/sf-c
   tail -22 $w/logs/replay-two.log ;;
 seven-one)
-  timeout -s INT 400 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
+  timeout -s INT 420 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
     --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
-  train sf-d $full 4000 $((590 - SECONDS)) --context-layers 2 --max-answer-tokens 256
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-one.tgz" p6/logs train/sf-d ;;
+  train sf-e $full 3000 $((585 - SECONDS)) "${head_e[@]}"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-one.tgz" p6/logs train/sf-e ;;
 seven-two)
-  train sf-d $full 4000 380 --context-layers 2 --max-answer-tokens 256
-  replay seven sf-d
-  ship sf-d
-  best=/tmp/train/sf-d
-  timeout $((585 - SECONDS)) python3 -m tandem bench --model "$model" --max-tokens 256 --limit 13 --batch-sizes 1 \
-    --no-hf-baseline --no-compile --configs target,specformer --specformer $best --warmup short \
+  train sf-e $full 3000 560 "${head_e[@]}"
+  ship sf-e
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-two.tgz" p6/logs train/sf-e ;;
+seven-three)
+  train sf-e $full 3000 "${arg:-240}" "${head_e[@]}"
+  replay seven sf-e
+  ship sf-e
+  timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" --max-tokens 256 --limit 13 --batch-sizes 1 \
+    --no-hf-baseline --no-compile --configs target,specformer --specformer /tmp/train/sf-e --warmup short \
     --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
   log "bench rc=$?"
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-two.tgz" p6/logs p6/replay-seven.json \
-    p6/bench-sf train/sf-d
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-three.tgz" p6/logs p6/replay-seven.json \
+    p6/bench-sf train/sf-e
   tail -22 $w/logs/replay-seven.log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8 ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \

@@ -879,12 +879,16 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
               help="Draft slots per position (l_d).")
 @click.option("--causal", is_flag=True, help="Causal mask across the draft slots (ablation of the bidirectional default).")
 @click.option("--taps", default=None, help="Target depths read, comma separated (default 0,L/2,L-1,L).")
-@click.option("--bonus-token", is_flag=True,
-              help="Also condition the draft slots on the bonus token's embedding (an extension beyond the paper).")
+@click.option("--bonus-token/--no-bonus-token", default=False,
+              help="Also condition the draft slots on the bonus token's embedding (an extension beyond the paper; "
+                   "default off).")
 @click.option("--context-next-token", is_flag=True,
               help="Add each position's next token embedding to the context stream (EAGLE-style; beyond the paper).")
-@click.option("--context-layers", type=click.IntRange(min=1, max=8), default=1, show_default=True,
-              help="Context causal attention sub-layers (the paper has one).")
+@click.option("--context-layers", type=click.IntRange(min=1, max=8), default=None,
+              help="Context causal attention sub-layers (default 1, as in the paper).")
+@click.option("--context-init-layers", default=None,
+              help="Make the context sub-layers whole decoder blocks copied from these target blocks, comma "
+                   "separated (e.g. 0,29; sets the context layer count and --context-mlp); beyond the paper.")
 @click.option("--context-mlp", is_flag=True, help="A SwiGLU MLP after each context attention sub-layer.")
 @click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
               help="SwiGLU width of the head (default 2 x the target's hidden size).")
@@ -893,12 +897,12 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
                    "(0 = hard labels only, the paper's loss).")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
-                         taps, bonus_token,
-                         context_next_token, context_layers, context_mlp, intermediate_size, soft_weight) -> None:
+                         taps, bonus_token, context_next_token, context_layers, context_init_layers, context_mlp,
+                         intermediate_size, soft_weight) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
 
-    from .drafters.specformer import save_specformer
+    from .drafters.specformer import init_context_from_target, save_specformer
     from .train.loop import TrainConfig, train as run_training
     from .train.specformer import SpecFormerObjective, new_head
 
@@ -907,11 +911,24 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     except ValueError:
         _fail(f"--taps must be comma-separated integers, got {taps!r}")
         return
+    try:
+        init_list = tuple(int(t) for t in context_init_layers.split(",")) if context_init_layers is not None else ()
+    except ValueError:
+        init_list = None
+    if init_list is None or (context_init_layers is not None and not init_list):
+        _fail(f"--context-init-layers must be comma-separated target block indices, got {context_init_layers!r}")
+        return
+    if init_list and context_layers not in (None, len(init_list)):
+        _fail(f"--context-layers {context_layers} disagrees with the {len(init_list)} --context-init-layers blocks")
+        return
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:
         head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token,
-                        context_next_token=context_next_token, context_layers=context_layers,
-                        context_mlp=context_mlp, intermediate_size=intermediate_size).to(rcfg.device)
+                        context_next_token=context_next_token, context_layers=context_layers or 1,
+                        context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list)
+        if init_list:
+            init_context_from_target(head, target)
+        head = head.to(rcfg.device)
     except ValueError as exc:
         _fail(str(exc))
         return

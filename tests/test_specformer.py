@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from tandem.cli import main
 from tandem.data import PromptRecord
 from tandem.drafters.draft_model import DraftModelDrafter, load_draft_checkpoint
-from tandem.drafters.specformer import (SpecFormerConfig, SpecFormerDrafter, SpecFormerHead, load_specformer,
-                                        save_specformer)
+from tandem.drafters.specformer import (SpecFormerConfig, SpecFormerDrafter, SpecFormerHead,
+                                        init_context_from_target, load_specformer, save_specformer)
 from tandem.engine import Engine
 from tandem.models.config import ModelLoadError
 from tandem.models.runner import RunnerConfig
@@ -55,10 +55,12 @@ def distilled(tiny_ck, tmp_path_factory):
     return out
 
 
-# head variants: the paper's head, the bonus-token extension, and the EAGLE-style shifted-token
-# context with two context layers (each followed by an MLP) on top of it
+# head variants: the paper's head, the bonus-token extension, the EAGLE-style shifted-token
+# context with two context layers (each followed by an MLP) on top of it, and context decoder
+# blocks of the target's shape (grouped-query attention: the tiny target has 4 heads, 2 KV heads)
 VARIANTS = {"paper": {}, "bonus": {"bonus_token": True},
-            "next-token": {"bonus_token": True, "context_next_token": True, "context_layers": 2, "context_mlp": True}}
+            "next-token": {"bonus_token": True, "context_next_token": True, "context_layers": 2, "context_mlp": True},
+            "target-blocks": {"context_next_token": True, "context_init": (1, 0)}}
 
 
 def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False, **shape) -> SpecFormerHead:
@@ -242,7 +244,7 @@ def test_batches_respect_token_budget(distilled):
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("variant,soft", [("paper", 0.0), ("bonus", 0.0), ("next-token", 0.5)])
+@pytest.mark.parametrize("variant,soft", [("paper", 0.0), ("bonus", 0.0), ("next-token", 0.5), ("target-blocks", 0.5)])
 def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path, variant, soft):
     _, seqs = read_distilled(distilled)
     head = new_head(tiny_ck.config, 4, seed=0, **VARIANTS[variant])
@@ -311,6 +313,49 @@ def test_head_saved_before_context_layers_loads(tiny_ck, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_context_blocks_start_as_copies_of_target_blocks(tiny_ck, tiny_target, tmp_path):
+    """``context_init`` heads: each context block computes exactly what its target block computes
+    (grouped-query attention, SwiGLU), the taps enter through a zero downsampler, so at step 0
+    every draft slot holds the pruned target's state after the next-token embedding."""
+    cfg = tiny_ck.config
+    head = new_head(cfg, 3, context_next_token=True, context_init=(1, 0))
+    assert head.config.context_layers == 2 and head.config.context_mlp
+    assert head.config.ctx_kv_heads == cfg.num_kv_heads < cfg.num_heads
+    init_context_from_target(head, tiny_target)
+    x = torch.randn(2, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    cos, sin = tiny_target.rope_cos[:7].expand(2, 7, -1), tiny_target.rope_sin[:7].expand(2, 7, -1)
+    with torch.no_grad():
+        for layer, idx in zip(head.ctx, (1, 0)):
+            q, k, v = layer.qkv_rotated(x, cos, sin)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+            assert torch.allclose(layer.finish(x, att), tiny_target.layers[idx].forward_causal(x, cos, sin), atol=1e-5)
+        from tandem.train.specformer import teacher_forced_states
+
+        tokens = torch.randint(3, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(4))
+        slots = teacher_forced_states(head, tiny_target, tokens)  # [9, 3, d]
+        e = tiny_target.embed(tokens[0, torch.arange(1, 10).clamp(max=8)])
+        h = head.next_norm(e)[None]
+        for layer, idx in zip(head.ctx, (1, 0)):
+            h = tiny_target.layers[idx].forward_causal(h, tiny_target.rope_cos[:9][None], tiny_target.rope_sin[:9][None])
+        assert torch.count_nonzero(head.down.weight) == 0
+        assert torch.allclose(slots, h[0][:, None].expand_as(slots), atol=1e-5)
+    save_specformer(head, tmp_path)
+    assert load_specformer(tmp_path).config.context_init == (1, 0)
+    with pytest.raises(ValueError, match="block indices"):
+        SpecFormerConfig.for_target(cfg, context_init=(0, cfg.num_layers))
+    with pytest.raises(ValueError, match="init blocks set the layer count"):
+        SpecFormerConfig.for_target(cfg, context_layers=3, context_init=(0, 1))
+    with pytest.raises(ValueError, match="no context init blocks"):
+        init_context_from_target(new_head(cfg, 3), tiny_target)
+
+
+def test_context_init_refuses_targets_with_query_key_norms(tiny_checkpoint):
+    qwen3 = load_checkpoint(tiny_checkpoint("qwen3")).config
+    with pytest.raises(ValueError, match="query/key norms"):
+        SpecFormerConfig.for_target(qwen3, context_init=(0,))
+
+
 def test_draft_model_training_lowers_loss(tiny_ck, tiny_target, distilled, tmp_path):
     _, seqs = read_distilled(distilled)
     draft = init_draft_model(tiny_ck, (0,), 256)
@@ -332,7 +377,7 @@ def trained(tiny_checkpoint, distilled, tmp_path_factory):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     out = tmp_path_factory.mktemp("trained")
     runner = CliRunner()
-    head_flags = ["--bonus-token", "--context-next-token", "--context-layers", "2", "--soft-labels", "0.5",
+    head_flags = ["--bonus-token", "--context-next-token", "--context-init-layers", "1,0", "--soft-labels", "0.5",
                   "--max-answer-tokens", "24"]
     for kind, extra in (("specformer", head_flags), ("draft-model", ["--init-layers", "0"])):
         res = runner.invoke(main, ["train", kind, "--data", str(distilled), "--out", str(out / kind), "--model", model,
@@ -353,8 +398,22 @@ def test_cli_training_writes_weights_and_model_card(trained):
         assert "Measured acceptance" in readme and "self-distillation" in readme
     card = json.loads((out / "specformer" / "card.json").read_text())
     assert card["extra"]["context_next_token"] and card["extra"]["context_layers"] == 2
+    assert card["extra"]["context_init"] == [1, 0] and card["extra"]["context_mlp"]
     assert card["training"]["soft_label_weight"] == 0.5 and card["training"]["max_answer_tokens"] == 24
     assert "0.5 of it against the target's soft labels" in (out / "specformer" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context-init-layers", ""], "comma-separated target block indices"),
+    (["--context-init-layers", "0,x"], "comma-separated target block indices"),
+    (["--context-init-layers", "0,9"], "must be target block indices"),
+    (["--context-init-layers", "0,1", "--context-layers", "3"], "disagrees with the 2"),
+])
+def test_cli_rejects_bad_context_init_layers(tiny_checkpoint, distilled, tmp_path, flags, message):
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    res = CliRunner().invoke(main, ["train", "specformer", "--data", str(distilled), "--out", str(tmp_path),
+                                    "--model", model, "--device", "cpu", "--max-steps", "1"] + flags)
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])

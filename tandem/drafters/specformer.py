@@ -15,7 +15,11 @@ adds the embedding of the round's bonus token to the draft slots, and ``context_
 adds, at every position ``t`` of the context stream, the embedding of the token that follows it
 (EAGLE's feature + shifted-token input, Li et al. 2024), so the context attention can match the
 next token against the history (copying, as n-gram lookup does). ``context_layers`` stacks more
-context attention sub-layers (``context_mlp`` adds a SwiGLU after each).
+context attention sub-layers (``context_mlp`` adds a SwiGLU after each). ``context_init`` makes
+the context sub-layers whole decoder blocks of the target's shape (grouped-query attention and the
+target's MLP width), initialised from chosen target blocks (``init_context_from_target``), the
+way the context-aware paper's draft model starts from target blocks: a pretrained start that a few
+million distilled tokens can refine without memorising them.
 
 At target position ``t`` (whose target logits give the bonus token ``x[t+1]``) draft slot ``j``
 (0-based) predicts ``x[t+2+j]``. The target forward that verifies round r therefore also yields
@@ -68,7 +72,12 @@ class SpecFormerConfig:
             (the last position's x[t+1] is the bonus token): EAGLE-style shifted tokens, off by
             default.
         context_layers: context causal attention sub-layers (the paper has one).
-        context_mlp: a SwiGLU MLP (width ``intermediate_size``) after each context attention.
+        context_mlp: a SwiGLU MLP after each context attention.
+        context_kv_heads: key/value heads of the context attention (grouped-query attention;
+            0: ``num_heads``).
+        context_intermediate_size: SwiGLU width of the context MLPs (0: ``intermediate_size``).
+        context_init: target blocks the context sub-layers were initialised from (one per
+            context layer; empty: random initialisation). Recorded for the model card.
         rms_norm_eps: epsilon of the head's RMSNorms.
         target_layers: the target's layer count (checked when the head is bound).
     """
@@ -87,17 +96,36 @@ class SpecFormerConfig:
     context_next_token: bool = False
     context_layers: int = 1
     context_mlp: bool = False
+    context_kv_heads: int = 0
+    context_intermediate_size: int = 0
+    context_init: tuple[int, ...] = ()
+
+    @property
+    def ctx_kv_heads(self) -> int:
+        """Key/value heads of the context attention."""
+        return self.context_kv_heads or self.num_heads
+
+    @property
+    def ctx_intermediate_size(self) -> int:
+        """SwiGLU width of the context MLPs."""
+        return self.context_intermediate_size or self.intermediate_size
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
                    causal_draft: bool = False, intermediate_size: int | None = None,
                    bonus_token: bool = False, context_next_token: bool = False, context_layers: int = 1,
-                   context_mlp: bool = False) -> "SpecFormerConfig":
+                   context_mlp: bool = False, context_init: Sequence[int] | None = None) -> "SpecFormerConfig":
         """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
+
+        ``context_init``: target block indices; the head gets one context decoder block per index,
+        shaped like the target's blocks (its key/value heads and MLP width, ``context_mlp`` on),
+        ready for ``init_context_from_target``; ``context_layers`` is then ``len(context_init)``.
 
         Raises:
             ValueError: ``num_draft_tokens`` or ``context_layers`` < 1, ``intermediate_size`` < 1,
-                or a tap outside [0, num_layers].
+                a tap outside [0, num_layers], a ``context_init`` block outside [0, num_layers),
+                ``context_layers`` other than ``len(context_init)``, or a target whose blocks the
+                context sub-layer cannot copy (query/key norms or attention biases).
         """
         taps = tuple(sorted(set(taps))) if taps else default_taps(target.num_layers)
         if num_draft_tokens < 1:
@@ -108,10 +136,23 @@ class SpecFormerConfig:
             raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
         if not all(0 <= t <= target.num_layers for t in taps):
             raise ValueError(f"taps {taps} must lie in [0, {target.num_layers}]")
+        init = tuple(context_init or ())
+        kv_heads = ctx_width = 0
+        if init:
+            if not all(0 <= i < target.num_layers for i in init):
+                raise ValueError(f"context init blocks {init} must be target block indices in [0, {target.num_layers})")
+            if context_layers not in (1, len(init)):
+                raise ValueError(f"{context_layers} context layers but {len(init)} context init blocks; "
+                                 "the init blocks set the layer count")
+            if target.qk_norm or target.attention_bias:
+                raise ValueError("context init from target blocks needs blocks without query/key norms and "
+                                 f"attention biases; {target.architecture} has them")
+            context_layers, context_mlp = len(init), True
+            kv_heads, ctx_width = target.num_kv_heads, target.intermediate_size
         return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
                    intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
                    target.rms_norm_eps, target.num_layers, bonus_token, context_next_token, context_layers,
-                   context_mlp)
+                   context_mlp, kv_heads, ctx_width, init)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
@@ -124,24 +165,28 @@ class SpecFormerConfig:
 
 
 class ContextLayer(nn.Module):
-    """One context causal attention sub-layer (pre-norm, RoPE at the target's positions, residual),
-    optionally followed by a SwiGLU MLP. Its output projections start at zero (identity layer)."""
+    """One context causal attention sub-layer (pre-norm, RoPE at the target's positions, residual,
+    grouped-query attention when ``context_kv_heads`` < ``num_heads``), optionally followed by a
+    SwiGLU MLP. Its output projections start at zero (identity layer) unless copied from a target
+    block (``init_context_from_target``)."""
 
     def __init__(self, config: "SpecFormerConfig") -> None:
         super().__init__()
-        d, nh, hd = config.hidden_size, config.num_heads, config.head_dim
-        self.num_heads, self.head_dim = nh, hd
+        d, nh, hd, kvh = config.hidden_size, config.num_heads, config.head_dim, config.ctx_kv_heads
+        self.num_heads, self.kv_heads, self.head_dim = nh, kvh, hd
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv = nn.Linear(d, 3 * nh * hd, bias=False)
+        self.qkv = nn.Linear(d, (nh + 2 * kvh) * hd, bias=False)
         self.o = nn.Linear(nh * hd, d, bias=False)
-        self.mlp = _SwiGLU(d, config.intermediate_size, config.rms_norm_eps) if config.context_mlp else None
+        self.mlp = _SwiGLU(d, config.ctx_intermediate_size, config.rms_norm_eps) if config.context_mlp else None
         with torch.no_grad():
             self.o.weight.zero_()
 
     def qkv_rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q, k, v ``[B, Q, heads, hd]`` for ``h`` ``[B, Q, d]``."""
+        """Rotated q ``[B, Q, heads, hd]`` and k, v ``[B, Q, kv_heads, hd]`` for ``h`` ``[B, Q, d]``."""
         B, Q, _ = h.shape
-        q, k, v = self.qkv(self.norm(h)).view(B, Q, 3, self.num_heads, self.head_dim).unbind(2)
+        nh, kvh, hd = self.num_heads, self.kv_heads, self.head_dim
+        q, k, v = self.qkv(self.norm(h)).split([nh * hd, kvh * hd, kvh * hd], dim=-1)
+        q, k, v = q.view(B, Q, nh, hd), k.view(B, Q, kvh, hd), v.view(B, Q, kvh, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
@@ -264,10 +309,52 @@ class SpecFormerHead(nn.Module):
         for layer in self.ctx:
             q, k, v = layer.qkv_rotated(h, cos, sin)
             att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True)
+                                                 is_causal=True, enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
         h = h[select] if select is not None else h.reshape(B * T, -1)
         return self.draft(h, bonus_emb)
+
+
+@torch.no_grad()
+def init_context_from_target(head: SpecFormerHead, target) -> None:
+    """Start a ``context_init`` head from the target: context block i copies target block
+    ``config.context_init[i]`` (attention norm, fused q/k/v, output projection, MLP norm and
+    SwiGLU weights; the shapes match by construction), so the context stack begins as a pruned
+    copy of the target, as the context-aware paper's draft model does.
+
+    For ``context_next_token`` heads the stream then starts as the draft model's input: the
+    downsampler starts at zero (the taps enter as training finds them useful) and the next-token
+    branch passes each embedding through at its typical scale (``next_proj`` = identity,
+    ``next_norm`` = the embeddings' mean RMS), so at step 0 every draft slot reads the pruned
+    target's prediction after x[t+1].
+
+    Args:
+        head: a head made with ``SpecFormerConfig.for_target(..., context_init=...)``.
+        target: the target ``Transformer`` (any device and dtype; copied to the head's).
+
+    Raises:
+        ValueError: the head has no ``context_init`` blocks, or they do not fit the target.
+    """
+    cfg = head.config
+    if not cfg.context_init:
+        raise ValueError("this SpecFormer head has no context init blocks (SpecFormerConfig.context_init)")
+    if (len(target.layers), target.config.hidden_size) != (cfg.target_layers, cfg.hidden_size):
+        raise ValueError("the target does not match the head's config")
+    pairs = {"norm.weight": "attn_norm.weight", "qkv.weight": "wqkv.weight", "o.weight": "wo.weight",
+             "mlp.norm.weight": "ffn_norm.weight", "mlp.w13.weight": "w13.weight", "mlp.w2.weight": "w2.weight"}
+    for layer, idx in zip(head.ctx, cfg.context_init):
+        src = dict(target.layers[idx].named_parameters())
+        dst = dict(layer.named_parameters())
+        for ours, theirs in pairs.items():
+            if dst[ours].shape != src[theirs].shape:
+                raise ValueError(f"context block {ours} {tuple(dst[ours].shape)} cannot copy target block {idx} "
+                                 f"{theirs} {tuple(src[theirs].shape)}")
+            dst[ours].copy_(src[theirs].to(dst[ours].dtype))
+    if cfg.context_next_token:
+        head.down.weight.zero_()
+        head.next_proj.weight.copy_(torch.eye(cfg.hidden_size))
+        emb = target.embed.weight.float()
+        head.next_norm.weight.fill_(float(emb.pow(2).mean(-1).sqrt().mean()))
 
 
 def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None = None,
@@ -309,6 +396,7 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
         raise ModelLoadError(f"{str(file)!r} is not a SpecFormer head (format {meta.get('format')!r})")
     raw = json.loads(meta["config"])
     raw["taps"] = tuple(raw["taps"])
+    raw["context_init"] = tuple(raw.get("context_init", ()))
     head = SpecFormerHead(SpecFormerConfig(**raw))
     try:
         head.load_state_dict({_LEGACY_KEYS.get(k, k): v.float() for k, v in tensors.items()})
@@ -377,7 +465,7 @@ class SpecFormerDrafter(Drafter):
 
     def bind(self, runner) -> None:
         """Attach to the target ``ModelRunner`` (its final norm, LM head, RoPE tables, device, dtype)
-        and allocate the context-attention KV cache ``[context_layers, slots, heads, capacity + 1, head_dim]``.
+        and allocate the context-attention KV cache ``[context_layers, slots, kv_heads, capacity + 1, head_dim]``.
 
         Raises:
             ModelLoadError: the head was trained for a target of another shape.
@@ -390,7 +478,7 @@ class SpecFormerDrafter(Drafter):
         self._target = runner.model
         dev, dtype = runner.device, runner.config.dtype
         self.head.to(device=dev, dtype=dtype)
-        shape = (cfg.context_layers, runner.cache.num_slots, cfg.num_heads, runner.cache.capacity + 1, cfg.head_dim)
+        shape = (cfg.context_layers, runner.cache.num_slots, cfg.ctx_kv_heads, runner.cache.capacity + 1, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
 
@@ -439,7 +527,8 @@ class SpecFormerDrafter(Drafter):
             k_cache[slots[:, None], :, write] = k
             v_cache[slots[:, None], :, write] = v
             keys, values = k_cache[slots, :, :attn_len], v_cache[slots, :, :attn_len]
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                                 enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
         bonus = None
