@@ -12,11 +12,14 @@ name=$(basename "$file")
 stage=$top/.device-stage
 grep -qxF '/.device-stage/' "$top/.git/info/exclude" || echo '/.device-stage/' >> "$top/.git/info/exclude"
 rm -rf "$stage"; mkdir -p "$stage"
-split -n "$parts" -d -a 1 "$file" "$stage/$name.part"
-for i in $(seq 1 "$parts"); do mkdir -p "$stage/p$i"; mv "$stage/$name.part$((i - 1))" "$stage/p$i/"; done
+last=$((parts - 1)); digits=${#last}  # suffix width: part0..part9, or part00..part13, ...
+split -n "$parts" -d -a "$digits" "$file" "$stage/$name.part"
+for i in $(seq 1 "$parts"); do
+  mkdir -p "$stage/p$i"; mv "$stage/$name.part$(printf "%0${digits}d" $((i - 1)))" "$stage/p$i/"
+done
 echo "$(sha256sum "$file" | cut -d' ' -f1)  /tmp/stage/$name" > "$stage/p$parts/$name.sha256"
 tree_mb=$(git -C "$top" ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-echo "tracked tree: $((tree_mb / 1048576)) MiB; part: $(( $(stat -c %s "$stage/p1/$name.part0") / 1048576 )) MiB"
+echo "tracked tree: $((tree_mb / 1048576)) MiB; part: $(( $(stat -c %s "$stage"/p1/"$name".part*) / 1048576 )) MiB"
 for i in $(seq 1 "$parts"); do
   cmd="mkdir -p /tmp/stage && cp .device-stage/p$i/* /tmp/stage/"
   if (( i == parts )); then
