@@ -71,7 +71,7 @@ seven-one)
   timeout -s INT 420 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
     --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
-  train sf-e $full 3000 $((585 - SECONDS)) "${head_e[@]}"
+  train sf-e $full 3000 $((570 - SECONDS)) "${head_e[@]}"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-one.tgz" p6/logs train/sf-e ;;
 seven-two)
   train sf-e $full 3000 560 "${head_e[@]}"
