@@ -83,6 +83,11 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
     draft = build_drafter(drafter, draft_model, checkpoint, cfg)
+    head_k = getattr(getattr(draft, "head", None), "config", None)
+    if head_k is not None and num_draft_tokens > head_k.num_draft_tokens:  # a SpecFormer head has l_d slots
+        err_console.print(f"note: this SpecFormer head drafts {head_k.num_draft_tokens} tokens a round (l_d); "
+                          f"-k {num_draft_tokens} is capped to {head_k.num_draft_tokens}", highlight=False)
+        num_draft_tokens = head_k.num_draft_tokens
     if predictor == "auto":  # the predictor trained for this drafter, saved next to its weights
         from .drafters.factory import PREDICTOR_FILE, drafter_predictor
 
@@ -907,7 +912,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     from .train.specformer import SpecFormerObjective, new_head
 
     try:
-        tap_list = tuple(int(t) for t in taps.split(",")) if taps else None
+        tap_list = tuple(int(t) for t in taps.split(",")) if taps is not None else None
     except ValueError:
         _fail(f"--taps must be comma-separated integers, got {taps!r}")
         return

@@ -408,12 +408,23 @@ def test_cli_training_writes_weights_and_model_card(trained):
     (["--context-init-layers", "0,x"], "comma-separated target block indices"),
     (["--context-init-layers", "0,9"], "must be target block indices"),
     (["--context-init-layers", "0,1", "--context-layers", "3"], "disagrees with the 2"),
+    (["--taps", ""], "comma-separated integers"),
+    (["--taps", "0,0"], "name a depth twice"),
 ])
 def test_cli_rejects_bad_context_init_layers(tiny_checkpoint, distilled, tmp_path, flags, message):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     res = CliRunner().invoke(main, ["train", "specformer", "--data", str(distilled), "--out", str(tmp_path),
                                     "--model", model, "--device", "cpu", "--max-steps", "1"] + flags)
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+
+
+def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
+    model, out = trained
+    res = CliRunner().invoke(main, ["generate", "--prompt", "Say hello.", "--drafter", "specformer", "--draft-model",
+                                    str(out / "specformer"), "--num-draft-tokens", "8", "--model", model,
+                                    "--device", "cpu", "--max-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert "drafts 4 tokens a round (l_d); -k 8 is capped to 4" in res.output
 
 
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])

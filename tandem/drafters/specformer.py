@@ -123,11 +123,13 @@ class SpecFormerConfig:
 
         Raises:
             ValueError: ``num_draft_tokens`` or ``context_layers`` < 1, ``intermediate_size`` < 1,
-                a tap outside [0, num_layers], a ``context_init`` block outside [0, num_layers),
+                a tap outside [0, num_layers] or named twice, a ``context_init`` block outside [0, num_layers),
                 ``context_layers`` other than ``len(context_init)``, or a target whose blocks the
                 context sub-layer cannot copy (query/key norms or attention biases).
         """
-        taps = tuple(sorted(set(taps))) if taps else default_taps(target.num_layers)
+        if taps is not None and len(set(taps)) != len(taps):
+            raise ValueError(f"taps {tuple(taps)} name a depth twice")
+        taps = tuple(sorted(taps)) if taps else default_taps(target.num_layers)
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if context_layers < 1:
