@@ -940,8 +940,9 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 1e-3, max_batch_tokens=batch_tokens, seed=seed,
                        val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
     try:
+        run = dict({f"head.{k}": v for k, v in asdict(head.config).items()}, soft_label_weight=soft_weight)
         result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
-                              resume=not no_resume)
+                              resume=not no_resume, settings=run)
     except ValueError as exc:
         _fail(str(exc))
         return
@@ -980,7 +981,8 @@ def train_draft_model_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, se
     tcfg = TrainConfig(epochs=epochs, max_steps=max_steps, lr=lr or 3e-4, max_batch_tokens=batch_tokens, seed=seed,
                        val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
     try:
-        result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume)
+        result = run_training(draft, DraftModelObjective(draft, target, amp), seqs, tcfg, out, resume=not no_resume,
+                              settings={"init_layers": layers})
     except ValueError as exc:
         _fail(str(exc))
         return

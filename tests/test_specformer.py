@@ -589,6 +589,29 @@ def test_training_stops_cleanly_on_sigterm(distilled, tmp_path):
     assert second.first_loss == first.first_loss and second.wall_s >= first.wall_s
 
 
+def test_resume_refuses_other_settings_and_reports_a_finished_run_again(distilled, tmp_path):
+    """A checkpoint resumes only under the settings that wrote it (data cut, batches, schedule,
+    loss options); resuming a finished run does no step and reports the same metrics."""
+    _, seqs = read_distilled(distilled)
+    module = torch.nn.Linear(4, 1)
+
+    def loss_fn(batch):
+        return module(torch.ones(len(batch), 4)).pow(2).mean(), {"m": 1.0}
+
+    cfg = TrainConfig(max_steps=6, max_batch_tokens=64, checkpoint_every=100, val_fraction=0.0)
+    done = train(module, loss_fn, seqs, cfg, tmp_path, progress=False, settings={"soft_label_weight": 0.5})
+    again = train(module, loss_fn, seqs, cfg, tmp_path, progress=False, settings={"soft_label_weight": 0.5})
+    assert again.steps == 6 and again.metrics == done.metrics == {"m": 1.0}
+    from dataclasses import replace
+
+    for other, settings, said in ((replace(cfg, max_answer_tokens=8), {"soft_label_weight": 0.5}, "max_answer_tokens"),
+                                  (replace(cfg, max_steps=9), {"soft_label_weight": 0.5}, "planned steps 6 -> 9"),
+                                  (cfg, {"soft_label_weight": 0.0}, "soft_label_weight 0.5 -> 0.0")):
+        with pytest.raises(ValueError, match=said):
+            train(module, loss_fn, seqs, other, tmp_path, progress=False, settings=settings)
+    assert train(module, loss_fn, seqs, replace(cfg, max_steps=9), tmp_path, resume=False, progress=False).steps == 9
+
+
 def test_training_keeps_the_best_held_out_step(distilled, tmp_path):
     """A seeded share of the answers is held out; the module ends with the parameters of the step
     whose held-out loss was lowest, even when later steps are worse (here: lr pushes past the optimum)."""

@@ -107,12 +107,17 @@ def split_validation(seqs: list[DistilledSequence], cfg: TrainConfig) -> tuple[l
 
 
 @torch.no_grad()
-def evaluate(module: torch.nn.Module, loss_fn, seqs: list[DistilledSequence], cfg: TrainConfig) -> dict:
-    """Mean loss and metrics of ``loss_fn`` over ``seqs`` (batch-weighted), module in eval mode."""
+def evaluate(module: torch.nn.Module, loss_fn, seqs: list[DistilledSequence], cfg: TrainConfig,
+             progress: bool = False) -> dict:
+    """Mean loss and metrics of ``loss_fn`` over ``seqs`` (batch-weighted), module in eval mode;
+    ``progress``: a progress bar over the batches (a CPU evaluation can take minutes)."""
+    from tqdm.auto import tqdm
+
     was_training = module.training
     module.eval()
     losses, metrics = [], {}
-    for batch in iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len, cfg.max_answer_tokens):
+    batches = list(iter_batches(seqs, cfg.max_batch_tokens, np.random.default_rng(0), cfg.max_len, cfg.max_answer_tokens))
+    for batch in tqdm(batches, disable=not progress, desc="held-out", unit="batch", leave=False):
         loss, m = loss_fn(batch)
         losses.append(float(loss))
         for k, v in m.items():
@@ -121,9 +126,31 @@ def evaluate(module: torch.nn.Module, loss_fn, seqs: list[DistilledSequence], cf
     return {"loss": float(np.mean(losses)), "metrics": {k: float(np.mean(v)) for k, v in metrics.items()}}
 
 
+# TrainConfig fields a resumed run must share with the run that wrote the checkpoint: they change
+# the data, the batches or the optimisation (max_steps and epochs are checked through the planned
+# step count, which sets the learning-rate schedule; checkpoint_every may change)
+_RESUME_FIELDS = ("lr", "warmup_frac", "weight_decay", "grad_clip", "max_batch_tokens", "max_len",
+                  "max_answer_tokens", "seed", "val_fraction", "max_val_sequences")
+
+
+def _check_resume(state: dict, cfg: TrainConfig, total: int, settings: dict, ckpt: Path) -> None:
+    """Raise ValueError when ``ckpt`` was written by a run with other data, loss or optimisation
+    settings (checkpoints from before a field was recorded are not checked on it)."""
+    old_cfg = state.get("config", {})
+    new_cfg = asdict(cfg)
+    diffs = [f"{k} {old_cfg[k]!r} -> {new_cfg[k]!r}" for k in _RESUME_FIELDS if k in old_cfg and old_cfg[k] != new_cfg[k]]
+    if "planned_steps" in state and state["planned_steps"] != total:
+        diffs.append(f"planned steps {state['planned_steps']} -> {total}")
+    old_settings = state.get("settings", {})
+    diffs += [f"{k} {old_settings[k]!r} -> {v!r}" for k, v in settings.items() if k in old_settings and old_settings[k] != v]
+    if diffs:
+        raise ValueError(f"{ckpt} was written by a run with other settings ({'; '.join(diffs)}); resume with the "
+                         "same options, or start over (--no-resume, or another --out)")
+
+
 def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], tuple[torch.Tensor, dict]],
           seqs: list[DistilledSequence], cfg: TrainConfig, out_dir: str | Path, resume: bool = True,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, settings: dict | None = None) -> TrainResult:
     """Train the parameters of ``module`` that require grad on ``loss_fn`` over ``seqs``.
 
     Args:
@@ -132,12 +159,16 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         seqs: distilled sequences.
         cfg: optimisation settings.
         out_dir: where ``checkpoint.pt`` goes (and is resumed from when ``resume``).
+        settings: further options that define the run (e.g. the loss's soft-label weight); kept in
+            the checkpoint and, like ``cfg``, required to match on resume.
 
     Returns:
-        ``TrainResult``; metrics are averages over the last 10% of steps.
+        ``TrainResult``; metrics are averages over the last 10% of steps (kept in the checkpoint,
+        so resuming a finished run reports them again).
 
     Raises:
-        ValueError: no sequences, or no trainable parameters.
+        ValueError: no sequences, no trainable parameters, or a checkpoint in ``out_dir`` written
+            by a run of another model shape or other settings (when ``resume``).
     """
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
@@ -159,10 +190,12 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     sched = get_cosine_schedule_with_warmup(opt, max(1, int(cfg.warmup_frac * total)), total)
     step = 0
     best: dict = {}  # held-out loss, step, metrics and trainable parameters of the best step so far
-    history: dict = {"losses": [], "wall_s": 0.0}  # of the earlier runs a resumed run continues
+    history: dict = {"losses": [], "wall_s": 0.0, "tail": {}}  # of the earlier runs a resumed run continues
+    settings = dict(settings or {})
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        _check_resume(state, cfg, total, settings, ckpt)
         try:
             module.load_state_dict(state["module"], strict=False)
             opt.load_state_dict(state["optimizer"])
@@ -178,13 +211,13 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     def validate() -> None:
         if not val_seqs:
             return
-        res = evaluate(module, loss_fn, val_seqs, cfg)
+        res = evaluate(module, loss_fn, val_seqs, cfg, progress)
         if not best or res["loss"] < best["loss"]:
             params = dict(module.named_parameters())
             best.update(res, step=step, params={k: params[k].detach().to("cpu", copy=True) for k in trainable})
     torch.manual_seed(cfg.seed)
     losses: list[float] = list(history["losses"])  # every step's loss, earlier runs included
-    tail: dict[str, list[float]] = {}
+    tail: dict[str, list[float]] = {k: list(v) for k, v in history.get("tail", {}).items()}  # last 10% of steps
     t0 = time.perf_counter()
     bar = tqdm(total=total, initial=step, disable=not progress, desc="train", unit="step")
     epoch, seen = 0, 0
@@ -220,7 +253,9 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                 tmp = out / "checkpoint.pt.tmp"
                 torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg), "best": best,
-                            "history": {"losses": losses, "wall_s": history["wall_s"] + time.perf_counter() - t0}},
+                            "planned_steps": total, "settings": settings,
+                            "history": {"losses": losses, "wall_s": history["wall_s"] + time.perf_counter() - t0,
+                                        "tail": tail}},
                            tmp)
                 tmp.replace(ckpt)
             if stop.is_set():
