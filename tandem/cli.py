@@ -19,6 +19,11 @@ err_console = Console(stderr=True)
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def _command_line() -> str:
+    """This invocation as a user would type it (``tandem ...``, not the interpreter's script path)."""
+    return " ".join(["tandem", *sys.argv[1:]])
+
+
 def _fail(msg: str) -> None:
     """Print a one-line error to stderr and exit 2."""
     from rich.markup import escape
@@ -777,7 +782,7 @@ def distill_data(prompts_file, out, limit, max_tokens, max_prompt_tokens, batch_
     t0 = time.perf_counter()
     with tqdm(total=len(records), desc="distilling", unit="prompt", file=sys.stderr) as bar:
         manifest = distill(engine, records, out, max_tokens=max_tokens, max_prompt_tokens=max_prompt_tokens,
-                           settings={"command": " ".join(sys.argv), "dtype": str(cfg.dtype), "device": cfg.device,
+                           settings={"command": _command_line(), "dtype": str(cfg.dtype), "device": cfg.device,
                                      "prompts_file": str(prompts_file)},
                            on_record=lambda n: bar.update())
     wall = time.perf_counter() - t0
@@ -864,7 +869,7 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
                          draft_model=out, num_draft_tokens=num_draft_tokens)
         records = round_robin_by_category(load_prompts(bundled_spec_bench()), eval_limit)
         report = measure_acceptance(engine, records, eval_max_tokens)[0].to_dict()
-    card = {"kind": kind, "command": " ".join(["tandem", *sys.argv[1:]]), "data": {
+    card = {"kind": kind, "command": _command_line(), "data": {
                 "answers": len(manifest.records), "answer_tokens": sum(r.answer_len for r in manifest.records),
                 "target": manifest.target, "settings": manifest.settings},
             "training": dict(train_cfg, **result.to_dict()), "extra": extra, "spec_bench": report}
