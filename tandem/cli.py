@@ -798,7 +798,8 @@ train_options = [
     click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory (weights + model card)."),
     click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True),
     click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimiser steps."),
-    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, help="Peak learning rate."),
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Peak learning rate (default: 1e-3 for specformer, 3e-4 for draft-model)."),
     click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
                  help="Padded tokens per batch."),
     click.option("--seed", type=int, default=0, show_default=True),
@@ -807,7 +808,7 @@ train_options = [
                       "target often end in repetition loops."),
     click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out."),
     click.option("--val-fraction", type=click.FloatRange(min=0, max=0.5), default=0.02, show_default=True,
-                 help="Share of the distilled answers held out (at most 256); the weights of the step with the "
+                 help="Share of the distilled answers held out (at most 256 answers); the weights of the step with the "
                       "lowest held-out loss are kept."),
     click.option("--eval-limit", type=click.IntRange(min=0), default=0, show_default=True,
                  help="After training, measure acceptance on the first N Spec-Bench prompts (round robin over "
@@ -903,8 +904,9 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
 @click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
               help="SwiGLU width of the head (default 2 x the target's hidden size).")
 @click.option("--soft-labels", "soft_weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-              help="Weight of the soft-label term: cross-entropy against the target's own distribution "
-                   "(0 = hard labels only, the paper's loss).")
+              help="Weight W of the soft-label term: loss = (1 - W) x cross-entropy against the distilled token "
+                   "+ W x cross-entropy against the target's own distribution (0 = hard labels only, the paper's "
+                   "loss).")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
                          taps, bonus_token, context_next_token, context_layers, context_init_layers, context_mlp,
