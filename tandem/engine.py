@@ -394,8 +394,9 @@ class Engine:
                 per_pos[i] += 1
         round_ms = (time.perf_counter() - t0) * 1e3
         observed = [o for o in observed if o.slot in self.running]
-        if observed:
-            self.drafter.observe(observed)
+        if observed:  # the drafter reads the verify pass's states (SpecFormer): its own span in traces
+            with span("observe", batch_size=len(observed), drafter=self.drafter.name):
+                self.drafter.observe(observed)
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, round_ms)
         if self.on_round is not None:

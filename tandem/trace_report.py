@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-PHASES = ("request", "prefill", "round", "draft", "allocate", "verify", "network")
-ROUND_CHILD_PHASES = ("draft", "allocate", "verify", "network")
+PHASES = ("request", "prefill", "round", "draft", "allocate", "verify", "observe", "network")
+ROUND_CHILD_PHASES = ("draft", "allocate", "verify", "observe", "network")
 RPC_CLIENT, RPC_SERVER = "rpc.client.", "rpc.server."
 
 

@@ -184,6 +184,28 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
     engine.abort(rid)
 
 
+def test_engine_traces_the_drafters_observe_phase(tiny_ck, tmp_path, monkeypatch):
+    """SpecFormer's per-round work on the verify pass's states has its own span, inside the
+    round, so `tandem trace-report` splits a round into draft, verify and observe."""
+    from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    import tandem.telemetry
+    from tandem.trace_report import build_report, read_spans
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(tmp_path / "t.jsonl")))
+    monkeypatch.setattr(tandem.telemetry, "_tracer", provider.get_tracer("test"))
+    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128),
+                    drafter=SpecFormerDrafter(_random_head(tiny_ck.config)), num_draft_tokens=2)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))
+    provider.shutdown()
+    report = build_report(read_spans(tmp_path / "t.jsonl"))
+    rounds, observe = report.phase("round"), report.phase("observe")
+    assert 0 < observe.count <= rounds.count and 0 < observe.share_of_round < 1  # none after the last round
+
+
 def test_shifted_token_head_reads_the_next_token(tiny_ck, tiny_target):
     """A ``context_next_token`` head's drafts at position t change with x[t+1] and with earlier
     positions' next tokens, and never with tokens after x[t+1]."""
