@@ -248,6 +248,41 @@ def test_distill_writes_shards_and_resumes(tiny_ck, distilled, tmp_path):
         distill(engine, bench, tmp_path / "b", max_tokens=4)
 
 
+def test_shards_are_compressed_and_old_raw_shards_convert(distilled, tmp_path):
+    """Shards are written gzip-compressed; a directory of uncompressed ``.bin`` shards (older runs,
+    the first committed data) reads the same and converts in place; a damaged shard is a clear error."""
+    import gzip
+    import shutil
+
+    from tandem.errors import InvalidRequestError
+    from tandem.train.distill import DistillManifest, compress_shards, file_sha256
+
+    manifest, seqs = read_distilled(distilled)
+    assert all(s["file"].endswith(".bin.gz") for s in manifest.shards)
+    raw = tmp_path / "raw"
+    shutil.copytree(distilled, raw)
+    m = DistillManifest.load(raw)
+    for entry in m.shards:  # rewrite as an older run would have left it
+        path = raw / entry["file"]
+        plain = raw / entry["file"][:-3]
+        plain.write_bytes(gzip.decompress(path.read_bytes()))
+        path.unlink()
+        entry.update(file=plain.name, sha256=file_sha256(plain))
+    m.save(raw)
+    for got in (read_distilled(raw)[1], None):
+        if got is None:
+            assert compress_shards(raw) == len(m.shards) and compress_shards(raw) == 0
+            assert not list(raw.glob("*.bin")) and len(list(raw.glob("*.bin.gz"))) == len(m.shards)
+            got = read_distilled(raw)[1]
+        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in seqs]
+    first = raw / DistillManifest.load(raw).shards[0]["file"]
+    first.write_bytes(first.read_bytes()[:10])
+    with pytest.raises(InvalidRequestError, match="corrupt"):
+        read_distilled(raw)
+    with pytest.raises(InvalidRequestError, match="cannot be read"):
+        read_distilled(raw, verify=False)
+
+
 def test_batches_respect_token_budget(distilled):
     _, seqs = read_distilled(distilled)
     batches = list(iter_batches(seqs, 256, np.random.default_rng(0), max_len=60))

@@ -4,10 +4,12 @@ SpecFormer (AAAI 2026) trains its head on the target's *own* answers (keep the p
 target regenerate the responses): without it the head barely helps. ``distill`` runs the target
 greedily with the chat template through the engine at large batch and writes:
 
-- ``shard-NNNNN.bin``: token ids (``uint16`` when the vocabulary fits, else ``uint32``), each
-  record stored as ``prompt ids + answer ids`` back to back;
+- ``shard-NNNNN.bin.gz``: gzip-compressed token ids (``uint16`` when the vocabulary fits, else
+  ``uint32``), each record stored as ``prompt ids + answer ids`` back to back (a small target's
+  answers repeat themselves, so the shards compress about 4x; uncompressed ``.bin`` shards of
+  older runs are read too, and ``compress_shards`` converts them);
 - ``manifest.json``: per record the prompt id, shard, offset, prompt and answer lengths and
-  finish reason; the target model's sha256, the generation settings and the prompt file's sha256.
+  finish reason; the target model's sha256 and the generation settings.
 
 Shards are flushed as answers finish, so a run cut short keeps what it wrote, and a second run
 with the same output directory skips the prompts already answered (resume). Benchmark prompts
@@ -16,6 +18,7 @@ with the same output directory skips the prompts already answered (resume). Benc
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -96,7 +99,7 @@ class DistillManifest:
 
     def save(self, out_dir: Path) -> None:
         tmp = out_dir / "manifest.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.write_text(json.dumps(asdict(self), separators=(",", ":")))
         tmp.replace(out_dir / "manifest.json")
 
     @classmethod
@@ -117,6 +120,41 @@ def _dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
+def _write_shard(path: Path, arr: np.ndarray) -> dict:
+    """Write ``arr`` gzip-compressed (deterministic: no timestamp) and return its manifest entry."""
+    path.write_bytes(gzip.compress(arr.tobytes(), compresslevel=6, mtime=0))
+    return {"file": path.name, "tokens": int(arr.size), "sha256": file_sha256(path)}
+
+
+def _read_shard(path: Path, dtype: np.dtype) -> np.ndarray:
+    data = path.read_bytes()
+    return np.frombuffer(gzip.decompress(data) if path.name.endswith(".gz") else data, dtype=dtype)
+
+
+def compress_shards(out_dir: str | Path) -> int:
+    """Rewrite a distillation directory's uncompressed ``.bin`` shards as ``.bin.gz`` (checked
+    against their manifest sha256 first) and update the manifest; returns the shards converted.
+
+    Raises:
+        InvalidRequestError: see ``DistillManifest.load``; a shard missing or corrupt.
+    """
+    out = Path(out_dir)
+    manifest = DistillManifest.load(out)
+    dtype = _dtype(manifest.target["vocab_size"])
+    done = 0
+    for entry in manifest.shards:
+        path = out / entry["file"]
+        if path.name.endswith(".gz"):
+            continue
+        if not path.is_file() or file_sha256(path) != entry["sha256"]:
+            raise InvalidRequestError(f"distillation shard {path} is missing or corrupt (sha256 mismatch)")
+        entry.update(_write_shard(out / (path.name + ".gz"), np.fromfile(path, dtype=dtype)))
+        manifest.save(out)
+        path.unlink()
+        done += 1
+    return done
+
+
 class _ShardWriter:
     """Buffers finished records and flushes them as shards (manifest rewritten on each flush)."""
 
@@ -135,17 +173,14 @@ class _ShardWriter:
         if not self.buffer:
             return
         index = len(self.manifest.shards)
-        name = f"shard-{index:05d}.bin"
+        name = f"shard-{index:05d}.bin.gz"
         tokens, offset = [], 0
         for pid, p, a, reason in self.buffer:
             self.manifest.records.append(DistillRecord(pid, index, offset, len(p), len(a), reason))
             tokens.extend(p)
             tokens.extend(a)
             offset += len(p) + len(a)
-        arr = np.asarray(tokens, dtype=self.dtype)
-        path = self.out_dir / name
-        arr.tofile(path)
-        self.manifest.shards.append({"file": name, "tokens": int(arr.size), "sha256": file_sha256(path)})
+        self.manifest.shards.append(_write_shard(self.out_dir / name, np.asarray(tokens, dtype=self.dtype)))
         self.manifest.save(self.out_dir)
         self.buffer, self.buffered = [], 0
 
@@ -250,7 +285,10 @@ def read_distilled(out_dir: str | Path, verify: bool = True) -> tuple[DistillMan
             raise InvalidRequestError(f"distillation shard {path} is missing")
         if verify and file_sha256(path) != s["sha256"]:
             raise InvalidRequestError(f"distillation shard {path} is corrupt (sha256 mismatch)")
-        shards.append(np.fromfile(path, dtype=dtype))
+        try:
+            shards.append(_read_shard(path, dtype))
+        except (OSError, EOFError) as exc:  # a truncated or non-gzip file under a .gz name
+            raise InvalidRequestError(f"distillation shard {path} cannot be read: {exc}") from None
     seqs = [DistilledSequence(shards[r.shard][r.offset:r.offset + r.prompt_len + r.answer_len].astype(np.int64),
                               r.prompt_len) for r in manifest.records]
     return manifest, seqs
