@@ -19,6 +19,19 @@ err_console = Console(stderr=True)
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def _init_tracing() -> None:
+    """Tracing for in-process commands: spans go where ``OTEL_*`` / ``TANDEM_TRACE_FILE`` say (read
+    with ``tandem trace-report``); with neither set nothing is recorded. A bad setting is an
+    InvalidRequestError (one line), not a traceback."""
+    from .errors import InvalidRequestError
+    from .telemetry import init_tracing
+
+    try:
+        init_tracing("tandem")
+    except (RuntimeError, OSError) as exc:
+        raise InvalidRequestError(f"tracing settings: {exc}") from None
+
+
 def _command_line() -> str:
     """This invocation as a user would type it (``tandem ...``, not the interpreter's script path)."""
     return " ".join(["tandem", *sys.argv[1:]])
@@ -79,6 +92,7 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     from .models.runner import default_runner_config
     from .models.weights import load_checkpoint
 
+    _init_tracing()
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                 cuda_graphs=cuda_graphs, compile=compile_,
                                 dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
@@ -393,6 +407,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     if from_results:
         _bench_from_results(from_results, out)
         return
+    _init_tracing()
 
     try:
         sizes = sorted({int(b) for b in batch_sizes.split(",")})  # an empty item is an error, not skipped

@@ -20,9 +20,9 @@ configuration code (the one ``opentelemetry-instrument`` uses):
 
 Span names used across the services (``tandem trace-report`` groups by them): ``request``
 (attribute ``request_id``), ``prefill``, ``round`` (one decode round) and its children ``draft``,
-``allocate``, ``verify``; RPCs as ``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the
-callee (e.g. ``rpc.client.verify`` / ``rpc.server.verify``), linked by W3C ``traceparent`` in the
-gRPC metadata (``inject_metadata`` / ``extract_context``).
+``allocate``, ``verify``, ``observe`` (a drafter reading the verify pass's states); RPCs as
+``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the callee (e.g.
+``rpc.client.verify`` / ``rpc.server.verify``), linked by W3C ``traceparent`` in the gRPC metadata (``inject_metadata`` / ``extract_context``).
 
 Metrics. ``Metrics`` holds Prometheus counters, histograms and gauges named as vLLM's
 (``vllm:spec_decode_num_accepted_tokens_total`` ...) with the ``tandem_`` prefix, in its own

@@ -484,6 +484,30 @@ def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
     assert "drafts 4 tokens a round (l_d); -k 8 is capped to 4" in res.output
 
 
+def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
+    """`TANDEM_TRACE_FILE` works for in-process commands too: a SpecFormer run's rounds split into
+    draft, verify and observe in `tandem trace-report`."""
+    import os
+    import subprocess
+    import sys
+
+    model, out = trained
+    trace = tmp_path / "spans.jsonl"
+    env = dict(os.environ, TANDEM_TRACE_FILE=str(trace))
+    run = subprocess.run([sys.executable, "-m", "tandem", "generate", "--prompt", "Count to five.", "--drafter",
+                          "specformer", "--draft-model", str(out / "specformer"), "--model", model, "--device", "cpu",
+                          "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    res = CliRunner().invoke(main, ["trace-report", str(trace), "--json"])
+    assert res.exit_code == 0, res.output
+    phases = json.loads(res.stdout)["phases"]
+    assert phases["round"]["count"] > 0 and phases["observe"]["count"] > 0 and phases["verify"]["count"] > 0
+    bad = subprocess.run([sys.executable, "-m", "tandem", "generate", "--prompt", "hi", "--model", model,
+                          "--device", "cpu", "--max-tokens", "2"], env=dict(env, TANDEM_TRACE_FILE=str(tmp_path)),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "tracing settings" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_trained_drafters_are_lossless_tiny(trained, tiny_ck, kind, temperature):
