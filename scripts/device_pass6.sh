@@ -17,6 +17,14 @@
 #   scripts/device_pass6.sh MODEL OUT seven-two    # head E resumed (540 s box); weights back
 #   scripts/device_pass6.sh MODEL OUT seven-three  # head E to its last step; replay E and the shipped
 #       # head on all 480 Spec-Bench traces; live engine at batch 1 (no compile): target-only vs E
+# Planned for pass 8 (same staging; see docs/benchmarks.md "Pass 7"):
+#   scripts/device_pass6.sh MODEL OUT eight-one    # finish the distillation (alone) and send it back whole
+#       # ($OUT/distill-full.tgz, ~7 MB: commit it over data/distill/smollm2-135m-instruct so later
+#       # passes skip the ~420 s), then head F = head E's recipe on whole answers (no 256 cut)
+#   scripts/device_pass6.sh MODEL OUT eight-two    # head F resumed (560 s box); weights back
+#   scripts/device_pass6.sh MODEL OUT eight-three  # F to its last step; replay F and C; live batch 1 with a
+#       # trace file (TANDEM_TRACE_FILE) so `tandem trace-report` splits a SpecFormer round into
+#       # draft / verify / observe (the ~27 ms round against 2.9 ms for a target-only token)
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
 set -uo pipefail
 model=$1; out=$2; step=$3; arg=${4:-}
@@ -33,6 +41,7 @@ flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5
 # head E (pass 7): no separate bonus-token branch (the shifted-token context already holds the bonus
 # token), context decoder blocks from target blocks 0 and 29, draft SwiGLU 576 wide (< 25 MB)
 head_e=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --max-answer-tokens 256)
+head_f=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576)
 train() {  # NAME DATA STEPS TIME_LIMIT [more flags]: SIGTERM at the limit saves the best step so far
   local name=$1 data=$2 steps=$3 limit=$4; shift 4
   timeout "$limit" python3 -m tandem train specformer "${flags[@]}" --max-steps "$steps" "$@" --data "$data" \
@@ -77,7 +86,30 @@ seven-two)
   train sf-e $full 3000 560 "${head_e[@]}"
   ship sf-e
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-two.tgz" p6/logs train/sf-e ;;
-seven-three)
+seven-eight-one)
+  timeout -s INT 480 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
+    --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
+  log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
+  tar -C /tmp -czf "$out/distill-full.tgz" distill
+  train sf-f $full 3000 $((570 - SECONDS)) "${head_f[@]}"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-one.tgz" p6/logs train/sf-f ;;
+eight-two)
+  train sf-f $full 3000 560 "${head_f[@]}"
+  ship sf-f
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-two.tgz" p6/logs train/sf-f ;;
+eight-three)
+  train sf-f $full 3000 "${arg:-240}" "${head_f[@]}"
+  replay eight sf-f
+  ship sf-f
+  TANDEM_TRACE_FILE=$w/spans-b1.jsonl timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" \
+    --max-tokens 256 --limit 13 --batch-sizes 1 --no-hf-baseline --no-compile --configs target,specformer \
+    --specformer /tmp/train/sf-f --warmup short --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
+  log "bench rc=$?"
+  python3 -m tandem trace-report $w/spans-b1.jsonl > $w/logs/trace-report.txt 2>&1
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-three.tgz" p6/logs p6/replay-eight.json \
+    p6/bench-sf train/sf-f
+  tail -22 $w/logs/replay-eight.log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8; cat $w/logs/trace-report.txt ;;
+three)
   train sf-e $full 3000 "${arg:-240}" "${head_e[@]}"
   replay seven sf-e
   ship sf-e
