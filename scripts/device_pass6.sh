@@ -55,6 +55,34 @@ replay() {  # TAG HEAD...: replay the heads (and the shipped one) on the Spec-Be
   log "replay $tag rc=$?"; }
 ship() { for h in "$@"; do [[ -f /tmp/train/$h/model.safetensors ]] && \
   split -b 15M -d -a 1 /tmp/train/"$h"/model.safetensors "$out/$h.safetensors.part"; done; }
+distill_then() {  # TAG NAME BOX [flags]: finish the distillation alone (BOX s; it comes back whole as
+  # $OUT/distill-full.tgz, ~7 MB), then train head NAME until 570 s into the call
+  local tag=$1 name=$2 box=$3; shift 3
+  timeout -s INT "$box" python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 \
+    --out $full --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
+  log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
+  tar -C /tmp -czf "$out/distill-full.tgz" distill
+  train "$name" $full 3000 $((570 - SECONDS)) "$@"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-one.tgz" p6/logs train/"$name"; }
+resume_head() {  # TAG NAME [flags]: head NAME resumed under a 560 s box; weights back
+  local tag=$1 name=$2; shift 2
+  train "$name" $full 3000 560 "$@"
+  ship "$name"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-two.tgz" p6/logs train/"$name"; }
+finish() {  # NAME TAG [flags]: head NAME to its last step, replay it beside the shipped head, weights back,
+  # live batch-1 bench (target-only vs NAME, no compile) with a trace file for `tandem trace-report`
+  local name=$1 tag=$2; shift 2
+  train "$name" $full 3000 "${arg:-240}" "$@"
+  replay "$tag" "$name"
+  ship "$name"
+  TANDEM_TRACE_FILE=$w/spans-b1.jsonl timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" \
+    --max-tokens 256 --limit 13 --batch-sizes 1 --no-hf-baseline --no-compile --configs target,specformer \
+    --specformer /tmp/train/"$name" --warmup short --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
+  log "bench rc=$?"
+  python3 -m tandem trace-report $w/spans-b1.jsonl > $w/logs/trace-report.txt 2>&1
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-three.tgz" p6/logs p6/replay-"$tag".json \
+    p6/bench-sf train/"$name"
+  tail -22 $w/logs/replay-"$tag".log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8; cat $w/logs/trace-report.txt; }
 case $step in
 one)
   timeout -s INT 540 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
@@ -76,50 +104,12 @@ two)
   ship sf-c
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/two.tgz" p6/logs p6/replay-two.json train/sf-c
   tail -22 $w/logs/replay-two.log ;;
-seven-one)
-  timeout -s INT 420 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
-    --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
-  log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
-  train sf-e $full 3000 $((570 - SECONDS)) "${head_e[@]}"
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-one.tgz" p6/logs train/sf-e ;;
-seven-two)
-  train sf-e $full 3000 560 "${head_e[@]}"
-  ship sf-e
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-two.tgz" p6/logs train/sf-e ;;
-seven-eight-one)
-  timeout -s INT 480 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
-    --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
-  log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
-  tar -C /tmp -czf "$out/distill-full.tgz" distill
-  train sf-f $full 3000 $((570 - SECONDS)) "${head_f[@]}"
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-one.tgz" p6/logs train/sf-f ;;
-eight-two)
-  train sf-f $full 3000 560 "${head_f[@]}"
-  ship sf-f
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-two.tgz" p6/logs train/sf-f ;;
-eight-three)
-  train sf-f $full 3000 "${arg:-240}" "${head_f[@]}"
-  replay eight sf-f
-  ship sf-f
-  TANDEM_TRACE_FILE=$w/spans-b1.jsonl timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" \
-    --max-tokens 256 --limit 13 --batch-sizes 1 --no-hf-baseline --no-compile --configs target,specformer \
-    --specformer /tmp/train/sf-f --warmup short --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
-  log "bench rc=$?"
-  python3 -m tandem trace-report $w/spans-b1.jsonl > $w/logs/trace-report.txt 2>&1
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/eight-three.tgz" p6/logs p6/replay-eight.json \
-    p6/bench-sf train/sf-f
-  tail -22 $w/logs/replay-eight.log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8; cat $w/logs/trace-report.txt ;;
-three)
-  train sf-e $full 3000 "${arg:-240}" "${head_e[@]}"
-  replay seven sf-e
-  ship sf-e
-  timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" --max-tokens 256 --limit 13 --batch-sizes 1 \
-    --no-hf-baseline --no-compile --configs target,specformer --specformer /tmp/train/sf-e --warmup short \
-    --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
-  log "bench rc=$?"
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/seven-three.tgz" p6/logs p6/replay-seven.json \
-    p6/bench-sf train/sf-e
-  tail -22 $w/logs/replay-seven.log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8 ;;
+seven-one) distill_then seven sf-e 420 "${head_e[@]}" ;;
+seven-two) resume_head seven sf-e "${head_e[@]}" ;;
+seven-three) finish sf-e seven "${head_e[@]}" ;;
+eight-one) distill_then eight sf-f 480 "${head_f[@]}" ;;
+eight-two) resume_head eight sf-f "${head_f[@]}" ;;
+eight-three) finish sf-f eight "${head_f[@]}" ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \
