@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Split the bundled target GGUF into N parts (default 6) in ignored folders .device-stage/pI, so
-# each device call stays under the 64 MiB it may carry *with* the working tree (the shipped
-# drafter weights make the tree ~36 MiB, too big beside ../shared/tools/stage-for-device's 56 MiB
-# parts). Prints the calls to make back to back; the last one rebuilds and checks the file.
+# Split the bundled target GGUF into N parts in ignored folders .device-stage/pI, so each device
+# call stays under the 64 MiB it may carry *with* the working tree (tracked and untracked files:
+# 56 MiB on 2026-12-01, too big beside ../shared/tools/stage-for-device's 56 MiB parts). Without
+# PARTS the count is the smallest that keeps tree + part under 63 MiB. Prints the calls to make
+# back to back; the last one rebuilds and checks the file.
 #   scripts/stage_model.sh [PARTS] [FILE]
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
-parts=${1:-6}
 file=${2:-$("$top/.venv/bin/python" -c 'from tandem.models.weights import default_model_path; print(default_model_path())')}
+tree_b=$(cd "$top" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+room=$(( 63 * 1048576 - tree_b ))
+if [[ -z ${1:-} ]] && (( room < 1048576 )); then
+  echo "the working tree is $((tree_b / 1048576)) MiB: no room for a model part under 64 MiB" >&2; exit 1
+fi
+parts=${1:-$(( ($(stat -c %s "$file") + room - 1) / room ))}
 name=$(basename "$file")
 stage=$top/.device-stage
 grep -qxF '/.device-stage/' "$top/.git/info/exclude" || echo '/.device-stage/' >> "$top/.git/info/exclude"
@@ -18,8 +24,9 @@ for i in $(seq 1 "$parts"); do
   mkdir -p "$stage/p$i"; mv "$stage/$name.part$(printf "%0${digits}d" $((i - 1)))" "$stage/p$i/"
 done
 echo "$(sha256sum "$file" | cut -d' ' -f1)  /tmp/stage/$name" > "$stage/p$parts/$name.sha256"
-tree_mb=$(git -C "$top" ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-echo "tracked tree: $((tree_mb / 1048576)) MiB; part: $(( $(stat -c %s "$stage"/p1/"$name".part*) / 1048576 )) MiB"
+part_b=$(stat -c %s "$stage"/p1/"$name".part*)
+echo "working tree: $((tree_b / 1048576)) MiB; $parts parts of $((part_b / 1048576)) MiB"
+(( tree_b + part_b <= 64 * 1048576 )) || echo "warning: tree + part exceed 64 MiB; use more parts" >&2
 for i in $(seq 1 "$parts"); do
   cmd="mkdir -p /tmp/stage && cp .device-stage/p$i/* /tmp/stage/"
   if (( i == parts )); then

@@ -914,7 +914,8 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
               help="Context causal attention sub-layers (default 1, as in the paper).")
 @click.option("--context-init-layers", default=None,
               help="Make the context sub-layers whole decoder blocks copied from these target blocks, comma "
-                   "separated (e.g. 0,29; sets the context layer count and --context-mlp); beyond the paper.")
+                   "separated, at most 8 (e.g. 0,29; sets the context layer count and --context-mlp); meant "
+                   "with --context-next-token, whose stream then starts as the draft model's; beyond the paper.")
 @click.option("--context-mlp", is_flag=True, help="A SwiGLU MLP after each context attention sub-layer.")
 @click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
               help="SwiGLU width of the head (default 2 x the target's hidden size).")
@@ -944,6 +945,9 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         init_list = None
     if init_list is None or (context_init_layers is not None and not init_list):
         _fail(f"--context-init-layers must be comma-separated target block indices, got {context_init_layers!r}")
+        return
+    if len(init_list) > 8:
+        _fail(f"--context-init-layers names {len(init_list)} blocks; at most 8 (as --context-layers)")
         return
     if init_list and context_layers not in (None, len(init_list)):
         _fail(f"--context-layers {context_layers} disagrees with the {len(init_list)} --context-init-layers blocks")

@@ -465,6 +465,7 @@ def test_cli_training_writes_weights_and_model_card(trained):
     (["--context-init-layers", "0,x"], "comma-separated target block indices"),
     (["--context-init-layers", "0,9"], "must be target block indices"),
     (["--context-init-layers", "0,1", "--context-layers", "3"], "disagrees with the 2"),
+    (["--context-init-layers", "0,1,0,1,0,1,0,1,0"], "at most 8"),
     (["--taps", ""], "comma-separated integers"),
     (["--taps", "0,0"], "name a depth twice"),
 ])
@@ -473,6 +474,24 @@ def test_cli_rejects_bad_context_init_layers(tiny_checkpoint, distilled, tmp_pat
     res = CliRunner().invoke(main, ["train", "specformer", "--data", str(distilled), "--out", str(tmp_path),
                                     "--model", model, "--device", "cpu", "--max-steps", "1"] + flags)
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+
+
+def test_resume_into_a_run_of_other_settings_is_a_clear_error(trained, distilled):
+    """Training into an --out whose checkpoint another head (same tensor shapes or not) or another
+    loss wrote stops before any step, with a one-line error; a SpecFormer head given as a draft
+    model says which drafter it is for."""
+    model, out = trained
+    for flags, said in ((["--context-init-layers", "0,1"], "head.context_init (1, 0) -> (0, 1)"),
+                        (["--context-init-layers", "1,0", "--soft-labels", "0.2"], "soft_label_weight 0.5 -> 0.2"),
+                        (["--context-layers", "2"], "head.context_init")):
+        res = CliRunner().invoke(main, ["train", "specformer", "--data", str(distilled), "--out", str(out / "specformer"),
+                                        "--model", model, "--device", "cpu", "--max-steps", "30", "--lr", "3e-3",
+                                        "--batch-tokens", "512", "--bonus-token", "--context-next-token",
+                                        "--max-answer-tokens", "24"] + flags)
+        assert res.exit_code == 2 and said in res.output and "Traceback" not in res.output, res.output
+    res = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--drafter", "draft-model", "--draft-model",
+                                    str(out / "specformer"), "--model", model, "--device", "cpu", "--max-tokens", "2"])
+    assert res.exit_code == 2 and "is a SpecFormer head" in res.output
 
 
 def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):

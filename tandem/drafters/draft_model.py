@@ -58,6 +58,10 @@ def load_draft_checkpoint(spec: str, target: Checkpoint) -> Checkpoint:
         return truncated_checkpoint(target, n)
     if is_draft_model_dir(spec):
         return load_draft_model(spec, target)
+    from .specformer import is_specformer_dir
+
+    if is_specformer_dir(spec):
+        raise ModelLoadError(f"{spec} is a SpecFormer head, not a draft model: use --drafter specformer")
     draft = load_checkpoint(spec)
     check_compatible(draft, target)
     return draft

@@ -376,6 +376,19 @@ def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None =
     return file
 
 
+def is_specformer_dir(path: str | Path) -> bool:
+    """True when ``path`` (a directory or its safetensors file) holds a head written by ``save_specformer``."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    file = p / "model.safetensors" if p.is_dir() else p
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # missing, or not safetensors
+        return False
+
+
 def load_specformer(path: str | Path) -> SpecFormerHead:
     """Read a head written by ``save_specformer`` (a directory or its safetensors file), float32 on CPU.
 

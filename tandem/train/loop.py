@@ -197,7 +197,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         _check_resume(state, cfg, total, settings, ckpt)
         try:
-            module.load_state_dict(state["module"], strict=False)
+            module.load_state_dict(state["module"])
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
         except (ValueError, RuntimeError):
