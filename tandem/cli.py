@@ -21,13 +21,14 @@ DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16":
 
 def _init_tracing() -> None:
     """Tracing for in-process commands: spans go where ``OTEL_*`` / ``TANDEM_TRACE_FILE`` say (read
-    with ``tandem trace-report``); with neither set nothing is recorded. A bad setting is an
-    InvalidRequestError (one line), not a traceback."""
+    with ``tandem trace-report``); with neither set no provider is installed and nothing is
+    recorded. A bad setting is an InvalidRequestError (one line), not a traceback."""
     from .errors import InvalidRequestError
-    from .telemetry import init_tracing
+    from .telemetry import init_tracing, tracing_configured
 
     try:
-        init_tracing("tandem")
+        if tracing_configured():
+            init_tracing("tandem")
     except (RuntimeError, OSError) as exc:
         raise InvalidRequestError(f"tracing settings: {exc}") from None
 

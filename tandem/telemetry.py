@@ -72,6 +72,17 @@ def _span_exporter_classes() -> dict:
     return traces
 
 
+def tracing_configured() -> bool:
+    """True when the environment asks for span export (``TANDEM_TRACE_FILE``, or ``OTEL_*``
+    settings that name an exporter). In-process commands install a provider only then, so a host
+    application keeps its own OpenTelemetry set-up and unconfigured runs pay nothing.
+
+    Raises:
+        RuntimeError: see ``init_tracing``.
+    """
+    return bool(os.environ.get(TRACE_FILE_ENV)) or bool(_span_exporter_classes())
+
+
 def init_tracing(service_name: str) -> None:
     """Install the OpenTelemetry SDK tracer provider for this process (idempotent: later calls do
     nothing), with the exporters the ``OTEL_*`` environment variables and ``TANDEM_TRACE_FILE``

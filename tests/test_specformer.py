@@ -190,11 +190,12 @@ def test_engine_traces_the_drafters_observe_phase(tiny_ck, tmp_path, monkeypatch
     from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
     import tandem.telemetry
     from tandem.trace_report import build_report, read_spans
 
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=ALWAYS_ON)
     provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(tmp_path / "t.jsonl")))
     monkeypatch.setattr(tandem.telemetry, "_tracer", provider.get_tracer("test"))
     engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128),

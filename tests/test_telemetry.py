@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporter
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,8 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def file_tracer(path: Path) -> tuple[TracerProvider, trace.Tracer]:
-    """A provider (not the global one) writing every span to ``path`` as OTLP JSON lines."""
-    provider = TracerProvider()
+    """A provider (not the global one) writing every span to ``path`` as OTLP JSON lines. It samples
+    every span, even under an unsampled parent: an in-process CLI test may have installed the
+    global provider (`init_tracing` with no exporter samples everything out), whose spans would
+    otherwise make these children unsampled too."""
+    provider = TracerProvider(sampler=ALWAYS_ON)
     provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(path)))
     return provider, provider.get_tracer("tandem-tests")
 
