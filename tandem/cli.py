@@ -103,11 +103,12 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
     draft = build_drafter(drafter, draft_model, checkpoint, cfg)
-    head_k = getattr(getattr(draft, "head", None), "config", None)
-    if head_k is not None and num_draft_tokens > head_k.num_draft_tokens:  # a SpecFormer head has l_d slots
-        err_console.print(f"note: this SpecFormer head drafts {head_k.num_draft_tokens} tokens a round (l_d); "
-                          f"-k {num_draft_tokens} is capped to {head_k.num_draft_tokens}", highlight=False)
-        num_draft_tokens = head_k.num_draft_tokens
+    from .drafters.specformer import SpecFormerDrafter
+
+    if isinstance(draft, SpecFormerDrafter) and num_draft_tokens > (slots := draft.head.config.num_draft_tokens):
+        err_console.print(f"note: this SpecFormer head drafts {slots} tokens a round (l_d); "
+                          f"-k {num_draft_tokens} is capped to {slots}", highlight=False)
+        num_draft_tokens = slots
     if predictor == "auto":  # the predictor trained for this drafter, saved next to its weights
         from .drafters.factory import PREDICTOR_FILE, drafter_predictor
 
