@@ -107,7 +107,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
 
     if isinstance(draft, SpecFormerDrafter) and num_draft_tokens > (slots := draft.head.config.num_draft_tokens):
         err_console.print(f"note: this SpecFormer head drafts {slots} tokens a round (l_d); "
-                          f"-k {num_draft_tokens} is capped to {slots}", highlight=False)
+                          f"--num-draft-tokens {num_draft_tokens} is capped to {slots}", highlight=False,
+                          soft_wrap=True)
         num_draft_tokens = slots
     if predictor == "auto":  # the predictor trained for this drafter, saved next to its weights
         from .drafters.factory import PREDICTOR_FILE, drafter_predictor

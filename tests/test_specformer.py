@@ -276,6 +276,15 @@ def test_shards_are_compressed_and_old_raw_shards_convert(distilled, tmp_path):
             assert not list(raw.glob("*.bin")) and len(list(raw.glob("*.bin.gz"))) == len(m.shards)
             got = read_distilled(raw)[1]
         assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in seqs]
+    manifest_text = (raw / "manifest.json").read_text()
+    for damage, said in ((manifest_text[:500], "not JSON"), ("[]", "not a tandem-distill-v1"),
+                         (manifest_text.replace('"offset":0,', '"offset":99999999,', 1), "points outside its shard"),
+                         (manifest_text.replace('"offset":0,', '', 1), "is damaged"),
+                         (manifest_text.replace('"shard":0,', '"shard":"a",', 1), "points outside its shard")):
+        (raw / "manifest.json").write_text(damage)
+        with pytest.raises(InvalidRequestError, match=said):
+            read_distilled(raw)
+    (raw / "manifest.json").write_text(manifest_text)
     first = raw / DistillManifest.load(raw).shards[0]["file"]
     first.write_bytes(first.read_bytes()[:10])
     with pytest.raises(InvalidRequestError, match="corrupt"):
@@ -501,7 +510,7 @@ def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
                                     str(out / "specformer"), "--num-draft-tokens", "8", "--model", model,
                                     "--device", "cpu", "--max-tokens", "4"])
     assert res.exit_code == 0, res.output
-    assert "drafts 4 tokens a round (l_d); -k 8 is capped to 4" in res.output
+    assert "drafts 4 tokens a round (l_d); --num-draft-tokens 8 is capped to 4" in res.output
 
 
 def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
@@ -711,6 +720,9 @@ def test_resume_refuses_other_settings_and_reports_a_finished_run_again(distille
         with pytest.raises(ValueError, match=said):
             train(module, loss_fn, seqs, other, tmp_path, progress=False, settings=settings)
     assert train(module, loss_fn, seqs, replace(cfg, max_steps=9), tmp_path, resume=False, progress=False).steps == 9
+    (tmp_path / "checkpoint.pt").write_bytes(b"hi")
+    with pytest.raises(ValueError, match="cannot be read"):
+        train(module, loss_fn, seqs, cfg, tmp_path, progress=False)
 
 
 def test_training_keeps_the_best_held_out_step(distilled, tmp_path):

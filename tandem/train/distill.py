@@ -104,16 +104,29 @@ class DistillManifest:
 
     @classmethod
     def load(cls, out_dir: str | Path) -> "DistillManifest":
-        """Raises InvalidRequestError: no manifest, or not a distillation manifest."""
+        """Raises InvalidRequestError: no manifest, not a distillation manifest, or a damaged one
+        (unreadable JSON, missing or mistyped fields)."""
         path = Path(out_dir) / "manifest.json"
         if not path.is_file():
             raise InvalidRequestError(f"no distillation data at {str(out_dir)!r} (manifest.json missing); "
                                       "make it with `tandem distill-data`")
-        raw = json.loads(path.read_text())
-        if raw.get("format") != FORMAT:
+        try:
+            raw = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"{path} is damaged (not JSON: {exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise InvalidRequestError(f"{path} is not a {FORMAT} manifest")
-        raw["records"] = [DistillRecord(**r) for r in raw["records"]]
-        return cls(**raw)
+        try:
+            raw["records"] = [DistillRecord(**r) for r in raw["records"]]
+            manifest = cls(**raw)
+            ok = (isinstance(manifest.target.get("vocab_size"), int) and all(
+                isinstance(sh["file"], str) and isinstance(sh["tokens"], int) and isinstance(sh["sha256"], str)
+                for sh in manifest.shards))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidRequestError(f"{path} is damaged ({type(exc).__name__}: {exc})") from None
+        if not ok:
+            raise InvalidRequestError(f"{path} is damaged (target or shard entries of the wrong type)")
+        return manifest
 
 
 def _dtype(vocab_size: int) -> np.dtype:
@@ -289,6 +302,16 @@ def read_distilled(out_dir: str | Path, verify: bool = True) -> tuple[DistillMan
             shards.append(_read_shard(path, dtype))
         except (OSError, EOFError) as exc:  # a truncated or non-gzip file under a .gz name
             raise InvalidRequestError(f"distillation shard {path} cannot be read: {exc}") from None
+    for s, arr in zip(manifest.shards, shards):
+        if arr.size != s["tokens"]:
+            raise InvalidRequestError(f"distillation shard {out / s['file']} holds {arr.size} tokens; the manifest "
+                                      f"says {s['tokens']}")
+    for r in manifest.records:
+        fields = (r.shard, r.offset, r.prompt_len, r.answer_len)
+        if not (all(isinstance(x, int) for x in fields) and 0 <= r.shard < len(shards) and min(r.offset, r.prompt_len) >= 0
+                and r.answer_len >= 0 and r.offset + r.prompt_len + r.answer_len <= shards[r.shard].size):
+            raise InvalidRequestError(f"{out / 'manifest.json'} is damaged: record {r.prompt_id!r} points outside "
+                                      "its shard")
     seqs = [DistilledSequence(shards[r.shard][r.offset:r.offset + r.prompt_len + r.answer_len].astype(np.int64),
                               r.prompt_len) for r in manifest.records]
     return manifest, seqs

@@ -194,7 +194,13 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
     settings = dict(settings or {})
     ckpt = out / "checkpoint.pt"
     if resume and ckpt.is_file():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        try:  # weights_only: a checkpoint found in --out never runs pickled code
+            state = torch.load(ckpt, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or "module" not in state:
+                raise ValueError("not a training checkpoint")
+        except Exception as exc:  # truncated, not a torch file, or foreign objects
+            raise ValueError(f"{ckpt} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
+                             "start over (--no-resume, or another --out)") from None
         _check_resume(state, cfg, total, settings, ckpt)
         try:
             module.load_state_dict(state["module"])
