@@ -952,13 +952,10 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     if len(init_list) > 8:
         _fail(f"--context-init-layers names {len(init_list)} blocks; at most 8 (as --context-layers)")
         return
-    if init_list and context_layers not in (None, len(init_list)):
-        _fail(f"--context-layers {context_layers} disagrees with the {len(init_list)} --context-init-layers blocks")
-        return
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:
         head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token,
-                        context_next_token=context_next_token, context_layers=context_layers or 1,
+                        context_next_token=context_next_token, context_layers=context_layers,
                         context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list)
         if init_list:
             init_context_from_target(head, target)

@@ -474,7 +474,7 @@ def test_cli_training_writes_weights_and_model_card(trained):
     (["--context-init-layers", ""], "comma-separated target block indices"),
     (["--context-init-layers", "0,x"], "comma-separated target block indices"),
     (["--context-init-layers", "0,9"], "must be target block indices"),
-    (["--context-init-layers", "0,1", "--context-layers", "3"], "disagrees with the 2"),
+    (["--context-init-layers", "0,1", "--context-layers", "3"], "3 context layers but 2 context init blocks"),
     (["--context-init-layers", "0,1,0,1,0,1,0,1,0"], "at most 8"),
     (["--taps", ""], "comma-separated integers"),
     (["--taps", "0,0"], "name a depth twice"),

@@ -113,13 +113,14 @@ class SpecFormerConfig:
     @classmethod
     def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
                    causal_draft: bool = False, intermediate_size: int | None = None,
-                   bonus_token: bool = False, context_next_token: bool = False, context_layers: int = 1,
+                   bonus_token: bool = False, context_next_token: bool = False, context_layers: int | None = None,
                    context_mlp: bool = False, context_init: Sequence[int] | None = None) -> "SpecFormerConfig":
         """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
 
         ``context_init``: target block indices; the head gets one context decoder block per index,
         shaped like the target's blocks (its key/value heads and MLP width, ``context_mlp`` on),
-        ready for ``init_context_from_target``; ``context_layers`` is then ``len(context_init)``.
+        ready for ``init_context_from_target``; ``context_layers`` (default 1, the paper's) is then
+        ``len(context_init)`` and may be given only as that.
 
         Raises:
             ValueError: ``num_draft_tokens`` or ``context_layers`` < 1, ``intermediate_size`` < 1,
@@ -130,6 +131,11 @@ class SpecFormerConfig:
         if taps is not None and len(set(taps)) != len(taps):
             raise ValueError(f"taps {tuple(taps)} name a depth twice")
         taps = tuple(sorted(taps)) if taps else default_taps(target.num_layers)
+        init = tuple(context_init or ())
+        if init and context_layers not in (None, len(init)):
+            raise ValueError(f"{context_layers} context layers but {len(init)} context init blocks; "
+                             "the init blocks set the layer count")
+        context_layers = len(init) if init else (1 if context_layers is None else context_layers)
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if context_layers < 1:
@@ -138,18 +144,14 @@ class SpecFormerConfig:
             raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
         if not all(0 <= t <= target.num_layers for t in taps):
             raise ValueError(f"taps {taps} must lie in [0, {target.num_layers}]")
-        init = tuple(context_init or ())
         kv_heads = ctx_width = 0
         if init:
             if not all(0 <= i < target.num_layers for i in init):
                 raise ValueError(f"context init blocks {init} must be target block indices in [0, {target.num_layers})")
-            if context_layers not in (1, len(init)):
-                raise ValueError(f"{context_layers} context layers but {len(init)} context init blocks; "
-                                 "the init blocks set the layer count")
             if target.qk_norm or target.attention_bias:
                 raise ValueError("context init from target blocks needs blocks without query/key norms and "
                                  f"attention biases; {target.architecture} has them")
-            context_layers, context_mlp = len(init), True
+            context_mlp = True
             kv_heads, ctx_width = target.num_kv_heads, target.intermediate_size
         return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
                    intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
