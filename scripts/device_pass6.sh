@@ -17,12 +17,12 @@
 #   scripts/device_pass6.sh MODEL OUT seven-two    # head E resumed (540 s box); weights back
 #   scripts/device_pass6.sh MODEL OUT seven-three  # head E to its last step; replay E and the shipped
 #       # head on all 480 Spec-Bench traces; live engine at batch 1 (no compile): target-only vs E
-# Planned for pass 8 (same staging; see docs/benchmarks.md "Pass 7"):
+# Pass 8 (same staging; see docs/benchmarks.md "Pass 8"): head G = head E's recipe on whole answers
+# (no 256 cut) plus --lookup-tokens (every draft slot also reads the context lookup continuation):
 #   scripts/device_pass6.sh MODEL OUT eight-one    # finish the distillation (alone) and send it back whole
-#       # ($OUT/distill-full.tgz, ~7 MB: commit it over data/distill/smollm2-135m-instruct so later
-#       # passes skip the ~420 s), then head F = head E's recipe on whole answers (no 256 cut)
-#   scripts/device_pass6.sh MODEL OUT eight-two    # head F resumed (560 s box); weights back
-#   scripts/device_pass6.sh MODEL OUT eight-three  # F to its last step; replay F and C; live batch 1 with a
+#       # ($OUT/distill-full.tgz, ~7 MB), then start head G
+#   scripts/device_pass6.sh MODEL OUT eight-two    # head G resumed (560 s box); weights back
+#   scripts/device_pass6.sh MODEL OUT eight-three  # G to its last step; replay G and C; live batch 1 with a
 #       # trace file (TANDEM_TRACE_FILE) so `tandem trace-report` splits a SpecFormer round into
 #       # draft / verify / observe (the ~27 ms round against 2.9 ms for a target-only token)
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
@@ -41,7 +41,7 @@ flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5
 # head E (pass 7): no separate bonus-token branch (the shifted-token context already holds the bonus
 # token), context decoder blocks from target blocks 0 and 29, draft SwiGLU 576 wide (< 25 MB)
 head_e=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --max-answer-tokens 256)
-head_f=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576)
+head_g=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --lookup-tokens)
 train() {  # NAME DATA STEPS TIME_LIMIT [more flags]: SIGTERM at the limit saves the best step so far
   local name=$1 data=$2 steps=$3 limit=$4; shift 4
   timeout "$limit" python3 -m tandem train specformer "${flags[@]}" --max-steps "$steps" "$@" --data "$data" \
@@ -107,9 +107,9 @@ two)
 seven-one) distill_then seven sf-e 420 "${head_e[@]}" ;;
 seven-two) resume_head seven sf-e "${head_e[@]}" ;;
 seven-three) finish sf-e seven "${head_e[@]}" ;;
-eight-one) distill_then eight sf-f 480 "${head_f[@]}" ;;
-eight-two) resume_head eight sf-f "${head_f[@]}" ;;
-eight-three) finish sf-f eight "${head_f[@]}" ;;
+eight-one) distill_then eight sf-g 480 "${head_g[@]}" ;;
+eight-two) resume_head eight sf-g "${head_g[@]}" ;;
+eight-three) finish sf-g eight "${head_g[@]}" ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \

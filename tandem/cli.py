@@ -920,6 +920,10 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
                    "separated, at most 8 (e.g. 0,29; sets the context layer count and --context-mlp); meant "
                    "with --context-next-token, whose stream then starts as the draft model's; beyond the paper.")
 @click.option("--context-mlp", is_flag=True, help="A SwiGLU MLP after each context attention sub-layer.")
+@click.option("--lookup-tokens", is_flag=True,
+              help="Also feed every draft slot the context lookup continuation (what followed the latest earlier "
+                   "occurrence of the last 1-4 tokens, as prompt lookup would draft it) and its match length, so "
+                   "the head learns when to copy from the context; beyond the paper.")
 @click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
               help="SwiGLU width of the head (default 2 x the target's hidden size).")
 @click.option("--soft-labels", "soft_weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
@@ -929,7 +933,7 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
                          taps, bonus_token, context_next_token, context_layers, context_init_layers, context_mlp,
-                         intermediate_size, soft_weight) -> None:
+                         lookup_tokens, intermediate_size, soft_weight) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
 
@@ -956,7 +960,8 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     try:
         head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token,
                         context_next_token=context_next_token, context_layers=context_layers,
-                        context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list)
+                        context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list,
+                        lookup_tokens=lookup_tokens)
         if init_list:
             init_context_from_target(head, target)
         head = head.to(rcfg.device)

@@ -60,7 +60,8 @@ def distilled(tiny_ck, tmp_path_factory):
 # blocks of the target's shape (grouped-query attention: the tiny target has 4 heads, 2 KV heads)
 VARIANTS = {"paper": {}, "bonus": {"bonus_token": True},
             "next-token": {"bonus_token": True, "context_next_token": True, "context_layers": 2, "context_mlp": True},
-            "target-blocks": {"context_next_token": True, "context_init": (1, 0)}}
+            "target-blocks": {"context_next_token": True, "context_init": (1, 0)},
+            "lookup": {"bonus_token": True, "context_next_token": True, "lookup_tokens": True}}
 
 
 def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False, **shape) -> SpecFormerHead:
@@ -74,6 +75,50 @@ def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False, **sh
 
 
 # ----------------------------------------------------------------------------- head shapes and masks
+
+
+def test_context_lookup_whole_sequence_equals_incremental():
+    """``lookup_continuations`` (training, replay) and ``LookupIndex`` (serving) agree at every
+    index of random low-entropy sequences; the rule's cases by hand: longest match wins, the most
+    recent occurrence wins, a loop's continuation wraps with its period."""
+    from tandem.drafters.lookup import LookupIndex, lookup_continuations
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        x = rng.integers(0, 2 + trial % 6, size=int(rng.integers(1, 60)))
+        cont, match = lookup_continuations(x, 4)
+        index = LookupIndex()
+        for i, tok in enumerate(x):
+            index.extend([tok])
+            toks, n = index.lookup(4)
+            assert n == match[i] and toks == ([int(t) for t in cont[i]] if n else [])
+            assert (cont[i] >= 0).all() == (n > 0)
+    cont, match = lookup_continuations([5, 1, 2, 9, 7, 1, 2, 8, 1, 2], 3)
+    assert match[9] == 2 and cont[9].tolist() == [8, 1, 2]  # "1 2" last ended at 6: what followed it
+    cont, match = lookup_continuations([3, 4, 3, 4, 3], 4)  # a loop of period 2
+    assert match[4] == 3 and cont[4].tolist() == [4, 3, 4, 3]
+    cont, match = lookup_continuations([1, 2, 3], 2)
+    assert (match == 0).all() and (cont == -1).all()
+    with pytest.raises(ValueError):
+        lookup_continuations([1, 2], 0)
+
+
+def test_lookup_head_reads_the_continuation(tiny_ck, tiny_target):
+    """A ``lookup_tokens`` head's drafts change with the lookup input (the continuation and the
+    match length both enter every draft slot), and a head without the input is refused."""
+    from tandem.drafters.specformer import lookup_inputs
+    from tandem.train.specformer import lookup_rows
+
+    head = _random_head(tiny_ck.config, **VARIANTS["lookup"])
+    h, bonus = torch.randn(2, tiny_ck.config.hidden_size), tiny_target.embed(torch.tensor([3, 3]))
+    a = head.draft(h, bonus, lookup_inputs(tiny_target.embed, [[1, 2, 3, 4], [-1] * 4], [2, 0]))
+    b = head.draft(h, bonus, lookup_inputs(tiny_target.embed, [[1, 2, 3, 5], [-1] * 4], [3, 0]))
+    assert torch.equal(a[1], b[1]) and not torch.allclose(a[0], b[0])
+    with pytest.raises(ValueError, match="lookup"):
+        head.draft(h, bonus)
+    tokens = torch.tensor([[7, 1, 2, 7, 1, 0, 0]])  # row t reads x[..t+1]
+    cont, match = lookup_rows(tokens, 2)
+    assert match.tolist()[:4] == [0, 0, 1, 2] and cont[3].tolist() == [2, 7]
 
 
 def test_head_shapes_and_default_taps(tiny_ck, tiny_target):
@@ -174,13 +219,16 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
     seq = req.prompt_ids + req.output.token_ids
     pending = drafter.pending[req.slot]
     assert pending.length == len(seq) - 1 and len(calls) == 5  # one target forward per decode round
+    from tandem.drafters.base import DraftRequest
+
+    got = drafter.draft_logits([DraftRequest(req.slot, seq, 4, SamplingParams(), None)])[0]
     assert req.spec.num_accepted == 10 and seq[len(prompt_ids):] == greedy.token_ids[:16]  # 3 tokens a round
     tokens = torch.tensor([seq])  # the last token is the bonus token the target has not consumed
     select = torch.zeros(1, len(seq), dtype=torch.bool)
     select[0, -2] = True
     y = teacher_forced_states(head, tiny_target, tokens, select)
     want = tiny_target.logits(tiny_target.norm(y[0]))
-    assert torch.allclose(pending.logits, want, atol=1e-4)
+    assert torch.allclose(got, want, atol=1e-4)
     engine.abort(rid)
 
 
@@ -311,7 +359,8 @@ def test_batches_respect_token_budget(distilled):
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("variant,soft", [("paper", 0.0), ("bonus", 0.0), ("next-token", 0.5), ("target-blocks", 0.0)])
+@pytest.mark.parametrize("variant,soft", [("paper", 0.0), ("bonus", 0.0), ("next-token", 0.5), ("target-blocks", 0.0),
+                                          ("lookup", 0.0)])
 def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, distilled, tmp_path, variant, soft):
     _, seqs = read_distilled(distilled)
     head = new_head(tiny_ck.config, 4, seed=0, **VARIANTS[variant])

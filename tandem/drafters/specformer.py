@@ -19,7 +19,11 @@ context attention sub-layers (``context_mlp`` adds a SwiGLU after each). ``conte
 the context sub-layers whole decoder blocks of the target's shape (grouped-query attention and the
 target's MLP width), initialised from chosen target blocks (``init_context_from_target``), the
 way the context-aware paper's draft model starts from target blocks: a pretrained start that a few
-million distilled tokens can refine without memorising them.
+million distilled tokens can refine without memorising them. ``lookup_tokens`` gives every draft
+slot one more input, the context lookup continuation (``tandem.drafters.lookup``: what followed
+the most recent earlier occurrence of the sequence's last 1-4 tokens, as prompt lookup decoding
+would draft it) and its match length, so the head learns where copying from the context beats its
+own forecast (repetition loops, extraction, summaries, translations of a quoted text).
 
 At target position ``t`` (whose target logits give the bonus token ``x[t+1]``) draft slot ``j``
 (0-based) predicts ``x[t+2+j]``. The target forward that verifies round r therefore also yields
@@ -43,6 +47,7 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.transformer import RMSNorm
 from .base import DraftProposal, DraftRequest, Drafter, draft_rows
+from .lookup import MAX_N, LookupIndex, lookup_continuations
 
 FORMAT = "tandem-specformer-v1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -99,6 +104,7 @@ class SpecFormerConfig:
     context_kv_heads: int = 0
     context_intermediate_size: int = 0
     context_init: tuple[int, ...] = ()
+    lookup_tokens: bool = False
 
     @property
     def ctx_kv_heads(self) -> int:
@@ -114,7 +120,8 @@ class SpecFormerConfig:
     def for_target(cls, target: ModelConfig, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
                    causal_draft: bool = False, intermediate_size: int | None = None,
                    bonus_token: bool = False, context_next_token: bool = False, context_layers: int | None = None,
-                   context_mlp: bool = False, context_init: Sequence[int] | None = None) -> "SpecFormerConfig":
+                   context_mlp: bool = False, context_init: Sequence[int] | None = None,
+                   lookup_tokens: bool = False) -> "SpecFormerConfig":
         """A head sized for ``target`` (same width and head shape, SwiGLU width 2d by default).
 
         ``context_init``: target block indices; the head gets one context decoder block per index,
@@ -156,7 +163,7 @@ class SpecFormerConfig:
         return cls(target.hidden_size, target.vocab_size, target.num_heads, target.head_dim,
                    intermediate_size or 2 * target.hidden_size, num_draft_tokens, taps, causal_draft,
                    target.rms_norm_eps, target.num_layers, bonus_token, context_next_token, context_layers,
-                   context_mlp, kv_heads, ctx_width, init)
+                   context_mlp, kv_heads, ctx_width, init, lookup_tokens)
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
@@ -249,7 +256,13 @@ class SpecFormerHead(nn.Module):
         if config.bonus_token:
             self.bonus_norm = RMSNorm(d, eps)
             self.bonus_proj = nn.Linear(d, d, bias=False)
+        if config.lookup_tokens:  # a per-channel gain on the normalised embedding (no d x d projection: size)
+            self.lookup_norm = RMSNorm(d, eps)
+            self.lookup_match = nn.Embedding(MAX_N + 1, d)
         with torch.no_grad():  # start as "copy the final tap into every slot": residual branches at zero
+            if config.lookup_tokens:
+                self.lookup_norm.weight.zero_()
+                self.lookup_match.weight.zero_()
             for name in ("pos_ffn", "draft_o", "bonus_proj", "next_proj"):
                 if hasattr(self, name):
                     getattr(self, name).weight.zero_()
@@ -272,14 +285,19 @@ class SpecFormerHead(nn.Module):
             h = h + self.next_proj(self.next_norm(next_emb))
         return h
 
-    def draft(self, h: torch.Tensor, bonus_emb: torch.Tensor | None = None) -> torch.Tensor:
+    def draft(self, h: torch.Tensor, bonus_emb: torch.Tensor | None = None,
+              lookup: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``[N, d]`` context states -> ``[N, l_d, d]`` draft states (before the target's final norm).
 
         Args:
             bonus_emb: ``[N, d]`` target embeddings of the bonus tokens (``bonus_token`` heads only).
+            lookup: (``lookup_tokens`` heads only) ``[N, l_d, d]`` target embeddings of the lookup
+                continuation tokens (zeros where nothing recurs) and ``[N]`` match lengths in
+                [0, 4] (``lookup_inputs``).
 
         Raises:
-            ValueError: a ``bonus_token`` head without ``bonus_emb``.
+            ValueError: a ``bonus_token`` head without ``bonus_emb`` or a ``lookup_tokens`` head
+                without ``lookup``.
         """
         N, d = h.shape
         if self.config.bonus_token:
@@ -288,6 +306,11 @@ class SpecFormerHead(nn.Module):
             h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
         ld, nh, hd = self.config.num_draft_tokens, self.config.num_heads, self.config.head_dim
         x = h[:, None, :] + self.pos_ffn(self.pos_norm(h)).view(N, ld, d)
+        if self.config.lookup_tokens:
+            if lookup is None:
+                raise ValueError("this SpecFormer head reads the context lookup continuation: pass lookup")
+            emb, match = lookup
+            x = x + self.lookup_norm(emb) + self.lookup_match(match)[:, None, :]
         q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
         x = x + self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd))
@@ -295,7 +318,8 @@ class SpecFormerHead(nn.Module):
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None,
-                      next_emb: torch.Tensor | None = None) -> torch.Tensor:
+                      next_emb: torch.Tensor | None = None,
+                      lookup: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Whole-sequence forward for training.
 
         Args:
@@ -304,6 +328,8 @@ class SpecFormerHead(nn.Module):
             select: optional ``[B, T]`` bool, positions whose drafts are needed (saves memory).
             bonus_emb: ``[N, d]`` embeddings of each needed position's next token (``bonus_token``).
             next_emb: ``[B, T, d]`` embeddings of every position's next token (``context_next_token``).
+            lookup: ``[N, l_d, d]`` lookup embeddings and ``[N]`` match lengths of the needed
+                positions (``lookup_tokens``; see ``draft``).
 
         Returns:
             ``[N, l_d, d]`` draft states, N = B*T or the selected count (row-major order).
@@ -316,7 +342,25 @@ class SpecFormerHead(nn.Module):
                                                  is_causal=True, enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
         h = h[select] if select is not None else h.reshape(B * T, -1)
-        return self.draft(h, bonus_emb)
+        return self.draft(h, bonus_emb, lookup)
+
+
+def lookup_inputs(embed: nn.Embedding, cont, match) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``lookup_tokens`` head's ``draft`` input from lookup continuations.
+
+    Args:
+        embed: the target's token embedding (frozen).
+        cont: ``[N, l_d]`` continuation ids, -1 where there is none (``lookup_continuations``).
+        match: ``[N]`` match lengths.
+
+    Returns:
+        ``[N, l_d, d]`` embeddings (zero rows for -1) and ``[N]`` long match lengths, on the
+        embedding's device.
+    """
+    dev = embed.weight.device
+    cont = torch.as_tensor(cont, dtype=torch.long, device=dev)
+    emb = embed(cont.clamp(min=0)) * (cont >= 0)[..., None].to(embed.weight.dtype)
+    return emb, torch.as_tensor(match, dtype=torch.long, device=dev).clamp(0, MAX_N)
 
 
 @torch.no_grad()
@@ -449,7 +493,8 @@ class TargetStates:
 @dataclass
 class _Pending:
     length: int  # positions the head has seen for this slot (= the target's cache length)
-    logits: torch.Tensor = field(repr=False)  # [l_d, vocab] draft logits after the bonus token
+    state: torch.Tensor = field(repr=False)  # [d] context state at the last accepted position
+    bonus: int | None = None  # the bonus token (the token after that position)
 
 
 class SpecFormerDrafter(Drafter):
@@ -469,6 +514,7 @@ class SpecFormerDrafter(Drafter):
         self.top_m = top_m
         self.target_taps = head.config.taps
         self.pending: dict[int, _Pending] = {}
+        self._lookups: dict[int, LookupIndex] = {}
         self._target = None
 
     @classmethod
@@ -501,11 +547,13 @@ class SpecFormerDrafter(Drafter):
 
     def release(self, slot: int) -> None:
         self.pending.pop(slot, None)
+        self._lookups.pop(slot, None)
 
     @torch.inference_mode()
     def observe(self, states: list[TargetStates]) -> None:
         """Extend each sequence's context with newly accepted target positions (overwriting any
-        rolled-back ones at the same positions) and compute its next drafts (one batched pass)."""
+        rolled-back ones at the same positions; one batched pass) and keep its context state at
+        the last of them, from which ``propose`` drafts."""
         states = [s for s in states if s.taps.shape[0] > 0]
         if not states:
             return
@@ -548,13 +596,46 @@ class SpecFormerDrafter(Drafter):
                                                  enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
         last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
-        bonus = None
-        if cfg.bonus_token:  # the bonus token is each sequence's last next token
-            bonus = (next_emb[torch.arange(n, device=dev), q_lens - 1] if next_emb is not None
-                     else target.embed(torch.tensor([s.next_token for s in states], device=dev)))
-        logits = target.logits(target.norm(head.draft(last, bonus)))  # [n, l_d, vocab]
         for i, (s, m) in enumerate(zip(states, lens)):
-            self.pending[s.slot] = _Pending(s.start + m, logits[i])
+            self.pending[s.slot] = _Pending(s.start + m, last[i], s.next_token)
+
+    def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
+        """The context lookup continuation of ``req.token_ids`` (l_d ids or none) and its match
+        length, from the slot's ``LookupIndex`` (extended with the tokens since the last round;
+        rebuilt when the slot's sequence is not an extension of what it indexed)."""
+        index = self._lookups.get(req.slot)
+        held = len(index.tokens) if index is not None else 0
+        if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
+            index = self._lookups[req.slot] = LookupIndex()
+            held = 0
+        index.extend(req.token_ids[held:])
+        return index.lookup(self.head.config.num_draft_tokens)
+
+    @torch.inference_mode()
+    def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
+        """``[len(requests), l_d, vocab]`` draft logits after each request's bonus token, from the
+        context states ``observe`` left for their slots (one batched pass of the head's draft part).
+
+        Raises:
+            KeyError: a request whose slot ``observe`` has not seen.
+            ValueError: a head that needs the bonus token and a state without one.
+        """
+        head, target = self.head, self._target
+        cfg = head.config
+        pend = [self.pending[r.slot] for r in requests]
+        dev = self.k_cache.device
+        last = torch.stack([p.state for p in pend])
+        bonus = lookup = None
+        if cfg.bonus_token:
+            if any(p.bonus is None for p in pend):
+                raise ValueError("this SpecFormer head conditions on the bonus token; the target states had none")
+            bonus = target.embed(torch.tensor([p.bonus for p in pend], device=dev))
+        if cfg.lookup_tokens:
+            ld = cfg.num_draft_tokens
+            found = [self._lookup(r) for r in requests]
+            cont = [toks if toks else [-1] * ld for toks, _ in found]
+            lookup = lookup_inputs(target.embed, cont, [n for _, n in found])
+        return target.logits(target.norm(head.draft(last, bonus, lookup)))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []
@@ -566,7 +647,8 @@ class SpecFormerDrafter(Drafter):
         out = [DraftProposal.empty() for _ in requests]
         if not ready:
             return out
-        logits = torch.cat([self.pending[r.slot].logits[:r.max_draft] for _, r in ready])
+        drafts = self.draft_logits([r for _, r in ready])
+        logits = torch.cat([row[:r.max_draft] for row, (_, r) in zip(drafts, ready)])
         params, gens, pos, spans = [], [], [], []
         for _, r in ready:
             n = min(r.max_draft, self.head.config.num_draft_tokens)

@@ -8,9 +8,11 @@ own answers are labels; prompt positions still feed the head's context attention
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..drafters.specformer import SpecFormerConfig, SpecFormerHead
+from ..drafters.lookup import lookup_continuations
+from ..drafters.specformer import SpecFormerConfig, SpecFormerHead, lookup_inputs
 from ..models.transformer import Transformer
 from .distill import DistilledSequence
 from .loop import pad_batch
@@ -40,8 +42,9 @@ def teacher_forced_states(head: SpecFormerHead, target: Transformer, tokens: tor
                           target_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The head's draft states for every (selected) position of whole sequences, as the engine
     would produce them round by round: the frozen target's taps (no grad), RoPE tables in the
-    taps' dtype, and the embedding of x[t+1] at position t (the bonus token for ``bonus_token``
-    heads; every position's next token for ``context_next_token`` heads).
+    taps' dtype, the embedding of x[t+1] at position t (the bonus token for ``bonus_token``
+    heads; every position's next token for ``context_next_token`` heads) and, for
+    ``lookup_tokens`` heads, the context lookup continuation of ``x[..t+1]``.
 
     Args:
         tokens: ``[B, T]`` ids from position 0 (right padding is harmless).
@@ -66,7 +69,29 @@ def teacher_forced_states(head: SpecFormerHead, target: Transformer, tokens: tor
         bonus = target.embed(nxt[select] if select is not None else nxt.reshape(-1))
     if cfg.context_next_token:
         next_emb = target.embed(nxt)
-    return head.forward_train(taps, cos, sin, select, bonus, next_emb)
+    lookup = None
+    if cfg.lookup_tokens:
+        cont, match = lookup_rows(tokens, cfg.num_draft_tokens)
+        if select is not None:
+            keep = select.reshape(-1).cpu().numpy()
+            cont, match = cont[keep], match[keep]
+        lookup = lookup_inputs(target.embed, cont, match)
+    return head.forward_train(taps, cos, sin, select, bonus, next_emb, lookup)
+
+
+def lookup_rows(tokens: torch.Tensor, num_draft: int) -> tuple[np.ndarray, np.ndarray]:
+    """Context lookup continuations of every position ``t`` of ``tokens`` ``[B, T]``, read after
+    ``x[t+1]`` (what a round at ``t`` drafts with: the bonus token is known): ``[B*T, num_draft]``
+    ids (-1: none) and ``[B*T]`` match lengths, row-major. Right padding only affects rows past
+    each sequence's end (the lookup reads no later token)."""
+    x = tokens.cpu().numpy()
+    B, T = x.shape
+    cont = np.full((B, T, num_draft), -1, np.int64)
+    match = np.zeros((B, T), np.int64)
+    for b in range(B):
+        c, m = lookup_continuations(x[b], num_draft)
+        cont[b, :-1], match[b, :-1] = c[1:], m[1:]  # row t reads x[..t+1]
+    return cont.reshape(B * T, num_draft), match.reshape(B * T)
 
 
 class SpecFormerObjective:

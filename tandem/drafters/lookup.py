@@ -1,0 +1,112 @@
+"""Context lookup: what followed the most recent earlier occurrence of a sequence's suffix.
+
+Prompt lookup decoding (Saxena 2023) proposes, as drafts, the tokens that followed an earlier
+occurrence of the last n tokens. A SpecFormer head with ``lookup_tokens`` reads the same
+continuation as an extra input to its draft slots (``SpecFormerHead.draft``), so it learns when
+copying from the context pays (repetition loops, extraction, summarisation, translation of a
+quoted text) and when its own forecast is better.
+
+The rule, for a sequence ``x[0..i]`` whose last index is ``i``:
+
+- the longest ``n`` in ``[1, max_n]`` whose n-gram ``x[i-n+1..i]`` also ends at an earlier index;
+  ``e < i`` is the most recent such end, and ``n`` the match length (0: no n-gram recurs);
+- the continuation is ``c_j = x[e + 1 + ((j - 1) mod (i - e))]`` for ``j = 1..k``: the tokens after
+  the match, and, where they run past the end of the sequence, the same period again (in a loop
+  of period ``i - e`` the text after the end repeats what followed the match).
+
+``lookup_continuations`` computes every index of a whole sequence at once (training, replay);
+``LookupIndex`` keeps one growing sequence and answers for its end in O(max_n) dictionary probes
+(serving). Both give the same answer (tested).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_N = 4  # longest n-gram matched
+
+
+def lookup_continuations(tokens, k: int, max_n: int = MAX_N) -> tuple[np.ndarray, np.ndarray]:
+    """Every index's lookup continuation.
+
+    Args:
+        tokens: ``[T]`` token ids of one sequence.
+        k: continuation tokens per index.
+        max_n: longest n-gram matched.
+
+    Returns:
+        ``cont`` ``[T, k]`` int64 (row ``i``: the continuation of ``x[0..i]``; -1 where nothing
+        recurs) and ``match`` ``[T]`` int64 (the match length n, 0 for none).
+
+    Raises:
+        ValueError: ``k`` or ``max_n`` < 1, or ``tokens`` not one-dimensional.
+    """
+    if k < 1 or max_n < 1:
+        raise ValueError(f"k and max_n must be >= 1, got k={k}, max_n={max_n}")
+    x = np.asarray(tokens, dtype=np.int64)
+    if x.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {x.shape}")
+    T = x.shape[0]
+    end = np.full(T, -1, np.int64)  # most recent earlier end of the longest recurring suffix
+    match = np.zeros(T, np.int64)
+    idx = np.arange(T)
+    for n in range(1, max_n + 1):
+        if T <= n:
+            break
+        ends = idx[n - 1:]  # n-grams ending at n-1 .. T-1
+        grams = np.stack([x[ends - n + 1 + s] for s in range(n)], axis=1)  # [T-n+1, n]
+        order = np.lexsort((ends,) + tuple(grams[:, s] for s in reversed(range(n))))
+        g = grams[order]
+        same = np.zeros(len(order), bool)
+        same[1:] = (g[1:] == g[:-1]).all(axis=1)  # equal n-gram to the previous in sort order
+        prev = np.full(len(order), -1, np.int64)
+        prev[1:] = ends[order[:-1]]
+        prev = np.where(same, prev, -1)  # sorted by gram then end: the previous equal one is the latest earlier
+        at = ends[order]
+        hit = prev >= 0
+        end[at[hit]] = prev[hit]  # longer n overwrite shorter ones
+        match[at[hit]] = n
+    cont = np.full((T, k), -1, np.int64)
+    rows = np.nonzero(end >= 0)[0]
+    if rows.size:
+        period = rows - end[rows]  # >= 1
+        j = np.arange(k)[None, :]
+        cont[rows] = x[end[rows][:, None] + 1 + j % period[:, None]]
+    return cont, match
+
+
+class LookupIndex:
+    """One growing sequence, answering ``lookup_continuations``'s last row incrementally.
+
+    Each n-gram (n <= max_n) maps to the most recent index where it ends; an n-gram is indexed
+    once a later token exists, so a lookup never matches the suffix with itself.
+
+    Args:
+        max_n: longest n-gram matched.
+    """
+
+    def __init__(self, max_n: int = MAX_N) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 0  # n-grams ending before this index are in ``latest``
+
+    def extend(self, new) -> None:
+        """Append token ids."""
+        self.tokens.extend(int(t) for t in new)
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        """The continuation (``k`` ids, or ``[]`` when nothing recurs) and match length of the
+        sequence so far."""
+        toks = self.tokens
+        i = len(toks) - 1
+        for e in range(self._indexed, i):  # index every n-gram ending before the last token
+            for n in range(1, min(self.max_n, e + 1) + 1):
+                self.latest[n][tuple(toks[e - n + 1:e + 1])] = e
+        self._indexed = max(self._indexed, i)
+        for n in range(min(self.max_n, i), 0, -1):
+            e = self.latest[n].get(tuple(toks[i - n + 1:]))
+            if e is not None:
+                period = i - e
+                return [toks[e + 1 + j % period] for j in range(k)], n
+        return [], 0
