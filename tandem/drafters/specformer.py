@@ -45,6 +45,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
+from ..models.runner import CONTEXT_BUCKET
 from ..models.transformer import RMSNorm
 from .base import DraftProposal, DraftRequest, Drafter, draft_rows
 from .lookup import MAX_N, LookupIndex, lookup_continuations
@@ -584,7 +585,11 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
-        attn_len = max(s.start + m for s, m in zip(states, lens))
+        # attended length rounded up to the runner's context bucket: the mask hides the extra
+        # positions, and attention sees a handful of shapes instead of a new one every round (an
+        # eager cuDNN attention call builds and caches an execution plan per shape)
+        longest = max(s.start + m for s, m in zip(states, lens))
+        attn_len = min(-(-longest // CONTEXT_BUCKET) * CONTEXT_BUCKET, self.k_cache.shape[3] - 1)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
