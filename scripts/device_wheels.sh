@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Download, into the ignored folder .whl/, the wheels the GPU machine lacks (ARCHITECTURE.md §6:
+# no opentelemetry, gguf, prometheus, fastapi stack there), for one device call of its own:
+#   run carry [".whl"]  mkdir -p /tmp/whl && cp .whl/* /tmp/whl/
+# and, in the call that starts the work:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+# The OTLP JSON-file exporter wheels let `TANDEM_TRACE_FILE` work there (pass 8 lacked them).
+set -euo pipefail
+top=$(git rev-parse --show-toplevel)
+pip=$top/.venv/bin/pip
+grep -qxF '/.whl/' "$top/.git/info/exclude" || echo '/.whl/' >> "$top/.git/info/exclude"
+mkdir -p "$top/.whl"
+"$pip" download -q --no-deps -d "$top/.whl" gguf opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+  opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-json-file==0.66b1 \
+  opentelemetry-exporter-otlp-json-common==0.66b1 opentelemetry-proto-json==0.66b1 \
+  opentelemetry-exporter-otlp-common==0.66b1 prometheus_client==0.26.0 grpcio-health-checking==1.84.0 \
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 pydantic==2.14.4 anyio==4.16.0 \
+  sniffio==1.3.1 h11==0.16.0 annotated-types annotated-doc typing-inspection
+"$pip" download -q --no-deps -d "$top/.whl" --platform manylinux2014_x86_64 --python-version 3.12 \
+  --only-binary=:all: pydantic_core==2.50.5
+echo "$(ls "$top/.whl" | wc -l) wheels, $(du -sh "$top/.whl" | cut -f1) in .whl/"
