@@ -23,6 +23,7 @@
 #       # ($OUT/distill-full.tgz, ~7 MB), then start head G
 #   scripts/device_pass6.sh MODEL OUT eight-two    # head G resumed (560 s box); weights back
 #   scripts/device_pass6.sh MODEL OUT eight-three  # G to its last step; replay G and C; live batch 1 with a
+#       # (pass 8 ran these at commit aff7405; the traced bench needs the wheels of scripts/device_wheels.sh)
 #       # trace file (TANDEM_TRACE_FILE) so `tandem trace-report` splits a SpecFormer round into
 #       # draft / verify / observe (the ~27 ms round against 2.9 ms for a target-only token)
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
@@ -32,7 +33,7 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_N
 w=/tmp/p6
 mkdir -p "$out" $w/logs /tmp/train
 full=/tmp/distill          # grows to every answer (the resumed distillation writes here)
-committed=/tmp/distill-committed  # the 8,060 answers in the repository
+committed=/tmp/distill-committed  # the answers in the repository (8,060 until pass 8, all 18,904 since)
 [[ -d $full ]] || cp -r data/distill/smollm2-135m-instruct $full
 [[ -d $committed ]] || cp -r data/distill/smollm2-135m-instruct $committed
 [[ -f $w/traces.jsonl ]] || gunzip -c docs/results/2026-12-01/drafters/spec-bench-traces.jsonl.gz > $w/traces.jsonl
