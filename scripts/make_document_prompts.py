@@ -1,0 +1,76 @@
+"""Document-task training prompts for self-distillation, built only from the training set.
+
+Spec-Bench's summarization, rag, translation and extraction prompts carry long documents; the
+training prompts (data/train_prompts.jsonl) are short (median 122 characters) and rarely ask to
+work on a given text, which is where a SpecFormer head trained on them falls short (docs/benchmarks.md,
+Pass 8). This writes prompts that wrap a document in such a task: the documents are the target's own
+distilled answers (decoded) and the longest user prompts, never benchmark text. The target then
+answers them (`tandem distill-data --prompts OUT`), and the head learns from those answers.
+
+    python scripts/make_document_prompts.py [--count 6000] [--seed 0] [--data DIR] [--out FILE]
+
+Deterministic for a seed; each line is {"id", "source", "prompt"} like data/train_prompts.jsonl.
+"""
+import argparse
+import json
+import random
+from pathlib import Path
+
+TASKS = [
+    ("summarize", "Summarize the following text in a few sentences.\n\n{doc}"),
+    ("summarize-short", "Write a one-paragraph summary of this text:\n\n{doc}"),
+    ("key-points", "List the key points of the text below as bullet points.\n\nText:\n{doc}"),
+    ("extract", "Extract every name, number and date mentioned in the following text.\n\n{doc}"),
+    ("qa", "Read the passage and answer the question.\n\nPassage:\n{doc}\n\nQuestion: What is the main idea "
+           "of the passage?"),
+    ("qa-facts", "Using only the document below, answer: which facts does it state?\n\nDocument:\n{doc}"),
+    ("rewrite", "Rewrite the following text in simpler words, keeping its meaning.\n\n{doc}"),
+    ("translate", "Translate the following text into French.\n\n{doc}"),
+    ("translate-de", "Translate the following text into German.\n\n{doc}"),
+    ("title", "Give the following text a title, then explain your choice.\n\n{doc}"),
+]
+
+
+def main() -> None:
+    top = Path(__file__).resolve().parents[1]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=6000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=str(top / "data/distill/smollm2-135m-instruct"))
+    ap.add_argument("--prompts", default=str(top / "data/train_prompts.jsonl"))
+    ap.add_argument("--out", default="document_prompts.jsonl")
+    ap.add_argument("--min-doc-tokens", type=int, default=80)
+    ap.add_argument("--max-doc-tokens", type=int, default=450)
+    a = ap.parse_args()
+    if a.count < 1:
+        ap.error("--count must be >= 1")
+
+    from tandem.data import load_prompts
+    from tandem.models.weights import load_checkpoint
+    from tandem.tokenizer import load_tokenizer
+    from tandem.train.distill import read_distilled
+
+    tok = load_tokenizer(load_checkpoint(None))
+    manifest, seqs = read_distilled(a.data)
+    rng = random.Random(a.seed)
+    docs = []  # (source id, text)
+    for rec, seq in zip(manifest.records, seqs):
+        if rec.finish_reason == "stop" and a.min_doc_tokens <= rec.answer_len <= a.max_doc_tokens:
+            docs.append((rec.prompt_id, tok.decode(seq.tokens[seq.prompt_len:].tolist()).strip()))
+    for rec in load_prompts(a.prompts):
+        if 600 <= len(rec.text) <= 3000:
+            docs.append((rec.prompt_id, rec.text.strip()))
+    if not docs:
+        raise SystemExit(f"no documents between {a.min_doc_tokens} and {a.max_doc_tokens} tokens in {a.data}")
+    rng.shuffle(docs)
+    with open(a.out, "w", encoding="utf-8") as f:
+        for i in range(a.count):
+            src, doc = docs[i % len(docs)]
+            name, template = TASKS[i % len(TASKS)]
+            f.write(json.dumps({"id": f"doc-{name}/{src}", "source": f"document-task:{name}",
+                                "prompt": template.format(doc=doc)}) + "\n")
+    print(f"{a.count} prompts from {len(docs)} documents -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
