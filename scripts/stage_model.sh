@@ -6,6 +6,9 @@
 # back to back; the last one rebuilds and checks the file.
 #   scripts/stage_model.sh [PARTS] [FILE]
 set -euo pipefail
+if [[ -n ${1:-} && ! ${1} =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: scripts/stage_model.sh [PARTS] [FILE]  (PARTS: a positive integer, got '$1')" >&2; exit 2
+fi
 top=$(git rev-parse --show-toplevel)
 file=${2:-$("$top/.venv/bin/python" -c 'from tandem.models.weights import default_model_path; print(default_model_path())')}
 tree_b=$(cd "$top" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)

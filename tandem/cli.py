@@ -815,7 +815,9 @@ train_options = [
                  help="Directory written by tandem distill-data."),
     click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory (weights + model card)."),
     click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True),
-    click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after N optimiser steps."),
+    click.option("--max-steps", type=click.IntRange(min=1), default=None,
+                 help="Stop after N optimiser steps (they set the learning-rate schedule, so a run in --out resumes "
+                      "only with the same N; --no-resume starts over)."),
     click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Peak learning rate (default: 1e-3 for specformer, 3e-4 for draft-model)."),
     click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
@@ -824,7 +826,7 @@ train_options = [
     click.option("--max-answer-tokens", type=click.IntRange(min=1), default=None,
                  help="Train on the first N tokens of each answer only (default: all); long answers of a small "
                       "target often end in repetition loops."),
-    click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out."),
+    click.option("--no-resume", is_flag=True, help="Ignore a checkpoint.pt in --out and start over."),
     click.option("--val-fraction", type=click.FloatRange(min=0, max=0.5), default=0.02, show_default=True,
                  help="Share of the distilled answers held out (at most 256 answers); the weights of the step with the "
                       "lowest held-out loss are kept."),

@@ -618,6 +618,15 @@ def test_cli_generate_with_trained_drafters(trained):
     res = CliRunner().invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu",
                                     "--drafter", "specformer", "--draft-model", str(out / "draft-model")])
     assert res.exit_code == 2 and "not a SpecFormer head" in res.output
+    res = CliRunner().invoke(main, ["generate", "--prompt", "Hi", "--model", model, "--device", "cpu",
+                                    "--drafter", "specformer", "--draft-model", ""])
+    assert res.exit_code == 2 and "--draft-model is empty" in res.output
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)  # weights get the usual 0666 less the umask (safetensors alone leaves 0600)
+    assert all((out / kind / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+               for kind in ("specformer", "draft-model"))
 
 
 def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):

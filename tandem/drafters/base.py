@@ -253,3 +253,14 @@ class Drafter(ABC):
         (a remote one) may use the result in the next ``propose`` where the guess came true. The
         default does nothing.
         """
+
+
+def make_readable(path) -> None:
+    """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
+    through a private temporary file, which leaves 0600, so a head trained by one user could not
+    be served by another."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

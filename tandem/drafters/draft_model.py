@@ -19,7 +19,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -83,6 +83,7 @@ def save_draft_model(model, path: str | Path, init_layers: tuple[int, ...], extr
             "extra": json.dumps(extra or {})}
     file = out / "model.safetensors"
     save_file(tensors, str(file), metadata=meta)
+    make_readable(file)
     return file
 
 

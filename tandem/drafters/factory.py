@@ -20,7 +20,7 @@ def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option:
         checkpoint: the target.
 
     Raises:
-        InvalidRequestError: no path and no shipped weights for this target.
+        InvalidRequestError: an empty path, or no path and no shipped weights for this target.
     """
     from ..errors import InvalidRequestError
     from ..models.weights import default_model_path
@@ -28,6 +28,9 @@ def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option:
     from .specformer import DEFAULT_SPECFORMER
 
     if path is not None:
+        if not str(path).strip():
+            raise InvalidRequestError(f"{option} is empty; give a weights directory, or leave it out for the "
+                                      "shipped weights")
         return path
     default = DEFAULT_DRAFT_MODEL if kind == "draft-model" else DEFAULT_SPECFORMER
     if checkpoint.path.resolve() != default_model_path().resolve():

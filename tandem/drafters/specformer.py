@@ -47,7 +47,7 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.runner import CONTEXT_BUCKET
 from ..models.transformer import RMSNorm
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable
 from .lookup import MAX_N, LookupIndex, lookup_continuations
 
 FORMAT = "tandem-specformer-v1"
@@ -420,6 +420,7 @@ def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None =
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
     file = out / "model.safetensors"
     save_file(tensors, str(file), metadata=meta)
+    make_readable(file)
     return file
 
 
