@@ -2,7 +2,7 @@
 the committed Spec-Bench traces (480 prompts, max 256 new tokens, k = 4) with the head alone,
 lookup alone, rule-based hand-offs between them, and the per-round better of the two (hindsight).
 
-    python scripts/lookup_handoff.py [HEAD_DIR] [--cache FILE] [--device cpu]
+    .venv/bin/python scripts/lookup_handoff.py [HEAD_DIR] [--cache FILE] [--device cpu]
 
 HEAD_DIR: a SpecFormer head (default: the shipped one). --cache: a pickle of the head's drafts
 (written on first use, read afterwards; the teacher-forced pass takes ~15 min on 2 CPU cores).
@@ -14,21 +14,18 @@ import json
 import pickle
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from tandem.bench.replay import GreedyTrace, Replayer, _batches, _padded, load_drafter, walk
-from tandem.drafters.lookup import lookup_continuations
-from tandem.metrics import SpecDecodeStats
-from tandem.models.weights import load_checkpoint
-from tandem.train.specformer import teacher_forced_states
-
 TRACES = Path(__file__).resolve().parents[1] / "docs/results/2026-12-01/drafters/spec-bench-traces.jsonl.gz"
 K = 4
 
 
 def head_drafts(path, traces, device):
     """Every position's head drafts ``[T, l_d]`` and their top-1 probabilities, per trace."""
+    import torch
+
+    from tandem.bench.replay import Replayer, _batches, _padded, load_drafter
+    from tandem.models.weights import load_checkpoint
+    from tandem.train.specformer import teacher_forced_states
+
     ck = load_checkpoint(None)
     replayer = Replayer(ck, traces, device, torch.float32)
     head = load_drafter("specformer", path, ck).to(device).eval()
@@ -49,10 +46,16 @@ def head_drafts(path, traces, device):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("head", nargs="?", default=None)
-    ap.add_argument("--cache", default=None)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("head", nargs="?", default=None, help="SpecFormer head directory (default: the shipped head)")
+    ap.add_argument("--cache", default=None, help="pickle of the head's drafts: written on first use, then read")
+    ap.add_argument("--device", default="cpu", help="torch device of the teacher-forced pass")
     a = ap.parse_args()
+    import numpy as np
+
+    from tandem.bench.replay import GreedyTrace, walk
+    from tandem.drafters.lookup import lookup_continuations
+    from tandem.metrics import SpecDecodeStats
+
     traces = [GreedyTrace(**json.loads(line)) for line in gzip.open(TRACES, "rt")]
     if a.cache and Path(a.cache).is_file():
         sf_ids, _ = pickle.load(open(a.cache, "rb"))

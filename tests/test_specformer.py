@@ -429,6 +429,42 @@ def test_head_saved_before_context_layers_loads(tiny_ck, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: "{", "config is not JSON"),
+    (lambda c: None, "config must be a JSON object"),
+    (lambda c: dict(c, lookup_tokens="maybe"), "lookup_tokens has a value of the wrong type"),
+    (lambda c: dict(c, num_draft_tokens=True), "num_draft_tokens has a value of the wrong type"),
+    (lambda c: dict(c, taps=[0, "1"]), "taps has a value of the wrong type"),
+    (lambda c: dict(c, foo=1), "unknown field(s) foo"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "missing field(s) hidden_size"),
+    (lambda c: dict(c, num_draft_tokens=0), "sizes must be >= 1"),
+])
+def test_damaged_head_config_is_a_clear_error(tiny_ck, tmp_path, edit, message):
+    """A head whose metadata config is not what ``save_specformer`` writes is refused with a
+    ``ModelLoadError`` naming the problem (no traceback, no silent coercion of a bogus flag)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    file = save_specformer(_random_head(tiny_ck.config, **VARIANTS["lookup"]), tmp_path / "good")
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+    changed = edit(json.loads(meta["config"]))
+    meta = dict(meta)
+    if changed is None:
+        del meta["config"]
+    else:
+        meta["config"] = changed if isinstance(changed, str) else json.dumps(changed)
+    (tmp_path / "bad").mkdir()
+    save_file(load_file(str(file)), str(tmp_path / "bad" / "model.safetensors"), metadata=meta)
+    with pytest.raises(ModelLoadError, match="damaged config") as err:
+        load_specformer(tmp_path / "bad")
+    assert message in str(err.value)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "model.safetensors").write_text("not weights")
+    with pytest.raises(ModelLoadError, match="not a complete safetensors file"):
+        load_specformer(tmp_path / "text")
+
+
 def test_context_blocks_start_as_copies_of_target_blocks(tiny_ck, tiny_target, tmp_path):
     """``context_init`` heads: each context block computes exactly what its target block computes
     (grouped-query attention, SwiGLU), the taps enter through a zero downsampler, so at step 0

@@ -166,6 +166,50 @@ class SpecFormerConfig:
                    target.rms_norm_eps, target.num_layers, bonus_token, context_next_token, context_layers,
                    context_mlp, kv_heads, ctx_width, init, lookup_tokens)
 
+    @classmethod
+    def from_json(cls, text: str | None) -> "SpecFormerConfig":
+        """The config ``save_specformer`` wrote into a head's metadata (older heads lack the later
+        fields; they take their defaults).
+
+        Raises:
+            ValueError: not a JSON object, an unknown or missing field, a field of the wrong type
+                (integers, booleans, lists of integers), or a size below 1.
+        """
+        import dataclasses
+        import typing
+
+        try:
+            raw = json.loads(text) if isinstance(text, str) else None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config is not JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ValueError("config must be a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(raw) - set(fields))
+        missing = sorted(n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING)
+        if unknown or missing:
+            raise ValueError("; ".join(([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])
+                                       + ([f"missing field(s) {', '.join(missing)}"] if missing else [])))
+        for name, value in raw.items():
+            hint = hints[name]
+            if hint is bool:
+                ok = isinstance(value, bool)
+            elif hint is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif hint is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:  # tuple[int, ...]
+                ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                value = raw[name] = tuple(value) if ok else value
+            if not ok:
+                raise ValueError(f"field {name} has a value of the wrong type: {value!r}")
+        sizes = ("hidden_size", "vocab_size", "num_heads", "head_dim", "intermediate_size", "num_draft_tokens",
+                 "context_layers")
+        if any(raw.get(n, 1) < 1 for n in sizes):
+            raise ValueError(f"sizes must be >= 1: {', '.join(f'{n}={raw[n]}' for n in sizes if n in raw)}")
+        return cls(**raw)
+
     def check_target(self, target: ModelConfig) -> None:
         """Raise ModelLoadError unless this head was made for a target of ``target``'s shape."""
         if (self.hidden_size, self.vocab_size, self.target_layers) != (target.hidden_size, target.vocab_size,
@@ -454,13 +498,13 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # not safetensors
-        raise ModelLoadError(f"cannot read SpecFormer head {str(file)!r}: {exc}") from None
+        raise ModelLoadError(f"cannot read SpecFormer head {str(file)!r}: not a complete safetensors file ({exc})") from None
     if meta.get("format") != FORMAT:
         raise ModelLoadError(f"{str(file)!r} is not a SpecFormer head (format {meta.get('format')!r})")
-    raw = json.loads(meta["config"])
-    raw["taps"] = tuple(raw["taps"])
-    raw["context_init"] = tuple(raw.get("context_init", ()))
-    head = SpecFormerHead(SpecFormerConfig(**raw))
+    try:
+        head = SpecFormerHead(SpecFormerConfig.from_json(meta.get("config")))
+    except (ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"SpecFormer head {str(file)!r} has a damaged config: {exc}") from None
     try:
         head.load_state_dict({_LEGACY_KEYS.get(k, k): v.float() for k, v in tensors.items()})
     except RuntimeError as exc:
