@@ -566,6 +566,8 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             _fail(f"--drafter {spec!r}: replay supports specformer, draft-model and ngram")
         if kind == "ngram" and path:
             _fail("--drafter ngram takes no weights path")
+        if _ and kind != "ngram" and not path.strip():
+            _fail(f"--drafter {spec!r}: the weights path after ':' is empty; leave out the ':' for the shipped weights")
         specs.append((spec, kind, path or None))
     try:
         checkpoint = load_checkpoint(model)
@@ -816,8 +818,9 @@ train_options = [
     click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory (weights + model card)."),
     click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True),
     click.option("--max-steps", type=click.IntRange(min=1), default=None,
-                 help="Stop after N optimiser steps (they set the learning-rate schedule, so a run in --out resumes "
-                      "only with the same N; --no-resume starts over)."),
+                 help="Stop after N optimiser steps (default: the steps of --epochs). N sets the learning-rate "
+                      "schedule; a run in --out resumes only with the same N and the same other options "
+                      "(--no-resume starts over)."),
     click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Peak learning rate (default: 1e-3 for specformer, 3e-4 for draft-model)."),
     click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
@@ -923,9 +926,10 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
                    "with --context-next-token, whose stream then starts as the draft model's; beyond the paper.")
 @click.option("--context-mlp", is_flag=True, help="A SwiGLU MLP after each context attention sub-layer.")
 @click.option("--lookup-tokens", is_flag=True,
-              help="Also feed every draft slot the context lookup continuation (what followed the latest earlier "
-                   "occurrence of the last 1-4 tokens, as prompt lookup would draft it) and its match length, so "
-                   "the head learns when to copy from the context; beyond the paper.")
+              help="Also feed draft slot j the j-th token of the context lookup continuation (what followed the "
+                   "latest earlier occurrence of the last 1-4 tokens, as prompt lookup would draft it; nothing where "
+                   "no suffix recurs) and every slot the match length, so the head learns when to copy from the "
+                   "context; beyond the paper.")
 @click.option("--intermediate-size", type=click.IntRange(min=1), default=None,
               help="SwiGLU width of the head (default 2 x the target's hidden size).")
 @click.option("--soft-labels", "soft_weight", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,

@@ -124,6 +124,7 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
                            (["--traces", str(tmp_path / "missing.jsonl")], "does not exist"),
                            (["--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "no" / "r.json")],
                             "directory does not exist"),
-                           (["--drafter", "ngram:/x"], "takes no weights path")):
+                           (["--drafter", "ngram:/x"], "takes no weights path"),
+                           (["--drafter", "specformer:"], "the weights path after ':' is empty")):
         res = CliRunner().invoke(main, base + extra)
         assert res.exit_code == 2 and message in res.output, (extra, res.output)

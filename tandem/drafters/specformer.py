@@ -178,8 +178,10 @@ class SpecFormerConfig:
         import dataclasses
         import typing
 
+        if text is None:
+            raise ValueError("the metadata has no config")
         try:
-            raw = json.loads(text) if isinstance(text, str) else None
+            raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"config is not JSON ({exc})") from None
         if not isinstance(raw, dict):
@@ -206,8 +208,9 @@ class SpecFormerConfig:
                 raise ValueError(f"field {name} has a value of the wrong type: {value!r}")
         sizes = ("hidden_size", "vocab_size", "num_heads", "head_dim", "intermediate_size", "num_draft_tokens",
                  "context_layers")
-        if any(raw.get(n, 1) < 1 for n in sizes):
-            raise ValueError(f"sizes must be >= 1: {', '.join(f'{n}={raw[n]}' for n in sizes if n in raw)}")
+        small = [f"{n}={raw[n]}" for n in sizes if raw.get(n, 1) < 1]
+        if small:
+            raise ValueError(f"sizes must be >= 1: {', '.join(small)}")
         return cls(**raw)
 
     def check_target(self, target: ModelConfig) -> None:
