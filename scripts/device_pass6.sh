@@ -78,7 +78,7 @@ ship() { for h in "$@"; do [[ -f /tmp/train/$h/model.safetensors ]] && \
 distill_then() {  # TAG NAME BOX [flags]: finish the distillation alone (BOX s; it comes back whole as
   # $OUT/distill-full.tgz, ~7 MB), then train head NAME until 570 s into the call
   local tag=$1 name=$2 box=$3; shift 3
-  timeout -s INT "$box" python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 \
+  timeout -s INT "$box" python3 -m tandem distill-data --prompts data/train_prompts.jsonl.gz --max-tokens 512 \
     --out $full --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
   tar -C /tmp -czf "$out/distill-full.tgz" distill
@@ -105,7 +105,7 @@ finish() {  # NAME TAG [flags]: head NAME to its last step, replay it beside the
   tail -22 $w/logs/replay-"$tag".log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8; cat $w/logs/trace-report.txt; }
 case $step in
 one)
-  timeout -s INT 540 python3 -m tandem distill-data --prompts data/train_prompts.jsonl --max-tokens 512 --out $full \
+  timeout -s INT 540 python3 -m tandem distill-data --prompts data/train_prompts.jsonl.gz --max-tokens 512 --out $full \
     --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1 &
   dpid=$!
   train sf-a $committed 1200 470 &

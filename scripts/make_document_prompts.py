@@ -1,7 +1,7 @@
 """Document-task training prompts for self-distillation, built only from the training set.
 
 Spec-Bench's summarization, rag, translation and extraction prompts carry long documents; the
-training prompts (data/train_prompts.jsonl) are short (median 122 characters) and rarely ask to
+training prompts (data/train_prompts.jsonl.gz) are short (median 122 characters) and rarely ask to
 work on a given text, which is where a SpecFormer head trained on them falls short (docs/benchmarks.md,
 Pass 8). This writes prompts that wrap a document in such a task: the documents are the target's own
 distilled answers (decoded) and the longest user prompts, never benchmark text. The target then
@@ -9,7 +9,7 @@ answers them (`tandem distill-data --prompts OUT`), and the head learns from tho
 
     python scripts/make_document_prompts.py [--count 6000] [--seed 0] [--data DIR] [--out FILE]
 
-Deterministic for a seed; each line is {"id", "source", "prompt"} like data/train_prompts.jsonl.
+Deterministic for a seed; each line is {"id", "source", "prompt"} like data/train_prompts.jsonl.gz (uncompressed).
 """
 import argparse
 import json
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=str(top / "data/distill/smollm2-135m-instruct"))
-    ap.add_argument("--prompts", default=str(top / "data/train_prompts.jsonl"))
+    ap.add_argument("--prompts", default=str(top / "data/train_prompts.jsonl.gz"))
     ap.add_argument("--out", default="document_prompts.jsonl")
     ap.add_argument("--min-doc-tokens", type=int, default=80)
     ap.add_argument("--max-doc-tokens", type=int, default=450)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Split the bundled target GGUF into N parts in ignored folders .device-stage/pI, so each device
 # call stays under the 64 MiB it may carry *with* the working tree (tracked and untracked files:
-# 56 MiB on 2026-12-01, too big beside ../shared/tools/stage-for-device's 56 MiB parts). Without
+# 54 MiB at the end of 2026-12-01 with both shipped drafters and the whole distillation; too big beside ../shared/tools/stage-for-device's 56 MiB parts). Without
 # PARTS the count is the smallest that keeps tree + part under 63 MiB. Prints the calls to make
 # back to back; the last one rebuilds and checks the file.
 #   scripts/stage_model.sh [PARTS] [FILE]

@@ -26,19 +26,26 @@ def bundled_spec_bench() -> Path:
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
-    """Read prompts (first turn of each row).
+    """Read prompts (first turn of each row) from a JSONL file, gzip-compressed when its name ends
+    in ``.gz``.
 
     Raises:
-        InvalidRequestError: the file is missing, not UTF-8, or a row is not JSON / lacks text.
+        InvalidRequestError: the file is missing, not UTF-8, not gzip under a ``.gz`` name, or a row
+            is not JSON / lacks text.
     """
+    import gzip
+
     p = Path(path)
     if not p.is_file():
         raise InvalidRequestError(f"prompts file {str(p)!r} does not exist")
     records: list[PromptRecord] = []
     try:
-        lines = p.read_text(encoding="utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        lines = raw.decode("utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"{p} is not valid UTF-8: {exc}") from None
+    except (OSError, EOFError) as exc:  # BadGzipFile is an OSError
+        raise InvalidRequestError(f"{p} cannot be read as gzip: {exc}") from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -278,3 +278,19 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     assert rows["target"]["speedup"] == 1.0 and rows["ngram"]["lossless_share"] == 1.0
     assert rows["ngram"]["drafted"] > 0 and 0.0 <= rows["ngram"]["acceptance_rate"] <= 1.0
     assert rows["ngram"]["ttft_p50_ms"] > 0
+
+
+def test_prompts_read_from_gzip_jsonl(tmp_path):
+    """``load_prompts`` reads ``.jsonl.gz`` as it reads ``.jsonl`` (the repository's copy of the
+    training prompts is compressed), and a ``.gz`` name over other bytes is a clear error."""
+    import gzip
+
+    from tandem.errors import InvalidRequestError
+
+    rows = "".join(json.dumps({"id": f"p{i}", "prompt": f"question {i}\u2028line two"}) + "\n" for i in range(3))
+    (tmp_path / "p.jsonl").write_text(rows, encoding="utf-8")
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    assert load_prompts(tmp_path / "p.jsonl.gz") == load_prompts(tmp_path / "p.jsonl")
+    (tmp_path / "bad.jsonl.gz").write_text(rows)
+    with pytest.raises(InvalidRequestError, match="cannot be read as gzip"):
+        load_prompts(tmp_path / "bad.jsonl.gz")
