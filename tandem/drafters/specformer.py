@@ -48,7 +48,7 @@ from ..models.rope import apply_rope
 from ..models.runner import CONTEXT_BUCKET
 from ..models.transformer import RMSNorm
 from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable
-from .lookup import MAX_N, LookupIndex, lookup_continuations
+from .lookup import MAX_N, LookupIndex
 
 FORMAT = "tandem-specformer-v1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
