@@ -16,6 +16,7 @@ from tandem.drafters.draft_model import DraftModelDrafter, load_draft_checkpoint
 from tandem.drafters.specformer import (SpecFormerConfig, SpecFormerDrafter, SpecFormerHead,
                                         init_context_from_target, load_specformer, save_specformer)
 from tandem.engine import Engine
+from tandem.errors import InvalidRequestError
 from tandem.models.config import ModelLoadError
 from tandem.models.runner import RunnerConfig
 from tandem.models.transformer import Transformer
@@ -295,6 +296,9 @@ def test_distill_writes_shards_and_resumes(tiny_ck, distilled, tmp_path):
     assert len(again.records) == len(PROMPTS) and again.skipped["benchmark"] == 1
     with pytest.raises(Exception, match="benchmark"):
         distill(engine, bench, tmp_path / "b", max_tokens=4)
+    # answers of another length limit are not mixed into the same data
+    with pytest.raises(InvalidRequestError, match="max_tokens 32 -> 16"):
+        distill(engine, [PromptRecord("new", "-", "Name a colour.")], distilled, max_tokens=16)
 
 
 def test_shards_are_compressed_and_old_raw_shards_convert(distilled, tmp_path):

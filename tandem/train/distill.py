@@ -218,7 +218,7 @@ def distill(engine, prompts: list[PromptRecord], out_dir: str | Path, max_tokens
 
     Raises:
         InvalidRequestError: every prompt is a benchmark prompt, or ``out_dir`` holds data made by
-            another target model.
+            another target model or with another answer length limit.
     """
     from ..sampling import SamplingParams
 
@@ -231,6 +231,10 @@ def distill(engine, prompts: list[PromptRecord], out_dir: str | Path, max_tokens
         manifest = DistillManifest.load(out)
         if manifest.target.get("sha256") != target["sha256"]:
             raise InvalidRequestError(f"{out} holds data distilled from another target model; use a new --out")
+        was = manifest.settings.get("max_tokens")
+        if was is not None and was != max_tokens:  # answers cut at another length would mix silently
+            raise InvalidRequestError(f"{out} holds answers of at most {was} tokens (max_tokens {was} -> "
+                                      f"{max_tokens}); resume with --max-tokens {was}, or use a new --out")
     else:
         manifest = DistillManifest(target, dict(settings or {}, max_tokens=max_tokens, greedy=True, chat_template=True,
                                                 max_prompt_tokens=max_prompt_tokens))
