@@ -23,7 +23,8 @@
 #       # ($OUT/distill-full.tgz, ~7 MB), then start head G
 #   scripts/device_pass6.sh MODEL OUT eight-two    # head G resumed (560 s box); weights back
 #   scripts/device_pass6.sh MODEL OUT eight-three  # G to its last step; replay G and C; live batch 1 with a
-#       # (pass 8 ran these at commit aff7405; the traced bench needs the wheels of scripts/device_wheels.sh)
+#       # (pass 8 ran these at commit aff7405, whose bench used --warmup short; the traced bench needs the
+#       # wheels of scripts/device_wheels.sh)
 #       # trace file (TANDEM_TRACE_FILE) so `tandem trace-report` splits a SpecFormer round into
 #       # draft / verify / observe (the ~27 ms round against 2.9 ms for a target-only token)
 # Planned for pass 9 (staging: scripts/device_wheels.sh, then scripts/stage_model.sh; see docs/benchmarks.md
@@ -90,19 +91,15 @@ resume_head() {  # TAG NAME [flags]: head NAME resumed under a 560 s box; weight
   ship "$name"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-two.tgz" p6/logs train/"$name"; }
 finish() {  # NAME TAG [flags]: head NAME to its last step, replay it beside the shipped head, weights back,
-  # live batch-1 bench (target-only vs NAME, no compile) with a trace file for `tandem trace-report`
+  # traced live batch-1 bench (target-only vs NAME, no compile, full warm-up; `tandem trace-report`)
   local name=$1 tag=$2; shift 2
   train "$name" $full 3000 "${arg:-240}" "$@"
   replay "$tag" "$name"
   ship "$name"
-  TANDEM_TRACE_FILE=$w/spans-b1.jsonl timeout $((560 - SECONDS)) python3 -m tandem bench --model "$model" \
-    --max-tokens 256 --limit 13 --batch-sizes 1 --no-hf-baseline --no-compile --configs target,specformer \
-    --specformer /tmp/train/"$name" --warmup short --out $w/bench-sf > $w/logs/bench-sf.log 2>&1
-  log "bench rc=$?"
-  python3 -m tandem trace-report $w/spans-b1.jsonl > $w/logs/trace-report.txt 2>&1
+  bench_b1 "$tag" /tmp/train/"$name" $((560 - SECONDS))
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-three.tgz" p6/logs p6/replay-"$tag".json \
-    p6/bench-sf train/"$name"
-  tail -22 $w/logs/replay-"$tag".log; grep -v '^\[\|INFO' $w/logs/bench-sf.log | tail -8; cat $w/logs/trace-report.txt; }
+    p6/bench-"$tag" train/"$name"
+  tail -22 $w/logs/replay-"$tag".log; }
 case $step in
 one)
   timeout -s INT 540 python3 -m tandem distill-data --prompts data/train_prompts.jsonl.gz --max-tokens 512 --out $full \
@@ -142,16 +139,7 @@ nine-one)
   train sf-h $full 3000 $((575 - SECONDS)) "${head_g[@]}"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-one.tgz" p6/logs p6/bench-g train/sf-h ;;
 nine-two) resume_head nine sf-h "${head_g[@]}" ;;
-nine-three)
-  train sf-h $full 3000 "${arg:-240}" "${head_g[@]}"
-  timeout 120 python3 -m tandem replay --traces $w/traces.jsonl --model "$model" --drafter specformer \
-    --drafter specformer:/tmp/train/sf-h --out $w/replay-nine.json > $w/logs/replay-nine.log 2>&1
-  log "replay rc=$?"
-  ship sf-h
-  bench_b1 h /tmp/train/sf-h $((560 - SECONDS))
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-three.tgz" p6/logs p6/replay-nine.json \
-    p6/bench-h train/sf-h
-  tail -22 $w/logs/replay-nine.log ;;
+nine-three) finish sf-h nine "${head_g[@]}" ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \

@@ -6,7 +6,8 @@ lookup alone, rule-based hand-offs between them, and the per-round better of the
 
 HEAD_DIR: a SpecFormer head (default: the shipped one). --cache: a pickle of the head's drafts
 (written on first use, read afterwards; the teacher-forced pass takes ~15 min on 2 CPU cores).
-The lookup rule is ``tandem.drafters.lookup`` (the one ``--lookup-tokens`` heads read).
+The lookup rule is ``tandem.drafters.lookup``, read per row as ``--lookup-tokens`` heads read it
+(``tandem.train.specformer.lookup_rows``).
 """
 import argparse
 import gzip
@@ -50,11 +51,11 @@ def main():
     ap.add_argument("--cache", default=None, help="pickle of the head's drafts: written on first use, then read")
     ap.add_argument("--device", default="cpu", help="torch device of the teacher-forced pass")
     a = ap.parse_args()
-    import numpy as np
+    import torch
 
     from tandem.bench.replay import GreedyTrace, walk
-    from tandem.drafters.lookup import lookup_continuations
     from tandem.metrics import SpecDecodeStats
+    from tandem.train.specformer import lookup_rows
 
     traces = [GreedyTrace(**json.loads(line)) for line in gzip.open(TRACES, "rt")]
     if a.cache and Path(a.cache).is_file():
@@ -63,10 +64,7 @@ def main():
         sf_ids, sf_p = head_drafts(a.head, traces, a.device)
         if a.cache:
             pickle.dump((sf_ids, sf_p), open(a.cache, "wb"))
-    look = []
-    for t in traces:  # row p of a round reads x[..p+1] (the bonus token is known)
-        cont, match = lookup_continuations(np.asarray(t.tokens), K)
-        look.append((np.concatenate([cont[1:], np.full((1, K), -1)]), np.concatenate([match[1:], [0]])))
+    look = [lookup_rows(torch.tensor([t.tokens]), K) for t in traces]  # row p reads x[..p+1], as the head does
 
     def accepted(row, x, p):
         n = 0

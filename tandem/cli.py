@@ -566,9 +566,7 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             _fail(f"--drafter {spec!r}: replay supports specformer, draft-model and ngram")
         if kind == "ngram" and path:
             _fail("--drafter ngram takes no weights path")
-        if _ and kind != "ngram" and not path.strip():
-            _fail(f"--drafter {spec!r}: the weights path after ':' is empty; leave out the ':' for the shipped weights")
-        specs.append((spec, kind, path or None))
+        specs.append((spec, kind, path if _ else None))  # "KIND:" (empty path) is refused by drafter_weights
     try:
         checkpoint = load_checkpoint(model)
         loaded = {}

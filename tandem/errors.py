@@ -10,3 +10,19 @@ class InvalidRequestError(ValueError):
 
 class ConfigError(ValueError):
     """A bad engine setting (unknown device, CUDA asked for on a machine without it, ...)."""
+
+
+def check_fields(cls, record: dict) -> None:
+    """Raise ValueError ("missing a, b; unknown c") unless ``record``'s keys are fields of the
+    dataclass ``cls`` and include every field without a default: the shape check of a JSON object
+    read back into ``cls(**record)``."""
+    import dataclasses
+
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
+    missing = sorted(f.name for f in fields if f.name not in record and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    unknown = sorted(set(record) - names)
+    if missing or unknown:
+        raise ValueError("; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                   + ([f"unknown {', '.join(unknown)}"] if unknown else [])))

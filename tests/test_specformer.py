@@ -440,8 +440,8 @@ def test_head_saved_before_context_layers_loads(tiny_ck, tmp_path):
     (lambda c: dict(c, lookup_tokens="maybe"), "lookup_tokens has a value of the wrong type"),
     (lambda c: dict(c, num_draft_tokens=True), "num_draft_tokens has a value of the wrong type"),
     (lambda c: dict(c, taps=[0, "1"]), "taps has a value of the wrong type"),
-    (lambda c: dict(c, foo=1), "unknown field(s) foo"),
-    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "missing field(s) hidden_size"),
+    (lambda c: dict(c, foo=1), "unknown foo"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "missing hidden_size"),
     (lambda c: dict(c, num_draft_tokens=0), "sizes must be >= 1: num_draft_tokens=0"),
 ])
 def test_damaged_head_config_is_a_clear_error(tiny_ck, tmp_path, edit, message):

@@ -21,8 +21,6 @@ seconds on the GPU instead of a decode run per variant.
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 
 from ..data import PromptRecord
+from ..errors import check_fields
 from ..metrics import SpecDecodeStats
 
 
@@ -118,12 +117,7 @@ def load_traces(path: str | Path, vocab_size: int | None = None) -> list[GreedyT
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise ValueError("a line must be a JSON object")
-            fields = {f.name for f in dataclasses.fields(GreedyTrace)}
-            required = {f.name for f in dataclasses.fields(GreedyTrace) if f.default is dataclasses.MISSING}
-            if not required <= set(record) <= fields:
-                missing, extra = sorted(required - set(record)), sorted(set(record) - fields)
-                raise ValueError("; ".join(([f"missing {', '.join(missing)}"] if missing else [])
-                                           + ([f"unknown {', '.join(extra)}"] if extra else [])))
+            check_fields(GreedyTrace, record)
             trace = GreedyTrace(**record)
             trace.check(vocab_size)
         except (TypeError, ValueError) as exc:
@@ -262,13 +256,13 @@ def replay(traces: list[GreedyTrace], drafts: list, k: int) -> tuple[dict, dict[
     return overall.to_dict(), {c: v.to_dict() for c, v in sorted(per_cat.items())}
 
 
-def load_drafter(kind: str, path: str | None, checkpoint):
+def load_drafter(kind: str, path: str | None, checkpoint, option: str = "the weights path after ':'"):
     """A drafter's weights for replay, loaded and checked against the target: a ``SpecFormerHead``
     (``specformer``), a draft ``Checkpoint`` (``draft-model``; ``path`` None = the weights shipped
-    for the bundled target) or None (``ngram``, nothing to load).
+    for the bundled target) or None (``ngram``, nothing to load). ``option`` names ``path`` in errors.
 
     Raises:
-        InvalidRequestError: no path and no shipped weights for this target.
+        InvalidRequestError: an empty path, or no path and no shipped weights for this target.
         ModelLoadError: unloadable weights or weights made for another target.
         ValueError: an unknown ``kind``.
     """
@@ -279,13 +273,13 @@ def load_drafter(kind: str, path: str | None, checkpoint):
     if kind == "specformer":
         from ..drafters.specformer import load_specformer
 
-        head = load_specformer(drafter_weights(kind, path, checkpoint))
+        head = load_specformer(drafter_weights(kind, path, checkpoint, option))
         head.config.check_target(checkpoint.config)
         return head
     if kind == "draft-model":
         from ..drafters.draft_model import load_draft_checkpoint
 
-        return load_draft_checkpoint(str(drafter_weights(kind, path, checkpoint)), checkpoint)
+        return load_draft_checkpoint(str(drafter_weights(kind, path, checkpoint, option)), checkpoint)
     raise ValueError(f"replay supports specformer, draft-model and ngram, not {kind!r}")
 
 

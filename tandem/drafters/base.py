@@ -255,6 +255,20 @@ class Drafter(ABC):
         """
 
 
+def synced_index(indexes: dict, req: DraftRequest, new):
+    """The token index kept for ``req.slot`` in ``indexes``, extended with the tokens ``req`` holds
+    beyond it; rebuilt with ``new()`` when the slot's sequence is not an extension of what it
+    indexed (the slot was reused). An index has ``tokens`` (a list) and ``extend(ids)``; only
+    accepted tokens reach it, so it never rolls back."""
+    index = indexes.get(req.slot)
+    held = len(index.tokens) if index is not None else 0
+    if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
+        index = indexes[req.slot] = new()
+        held = 0
+    index.extend(req.token_ids[held:])
+    return index
+
+
 def make_readable(path) -> None:
     """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
     through a private temporary file, which leaves 0600, so a head trained by one user could not

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from .base import DraftProposal, DraftRequest, Drafter, one_hot_features
+from .base import DraftProposal, DraftRequest, Drafter, one_hot_features, synced_index
 
 
 class NgramIndex:
@@ -82,13 +82,7 @@ class NgramDrafter(Drafter):
         self._index.pop(slot, None)
 
     def _synced(self, req: DraftRequest) -> NgramIndex:
-        index = self._index.get(req.slot)
-        held = len(index.tokens) if index is not None else 0
-        if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
-            index = self._index[req.slot] = NgramIndex(self.max_n, self.min_n)
-            held = 0
-        index.extend(req.token_ids[held:])
-        return index
+        return synced_index(self._index, req, lambda: NgramIndex(self.max_n, self.min_n))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         out = []

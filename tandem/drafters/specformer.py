@@ -45,9 +45,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
-from ..models.runner import CONTEXT_BUCKET
+from ..models.runner import context_bucket
 from ..models.transformer import RMSNorm
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, synced_index
 from .lookup import MAX_N, LookupIndex
 
 FORMAT = "tandem-specformer-v1"
@@ -175,8 +175,9 @@ class SpecFormerConfig:
             ValueError: not a JSON object, an unknown or missing field, a field of the wrong type
                 (integers, booleans, lists of integers), or a size below 1.
         """
-        import dataclasses
         import typing
+
+        from ..errors import check_fields
 
         if text is None:
             raise ValueError("the metadata has no config")
@@ -186,13 +187,8 @@ class SpecFormerConfig:
             raise ValueError(f"config is not JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise ValueError("config must be a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        check_fields(cls, raw)
         hints = typing.get_type_hints(cls)
-        unknown = sorted(set(raw) - set(fields))
-        missing = sorted(n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING)
-        if unknown or missing:
-            raise ValueError("; ".join(([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])
-                                       + ([f"missing field(s) {', '.join(missing)}"] if missing else [])))
         for name, value in raw.items():
             hint = hints[name]
             if hint is bool:
@@ -633,11 +629,9 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
-        # attended length rounded up to the runner's context bucket: the mask hides the extra
-        # positions, and attention sees a handful of shapes instead of a new one every round (an
-        # eager cuDNN attention call builds and caches an execution plan per shape)
-        longest = max(s.start + m for s, m in zip(states, lens))
-        attn_len = min(-(-longest // CONTEXT_BUCKET) * CONTEXT_BUCKET, self.k_cache.shape[3] - 1)
+        # rounded up to the runner's context bucket (the mask hides the extra positions): an eager
+        # cuDNN attention call builds an execution plan per new shape, and rounds would each bring one
+        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self.k_cache.shape[3] - 1)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
@@ -654,15 +648,8 @@ class SpecFormerDrafter(Drafter):
 
     def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
         """The context lookup continuation of ``req.token_ids`` (l_d ids or none) and its match
-        length, from the slot's ``LookupIndex`` (extended with the tokens since the last round;
-        rebuilt when the slot's sequence is not an extension of what it indexed)."""
-        index = self._lookups.get(req.slot)
-        held = len(index.tokens) if index is not None else 0
-        if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
-            index = self._lookups[req.slot] = LookupIndex()
-            held = 0
-        index.extend(req.token_ids[held:])
-        return index.lookup(self.head.config.num_draft_tokens)
+        length, from the slot's ``LookupIndex`` (``synced_index``)."""
+        return synced_index(self._lookups, req, LookupIndex).lookup(self.head.config.num_draft_tokens)
 
     @torch.inference_mode()
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 CONTEXT_BUCKET = 256  # attended context is rounded up to this many positions in graphs
 
 
+def context_bucket(attn_len: int, capacity: int) -> int:
+    """``attn_len`` rounded up to a multiple of ``CONTEXT_BUCKET``, at most ``capacity``: attention
+    then sees one shape per bucket (one CUDA graph, one cuDNN plan) instead of one per length."""
+    return min(capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How the runner is built.
@@ -260,7 +266,7 @@ class ModelRunner:
             attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + q for s in tokens_per_slot))
         if self.config.cuda_graphs:
             n = _bucket(n, self.cache.num_slots)
-            attn_len = min(self.cache.capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            attn_len = context_bucket(attn_len, self.cache.capacity)
         tree = bool(trees)
         rows = []
         for slot in range(n):
