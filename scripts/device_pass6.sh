@@ -55,6 +55,8 @@ flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5
 # token), context decoder blocks from target blocks 0 and 29, draft SwiGLU 576 wide (< 25 MB)
 head_e=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --max-answer-tokens 256)
 head_g=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --lookup-tokens)
+# head I (pass 9): the shipped head G fine-tuned on the distillation plus the document-task answers, lower peak lr
+head_i=(--init-from tandem/drafters/weights/specformer-smollm2-135m --lr 3e-4)
 bench_b1() {  # TAG HEAD BOX: traced batch-1 bench, target-only vs SpecFormer head HEAD, full warm-up; trace report
   local tag=$1 head=$2 box=$3
   TANDEM_TRACE_FILE=$w/spans-$tag.jsonl timeout "$box" python3 -m tandem bench --model "$model" --max-tokens 256 \
@@ -74,6 +76,9 @@ replay() {  # TAG HEAD...: replay the heads (and the shipped one) on the Spec-Be
     $(for h in "$@"; do echo "--drafter specformer:/tmp/train/$h"; done) --out $w/replay-"$tag".json \
     > $w/logs/replay-"$tag".log 2>&1
   log "replay $tag rc=$?"; }
+finished() {  # NAME: true when head NAME has trained to its last planned step
+  python3 -c "import json,sys; t=json.load(open('/tmp/train/$1/card.json'))['training']; \
+sys.exit(t['steps'] < t['planned_steps'])" 2>/dev/null; }
 ship() { for h in "$@"; do [[ -f /tmp/train/$h/model.safetensors ]] && \
   split -b 15M -d -a 1 /tmp/train/"$h"/model.safetensors "$out/$h.safetensors.part"; done; }
 distill_then() {  # TAG NAME BOX [flags]: finish the distillation alone (BOX s; it comes back whole as
@@ -127,19 +132,36 @@ seven-three) finish sf-e seven "${head_e[@]}" ;;
 eight-one) distill_then eight sf-g 480 "${head_g[@]}" ;;
 eight-two) resume_head eight sf-g "${head_g[@]}" ;;
 eight-three) finish sf-g eight "${head_g[@]}" ;;
-nine-one)
-  bench_b1 g tandem/drafters/weights/specformer-smollm2-135m 170
-  timeout 90 python3 scripts/profile_round.py "$model" tandem/drafters/weights/specformer-smollm2-135m $w/logs \
-    > $w/logs/profile.log 2>&1; log "profile rc=$?"; grep 'ms/round' $w/logs/profile.log
+nine-one)  # document-task prompts distilled into the whole distillation; then heads I (G fine-tuned) and H (from scratch)
   python3 scripts/make_document_prompts.py --out $w/document_prompts.jsonl > $w/logs/document-prompts.log 2>&1
   timeout -s INT 240 python3 -m tandem distill-data --prompts $w/document_prompts.jsonl --max-tokens 512 --out $full \
     --batch-size 512 --model "$model" > $w/logs/distill-doc.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill-doc.log | tr '\r' '\n' | tail -1)"
   tar -C /tmp -czf "$out/distill-doc.tgz" distill
+  train sf-i $full 1500 $((575 - SECONDS)) "${head_g[@]}" "${head_i[@]}" &
   train sf-h $full 3000 $((575 - SECONDS)) "${head_g[@]}"
-  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-one.tgz" p6/logs p6/bench-g train/sf-h ;;
-nine-two) resume_head nine sf-h "${head_g[@]}" ;;
-nine-three) finish sf-h nine "${head_g[@]}" ;;
+  wait
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-one.tgz" p6/logs train/sf-h train/sf-i ;;
+nine-two)  # both resumed; replay what finished; weights back
+  train sf-i $full 1500 "${arg:-500}" "${head_g[@]}" "${head_i[@]}" &
+  train sf-h $full 3000 "${arg:-500}" "${head_g[@]}"
+  wait
+  done_heads=$(for h in sf-i sf-h; do finished $h && echo $h; done)
+  [[ -n $done_heads ]] && replay nine-two $done_heads
+  ship sf-i sf-h
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-two.tgz" p6/logs p6/replay-nine-two.json \
+    train/sf-h train/sf-i 2>/dev/null
+  tail -22 $w/logs/replay-nine-two.log ;;
+nine-three)  # H (and I, if short) to the last step; replay both beside G; weights back; traced bench of G if time is left
+  train sf-i $full 1500 "${arg:-200}" "${head_g[@]}" "${head_i[@]}" &
+  train sf-h $full 3000 "${arg:-200}" "${head_g[@]}"
+  wait
+  replay nine sf-i sf-h
+  ship sf-i sf-h
+  (( SECONDS < 380 )) && bench_b1 g tandem/drafters/weights/specformer-smollm2-135m $((560 - SECONDS))
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-three.tgz" p6/logs p6/replay-nine.json \
+    p6/bench-g train/sf-h train/sf-i 2>/dev/null
+  tail -22 $w/logs/replay-nine.log ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \

@@ -7,7 +7,7 @@ Pass 8). This writes prompts that wrap a document in such a task: the documents 
 distilled answers (decoded) and the longest user prompts, never benchmark text. The target then
 answers them (`tandem distill-data --prompts OUT`), and the head learns from those answers.
 
-    python scripts/make_document_prompts.py [--count 6000] [--seed 0] [--data DIR] [--out FILE]
+    python scripts/make_document_prompts.py [--count 8000] [--seed 0] [--data DIR] [--out FILE]
 
 Deterministic for a seed; each line is {"id", "source", "prompt"} like data/train_prompts.jsonl.gz (uncompressed).
 """
@@ -28,13 +28,20 @@ TASKS = [
     ("translate", "Translate the following text into French.\n\n{doc}"),
     ("translate-de", "Translate the following text into German.\n\n{doc}"),
     ("title", "Give the following text a title, then explain your choice.\n\n{doc}"),
+    ("summarize-terse", "Summarize: {doc}"),
+    ("passage-question", "{doc}\n{question}"),
 ]
+# questions about the document itself, for the passage-then-question form (retrieval-augmented answering)
+QUESTIONS = ["What is this text about?", "Who or what does the text mention first?", "What does the text recommend?",
+             "Which example does the text give?", "What is the most important point made above?",
+             "What problem does the text address, and how?", "What happens at the end of the text?",
+             "Which steps does the text describe?"]
 
 
 def main() -> None:
     top = Path(__file__).resolve().parents[1]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--count", type=int, default=6000)
+    ap.add_argument("--count", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=str(top / "data/distill/smollm2-135m-instruct"))
     ap.add_argument("--prompts", default=str(top / "data/train_prompts.jsonl.gz"))
@@ -58,7 +65,7 @@ def main() -> None:
         if rec.finish_reason == "stop" and a.min_doc_tokens <= rec.answer_len <= a.max_doc_tokens:
             docs.append((rec.prompt_id, tok.decode(seq.tokens[seq.prompt_len:].tolist()).strip()))
     for rec in load_prompts(a.prompts):
-        if 600 <= len(rec.text) <= 3000:
+        if 600 <= len(rec.text) <= 4500:
             docs.append((rec.prompt_id, rec.text.strip()))
     if not docs:
         raise SystemExit(f"no documents between {a.min_doc_tokens} and {a.max_doc_tokens} tokens in {a.data}")
@@ -67,8 +74,9 @@ def main() -> None:
         for i in range(a.count):
             src, doc = docs[i % len(docs)]
             name, template = TASKS[i % len(TASKS)]
-            f.write(json.dumps({"id": f"doc-{name}/{src}", "source": f"document-task:{name}",
-                                "prompt": template.format(doc=doc)}) + "\n")
+            prompt = template.format(doc=doc, question=QUESTIONS[(i // len(TASKS)) % len(QUESTIONS)])
+            f.write(json.dumps({"id": f"doc{i}-{name}/{src}", "source": f"document-task:{name}",
+                                "prompt": prompt}) + "\n")
     print(f"{a.count} prompts from {len(docs)} documents -> {a.out}")
 
 

@@ -934,15 +934,21 @@ def _finish_training(kind, out, result, manifest, train_cfg, extra, model, devic
               help="Weight W of the soft-label term: loss = (1 - W) x cross-entropy against the distilled token "
                    "+ W x cross-entropy against the target's own distribution (0 = hard labels only, the paper's "
                    "loss).")
+@click.option("--init-from", type=click.Path(), default=None,
+              help="Start from this trained head (a directory with model.safetensors) instead of a fresh one: "
+                   "fine-tuning, e.g. on more distilled data with a lower --lr. The other head options must "
+                   "describe the same head; the copy of --context-init-layers from the target is skipped.")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
                          taps, bonus_token, context_next_token, context_layers, context_init_layers, context_mlp,
-                         lookup_tokens, intermediate_size, soft_weight) -> None:
+                         lookup_tokens, intermediate_size, soft_weight, init_from) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
+    from pathlib import Path
 
-    from .drafters.specformer import init_context_from_target, save_specformer
+    from .drafters.specformer import init_context_from_target, load_specformer, save_specformer
     from .train.loop import TrainConfig, train as run_training
+    from .train.distill import model_fingerprint
     from .train.specformer import SpecFormerObjective, new_head
 
     try:
@@ -960,13 +966,20 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     if len(init_list) > 8:
         _fail(f"--context-init-layers names {len(init_list)} blocks; at most 8 (as --context-layers)")
         return
+    start = load_specformer(init_from) if init_from is not None else None  # before the target: fail early
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:
         head = new_head(ck.config, num_draft, tap_list, causal, seed, bonus_token,
                         context_next_token=context_next_token, context_layers=context_layers,
                         context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list,
                         lookup_tokens=lookup_tokens)
-        if init_list:
+        if start is not None:
+            differ = [f"{k} {v!r} (there) vs {getattr(head.config, k)!r} (these options)"
+                      for k, v in asdict(start.config).items() if getattr(head.config, k) != v]
+            if differ:
+                raise ValueError(f"--init-from {init_from} is another head: {'; '.join(differ)}")
+            head.load_state_dict(start.state_dict())
+        elif init_list:
             init_context_from_target(head, target)
         head = head.to(rcfg.device)
     except ValueError as exc:
@@ -976,13 +989,18 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
                        val_fraction=val_fraction, max_answer_tokens=max_answer_tokens)
     try:
         run = dict({f"head.{k}": v for k, v in asdict(head.config).items()}, soft_label_weight=soft_weight)
+        started = {}
+        if init_from is not None:  # a resume must start from the same weights
+            file = Path(init_from) / "model.safetensors" if Path(init_from).is_dir() else Path(init_from)
+            started = {"init_from": str(init_from), "init_from_sha256": model_fingerprint(file)}
+            run["init_from_sha256"] = started["init_from_sha256"]
         result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
                               resume=not no_resume, settings=run)
     except ValueError as exc:
         _fail(str(exc))
         return
     save_specformer(head, out, extra={"train": result.to_dict(), "soft_label_weight": soft_weight})
-    _finish_training("specformer", out, result, manifest, dict(asdict(tcfg), soft_label_weight=soft_weight),
+    _finish_training("specformer", out, result, manifest, dict(asdict(tcfg), soft_label_weight=soft_weight, **started),
                      asdict(head.config), model, device,
                      eval_limit, eval_max_tokens, eval_batch_size, num_draft)
 

@@ -594,6 +594,41 @@ def test_resume_into_a_run_of_other_settings_is_a_clear_error(trained, distilled
     assert res.exit_code == 2 and "is a SpecFormer head" in res.output
 
 
+def test_init_from_fine_tunes_a_trained_head(trained, distilled, tmp_path):
+    """``--init-from`` starts from the trained head's weights (its step-0 held-out loss is the
+    trained head's, far below a fresh head's), records where it started in the card, refuses a
+    head of another shape in one line, and a resume from other start weights is refused."""
+    model, out = trained
+    head_flags = ["--bonus-token", "--context-next-token", "--context-init-layers", "1,0", "--soft-labels", "0.5",
+                  "--max-answer-tokens", "24"]
+    base = ["train", "specformer", "--data", str(distilled), "--model", model, "--device", "cpu",
+            "--batch-tokens", "512", "--lr", "1e-3"]
+    res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "ft"), "--max-steps", "2", "--init-from",
+                                           str(out / "specformer")] + head_flags)
+    assert res.exit_code == 0, res.output
+    card = json.loads((tmp_path / "ft" / "card.json").read_text())
+    assert card["training"]["init_from"] == str(out / "specformer")
+    start_sha = card["training"]["init_from_sha256"]
+    trained_card = json.loads((out / "specformer" / "card.json").read_text())
+    fresh = CliRunner().invoke(main, base + ["--out", str(tmp_path / "fresh"), "--max-steps", "2"] + head_flags)
+    assert fresh.exit_code == 0, fresh.output
+    fresh_card = json.loads((tmp_path / "fresh" / "card.json").read_text())
+    ft_loss, fresh_loss = card["training"]["first_loss"], fresh_card["training"]["first_loss"]
+    assert ft_loss < fresh_loss - 0.5 and abs(ft_loss - trained_card["training"]["final_loss"]) < 1.0
+    # another head shape: one line, before any step
+    res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "bad"), "--max-steps", "2", "--init-from",
+                                           str(out / "specformer"), "--context-next-token"])
+    assert res.exit_code == 2 and "is another head" in res.output and "context_init" in res.output
+    assert "Traceback" not in res.output
+    for bad in (str(tmp_path / "missing"), str(out / "draft-model")):
+        res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "bad2"), "--init-from", bad] + head_flags)
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    # a resume into the fine-tuned run from other start weights is refused
+    res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "ft"), "--max-steps", "2", "--init-from",
+                                           str(tmp_path / "fresh")] + head_flags)
+    assert res.exit_code == 2 and f"init_from_sha256 {start_sha!r}" in res.output, res.output
+
+
 def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
     model, out = trained
     res = CliRunner().invoke(main, ["generate", "--prompt", "Say hello.", "--drafter", "specformer", "--draft-model",
