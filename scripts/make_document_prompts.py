@@ -62,6 +62,8 @@ def main() -> None:
     rng = random.Random(a.seed)
     docs = []  # (source id, text)
     for rec, seq in zip(manifest.records, seqs):
+        if rec.prompt_id.startswith("doc"):  # answers to earlier document prompts are not documents
+            continue
         if rec.finish_reason == "stop" and a.min_doc_tokens <= rec.answer_len <= a.max_doc_tokens:
             docs.append((rec.prompt_id, tok.decode(seq.tokens[seq.prompt_len:].tolist()).strip()))
     for rec in load_prompts(a.prompts):

@@ -299,6 +299,14 @@ def test_distill_writes_shards_and_resumes(tiny_ck, distilled, tmp_path):
     # answers of another length limit are not mixed into the same data
     with pytest.raises(InvalidRequestError, match="max_tokens 32 -> 16"):
         distill(engine, [PromptRecord("new", "-", "Name a colour.")], distilled, max_tokens=16)
+    # answers to a second prompt set join the data, and the manifest names both prompt files
+    two = tmp_path / "two"
+    distill(engine, [PromptRecord("a", "-", PROMPTS[0])], two, max_tokens=8, settings={"prompts_file": "first.jsonl"})
+    m = distill(engine, [PromptRecord("b", "-", PROMPTS[1])], two, max_tokens=8, settings={"prompts_file": "second.jsonl"})
+    assert [r.prompt_id for r in m.records] == ["a", "b"]
+    assert m.settings["prompts_file"] == "first.jsonl" and m.settings["prompts_files"] == ["first.jsonl", "second.jsonl"]
+    again = distill(engine, [PromptRecord("b", "-", PROMPTS[1])], two, max_tokens=8, settings={"prompts_file": "second.jsonl"})
+    assert again.settings["prompts_files"] == ["first.jsonl", "second.jsonl"]
 
 
 def test_shards_are_compressed_and_old_raw_shards_convert(distilled, tmp_path):
@@ -608,6 +616,7 @@ def test_init_from_fine_tunes_a_trained_head(trained, distilled, tmp_path):
     assert res.exit_code == 0, res.output
     card = json.loads((tmp_path / "ft" / "card.json").read_text())
     assert card["training"]["init_from"] == str(out / "specformer")
+    assert f"fine-tuned from `{out / 'specformer'}`" in (tmp_path / "ft" / "README.md").read_text()
     start_sha = card["training"]["init_from_sha256"]
     trained_card = json.loads((out / "specformer" / "card.json").read_text())
     fresh = CliRunner().invoke(main, base + ["--out", str(tmp_path / "fresh"), "--max-steps", "2"] + head_flags)

@@ -12,9 +12,13 @@ def model_card(card: dict) -> str:
         "",
         f"- **Target**: `{data['target'].get('path')}` (sha256 `{data['target'].get('sha256', '')[:16]}…`), frozen.",
         f"- **Data**: self-distillation: {data['answers']} answers ({data['answer_tokens']} answer tokens) the target "
-        f"generated greedily with its chat template for prompts of `{data['settings'].get('prompts_file', '?')}` "
+        f"generated greedily with its chat template for prompts of "
+        f"{', '.join(f'`{f}`' for f in data['settings'].get('prompts_files') or [data['settings'].get('prompts_file', '?')])} "
         f"(max {data['settings'].get('max_tokens')} tokens each); Spec-Bench and MT-Bench prompts excluded.",
-        f"- **Training**: {tr['steps']} steps"
+        f"- **Training**: "
+        + (f"fine-tuned from `{tr['init_from']}` (sha256 `{tr.get('init_from_sha256', '')[:16]}…`), "
+           if tr.get("init_from") else "")
+        + f"{tr['steps']} steps"
         + (f" of {tr['planned_steps']} (stopped early by SIGTERM; the same command resumes)"
            if tr.get("planned_steps", 0) > tr["steps"] else "")
         + f", {tr['wall_s']:.0f} s wall, AdamW lr {tr['lr']} (warm-up "
@@ -30,7 +34,9 @@ def model_card(card: dict) -> str:
                      + ", ".join(f"{k} {v:.3f}" for k, v in tr["metrics"].items()) + ".")
     val = tr.get("validation") or {}
     if val:
-        lines.append(f"- **Held out** ({val['sequences']} answers, never trained on): best step {val['best_step']} "
+        unseen = ("held out of this run; the start head may have trained on some" if tr.get("init_from")
+                  else "never trained on")
+        lines.append(f"- **Held out** ({val['sequences']} answers, {unseen}): best step {val['best_step']} "
                      f"(its weights are the ones saved), loss {val['loss']:.3f}"
                      + "".join(f", {k} {v:.3f}" for k, v in val.get("metrics", {}).items()) + ".")
     if card.get("extra"):

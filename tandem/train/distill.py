@@ -235,6 +235,10 @@ def distill(engine, prompts: list[PromptRecord], out_dir: str | Path, max_tokens
         if was is not None and was != max_tokens:  # answers cut at another length would mix silently
             raise InvalidRequestError(f"{out} holds answers of at most {was} tokens (max_tokens {was} -> "
                                       f"{max_tokens}); resume with --max-tokens {was}, or use a new --out")
+        new_file = (settings or {}).get("prompts_file")
+        files = manifest.settings.get("prompts_files") or [manifest.settings.get("prompts_file")]
+        if new_file is not None and new_file not in files:  # answers to another prompt set join this data
+            manifest.settings["prompts_files"] = [*files, new_file]
     else:
         manifest = DistillManifest(target, dict(settings or {}, max_tokens=max_tokens, greedy=True, chat_template=True,
                                                 max_prompt_tokens=max_prompt_tokens))
