@@ -158,7 +158,7 @@ nine-three)  # H (and I, if short) to the last step; replay both beside G; weigh
   wait
   replay nine sf-i sf-h
   ship sf-i sf-h
-  (( SECONDS < 380 )) && bench_b1 g tandem/drafters/weights/specformer-smollm2-135m $((560 - SECONDS))
+  (( SECONDS < 380 )) && bench_b1 g tandem/drafters/weights/specformer-smollm2-135m $((500 - SECONDS))
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-three.tgz" p6/logs p6/replay-nine.json \
     p6/bench-g train/sf-h train/sf-i 2>/dev/null
   tail -22 $w/logs/replay-nine.log ;;
