@@ -38,6 +38,11 @@
 #       # profile; distil the document prompts; start head H
 #   scripts/device_pass6.sh MODEL OUT nine-two     # head H resumed (560 s box); weights back
 #   scripts/device_pass6.sh MODEL OUT nine-three   # H to its last step; replay H and G; traced bench of H
+# Pass 9 ran nine-one|nine-two|nine-three (docs/benchmarks.md "Pass 9": head I = G fine-tuned, shipped; head H).
+# Planned for pass 10 (same staging): head J = the shipped head I fine-tuned for 4,000 more steps, alone:
+#   scripts/device_pass6.sh MODEL OUT ten-one      # head J (575 s box)
+#   scripts/device_pass6.sh MODEL OUT ten-two      # head J resumed (560 s box); weights back
+#   scripts/device_pass6.sh MODEL OUT ten-three [BOX]  # J to its last step; replay J and I; traced bench of J
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
 set -uo pipefail
 model=$1; out=$2; step=$3; arg=${4:-}
@@ -55,8 +60,9 @@ flags=(--num-draft-tokens 4 --bonus-token --context-next-token --soft-labels 0.5
 # token), context decoder blocks from target blocks 0 and 29, draft SwiGLU 576 wide (< 25 MB)
 head_e=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --max-answer-tokens 256)
 head_g=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --lookup-tokens)
-# head I (pass 9): the shipped head G fine-tuned on the distillation plus the document-task answers, lower peak lr
-head_i=(--init-from tandem/drafters/weights/specformer-smollm2-135m --lr 3e-4)
+# fine-tuning the shipped head at a lower peak lr: head I (pass 9, from G, on the distillation plus the
+# document-task answers), head J (pass 10, from I, 4,000 more steps on the same data)
+fine_tune=(--init-from tandem/drafters/weights/specformer-smollm2-135m --lr 3e-4)
 bench_b1() {  # TAG HEAD BOX: traced batch-1 bench, target-only vs SpecFormer head HEAD, full warm-up; trace report
   local tag=$1 head=$2 box=$3
   TANDEM_TRACE_FILE=$w/spans-$tag.jsonl timeout "$box" python3 -m tandem bench --model "$model" --max-tokens 256 \
@@ -138,12 +144,12 @@ nine-one)  # document-task prompts distilled into the whole distillation; then h
     --batch-size 512 --model "$model" > $w/logs/distill-doc.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill-doc.log | tr '\r' '\n' | tail -1)"
   tar -C /tmp -czf "$out/distill-doc.tgz" distill
-  train sf-i $full 1500 $((575 - SECONDS)) "${head_g[@]}" "${head_i[@]}" &
+  train sf-i $full 1500 $((575 - SECONDS)) "${head_g[@]}" "${fine_tune[@]}" &
   train sf-h $full 3000 $((575 - SECONDS)) "${head_g[@]}"
   wait
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-one.tgz" p6/logs train/sf-h train/sf-i ;;
 nine-two)  # both resumed; replay what finished; weights back
-  train sf-i $full 1500 "${arg:-500}" "${head_g[@]}" "${head_i[@]}" &
+  train sf-i $full 1500 "${arg:-500}" "${head_g[@]}" "${fine_tune[@]}" &
   train sf-h $full 3000 "${arg:-500}" "${head_g[@]}"
   wait
   done_heads=$(for h in sf-i sf-h; do finished $h && echo $h; done)
@@ -153,7 +159,7 @@ nine-two)  # both resumed; replay what finished; weights back
     train/sf-h train/sf-i 2>/dev/null
   tail -22 $w/logs/replay-nine-two.log ;;
 nine-three)  # H (and I, if short) to the last step; replay both beside G; weights back; traced bench of G if time is left
-  train sf-i $full 1500 "${arg:-200}" "${head_g[@]}" "${head_i[@]}" &
+  train sf-i $full 1500 "${arg:-200}" "${head_g[@]}" "${fine_tune[@]}" &
   train sf-h $full 3000 "${arg:-200}" "${head_g[@]}"
   wait
   replay nine sf-i sf-h
@@ -162,6 +168,11 @@ nine-three)  # H (and I, if short) to the last step; replay both beside G; weigh
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/nine-three.tgz" p6/logs p6/replay-nine.json \
     p6/bench-g train/sf-h train/sf-i 2>/dev/null
   tail -22 $w/logs/replay-nine.log ;;
+ten-one)  # head J: the shipped head I fine-tuned longer, alone on the GPU (pass 9: extra steps helped in every category)
+  train sf-j $full 4000 575 "${head_g[@]}" "${fine_tune[@]}"
+  tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/ten-one.tgz" p6/logs train/sf-j ;;
+ten-two) resume_head ten sf-j "${head_g[@]}" "${fine_tune[@]}" ;;
+ten-three) finish sf-j ten "${head_g[@]}" "${fine_tune[@]}" ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
     --no-hf-baseline --configs target,specformer --specformer "$arg" --warmup short --out $w/bench-sf \

@@ -855,6 +855,7 @@ def test_resume_refuses_other_settings_and_reports_a_finished_run_again(distille
     done = train(module, loss_fn, seqs, cfg, tmp_path, progress=False, settings={"soft_label_weight": 0.5})
     again = train(module, loss_fn, seqs, cfg, tmp_path, progress=False, settings={"soft_label_weight": 0.5})
     assert again.steps == 6 and again.metrics == done.metrics == {"m": 1.0}
+    assert again.wall_s == done.wall_s  # it trained nothing, so it adds no training time
     from dataclasses import replace
 
     for other, settings, said in ((replace(cfg, max_answer_tokens=8), {"soft_label_weight": 0.5}, "max_answer_tokens"),

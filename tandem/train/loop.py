@@ -213,6 +213,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
         best = state.get("best", {})
         history = state.get("history", history)
     trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    wall = history["wall_s"]  # training time as of the last checkpoint (a finished run's rerun adds none)
 
     def validate() -> None:
         if not val_seqs:
@@ -257,11 +258,11 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
             if step % cfg.checkpoint_every == 0 or step == total or stop.is_set():
                 validate()
                 tmp = out / "checkpoint.pt.tmp"
+                wall = history["wall_s"] + time.perf_counter() - t0
                 torch.save({"module": {k: v for k, v in module.state_dict().items()}, "optimizer": opt.state_dict(),
                             "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg), "best": best,
                             "planned_steps": total, "settings": settings,
-                            "history": {"losses": losses, "wall_s": history["wall_s"] + time.perf_counter() - t0,
-                                        "tail": tail}},
+                            "history": {"losses": losses, "wall_s": wall, "tail": tail}},
                            tmp)
                 tmp.replace(ckpt)
             if stop.is_set():
@@ -280,7 +281,7 @@ def train(module: torch.nn.Module, loss_fn: Callable[[list[DistilledSequence]], 
                       "metrics": best["metrics"]}
     module.eval()
     window = max(1, len(losses) // 10)
-    return TrainResult(step, history["wall_s"] + time.perf_counter() - t0,
+    return TrainResult(step, wall,
                        float(np.mean(losses[:window])) if losses else float("nan"),
                        float(np.mean(losses[-window:])) if losses else float("nan"),
                        {k: float(np.mean(v)) for k, v in tail.items()}, total, validation)
