@@ -214,8 +214,10 @@ def test_trace_report_on_a_real_engine_run(tmp_path, tiny_engine):
     for name in ("round", "draft", "verify"):
         p = phases[name]
         assert 0 < p["p50_ms"] <= p["p99_ms"] and p["mean_ms"] * p["count"] == pytest.approx(p["total_ms"])
-    # span clocks agree with the wall time measured around the same steps
-    assert phases["round"]["total_ms"] == pytest.approx(wall_ms, rel=0.1, abs=2.0)
+    # span clocks agree with the wall time measured around the same steps: the spans lie inside the
+    # measured windows, and cover most of them (a unit error would be off by 1000x; the span
+    # bookkeeping between them grows on a loaded machine, so no tighter lower bound)
+    assert 0.5 * wall_ms <= phases["round"]["total_ms"] <= wall_ms + 1.0
     shares = [phases[n]["share_of_round"] for n in ("draft", "verify")]
     assert all(0 < s < 1 for s in shares) and sum(shares) <= 1
     table = CliRunner().invoke(main, ["trace-report", str(path)])
