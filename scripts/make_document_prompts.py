@@ -51,14 +51,31 @@ def main() -> None:
     a = ap.parse_args()
     if a.count < 1:
         ap.error("--count must be >= 1")
+    if not 1 <= a.min_doc_tokens <= a.max_doc_tokens:
+        ap.error(f"need 1 <= --min-doc-tokens <= --max-doc-tokens, got {a.min_doc_tokens} and {a.max_doc_tokens}")
+    existed = Path(a.out).exists()
+    try:  # before the slow loading: a bad --out fails at once (append mode: nothing is truncated yet)
+        open(a.out, "a", encoding="utf-8").close()
+    except OSError as exc:
+        ap.error(f"cannot write --out {a.out!r}: {exc.strerror or exc}")
+
+    def fail(msg: str) -> None:
+        if not existed:
+            Path(a.out).unlink(missing_ok=True)
+        ap.error(msg)
 
     from tandem.data import load_prompts
+    from tandem.errors import InvalidRequestError
     from tandem.models.weights import load_checkpoint
     from tandem.tokenizer import load_tokenizer
     from tandem.train.distill import read_distilled
 
     tok = load_tokenizer(load_checkpoint(None))
-    manifest, seqs = read_distilled(a.data)
+    try:
+        manifest, seqs = read_distilled(a.data)
+        prompts = load_prompts(a.prompts)
+    except InvalidRequestError as exc:
+        fail(str(exc))
     rng = random.Random(a.seed)
     docs = []  # (source id, text)
     for rec, seq in zip(manifest.records, seqs):
@@ -66,11 +83,11 @@ def main() -> None:
             continue
         if rec.finish_reason == "stop" and a.min_doc_tokens <= rec.answer_len <= a.max_doc_tokens:
             docs.append((rec.prompt_id, tok.decode(seq.tokens[seq.prompt_len:].tolist()).strip()))
-    for rec in load_prompts(a.prompts):
+    for rec in prompts:
         if 600 <= len(rec.text) <= 4500:
             docs.append((rec.prompt_id, rec.text.strip()))
     if not docs:
-        raise SystemExit(f"no documents between {a.min_doc_tokens} and {a.max_doc_tokens} tokens in {a.data}")
+        fail(f"no documents between {a.min_doc_tokens} and {a.max_doc_tokens} tokens in {a.data}")
     rng.shuffle(docs)
     with open(a.out, "w", encoding="utf-8") as f:
         for i in range(a.count):

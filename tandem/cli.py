@@ -966,6 +966,9 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     if len(init_list) > 8:
         _fail(f"--context-init-layers names {len(init_list)} blocks; at most 8 (as --context-layers)")
         return
+    if init_from is not None and not init_from.strip():
+        _fail("--init-from is empty; give a trained head's directory (with model.safetensors)")
+        return
     start = load_specformer(init_from) if init_from is not None else None  # before the target: fail early
     ck, target, seqs, manifest, amp, rcfg = _train_setup(model, device, data_dir)
     try:

@@ -629,9 +629,10 @@ def test_init_from_fine_tunes_a_trained_head(trained, distilled, tmp_path):
                                            str(out / "specformer"), "--context-next-token"])
     assert res.exit_code == 2 and "is another head" in res.output and "context_init" in res.output
     assert "Traceback" not in res.output
-    for bad in (str(tmp_path / "missing"), str(out / "draft-model")):
+    for bad, said in ((str(tmp_path / "missing"), "no SpecFormer head"), (str(out / "draft-model"), "not a SpecFormer head"),
+                      ("", "--init-from is empty")):
         res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "bad2"), "--init-from", bad] + head_flags)
-        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert res.exit_code == 2 and said in res.output and "Traceback" not in res.output, res.output
     # a resume into the fine-tuned run from other start weights is refused
     res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "ft"), "--max-steps", "2", "--init-from",
                                            str(tmp_path / "fresh")] + head_flags)

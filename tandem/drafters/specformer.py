@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.rnn import pad_sequence
 
 from ..models.config import ModelConfig, ModelLoadError
@@ -53,6 +54,13 @@ from .lookup import MAX_N, LookupIndex
 FORMAT = "tandem-specformer-v1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for the bundled target
+
+
+# Attention backends for the drafter's eager (uncaptured) attention calls while serving. Their shapes
+# change from round to round (requests, accepted lengths, context buckets), and cuDNN attention
+# builds an execution plan per new shape (tens of ms; docs/benchmarks.md "Pass 9": observe p99
+# 51 ms); these backends need no plan. MATH takes whatever the others cannot (e.g. GQA with a mask).
+SERVING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
@@ -595,6 +603,7 @@ class SpecFormerDrafter(Drafter):
         self._lookups.pop(slot, None)
 
     @torch.inference_mode()
+    @sdpa_kernel(SERVING_SDPA)
     def observe(self, states: list[TargetStates]) -> None:
         """Extend each sequence's context with newly accepted target positions (overwriting any
         rolled-back ones at the same positions; one batched pass) and keep its context state at
@@ -629,8 +638,8 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
-        # rounded up to the runner's context bucket (the mask hides the extra positions): an eager
-        # cuDNN attention call builds an execution plan per new shape, and rounds would each bring one
+        # rounded up to the runner's context bucket (the mask hides the extra positions), so a
+        # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
         attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self.k_cache.shape[3] - 1)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
@@ -652,6 +661,7 @@ class SpecFormerDrafter(Drafter):
         return synced_index(self._lookups, req, LookupIndex).lookup(self.head.config.num_draft_tokens)
 
     @torch.inference_mode()
+    @sdpa_kernel(SERVING_SDPA)
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """``[len(requests), l_d, vocab]`` draft logits after each request's bonus token, from the
         context states ``observe`` left for their slots (one batched pass of the head's draft part).

@@ -41,7 +41,7 @@ def model_card(card: dict) -> str:
                      + "".join(f", {k} {v:.3f}" for k, v in val.get("metrics", {}).items()) + ".")
     if card.get("extra"):
         lines.append(f"- **Shape**: `{card['extra']}`.")
-    lines.append(f"- **Command**: `{card['command']}`")
+    lines.append(f"- **Command** (as it ran; the paths are the training machine's): `{card['command']}`")
     sb = card.get("spec_bench")
     if sb:
         o = sb["overall"]

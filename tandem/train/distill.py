@@ -109,7 +109,8 @@ class DistillManifest:
         path = Path(out_dir) / "manifest.json"
         if not path.is_file():
             raise InvalidRequestError(f"no distillation data at {str(out_dir)!r} (manifest.json missing); "
-                                      "make it with `tandem distill-data`")
+                                      "make it with `tandem distill-data` (the bundled target's ships in "
+                                      "data/distill/smollm2-135m-instruct)")
         try:
             raw = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as exc:
