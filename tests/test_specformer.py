@@ -233,6 +233,60 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
     engine.abort(rid)
 
 
+@pytest.mark.parametrize("variant", ["target-blocks", "lookup"])
+def test_static_buffer_rounds_match_full_recompute(tiny_ck, tiny_target, variant):
+    """The static-buffer path that CUDA graphs replay (padded to the batch bucket and to l_d + 1
+    rows a round; run eagerly on the CPU) leaves the same context states and drafts as a
+    from-scratch forward, for several requests at once (3 requests: one padded batch row), and
+    the greedy output stays the target's."""
+    from tandem.drafters.base import DraftRequest
+    from tandem.train.specformer import teacher_forced_states
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want_text = [c.token_ids for c in Engine(tiny_ck, cfg).generate(PROMPTS[:3], params)]
+    head = _random_head(tiny_ck.config, **VARIANTS[variant])
+    drafter = SpecFormerDrafter(head)
+    engine = Engine(tiny_ck, cfg, drafter=drafter)
+    drafter._static = True  # the graph path's buffers and padding, without capture (CPU)
+    rids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    for _ in range(4):
+        engine.step()
+    assert {k[0] for k in drafter._captured} == {"observe", "draft"}
+    assert all(k[1] == 4 for k in drafter._captured)  # 3 requests -> batch bucket 4
+    reqs = [engine.requests[r] for r in rids]
+    seqs = [r.prompt_ids + r.output.token_ids for r in reqs]
+    got = drafter.draft_logits([DraftRequest(r.slot, q, 4, SamplingParams(), None) for r, q in zip(reqs, seqs)])
+    for i, seq in enumerate(seqs):
+        assert drafter.pending[reqs[i].slot].length == len(seq) - 1
+        select = torch.zeros(1, len(seq), dtype=torch.bool)
+        select[0, -2] = True
+        y = teacher_forced_states(head, tiny_target, torch.tensor([seq]), select)
+        assert torch.allclose(got[i], tiny_target.logits(tiny_target.norm(y[0])), atol=1e-4)
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.completion(r).token_ids for r in rids] == want_text
+
+
+def test_a_failed_graph_capture_falls_back_to_eager(tiny_ck, monkeypatch):
+    """When capturing the head's graphs fails, the drafter logs it, runs eagerly from then on,
+    and every request still gets the target's own output."""
+    import tandem.drafters.specformer as sf
+
+    def broken(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [c.token_ids for c in Engine(tiny_ck, cfg).generate(PROMPTS[:2], params)]
+    drafter = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS["lookup"]))
+    engine = Engine(tiny_ck, cfg, drafter=drafter)
+    drafter._static = True
+    monkeypatch.setattr(sf, "CapturedCall", broken)
+    got = [c.token_ids for c in engine.generate(PROMPTS[:2], params)]
+    assert got == want and drafter._static is False and not drafter._captured
+
+
 def test_engine_traces_the_drafters_observe_phase(tiny_ck, tmp_path, monkeypatch):
     """SpecFormer's per-round work on the verify pass's states has its own span, inside the
     round, so `tandem trace-report` splits a round into draft, verify and observe."""
@@ -724,17 +778,26 @@ def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["bonus", "next-token"])
+@pytest.mark.parametrize("variant", ["bonus", "next-token", "lookup"])
 def test_specformer_cuda_graphs_lossless(tiny_ck, variant):
-    """On the GPU the taps come out of captured CUDA graphs; greedy output stays identical."""
+    """On the GPU the taps come out of captured CUDA graphs and the head's observe and draft
+    replay graphs of their own; greedy output stays identical, and the drafts (hence the
+    accepted counts) equal those of the same head run eagerly."""
     cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=128, cuda_graphs=True)
     head = _random_head(tiny_ck.config, **VARIANTS[variant])
-    engine = Engine(tiny_ck, cfg, drafter=SpecFormerDrafter(head), num_draft_tokens=4)
+    drafter = SpecFormerDrafter(head)
+    engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=4)
+    eager = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS[variant]))
+    eager_engine = Engine(tiny_ck, cfg, drafter=eager, num_draft_tokens=4)
+    eager._static = False
     ref = Engine(tiny_ck, cfg)
     params = SamplingParams(max_tokens=24)
     got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert engine.stats.num_drafted > 0
+    assert engine.stats.num_drafted > 0 and {k[0] for k in drafter._captured} == {"observe", "draft"}
+    eager_engine.generate(PROMPTS[:6], params)
+    assert (eager_engine.stats.num_drafted, eager_engine.stats.num_accepted) == \
+        (engine.stats.num_drafted, engine.stats.num_accepted)
 
 
 @pytest.mark.slow

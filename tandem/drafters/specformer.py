@@ -34,6 +34,7 @@ round r+1's drafts: the engine hands the tapped states of the accepted positions
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
-from ..models.runner import context_bucket
+from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transformer import RMSNorm
 from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, synced_index
 from .lookup import MAX_N, LookupIndex
@@ -60,6 +61,8 @@ DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for
 # change from round to round (requests, accepted lengths, context buckets), and cuDNN attention
 # builds an execution plan per new shape (tens of ms; docs/benchmarks.md "Pass 9": observe p99
 # 51 ms); these backends need no plan. MATH takes whatever the others cannot (e.g. GQA with a mask).
+log = logging.getLogger(__name__)
+
 SERVING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -597,6 +600,27 @@ class SpecFormerDrafter(Drafter):
         shape = (cfg.context_layers, runner.cache.num_slots, cfg.ctx_kv_heads, runner.cache.capacity + 1, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
+        self._num_slots = runner.cache.num_slots
+        # with the runner's CUDA graphs, the head's decode-round observe and draft replay graphs too
+        # (static buffers per batch bucket and context bucket): at batch 1 a round is otherwise
+        # hundreds of kernel launches around one graph replay (docs/benchmarks.md, Pass 8 and 9)
+        self._static = bool(runner.config.cuda_graphs)
+        self._captured: dict[tuple, CapturedCall] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
+
+    def _static_call(self, key: tuple, fn, make_inputs) -> CapturedCall | None:
+        """The ``CapturedCall`` for ``key``, made on first use from the buffers ``make_inputs()``
+        gives (captured on CUDA only). None when a capture fails: the drafter then stays eager."""
+        call = self._captured.get(key)
+        if call is None:
+            try:
+                call = CapturedCall(fn, make_inputs(), capture=self.k_cache.is_cuda, pool=self._graph_pool)
+            except RuntimeError as exc:
+                log.warning("SpecFormer head: CUDA graph capture failed (%s); running it eagerly", exc)
+                self._static = False
+                return None
+            self._captured[key] = call
+        return call
 
     def release(self, slot: int) -> None:
         self.pending.pop(slot, None)
@@ -613,24 +637,67 @@ class SpecFormerDrafter(Drafter):
             return
         if self._target is None:
             raise RuntimeError("SpecFormerDrafter.observe before bind()")
-        head, target = self.head, self._target
-        dev = self.k_cache.device
+        cfg = self.head.config
         n = len(states)
         lens = [s.taps.shape[0] for s in states]
-        x = pad_sequence([s.taps.to(self.k_cache.dtype) for s in states], batch_first=True)  # [n, M, taps, d]
-        M = x.shape[1]
-        cfg = head.config
         if (cfg.bonus_token or cfg.context_next_token) and any(
                 s.next_tokens is None or len(s.next_tokens) != m for s, m in zip(states, lens)):
             raise ValueError("this SpecFormer head needs each row's next token (TargetStates.next_tokens, one per row)")
-        next_emb = None
-        if cfg.context_next_token:
-            ids = pad_sequence([torch.as_tensor(list(s.next_tokens), dtype=torch.long) for s in states],
-                               batch_first=True)
-            next_emb = target.embed(ids.to(dev))  # [n, M, d]
-        q_lens = torch.tensor(lens, device=dev)
-        start = torch.tensor([s.start for s in states], device=dev)
-        slots = torch.tensor([s.slot for s in states], device=dev)
+        # rounded up to the runner's context bucket (the mask hides the extra positions), so a
+        # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
+        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self.k_cache.shape[3] - 1)
+        rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
+        static = self._static and max(lens) <= rows_m
+        nb, M = (batch_bucket(n, self._num_slots), rows_m) if static else (n, max(lens))
+        rows = [[s.start, m, s.slot] + [int(t) for t in (s.next_tokens if s.next_tokens is not None else [0] * m)]
+                + [0] * (M - m) for s, m in zip(states, lens)]  # first position, rows, slot, each row's next token
+        packed = torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long)
+        dev, dtype = self.k_cache.device, self.k_cache.dtype
+        if static:
+            def make_inputs():
+                return (torch.zeros((nb, M, len(cfg.taps), cfg.hidden_size), device=dev, dtype=dtype),
+                        torch.zeros((nb, 3 + M), dtype=torch.long, device=dev))
+
+            def fill(inputs):
+                for i, s in enumerate(states):
+                    inputs[0][i, :s.taps.shape[0]].copy_(s.taps)
+                inputs[1].copy_(packed, non_blocking=True)
+
+            key = ("observe", nb, attn_len)
+            call = self._captured.get(key)
+            if call is None:  # fill before capture: the warm-up runs write real K/V
+                inputs = make_inputs()
+                fill(inputs)
+                call = self._static_call(key, lambda x, pk: self._observe_rows(x, pk, attn_len), lambda: inputs)
+            else:
+                fill(call.inputs)
+            if call is None:  # capture failed: eager, as below
+                static = False
+            else:
+                last = call()[:n].clone()  # the next replay overwrites the graph's output
+        if not static:
+            x = pad_sequence([s.taps.to(dtype) for s in states], batch_first=True)  # [n, M, taps, d]
+            last = self._observe_rows(x, packed[:n, :3 + x.shape[1]].to(dev), attn_len)
+        for i, (s, m) in enumerate(zip(states, lens)):
+            self.pending[s.slot] = _Pending(s.start + m, last[i], s.next_token)
+
+    def _observe_rows(self, x: torch.Tensor, packed: torch.Tensor, attn_len: int) -> torch.Tensor:
+        """The context sub-layers over new target positions, writing their K/V into the head's cache.
+
+        Args:
+            x: ``[n, M, len(taps), d]`` tapped states (rows past a sequence's count are ignored).
+            packed: ``[n, 3 + M]`` long on the device: first position, row count, KV slot, then
+                each row's next token (``context_next_token`` heads).
+            attn_len: attended context length (a bucket; the mask hides positions past each row).
+
+        Returns:
+            ``[n, d]`` context states at each sequence's last row (garbage for a row count of 0).
+        """
+        head, target = self.head, self._target
+        n, M = x.shape[:2]
+        dev = x.device
+        start, q_lens, slots = packed[:, 0], packed[:, 1], packed[:, 2]
+        next_emb = target.embed(packed[:, 3:]) if head.config.context_next_token else None  # [n, M, d]
         offs = torch.arange(M, device=dev)
         pos = start[:, None] + offs[None, :]  # [n, M]
         scratch = self.k_cache.shape[3] - 1
@@ -638,9 +705,6 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
-        # rounded up to the runner's context bucket (the mask hides the extra positions), so a
-        # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
-        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self.k_cache.shape[3] - 1)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
@@ -651,9 +715,7 @@ class SpecFormerDrafter(Drafter):
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                  enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
-        last = h[torch.arange(n, device=dev), q_lens - 1]  # [n, d]: the last accepted position
-        for i, (s, m) in enumerate(zip(states, lens)):
-            self.pending[s.slot] = _Pending(s.start + m, last[i], s.next_token)
+        return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]  # the last accepted position
 
     def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
         """The context lookup continuation of ``req.token_ids`` (l_d ids or none) and its match
@@ -670,22 +732,38 @@ class SpecFormerDrafter(Drafter):
             KeyError: a request whose slot ``observe`` has not seen.
             ValueError: a head that needs the bonus token and a state without one.
         """
+        cfg = self.head.config
+        ld = cfg.num_draft_tokens
+        pend = [self.pending[r.slot] for r in requests]
+        if cfg.bonus_token and any(p.bonus is None for p in pend):
+            raise ValueError("this SpecFormer head conditions on the bonus token; the target states had none")
+        n = len(requests)
+        nb = batch_bucket(n, self._num_slots) if self._static else n
+        rows = []  # lookup continuation (-1: none), match length, bonus token
+        for r, p in zip(requests, pend):
+            toks, match = self._lookup(r) if cfg.lookup_tokens else ([], 0)
+            rows.append((toks or [-1] * ld) + [match, p.bonus or 0])
+        ids = torch.tensor(rows + [[-1] * ld + [0, 0]] * (nb - n), dtype=torch.long)
+        states = torch.stack([p.state for p in pend])
+        dev = self.k_cache.device
+        call = self._static_call(("draft", nb), self._draft_rows, lambda: (
+            torch.zeros((nb, cfg.hidden_size), device=dev, dtype=self.k_cache.dtype),
+            torch.zeros((nb, ld + 2), dtype=torch.long, device=dev))) if self._static else None
+        if call is None:
+            return self._draft_rows(states, ids[:n].to(dev))
+        call.inputs[0][:n].copy_(states)
+        call.inputs[1].copy_(ids, non_blocking=True)
+        return call()[:n]
+
+    def _draft_rows(self, states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, l_d, vocab]`` draft logits from context states ``[n, d]`` and ``ids`` ``[n, l_d + 2]``
+        (long, on the device: the lookup continuation with -1 for none, its match length, the bonus token)."""
         head, target = self.head, self._target
         cfg = head.config
-        pend = [self.pending[r.slot] for r in requests]
-        dev = self.k_cache.device
-        last = torch.stack([p.state for p in pend])
-        bonus = lookup = None
-        if cfg.bonus_token:
-            if any(p.bonus is None for p in pend):
-                raise ValueError("this SpecFormer head conditions on the bonus token; the target states had none")
-            bonus = target.embed(torch.tensor([p.bonus for p in pend], device=dev))
-        if cfg.lookup_tokens:
-            ld = cfg.num_draft_tokens
-            found = [self._lookup(r) for r in requests]
-            cont = [toks if toks else [-1] * ld for toks, _ in found]
-            lookup = lookup_inputs(target.embed, cont, [n for _, n in found])
-        return target.logits(target.norm(head.draft(last, bonus, lookup)))
+        ld = cfg.num_draft_tokens
+        bonus = target.embed(ids[:, ld + 1]) if cfg.bonus_token else None
+        lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
+        return target.logits(target.norm(head.draft(states, bonus, lookup)))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []

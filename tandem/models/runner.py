@@ -265,7 +265,7 @@ class ModelRunner:
             n, q = self.cache.num_slots, max(q, self.config.fixed_step_tokens)
             attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + q for s in tokens_per_slot))
         if self.config.cuda_graphs:
-            n = _bucket(n, self.cache.num_slots)
+            n = batch_bucket(n, self.cache.num_slots)
             attn_len = context_bucket(attn_len, self.cache.capacity)
         tree = bool(trees)
         rows = []
@@ -328,7 +328,7 @@ class ModelRunner:
         if not self.config.cuda_graphs:
             return
         for b in batch_sizes:
-            nb = _bucket(b, self.cache.num_slots)
+            nb = batch_bucket(b, self.cache.num_slots)
             for ctx in contexts:
                 if (nb, tokens_per_row, ctx, False) not in self._graphs:
                     packed = torch.zeros((nb, tokens_per_row + 2), dtype=torch.long)  # all rows idle
@@ -417,9 +417,46 @@ def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
     return depth + [x for row in mask for x in row]
 
 
-def _bucket(n: int, limit: int) -> int:
+def batch_bucket(n: int, limit: int) -> int:
     """Round a batch up to a power of two (at most ``limit``) so few graphs cover all sizes."""
     b = 1
     while b < n:
         b *= 2
     return min(b, limit)
+
+
+class CapturedCall:
+    """``fn(*inputs)`` over static input buffers, replayed from a CUDA graph.
+
+    Fill ``inputs`` in place, then call: the graph replays and returns ``fn``'s output tensors,
+    which the next call overwrites (copy what must outlive it). Construction runs ``fn`` twice on
+    a side stream (warm-up, with the buffers' current contents: fill them first when ``fn``
+    writes state, so those runs write real values) and captures a third run. With
+    ``capture=False`` (CPU, tests) each call simply runs ``fn(*inputs)`` eagerly.
+
+    Args:
+        fn: a function of device tensors with no host synchronisation.
+        inputs: its static input buffers.
+        capture: capture a CUDA graph (CUDA only).
+        pool: graph memory pool shared with other captures (``torch.cuda.graph_pool_handle()``).
+    """
+
+    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None) -> None:
+        self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
+        if not capture:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn(*inputs)
+
+    def __call__(self):
+        if self.graph is None:
+            return self.fn(*self.inputs)
+        self.graph.replay()
+        return self.out
