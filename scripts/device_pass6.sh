@@ -42,7 +42,8 @@
 # Planned for pass 10 (same staging): head J = the shipped head I fine-tuned for 4,000 more steps, alone:
 #   scripts/device_pass6.sh MODEL OUT ten-one      # head J (575 s box)
 #   scripts/device_pass6.sh MODEL OUT ten-two      # head J resumed (560 s box); weights back
-#   scripts/device_pass6.sh MODEL OUT ten-three [BOX]  # GPU tests (pytest -m gpu); J to its last step; replay J
+#   scripts/device_pass6.sh MODEL OUT ten-three [BOX]  # GPU tests (pytest -m gpu); training-step profile
+#       # (scripts/profile_train.py); J to its last step; replay J
 #       # and I; traced batch-1 bench of J (measures the head's CUDA graphs and SERVING_SDPA, new since pass 9)
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
 set -uo pipefail
@@ -176,6 +177,9 @@ ten-two) resume_head ten sf-j "${head_g[@]}" "${fine_tune[@]}" ;;
 ten-three)  # the GPU tests first (the head's own CUDA graphs are new since pass 9), then finish J
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_specformer.py > $w/logs/gpu-tests.log 2>&1
   log "gpu tests rc=$? $(tail -1 $w/logs/gpu-tests.log)"
+  timeout 90 python3 scripts/profile_train.py "$model" $full tandem/drafters/weights/specformer-smollm2-135m $w/logs \
+    > $w/logs/profile-train.log 2>&1  # where a training step's time goes (pass 9: ~4.5 steps/s)
+  log "profile-train rc=$? $(grep 'ms/step' $w/logs/profile-train.log)"
   finish sf-j ten "${head_g[@]}" "${fine_tune[@]}" ;;
 three)
   timeout 260 python3 -m tandem bench --model "$model" --max-tokens 256 --limit 26 --batch-sizes 1,64 \
