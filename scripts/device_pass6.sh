@@ -42,7 +42,7 @@
 # Planned for pass 10 (same staging): head J = the shipped head I fine-tuned for 4,000 more steps, alone:
 #   scripts/device_pass6.sh MODEL OUT ten-one      # head J (575 s box)
 #   scripts/device_pass6.sh MODEL OUT ten-two      # head J resumed (560 s box); weights back
-#   scripts/device_pass6.sh MODEL OUT ten-three [BOX]  # GPU tests (pytest -m gpu); training-step profile
+#   [BENCH_END=S] scripts/device_pass6.sh MODEL OUT ten-three [BOX]  # GPU tests (pytest -m gpu); training-step profile
 #       # (scripts/profile_train.py); J to its last step; replay J
 #       # and I; traced batch-1 bench of J (measures the head's CUDA graphs and SERVING_SDPA, new since pass 9)
 # Heads come back split in 15 MB parts ($OUT/NAME.safetensors.partN); logs and JSON in $OUT/STEP.tgz.
@@ -65,6 +65,8 @@ head_g=(--no-bonus-token --context-init-layers 0,29 --intermediate-size 576 --lo
 # fine-tuning the shipped head at a lower peak lr: head I (pass 9, from G, on the distillation plus the
 # document-task answers), head J (pass 10, from I, 4,000 more steps on the same data)
 fine_tune=(--init-from tandem/drafters/weights/specformer-smollm2-135m --lr 3e-4)
+# the step count of resume_head / finish / distill_then (a resume needs the count its run began with)
+case $step in ten-*) max_steps=4000 ;; *) max_steps=3000 ;; esac
 bench_b1() {  # TAG HEAD BOX: traced batch-1 bench, target-only vs SpecFormer head HEAD, full warm-up; trace report
   local tag=$1 head=$2 box=$3
   TANDEM_TRACE_FILE=$w/spans-$tag.jsonl timeout "$box" python3 -m tandem bench --model "$model" --max-tokens 256 \
@@ -96,20 +98,20 @@ distill_then() {  # TAG NAME BOX [flags]: finish the distillation alone (BOX s; 
     --out $full --batch-size 512 --model "$model" > $w/logs/distill.log 2>&1
   log "distill rc=$? $(tail -c 300 $w/logs/distill.log | tr '\r' '\n' | tail -1)"
   tar -C /tmp -czf "$out/distill-full.tgz" distill
-  train "$name" $full 3000 $((570 - SECONDS)) "$@"
+  train "$name" $full "$max_steps" $((570 - SECONDS)) "$@"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-one.tgz" p6/logs train/"$name"; }
 resume_head() {  # TAG NAME [flags]: head NAME resumed under a 560 s box; weights back
   local tag=$1 name=$2; shift 2
-  train "$name" $full 3000 560 "$@"
+  train "$name" $full "$max_steps" 560 "$@"
   ship "$name"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-two.tgz" p6/logs train/"$name"; }
 finish() {  # NAME TAG [flags]: head NAME to its last step, replay it beside the shipped head, weights back,
   # traced live batch-1 bench (target-only vs NAME, no compile, full warm-up; `tandem trace-report`)
   local name=$1 tag=$2; shift 2
-  train "$name" $full 3000 "${arg:-240}" "$@"
+  train "$name" $full "$max_steps" "${arg:-240}" "$@"
   replay "$tag" "$name"
   ship "$name"
-  bench_b1 "$tag" /tmp/train/"$name" $((560 - SECONDS))
+  bench_b1 "$tag" /tmp/train/"$name" $((${BENCH_END:-560} - SECONDS))  # BENCH_END: when the bench must end
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/$tag-three.tgz" p6/logs p6/replay-"$tag".json \
     p6/bench-"$tag" train/"$name"
   tail -22 $w/logs/replay-"$tag".log; }
@@ -171,7 +173,7 @@ nine-three)  # H (and I, if short) to the last step; replay both beside G; weigh
     p6/bench-g train/sf-h train/sf-i 2>/dev/null
   tail -22 $w/logs/replay-nine.log ;;
 ten-one)  # head J: the shipped head I fine-tuned longer, alone on the GPU (pass 9: extra steps helped in every category)
-  train sf-j $full 4000 575 "${head_g[@]}" "${fine_tune[@]}"
+  train sf-j $full "$max_steps" 575 "${head_g[@]}" "${fine_tune[@]}"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/ten-one.tgz" p6/logs train/sf-j ;;
 ten-two) resume_head ten sf-j "${head_g[@]}" "${fine_tune[@]}" ;;
 ten-three)  # the GPU tests first (the head's own CUDA graphs are new since pass 9), then finish J
