@@ -268,6 +268,91 @@ def test_static_buffer_rounds_match_full_recompute(tiny_ck, tiny_target, variant
     assert [engine.completion(r).token_ids for r in rids] == want_text
 
 
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if _DEV == "cuda" else [torch.float32])
+@pytest.mark.parametrize("variant", ["paper", "target-blocks", "lookup"])
+def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dtype, variant):
+    """The static-buffer path (CUDA graphs on a GPU; forced, uncaptured, on the CPU) against an
+    eager twin head fed the same observe calls, every round: 10 requests admitted 1-3 at a time
+    with different lengths (slots finish and are reused mid-batch), 0-4 drafts accepted per round
+    (rollbacks; 1-5 new rows per request), small context buckets (several per request). float32
+    also against a from-scratch recompute; bf16 (GPU) within bf16 rounding."""
+    import random
+
+    import tandem.models.runner as runner_mod
+    from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest
+    from tandem.train.specformer import teacher_forced_states
+
+    monkeypatch.setattr(runner_mod, "CONTEXT_BUCKET", 16)
+    cfg = RunnerConfig(device=_DEV, dtype=dtype, max_batch_size=8, max_seq_len=128, cuda_graphs=_DEV == "cuda")
+    maxes = [7, 30, 12, 25, 3, 18, 9, 22, 15, 28]
+    base = Engine(tiny_ck, cfg)
+    greedy, keys = {}, []
+    for prompt in PROMPTS:
+        keys.append(tuple(base.make_request(prompt, SamplingParams(max_tokens=40)).prompt_ids))
+        greedy[keys[-1]] = base.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    rng = random.Random(0)
+
+    class Oracle(SpecFormerDrafter):
+        """Observes like SpecFormer; proposes 0-4 right tokens then a wrong one."""
+
+        def propose(self, requests):
+            out = []
+            for r in requests:
+                pre = max((p for p in greedy if tuple(r.token_ids[:len(p)]) == p), key=len)
+                done, k = len(r.token_ids) - len(pre), rng.randint(0, 4)
+                toks = (list(greedy[pre][done:done + k]) + [(greedy[pre][min(done + k, 39)] + 1) % 256])[:r.max_draft]
+                out.append(DraftProposal(toks, None, torch.zeros(len(toks), NUM_FEATURES)))
+            return out
+
+    drafter = Oracle(_random_head(tiny_ck.config, **VARIANTS[variant]))
+    engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=4)
+    drafter._static = True
+    twin = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS[variant]))
+    twin.bind(engine.runner)
+    twin._static = False
+    observe = drafter.observe
+    monkeypatch.setattr(drafter, "observe", lambda states: (observe(states), twin.observe(states))[0])
+    target = None
+    if dtype == torch.float32:
+        target = Transformer(tiny_ck.config, 256)
+        target.load_weights(tiny_ck.tensors)
+        target = target.to(_DEV).eval().requires_grad_(False)
+    rids, adds, steps = {}, [(i, PROMPTS[i]) for i in rng.sample(range(10), 10)], 0
+    while adds or engine.has_unfinished():
+        if adds and steps % 2 == 0:
+            for _ in range(rng.randint(1, 3)):
+                if adds:
+                    i, prompt = adds.pop(0)
+                    rids[engine.add_request(prompt, SamplingParams(max_tokens=maxes[i], ignore_eos=True))] = i
+        engine.step()
+        steps += 1
+        running = [engine.requests[r] for r in rids if r in engine.requests
+                   and engine.requests[r].slot is not None and not engine.requests[r].finished]
+        if not running:
+            continue
+        seqs = [r.prompt_ids + r.output.token_ids for r in running]
+        asks = [DraftRequest(r.slot, q, 4, SamplingParams(), None) for r, q in zip(running, seqs)]
+        got, want = drafter.draft_logits(asks).clone(), twin.draft_logits(asks)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        assert torch.isfinite(got).all() and err < (1e-4 if target is not None else 5e-2), (steps, err)
+        assert agree > (0.999 if target is not None else 0.9), (steps, agree)
+        if target is not None:
+            for i, seq in enumerate(seqs):
+                select = torch.zeros(1, len(seq), dtype=torch.bool, device=_DEV)
+                select[0, -2] = True
+                with torch.inference_mode():
+                    y = teacher_forced_states(drafter.head, target, torch.tensor([seq], device=_DEV), select)
+                    ref = target.logits(target.norm(y[0]))
+                assert torch.allclose(got[i], ref, atol=1e-3, rtol=1e-3), (steps, i)
+    assert {k[0] for k in drafter._captured} == {"observe", "draft"}
+    assert len({k[1] for k in drafter._captured}) > 1 and len({k[2] for k in drafter._captured if k[0] == "observe"}) > 1
+    assert [engine.completion(r).token_ids for r in rids] == [greedy[keys[i]][:maxes[i]] for i in rids.values()]
+
+
 def test_a_failed_graph_capture_falls_back_to_eager(tiny_ck, monkeypatch):
     """When capturing the head's graphs fails, the drafter logs it, runs eagerly from then on,
     and every request still gets the target's own output."""

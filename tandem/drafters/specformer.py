@@ -727,6 +727,8 @@ class SpecFormerDrafter(Drafter):
     def draft_logits(self, requests: list[DraftRequest]) -> torch.Tensor:
         """``[len(requests), l_d, vocab]`` draft logits after each request's bonus token, from the
         context states ``observe`` left for their slots (one batched pass of the head's draft part).
+        On the CUDA-graph path this is a view of the graph's output, which the next call
+        overwrites: copy what must outlive it (``propose`` does).
 
         Raises:
             KeyError: a request whose slot ``observe`` has not seen.

@@ -431,7 +431,8 @@ class CapturedCall:
     Fill ``inputs`` in place, then call: the graph replays and returns ``fn``'s output tensors,
     which the next call overwrites (copy what must outlive it). Construction runs ``fn`` twice on
     a side stream (warm-up, with the buffers' current contents: fill them first when ``fn``
-    writes state, so those runs write real values) and captures a third run. With
+    writes state, so those runs write real values), then captures it (a capture executes
+    nothing: ``out`` holds results only after the first call). With
     ``capture=False`` (CPU, tests) each call simply runs ``fn(*inputs)`` eagerly.
 
     Args:
