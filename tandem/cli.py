@@ -945,7 +945,8 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from dataclasses import asdict
 
-    from .drafters.specformer import init_context_from_target, load_specformer, save_specformer, specformer_file
+    from .drafters.base import weights_file
+    from .drafters.specformer import init_context_from_target, load_specformer, save_specformer
     from .train.loop import TrainConfig, train as run_training
     from .train.distill import model_fingerprint
     from .train.specformer import SpecFormerObjective, new_head
@@ -993,7 +994,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
         run = dict({f"head.{k}": v for k, v in asdict(head.config).items()}, soft_label_weight=soft_weight)
         started = {}
         if init_from is not None:  # a resume must start from the same weights
-            started = {"init_from": str(init_from), "init_from_sha256": model_fingerprint(specformer_file(init_from))}
+            started = {"init_from": str(init_from), "init_from_sha256": model_fingerprint(weights_file(init_from))}
             run["init_from_sha256"] = started["init_from_sha256"]
         result = run_training(head, SpecFormerObjective(head, target, amp, soft_weight), seqs, tcfg, out,
                               resume=not no_resume, settings=run)

@@ -269,6 +269,15 @@ def synced_index(indexes: dict, req: DraftRequest, new):
     return index
 
 
+def weights_file(path):
+    """The safetensors file of trained drafter weights given as their directory (holding
+    ``model.safetensors``) or as the file itself; a ``pathlib.Path``."""
+    from pathlib import Path
+
+    p = Path(path)
+    return p / "model.safetensors" if p.is_dir() else p
+
+
 def make_readable(path) -> None:
     """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
     through a private temporary file, which leaves 0600, so a head trained by one user could not

@@ -19,7 +19,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, weights_file
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -91,8 +91,7 @@ def is_draft_model_dir(path: str | Path) -> bool:
     """True when ``path`` is a directory (or file) written by ``save_draft_model``."""
     from safetensors import safe_open
 
-    p = Path(path)
-    file = p / "model.safetensors" if p.is_dir() else p
+    file = weights_file(path)
     if not file.is_file() or file.suffix != ".safetensors":
         return False
     try:
@@ -111,8 +110,7 @@ def load_draft_model(path: str | Path, target: Checkpoint) -> Checkpoint:
     """
     from safetensors import safe_open
 
-    p = Path(path)
-    file = p / "model.safetensors" if p.is_dir() else p
+    file = weights_file(path)
     try:
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}

@@ -49,7 +49,7 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transformer import RMSNorm
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, synced_index
+from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, synced_index, weights_file
 from .lookup import MAX_N, LookupIndex
 
 FORMAT = "tandem-specformer-v1"
@@ -478,18 +478,12 @@ def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None =
     return file
 
 
-def specformer_file(path: str | Path) -> Path:
-    """The safetensors file of a head given as its directory or as the file itself."""
-    p = Path(path)
-    return p / "model.safetensors" if p.is_dir() else p
-
-
 def is_specformer_dir(path: str | Path) -> bool:
     """True when ``path`` (a directory or its safetensors file) holds a head written by ``save_specformer``."""
     from safetensors import safe_open
 
     try:
-        with safe_open(str(specformer_file(path)), framework="pt") as f:
+        with safe_open(str(weights_file(path)), framework="pt") as f:
             return (f.metadata() or {}).get("format") == FORMAT
     except Exception:  # missing, or not safetensors
         return False
@@ -503,7 +497,7 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
     """
     from safetensors import safe_open
 
-    p, file = Path(path), specformer_file(path)
+    p, file = Path(path), weights_file(path)
     if not file.is_file():
         raise ModelLoadError(f"no SpecFormer head at {str(p)!r} (expected a directory with model.safetensors)")
     try:
