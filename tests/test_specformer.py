@@ -705,6 +705,9 @@ def test_cli_training_writes_weights_and_model_card(trained):
     assert card["extra"]["context_init"] == [1, 0] and card["extra"]["context_mlp"]
     assert card["training"]["soft_label_weight"] == 0.5 and card["training"]["max_answer_tokens"] == 24
     assert "0.5 of it against the target's soft labels" in (out / "specformer" / "README.md").read_text()
+    from tandem.train.card import model_card
+
+    assert "- **Where**: here" in model_card(dict(card, notes=["**Where**: here"]))  # hand-added provenance notes
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -42,6 +42,7 @@ def model_card(card: dict) -> str:
     if card.get("extra"):
         lines.append(f"- **Shape**: `{card['extra']}`.")
     lines.append(f"- **Command** (as it ran; the paths are the training machine's): `{card['command']}`")
+    lines += [f"- {note}" for note in card.get("notes", [])]  # added by hand after training (provenance)
     sb = card.get("spec_bench")
     if sb:
         o = sb["overall"]
