@@ -173,7 +173,7 @@ nine-three)  # H (and I, if short) to the last step; replay both beside G; weigh
     p6/bench-g train/sf-h train/sf-i 2>/dev/null
   tail -22 $w/logs/replay-nine.log ;;
 ten-one)  # head J: the shipped head I fine-tuned longer, alone on the GPU (pass 9: extra steps helped in every category)
-  train sf-j $full "$max_steps" 575 "${head_g[@]}" "${fine_tune[@]}"
+  train sf-j $full "$max_steps" $((575 - SECONDS)) "${head_g[@]}" "${fine_tune[@]}"
   tar --exclude='*.pt' --exclude='model.safetensors' -C /tmp -czf "$out/ten-one.tgz" p6/logs train/sf-j ;;
 ten-two) resume_head ten sf-j "${head_g[@]}" "${fine_tune[@]}" ;;
 ten-three)  # the GPU tests first (the head's own CUDA graphs are new since pass 9), then finish J
