@@ -446,6 +446,8 @@ def test_distill_writes_shards_and_resumes(tiny_ck, distilled, tmp_path):
     assert m.settings["prompts_file"] == "first.jsonl" and m.settings["prompts_files"] == ["first.jsonl", "second.jsonl"]
     again = distill(engine, [PromptRecord("b", "-", PROMPTS[1])], two, max_tokens=8, settings={"prompts_file": "second.jsonl"})
     assert again.settings["prompts_files"] == ["first.jsonl", "second.jsonl"]
+    # each resumed run that answered something is noted (a rerun with nothing left to do is not)
+    assert again.settings["resumed"] == [{"prompts_file": "second.jsonl", "answers_before": 1}]
 
 
 def test_shards_are_compressed_and_old_raw_shards_convert(distilled, tmp_path):

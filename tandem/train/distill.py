@@ -228,7 +228,8 @@ def distill(engine, prompts: list[PromptRecord], out_dir: str | Path, max_tokens
     ck = engine.checkpoint
     target = {"path": ck.path.name, "sha256": model_fingerprint(ck.path), "architecture": ck.config.architecture,
               "num_layers": ck.config.num_layers, "vocab_size": ck.config.vocab_size}
-    if (out / "manifest.json").is_file():
+    resumed = (out / "manifest.json").is_file()
+    if resumed:
         manifest = DistillManifest.load(out)
         if manifest.target.get("sha256") != target["sha256"]:
             raise InvalidRequestError(f"{out} holds data distilled from another target model; use a new --out")
@@ -260,6 +261,10 @@ def distill(engine, prompts: list[PromptRecord], out_dir: str | Path, max_tokens
         todo.append((rec.prompt_id, ids))
     if prompts and not todo and not done and skipped["benchmark"] == len(prompts):
         raise InvalidRequestError("every prompt is a Spec-Bench / MT-Bench prompt; benchmarks are never training data")
+    if resumed and todo and settings:  # the top-level settings are the first run's: note each later one
+        manifest.settings.setdefault("resumed", []).append(
+            dict({k: v for k, v in settings.items() if k in ("command", "prompts_file", "device")},
+                 answers_before=len(done)))
     manifest.skipped = skipped
     writer = _ShardWriter(out, manifest, _dtype(ck.config.vocab_size), shard_tokens)
     params = SamplingParams(max_tokens=max_tokens)
