@@ -102,6 +102,13 @@ def test_context_lookup_whole_sequence_equals_incremental():
     assert (match == 0).all() and (cont == -1).all()
     with pytest.raises(ValueError):
         lookup_continuations([1, 2], 0)
+    # a batch of rows in one pass equals each row alone (rows never match each other)
+    for trial in range(50):
+        x = rng.integers(0, 2 + trial % 5, size=(int(rng.integers(1, 6)), int(rng.integers(1, 50))))
+        cont, match = lookup_continuations(x, 3)
+        for b in range(len(x)):
+            c, m = lookup_continuations(x[b], 3)
+            assert (cont[b] == c).all() and (match[b] == m).all()
 
 
 def test_lookup_head_reads_the_continuation(tiny_ck, tiny_target):

@@ -14,7 +14,8 @@ The rule, for a sequence ``x[0..i]`` whose last index is ``i``:
   the match, and, where they run past the end of the sequence, the same period again (in a loop
   of period ``i - e`` the text after the end repeats what followed the match).
 
-``lookup_continuations`` computes every index of a whole sequence at once (training, replay);
+``lookup_continuations`` computes every index of whole sequences at once (training, replay; a batch
+of rows in one vectorised pass);
 ``LookupIndex`` keeps one growing sequence and answers for its end in O(max_n) dictionary probes
 (serving). Both give the same answer (tested).
 """
@@ -27,51 +28,54 @@ MAX_N = 4  # longest n-gram matched
 
 
 def lookup_continuations(tokens, k: int, max_n: int = MAX_N) -> tuple[np.ndarray, np.ndarray]:
-    """Every index's lookup continuation.
+    """Every index's lookup continuation, for one sequence ``[T]`` or for independent rows ``[B, T]``
+    (a row never matches another; right padding only affects indexes inside it).
 
     Args:
-        tokens: ``[T]`` token ids of one sequence.
+        tokens: ``[T]`` or ``[B, T]`` token ids.
         k: continuation tokens per index.
         max_n: longest n-gram matched.
 
     Returns:
-        ``cont`` ``[T, k]`` int64 (row ``i``: the continuation of ``x[0..i]``; -1 where nothing
-        recurs) and ``match`` ``[T]`` int64 (the match length n, 0 for none).
+        ``cont`` ``[..., T, k]`` int64 (index ``i``: the continuation of ``x[0..i]``; -1 where nothing
+        recurs) and ``match`` ``[..., T]`` int64 (the match length n, 0 for none).
 
     Raises:
-        ValueError: ``k`` or ``max_n`` < 1, or ``tokens`` not one-dimensional.
+        ValueError: ``k`` or ``max_n`` < 1, or ``tokens`` neither one- nor two-dimensional.
     """
     if k < 1 or max_n < 1:
         raise ValueError(f"k and max_n must be >= 1, got k={k}, max_n={max_n}")
     x = np.asarray(tokens, dtype=np.int64)
-    if x.ndim != 1:
-        raise ValueError(f"tokens must be one-dimensional, got shape {x.shape}")
-    T = x.shape[0]
-    end = np.full(T, -1, np.int64)  # most recent earlier end of the longest recurring suffix
-    match = np.zeros(T, np.int64)
-    idx = np.arange(T)
+    if x.ndim not in (1, 2):
+        raise ValueError(f"tokens must be one- or two-dimensional, got shape {x.shape}")
+    if x.ndim == 1:
+        cont, match = lookup_continuations(x[None], k, max_n)
+        return cont[0], match[0]
+    B, T = x.shape
+    end = np.full((B, T), -1, np.int64)  # most recent earlier end of the longest recurring suffix
+    match = np.zeros((B, T), np.int64)
     for n in range(1, max_n + 1):
         if T <= n:
             break
-        ends = idx[n - 1:]  # n-grams ending at n-1 .. T-1
-        grams = np.stack([x[ends - n + 1 + s] for s in range(n)], axis=1)  # [T-n+1, n]
-        order = np.lexsort((ends,) + tuple(grams[:, s] for s in reversed(range(n))))
-        g = grams[order]
+        ends = np.arange(n - 1, T)  # n-grams ending at n-1 .. T-1, in every row
+        grams = np.stack([x[:, ends - n + 1 + s] for s in range(n)], axis=-1).reshape(-1, n)  # [B*(T-n+1), n]
+        row = np.repeat(np.arange(B), len(ends))
+        at_end = np.tile(ends, B)
+        # sorted by row, then gram, then end: the previous equal entry is the latest earlier occurrence
+        order = np.lexsort((at_end,) + tuple(grams[:, s] for s in reversed(range(n))) + (row,))
+        g, r, e = grams[order], row[order], at_end[order]
         same = np.zeros(len(order), bool)
-        same[1:] = (g[1:] == g[:-1]).all(axis=1)  # equal n-gram to the previous in sort order
-        prev = np.full(len(order), -1, np.int64)
-        prev[1:] = ends[order[:-1]]
-        prev = np.where(same, prev, -1)  # sorted by gram then end: the previous equal one is the latest earlier
-        at = ends[order]
-        hit = prev >= 0
-        end[at[hit]] = prev[hit]  # longer n overwrite shorter ones
-        match[at[hit]] = n
-    cont = np.full((T, k), -1, np.int64)
-    rows = np.nonzero(end >= 0)[0]
+        same[1:] = (r[1:] == r[:-1]) & (g[1:] == g[:-1]).all(axis=1)
+        hit = np.nonzero(same)[0]
+        end[r[hit], e[hit]] = e[hit - 1]  # longer n overwrite shorter ones
+        match[r[hit], e[hit]] = n
+    cont = np.full((B, T, k), -1, np.int64)
+    rows, cols = np.nonzero(end >= 0)
     if rows.size:
-        period = rows - end[rows]  # >= 1
+        src = end[rows, cols]
+        period = cols - src  # >= 1
         j = np.arange(k)[None, :]
-        cont[rows] = x[end[rows][:, None] + 1 + j % period[:, None]]
+        cont[rows, cols] = x[rows[:, None], src[:, None] + 1 + j % period[:, None]]
     return cont, match
 
 
