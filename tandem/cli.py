@@ -561,12 +561,12 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             _fail(f"cannot write {path}: its directory does not exist")
     specs = []
     for spec in dict.fromkeys(drafters):  # a repeated drafter is replayed once
-        kind, _, path = spec.partition(":")
+        kind, colon, path = spec.partition(":")
         if kind not in ("specformer", "draft-model", "ngram"):
             _fail(f"--drafter {spec!r}: replay supports specformer, draft-model and ngram")
         if kind == "ngram" and path:
             _fail("--drafter ngram takes no weights path")
-        specs.append((spec, kind, path if _ else None))  # "KIND:" (empty path) is refused by drafter_weights
+        specs.append((spec, kind, path if colon else None))  # "KIND:" (empty path) is refused by drafter_weights
     try:
         checkpoint = load_checkpoint(model)
         loaded = {}

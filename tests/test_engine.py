@@ -456,3 +456,24 @@ def test_top_p_1_and_top_k_0_are_off_over_a_real_sized_vocab():
 def test_top_k_larger_than_vocab():
     logits = _logits()
     torch.testing.assert_close(_probs(logits, top_k=10_000), logits.softmax(-1))
+
+
+def test_runner_graph_bookkeeping_runs_on_cpu(tiny_checkpoint, monkeypatch):
+    """The runner's CUDA-graph path (batch and context buckets, static input buffers refilled each
+    step, one ``CapturedCall`` per shape, replay) with the capture itself stood in by eager calls,
+    so it runs on the CPU: greedy output equals the plain path's and each shape is made once."""
+    import tandem.models.runner as runner_mod
+    from tandem.models.runner import RunnerConfig
+    from tandem.models.weights import load_checkpoint
+
+    ck = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    prompts, params = ["hi there", "count to five", "name a colour"], SamplingParams(max_tokens=12)
+    want = [c.token_ids for c in Engine(ck, cfg).generate(prompts, params)]
+    engine = Engine(ck, cfg)
+    object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
+    made, real = [], runner_mod.CapturedCall
+    monkeypatch.setattr(runner_mod, "CapturedCall",
+                        lambda fn, inputs, capture=True, pool=None: made.append(1) or real(fn, inputs, capture=False))
+    assert [c.token_ids for c in engine.generate(prompts, params)] == want
+    assert made and len(made) == len(engine.runner._graphs)

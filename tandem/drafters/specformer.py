@@ -57,12 +57,12 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for the bundled target
 
 
-# Attention backends for the drafter's eager (uncaptured) attention calls while serving. Their shapes
-# change from round to round (requests, accepted lengths, context buckets), and cuDNN attention
-# builds an execution plan per new shape (tens of ms; docs/benchmarks.md "Pass 9": observe p99
-# 51 ms); these backends need no plan. MATH takes whatever the others cannot (e.g. GQA with a mask).
 log = logging.getLogger(__name__)
 
+# Attention backends for the drafter's attention calls while serving. Their shapes change from
+# round to round (requests, accepted lengths, context buckets), and cuDNN attention builds an
+# execution plan per new shape (tens of ms; docs/benchmarks.md "Pass 9": observe p99 51 ms); these
+# backends need no plan. MATH takes whatever the others cannot (e.g. GQA with a mask).
 SERVING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -605,19 +605,25 @@ class SpecFormerDrafter(Drafter):
         self._captured: dict[tuple, CapturedCall] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
 
-    def _static_call(self, key: tuple, fn, make_inputs) -> CapturedCall | None:
-        """The ``CapturedCall`` for ``key``, made on first use from the buffers ``make_inputs()``
-        gives (captured on CUDA only). None when a capture fails: the drafter then stays eager."""
+    def _replay(self, key: tuple, fn, make_inputs, fill):
+        """``fn``'s output for ``key`` from its ``CapturedCall`` (made on first use from the buffers
+        ``make_inputs()`` gives; captured on CUDA only), after ``fill(inputs)`` has written this
+        call's values into the static buffers (before the capture too: observe's warm-up runs then
+        write real K/V). None when a capture fails: the drafter then stays eager (logged)."""
         call = self._captured.get(key)
-        if call is None:
-            try:
-                call = CapturedCall(fn, make_inputs(), capture=self.k_cache.is_cuda, pool=self._graph_pool)
-            except RuntimeError as exc:
-                log.warning("SpecFormer head: CUDA graph capture failed (%s); running it eagerly", exc)
-                self._static = False
-                return None
-            self._captured[key] = call
-        return call
+        if call is not None:
+            fill(call.inputs)
+            return call()
+        inputs = make_inputs()
+        fill(inputs)
+        try:
+            call = CapturedCall(fn, inputs, capture=self.k_cache.is_cuda, pool=self._graph_pool)
+        except RuntimeError as exc:
+            log.warning("SpecFormer head: CUDA graph capture failed (%s); running it eagerly", exc)
+            self._static = False
+            return None
+        self._captured[key] = call
+        return call()
 
     def release(self, slot: int) -> None:
         self.pending.pop(slot, None)
@@ -650,29 +656,18 @@ class SpecFormerDrafter(Drafter):
                 + [0] * (M - m) for s, m in zip(states, lens)]  # first position, rows, slot, each row's next token
         packed = torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long)
         dev, dtype = self.k_cache.device, self.k_cache.dtype
+        last = None
         if static:
-            def make_inputs():
-                return (torch.zeros((nb, M, len(cfg.taps), cfg.hidden_size), device=dev, dtype=dtype),
-                        torch.zeros((nb, 3 + M), dtype=torch.long, device=dev))
-
             def fill(inputs):
                 for i, s in enumerate(states):
                     inputs[0][i, :s.taps.shape[0]].copy_(s.taps)
                 inputs[1].copy_(packed, non_blocking=True)
 
-            key = ("observe", nb, attn_len)
-            call = self._captured.get(key)
-            if call is None:  # fill before capture: the warm-up runs write real K/V
-                inputs = make_inputs()
-                fill(inputs)
-                call = self._static_call(key, lambda x, pk: self._observe_rows(x, pk, attn_len), lambda: inputs)
-            else:
-                fill(call.inputs)
-            if call is None:  # capture failed: eager, as below
-                static = False
-            else:
-                last = call()[:n].clone()  # the next replay overwrites the graph's output
-        if not static:
+            out = self._replay(("observe", nb, attn_len), lambda x, pk: self._observe_rows(x, pk, attn_len),
+                               lambda: (torch.zeros((nb, M, len(cfg.taps), cfg.hidden_size), device=dev, dtype=dtype),
+                                        torch.zeros((nb, 3 + M), dtype=torch.long, device=dev)), fill)
+            last = None if out is None else out[:n].clone()  # the next replay overwrites the graph's output
+        if last is None:  # eager: no graphs, a prefill, or a failed capture
             x = pad_sequence([s.taps.to(dtype) for s in states], batch_first=True)  # [n, M, taps, d]
             last = self._observe_rows(x, packed[:n, :3 + x.shape[1]].to(dev), attn_len)
         for i, (s, m) in enumerate(zip(states, lens)):
@@ -745,14 +740,14 @@ class SpecFormerDrafter(Drafter):
         ids = torch.tensor(rows + [[-1] * ld + [0, 0]] * (nb - n), dtype=torch.long)
         states = torch.stack([p.state for p in pend])
         dev = self.k_cache.device
-        call = self._static_call(("draft", nb), self._draft_rows, lambda: (
+        def fill(inputs):
+            inputs[0][:n].copy_(states)
+            inputs[1].copy_(ids, non_blocking=True)
+
+        out = self._replay(("draft", nb), self._draft_rows, lambda: (
             torch.zeros((nb, cfg.hidden_size), device=dev, dtype=self.k_cache.dtype),
-            torch.zeros((nb, ld + 2), dtype=torch.long, device=dev))) if self._static else None
-        if call is None:
-            return self._draft_rows(states, ids[:n].to(dev))
-        call.inputs[0][:n].copy_(states)
-        call.inputs[1].copy_(ids, non_blocking=True)
-        return call()[:n]
+            torch.zeros((nb, ld + 2), dtype=torch.long, device=dev)), fill) if self._static else None
+        return self._draft_rows(states, ids[:n].to(dev)) if out is None else out[:n]
 
     def _draft_rows(self, states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[n, l_d, vocab]`` draft logits from context states ``[n, d]`` and ``ids`` ``[n, l_d + 2]``

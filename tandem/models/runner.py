@@ -137,7 +137,7 @@ class ModelRunner:
         # batch 1 fusion lifts graphs from 325 to 504 tok/s.
         self._forward_compiled = (torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
                                   if config.compile else None)
-        self._graphs: dict[tuple[int, int, int], _CapturedStep] = {}
+        self._graphs: dict[tuple[int, int, int, bool], CapturedCall] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
 
     # ------------------------------------------------------------------ forwards
@@ -292,36 +292,23 @@ class ModelRunner:
         if captured is None:
             captured = self._capture(n, q, attn_len, packed)
             self._graphs[key] = captured
-        captured.packed.copy_(packed, non_blocking=True)
-        captured.graph.replay()
-        return captured.out
+        captured.inputs[0].copy_(packed, non_blocking=True)
+        return captured()
 
-    def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "_CapturedStep":
+    def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "CapturedCall":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
         # warm-up runs and the replay write identical values to identical positions.
         log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
         packed = packed.to(self.device)
         k, v = self.cache.k[:, :n], self.cache.v[:, :n]
-        forward = self._forward_compiled if (self._forward_compiled is not None and n == 1) else self._forward
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        if self._forward_compiled is not None and n == 1:
+            compiled = self._forward_compiled
             try:
-                for _ in range(2):
-                    forward(packed, k, v, attn_len, q)
+                return CapturedCall(lambda p: compiled(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
             except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
-                if forward is self._forward:
-                    raise
                 log.warning("torch.compile failed (%s); using the uncompiled forward", exc)
                 self._forward_compiled = None
-                forward = self._forward
-                for _ in range(2):
-                    forward(packed, k, v, attn_len, q)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = forward(packed, k, v, attn_len, q)
-        return _CapturedStep(graph, packed, out)
+        return CapturedCall(lambda p: self._forward(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
         """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
@@ -389,13 +376,6 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor
     argmax: torch.Tensor
     taps: torch.Tensor | None = None
-
-
-@dataclass
-class _CapturedStep:
-    graph: "torch.cuda.CUDAGraph"
-    packed: torch.Tensor
-    out: StepOutput
 
 
 def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
