@@ -22,8 +22,14 @@ def main() -> None:
     ap.add_argument("traces", nargs="?", default=str(TOP / "docs/results/2026-12-01/drafters/spec-bench-traces.jsonl.gz"))
     ap.add_argument("--max-n", default="1,2,4,8,16")
     a = ap.parse_args()
-    rows = [json.loads(line) for line in gzip.open(a.traces, "rt")]
-    for max_n in (int(v) for v in a.max_n.split(",")):
+    try:
+        sizes = [int(v) for v in a.max_n.split(",")]
+        rows = [json.loads(line) for line in (gzip.open if a.traces.endswith(".gz") else open)(a.traces, "rt")]
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
+    if not sizes or min(sizes) < 1:
+        ap.error("--max-n takes positive integers")
+    for max_n in sizes:
         emitted, rounds = collections.Counter(), collections.Counter()
         for r in rows:
             x = np.array(r["prompt_ids"] + r["output_ids"])
