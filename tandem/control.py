@@ -327,6 +327,7 @@ class DraftPolicy:
         self._tau_used = tau
         self._round_open = False  # begin_round chose τ for a round that lengths() has not closed
         self._survival: dict[int, float] = {}  # slot -> Π p over the positions drafted this round
+        self._scored: dict[int, list[float]] = {}  # slot -> keep_drafting's p per position this round
 
     def begin_round(self):
         """Choose this round's τ (the controller's next candidate, or the fixed τ) and return the
@@ -337,6 +338,7 @@ class DraftPolicy:
         self._tau_used = self.controller.current() if self.controller is not None else self.fixed_tau
         self._round_open = True
         self._survival = {}
+        self._scored = {}
         return self.keep_drafting
 
     def keep_drafting(self, slots: Sequence[int], features) -> list[bool]:
@@ -346,6 +348,7 @@ class DraftPolicy:
             return []
         out = []
         for slot, p in zip(slots, self.score(features).tolist()):
+            self._scored.setdefault(slot, []).append(p)
             survive = self._survival.get(slot, 1.0) * p
             self._survival[slot] = survive
             out.append((survive if self.cumulative else p) >= self._tau_used)
@@ -360,6 +363,7 @@ class DraftPolicy:
         if not self._round_open:  # no begin_round this round (e.g. a caller without early stop)
             self.begin_round()
         self._round_open = False
+        self._scored = {}
         tau = self._tau_used
         sizes = [f.shape[0] for f in features]
         if not any(sizes):
@@ -381,9 +385,20 @@ class DraftPolicy:
         self._modelled_ms = alloc.predicted_ms - self.overhead_ms
         return alloc.lengths
 
-    def apply(self, proposals: list) -> list:
-        """Cut every proposal to its allocated length, then branch at hard positions."""
-        keep = self.lengths([p.features for p in proposals], [p.scores for p in proposals])
+    def apply(self, proposals: list, slots: Sequence[int] | None = None) -> list:
+        """Cut every proposal to its allocated length, then branch at hard positions.
+
+        ``slots`` (one per proposal) lets a proposal without ``scores`` reuse the acceptance
+        probabilities ``keep_drafting`` already computed for its slot this round (same features,
+        same score), so a drafter that stops early is not scored twice per round; a slot whose
+        recorded count differs from its proposal's length is scored afresh."""
+        scores = [p.scores for p in proposals]
+        if slots is not None and self._round_open:  # the scores of this round's begin_round only
+            for i, (p, s) in enumerate(zip(proposals, slots)):
+                recorded = self._scored.get(s)
+                if scores[i] is None and recorded is not None and len(recorded) == len(p.tokens):
+                    scores[i] = recorded
+        keep = self.lengths([p.features for p in proposals], scores)
         out = [p.truncated(n) for p, n in zip(proposals, keep)]
         if self.branch_top_m > 1:
             spare = None if self.max_total_tokens is None else self.max_total_tokens - sum(len(p.tokens) for p in out)

@@ -459,7 +459,7 @@ class Engine:
         proposals = [p if usable(p, a) else DraftProposal.empty() for p, a in zip(proposals, asks)]
         if self.draft_policy is not None:
             with span("allocate", batch_size=len(reqs)):
-                proposals = self.draft_policy.apply(proposals)
+                proposals = self.draft_policy.apply(proposals, [r.slot for r in reqs])
         return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,

@@ -266,7 +266,10 @@ def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests
     sequence after the first position whose predicted acceptance (or survival product) is below τ,
     so the draft-model forwards past it never run. That position is still drafted (the policy cuts
     there and may branch on it). Output stays identical to target-only."""
+    scored_rows = []
+
     def score(f):  # position 1 likely, later positions unlikely
+        scored_rows.append(f.shape[0])
         return torch.where(f[:, 3] <= 1, 0.9, 0.3)
 
     def drafted_run(policy):
@@ -290,7 +293,13 @@ def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests
 
     plain, plain_steps = drafted_run(None)
     policy = DraftPolicy(score, tau=0.5, cumulative=cumulative)
+    proposed = []
+    real_apply = policy.apply
+    policy.apply = lambda props, slots=None: (proposed.append(sum(len(p.tokens) for p in props)),
+                                              real_apply(props, slots))[1]
     adaptive, adaptive_steps = drafted_run(policy)
+    # every drafted position is scored once, while drafting: the cut reuses those scores
+    assert proposed and sum(scored_rows) == sum(proposed)
     assert_same_outputs(plain, tiny_reference)
     assert_same_outputs(adaptive, tiny_reference)
     assert adaptive_steps < plain_steps  # draft forwards past the τ cut were never run
