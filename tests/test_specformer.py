@@ -941,11 +941,15 @@ def test_predictor_next_to_its_drafter(trained, tmp_path):
 
 @pytest.mark.parametrize("kind", ["specformer", "draft-model", "ngram"])
 @pytest.mark.parametrize("k", [4, 3])
-def test_replay_equals_engine_counters(trained, tiny_ck, kind, k):
+def test_replay_equals_engine_counters(trained, tiny_ck, kind, k, monkeypatch):
     """The teacher-forced replay (tandem.bench.replay) gives every request exactly the engine's
-    speculative decoding counters (float32): drafted, accepted and emitted per round position."""
+    speculative decoding counters (float32): drafted, accepted and emitted per round position.
+    The drafts' LM head runs in chunks of 7 rows here (the CPU memory cap on the logits)."""
+    from tandem.bench import replay as replay_mod
     from tandem.bench.replay import draft_model_drafts, record_traces, specformer_drafts, token_drafter_drafts, walk
     from tandem.drafters import NgramDrafter
+
+    monkeypatch.setattr(replay_mod, "CPU_LOGITS_BYTES", tiny_ck.config.vocab_size * 6 * 7)
 
     _, out = trained
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)

@@ -189,6 +189,21 @@ def _padded(traces: list[GreedyTrace], idx: list[int], device) -> torch.Tensor:
     return pad_batch(seqs, device)[0]
 
 
+CPU_LOGITS_BYTES = 1 << 30  # the logits memory of one `_argmax_tokens` chunk on the CPU
+
+
+def _argmax_tokens(model, hidden: torch.Tensor) -> torch.Tensor:
+    """``model.logits(hidden).argmax(-1)`` for ``hidden`` ``[..., d]`` -> ``[...]`` token ids,
+    in row chunks whose logits (bf16 or float32 product plus its float32 copy, 6 bytes per
+    entry) fit in half the free CUDA memory, or ``CPU_LOGITS_BYTES`` on the CPU: a batch of 32,768 positions
+    x 4 draft slots is 25 GB of float32 logits at a 49,152-token vocabulary. On a large GPU the
+    whole batch is one chunk."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    budget = torch.cuda.mem_get_info(flat.device)[0] // 2 if flat.is_cuda else CPU_LOGITS_BYTES
+    rows = max(1, budget // (model.config.vocab_size * 6))
+    return torch.cat([model.logits(h).argmax(-1) for h in flat.split(rows)]).view(hidden.shape[:-1])
+
+
 @torch.inference_mode()
 def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int = 32768) -> list[np.ndarray]:
     """Every position's SpecFormer drafts, ``[T, l_d]`` per trace (teacher-forced, the training
@@ -205,7 +220,7 @@ def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int
         tokens = _padded(traces, idx, target.embed.weight.device)
         B, T = tokens.shape
         y = teacher_forced_states(head, target, tokens)  # [B*T, l_d, d]
-        ids = target.logits(target.norm(y)).argmax(-1).view(B, T, -1).cpu().numpy()
+        ids = _argmax_tokens(target, target.norm(y)).view(B, T, -1).cpu().numpy()
         for row, i in enumerate(idx):
             out[i] = ids[row, :len(traces[i].tokens)]
     return out
@@ -223,7 +238,7 @@ def draft_model_drafts(draft, traces: list[GreedyTrace], k: int, batch_tokens: i
     for idx in _batches(traces, batch_tokens):
         tokens = _padded(traces, idx, draft.embed.weight.device)
         hidden, _ = draft.forward_causal(tokens)
-        arg = draft.logits(hidden).argmax(-1).cpu().numpy()  # [B, T]: prediction of the next token
+        arg = _argmax_tokens(draft, hidden).cpu().numpy()  # [B, T]: prediction of the next token
         for row, i in enumerate(idx):
             n = len(traces[i].tokens)
             a = np.concatenate([arg[row, :n], np.full(k + 1, -1)])
