@@ -74,6 +74,12 @@ class _Group(click.Group):
             _fail(str(exc))
         except OSError as exc:  # e.g. a port already in use, an unreadable file
             _fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError (CUDA) or the CPU allocator
+            text = str(exc)
+            if not isinstance(exc, MemoryError) and "out of memory" not in text and "allocate memory" not in text:
+                raise
+            first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
+            _fail(f"out of memory: {first.strip()[:300]} (lower the batch size or the work of one call)")
 
 
 def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compile_=None, dtype="auto",

@@ -70,3 +70,25 @@ def test_context_aware_option_errors(run, args, message):
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert message in res.stderr
+
+
+@pytest.mark.parametrize("exc,message", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                  "you tried to allocate 25593643008 bytes."), "can't allocate memory"),
+    (MemoryError(), "out of memory: MemoryError"),
+])
+def test_out_of_memory_is_one_line(run, monkeypatch, exc, message):
+    """Running out of memory (CPU allocator, CUDA, Python) is a one-line error, exit 2; any other
+    RuntimeError stays a traceback (a bug, not a user error)."""
+    import tandem.cli as cli
+
+    def boom(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(cli, "_engine", boom)
+    res = run("generate", "--prompt", "hi")
+    assert res.exit_code == 2 and message in res.stderr and "out of memory" in res.stderr
+    assert "lower the batch size" in res.stderr and isinstance(res.exception, SystemExit)
+    monkeypatch.setattr(cli, "_engine", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
+    res = run("generate", "--prompt", "hi")
+    assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)
