@@ -25,6 +25,21 @@ def bundled_spec_bench() -> Path:
     return Path(__file__).resolve().parent.parent / "data" / "spec_bench_question.jsonl"
 
 
+def read_text(path: str | Path) -> str:
+    """A file's UTF-8 text, gunzipped first when its name ends in ``.gz``.
+
+    Raises:
+        OSError: unreadable, or not gzip under a ``.gz`` name (``gzip.BadGzipFile``).
+        EOFError: a truncated gzip stream.
+        UnicodeDecodeError: not UTF-8.
+    """
+    import gzip
+
+    p = Path(path)
+    raw = p.read_bytes()
+    return (gzip.decompress(raw) if p.suffix == ".gz" else raw).decode("utf-8")
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
     """Read prompts (first turn of each row) from a JSONL file, gzip-compressed when its name ends
     in ``.gz``.
@@ -33,15 +48,12 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         InvalidRequestError: the file is missing, not UTF-8, not gzip under a ``.gz`` name, or a row
             is not JSON / lacks text.
     """
-    import gzip
-
     p = Path(path)
     if not p.is_file():
         raise InvalidRequestError(f"prompts file {str(p)!r} does not exist")
     records: list[PromptRecord] = []
     try:
-        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-        lines = raw.decode("utf-8").split("\n")  # not splitlines(): JSON strings may hold U+2028
+        lines = read_text(p).split("\n")  # not splitlines(): JSON strings may hold U+2028
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"{p} is not valid UTF-8: {exc}") from None
     except (OSError, EOFError) as exc:  # BadGzipFile is an OSError

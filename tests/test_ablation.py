@@ -4,6 +4,7 @@ The ablation rows are `tandem bench` configurations (tandem.bench.configs.ABLATI
 share each batch size's target engine and warm-up, and report like every other configuration.
 """
 
+import gzip
 import json
 import math
 
@@ -111,8 +112,16 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
     assert data["prompts"] == 2 and data["drafters"]["ngram"]["k"] == 4
     lines = (tmp_path / "t.jsonl").read_text().splitlines()
     assert all(len(json.loads(line)["model"]) == 64 for line in lines)
-    res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "t.jsonl")])
+    res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "r2.json")])
     assert res.exit_code == 0, res.output
+    gz = tmp_path / "t.jsonl.gz"  # gzip-compressed traces (as committed) read the same
+    gz.write_bytes(gzip.compress((tmp_path / "t.jsonl").read_bytes()))
+    res = CliRunner().invoke(main, base + ["--traces", str(gz), "--out", str(tmp_path / "r3.json")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "r3.json").read_text()) == json.loads((tmp_path / "r2.json").read_text())
+    (tmp_path / "notgz.jsonl.gz").write_text(lines[0])
+    res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "notgz.jsonl.gz")])
+    assert res.exit_code == 2 and "cannot read traces file" in res.output, res.output
     bad = {"types": '{"category": "x", "prompt_ids": [1], "output_ids": "abc", "max_tokens": 5}',
            "vocab": '{"category": "x", "prompt_ids": [1], "output_ids": [99999999], "max_tokens": 5}',
            "json": 'not json', "other model": lines[0].replace(json.loads(lines[0])["model"], "0" * 64)}

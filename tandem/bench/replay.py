@@ -98,16 +98,19 @@ def save_traces(traces: list[GreedyTrace], path: str | Path) -> Path:
 
 
 def load_traces(path: str | Path, vocab_size: int | None = None) -> list[GreedyTrace]:
-    """Read traces written by ``save_traces`` and check each (``GreedyTrace.check``).
+    """Read traces written by ``save_traces`` (gzip-compressed when the name ends in ``.gz``, as
+    the committed Spec-Bench traces are) and check each (``GreedyTrace.check``).
 
     Raises:
         ValueError: an unreadable file or a line that is not a valid trace (file and line named).
     """
+    from ..data import read_text
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_text(path)
     except FileNotFoundError:
         raise ValueError(f"traces file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read traces file {path}: {exc}") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
