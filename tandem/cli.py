@@ -146,7 +146,7 @@ drafter_options = [
                  help="Draft model for --drafter draft-model: a distilled draft (tandem train draft-model), a GGUF / "
                       "HF directory sharing the target's tokenizer, or truncate:N (the target's first N layers). "
                       "Default with the bundled target: the shipped distilled draft model. For --drafter "
-                      "specformer: a head directory (default: the shipped head)."),
+                      "specformer: a head directory (default: the shipped head; generate also takes --specformer)."),
     click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
                  help="Draft tokens per sequence per round (k)."),
     click.option("--predictor", default=None, metavar="PATH|auto",
@@ -193,19 +193,30 @@ def main(verbose: bool) -> None:
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
 @with_drafter_options
+@click.option("--specformer", "specformer_path", default=None, metavar="PATH",
+              help="SpecFormer head directory (tandem train specformer); implies --drafter specformer. Same as "
+                   "--drafter specformer --draft-model PATH, and as tandem bench --specformer.")
 @click.option("--compare", is_flag=True,
               help="With a prompts file and a drafter: also run target-only on the same prompts and report "
                    "the speedup and how many outputs are identical.")
 @dtype_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
              batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
-             compare, dtype) -> None:
+             specformer_path, compare, dtype) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from .data import load_prompts
     from .errors import InvalidRequestError
     from .models.config import ModelLoadError
     from .sampling import SamplingParams
 
+    if specformer_path is not None:
+        if drafter not in ("none", "specformer"):
+            _fail(f"--specformer needs --drafter specformer, got --drafter {drafter}")
+        if draft_model:
+            _fail("give the SpecFormer head once: --specformer PATH or --draft-model PATH")
+        if not specformer_path.strip():
+            _fail("--specformer is empty")
+        drafter, draft_model = "specformer", specformer_path
     if (prompt is None) == (prompts_file is None):
         _fail("give exactly one of --prompt or --prompts-file")
     if compare and (prompts_file is None or drafter == "none"):
@@ -232,9 +243,9 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         except InvalidRequestError as exc:
             _fail(str(exc))
         sys.stdout.write("\n")
-        if engine.drafter is not None:
+        if engine.drafter is not None:  # on stderr: stdout holds only the generated text
             st = engine.stats
-            console.print(f"[dim]{engine.drafter.name}: acceptance rate {_fmt(st.acceptance_rate, '.3f')}, "
+            err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {_fmt(st.acceptance_rate, '.3f')}, "
                           f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
     if not records:

@@ -25,6 +25,10 @@ def run():
     (["generate", "--prompt", "hi", "--drafter", "draft-model", "--draft-model", "/nonexistent"], "does not exist"),
     (["generate", "--prompt", "hi", "--drafter", "specformer", "--draft-model", "README.md"], "cannot read SpecFormer head"),
     (["generate"], "give exactly one of --prompt or --prompts-file"),
+    (["generate", "--prompt", "hi", "--specformer", "/nonexistent"], "no SpecFormer head at"),
+    (["generate", "--prompt", "hi", "--specformer", "x", "--drafter", "ngram"], "--specformer needs --drafter specformer"),
+    (["generate", "--prompt", "hi", "--specformer", "x", "--draft-model", "y"], "give the SpecFormer head once"),
+    (["generate", "--prompt", "hi", "--specformer", " "], "--specformer is empty"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)

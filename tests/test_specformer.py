@@ -797,6 +797,10 @@ def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
                                     "--device", "cpu", "--max-tokens", "4"])
     assert res.exit_code == 0, res.output
     assert "drafts 4 tokens a round (l_d); --num-draft-tokens 8 is capped to 4" in res.output
+    # --specformer PATH is the same head (and implies --drafter specformer): same note, same text
+    same = CliRunner().invoke(main, ["generate", "--prompt", "Say hello.", "--specformer", str(out / "specformer"),
+                                     "--num-draft-tokens", "8", "--model", model, "--device", "cpu", "--max-tokens", "4"])
+    assert same.exit_code == 0 and same.output == res.output, same.output
 
 
 def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
