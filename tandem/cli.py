@@ -139,6 +139,18 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
 model_option = click.option("--model", "model", default=None, metavar="PATH",
                             help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+def _check_tau(value: str) -> str:
+    """--tau checked when the command line is parsed, before any model loads."""
+    from .control import parse_tau
+    from .errors import ConfigError
+
+    try:
+        parse_tau(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--tau "), param_hint="'--tau'") from None
+    return value
+
+
 drafter_options = [
     click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model", "specformer"]), default="none",
                  show_default=True, help="Speculative decoding drafter (none = target-only decoding)."),
@@ -152,7 +164,7 @@ drafter_options = [
     click.option("--predictor", default=None, metavar="PATH|auto",
                  help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor), or "
                       "auto = the predictor saved next to the drafter's weights; draft lengths follow it under tau."),
-    click.option("--tau", default="auto", show_default=True,
+    click.option("--tau", default="auto", show_default=True, callback=lambda ctx, param, value: _check_tau(value),
                  help="Threshold on predicted acceptance: a number in [0, 1], or auto (learned online)."),
     click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,
                  help="Hard-position enhancement: verify the top-m candidates where tau cuts a draft (draft-model)."),

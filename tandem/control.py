@@ -437,6 +437,25 @@ def entropy_score(features):
     return (-features[:, 0]).exp()
 
 
+def parse_tau(tau: str | float) -> float | None:
+    """``--tau``: None for "auto" (the online τ controller), else the fixed threshold.
+
+    Raises:
+        ConfigError: not "auto" and not a number in [0, 1].
+    """
+    from .errors import ConfigError
+
+    if tau == "auto":
+        return None
+    try:
+        value = float(tau)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
+    return value
+
+
 def make_draft_policy(predictor: str | None, tau: str | float = "auto", branch_top_m: int = 0,
                       fallback_score=None, cost: CostModel | None = None) -> DraftPolicy | None:
     """The context-aware DraftPolicy from user options (``tandem generate``, ``tandem bench``).
@@ -458,14 +477,7 @@ def make_draft_policy(predictor: str | None, tau: str | float = "auto", branch_t
     """
     from .errors import ConfigError
 
-    value = None
-    if tau != "auto":
-        try:
-            value = float(tau)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
+    value = parse_tau(tau)
     if predictor is None and fallback_score is None:
         if branch_top_m:
             raise ConfigError("--branch-top-m needs --predictor")

@@ -64,7 +64,10 @@ def test_unescape_stop_strings():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "--prompt", "hi", "--tau", "2"], "--tau must be a number in [0, 1]"),
+    (["generate", "--prompt", "hi", "--tau", "2"], "'--tau': must be a number in [0, 1] or auto"),
+    (["generate", "--prompt", "hi", "--tau", "nan"], "'--tau': must be a number in [0, 1] or auto"),
+    # checked as the command line is read: before the model (here a missing one) would load
+    (["generate", "--prompt", "hi", "--model", "/nonexistent", "--tau", "foo"], "got 'foo'"),
     (["generate", "--prompt", "hi", "--tau", "0.5"], "--tau needs --predictor"),
     (["generate", "--prompt", "hi", "--draft-model", "truncate:2"], "--draft-model needs --drafter draft-model"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", "README.md"], "cannot load predictor"),
