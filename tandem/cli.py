@@ -284,6 +284,8 @@ def _run_file(engine, records, params, chat: bool, desc: str = "generating"):
         try:
             results = engine.generate([r.text for r in records], params, chat=chat, on_finish=lambda c: bar.update())
         except InvalidRequestError as exc:
+            bar.leave = False  # erase the bar: the error is the line left
+            bar.close()
             _fail(str(exc))
         wall = time.perf_counter() - t0
     return results, wall
