@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from tandem.bench import replay as replay_mod
 from tandem.bench.configs import ABLATION_CONFIGS, BenchOptions, parse_configs
 from tandem.bench.spec_bench import run_benchmark
 from tandem.cli import main
@@ -119,6 +120,8 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
     res = CliRunner().invoke(main, base + ["--traces", str(gz), "--out", str(tmp_path / "r3.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r3.json").read_text()) == json.loads((tmp_path / "r2.json").read_text())
+    saved = replay_mod.save_traces(replay_mod.load_traces(tmp_path / "t.jsonl"), tmp_path / "s.jsonl.gz")
+    assert gzip.decompress(saved.read_bytes()) == (tmp_path / "t.jsonl").read_bytes()  # a .gz name is written gzipped
     (tmp_path / "notgz.jsonl.gz").write_text(lines[0])
     res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "notgz.jsonl.gz")])
     assert res.exit_code == 2 and "cannot read traces file" in res.output, res.output

@@ -90,10 +90,14 @@ def record_traces(engine, records: list[PromptRecord], max_tokens: int = 256) ->
 
 
 def save_traces(traces: list[GreedyTrace], path: str | Path) -> Path:
-    """Write one JSON object per line."""
+    """Write one JSON object per line, gzip-compressed when the name ends in ``.gz`` (as
+    ``load_traces`` reads it)."""
+    import gzip
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text("".join(json.dumps(asdict(t)) + "\n" for t in traces))
+    data = "".join(json.dumps(asdict(t)) + "\n" for t in traces).encode("utf-8")
+    p.write_bytes(gzip.compress(data, mtime=0) if p.suffix == ".gz" else data)
     return p
 
 
