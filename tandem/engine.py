@@ -519,22 +519,22 @@ class Engine:
             on_finish: optional callback ``(Completion) -> None`` (progress bars).
 
         Raises:
-            InvalidRequestError: a prompt is invalid (nothing is queued then).
+            InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
+                with "prompt I of N:" (1-based).
         """
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
-        encoded = [self.encode_prompt(p, chat=chat) for p in prompts]
         ids: list[str] = []
-        try:
-            for e, sp in zip(encoded, params):
-                ids.append(self.add_request(prompt_ids=e, params=sp))
-        except InvalidRequestError:
-            for rid in ids:  # all or nothing: a bad prompt queues none of the batch
-                self.abort(rid)
-            raise
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp))
+            except InvalidRequestError as exc:
+                for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                    self.abort(rid)
+                raise InvalidRequestError(f"prompt {i + 1} of {len(prompts)}: {exc}") from None
         results: dict[str, Completion] = {}
         pending = set(ids)
         while pending:

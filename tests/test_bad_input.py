@@ -94,13 +94,13 @@ def test_prompt_one_under_context_limit(real_engine):
 def test_generate_with_one_bad_prompt_queues_nothing(real_engine, good_tokens):
     """``Engine.generate`` documents "a prompt is invalid (nothing is queued then)"."""
     too_long = "The quick brown fox jumps over the lazy dog. " * 200
-    with pytest.raises(InvalidRequestError, match="context limit"):
+    with pytest.raises(InvalidRequestError, match="^prompt 2 of 2: prompt has .* context limit"):
         real_engine.generate([GOOD, too_long], GOOD_PARAMS)
     _assert_clean(real_engine)
 
 
 def test_generate_with_one_empty_prompt_queues_nothing(real_engine, good_tokens):
-    with pytest.raises(InvalidRequestError, match="empty"):
+    with pytest.raises(InvalidRequestError, match="^prompt 2 of 2: .*empty"):
         real_engine.generate([GOOD, ""], GOOD_PARAMS)
     _still_serves(real_engine, good_tokens)
 
