@@ -139,6 +139,8 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
 model_option = click.option("--model", "model", default=None, metavar="PATH",
                             help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
 device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+
+
 def _check_tau(value: str) -> str:
     """--tau checked when the command line is parsed, before any model loads."""
     from .control import parse_tau
@@ -258,7 +260,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         if engine.drafter is not None:  # on stderr: stdout holds only the generated text
             st = engine.stats
             err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {_fmt(st.acceptance_rate, '.3f')}, "
-                          f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
+                              f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
     if not records:
         _fail("the prompts file has no prompts")

@@ -202,9 +202,9 @@ CPU_LOGITS_BYTES = 1 << 30  # the logits memory of one `_argmax_tokens` chunk on
 def _argmax_tokens(model, hidden: torch.Tensor) -> torch.Tensor:
     """``model.logits(hidden).argmax(-1)`` for ``hidden`` ``[..., d]`` -> ``[...]`` token ids,
     in row chunks whose logits (bf16 or float32 product plus its float32 copy, 6 bytes per
-    entry) fit in half the free CUDA memory, or ``CPU_LOGITS_BYTES`` on the CPU: a batch of 32,768 positions
-    x 4 draft slots is 25 GB of float32 logits at a 49,152-token vocabulary. On a large GPU the
-    whole batch is one chunk."""
+    entry) fit in half the free CUDA memory, or ``CPU_LOGITS_BYTES`` on the CPU: a batch of
+    32,768 positions x 4 draft slots is 25 GB of float32 logits at a 49,152-token vocabulary.
+    On a large GPU the whole batch is one chunk."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     budget = torch.cuda.mem_get_info(flat.device)[0] // 2 if flat.is_cuda else CPU_LOGITS_BYTES
     rows = max(1, budget // (model.config.vocab_size * 6))
