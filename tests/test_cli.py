@@ -26,6 +26,8 @@ def run():
     (["generate", "--prompt", "hi", "--drafter", "specformer", "--draft-model", "README.md"], "cannot read SpecFormer head"),
     (["generate"], "give exactly one of --prompt or --prompts-file"),
     (["generate", "--prompt", "hi", "--specformer", "/nonexistent"], "no SpecFormer head at"),
+    # a missing head is found before the target (here a missing one too) would load
+    (["generate", "--prompt", "hi", "--model", "/nonexistent", "--specformer", "/nonexistent"], "no SpecFormer head"),
     (["generate", "--prompt", "hi", "--specformer", "x", "--drafter", "ngram"], "--specformer needs --drafter specformer"),
     (["generate", "--prompt", "hi", "--specformer", "x", "--draft-model", "y"], "give the SpecFormer head once"),
     (["generate", "--prompt", "hi", "--specformer", " "], "--specformer is empty"),
