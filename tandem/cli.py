@@ -230,10 +230,9 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             _fail("give the SpecFormer head once: --specformer PATH or --draft-model PATH")
         if not specformer_path.strip():
             _fail("--specformer is empty")
-        from .drafters.base import weights_file
+        from .drafters.specformer import specformer_file
 
-        if not weights_file(specformer_path).is_file():  # before the target loads
-            _fail(f"no SpecFormer head at {specformer_path!r} (expected a directory with model.safetensors)")
+        specformer_file(specformer_path)  # a missing head is refused before the target loads
         drafter, draft_model = "specformer", specformer_path
     if (prompt is None) == (prompts_file is None):
         _fail("give exactly one of --prompt or --prompts-file")

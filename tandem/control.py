@@ -326,7 +326,6 @@ class DraftPolicy:
         self.max_total_tokens = max_total_tokens
         self._tau_used = tau
         self._round_open = False  # begin_round chose τ for a round that lengths() has not closed
-        self._survival: dict[int, float] = {}  # slot -> Π p over the positions drafted this round
         self._scored: dict[int, list[float]] = {}  # slot -> keep_drafting's p per position this round
 
     def begin_round(self):
@@ -337,7 +336,6 @@ class DraftPolicy:
         branch on its top candidates; ``lengths`` then uses the same τ."""
         self._tau_used = self.controller.current() if self.controller is not None else self.fixed_tau
         self._round_open = True
-        self._survival = {}
         self._scored = {}
         return self.keep_drafting
 
@@ -348,10 +346,9 @@ class DraftPolicy:
             return []
         out = []
         for slot, p in zip(slots, self.score(features).tolist()):
-            self._scored.setdefault(slot, []).append(p)
-            survive = self._survival.get(slot, 1.0) * p
-            self._survival[slot] = survive
-            out.append((survive if self.cumulative else p) >= self._tau_used)
+            scored = self._scored.setdefault(slot, [])
+            scored.append(p)
+            out.append((math.prod(scored) if self.cumulative else p) >= self._tau_used)  # survival: Π p so far
         return out
 
     def lengths(self, features: Sequence, scores: Sequence | None = None) -> list[int]:

@@ -489,6 +489,18 @@ def is_specformer_dir(path: str | Path) -> bool:
         return False
 
 
+def specformer_file(path: str | Path) -> Path:
+    """The safetensors file of a head given as its directory or as the file (cheap: no read).
+
+    Raises:
+        ModelLoadError: no such file.
+    """
+    file = weights_file(path)
+    if not file.is_file():
+        raise ModelLoadError(f"no SpecFormer head at {str(Path(path))!r} (expected a directory with model.safetensors)")
+    return file
+
+
 def load_specformer(path: str | Path) -> SpecFormerHead:
     """Read a head written by ``save_specformer`` (a directory or its safetensors file), float32 on CPU.
 
@@ -497,9 +509,7 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
     """
     from safetensors import safe_open
 
-    p, file = Path(path), weights_file(path)
-    if not file.is_file():
-        raise ModelLoadError(f"no SpecFormer head at {str(p)!r} (expected a directory with model.safetensors)")
+    file = specformer_file(path)
     try:
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}
