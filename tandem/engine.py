@@ -26,7 +26,7 @@ from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, new_seed
 from .stopping import OutputState
 from .target import LocalTarget, PrefillItem, Target, TargetResult, VerifyItem
 from .telemetry import span
@@ -298,6 +298,8 @@ class Engine:
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
+        if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
+            params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
         gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
         return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
                        logprobs=[] if logprobs else None)
@@ -337,8 +339,7 @@ class Engine:
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
-                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.generator,
-                                                               r.logprobs is not None) for r in reqs])
+                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
@@ -368,7 +369,7 @@ class Engine:
             self._prefetch(reqs, proposals)
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
             results: list[TargetResult] = self.target.verify(
-                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.generator, r.logprobs is not None)
+                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.logprobs is not None)
                  for s, r, p in zip(slots, reqs, proposals)])
         outputs = []
         emitted = drafted_total = accepted_total = 0

@@ -70,7 +70,7 @@ class SamplingParams:
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Apply temperature, top-k and top-p to logits and return probabilities.
 
     Args:
@@ -78,11 +78,15 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         temperature: ``[B]`` float, > 0 for every row (greedy rows are handled by argmax).
         top_k: ``[B]`` int64, 0 = off.
         top_p: ``[B]`` float in (0, 1].
+        filtered: False when the caller knows no row uses top-k or top-p (every ``top_k`` 0 and
+            every ``top_p`` 1): skips the sort, with the same result.
 
     Returns:
         ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
     """
     logits = logits.float() / temperature[:, None]
+    if not filtered:
+        return logits.softmax(dim=-1)
     vocab = logits.shape[-1]
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
@@ -105,3 +109,84 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     else:
         g.manual_seed(seed)
     return g
+
+
+# ----------------------------------------------------------------------------- counter-based random numbers
+
+_MASK32 = 0xFFFFFFFF
+SEED_BITS = 63  # seeds are integers in [0, 2**63)
+
+# Streams of uniforms at one sequence position (each used at most once per position).
+STREAM_ACCEPT = 0  # the accept test of the draft token at the position
+STREAM_SAMPLE = 1  # drawing the token at the position (target-only, correction or bonus)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), in 16-bit halves of ``c`` (no int64 overflow)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' "triple32" integer hash of int64 values in [0, 2**32) (a bijection with
+    near-ideal avalanche)."""
+    x = x ^ (x >> 17)
+    x = _mul32(x, 0xED5AD4BB)
+    x = x ^ (x >> 11)
+    x = _mul32(x, 0xAC4C1B51)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x31848BAB)
+    return x ^ (x >> 14)
+
+
+def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform [0, 1) float32 numbers that depend only on (seed, position, stream).
+
+    A counter-based generator (the idea of Philox, Salmon et al. 2011, with an integer hash as the
+    mixer): the
+    number a request uses at a sequence position is a pure function of its seed, so a seeded
+    request draws the same numbers whatever batch it runs in, on CPU and GPU alike, and a CUDA
+    graph can draw them (no generator state on the host). The numbers have 24 random bits.
+
+    Args:
+        seed: ``[B]`` int64 in ``[0, 2**63)``.
+        position: ``[B, ...]`` int64 sequence positions (``>= 0``, ``< 2**32``).
+        stream: which draw at that position (``STREAM_ACCEPT`` or ``STREAM_SAMPLE``).
+
+    Returns:
+        float32 tensor shaped like ``position``.
+    """
+    shape = (-1,) + (1,) * (position.dim() - 1)
+    lo = (seed & _MASK32).view(shape)
+    hi = ((seed >> 32) & _MASK32).view(shape)
+    key = _hash32(_hash32(lo ^ ((stream * 0x9E3779B9 + 0x7F4A7C15) & _MASK32)) ^ hi)  # [B, 1, ...]
+    h = _hash32(key ^ (position & _MASK32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row from non-negative ``weights`` (not necessarily normalised) with the
+    given uniforms, by inversion of the cumulative sum: index i has probability
+    ``weights[i] / weights.sum()``. An index of weight 0 is never returned (rows of all zeros
+    return index 0).
+
+    Args:
+        weights: ``[B, V]`` float32, >= 0.
+        uniform: ``[B]`` float32 in [0, 1).
+
+    Returns:
+        ``[B]`` int64.
+    """
+    cdf = weights.cumsum(-1)
+    x = (uniform * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, x, right=True).clamp_(max=weights.shape[-1] - 1)
+    # float rounding can land past the last positive weight: take the last positive index then
+    last_positive = weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    ok = weights.gather(-1, idx) > 0
+    return torch.where(ok, idx, last_positive)[:, 0]
+
+
+def new_seed() -> int:
+    """A fresh seed in ``[0, 2**63)`` from the OS (for requests that give none)."""
+    import secrets
+
+    return secrets.randbits(SEED_BITS)

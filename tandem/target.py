@@ -23,8 +23,9 @@ from .drafters.base import DraftProposal
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig
 from .models.weights import Checkpoint
-from .sampling import SamplingParams, sampling_probs
-from .verify import verify_batch
+from .sampling import SamplingParams, new_seed
+from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
+                     verify_tree_sampling)
 
 
 class TargetUnavailable(RuntimeError):
@@ -55,26 +56,26 @@ class PrefillItem:
     """Admit one sequence: append its prompt to ``slot`` and pick its first token.
 
     Attributes:
-        generator: the request's random generator (sampled requests); a remote target creates
-            its own from ``params.seed`` instead.
+        params: the request's sampling parameters; a sampled request's random numbers are keyed
+            by ``params.seed`` (``tandem.sampling.counter_uniform``; the engine gives every sampled
+            request a seed, and a target draws one for a request that comes without).
     """
 
     slot: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     return_logprobs: bool = False
 
 
 @dataclass
 class VerifyItem:
-    """Verify one sequence's drafts: ``last_token`` (emitted, not yet in the cache) + ``proposal``."""
+    """Verify one sequence's drafts: ``last_token`` (emitted, not yet in the cache) + ``proposal``.
+    ``params`` must be the ones its slot was prefilled with."""
 
     slot: int
     last_token: int
     proposal: DraftProposal
     params: SamplingParams
-    generator: torch.Generator | None = None
     return_logprobs: bool = False
 
 
@@ -136,28 +137,56 @@ class Target(ABC):
         """
 
 
-def sample_first_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                        generators: list[torch.Generator | None]) -> list[int]:
-    """Next token per sequence from ``logits`` ``[n, vocab]``: argmax for greedy requests, else a
-    draw from the request's sampling transform with its generator."""
-    out = logits.argmax(dim=-1).tolist()
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        dev = logits.device
-        ps = [params[i] for i in sampled]
-        probs = sampling_probs(
-            logits[sampled],
-            torch.tensor([p.temperature for p in ps], device=dev),
-            torch.tensor([p.top_k for p in ps], device=dev),
-            torch.tensor([p.top_p for p in ps], device=dev),
-        )
-        for row, i in enumerate(sampled):
-            out[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]))
-    return out
+class SlotSampling:
+    """Per-slot sampling settings on the target's device, written once when a sequence is
+    admitted, so a verify round sends no sampling parameters to the device.
+
+    Args:
+        num_slots: KV cache slots; device: the target's device.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.greedy = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.params: list[SamplingParams | None] = [None] * num_slots  # host mirror
+        self.seeds: list[int] = [0] * num_slots
+
+    def admit(self, slots: list[int], params: list[SamplingParams]) -> None:
+        """Record the settings of newly admitted sequences (a request without a seed gets one)."""
+        seeds = [p.seed if p.seed is not None else new_seed() for p in params]
+        for s, p, seed in zip(slots, params, seeds):
+            self.params[s], self.seeds[s] = p, seed
+        idx = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        ints = torch.tensor([[int(p.greedy), p.top_k, seed] for p, seed in zip(params, seeds)],
+                            dtype=torch.int64).to(self.device)
+        floats = torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p] for p in params],
+                              dtype=torch.float32).to(self.device)
+        self.greedy.index_copy_(0, idx, ints[:, 0] > 0)
+        self.top_k.index_copy_(0, idx, ints[:, 1])
+        self.seed.index_copy_(0, idx, ints[:, 2])
+        self.temperature.index_copy_(0, idx, floats[:, 0])
+        self.top_p.index_copy_(0, idx, floats[:, 1])
+
+    def rows(self, n: int, slots: list[int]) -> RowSampling:
+        """Settings of rows ``0 .. n-1`` (row = slot) for a step over ``slots``; the host flags
+        come from those slots' parameters."""
+        ps = [self.params[s] for s in slots]
+        sampled = [p for p in ps if p is not None and not p.greedy]
+        return RowSampling(self.greedy[:n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
+                           any_sampled=bool(sampled),
+                           filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
 
 
 class LocalTarget(Target):
     """The target model in this process: model runner, KV cache, ``tandem.verify``.
+
+    A verify round makes one blocking device-to-host copy (accepted lengths, emitted tokens and,
+    when asked, their log-probabilities, in one tensor); verification itself runs on the device
+    (``verify_chains``). Token trees are walked on the host (``verify_tree_*``).
 
     Args:
         checkpoint: loaded target weights.
@@ -170,6 +199,8 @@ class LocalTarget(Target):
         self.runner = ModelRunner(checkpoint, config)
         self._info = TargetInfo(name or str(checkpoint.path), checkpoint.config.vocab_size, self.cache.num_slots,
                                 self.cache.capacity, str(self.runner.device))
+        self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
+        self.host_syncs = 0  # blocking device-to-host copies made so far (a per-round figure for benches)
 
     @property
     def cache(self) -> KVCache:
@@ -188,24 +219,59 @@ class LocalTarget(Target):
     def free(self, slot: int) -> None:
         self.cache.free(slot)
 
+    def _to_host(self, t: torch.Tensor) -> list:
+        self.host_syncs += 1
+        return t.tolist()
+
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
         """See ``Target.prefill``; with a tapping runner (``RunnerConfig.taps``) each result's
         ``extras["taps"]`` holds the prompt's tapped states ``[len(prompt), len(taps), d]``."""
         order = sorted(range(len(items)), key=lambda i: items[i].slot)
+        slots = [items[i].slot for i in order]
+        self.sampling.admit(slots, [items[i].params for i in order])
         taps: dict[int, torch.Tensor] | None = {} if self.runner.config.taps else None
         prompts = {it.slot: it.prompt_ids for it in items}
         if self.runner.config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
             logits = torch.cat([self.runner.prefill({s: prompts[s]}, taps) for s in sorted(prompts)])
         else:
             logits = self.runner.prefill(prompts, taps)  # rows in ascending slot order
-        firsts = sample_first_tokens(logits, [items[i].params for i in order], [items[i].generator for i in order])
+        dev = logits.device
+        index = torch.tensor(slots, dtype=torch.int64).to(dev)
+        positions = torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64).to(dev)
+        sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
+        firsts = sample_tokens(logits, positions, sampling)
+        out = firsts[:, None].double()
+        if any(it.return_logprobs for it in items):
+            lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
+            out = torch.cat([out, lp.double()], dim=1)
+        host = self._to_host(out)
         results: list[TargetResult | None] = [None] * len(items)
-        for row, (i, tok) in enumerate(zip(order, firsts)):
-            lp = None
-            if items[i].return_logprobs:
-                lp = [float(logits[row].float().log_softmax(-1)[tok])]
+        for row, i in enumerate(order):
+            tok = int(host[row][0])
+            lp = [host[row][1]] if items[i].return_logprobs else None
             results[i] = TargetResult([tok], logprobs=lp, extras={"taps": taps[items[i].slot]} if taps else {})
         return results  # type: ignore[return-value]
+
+    def _draft_probs(self, items: list[VerifyItem], n: int, K: int, draft_tokens: torch.Tensor) -> torch.Tensor | None:
+        """``[n, K, V]`` q of every row's drafts (row = slot), or None when every draft is
+        deterministic. Rows without q (deterministic drafts in a batch with sampled ones) get q
+        one-hot at their drafts; rows past their drafts stay 0 (never read)."""
+        with_q = [it for it in items if it.proposal.probs is not None and it.proposal.tokens]
+        if not with_q:
+            return None
+        V = self._info.vocab_size
+        dev = draft_tokens.device
+        q = torch.zeros(n, K, V, dtype=torch.float32, device=dev)
+        lens = [len(it.proposal.tokens) for it in with_q]
+        flat = torch.cat([it.proposal.probs.to(device=dev, dtype=torch.float32) for it in with_q])
+        rows = torch.tensor([it.slot for it, m in zip(with_q, lens) for _ in range(m)], dtype=torch.int64)
+        cols = torch.tensor([j for m in lens for j in range(m)], dtype=torch.int64)
+        q[rows.to(dev), cols.to(dev)] = flat
+        missing = [it.slot for it in items if it.proposal.probs is None and it.proposal.tokens]
+        if missing:
+            m = torch.tensor(missing, dtype=torch.int64).to(dev)
+            q[m] = torch.nn.functional.one_hot(draft_tokens[m], V).to(torch.float32)
+        return q
 
     def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
         """See ``Target.verify``; with a tapping runner each result's ``extras["taps"]`` holds the
@@ -216,26 +282,62 @@ class LocalTarget(Target):
         lengths = [self.cache.lengths[s] for s in slots]
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
-        results = verify_batch([p.tokens for p in props], [p.probs for p in props], [it.params for it in items],
-                               [it.generator for it in items], out.logits, out.argmax, slots,
-                               [p.parents for p in props] if trees else None)
-        for slot, length, res in zip(slots, lengths, results):
-            if res.path:  # token tree: move the accepted branch's K/V to consecutive positions
-                moves = [(length + 1 + i, length + d) for d, i in enumerate(res.path, start=1) if i + 1 != d]
+        n, Q = out.argmax.shape
+        inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
+        draft_tokens = inputs[:, 3:2 + Q]
+        draft_lens = (inputs[:, 1] - 1).clamp_min(0)
+        if trees:  # tree rows are verified on the host below; the chain pass sees them without drafts
+            chain = torch.ones(n, dtype=torch.bool)
+            chain[list(trees)] = False
+            draft_lens = draft_lens * chain.to(draft_lens.device)
+        sampling = self.sampling.rows(n, slots)
+        res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
+                            self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, draft_tokens))
+        want_lp = any(it.return_logprobs for it in items)
+        packed = torch.cat([res.num_accepted[:, None], res.tokens], dim=1).double()
+        if want_lp:  # row j of the forward predicts the token after the j-th input
+            lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
+            packed = torch.cat([packed, lp.double()], dim=1)
+        host = self._to_host(packed)  # the round's one blocking copy
+        results: list[VerifyResult] = []
+        for it, row_slot in zip(items, slots):
+            row = host[row_slot]
+            if row_slot in trees:
+                results.append(self._verify_tree(it, out, sampling))
+                continue
+            m = int(row[0])
+            results.append(VerifyResult([int(t) for t in row[1:m + 2]], m))
+        for slot, length, r in zip(slots, lengths, results):
+            if r.path:  # token tree: move the accepted branch's K/V to consecutive positions
+                moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-            self.cache.truncate(slot, length + 1 + res.num_accepted)  # drop rejected drafts' KV
-        kept = [[0] + ([1 + i for i in res.path] if res.path else list(range(1, res.num_accepted + 1)))
-                for res in results]  # step rows whose tokens stay in the cache
+            self.cache.truncate(slot, length + 1 + r.num_accepted)  # drop rejected drafts' KV
+        kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
+                for r in results]  # step rows whose tokens stay in the cache
         taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
         if out.taps is not None:  # one gather for every sequence
             gathered = out.taps[torch.tensor([s for s, rows in zip(slots, kept) for _ in rows]),
                                 torch.tensor([r for rows in kept for r in rows])]
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
         outs = []
-        for it, res, extras, rows in zip(items, results, taps, kept):
+        for it, r, extras, rows in zip(items, results, taps, kept):
             lp = None
-            if it.return_logprobs:  # row j of the forward predicts the token after the j-th input
-                logp = out.logits[it.slot, rows].float().log_softmax(-1)
-                lp = logp.gather(-1, torch.tensor(res.tokens, device=logp.device)[:, None])[:, 0].tolist()
-            outs.append(TargetResult(list(res.tokens), res.num_accepted, lp, extras))
+            if it.return_logprobs:
+                if it.slot in trees:
+                    logp = out.logits[it.slot, rows].float().log_softmax(-1)
+                    lp = logp.gather(-1, torch.tensor(r.tokens, device=logp.device)[:, None])[:, 0].tolist()
+                else:
+                    lp = host[it.slot][Q + 1:Q + 1 + len(r.tokens)]
+            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras))
         return outs
+
+    def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling) -> VerifyResult:
+        """One token tree, walked on the host (``verify_tree_greedy`` / ``verify_tree_sampling``)."""
+        prop = it.proposal
+        width = len(prop.tokens) + 1
+        if it.params.greedy:
+            return verify_tree_greedy(prop.tokens, prop.parents, out.argmax[it.slot, :width].tolist())
+        index = torch.tensor([it.slot], dtype=torch.int64).to(out.logits.device)
+        p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
+        return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot],
+                                    self.cache.lengths[it.slot] - width + 1)

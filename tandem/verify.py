@@ -9,6 +9,12 @@ min(1, p_i(x_i) / q_i(x_i)); on the first rejection a token is drawn from the re
 norm(max(0, p_i - q_i)); if all drafts are accepted, a bonus token is drawn from p_{n+1}. p and q
 are both passed through ``tandem.sampling.sampling_probs`` with the request's temperature /
 top-k / top-p, so every emitted token is distributed exactly as target-only sampling.
+
+Chains (every drafter's plain drafts) are verified by ``verify_chains``: the whole batch at once,
+on the device, with no host synchronisation and no per-token host work; its random numbers come
+from ``tandem.sampling.counter_uniform`` keyed by (request seed, sequence position), so a seeded
+request gives the same tokens in any batch. Token trees (hard-position branching) use the
+per-sequence ``verify_tree_*`` functions.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, sampling_probs
+from .sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, sample_inverse_cdf, sampling_probs
 
 
 @dataclass(frozen=True)
@@ -27,68 +33,206 @@ class VerifyResult:
     Attributes:
         tokens: emitted tokens: the accepted drafts then one target token (bonus or correction).
         num_accepted: drafts accepted (``len(tokens) - 1``).
+        path: token trees: indices of the accepted drafts, root to leaf (None for chains).
     """
 
     tokens: list[int]
     num_accepted: int
-    path: list[int] | None = None  # token trees: indices of the accepted drafts, root to leaf
+    path: list[int] | None = None
 
 
-def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> VerifyResult:
-    """Greedy verification.
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings of a verify batch, as device tensors (one row per sequence).
 
-    Args:
-        draft_tokens: n draft ids.
-        target_argmax: n + 1 target argmax ids at [last token, d_1, ..., d_n].
-
-    Raises:
-        ValueError: ``len(target_argmax) != len(draft_tokens) + 1``.
+    Attributes:
+        greedy: ``[B]`` bool, temperature 0 (argmax verification).
+        temperature: ``[B]`` float32 (any positive value on greedy rows; not used there).
+        top_k: ``[B]`` int64, 0 = off.
+        top_p: ``[B]`` float32 in (0, 1].
+        seed: ``[B]`` int64 request seeds in [0, 2**63).
+        any_sampled: some row is not greedy (host-side flag: all-greedy batches skip sampling).
+        filtered: some sampled row uses top-k or top-p (host-side flag: else no sort is needed).
     """
-    if len(target_argmax) != len(draft_tokens) + 1:
-        raise ValueError(f"need {len(draft_tokens) + 1} target predictions, got {len(target_argmax)}")
-    m = 0
-    while m < len(draft_tokens) and draft_tokens[m] == target_argmax[m]:
-        m += 1
-    return VerifyResult(list(draft_tokens[:m]) + [target_argmax[m]], m)
+
+    greedy: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    any_sampled: bool = True
+    filtered: bool = True
+
+    def rows(self, index: torch.Tensor) -> "RowSampling":
+        """The settings of rows ``index`` (``[R]`` int64)."""
+        return RowSampling(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index],
+                           self.seed[index], self.any_sampled, self.filtered)
 
 
-def verify_sampling(draft_tokens: list[int], draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                    generator: torch.Generator | None) -> VerifyResult:
-    """Speculative sampling for one sequence.
+def target_probs(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+    """p: the sampling transform of target logits, row settings broadcast over positions.
 
     Args:
-        draft_tokens: n draft ids.
-        draft_probs: ``[n, vocab]`` q each draft was drawn from, or None for a deterministic
-            drafter (q one-hot at each draft).
-        target_probs: ``[n + 1, vocab]`` transformed target probabilities p.
-        generator: the request's generator (on ``target_probs``' device).
+        logits: ``[B, Q, V]``.
+
+    Returns:
+        ``[B, Q, V]`` float32 probabilities.
+    """
+    B, Q, V = logits.shape
+    rep = lambda t: t[:, None].expand(B, Q).reshape(-1)  # noqa: E731
+    return sampling_probs(logits.reshape(B * Q, V), rep(sampling.temperature), rep(sampling.top_k),
+                          rep(sampling.top_p), sampling.filtered).view(B, Q, V)
+
+
+def accept_drafts(p_draft: torch.Tensor, q_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The accept test of speculative sampling: ``u < min(1, p(x) / q(x))``, written ``u q < p``
+    (no division; since u < 1, p >= q always accepts).
+
+    Args:
+        p_draft / q_draft: ``[B, K]`` target and draft probability of each draft token.
+        uniform: ``[B, K]`` in [0, 1).
+
+    Returns:
+        ``[B, K]`` bool.
+    """
+    return uniform * q_draft < p_draft
+
+
+def rejection_weights(p_row: torch.Tensor, q_row: torch.Tensor | None, rejected_token: torch.Tensor,
+                      rejected: torch.Tensor) -> torch.Tensor:
+    """Weights of the token emitted at each row's stop position: the residual max(0, p - q) where
+    a draft was rejected (q one-hot at ``rejected_token`` when ``q_row`` is None: p with that
+    token removed), p itself where every draft was accepted (the bonus token). A residual that is
+    empty (p == q up to rounding) falls back to p.
+
+    Args:
+        p_row: ``[B, V]`` p at the stop position.
+        q_row: ``[B, V]`` q of the rejected draft there, or None (deterministic drafter).
+        rejected_token: ``[B]`` the rejected draft token (any value on bonus rows).
+        rejected: ``[B]`` bool, the row stopped at a rejection (else: a bonus row).
+
+    Returns:
+        ``[B, V]`` non-negative weights (not normalised).
+    """
+    if q_row is None:
+        residual = p_row.scatter(-1, rejected_token[:, None], 0.0)
+    else:
+        residual = (p_row - q_row).clamp_min(0.0)
+    empty = residual.sum(-1) <= 0.0
+    return torch.where((rejected & ~empty)[:, None], residual, p_row)
+
+
+def stop_weights(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                 draft_lens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """Weights of the token each row emits after its accepted drafts: at row position
+    ``num_accepted``, the residual of the rejected draft, or p there (the bonus token) when every
+    draft was accepted (``rejection_weights``).
+
+    Args:
+        p: ``[B, K + 1, V]``; draft_probs: ``[B, K, V]`` or None (q one-hot);
+        draft_tokens: ``[B, K]``; draft_lens / num_accepted: ``[B]``.
+
+    Returns:
+        ``[B, V]``.
+    """
+    B, Q, _ = p.shape
+    rows = torch.arange(B, device=p.device)
+    at = num_accepted.clamp(max=max(Q - 2, 0))
+    rejected_token = draft_tokens[rows, at] if Q > 1 else torch.zeros_like(num_accepted)
+    q_row = None if draft_probs is None or Q == 1 else draft_probs[rows, at]
+    return rejection_weights(p[rows, num_accepted], q_row, rejected_token, num_accepted < draft_lens)
+
+
+@dataclass(frozen=True)
+class ChainVerification:
+    """``verify_chains``' result, on the device.
+
+    Attributes:
+        num_accepted: ``[B]`` int64 drafts accepted per row.
+        tokens: ``[B, K + 1]`` int64; row b emits ``tokens[b, :num_accepted[b] + 1]`` (the accepted
+            drafts then the bonus or correction token); later entries are meaningless.
+    """
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor,
+                  positions: torch.Tensor, sampling: RowSampling, draft_probs: torch.Tensor | None = None
+                  ) -> ChainVerification:
+    """Verify every row's chain of drafts at once, on the device, with no host synchronisation.
+
+    Greedy rows accept the longest prefix equal to the target argmax and emit the argmax after it.
+    Sampled rows run speculative sampling (module docstring), with uniforms
+    ``counter_uniform(seed, position, STREAM_ACCEPT)`` for the accept test of the draft at a
+    position and ``STREAM_SAMPLE`` for the token drawn there.
+
+    Args:
+        logits: ``[B, K + 1, V]`` target logits over [last token, d_1 .. d_K] (row j predicts the
+            token after input j; rows past a row's draft length are ignored).
+        argmax: ``[B, K + 1]`` their argmax.
+        draft_tokens: ``[B, K]`` int64 (padding past ``draft_lens`` is ignored).
+        draft_lens: ``[B]`` int64 in [0, K].
+        positions: ``[B]`` int64 sequence position of each row's first draft token (tokens the
+            sequence holds, the last one included).
+        sampling: per-row settings.
+        draft_probs: ``[B, K, V]`` q each sampled row's drafts were drawn from (after the same
+            sampling transform), or None when every draft is deterministic (q one-hot: n-gram,
+            greedy drafters).
+
+    Returns:
+        ``ChainVerification``.
 
     Raises:
         ValueError: shapes disagree.
     """
-    n = len(draft_tokens)
-    if target_probs.shape[0] != n + 1 or (draft_probs is not None and draft_probs.shape[0] != n):
-        raise ValueError("draft / target probability rows do not match the number of drafts")
-    dev = target_probs.device
-    uniforms = torch.rand(n, generator=generator, device=dev).tolist() if n else []
-    for i, tok in enumerate(draft_tokens):
-        p = target_probs[i]
-        p_x = float(p[tok])
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, tok])
-        if q_x > 0 and uniforms[i] < min(1.0, p_x / q_x):
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[tok] = 0.0
-        else:
-            residual = (p - draft_probs[i].to(p.dtype)).clamp_min(0.0)
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q up to rounding: the residual is empty, fall back to p
-            residual, total = p, float(p.sum())
-        correction = int(torch.multinomial(residual / total, 1, generator=generator))
-        return VerifyResult(list(draft_tokens[:i]) + [correction], i)
-    bonus = int(torch.multinomial(target_probs[n], 1, generator=generator))
-    return VerifyResult(list(draft_tokens) + [bonus], n)
+    B, Q = argmax.shape
+    K = Q - 1
+    if draft_tokens.shape != (B, K) or tuple(logits.shape[:2]) != (B, Q):
+        raise ValueError(f"verify_chains: logits {tuple(logits.shape)} / argmax {tuple(argmax.shape)} need "
+                         f"draft_tokens [B, Q - 1], got {tuple(draft_tokens.shape)}")
+    cols = torch.arange(K, device=argmax.device)
+    valid = cols[None, :] < draft_lens[:, None]  # [B, K]
+    match = (draft_tokens == argmax[:, :K]) & valid
+    if sampling.any_sampled:
+        p = target_probs(logits, sampling)  # [B, K + 1, V]
+        p_draft = p[:, :K].gather(-1, draft_tokens[..., None])[..., 0]
+        q_draft = (torch.ones_like(p_draft) if draft_probs is None
+                   else draft_probs.gather(-1, draft_tokens[..., None])[..., 0])
+        u = counter_uniform(sampling.seed, positions[:, None] + cols[None, :], STREAM_ACCEPT)
+        accepted = accept_drafts(p_draft, q_draft, u) & valid
+        accepted = torch.where(sampling.greedy[:, None], match, accepted)
+    else:
+        accepted = match
+    num_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+    stop = num_accepted[:, None]
+    next_token = argmax.gather(-1, stop)[:, 0]
+    if sampling.any_sampled:
+        weights = stop_weights(p, draft_probs, draft_tokens, draft_lens, num_accepted)
+        u = counter_uniform(sampling.seed, positions + num_accepted, STREAM_SAMPLE)
+        next_token = torch.where(sampling.greedy, next_token, sample_inverse_cdf(weights, u))
+    padded = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)
+    tokens = padded.scatter(1, stop, next_token[:, None])
+    return ChainVerification(num_accepted, tokens)
+
+
+def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+    """One token per row (after prefill, or target-only decoding): the argmax on greedy rows, a
+    draw from the row's sampling transform with ``counter_uniform(seed, position, STREAM_SAMPLE)``
+    elsewhere. The same numbers ``verify_chains`` uses for a row without drafts.
+
+    Args:
+        logits: ``[B, V]``; positions: ``[B]`` int64 position of the token drawn.
+
+    Returns:
+        ``[B]`` int64.
+    """
+    out = logits.argmax(-1)
+    if not sampling.any_sampled:
+        return out
+    p = target_probs(logits[:, None], sampling)[:, 0]
+    u = counter_uniform(sampling.seed, positions, STREAM_SAMPLE)
+    return torch.where(sampling.greedy, out, sample_inverse_cdf(p, u))
 
 
 def _children(parents: list[int], node: int) -> list[int]:
@@ -115,37 +259,49 @@ def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_argma
 
 
 def verify_tree_sampling(draft_tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,
-                         target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+                         target_probs: torch.Tensor, seed: int, position: int) -> VerifyResult:
     """Speculative sampling over a token tree. A node with one child drawn from q uses the
     min(1, p/q) rule; a node with several children tries them in order as one-hot proposals —
     accept child c with probability r(c) / Σ r, else zero r(c) and go on — and samples from the
     remaining r if all are rejected (r starts at p). Either way the emitted token is distributed
-    as p, whatever produced the candidates.
+    as p, whatever produced the candidates (SpecInfer, Miao et al. 2024).
+
+    Random numbers: ``counter_uniform(seed, position + depth, stream)`` with ``STREAM_ACCEPT``
+    for a single child's test, streams 2, 3, ... for the tries among several children and
+    ``STREAM_SAMPLE`` for the emitted token, as ``verify_chains`` does for chains.
 
     Args:
         draft_probs: ``[n, vocab]`` q per tree token (used only for single-child nodes), or None.
         target_probs: ``[n + 1, vocab]``; row ``i + 1`` is the target after token i.
+        seed: the request's seed; position: sequence position of the first tree level.
     """
+    n = len(draft_tokens)
+    p_all = target_probs.float().cpu()  # one copy: the walk below reads single entries
+    q_all = None if draft_probs is None else draft_probs.float().cpu()
+    streams = 2 + max((parents.count(x) for x in set(parents)), default=0)
+    pos = torch.arange(position, position + n + 1)[None, :]
+    seed_t = torch.tensor([seed], dtype=torch.int64)
+    u = torch.stack([counter_uniform(seed_t, pos, s)[0] for s in range(streams)]).tolist()  # [stream][depth]
     node, path = -1, []
     while True:
-        p = target_probs[node + 1]
+        depth = len(path)
+        p = p_all[node + 1]
         kids = _children(parents, node)
-        if len(kids) == 1 and draft_probs is not None:
+        if len(kids) == 1 and q_all is not None:
             c = kids[0]
             tok = draft_tokens[c]
-            q_x = float(draft_probs[c, tok])
-            if q_x > 0 and float(torch.rand((), generator=generator, device=p.device)) < min(1.0, float(p[tok]) / q_x):
+            if u[STREAM_ACCEPT][depth] * float(q_all[c, tok]) < float(p[tok]):
                 path.append(c)
                 node = c
                 continue
-            residual = (p - draft_probs[c].to(p.dtype)).clamp_min(0.0)
+            residual = (p - q_all[c]).clamp_min(0.0)
         else:
             residual = p.clone()
             accepted = None
-            for c in kids:
+            for j, c in enumerate(kids):
                 total = float(residual.sum())
                 tok = draft_tokens[c]
-                if total > 0 and float(torch.rand((), generator=generator, device=p.device)) < float(residual[tok]) / total:
+                if total > 0 and u[2 + j][depth] * total < float(residual[tok]):
                     accepted = c
                     break
                 residual[tok] = 0.0
@@ -155,54 +311,7 @@ def verify_tree_sampling(draft_tokens: list[int], parents: list[int], draft_prob
                 continue
             if not kids:  # a leaf: the bonus token comes from p itself
                 residual = p
-        total = float(residual.sum())
-        if total <= 0.0:
-            residual, total = p, float(p.sum())
-        out = int(torch.multinomial(residual / total, 1, generator=generator))
+        if float(residual.sum()) <= 0.0:
+            residual = p
+        out = int(sample_inverse_cdf(residual[None], torch.tensor([u[STREAM_SAMPLE][depth]]))[0])
         return VerifyResult([draft_tokens[i] for i in path] + [out], len(path), path)
-
-
-def verify_batch(drafts: list[list[int]], draft_probs: list[torch.Tensor | None], params: list[SamplingParams],
-                 generators: list[torch.Generator | None], logits: torch.Tensor, argmax: torch.Tensor,
-                 rows: list[int], parents: list[list[int] | None] | None = None) -> list[VerifyResult]:
-    """Verify every sequence of one batched target forward.
-
-    Args:
-        drafts / draft_probs / params / generators: per sequence.
-        parents: per sequence, the token-tree parent indices (None: a chain).
-        logits: ``[B, Q, vocab]`` float32 target logits of the forward over [last token + drafts].
-        argmax: ``[B, Q]`` target argmax of the same forward.
-        rows: each sequence's row in ``logits``.
-
-    Returns:
-        One VerifyResult per sequence.
-    """
-    results: list[VerifyResult | None] = [None] * len(drafts)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        am = argmax.tolist()
-        for i in greedy:
-            tree = parents[i] if parents else None
-            row = am[rows[i]][:len(drafts[i]) + 1]
-            results[i] = verify_greedy(drafts[i], row) if tree is None else verify_tree_greedy(drafts[i], tree, row)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        dev = logits.device
-        width = max(len(drafts[i]) + 1 for i in sampled)
-        sel = logits[[rows[i] for i in sampled], :width]  # [S, width, vocab]
-        ps = [params[i] for i in sampled]
-        rep = torch.tensor([width] * len(sampled))
-        probs = sampling_probs(
-            sel.reshape(-1, sel.shape[-1]),
-            torch.tensor([p.temperature for p in ps], device=dev).repeat_interleave(rep.to(dev)),
-            torch.tensor([p.top_k for p in ps], device=dev).repeat_interleave(rep.to(dev)),
-            torch.tensor([p.top_p for p in ps], device=dev).repeat_interleave(rep.to(dev)),
-        ).view(len(sampled), width, -1)
-        for j, i in enumerate(sampled):
-            n = len(drafts[i])
-            tree = parents[i] if parents else None
-            if tree is None:
-                results[i] = verify_sampling(drafts[i], draft_probs[i], probs[j, :n + 1], generators[i])
-            else:
-                results[i] = verify_tree_sampling(drafts[i], tree, draft_probs[i], probs[j, :n + 1], generators[i])
-    return results  # type: ignore[return-value]

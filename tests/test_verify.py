@@ -18,7 +18,7 @@ from tandem.drafters.draft_model import check_compatible
 from tandem.metrics import SpecDecodeStats
 from tandem.models import ModelLoadError, load_checkpoint
 from tandem.sampling import SamplingParams
-from tandem.verify import verify_batch, verify_greedy, verify_sampling
+from tandem.verify import RowSampling, verify_chains
 
 
 def test_chi_square_helper_sanity():
@@ -128,70 +128,60 @@ def test_ngram_drafter_requests():
 # ----------------------------------------------------------------------------- greedy verification
 
 
-def test_verify_greedy():
-    r = verify_greedy([5, 6, 7], [5, 6, 7, 8])
-    assert r.tokens == [5, 6, 7, 8] and r.num_accepted == 3
-    r = verify_greedy([5, 6, 7], [5, 9, 7, 8])
-    assert r.tokens == [5, 9] and r.num_accepted == 1
-    r = verify_greedy([5, 6, 7], [4, 6, 7, 8])
-    assert r.tokens == [4] and r.num_accepted == 0
-    r = verify_greedy([], [3])
-    assert r.tokens == [3] and r.num_accepted == 0
-    assert len(r.tokens) == r.num_accepted + 1
-    with pytest.raises(ValueError):
-        verify_greedy([1, 2], [1, 2])
-    with pytest.raises(ValueError):
-        verify_greedy([], [])
+def _rows(n: int, greedy: bool | list[bool] = True, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+          seed0: int = 0) -> RowSampling:
+    g = torch.tensor([greedy] * n if isinstance(greedy, bool) else greedy)
+    return RowSampling(g, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p),
+                       torch.arange(seed0, seed0 + n), any_sampled=not bool(g.all()),
+                       filtered=top_k > 0 or top_p < 1)
 
 
-def test_verify_batch_rows_and_mixed_params():
-    """Sequences map to their own logits rows (slots); greedy rows ignore the generator."""
-    vocab = 6
-    logits = torch.full((3, 4, vocab), -10.0)
-    # slot 0: argmax 1, 2, 3, 4; slot 2: argmax 5, 5, 0, 0; slot 1 is an idle row
-    for pos, tok in enumerate([1, 2, 3, 4]):
-        logits[0, pos, tok] = 10.0
-    for pos, tok in enumerate([5, 5, 0, 0]):
-        logits[2, pos, tok] = 10.0
-    argmax = logits.argmax(-1)
-    greedy = SamplingParams()
-    top1 = SamplingParams(temperature=1.0, top_k=1)  # sampling that can only pick the argmax
-    res = verify_batch([[1, 2, 0], [5, 0]], [None, None], [greedy, top1],
-                       [None, torch.Generator().manual_seed(0)], logits, argmax, rows=[0, 2])
-    assert res[0].tokens == [1, 2, 3] and res[0].num_accepted == 2
-    assert res[1].tokens == [5, 5] and res[1].num_accepted == 1
-    res = verify_batch([[1, 2, 0], [5, 0]], [None, None], [top1, greedy],
-                       [torch.Generator().manual_seed(0), None], logits, argmax, rows=[0, 2])
-    assert res[0].tokens == [1, 2, 3] and res[1].tokens == [5, 5]
+def _one_hot_logits(argmax_rows: list[list[int]], vocab: int) -> torch.Tensor:
+    logits = torch.full((len(argmax_rows), len(argmax_rows[0]), vocab), -10.0)
+    for b, row in enumerate(argmax_rows):
+        for pos, tok in enumerate(row):
+            logits[b, pos, tok] = 10.0
+    return logits
 
 
-# ----------------------------------------------------------------------------- speculative sampling
+def _emitted(res, b: int) -> list[int]:
+    return res.tokens[b, :int(res.num_accepted[b]) + 1].tolist()
+
+
+def test_verify_chains_greedy():
+    """Longest prefix equal to the argmax, then the argmax (bonus or correction); ragged lengths."""
+    argmax = [[5, 6, 7, 8], [5, 9, 7, 8], [4, 6, 7, 8], [3, 1, 1, 1], [5, 6, 2, 2]]
+    logits = _one_hot_logits(argmax, 10)
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [0, 0, 0], [5, 6, 7]])
+    lens = torch.tensor([3, 3, 3, 0, 2])
+    res = verify_chains(logits, logits.argmax(-1), drafts, lens, torch.zeros(5, dtype=torch.long), _rows(5))
+    assert res.num_accepted.tolist() == [3, 1, 0, 0, 2]
+    assert [_emitted(res, b) for b in range(5)] == [[5, 6, 7, 8], [5, 9], [4], [3], [5, 6, 2]]
+
+
+def test_verify_chains_rows_and_mixed_params():
+    """Each row follows its own settings; sampling that can only pick the argmax (top-k 1) agrees
+    with greedy rows beside it."""
+    logits = _one_hot_logits([[1, 2, 3, 4], [5, 5, 0, 0]], 6)
+    drafts, lens = torch.tensor([[1, 2, 0], [5, 0, 0]]), torch.tensor([3, 2])
+    for greedy in ([True, False], [False, True]):
+        sampling = _rows(2, greedy, temperature=1.0, top_k=1)
+        res = verify_chains(logits, logits.argmax(-1), drafts, lens, torch.tensor([7, 3]), sampling)
+        assert _emitted(res, 0) == [1, 2, 3] and _emitted(res, 1) == [5, 5]
+
 
 P = torch.tensor([0.05, 0.40, 0.00, 0.25, 0.20, 0.10])  # target at the first position
 P_NEXT = torch.tensor([0.30, 0.05, 0.15, 0.00, 0.10, 0.40])  # target at the second position
 Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.20, 0.10])  # draft (puts mass where p has none)
 Q_NEXT = torch.tensor([0.10, 0.10, 0.10, 0.40, 0.10, 0.20])
-TRIALS = 12_000
+TRIALS = 50_000
 
 
-def _run_sampling(draft_fn, target_probs, trials=TRIALS, seed=0):
-    """Counts of the first emitted token, of the second given the first draft was accepted,
-    and of the number accepted."""
-    vocab = target_probs.shape[1]
-    gen = torch.Generator().manual_seed(seed)
-    first = torch.zeros(vocab)
-    second = torch.zeros(vocab)
-    accepted = torch.zeros(target_probs.shape[0])
-    for _ in range(trials):
-        toks, q = draft_fn(gen)
-        r = verify_sampling(toks, q, target_probs, gen)
-        assert len(r.tokens) == r.num_accepted + 1
-        assert r.tokens[:r.num_accepted] == toks[:r.num_accepted]
-        first[r.tokens[0]] += 1
-        if r.num_accepted >= 1:
-            second[r.tokens[1]] += 1
-        accepted[r.num_accepted] += 1
-    return first, second, accepted
+def _sampled_batch(n: int, drafts: torch.Tensor, q: torch.Tensor | None):
+    target = torch.stack([P, P_NEXT, Q])[:drafts.shape[1] + 1].log()[None].expand(n, -1, -1)
+    lens = torch.full((n,), drafts.shape[1])
+    return verify_chains(target, target.argmax(-1), drafts, lens, torch.zeros(n, dtype=torch.long),
+                         _rows(n, False), None if q is None else q[None].expand(n, -1, -1))
 
 
 def _check(counts, probs, what):
@@ -199,67 +189,43 @@ def _check(counts, probs, what):
     assert pv > 1e-4, f"{what}: p-value {pv:.2e}, TV {total_variation(counts, probs):.3f}, counts {counts.tolist()}"
 
 
-def test_verify_sampling_with_draft_probs_emits_target_distribution():
+def test_verify_chains_sampling_with_draft_probs_emits_target_distribution():
+    g = torch.Generator().manual_seed(0)
     qs = torch.stack([Q, Q_NEXT])
-    target = torch.stack([P, P_NEXT, Q])  # bonus row: anything
-
-    def draft(gen):
-        toks = [int(torch.multinomial(qs[i], 1, generator=gen)) for i in range(2)]
-        return toks, qs
-
-    first, second, accepted = _run_sampling(draft, target)
+    drafts = torch.stack([torch.multinomial(qs[i], TRIALS, replacement=True, generator=g) for i in range(2)], 1)
+    res = _sampled_batch(TRIALS, drafts, qs)
+    first = torch.bincount(res.tokens[:, 0], minlength=6)
     _check(first, P, "first token")
-    _check(second, P_NEXT, "second token given the first draft accepted")
-    # P(first draft accepted) = sum_x min(p(x), q(x))
-    alpha = float(torch.minimum(P, Q).sum())
-    assert abs(float(accepted[1:].sum()) / TRIALS - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / TRIALS)
+    ok = res.num_accepted >= 1
+    _check(torch.bincount(res.tokens[ok, 1], minlength=6), P_NEXT, "second token given the first draft accepted")
+    alpha = float(torch.minimum(P, Q).sum())  # P(first draft accepted) = sum_x min(p(x), q(x))
+    assert abs(float(ok.double().mean()) - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / TRIALS)
     assert first[2] == 0  # p(2) = 0: never emitted, although the draft proposes it a quarter of the time
 
 
 @pytest.mark.parametrize("draft_token", [1, 2, 5])  # likely, impossible (p = 0), unlikely under p
-def test_verify_sampling_one_hot_draft_emits_target_distribution(draft_token):
-    target = torch.stack([P, P_NEXT])
-    first, _, accepted = _run_sampling(lambda gen: ([draft_token], None), target)
-    _check(first, P, f"first token with the deterministic draft {draft_token}")
-    assert abs(float(accepted[1]) / TRIALS - float(P[draft_token])) < 4 * math.sqrt(0.25 / TRIALS) + 1e-9
+def test_verify_chains_one_hot_draft_emits_target_distribution(draft_token):
+    res = _sampled_batch(TRIALS, torch.full((TRIALS, 1), draft_token), None)
+    _check(torch.bincount(res.tokens[:, 0], minlength=6), P, f"first token with the deterministic draft {draft_token}")
+    rate = float((res.num_accepted == 1).double().mean())
+    assert abs(rate - float(P[draft_token])) < 4 * math.sqrt(0.25 / TRIALS) + 1e-9
 
 
-def test_verify_sampling_one_hot_drafts_chain():
-    """Deterministic two-token drafts: the first emitted token ~ p, the second (after an accepted
-    first draft) ~ the target's next row; all drafts accepted -> bonus from the last row."""
-    target = torch.stack([P, P_NEXT, Q_NEXT])
-    first, second, accepted = _run_sampling(lambda gen: ([3, 5], None), target)
-    _check(first, P, "first token")
-    _check(second, P_NEXT, "second token")
-    assert abs(float(accepted[2]) / TRIALS - float(P[3] * P_NEXT[5])) < 0.02
-
-
-def test_verify_sampling_exact_cases():
-    gen = torch.Generator().manual_seed(0)
+def test_verify_chains_sampling_exact_cases():
     one_hot = torch.nn.functional.one_hot(torch.tensor([3, 1, 4]), 6).float()
-    for _ in range(50):
-        r = verify_sampling([3, 1], None, one_hot, gen)  # p one-hot on the draft: always accepted
-        assert r.tokens == [3, 1, 4] and r.num_accepted == 2
-        r = verify_sampling([3, 2], None, one_hot, gen)  # p(2) = 0 at the second position: rejected
-        assert r.tokens == [3, 1] and r.num_accepted == 1
-        r = verify_sampling([3, 1], one_hot[:2], one_hot, gen)  # p == q: always accepted
-        assert r.num_accepted == 2
-    r = verify_sampling([], None, one_hot[2:], gen)  # no drafts: one token from p
-    assert r.tokens == [4] and r.num_accepted == 0
-    with pytest.raises(ValueError):
-        verify_sampling([1, 2], None, one_hot[:2], gen)
-    with pytest.raises(ValueError):
-        verify_sampling([1, 2], one_hot[:1], one_hot, gen)
+    logits = (one_hot.clamp_min(1e-30).log())[None].expand(50, -1, -1)
+    zeros = torch.zeros(50, dtype=torch.long)
 
+    def run(drafts, q=None):
+        d = torch.tensor(drafts)[None].expand(50, -1)
+        return verify_chains(logits, logits.argmax(-1), d, torch.full((50,), 2), zeros, _rows(50, False),
+                             None if q is None else q[None].expand(50, -1, -1))
 
-def test_verify_sampling_reproducible_with_seed():
-    qs = torch.stack([Q, Q_NEXT])
-    target = torch.stack([P, P_NEXT, Q])
-    runs = []
-    for _ in range(2):
-        gen = torch.Generator().manual_seed(123)
-        runs.append([verify_sampling([1, 0], qs, target, gen).tokens for _ in range(30)])
-    assert runs[0] == runs[1]
+    res = run([3, 1])  # p one-hot on the draft: always accepted, then the bonus from row 2
+    assert res.num_accepted.tolist() == [2] * 50 and (res.tokens == torch.tensor([3, 1, 4])).all()
+    res = run([3, 2])  # p(2) = 0 at the second position: rejected, corrected to p's only token
+    assert res.num_accepted.tolist() == [1] * 50 and (res.tokens[:, :2] == torch.tensor([3, 1])).all()
+    assert run([3, 1], one_hot[:2]).num_accepted.tolist() == [2] * 50  # p == q: always accepted
 
 
 # ----------------------------------------------------------------------------- metrics

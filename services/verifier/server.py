@@ -20,7 +20,6 @@ from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal
 from tandem.errors import InvalidRequestError
 from tandem.models.kv_cache import CacheFullError
-from tandem.sampling import make_generator
 from tandem.target import LocalTarget, PrefillItem, TargetResult, VerifyItem
 from tandem.telemetry import extract_context, span
 
@@ -33,7 +32,7 @@ class _Stream:
     """Sequences of one Verify stream: seq_id -> (slot, params, generator)."""
 
     def __init__(self) -> None:
-        self.seqs: dict[int, tuple[int, object, torch.Generator | None]] = {}
+        self.seqs: dict[int, tuple[int, object]] = {}  # seq_id -> (slot, SamplingParams)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -79,7 +78,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _release_all(self, stream: _Stream) -> None:
         with self._lock:
-            for slot, _, _ in stream.seqs.values():
+            for slot, _ in stream.seqs.values():
                 self.target.free(slot)
             stream.seqs.clear()
 
@@ -97,18 +96,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if not ids or min(ids) < 0 or max(ids) >= vocab:
                     raise InvalidRequestError(f"sequence {p.seq_id}: prompt ids must be non-empty and in [0, {vocab})")
                 params = params_from_pb(p.params)
-                gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
                 if not self.target.num_free():
                     raise CacheFullError(f"no free KV slot for sequence {p.seq_id} "
                                          f"({self.target.info.num_slots} slots, all in use)")
                 slot = self.target.allocate()
-                stream.seqs[p.seq_id] = (slot, params, gen)
-                prefill.append(PrefillItem(slot, ids, params, gen, p.return_logprobs))
+                stream.seqs[p.seq_id] = (slot, params)
+                prefill.append(PrefillItem(slot, ids, params, p.return_logprobs))
             verify: list[VerifyItem] = []
             for v in batch.verify:
                 if v.seq_id not in stream.seqs:
                     raise InvalidRequestError(f"sequence {v.seq_id} is not running on this stream")
-                slot, params, gen = stream.seqs[v.seq_id]
+                slot, params = stream.seqs[v.seq_id]
                 drafts = list(v.draft_tokens)
                 if any(t < 0 or t >= vocab for t in drafts) or not 0 <= v.last_token < vocab:
                     raise InvalidRequestError(f"sequence {v.seq_id}: token ids must be in [0, {vocab})")
@@ -122,7 +120,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                             or any(not -1 <= q < i for i, q in enumerate(parents))):
                     raise InvalidRequestError(f"sequence {v.seq_id}: bad token-tree parents")
                 prop = DraftProposal(drafts, probs, torch.zeros(len(drafts), NUM_FEATURES), None, parents)
-                verify.append(VerifyItem(slot, int(v.last_token), prop, params, gen, v.return_logprobs))
+                verify.append(VerifyItem(slot, int(v.last_token), prop, params, v.return_logprobs))
             try:
                 pre = self.target.prefill(prefill) if prefill else []
             except CacheFullError:

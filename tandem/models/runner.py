@@ -139,6 +139,7 @@ class ModelRunner:
                                   if config.compile else None)
         self._graphs: dict[tuple[int, int, int, bool], CapturedCall] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
+        self._staging: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # pinned host inputs per graph
 
     # ------------------------------------------------------------------ forwards
 
@@ -279,7 +280,8 @@ class ModelRunner:
         if self.config.cuda_graphs:
             out = self._replay(n, q, attn_len, packed, tree)
         else:
-            out = self._forward(packed.to(self.device), self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)
+            inputs = packed.to(self.device)
+            out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(inputs=inputs)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
         return out
@@ -292,8 +294,21 @@ class ModelRunner:
         if captured is None:
             captured = self._capture(n, q, attn_len, packed)
             self._graphs[key] = captured
-        captured.inputs[0].copy_(packed, non_blocking=True)
-        return captured()
+        # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. The
+        # staging buffer is free again here: the previous step's results were read on the host.
+        if self.device.type == "cuda":
+            staged = self._staging.get(key)
+            if staged is None:
+                staged = self._staging[key] = (torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
+                                               torch.cuda.Event())
+            staging, copied = staged
+            copied.synchronize()  # a step whose results were never read (timing loops) may still be copying
+            staging.copy_(packed)
+            captured.inputs[0].copy_(staging, non_blocking=True)
+            copied.record()
+        else:  # the graph bookkeeping run on a CPU (tests)
+            captured.inputs[0].copy_(packed)
+        return captured()._replace(inputs=captured.inputs[0])
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "CapturedCall":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
@@ -371,11 +386,15 @@ class ModelRunner:
 
 class StepOutput(NamedTuple):
     """One batched forward's result: ``logits`` ``[n, Q, vocab]`` float32, ``argmax`` ``[n, Q]``,
-    and ``taps`` ``[n, Q, len(taps), d]`` when the runner taps hidden states (else None)."""
+    ``taps`` ``[n, Q, len(taps), d]`` when the runner taps hidden states (else None), and
+    ``inputs``, the step's packed int64 rows on the device (start, q_len, the Q tokens, then tree
+    columns; see ``ModelRunner._forward_logits``), so that verification reads the drafts there
+    instead of copying them to the device again."""
 
     logits: torch.Tensor
     argmax: torch.Tensor
     taps: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None
 
 
 def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
