@@ -181,6 +181,8 @@ class Engine:
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
+        self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
+        self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
 
     @property
@@ -402,6 +404,8 @@ class Engine:
             self.draft_policy.observe(emitted, round_ms)
         if self.on_round is not None:
             self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(reqs), round_ms))
+        self.num_rounds += 1
+        self.round_wall_s += time.perf_counter() - t0
         return outputs
 
     def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:

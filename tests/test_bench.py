@@ -79,11 +79,18 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
             assert r["drafted"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0
             assert 1.0 <= r["mean_accepted_length"] <= r["k"] + 1 and r["k"] == (3 if name == "ngram" else 4)
             assert sum(t["prompts"] for t in r["per_task"]) == r["prompts"]
+        # per decode round, measured over one full batch of the same prompts
+        assert r["rounds"] >= 1 and r["round_wall_ms"] > 0 and r["round_gpu_ms"] is None  # no GPU here
+        assert r["graph_launches_per_round"] == 0.0  # no CUDA graphs on a CPU
+        if name in ("target", "ngram"):  # the verify round's one copy; the draft model drafts on the host
+            assert r["host_syncs_per_round"] <= 1.0, r
+        else:
+            assert r["host_syncs_per_round"] > 1.0, r
     # T(b, q) for b in the batch sizes and q = 1..k+1 (k = --num-draft-tokens)
     assert sorted(data["cost_table"]) == ["1", "2"] and sorted(data["cost_table"]["2"]) == ["1", "2", "3", "4"]
     assert all(t > 0 for row in data["cost_table"].values() for t in row.values())
     md = (out / "results.md").read_text()
-    assert "| method | batch | k | κ | TPS | speedup | acceptance | lossless |" in md
+    assert "| method | batch | k | κ | TPS | speedup | acceptance | lossless | round ms | GPU ms | wall/GPU |" in md
     assert "per Spec-Bench task" in md and "T(b, q)" in md
     for png in ("speedup.png", "acceptance_by_task.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -33,6 +33,7 @@ from ..models.weights import Checkpoint
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .configs import BenchConfig, BenchOptions, BuildContext, Decoding, prepare_configs
+from .round_cost import RoundCost, measure_round_cost
 from .throughput import bench_hf_generate
 
 MODES = ("inproc", "distributed")
@@ -56,7 +57,9 @@ class RunResult:
 
     ``speedup`` is TPS over target-only TPS at the same batch size in the same run;
     ``lossless_share`` the share of prompts whose output tokens equal target-only's, and
-    ``mismatched_prompt_ids`` the others. Acceptance fields are NaN where unknown (HF).
+    ``mismatched_prompt_ids`` the others. Acceptance fields are NaN where unknown (HF). The
+    ``round_*`` fields come from ``round_cost.measure_round_cost`` over one full batch of the
+    same prompts after the timed pass (engine configurations, in-process only).
     """
 
     config: str
@@ -80,6 +83,17 @@ class RunResult:
     lossless_share: float
     mismatched_prompt_ids: list[str]
     per_task: list[TaskStats] = field(default_factory=list)
+    # per decode round (``round_cost.RoundCost``; NaN in results written before they were measured)
+    rounds: int = 0
+    round_wall_ms: float = math.nan
+    round_gpu_ms: float = math.nan
+    graph_launches_per_round: float = math.nan
+    host_syncs_per_round: float = math.nan
+
+    @property
+    def round_overhead(self) -> float:
+        """``round_wall_ms / round_gpu_ms``: 1.0 when a round costs exactly its GPU work."""
+        return self.round_wall_ms / self.round_gpu_ms if self.round_gpu_ms > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -385,9 +399,10 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     run_on = (Engine(checkpoint, engine.runner_config, tokenizer=tokenizer, drafter=decoding.drafter,
                                      num_draft_tokens=decoding.num_draft_tokens, draft_policy=decoding.draft_policy)
                               if own else engine)
-                    comps, wall, peak = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
-                                                     progress, warmup)
-                    res = _engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens)
+                    comps, wall, peak, cost = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
+                                                           progress, warmup)
+                    res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),
+                                  **asdict(cost))
                     engine.drafter = engine.draft_policy = decoding = run_on = None
                     _free_memory()
                     if c.name == "target":
@@ -411,10 +426,11 @@ def _needs_own_engine(decoding: Decoding) -> bool:
 
 def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
                  params: SamplingParams, desc: str, progress: bool,
-                 warmup: str = "full") -> tuple[list[Completion], float, float]:
+                 warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost]:
     """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass
     (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
-    the timed pass. Returns (completions, wall s, peak GiB)."""
+    the timed pass, then the round-cost pass (``measure_round_cost``). Returns (completions,
+    wall s, peak GiB, round cost)."""
     engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
                                                                     decoding.draft_policy)
     engine.max_running = batch_size
@@ -432,8 +448,9 @@ def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord]
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
+    cost = measure_round_cost(engine, texts[:batch_size], params)
     engine.stats = SpecDecodeStats()
-    return comps, wall, peak
+    return comps, wall, peak, cost
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -486,8 +503,11 @@ def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], 
 
 def _summary(r: RunResult) -> str:
     acc = "" if math.isnan(r.acceptance_rate) else f", acceptance {r.acceptance_rate:.2f}, τ_acc {r.mean_accepted_length:.2f}"
+    rounds = "" if math.isnan(r.round_wall_ms) else (
+        f"; round {r.round_wall_ms:.2f} ms wall / {r.round_gpu_ms:.2f} ms GPU, "
+        f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
-            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}")
+            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")
 
 
 def _free_memory() -> None:

@@ -455,8 +455,11 @@ class CapturedCall:
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = fn(*inputs)
 
+    replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)
+
     def __call__(self):
         if self.graph is None:
             return self.fn(*self.inputs)
+        CapturedCall.replays += 1
         self.graph.replay()
         return self.out

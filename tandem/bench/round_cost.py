@@ -1,0 +1,103 @@
+"""Per-round cost of a configuration: wall time against GPU-busy time, graph launches, host syncs.
+
+A round should cost its GPU work and nothing more. ``measure_round_cost`` runs one full batch of
+prompts twice on a warm engine: once plainly (wall time per decode round, CUDA-graph launches per
+round), once under ``torch.profiler`` with a ``HostSyncCounter`` (GPU-busy time per round: the
+device time of every kernel and copy; blocking host reads per round). Greedy decoding makes both
+runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
+work. Prefill (the first step) is outside both measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import Engine
+from ..models.runner import CapturedCall
+from ..profiling import HostSyncCounter, gpu_busy_ms
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Per decode round, averaged over the rounds of one batch (ms; counts per round).
+
+    Attributes:
+        rounds: decode rounds measured.
+        round_wall_ms: wall time per round (draft, verify, observe, host work).
+        round_gpu_ms: GPU-busy time per round (NaN on CPU).
+        graph_launches_per_round: CUDA-graph replays per round (0 without graphs).
+        host_syncs_per_round: blocking host reads of device tensors per round.
+    """
+
+    rounds: int
+    round_wall_ms: float
+    round_gpu_ms: float
+    graph_launches_per_round: float
+    host_syncs_per_round: float
+
+
+def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
+    for ids in prompt_ids:
+        engine.add_request(prompt_ids=ids, params=params)
+    engine.step()  # prefill and the first round: not measured
+    rounds0 = engine.num_rounds
+    body_out = body()
+    return engine.num_rounds - rounds0, body_out
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                engine.completion(out.request_id)
+
+
+def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams) -> RoundCost:
+    """Measure the rounds of ``texts`` run as one batch (see the module docstring).
+
+    Args:
+        engine: a warm engine (graphs captured) with the configuration set.
+        texts: prompts, at most the engine's running-batch limit.
+        params: greedy sampling parameters.
+
+    Raises:
+        ValueError: sampled ``params`` (the two runs would not make the same rounds).
+    """
+    if not params.greedy:
+        raise ValueError("round cost is measured with greedy decoding")
+    prompt_ids = [engine.encode_prompt(t) for t in texts]
+    dev = engine.runner.device
+    cuda = dev.type == "cuda"
+
+    def timed() -> tuple[float, int]:
+        launches0 = CapturedCall.replays
+        if cuda:
+            torch.cuda.synchronize(dev)
+        wall0 = engine.round_wall_s
+        _drain(engine)
+        return engine.round_wall_s - wall0, CapturedCall.replays - launches0
+
+    rounds, (wall_s, launches) = _admit_then(engine, prompt_ids, params, timed)
+    counter = HostSyncCounter(dev.type)
+
+    def profiled() -> float:
+        if not cuda:
+            with counter:
+                _drain(engine)
+            return math.nan
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize(dev)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counter:
+            _drain(engine)
+            torch.cuda.synchronize(dev)
+        return gpu_busy_ms(prof)
+
+    rounds_p, busy_ms = _admit_then(engine, prompt_ids, params, profiled)
+    n = max(rounds, 1)
+    return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), launches / n,
+                     counter.count / max(rounds_p, 1))

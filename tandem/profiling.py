@@ -1,0 +1,68 @@
+"""What a decode round costs beyond its GPU work: host syncs, graph launches, GPU-busy time.
+
+- ``HostSyncCounter`` counts the places where the host reads a device tensor (``tolist``,
+  ``item``, ``cpu``, ``int(t)``, ``bool(t)``, ...): each one blocks until the GPU has finished
+  everything queued before it. It is a ``TorchFunctionMode``, so it sees every read made through
+  torch, whoever makes it; it slows the host while active (use it in a profiling pass, not in a
+  timed one).
+- ``tandem.models.runner.CapturedCall.replays`` counts CUDA-graph launches.
+- ``gpu_busy_ms`` sums the device time of the kernels and copies ``torch.profiler`` recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "__complex__"}
+
+
+def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
+    on_cpu = args[0].device.type == "cpu"
+    if name in ("cpu", "numpy"):
+        return not on_cpu  # a no-op copy on a CPU tensor (numpy views it)
+    if name in _READS:
+        return True
+    if name == "to" and not on_cpu:  # t.to("cpu") / t.to(device=torch.device("cpu"))
+        dev = kwargs.get("device", args[1] if len(args) > 1 else None)
+        return isinstance(dev, (str, torch.device)) and torch.device(dev).type == "cpu"
+    return False
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Count host reads of tensors that live on ``device_type`` while active.
+
+    Args:
+        device_type: "cuda" on a GPU; "cpu" counts every read of a CPU tensor's values (on a
+            CPU-only engine the target's tensors are CPU tensors, so a per-token host loop shows
+            up as reads too; ``.cpu()`` of a CPU tensor is no read).
+
+    Attributes:
+        count: reads seen; ``sites``: how many per operation name.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.count = 0
+        self.sites: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], torch.Tensor) and args[0].device.type == self.device_type \
+                and _is_read(name, args, kwargs):
+            self.count += 1
+            self.sites[name] = self.sites.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def gpu_busy_ms(prof) -> float:
+    """Device time (ms) of every CUDA kernel, memcpy and memset a ``torch.profiler.profile`` run
+    recorded (CUPTI traces kernels inside CUDA graphs too); overlapping work is counted once per
+    kernel, so on one stream this is the GPU-busy time."""
+    total_us = 0.0
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            total_us += evt.device_time
+    return total_us / 1e3

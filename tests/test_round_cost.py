@@ -1,0 +1,62 @@
+"""What a decode round costs on the host: blocking reads of the target's tensors per round.
+
+Engine v2's rule: a verify round makes one blocking device-to-host copy (accepted lengths and
+tokens together); a per-token host loop (``float(p[tok])``, ``.tolist()`` per sequence) would
+show up here as reads that grow with the batch and the draft length. On a CPU engine every
+tensor read counts (the target's tensors are CPU tensors), so the count is an upper bound of
+what the same round does on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.drafters import DraftModelDrafter, NgramDrafter
+from tandem.engine import Engine
+from tandem.models import load_checkpoint
+from tandem.models.runner import RunnerConfig
+from tandem.profiling import HostSyncCounter
+from tandem.sampling import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 14, 15], [3, 4, 3, 4, 3, 4], [7] * 10]
+
+
+def _decode_reads(engine: Engine, params: SamplingParams) -> tuple[int, int, dict]:
+    """(host reads, decode rounds, reads per site) over the decode rounds of four requests."""
+    for p in PROMPTS:
+        engine.add_request(prompt_ids=p, params=params)
+    engine.step()  # admission: prefill + first tokens (one read), then the first round
+    rounds0 = engine.num_rounds
+    with HostSyncCounter("cpu") as counter:
+        while engine.has_unfinished() and not engine.waiting:
+            engine.step()
+    return counter.count, engine.num_rounds - rounds0, counter.sites
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_one_blocking_read_per_round(target_dir, drafter, temperature):
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    engine = Engine(target_dir, cfg, drafter=NgramDrafter() if drafter == "ngram" else None, num_draft_tokens=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, top_k=3, top_p=0.9, seed=1)
+    reads, rounds, sites = _decode_reads(engine, params)
+    assert rounds >= 5
+    assert reads <= rounds, f"{reads} host reads in {rounds} rounds: {sites}"
+    if drafter == "ngram":
+        assert engine.stats.num_drafted > 0  # speculation really ran
+
+
+def test_draft_model_reads_are_counted(target_dir, tiny_checkpoint):
+    """The draft model drafts step by step on the host today: its reads are counted (per draft
+    position, not per token of the batch), which the bench reports as host_syncs_per_round."""
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    draft = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, seed=1))
+    engine = Engine(target_dir, cfg, drafter=DraftModelDrafter(draft, cfg), num_draft_tokens=3)
+    reads, rounds, sites = _decode_reads(engine, SamplingParams(max_tokens=24, ignore_eos=True))
+    per_round = reads / rounds
+    assert 1 < per_round <= 1 + 3 * 3, sites  # the verify copy + at most 3 reads per draft position
