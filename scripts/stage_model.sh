@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Split the bundled target GGUF into N parts in ignored folders .device-stage/pI, so each device
 # call stays under the 64 MiB it may carry *with* the working tree (tracked and untracked files:
-# 54 MiB at the end of 2026-12-01 with both shipped drafters and the whole distillation; too big beside ../shared/tools/stage-for-device's 56 MiB parts). Without
-# PARTS the count is the smallest that keeps tree + part under 63 MiB. Prints the calls to make
-# back to back; the last one rebuilds and checks the file.
+# 57 MiB with both shipped drafters and the distillation data; tracked files absent from the work
+# tree, e.g. moved aside for a pass that does not need them, do not travel and are not counted).
+# Without PARTS the count is the smallest that keeps tree + part under 63 MiB. Prints the calls
+# to make back to back; the last one rebuilds and checks the file (scripts/device_pass.sh).
 #   scripts/stage_model.sh [PARTS] [FILE]
 set -euo pipefail
 if [[ -n ${1:-} && ! ${1} =~ ^[1-9][0-9]*$ ]]; then
@@ -11,7 +12,7 @@ if [[ -n ${1:-} && ! ${1} =~ ^[1-9][0-9]*$ ]]; then
 fi
 top=$(git rev-parse --show-toplevel)
 file=${2:-$("$top/.venv/bin/python" -c 'from tandem.models.weights import default_model_path; print(default_model_path())')}
-tree_b=$(cd "$top" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+tree_b=$( (cd "$top" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null || true) | tail -1 | cut -f1)
 room=$(( 63 * 1048576 - tree_b ))
 if [[ -z ${1:-} ]] && (( room < 1048576 )); then
   echo "the working tree is $((tree_b / 1048576)) MiB: no room for a model part under 64 MiB" >&2; exit 1
