@@ -7,6 +7,7 @@ request. Stop rules live in ``tandem.stopping``; the sampling transform in ``tan
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import logging
@@ -53,10 +54,24 @@ class Request:
     slot: int | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
+    pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
 
     @property
     def finished(self) -> bool:
         return self.output.finished
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Output tokens so far, the pending round's included (what the next round builds on)."""
+        return self.output.token_ids + self.pending if self.pending else self.output.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output.token_ids) + (len(self.pending) if self.pending else 0)
+
+    @property
+    def last_token(self) -> int:
+        return self.pending[-1] if self.pending else self.output.token_ids[-1]
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,33 @@ class Completion:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass
+class _Round:
+    """One verify round from its launch to its stop rules (``Engine.step``)."""
+
+    reqs: list[Request]
+    proposals: list[DraftProposal]
+    held: list[int]  # tokens each slot held before the round
+    handle: object  # Target.launch_verify's
+    t0: float
+    results: list[TargetResult] | None = None
+    wall_s: float = 0.0  # launch to collect
+
+    def surely_finishes(self, req: Request) -> bool:
+        """The pending run finishes ``req`` by a rule that needs no text (a stop id or the token
+        limit), so it need not be in the next round; a stop string is only found by the stop
+        rules, after the next round was launched (that round's result is then discarded)."""
+        if req.pending is None:
+            return False
+        out = req.output
+        return len(out.token_ids) + len(req.pending) >= out.max_new_tokens or any(t in out.stop_ids for t in req.pending)
+
+
+@contextlib.contextmanager
+def _no_span():
+    yield
 
 
 class Engine:
@@ -181,6 +223,9 @@ class Engine:
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
+        self._collected: _Round | None = None  # the last round's results, before their stop rules
+        self._in_flight: set[int] = set()  # slots of the launched round (between launch and collect)
+        self._deferred_release: list[Request] = []  # finished while their slot was in flight
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
@@ -313,10 +358,15 @@ class Engine:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        req.pending = None  # a collected round's tokens for it are void
         if req.slot is not None:
             self._release(req)
 
     def _release(self, req: Request) -> None:
+        if req.slot in self._in_flight:  # a launched round still uses the slot: free it when it is back
+            self.running.pop(req.slot, None)
+            self._deferred_release.append(req)
+            return
         self.running.pop(req.slot, None)
         self.target.free(req.slot)
         if self.drafter is not None:
@@ -324,7 +374,8 @@ class Engine:
         req.slot = None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
+        return bool(self.waiting or self.running or pending)
 
     # ------------------------------------------------------------------ stepping
 
@@ -354,33 +405,72 @@ class Engine:
                 outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
                 if not req.finished:
                     self.running[req.slot] = req
-        decoding = {s: r for s, r in self.running.items() if s not in admitted}
-        if decoding:
-            with span("round", batch_size=len(decoding)):
-                outputs.extend(self._decode(decoding))
+        # Overlapped rounds: launch round n + 1 (its inputs need only round n's token ids), run the
+        # host work of round n (stop rules, detokenisation, streaming, metrics) while the device
+        # runs it, then wait for its results. A request that turns out finished in round n has
+        # its round n + 1 result discarded; its slot is freed once that round is back.
+        previous, self._collected = self._collected, None
+        decoding = {s: r for s, r in self.running.items()
+                    if s not in admitted and not (previous is not None and previous.surely_finishes(r))}
+        launched = None
+        with span("round", batch_size=len(decoding)) if decoding else _no_span():
+            if decoding:
+                launched = self._launch(decoding)
+            if previous is not None:
+                outputs.extend(self._finish(previous))
+            if launched is not None:
+                self._collected = self._collect(launched)
         return outputs
 
-    def _decode(self, decoding: dict[int, Request]) -> list[RequestOutput]:
-        """One target forward over [last token + drafts] of every running request, then
-        verification, KV rollback of rejected drafts, and the stop rules over each accepted run."""
+    def _launch(self, decoding: dict[int, Request]) -> "_Round":
+        """Drafts, then the target forward over [last token + drafts] of every running request,
+        queued without waiting for it (``Target.launch_verify``)."""
         t0 = time.perf_counter()
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
         if self.drafter is not None and self.overlap_drafting and type(self.drafter).prefetch is not Drafter.prefetch:
             self._prefetch(reqs, proposals)
+        held = [len(r.prompt_ids) + r.num_tokens - 1 for r in reqs]  # tokens each slot holds before the round
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
-            results: list[TargetResult] = self.target.verify(
-                [VerifyItem(s, r.output.token_ids[-1], p, r.params, r.logprobs is not None)
+            handle = self.target.launch_verify(
+                [VerifyItem(s, r.last_token, p, r.params, r.logprobs is not None)
                  for s, r, p in zip(slots, reqs, proposals)])
+        self._in_flight = set(slots)
+        return _Round(reqs, proposals, held, handle, t0)
+
+    def _collect(self, rnd: "_Round") -> "_Round":
+        """Wait for a launched round; keep its results for the stop rules of the next step, feed
+        the verify pass's states to a drafter that reads them (SpecFormer), and free the slots of
+        requests that finished while it ran."""
+        try:
+            rnd.results = self.target.collect(rnd.handle)
+        finally:
+            self._in_flight = set()
+            for req in self._deferred_release:
+                self._release(req)
+            self._deferred_release = []
+        live = [i for i, r in enumerate(rnd.reqs) if r.slot is not None and not r.finished]
+        for i in live:
+            rnd.reqs[i].pending = rnd.results[i].tokens
+        observed = [TargetStates(rnd.reqs[i].slot, rnd.held[i], rnd.results[i].extras["taps"], rnd.results[i].tokens)
+                    for i in live] if self._observes else []
+        if observed:  # the drafter reads the verify pass's states (SpecFormer): its own span in traces
+            with span("observe", batch_size=len(observed), drafter=self.drafter.name):
+                self.drafter.observe(observed)
+        rnd.wall_s = time.perf_counter() - rnd.t0
+        return rnd
+
+    def _finish(self, rnd: "_Round") -> list[RequestOutput]:
+        """The stop rules over each accepted run of a collected round, metrics and outputs.
+        Requests aborted or finished since it was launched are skipped (their result is void)."""
         outputs = []
         emitted = drafted_total = accepted_total = 0
         per_pos: list[int] = []
-        observed: list[TargetStates] = []
-        for req, prop, res in zip(reqs, proposals, results):
-            if self._observes:  # the verify pass also yields the next drafts (SpecFormer)
-                start = len(req.prompt_ids) + len(req.output.token_ids) - 1  # tokens the target held before
-                observed.append(TargetStates(req.slot, start, res.extras["taps"], res.tokens))
+        for req, prop, res in zip(rnd.reqs, rnd.proposals, rnd.results):
+            if req.pending is None or req.finished or req.slot is None:
+                continue
+            req.pending = None
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
@@ -395,18 +485,21 @@ class Engine:
             per_pos.extend([0] * (accepted - len(per_pos)))
             for i in range(accepted):
                 per_pos[i] += 1
-        round_ms = (time.perf_counter() - t0) * 1e3
-        observed = [o for o in observed if o.slot in self.running]
-        if observed:  # the drafter reads the verify pass's states (SpecFormer): its own span in traces
-            with span("observe", batch_size=len(observed), drafter=self.drafter.name):
-                self.drafter.observe(observed)
+        round_ms = rnd.wall_s * 1e3
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, round_ms)
         if self.on_round is not None:
-            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(reqs), round_ms))
+            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms))
         self.num_rounds += 1
-        self.round_wall_s += time.perf_counter() - t0
+        self.round_wall_s += rnd.wall_s
         return outputs
+
+    def _draft_room(self, r: Request, num_tokens: int) -> int:
+        """Draft tokens a request may get in a round that starts with ``num_tokens`` output tokens
+        (the last one not yet in the cache): the last token and the drafts must fit the context,
+        and no draft goes past max_tokens."""
+        held = len(r.prompt_ids) + num_tokens - 1
+        return min(self.num_draft_tokens, self.max_seq_len - held - 1, r.output.max_new_tokens - num_tokens - 1)
 
     def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
         """Let the drafter draft the next round on the assumption that every draft of this one is
@@ -415,11 +508,9 @@ class Engine:
         for r, p in zip(reqs, proposals):
             if p.parents is not None:
                 continue
-            n_out = len(r.output.token_ids) + len(p.tokens) + 1  # after full acceptance + the bonus
-            held = len(r.prompt_ids) + n_out - 1
-            room = min(self.num_draft_tokens, self.max_seq_len - held - 1, r.output.max_new_tokens - n_out - 1)
+            room = self._draft_room(r, r.num_tokens + len(p.tokens) + 1)  # after full acceptance + the bonus
             if room > 0:
-                asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids + p.tokens, room + 1, r.params,
+                asks.append(DraftRequest(r.slot, r.prompt_ids + r.token_ids + p.tokens, room + 1, r.params,
                                          r.generator))
         if asks:
             try:
@@ -434,13 +525,8 @@ class Engine:
             return self._collect_proposals(reqs)
 
     def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
-        asks = []
-        for r in reqs:
-            held = len(r.prompt_ids) + len(r.output.token_ids) - 1  # the last token is not in the cache yet
-            room = min(self.num_draft_tokens,
-                       self.max_seq_len - held - 1,  # the last token and the drafts must fit
-                       r.output.max_new_tokens - len(r.output.token_ids) - 1)  # no drafts past max_tokens
-            asks.append(DraftRequest(r.slot, r.prompt_ids + r.output.token_ids, max(room, 0), r.params, r.generator))
+        asks = [DraftRequest(r.slot, r.prompt_ids + r.token_ids, max(self._draft_room(r, r.num_tokens), 0), r.params,
+                             r.generator) for r in reqs]
         # adaptive length: a drafter that drafts position by position stops where τ says (the policy's rule)
         self.drafter.early_stop = self.draft_policy.begin_round() if self.draft_policy is not None else None
         try:

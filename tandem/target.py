@@ -136,6 +136,17 @@ class Target(ABC):
             TargetUnavailable: remote failure.
         """
 
+    def launch_verify(self, items: list[VerifyItem]) -> object:
+        """Start ``verify(items)`` and return a handle for ``collect``; a target that can queue
+        the work (the GPU) returns before it is done, so the caller's host work overlaps it. The
+        items' slots must not be touched until ``collect``. The default runs ``verify`` at once.
+        """
+        return self.verify(items)
+
+    def collect(self, handle: object) -> list[TargetResult]:
+        """The results of a ``launch_verify`` (blocks until they are ready)."""
+        return handle  # type: ignore[return-value]
+
 
 class SlotSampling:
     """Per-slot sampling settings on the target's device, written once when a sequence is
@@ -184,9 +195,10 @@ class SlotSampling:
 class LocalTarget(Target):
     """The target model in this process: model runner, KV cache, ``tandem.verify``.
 
-    A verify round makes one blocking device-to-host copy (accepted lengths, emitted tokens and,
-    when asked, their log-probabilities, in one tensor); verification itself runs on the device
-    (``verify_chains``). Token trees are walked on the host (``verify_tree_*``).
+    A verify round makes one device-to-host copy (accepted lengths, emitted tokens and, when
+    asked, their log-probabilities, in one tensor), non-blocking between ``launch_verify`` and
+    ``collect``; verification itself runs on the device (``verify_chains``). Token trees are
+    walked on the host (``verify_tree_*``).
 
     Args:
         checkpoint: loaded target weights.
@@ -200,7 +212,7 @@ class LocalTarget(Target):
         self._info = TargetInfo(name or str(checkpoint.path), checkpoint.config.vocab_size, self.cache.num_slots,
                                 self.cache.capacity, str(self.runner.device))
         self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
-        self.host_syncs = 0  # blocking device-to-host copies made so far (a per-round figure for benches)
+        self._pinned: dict[tuple, torch.Tensor] = {}  # result buffers by shape (one round in flight at a time)
 
     @property
     def cache(self) -> KVCache:
@@ -218,10 +230,6 @@ class LocalTarget(Target):
 
     def free(self, slot: int) -> None:
         self.cache.free(slot)
-
-    def _to_host(self, t: torch.Tensor) -> list:
-        self.host_syncs += 1
-        return t.tolist()
 
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
         """See ``Target.prefill``; with a tapping runner (``RunnerConfig.taps``) each result's
@@ -244,7 +252,7 @@ class LocalTarget(Target):
         if any(it.return_logprobs for it in items):
             lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
             out = torch.cat([out, lp.double()], dim=1)
-        host = self._to_host(out)
+        host = out.tolist()
         results: list[TargetResult | None] = [None] * len(items)
         for row, i in enumerate(order):
             tok = int(host[row][0])
@@ -277,8 +285,12 @@ class LocalTarget(Target):
         """See ``Target.verify``; with a tapping runner each result's ``extras["taps"]`` holds the
         tapped states ``[num_accepted + 1, len(taps), d]`` of the positions it keeps (the last
         token and the accepted drafts): what a SpecFormer head drafts the next round from."""
+        return self.collect(self.launch_verify(items))
+
+    def launch_verify(self, items: list[VerifyItem]) -> "_LaunchedVerify":
+        """Queue the forward, the verification and one non-blocking device-to-host copy of the
+        results (into pinned memory, on CUDA); ``collect`` waits for that copy only."""
         slots = [it.slot for it in items]
-        props = [it.proposal for it in items]
         lengths = [self.cache.lengths[s] for s in slots]
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
@@ -286,25 +298,34 @@ class LocalTarget(Target):
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
         draft_lens = (inputs[:, 1] - 1).clamp_min(0)
-        if trees:  # tree rows are verified on the host below; the chain pass sees them without drafts
+        if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
             chain = torch.ones(n, dtype=torch.bool)
             chain[list(trees)] = False
             draft_lens = draft_lens * chain.to(draft_lens.device)
         sampling = self.sampling.rows(n, slots)
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
                             self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, draft_tokens))
-        want_lp = any(it.return_logprobs for it in items)
         packed = torch.cat([res.num_accepted[:, None], res.tokens], dim=1).double()
-        if want_lp:  # row j of the forward predicts the token after the j-th input
+        if any(it.return_logprobs for it in items):  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
             packed = torch.cat([packed, lp.double()], dim=1)
-        host = self._to_host(packed)  # the round's one blocking copy
+        copy = _HostCopy(packed, self._pinned)
+        if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
+            out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
+        return _LaunchedVerify(items, slots, lengths, trees, out, sampling, copy, Q)
+
+    def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
+        """The results of ``launch_verify``: waits for its copy (the round's one blocking wait),
+        rolls back the rejected drafts' KV and gathers the kept positions' tapped states."""
+        items, slots, lengths, trees, out, Q = (handle.items, handle.slots, handle.lengths, handle.trees,
+                                                handle.out, handle.width)
+        host = handle.copy.wait()
         results: list[VerifyResult] = []
         for it, row_slot in zip(items, slots):
-            row = host[row_slot]
             if row_slot in trees:
-                results.append(self._verify_tree(it, out, sampling))
+                results.append(self._verify_tree(it, out, handle.sampling))
                 continue
+            row = host[row_slot]
             m = int(row[0])
             results.append(VerifyResult([int(t) for t in row[1:m + 2]], m))
         for slot, length, r in zip(slots, lengths, results):
@@ -341,3 +362,41 @@ class LocalTarget(Target):
         p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot],
                                     self.cache.lengths[it.slot] - width + 1)
+
+
+class _HostCopy:
+    """One non-blocking device-to-host copy of a small tensor: into a pinned buffer of ``pinned``
+    (reused per shape: the previous copy into it was waited for) with an event on CUDA, so the host
+    goes on until ``wait``; a plain read on the CPU."""
+
+    def __init__(self, t: torch.Tensor, pinned: dict[tuple, torch.Tensor]) -> None:
+        self.event = None
+        if t.device.type == "cuda":
+            key = (tuple(t.shape), t.dtype)
+            if key not in pinned:
+                pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host = pinned[key]
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def wait(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class _LaunchedVerify:
+    """A verify round between ``LocalTarget.launch_verify`` and ``collect``."""
+
+    items: list[VerifyItem]
+    slots: list[int]
+    lengths: list[int]
+    trees: dict[int, list[int]]
+    out: object  # the runner's StepOutput (static buffers in graph mode: read before the next step)
+    sampling: RowSampling
+    copy: _HostCopy
+    width: int
