@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Download, into the ignored folder .whl/, the wheels the GPU machine lacks (ARCHITECTURE.md §6:
+# Download, into the ignored folder .whl/, the wheels the GPU machine lacks (it has torch, numpy,
+# transformers, grpcio and protobuf, but
 # no opentelemetry, gguf, prometheus, fastapi stack there), for one device call of its own:
 #   run carry [".whl"]  mkdir -p /tmp/whl && cp .whl/* /tmp/whl/
 # and, in the call that starts the work:

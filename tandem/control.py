@@ -1,6 +1,6 @@
 """Draft-length control: verifier cost model, batch-wide draft-token allocation, online τ.
 
-Implements the adaptive-length and batch-budget parts of the two papers in ARCHITECTURE.md §1:
+Implements the adaptive-length and batch-budget parts of the two papers in the two papers (Context-aware drafting, ACL 2025; SpecFormer, AAAI 2026):
 the context-aware paper's threshold τ on predicted acceptance (learned online here), and the
 SpecFormer observation that at large batch the verifier's cost grows with the tokens verified,
 so draft tokens must be spent where they are most likely accepted across the whole batch.

@@ -1,4 +1,4 @@
-"""Speculative decoding metrics, named and defined as in ARCHITECTURE.md §4.
+"""Speculative decoding metrics, named and defined as in docs/architecture.md ("Metrics").
 
 - acceptance rate α = accepted draft tokens / drafted tokens;
 - mean accepted length τ_acc = emitted tokens / target verification steps (bonus included;

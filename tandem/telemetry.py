@@ -221,7 +221,7 @@ class Metrics:
     ``tandem_num_requests_waiting``, ``tandem_state_store_up`` (1 up, 0 down).
 
     From these, acceptance rate α = accepted / draft tokens and, with ``num_emitted_tokens`` counted
-    per verification step, the mean accepted length (ARCHITECTURE.md §4).
+    per verification step, the mean accepted length (docs/architecture.md ("Metrics")).
     """
 
     def __init__(self) -> None:

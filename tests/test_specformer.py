@@ -224,13 +224,15 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
     for _ in range(6):
         engine.step()
     req = engine.requests[rid]
-    seq = req.prompt_ids + req.output.token_ids
+    seq = req.prompt_ids + req.token_ids  # the collected round's tokens included
     pending = drafter.pending[req.slot]
     assert pending.length == len(seq) - 1 and len(calls) == 5  # one target forward per decode round
     from tandem.drafters.base import DraftRequest
 
     got = drafter.draft_logits([DraftRequest(req.slot, seq, 4, SamplingParams(), None)])[0]
-    assert req.spec.num_accepted == 10 and seq[len(prompt_ids):] == greedy.token_ids[:16]  # 3 tokens a round
+    # 3 tokens a round; the fifth round is collected, its stop rules and metrics run at the next step
+    assert req.spec.num_accepted == 8 and req.pending is not None and len(req.pending) == 3
+    assert seq[len(prompt_ids):] == greedy.token_ids[:16]
     tokens = torch.tensor([seq])  # the last token is the bonus token the target has not consumed
     select = torch.zeros(1, len(seq), dtype=torch.bool)
     select[0, -2] = True
@@ -262,7 +264,7 @@ def test_static_buffer_rounds_match_full_recompute(tiny_ck, tiny_target, variant
     assert {k[0] for k in drafter._captured} == {"observe", "draft"}
     assert all(k[1] == 4 for k in drafter._captured)  # 3 requests -> batch bucket 4
     reqs = [engine.requests[r] for r in rids]
-    seqs = [r.prompt_ids + r.output.token_ids for r in reqs]
+    seqs = [r.prompt_ids + r.token_ids for r in reqs]
     got = drafter.draft_logits([DraftRequest(r.slot, q, 4, SamplingParams(), None) for r, q in zip(reqs, seqs)])
     for i, seq in enumerate(seqs):
         assert drafter.pending[reqs[i].slot].length == len(seq) - 1
@@ -340,7 +342,7 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
                    and engine.requests[r].slot is not None and not engine.requests[r].finished]
         if not running:
             continue
-        seqs = [r.prompt_ids + r.output.token_ids for r in running]
+        seqs = [r.prompt_ids + r.token_ids for r in running]
         asks = [DraftRequest(r.slot, q, 4, SamplingParams(), None) for r, q in zip(running, seqs)]
         got, want = drafter.draft_logits(asks).clone(), twin.draft_logits(asks)
         err = ((got - want).abs().max() / want.abs().max()).item()

@@ -3,7 +3,7 @@
 
 Usage objects carry the speculative-decoding metrics of the request next to the token counts:
 ``usage.speculative_decoding = {num_draft_tokens, num_accepted_tokens, num_verify_steps,
-acceptance_rate, mean_accepted_length}`` (ARCHITECTURE.md §4 definitions).
+acceptance_rate, mean_accepted_length}`` (docs/architecture.md ("Metrics") definitions).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
 400, a missing or wrong bearer token 401, a failed verifier 503.

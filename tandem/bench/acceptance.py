@@ -1,5 +1,5 @@
 """Drafter quality on a prompt set: acceptance rate and mean accepted length, overall and per
-category (ARCHITECTURE.md §4 definitions; Spec-Bench categories)."""
+category (docs/architecture.md ("Metrics") definitions; Spec-Bench categories)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 For each batch size b the runner builds one target engine (``b`` KV cache slots), runs
 target-only decoding, then each configuration of ``tandem.bench.configs`` on the same prompts
 (first turn, chat template, greedy), each as a warm-up pass and a timed pass. Metrics follow
-ARCHITECTURE.md §4: TPS for the whole batch, speedup over target-only at the same batch size in
+docs/architecture.md ("Metrics"): TPS for the whole batch, speedup over target-only at the same batch size in
 the same run, acceptance rate α, mean accepted length τ_acc, κ, TTFT / TPOT p50 and p99, peak
 GPU memory, and the lossless check (share of prompts whose tokens equal target-only's).
 """

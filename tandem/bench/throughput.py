@@ -1,6 +1,6 @@
 """Outside reference: Hugging Face ``generate`` (greedy or prompt lookup) on our engine's checkpoint.
 
-TPS as ARCHITECTURE.md §4 defines it (output tokens per second for the whole batch); HF does not
+TPS as docs/architecture.md ("Metrics") defines it (output tokens per second for the whole batch); HF does not
 expose per-request latency or acceptance counts.
 """
 

@@ -115,17 +115,8 @@ class DraftProposal:
         return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops)
 
 
-def distribution_features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
-    """Predictor features of draft distributions (ACL 2025 context-aware drafting, §3).
-
-    Args:
-        probs: ``[n, vocab]`` draft probabilities at n consecutive draft positions.
-        start_position: 1-based draft position of the first row, or an ``[n]`` float tensor with
-            every row's position.
-
-    Returns:
-        ``[n, NUM_FEATURES]``: entropy (nats), top-1 probability, top-1 minus top-2, position.
-    """
+def _features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
+    """``distribution_features`` on ``probs``' device."""
     n = probs.shape[0]
     p = probs.float()
     entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
@@ -136,7 +127,22 @@ def distribution_features(probs: torch.Tensor, start_position: int | torch.Tenso
         pos = start_position.to(device=p.device, dtype=torch.float32)
     else:
         pos = torch.arange(start_position, start_position + n, dtype=torch.float32, device=p.device)
-    return torch.stack([entropy, top1, top1 - second, pos], dim=-1).cpu()
+    return torch.stack([entropy, top1, top1 - second, pos], dim=-1)
+
+
+def distribution_features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
+    """Predictor features of draft distributions (ACL 2025 context-aware drafting, §3).
+
+    Args:
+        probs: ``[n, vocab]`` draft probabilities at n consecutive draft positions.
+        start_position: 1-based draft position of the first row, or an ``[n]`` float tensor with
+            every row's position.
+
+    Returns:
+        ``[n, NUM_FEATURES]`` on the CPU: entropy (nats), top-1 probability, top-1 minus top-2,
+        position.
+    """
+    return _features(probs, start_position).cpu()
 
 
 @dataclass
@@ -173,7 +179,7 @@ def draft_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator
     rows draw from q = the row's sampling transform of the logits (``tandem.sampling``, the same
     transform the target gets), kept for speculative sampling (Leviathan et al. 2023). Features
     (ACL 2025 context-aware drafting) come from softmax(logits) for greedy rows and from q for
-    sampled rows. All small results reach the CPU in one transfer each, whatever ``R``.
+    sampled rows. All small results reach the CPU in one transfer, whatever ``R``.
 
     Args:
         logits: ``[R, vocab]`` draft logits.
@@ -196,9 +202,12 @@ def draft_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator
         for j, i in enumerate(sampled):
             tokens_dev[i] = torch.multinomial(qs[j], 1, generator=generators[i])[0]
             probs[i] = qs[j]
-    feats = distribution_features(q, torch.tensor(positions, dtype=torch.float32, device=q.device))
-    tops = q.topk(min(top_m, q.shape[-1]), dim=-1).indices.cpu()
-    return DraftRows(tokens_dev.tolist(), feats, tops, probs)
+    feats = _features(q, torch.tensor(positions, dtype=torch.float32, device=q.device))
+    tops = q.topk(min(top_m, q.shape[-1]), dim=-1).indices
+    # one copy to the host for all three (ids are exact in float64)
+    host = torch.cat([tokens_dev[:, None].double(), feats.double(), tops.double()], dim=1).cpu()
+    return DraftRows(host[:, 0].long().tolist(), host[:, 1:1 + NUM_FEATURES].float(),
+                     host[:, 1 + NUM_FEATURES:].long(), probs)
 
 
 _ONE_HOT_FEATURES = torch.stack([torch.zeros(64), torch.ones(64), torch.ones(64),

@@ -23,7 +23,7 @@ def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option:
         InvalidRequestError: an empty path, or no path and no shipped weights for this target.
     """
     from ..errors import InvalidRequestError
-    from ..models.weights import default_model_path
+    from ..models.weights import is_bundled_model
     from .draft_model import DEFAULT_DRAFT_MODEL
     from .specformer import DEFAULT_SPECFORMER
 
@@ -33,7 +33,7 @@ def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option:
                                       "shipped weights")
         return path
     default = DEFAULT_DRAFT_MODEL if kind == "draft-model" else DEFAULT_SPECFORMER
-    if checkpoint.path.resolve() != default_model_path().resolve():
+    if not is_bundled_model(checkpoint.path):
         raise InvalidRequestError(f"{kind} needs {option} PATH for a target other than the bundled model "
                                   f"(train one with tandem train {kind})")
     if not (default / "model.safetensors").is_file():

