@@ -2,7 +2,8 @@
 
 - ``HostSyncCounter`` counts the places where the host reads a device tensor (``tolist``,
   ``item``, ``cpu``, ``int(t)``, ``bool(t)``, ...): each one blocks until the GPU has finished
-  everything queued before it. It is a ``TorchFunctionMode``, so it sees every read made through
+  everything queued before it; and the waits code reports with ``note_blocking_wait`` (an event
+  waited on before a pinned copy is read). It is a ``TorchFunctionMode``, so it sees every read made through
   torch, whoever makes it; it slows the host while active (use it in a profiling pass, not in a
   timed one).
 - ``tandem.models.runner.CapturedCall.replays`` counts CUDA-graph launches.
@@ -29,6 +30,17 @@ def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+_ACTIVE: list["HostSyncCounter"] = []
+
+
+def note_blocking_wait(what: str = "event.synchronize") -> None:
+    """Record a blocking wait that is no tensor read (``torch.cuda.Event.synchronize`` before
+    reading a pinned copy): code that waits so calls this, and every active counter counts it."""
+    for counter in _ACTIVE:
+        counter.count += 1
+        counter.sites[what] = counter.sites.get(what, 0) + 1
+
+
 class HostSyncCounter(TorchFunctionMode):
     """Count host reads of tensors that live on ``device_type`` while active.
 
@@ -46,6 +58,14 @@ class HostSyncCounter(TorchFunctionMode):
         self.device_type = device_type
         self.count = 0
         self.sites: dict[str, int] = {}
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

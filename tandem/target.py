@@ -23,6 +23,7 @@ from .drafters.base import DraftProposal
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig
 from .models.weights import Checkpoint
+from .profiling import note_blocking_wait
 from .sampling import SamplingParams, new_seed
 from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
                      verify_tree_sampling)
@@ -384,6 +385,7 @@ class _HostCopy:
 
     def wait(self) -> list:
         if self.event is not None:
+            note_blocking_wait()
             self.event.synchronize()
         return self.host.tolist()
 
