@@ -36,7 +36,8 @@ def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert message in res.stderr
-    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert "Traceback" not in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
 
 
 def test_prompts_file_errors_name_the_line(run, tmp_path):

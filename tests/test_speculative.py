@@ -807,13 +807,30 @@ def check_distributions(samples: torch.Tensor, marginals, pair, what: str) -> No
     assert not failures, f"{what}: sampled tokens do not follow target-only sampling: {failures}"
 
 
+def _specformer_for(checkpoint, k: int):
+    """A SpecFormer head with random weights for the small-vocabulary target (its drafts are
+    sampled from a q unrelated to p: the hardest case for the residual)."""
+    from tandem.drafters.specformer import SpecFormerDrafter
+    from tandem.train.specformer import new_head
+
+    head = new_head(checkpoint.config, k, None, False, 0, False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1.0 if p.ndim == 1 else 0.0))
+    return SpecFormerDrafter(head.eval())
+
+
 @pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
-@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree"])
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree", "specformer"])
 def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     target, draft_ck, prompt, logits = sampling_setup
     params = SAMPLING_CONFIGS[config]
     k = SAMPLING_DEPTH - 2  # the first decode round verifies k drafts + a bonus: positions 1 .. 3
-    d = DraftModelDrafter(draft_ck, target.runner_config) if drafter.startswith("draft-model") else NgramDrafter()
+    if drafter == "specformer":
+        d = _specformer_for(target.checkpoint, k)
+    else:
+        d = DraftModelDrafter(draft_ck, target.runner_config) if drafter.startswith("draft-model") else NgramDrafter()
     policy = None
     if drafter == "draft-model-tree":
         # keep draft 1, call position 2 hard and branch it into its top-3 candidates: a token tree
@@ -832,7 +849,7 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
         return
     assert st.num_drafted > SAMPLING_N and len(st.acceptance_per_pos) == k
     assert 0.05 < st.acceptance_per_pos[0] < 0.95, st.acceptance_per_pos
-    low = 0.05 if drafter == "draft-model" else 0.0  # n-gram drafts rarely survive two positions
+    low = 0.05 if drafter == "draft-model" else 0.0  # n-gram (and random-head) drafts rarely survive two positions
     assert all(low < a < 0.95 for a in st.acceptance_per_pos), st.acceptance_per_pos
 
 
