@@ -19,8 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .control import DraftPolicy
-from .drafters.base import DraftProposal, DraftRequest, Drafter
-from .drafters.specformer import TargetStates
+from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord

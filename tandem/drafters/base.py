@@ -224,6 +224,30 @@ def one_hot_features(n: int) -> torch.Tensor:
     return torch.stack([torch.zeros(n), torch.ones(n), torch.ones(n), pos], dim=-1)
 
 
+@dataclass
+class TargetStates:
+    """Tapped target states of newly accepted positions of one sequence.
+
+    Attributes:
+        slot: the sequence's KV cache slot.
+        start: target position of the first row (the target's cache length before them).
+        taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
+        next_tokens: the ``m`` tokens at positions ``start + 1 .. start + m``, i.e. each row's next
+            token; the last is this round's bonus token (the target has not consumed it yet).
+            Needed by ``bonus_token`` and ``context_next_token`` heads.
+    """
+
+    slot: int
+    start: int
+    taps: torch.Tensor
+    next_tokens: Sequence[int] | None = None
+
+    @property
+    def next_token(self) -> int | None:
+        """This round's bonus token (the token after the last row), or None."""
+        return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
+
+
 class Drafter(ABC):
     """Proposes draft tokens; see the module docstring for the sync contract."""
 

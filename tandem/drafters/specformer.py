@@ -49,7 +49,8 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transformer import RMSNorm
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, synced_index, weights_file
+from .base import (DraftProposal, DraftRequest, Drafter, TargetStates, draft_rows, make_readable, synced_index,
+                   weights_file)
 from .lookup import MAX_N, LookupIndex
 
 FORMAT = "tandem-specformer-v1"
@@ -527,30 +528,6 @@ def load_specformer(path: str | Path) -> SpecFormerHead:
     except RuntimeError as exc:
         raise ModelLoadError(f"SpecFormer head {str(file)!r} does not match its config: {exc}") from None
     return head
-
-
-@dataclass
-class TargetStates:
-    """Tapped target states of newly accepted positions of one sequence.
-
-    Attributes:
-        slot: the sequence's KV cache slot.
-        start: target position of the first row (the target's cache length before them).
-        taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
-        next_tokens: the ``m`` tokens at positions ``start + 1 .. start + m``, i.e. each row's next
-            token; the last is this round's bonus token (the target has not consumed it yet).
-            Needed by ``bonus_token`` and ``context_next_token`` heads.
-    """
-
-    slot: int
-    start: int
-    taps: torch.Tensor
-    next_tokens: Sequence[int] | None = None
-
-    @property
-    def next_token(self) -> int | None:
-        """This round's bonus token (the token after the last row), or None."""
-        return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
 
 
 @dataclass
