@@ -330,8 +330,8 @@ class DraftPolicy:
 
     def begin_round(self):
         """Choose this round's τ (the controller's next candidate, or the fixed τ) and return the
-        early-stop rule for the drafter (``Drafter.early_stop``): draft a sequence while its last
-        position's predicted acceptance (or, with ``cumulative``, its survival product) is at
+        keep-drafting rule for ``Drafter.propose``'s ``keep_drafting``: draft a sequence while its
+        last position's predicted acceptance (or, with ``cumulative``, its survival product) is at
         least τ. The first position below τ is still drafted, so ``lengths`` can cut there and
         branch on its top candidates; ``lengths`` then uses the same τ."""
         self._tau_used = self.controller.current() if self.controller is not None else self.fixed_tau

@@ -527,14 +527,12 @@ class Engine:
         asks = [DraftRequest(r.slot, r.prompt_ids + r.token_ids, max(self._draft_room(r, r.num_tokens), 0), r.params,
                              r.generator) for r in reqs]
         # adaptive length: a drafter that drafts position by position stops where τ says (the policy's rule)
-        self.drafter.early_stop = self.draft_policy.begin_round() if self.draft_policy is not None else None
+        rule = self.draft_policy.begin_round() if self.draft_policy is not None else None
         try:
-            proposals = self.drafter.propose(asks)
+            proposals = self.drafter.propose(asks, rule)
         except Exception:  # a failing drafter costs speed, never output: decode target-only this round
             log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
             return [DraftProposal.empty() for _ in reqs]
-        finally:
-            self.drafter.early_stop = None
         if len(proposals) != len(asks):
             log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
                       self.drafter.name, len(proposals), len(asks))

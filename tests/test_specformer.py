@@ -205,7 +205,7 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
         """Observes like SpecFormer but proposes two right tokens and a wrong one, so rounds keep
         several drafts and roll one back (the head's random drafts would never be accepted)."""
 
-        def propose(self, requests):
+        def propose(self, requests, keep_drafting=None):
             out = []
             for r in requests:
                 done = len(r.token_ids) - len(prompt_ids)
@@ -307,7 +307,7 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
     class Oracle(SpecFormerDrafter):
         """Observes like SpecFormer; proposes 0-4 right tokens then a wrong one."""
 
-        def propose(self, requests):
+        def propose(self, requests, keep_drafting=None):
             out = []
             for r in requests:
                 pre = max((p for p in greedy if tuple(r.token_ids[:len(p)]) == p), key=len)

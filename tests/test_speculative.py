@@ -40,8 +40,8 @@ class Recorder(Drafter):
         self.name = inner.name
         self.asks: list[tuple[int, int, int, int]] = []
 
-    def propose(self, requests):
-        props = self.inner.propose(requests)
+    def propose(self, requests, keep_drafting=None):
+        props = self.inner.propose(requests, keep_drafting)
         assert len(props) == len(requests)
         for r, p in zip(requests, props):
             assert len(p.tokens) <= r.max_draft
@@ -74,7 +74,7 @@ class OracleDrafter(Drafter):
                 return s[len(ids):len(ids) + n]
         return []
 
-    def propose(self, requests):
+    def propose(self, requests, keep_drafting=None):
         out = []
         for r in requests:
             n = r.max_draft + 2 if self.mode == "overlong" else r.max_draft
@@ -98,12 +98,12 @@ class FailingDrafter(Drafter):
         self.inner, self.fail, self.after = inner, fail, after
         self.calls = 0
 
-    def propose(self, requests):
+    def propose(self, requests, keep_drafting=None):
         self.calls += 1
         failing = self.fail is None or self.calls in self.fail
         if failing and self.calls not in self.after:
             raise RuntimeError("drafter down")
-        props = self.inner.propose(requests)
+        props = self.inner.propose(requests, keep_drafting)
         if failing:
             raise RuntimeError("drafter died after drafting")
         return props
@@ -282,13 +282,13 @@ def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests
         rule_set = []
         real_propose = drafter.propose
 
-        def propose(asks):
-            rule_set.append(drafter.early_stop is not None)
-            return real_propose(asks)
+        def propose(asks, keep_drafting=None):
+            rule_set.append(keep_drafting is not None)
+            return real_propose(asks, keep_drafting)
 
         drafter.propose = propose
         got = run(eng, tiny_requests)
-        assert rule_set and all(rule_set) == (policy is not None) and drafter.early_stop is None  # one round only
+        assert rule_set and all(rule_set) == (policy is not None)  # a rule handed to every round, as a value
         return got, len(calls)
 
     plain, plain_steps = drafted_run(None)
@@ -546,7 +546,7 @@ class MalformedDrafter(Drafter):
     def __init__(self, kind: str, vocab: int) -> None:
         self.kind, self.vocab = kind, vocab
 
-    def propose(self, requests):
+    def propose(self, requests, keep_drafting=None):
         if self.kind == "too-few-proposals":
             return []
         out = []

@@ -28,7 +28,7 @@ import torch
 from services.common import CLIENT_OPTIONS, auth_metadata, probe_health, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tandem.control import CostModel
-from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
+from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting
 from tandem.models.kv_cache import CacheFullError
 from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
 from tandem.telemetry import inject_metadata, span
@@ -349,7 +349,7 @@ class RemoteDrafter(Drafter):
                 self.prefetch_misses += 1
         return hits
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+    def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         if not any(r.max_draft > 0 for r in requests) or time.monotonic() < self._down_until:
             if self._pending is not None:  # its answer must still be read off the stream
                 try:

@@ -9,7 +9,7 @@ themselves: whatever they cached beyond the longest common prefix was rejected a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -248,6 +248,11 @@ class TargetStates:
         return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
 
 
+# ``keep_drafting(slots, features) -> [bool]``: called with the ``[n, NUM_FEATURES]`` features of
+# the position just drafted for the sequences in ``slots``; False = stop drafting that sequence.
+KeepDrafting = Callable[[list[int], torch.Tensor], list[bool]]
+
+
 class Drafter(ABC):
     """Proposes draft tokens; see the module docstring for the sync contract."""
 
@@ -256,17 +261,18 @@ class Drafter(ABC):
     # that only see token ids. Non-empty: the engine taps the target, calls ``bind`` once and
     # ``observe`` after every prefill and verification.
     target_taps: tuple[int, ...] = ()
-    # Adaptive draft length ("draft while the predicted acceptance is at least τ", the context-aware
-    # paper): set by the engine for one round (``DraftPolicy.begin_round``), else None. Called as
-    # ``early_stop(slots, features)`` with the ``[n, NUM_FEATURES]`` features of the position just
-    # drafted for the sequences in ``slots``; returns one bool per sequence, False = stop drafting
-    # it after this position. Drafters that draft position by position (the draft model) honour
-    # it and save the draft steps; the others draft in full and the policy cuts afterwards.
-    early_stop = None
 
     @abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        """One proposal per request, in order. Requests with ``max_draft == 0`` get an empty one."""
+    def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
+        """One proposal per request, in order. Requests with ``max_draft == 0`` get an empty one.
+
+        Args:
+            keep_drafting: this round's adaptive-length rule ("draft while the predicted acceptance
+                is at least τ", the context-aware paper; ``DraftPolicy.begin_round``), or None.
+                Drafters that draft position by position (the draft model) call it after each
+                position and stop drafting the sequences it answers False for, saving the draft
+                steps; the others may ignore it (the policy cuts their drafts afterwards).
+        """
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` finished or was aborted: drop its state."""

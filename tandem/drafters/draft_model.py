@@ -19,7 +19,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, draft_rows, make_readable, weights_file
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, make_readable, weights_file
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -194,7 +194,7 @@ class DraftModelDrafter(Drafter):
                 logits[s] = out.logits[s, len(f) - 1].clone()
         return logits
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+    def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         active = [r for r in requests if r.max_draft > 0]
         if not active:
             return [DraftProposal.empty() for _ in requests]
@@ -206,7 +206,7 @@ class DraftModelDrafter(Drafter):
                               [r.generator for r in live], [pos] * len(live), self.top_m)
             for i, r in enumerate(live):
                 parts[r.slot].append(rows.proposal([i]))
-            keep = self.early_stop([r.slot for r in live], rows.features) if self.early_stop else [True] * len(live)
+            keep = keep_drafting([r.slot for r in live], rows.features) if keep_drafting else [True] * len(live)
             live = [r for r, k in zip(live, keep) if k and len(parts[r.slot]) < r.max_draft]
             if not live:
                 break

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from .base import DraftProposal, DraftRequest, Drafter, one_hot_features, synced_index
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, one_hot_features, synced_index
 
 
 class NgramIndex:
@@ -84,7 +84,7 @@ class NgramDrafter(Drafter):
     def _synced(self, req: DraftRequest) -> NgramIndex:
         return synced_index(self._index, req, lambda: NgramIndex(self.max_n, self.min_n))
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+    def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         out = []
         for req in requests:
             if req.max_draft <= 0 or len(req.token_ids) < 2:

@@ -49,8 +49,8 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transformer import RMSNorm
-from .base import (DraftProposal, DraftRequest, Drafter, TargetStates, draft_rows, make_readable, synced_index,
-                   weights_file)
+from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, make_readable,
+                   synced_index, weights_file)
 from .lookup import MAX_N, LookupIndex
 
 FORMAT = "tandem-specformer-v1"
@@ -748,7 +748,7 @@ class SpecFormerDrafter(Drafter):
         lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
         return target.logits(target.norm(head.draft(states, bonus, lookup)))
 
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+    def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []
         for i, r in enumerate(requests):
             p = self.pending.get(r.slot)
