@@ -322,6 +322,8 @@ class Engine:
                 outside the vocabulary, duplicate request id.
         """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a tandem.sampling.SamplingParams, got {type(params).__name__}")
         if prompt_ids is None:
             if prompt is None:
                 raise InvalidRequestError("give a prompt or prompt_ids")

@@ -14,13 +14,18 @@ import torch
 from .errors import InvalidRequestError
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding parameters (OpenAI / vLLM semantics).
 
     Attributes:
         max_tokens: output tokens at most (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Values below
+            ``SAMPLING_EPS`` (1e-5, as vLLM) are greedy too: the limit of sampling as the
+            temperature goes to 0, and a float32 division by less would overflow.
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus sampling mass in (0, 1] (1 = off).
         seed: per-request seed; the same seed gives the same output whatever the batch.
@@ -48,11 +53,12 @@ class SamplingParams:
         if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                 or not 1 <= self.max_tokens < 2**31):
             raise InvalidRequestError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
             raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
@@ -66,7 +72,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or below ``SAMPLING_EPS``."""
+        return self.temperature < SAMPLING_EPS
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -93,9 +100,10 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= k[:, None]
     probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # nucleus: drop a token when the mass strictly before it already reaches top_p (keeps >= 1)
+    # nucleus: drop a token when the mass strictly before it already reaches top_p; the most likely
+    # token always stays (a top_p that rounds to 0 in float32 must not empty the row)
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))  # top_p = 1 is off exactly
+    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0))  # top_p = 1 is off
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits.softmax(dim=-1))
     return probs
