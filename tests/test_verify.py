@@ -378,3 +378,19 @@ def test_ngram_drafter_rebuilds_for_a_reused_slot():
     assert ask([7, 8, 9, 7]) == [8, 9, 7]  # another sequence in the same slot: index rebuilt
     d.release(0)
     assert ask([5, 5]) == [5]
+
+
+def test_extreme_sampling_settings_stay_finite():
+    """A temperature below SAMPLING_EPS decodes greedily (a float32 division by it would overflow
+    to NaN probabilities), and a top_p that rounds to 0 in float32 still keeps the most likely token."""
+    from tandem.sampling import SAMPLING_EPS, sampling_probs
+
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=SAMPLING_EPS / 2).greedy
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    p = sampling_probs(logits, torch.full((3,), SAMPLING_EPS), torch.tensor([0, 5, 0]), torch.tensor([1e-50, 1e-50, 1.0]))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(3))
+    assert (p[:2].argmax(-1) == logits[:2].argmax(-1)).all() and ((p[:2] > 0).sum(-1) == 1).all()
+    for bad in (dict(temperature=True), dict(top_p=True)):
+        with pytest.raises(Exception, match="must be"):
+            SamplingParams(**bad)
