@@ -416,7 +416,11 @@ class Engine:
         launched = None
         with span("round", batch_size=len(decoding)) if decoding else _no_span():
             if decoding:
-                launched = self._launch(decoding)
+                try:
+                    launched = self._launch(decoding)
+                except BaseException:  # the previous round's results stay for the next step: nothing is lost
+                    self._collected = previous
+                    raise
             if previous is not None:
                 outputs.extend(self._finish(previous))
             if launched is not None:
