@@ -14,9 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import replace
 
 from .control import DraftPolicy
 from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
@@ -28,7 +26,8 @@ from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, make_generator, new_seed
 from .stopping import OutputState
-from .target import LocalTarget, PrefillItem, Target, TargetResult, VerifyItem
+from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
+from .target import LocalTarget, PrefillItem, Target, VerifyItem
 from .telemetry import span
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -36,123 +35,6 @@ log = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
-
-
-@dataclass
-class Request:
-    """One generation request and its progress."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    output: OutputState
-    generator: torch.Generator | None
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    slot: int | None = None
-    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-    logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
-    pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
-
-    @property
-    def finished(self) -> bool:
-        return self.output.finished
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Output tokens so far, the pending round's included (what the next round builds on)."""
-        return self.output.token_ids + self.pending if self.pending else self.output.token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.output.token_ids) + (len(self.pending) if self.pending else 0)
-
-    @property
-    def last_token(self) -> int:
-        return self.pending[-1] if self.pending else self.output.token_ids[-1]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a streaming delta)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
-
-
-@dataclass(frozen=True)
-class RoundSummary:
-    """One verification round over the running batch (for metrics exporters).
-
-    Attributes:
-        num_draft_tokens / num_accepted_tokens: summed over the batch, cut at stop boundaries.
-        accepted_per_pos: sequences whose draft at 0-based position i was accepted.
-        num_emitted_tokens: tokens the round emitted (accepted drafts + bonus tokens).
-        batch_size: sequences verified; round_ms: draft + verify time (ms).
-    """
-
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: list[int]
-    num_emitted_tokens: int
-    batch_size: int
-    round_ms: float
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished request.
-
-    Attributes:
-        text / token_ids: generated output, cut at the stop boundary.
-        finish_reason: "stop" (EOS, stop id or stop string) or "length".
-        prompt_tokens: prompt length in tokens.
-        ttft_s: time to first token (s), from arrival; latency_s: arrival to finish (s).
-        tpot_s: mean time per output token after the first (s).
-        spec: speculative decoding counters (acceptance rate, mean accepted length, ...).
-    """
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    ttft_s: float
-    latency_s: float
-    tpot_s: float
-    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-    logprobs: list[float] | None = None  # of token_ids, when the request asked for them
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class _Round:
-    """One verify round from its launch to its stop rules (``Engine.step``)."""
-
-    reqs: list[Request]
-    proposals: list[DraftProposal]
-    held: list[int]  # tokens each slot held before the round
-    handle: object  # Target.launch_verify's
-    t0: float
-    results: list[TargetResult] | None = None
-    wall_s: float = 0.0  # launch to collect
-
-    def surely_finishes(self, req: Request) -> bool:
-        """The pending run finishes ``req`` by a rule that needs no text (a stop id or the token
-        limit), so it need not be in the next round; a stop string is only found by the stop
-        rules, after the next round was launched (that round's result is then discarded)."""
-        if req.pending is None:
-            return False
-        out = req.output
-        return len(out.token_ids) + len(req.pending) >= out.max_new_tokens or any(t in out.stop_ids for t in req.pending)
 
 
 @contextlib.contextmanager
