@@ -27,7 +27,7 @@ from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, make_generator, new_seed
 from .stopping import OutputState
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
-from .target import LocalTarget, PrefillItem, Target, VerifyItem
+from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
 from .telemetry import span
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -105,11 +105,21 @@ class Engine:
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._collected: _Round | None = None  # the last round's results, before their stop rules
-        self._in_flight: set[int] = set()  # slots of the launched round (between launch and collect)
+        self._launched: _Round | None = None  # a chained round in flight (queued, not collected)
+        self._in_flight: set[int] = set()  # slots of launched rounds (between launch and collect)
+        self._last_collect = 0.0  # perf_counter at the end of the last collect (round wall times)
         self._deferred_release: list[Request] = []  # finished while their slot was in flight
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
+
+    @property
+    def chains_rounds(self) -> bool:
+        """Rounds are queued one ahead from the target's device state (``Target.launch_chained``):
+        target-only decoding on a target that keeps its round state on the device. The host then
+        never waits between rounds: it runs round n's stop rules while the device runs n + 1."""
+        return self.drafter is None and self.draft_policy is None and self.target.chains_rounds \
+            and not (self.runner_config is not None and self.runner_config.taps)
 
     @property
     def _observes(self) -> bool:
@@ -244,6 +254,7 @@ class Engine:
         req.pending = None  # a collected round's tokens for it are void
         if req.slot is not None:
             self._release(req)
+        self._settle()
 
     def _release(self, req: Request) -> None:
         if req.slot in self._in_flight:  # a launched round still uses the slot: free it when it is back
@@ -258,7 +269,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
-        return bool(self.waiting or self.running or pending)
+        return bool(self.waiting or self.running or pending or self._launched is not None)
 
     # ------------------------------------------------------------------ stepping
 
@@ -288,6 +299,9 @@ class Engine:
                 outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
                 if not req.finished:
                     self.running[req.slot] = req
+        if self.chains_rounds or self._launched is not None:
+            outputs.extend(self._step_chained())
+            return outputs
         # Overlapped rounds: launch round n + 1 (its inputs need only round n's token ids), run the
         # host work of round n (stop rules, detokenisation, streaming, metrics) while the device
         # runs it, then wait for its results. A request that turns out finished in round n has
@@ -309,6 +323,57 @@ class Engine:
                 self._collected = self._collect(launched)
         return outputs
 
+    def _step_chained(self) -> list[RequestOutput]:
+        """One step of chained rounds: queue round n + 1 from the target's device state while
+        round n is still in flight, then wait for round n and run its stop rules, detokenisation
+        and metrics while the device runs n + 1. A request that round n finishes ran n + 1 for
+        nothing: that result is discarded and its slot freed when it is back. Requests admitted
+        this step join at once (their prefill left their first token on the device)."""
+        outputs: list[RequestOutput] = []
+        if self._collected is not None:  # a host-drafted round's results (the drafter was just removed)
+            outputs.extend(self._finish(self._collected))
+            self._collected = None
+        previous, self._launched = self._launched, None
+        # each target-only round emits one token: a request that the round in flight brings to its
+        # token limit surely finishes there and stays out of the next one
+        decoding = {} if not self.chains_rounds else {
+            s: r for s, r in self.running.items()
+            if not (previous is not None and s in previous.slots and r.num_tokens + 1 >= r.output.max_new_tokens)}
+        launched = None
+        with span("round", batch_size=len(decoding)) if decoding else _no_span():
+            if decoding:
+                t0 = time.perf_counter()
+                slots = sorted(decoding)
+                reqs = [decoding[s] for s in slots]
+                try:
+                    with span("verify", batch_size=len(reqs), draft_tokens=0):
+                        handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None)
+                                                             for s, r in zip(slots, reqs)])
+                except BaseException:
+                    self._launched = previous  # still in flight: collected by the next step
+                    raise
+                launched = _Round(reqs, [DraftProposal.empty() for _ in reqs], [], handle, t0)
+                self._in_flight |= launched.slots
+            if previous is None:
+                self._launched = launched
+                return outputs
+            try:
+                rnd = self._collect(previous, still_in_flight=launched.slots if launched is not None else set())
+            finally:
+                self._launched = launched
+            outputs.extend(self._finish(rnd))
+        self._settle()
+        return outputs
+
+    def _settle(self) -> None:
+        """A chained round in flight whose requests have all finished or been aborted has nothing
+        left to give: collect it now, so its slots are free and the engine is idle."""
+        rnd = self._launched
+        if rnd is not None and all(r.finished or r.slot is None or r.request_id not in self.requests
+                                   for r in rnd.reqs):
+            self._launched = None
+            self._collect(rnd)
+
     def _launch(self, decoding: dict[int, Request]) -> "_Round":
         """Drafts, then the target forward over [last token + drafts] of every running request,
         queued without waiting for it (``Target.launch_verify``)."""
@@ -326,17 +391,17 @@ class Engine:
         self._in_flight = set(slots)
         return _Round(reqs, proposals, held, handle, t0)
 
-    def _collect(self, rnd: "_Round") -> "_Round":
-        """Wait for a launched round; keep its results for the stop rules of the next step, feed
-        the verify pass's states to a drafter that reads them (SpecFormer), and free the slots of
-        requests that finished while it ran."""
+    def _collect(self, rnd: "_Round", still_in_flight: set[int] = frozenset()) -> "_Round":
+        """Wait for a launched round; keep its results for the stop rules, feed the verify pass's
+        states to a drafter that reads them (SpecFormer), and free the slots of requests that
+        finished while it ran (unless ``still_in_flight``: a later chained round uses them)."""
         try:
             rnd.results = self.target.collect(rnd.handle)
         finally:
-            self._in_flight = set()
-            for req in self._deferred_release:
+            self._in_flight = set(still_in_flight)
+            deferred, self._deferred_release = self._deferred_release, []
+            for req in deferred:
                 self._release(req)
-            self._deferred_release = []
         live = [i for i, r in enumerate(rnd.reqs) if r.slot is not None and not r.finished]
         for i in live:
             rnd.reqs[i].pending = rnd.results[i].tokens
@@ -345,7 +410,9 @@ class Engine:
         if observed:  # the drafter reads the verify pass's states (SpecFormer): its own span in traces
             with span("observe", batch_size=len(observed), drafter=self.drafter.name):
                 self.drafter.observe(observed)
-        rnd.wall_s = time.perf_counter() - rnd.t0
+        now = time.perf_counter()
+        rnd.wall_s = now - max(rnd.t0, self._last_collect)  # chained rounds overlap: count each span once
+        self._last_collect = now
         return rnd
 
     def _finish(self, rnd: "_Round") -> list[RequestOutput]:

@@ -121,7 +121,10 @@ class _Round:
     handle: object  # Target.launch_verify's
     t0: float
     results: list[TargetResult] | None = None
-    wall_s: float = 0.0  # launch to collect
+    wall_s: float = 0.0  # launch (or the previous round's collect, if later) to collect
+
+    def __post_init__(self) -> None:
+        self.slots = frozenset(r.slot for r in self.reqs)  # the KV slots it runs on
 
     def surely_finishes(self, req: Request) -> bool:
         """The pending run finishes ``req`` by a rule that needs no text (a stop id or the token

@@ -81,6 +81,15 @@ class VerifyItem:
 
 
 @dataclass
+class ChainedItem:
+    """One sequence of a chained round (``Target.launch_chained``): its last token and position
+    come from the target's device state, so only the slot and what to return are named."""
+
+    slot: int
+    return_logprobs: bool = False
+
+
+@dataclass
 class TargetResult:
     """What the target produced for one sequence.
 
@@ -145,8 +154,22 @@ class Target(ABC):
         return self.verify(items)
 
     def collect(self, handle: object) -> list[TargetResult]:
-        """The results of a ``launch_verify`` (blocks until they are ready)."""
+        """The results of a ``launch_verify`` or ``launch_chained`` (blocks until they are ready)."""
         return handle  # type: ignore[return-value]
+
+    chains_rounds = False  # the target keeps round state on its device (``launch_chained``)
+
+    def launch_chained(self, items: list["ChainedItem"]) -> object:
+        """Queue a round whose inputs are the target's own device state: each slot's last token
+        (the one its prefill or its previous round emitted, whether that round has been collected
+        or not) at its device-side length, without drafts. Lets the scheduler queue round n + 1
+        before it reads round n (the host never waits between rounds). Only targets with
+        ``chains_rounds`` implement it.
+
+        Raises:
+            NotImplementedError: this target does not keep device round state.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not chain rounds on its device")
 
 
 class SlotSampling:
@@ -193,12 +216,59 @@ class SlotSampling:
                            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
 
 
+class RoundState:
+    """Per-slot round state on the target's device: what the next round of a sequence feeds and
+    where, without the host knowing it yet.
+
+    Attributes:
+        last: ``[num_slots]`` int64, the token each slot emitted last and the cache does not hold
+            yet (written by prefill and by every verify round on the device).
+        length: ``[num_slots]`` int64, tokens each slot's KV cache holds after its last round
+            (the device mirror of ``KVCache.lengths``; a rollback is a write of this tensor).
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.last = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.length = torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+    def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prefilled slots ``index`` ``[R]`` hold ``lengths`` ``[R]`` tokens and feed ``first_tokens`` next."""
+        self.last.index_copy_(0, index, first_tokens)
+        self.length.index_copy_(0, index, lengths)
+
+    def feed(self, inputs: torch.Tensor) -> None:
+        """Overwrite a chained step's packed inputs ``[n, 2 + Q]`` (``ModelRunner.step``'s
+        ``patch``): every row with tokens starts at its slot's device length with its last token."""
+        n = inputs.shape[0]
+        active = inputs[:, 1] > 0
+        inputs[:, 0] = torch.where(active, self.length[:n], inputs[:, 0])
+        inputs[:, 2] = torch.where(active, self.last[:n], inputs[:, 2])
+
+    def advance(self, inputs: torch.Tensor, chain: torch.Tensor, num_accepted: torch.Tensor,
+                tokens: torch.Tensor) -> None:
+        """After verification of rows ``0 .. n-1``: each chain row (``chain`` ``[n]`` bool, rows with
+        tokens) keeps its last token and accepted drafts (length ``start + 1 + num_accepted``) and
+        feeds the token it emitted last (``tokens`` ``[n, K + 1]`` at ``num_accepted``)."""
+        n = inputs.shape[0]
+        keep = chain & (inputs[:, 1] > 0)
+        emitted = tokens.gather(1, num_accepted[:, None])[:, 0]
+        self.length[:n] = torch.where(keep, inputs[:, 0] + 1 + num_accepted, self.length[:n])
+        self.last[:n] = torch.where(keep, emitted, self.last[:n])
+
+    def set(self, slot: int, length: int, last: int) -> None:
+        """Write one slot's state from the host (a token tree verified there)."""
+        self.length[slot] = length
+        self.last[slot] = last
+
+
 class LocalTarget(Target):
     """The target model in this process: model runner, KV cache, ``tandem.verify``.
 
-    A verify round makes one device-to-host copy (accepted lengths, emitted tokens and, when
-    asked, their log-probabilities, in one tensor), non-blocking between ``launch_verify`` and
-    ``collect``; verification itself runs on the device (``verify_chains``). Token trees are
+    A verify round makes one device-to-host copy (start positions, accepted lengths, emitted tokens
+    and, when asked, their log-probabilities, in one tensor), non-blocking between
+    ``launch_verify`` and ``collect``; verification itself runs on the device (``verify_chains``)
+    and updates the device round state (``RoundState``), so a chained round
+    (``launch_chained``) can be queued before the previous one is collected. Token trees are
     walked on the host (``verify_tree_*``).
 
     Args:
@@ -213,7 +283,9 @@ class LocalTarget(Target):
         self._info = TargetInfo(name or str(checkpoint.path), checkpoint.config.vocab_size, self.cache.num_slots,
                                 self.cache.capacity, str(self.runner.device))
         self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
-        self._pinned: dict[tuple, torch.Tensor] = {}  # result buffers by shape (one round in flight at a time)
+        self.state = RoundState(self.cache.num_slots, self.runner.device)
+        self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
+        self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
 
     @property
     def cache(self) -> KVCache:
@@ -249,6 +321,7 @@ class LocalTarget(Target):
         positions = torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64).to(dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
         firsts = sample_tokens(logits, positions, sampling)
+        self.state.admit(index, firsts, positions)
         out = firsts[:, None].double()
         if any(it.return_logprobs for it in items):
             lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
@@ -288,52 +361,83 @@ class LocalTarget(Target):
         token and the accepted drafts): what a SpecFormer head drafts the next round from."""
         return self.collect(self.launch_verify(items))
 
+    chains_rounds = True
+
     def launch_verify(self, items: list[VerifyItem]) -> "_LaunchedVerify":
         """Queue the forward, the verification and one non-blocking device-to-host copy of the
         results (into pinned memory, on CUDA); ``collect`` waits for that copy only."""
-        slots = [it.slot for it in items]
-        lengths = [self.cache.lengths[s] for s in slots]
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
+        return self._verify_step(items, out, trees)
+
+    def launch_chained(self, items: list[ChainedItem]) -> "_LaunchedVerify":
+        """See ``Target.launch_chained``: one decode step whose start positions and tokens the
+        device fills from ``RoundState`` (``ModelRunner.step``'s ``patch``), then verification and
+        the results' copy, as ``launch_verify``. Any number of chained rounds may be in flight;
+        ``collect`` them in launch order.
+
+        Raises:
+            ValueError: the runner taps hidden states (a tapping drafter reads them at collect, and
+                the next round's forward would have overwritten them).
+        """
+        if self.runner.config.taps:
+            raise ValueError("chained rounds do not return tapped states")
+        out = self.runner.step({it.slot: [0] for it in items}, patch=self.state.feed)
+        return self._verify_step(items, out, {})
+
+    def _verify_step(self, items: list, out, trees: dict[int, list[int]]) -> "_LaunchedVerify":
+        """Verification of a queued step, the device round state's update and the results' copy."""
+        slots = [it.slot for it in items]
+        for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
+            self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
         draft_lens = (inputs[:, 1] - 1).clamp_min(0)
+        chain = torch.ones(n, dtype=torch.bool)
         if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
-            chain = torch.ones(n, dtype=torch.bool)
             chain[list(trees)] = False
             draft_lens = draft_lens * chain.to(draft_lens.device)
+        chain = chain.to(inputs.device)
         sampling = self.sampling.rows(n, slots)
+        chain_items = [it for it in items if isinstance(it, VerifyItem) and it.slot not in trees]
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
-                            self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, draft_tokens))
-        packed = torch.cat([res.num_accepted[:, None], res.tokens], dim=1).double()
+                            self._draft_probs(chain_items, n, Q - 1, draft_tokens))
+        self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        packed = torch.cat([inputs[:, :1], res.num_accepted[:, None], res.tokens], dim=1).double()
         if any(it.return_logprobs for it in items):  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
             packed = torch.cat([packed, lp.double()], dim=1)
         copy = _HostCopy(packed, self._pinned)
         if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
             out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
-        return _LaunchedVerify(items, slots, lengths, trees, out, sampling, copy, Q)
+        return _LaunchedVerify(items, slots, trees, out, sampling, copy, Q)
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
-        """The results of ``launch_verify``: waits for its copy (the round's one blocking wait),
-        rolls back the rejected drafts' KV and gathers the kept positions' tapped states."""
-        items, slots, lengths, trees, out, Q = (handle.items, handle.slots, handle.lengths, handle.trees,
-                                                handle.out, handle.width)
+        """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's
+        one blocking wait), rolls back the rejected drafts' KV and gathers the kept positions'
+        tapped states."""
+        items, slots, trees, out, Q = handle.items, handle.slots, handle.trees, handle.out, handle.width
         host = handle.copy.wait()
+        starts = [int(host[s][0]) for s in slots]  # what each slot held before the round
         results: list[VerifyResult] = []
         for it, row_slot in zip(items, slots):
             if row_slot in trees:
-                results.append(self._verify_tree(it, out, handle.sampling))
+                results.append(self._verify_tree(it, out, handle.sampling, starts[len(results)]))
                 continue
             row = host[row_slot]
-            m = int(row[0])
-            results.append(VerifyResult([int(t) for t in row[1:m + 2]], m))
-        for slot, length, r in zip(slots, lengths, results):
+            m = int(row[1])
+            results.append(VerifyResult([int(t) for t in row[2:m + 3]], m))
+        for it, slot, length, r in zip(items, slots, starts, results):
             if r.path:  # token tree: move the accepted branch's K/V to consecutive positions
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-            self.cache.truncate(slot, length + 1 + r.num_accepted)  # drop rejected drafts' KV
+                self.state.set(slot, length + 1 + r.num_accepted, r.tokens[-1])
+            # drop rejected drafts' KV; a later round still in flight keeps its share of the length
+            self._queued[slot] -= _step_tokens(it)
+            self.cache.truncate(slot, length + 1 + r.num_accepted + self._queued[slot])
+            if not self._queued[slot]:
+                del self._queued[slot]
         kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
                 for r in results]  # step rows whose tokens stay in the cache
         taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
@@ -349,11 +453,11 @@ class LocalTarget(Target):
                     logp = out.logits[it.slot, rows].float().log_softmax(-1)
                     lp = logp.gather(-1, torch.tensor(r.tokens, device=logp.device)[:, None])[:, 0].tolist()
                 else:
-                    lp = host[it.slot][Q + 1:Q + 1 + len(r.tokens)]
+                    lp = host[it.slot][Q + 2:Q + 2 + len(r.tokens)]
             outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras))
         return outs
 
-    def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling) -> VerifyResult:
+    def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
         """One token tree, walked on the host (``verify_tree_greedy`` / ``verify_tree_sampling``)."""
         prop = it.proposal
         width = len(prop.tokens) + 1
@@ -361,22 +465,31 @@ class LocalTarget(Target):
             return verify_tree_greedy(prop.tokens, prop.parents, out.argmax[it.slot, :width].tolist())
         index = torch.tensor([it.slot], dtype=torch.int64).to(out.logits.device)
         p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
-        return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot],
-                                    self.cache.lengths[it.slot] - width + 1)
+        return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
+
+
+def _step_tokens(it) -> int:
+    """Tokens a round appends to the item's slot: the last token and its drafts."""
+    return 1 + (len(it.proposal.tokens) if isinstance(it, VerifyItem) else 0)
 
 
 class _HostCopy:
     """One non-blocking device-to-host copy of a small tensor: into a pinned buffer of ``pinned``
-    (reused per shape: the previous copy into it was waited for) with an event on CUDA, so the host
-    goes on until ``wait``; a plain read on the CPU."""
+    with an event on CUDA, so the host goes on until ``wait``; a plain read on the CPU. Buffers are
+    reused per shape in a ring of ``RING``: rounds are collected in launch order and at most two
+    are in flight (chained rounds), so a buffer is read before a copy into it is queued again."""
 
-    def __init__(self, t: torch.Tensor, pinned: dict[tuple, torch.Tensor]) -> None:
+    RING = 3
+
+    def __init__(self, t: torch.Tensor, pinned: dict[tuple, list]) -> None:
         self.event = None
         if t.device.type == "cuda":
             key = (tuple(t.shape), t.dtype)
             if key not in pinned:
-                pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.host = pinned[key]
+                pinned[key] = [0, [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for _ in range(self.RING)]]
+            entry = pinned[key]
+            entry[0] = (entry[0] + 1) % self.RING
+            self.host = entry[1][entry[0]]
             self.host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -394,9 +507,8 @@ class _HostCopy:
 class _LaunchedVerify:
     """A verify round between ``LocalTarget.launch_verify`` and ``collect``."""
 
-    items: list[VerifyItem]
+    items: list  # VerifyItem or ChainedItem
     slots: list[int]
-    lengths: list[int]
     trees: dict[int, list[int]]
     out: object  # the runner's StepOutput (static buffers in graph mode: read before the next step)
     sampling: RowSampling

@@ -13,6 +13,7 @@ slot indices); idle slots inside that range run with 0 tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -139,7 +140,10 @@ class ModelRunner:
                                   if config.compile else None)
         self._graphs: dict[tuple[int, int, int, bool], CapturedCall] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
-        self._staging: dict[tuple, tuple[torch.Tensor, torch.cuda.Event]] = {}  # pinned host inputs per graph
+        # pinned host inputs per graph, two per shape: with a round in flight (chained rounds) the next
+        # round's inputs are staged while the previous copy may not have run yet
+        self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._staging_turn: dict[tuple, int] = {}
 
     # ------------------------------------------------------------------ forwards
 
@@ -233,7 +237,8 @@ class ModelRunner:
                         out[s] = hidden[s - lo, q - 1]
 
     @torch.inference_mode()
-    def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None) -> StepOutput:
+    def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
+             patch: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
@@ -243,6 +248,12 @@ class ModelRunner:
                 precedes its children) for token-tree verification: a token sees only its
                 ancestors among the appended ones and is rotated for position ``length + depth``.
                 Slots without an entry are chains. Token j's K/V is stored at ``length + j``.
+            patch: called with the step's packed inputs on the device (``[n, 2 + Q (+ tree
+                columns)]`` int64: start, q_len, tokens; see ``_forward_logits``) before the forward
+                runs, to overwrite columns from device state (``tandem.target.RoundState``:
+                chained rounds, whose start positions and tokens the host does not know yet). It
+                must only queue device work. The host-side lengths still grow by
+                ``len(tokens_per_slot[s])``: the caller corrects them once the round is back.
 
         Returns:
             ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
@@ -278,9 +289,11 @@ class ModelRunner:
             rows.append(row)
         packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
-            out = self._replay(n, q, attn_len, packed, tree)
+            out = self._replay(n, q, attn_len, packed, tree, patch)
         else:
             inputs = packed.to(self.device)
+            if patch is not None:
+                patch(inputs)
             out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(inputs=inputs)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
@@ -288,26 +301,34 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False) -> StepOutput:
+    def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False,
+                patch: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
         key = (n, q, attn_len, tree)
         captured = self._graphs.get(key)
         if captured is None:
+            if patch is not None:  # the warm-up runs write K/V: give them the real inputs
+                packed_dev = packed.to(self.device)
+                patch(packed_dev)
+                packed = packed_dev
             captured = self._capture(n, q, attn_len, packed)
             self._graphs[key] = captured
-        # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. The
-        # staging buffer is free again here: the previous step's results were read on the host.
+        # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. Two
+        # buffers per shape, used in turn: the one used two steps ago has long been copied.
         if self.device.type == "cuda":
-            staged = self._staging.get(key)
-            if staged is None:
-                staged = self._staging[key] = (torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
-                                               torch.cuda.Event())
-            staging, copied = staged
+            ring = self._staging.get(key)
+            if ring is None:
+                ring = self._staging[key] = [(torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
+                                              torch.cuda.Event()) for _ in range(2)]
+            turn = self._staging_turn[key] = 1 - self._staging_turn.get(key, 1)
+            staging, copied = ring[turn]
             copied.synchronize()  # a step whose results were never read (timing loops) may still be copying
             staging.copy_(packed)
             captured.inputs[0].copy_(staging, non_blocking=True)
             copied.record()
         else:  # the graph bookkeeping run on a CPU (tests)
             captured.inputs[0].copy_(packed)
+        if patch is not None:
+            patch(captured.inputs[0])
         return captured()._replace(inputs=captured.inputs[0])
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "CapturedCall":

@@ -1,0 +1,126 @@
+"""Chained rounds: target-only decode rounds queued one ahead from the device round state.
+
+``Engine.step`` queues round n + 1 (``Target.launch_chained``: last tokens and start positions
+come from ``tandem.target.RoundState`` on the device) before it waits for round n, then runs round
+n's stop rules while n + 1 runs. These tests pin down that this changes nothing a user sees: the
+same tokens, text, finish reasons, log-probabilities and usage as rounds launched only once the
+previous one is back (the host-driven path, forced by a target that says it cannot chain), with
+stop strings, stop ids, EOS and max_tokens cutting runs, aborts while a round is in flight, slots
+reused, and the host and device views of the KV cache lengths in agreement afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.engine import Engine
+from tandem.models.runner import RunnerConfig
+from tandem.sampling import SamplingParams
+
+PROMPTS = ["Write a haiku about rust.", "List three prime numbers.", "What is 2+2?", "Name a colour.",
+           "Say hi", "Count to five.", "Tell me a story about a cat", "Why is the sky blue?"]
+
+
+def _params(eos_id: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=24, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=0.8, seed=3),
+            SamplingParams(max_tokens=1),
+            SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True),  # a stop string inside the text
+            SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7),
+            SamplingParams(max_tokens=12, top_k=5, temperature=0.7, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=1.5, seed=5),  # may stop on EOS
+            SamplingParams(max_tokens=9, stop_token_ids=[eos_id + 1, 13], ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+def _engine(target_dir: str, chained: bool, slots: int = 4) -> Engine:
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=96))
+    if not chained:
+        engine.target.chains_rounds = False  # the host-driven path: launch only after the previous collect
+    assert engine.chains_rounds is chained
+    return engine
+
+
+def _run(engine: Engine, prompts: list[str], params: list[SamplingParams], abort_at: dict[int, int] | None = None):
+    """Every request's (tokens, text, finish reason, logprobs, streamed tokens); ``abort_at`` maps a
+    request index to the step at which it is aborted (its entry is then what it had streamed)."""
+    ids = [engine.add_request(p, sp, logprobs=True) for p, sp in zip(prompts, params)]
+    streamed: dict[str, list[int]] = {i: [] for i in ids}
+    done: dict[str, tuple] = {}
+    step, overlapped = 0, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                c = engine.completion(out.request_id)
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.logprobs, c.completion_tokens)
+        step += 1
+        overlapped += engine._launched is not None and bool(engine._in_flight)
+        for i, at in (abort_at or {}).items():
+            if step == at and ids[i] not in done:
+                engine.abort(ids[i])
+                done[ids[i]] = ("aborted", streamed[ids[i]])
+        assert step < 400
+    return [(done[i], streamed[i]) for i in ids], overlapped
+
+
+def test_chained_rounds_change_nothing_a_user_sees(target_dir, real_tokenizer):
+    params = _params(real_tokenizer.eos_token_ids[0])
+    want, _ = _run(_engine(target_dir, chained=False), PROMPTS, params)
+    engine = _engine(target_dir, chained=True)
+    got, overlapped = _run(engine, PROMPTS, params)
+    assert overlapped > 5  # a round really was in flight while the host ran the previous one's stop rules
+    for (g, gs), (w, ws), p in zip(got, want, PROMPTS):
+        assert g[:3] == w[:3], p  # tokens, text, finish reason
+        assert g[4] == w[4] == len(g[0])  # usage counts what was kept
+        assert g[3] == pytest.approx(w[3], abs=1e-5)  # logprobs cut at the same boundary
+        assert gs == g[0]  # the stream carried exactly the kept tokens
+    reasons = {w[0][2] for w in want}
+    assert reasons == {"stop", "length"}
+    assert not engine.target._queued and not engine._in_flight and not engine.running
+    assert engine.cache.num_free() == engine.cache.num_slots
+
+
+def test_more_requests_than_slots_and_abort_in_flight(target_dir, real_tokenizer):
+    """Twice as many requests as slots (slots are freed while a round that used them may still be
+    in flight, and reused), one aborted mid-generation: every other request gets what it gets on
+    the host-driven path, and the aborted one streamed a prefix of its own output."""
+    params = _params(real_tokenizer.eos_token_ids[0]) * 2
+    prompts = PROMPTS * 2
+    want, _ = _run(_engine(target_dir, chained=False), prompts, params)
+    engine = _engine(target_dir, chained=True)
+    got, _ = _run(engine, prompts, params, abort_at={0: 4})
+    assert got[0][0][0] == "aborted" and 0 < len(got[0][1]) < len(want[0][0][0])
+    assert got[0][1] == want[0][0][0][:len(got[0][1])]
+    for (g, _), (w, _), p in zip(got[1:], want[1:], prompts[1:]):
+        assert g[:3] == w[:3], p
+    assert engine.cache.num_free() == engine.cache.num_slots
+
+
+def test_host_and_device_lengths_agree_between_rounds(target_dir):
+    """While a request runs with one round in flight, its slot's host-side KV length
+    (``KVCache.lengths``) less that round's tokens is what the collected output implies, and the
+    device round state is one round ahead of it."""
+    engine = _engine(target_dir, chained=True)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    rid = engine.add_request("Count to ten slowly", sp)
+    prompt_len = len(engine.requests[rid].prompt_ids)
+    for _ in range(6):
+        engine.step()
+    req = engine.requests[rid]
+    slot = req.slot
+    queued = engine.target._queued.get(slot, 0)
+    assert queued == 1  # exactly one round in flight
+    engine.step()
+    held = engine.cache.lengths[slot] - engine.target._queued.get(slot, 0)
+    # after the step: every collected token but the last is in the cache
+    assert held == prompt_len + req.num_tokens - 1
+    # the device state already counts the round in flight (on the CPU its work ran when it was queued)
+    assert int(engine.target.state.length[slot]) == held + 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.completion(rid).completion_tokens == 30
