@@ -116,9 +116,11 @@ class Engine:
     @property
     def chains_rounds(self) -> bool:
         """Rounds are queued one ahead from the target's device state (``Target.launch_chained``):
-        target-only decoding on a target that keeps its round state on the device. The host then
-        never waits between rounds: it runs round n's stop rules while the device runs n + 1."""
-        return self.drafter is None and self.draft_policy is None and self.target.chains_rounds \
+        target-only decoding, or a drafter that drafts on the device (n-gram), without a draft
+        policy, on a target that keeps its round state on the device. The host then never waits
+        between rounds: it runs round n's stop rules while the device runs n + 1."""
+        drafts_ok = self.drafter is None or self.drafter.drafts_on_device
+        return drafts_ok and self.draft_policy is None and self.target.chains_rounds \
             and not (self.runner_config is not None and self.runner_config.taps)
 
     @property
@@ -334,8 +336,8 @@ class Engine:
             outputs.extend(self._finish(self._collected))
             self._collected = None
         previous, self._launched = self._launched, None
-        # each target-only round emits one token: a request that the round in flight brings to its
-        # token limit surely finishes there and stays out of the next one
+        # a round emits at least one token: a request that the round in flight brings to its token
+        # limit even so surely finishes there and stays out of the next one
         decoding = {} if not self.chains_rounds else {
             s: r for s, r in self.running.items()
             if not (previous is not None and s in previous.slots and r.num_tokens + 1 >= r.output.max_new_tokens)}
@@ -346,9 +348,10 @@ class Engine:
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
                 try:
-                    with span("verify", batch_size=len(reqs), draft_tokens=0):
-                        handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None)
-                                                             for s, r in zip(slots, reqs)])
+                    k = self.num_draft_tokens if self.drafter is not None else 0
+                    with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none"):
+                        handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
+                                                             for s, r in zip(slots, reqs)], self.drafter)
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
                     raise
@@ -430,7 +433,8 @@ class Engine:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
             before = (req.spec.num_drafted, req.spec.num_accepted)
-            outputs.append(self._append(req, res.tokens, drafted=len(prop.tokens), accepted=res.num_accepted,
+            drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
+            outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
                                         logprobs=res.logprobs))
             emitted += len(outputs[-1].new_token_ids)
             drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]

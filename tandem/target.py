@@ -87,6 +87,7 @@ class ChainedItem:
 
     slot: int
     return_logprobs: bool = False
+    max_draft: int = 0  # drafts allowed at most (the device also applies the token and context limits)
 
 
 @dataclass
@@ -101,12 +102,15 @@ class TargetResult:
             each token, when the item asked for them; else None.
         extras: optional tensors a drafter needs from the target (e.g. SpecFormer's context
             vectors), keyed by name; empty by default.
+        num_drafts: drafts verified, when the target drafted them itself (chained rounds); None
+            when they came with the item.
     """
 
     tokens: list[int]
     num_accepted: int = 0
     logprobs: list[float] | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_drafts: int | None = None
 
 
 class Target(ABC):
@@ -159,12 +163,13 @@ class Target(ABC):
 
     chains_rounds = False  # the target keeps round state on its device (``launch_chained``)
 
-    def launch_chained(self, items: list["ChainedItem"]) -> object:
+    def launch_chained(self, items: list["ChainedItem"], drafter=None) -> object:
         """Queue a round whose inputs are the target's own device state: each slot's last token
         (the one its prefill or its previous round emitted, whether that round has been collected
-        or not) at its device-side length, without drafts. Lets the scheduler queue round n + 1
-        before it reads round n (the host never waits between rounds). Only targets with
-        ``chains_rounds`` implement it.
+        or not) at its device-side length, and, with a ``drafter`` that drafts on the device
+        (``Drafter.drafts_on_device``), up to ``max_draft`` drafts it computes there from the
+        slot's token history. Lets the scheduler queue round n + 1 before it reads round n (the
+        host never waits between rounds). Only targets with ``chains_rounds`` implement it.
 
         Raises:
             NotImplementedError: this target does not keep device round state.
@@ -225,40 +230,79 @@ class RoundState:
             yet (written by prefill and by every verify round on the device).
         length: ``[num_slots]`` int64, tokens each slot's KV cache holds after its last round
             (the device mirror of ``KVCache.lengths``; a rollback is a write of this tensor).
+        history: ``[num_slots, capacity + 2]`` int64, each slot's tokens (prompt and output; index
+            ``length`` is ``last``), what device drafters draft from; the last column is scratch.
+        prompt_len, max_new: ``[num_slots]`` int64, each sequence's prompt length and token limit
+            (for the draft-room rule on the device).
     """
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
         self.last = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.length = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.history = torch.zeros(num_slots, capacity + 2, dtype=torch.int64, device=device)
+        self.prompt_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.max_new = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
-    def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Prefilled slots ``index`` ``[R]`` hold ``lengths`` ``[R]`` tokens and feed ``first_tokens`` next."""
+    def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, prompts: list[list[int]],
+              max_new: list[int]) -> None:
+        """Prefilled slots ``index`` ``[R]`` hold their ``prompts`` and feed ``first_tokens`` ``[R]`` next."""
+        dev = index.device
+        width = max(len(p) for p in prompts)
+        rows = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64).to(dev)
+        self.history[index, :width] = rows.to(dev)  # entries past a prompt are overwritten before they are read
+        self.history[index, lengths] = first_tokens
         self.last.index_copy_(0, index, first_tokens)
         self.length.index_copy_(0, index, lengths)
+        self.prompt_len.index_copy_(0, index, lengths)
+        self.max_new.index_copy_(0, index, torch.tensor(max_new, dtype=torch.int64).to(dev))
 
-    def feed(self, inputs: torch.Tensor) -> None:
-        """Overwrite a chained step's packed inputs ``[n, 2 + Q]`` (``ModelRunner.step``'s
-        ``patch``): every row with tokens starts at its slot's device length with its last token."""
+    def feed(self, inputs: torch.Tensor, drafter=None, k: int = 0) -> None:
+        """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
+        ``patch``): every row with tokens starts at its slot's device length with its last token;
+        with a device ``drafter``, its drafts follow, as many as the row's placeholder count
+        allows and the draft-room rule (``Engine._draft_room``) gives on the device: no draft past
+        the context (``capacity``) or the token limit."""
         n = inputs.shape[0]
         active = inputs[:, 1] > 0
-        inputs[:, 0] = torch.where(active, self.length[:n], inputs[:, 0])
+        length = self.length[:n]
+        inputs[:, 0] = torch.where(active, length, inputs[:, 0])
         inputs[:, 2] = torch.where(active, self.last[:n], inputs[:, 2])
+        if drafter is None or k == 0:
+            return
+        num_tokens = length - self.prompt_len[:n] + 1
+        room = torch.minimum(inputs[:, 1] - 1, torch.minimum(self.capacity - length - 1,
+                                                               self.max_new[:n] - num_tokens - 1))
+        room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
+        tokens, lens = drafter.device_drafts(self.history[:n], length, room, k)
+        inputs[:, 3:3 + k] = tokens
+        inputs[:, 1] = torch.where(active, 1 + lens, inputs[:, 1])
 
     def advance(self, inputs: torch.Tensor, chain: torch.Tensor, num_accepted: torch.Tensor,
                 tokens: torch.Tensor) -> None:
-        """After verification of rows ``0 .. n-1``: each chain row (``chain`` ``[n]`` bool, rows with
-        tokens) keeps its last token and accepted drafts (length ``start + 1 + num_accepted``) and
-        feeds the token it emitted last (``tokens`` ``[n, K + 1]`` at ``num_accepted``)."""
-        n = inputs.shape[0]
+        """After verification of rows ``0 .. n-1`` (``inputs`` ``[n, >= 2]``: start, q_len): each
+        chain row with tokens (``chain`` ``[n]`` bool) keeps its last token and accepted drafts
+        (length ``start + 1 + num_accepted``), appends what it emitted (``tokens`` ``[n, K + 1]``,
+        the first ``num_accepted + 1``) to its history and feeds the last of them next."""
+        n, Q = tokens.shape
         keep = chain & (inputs[:, 1] > 0)
+        start = inputs[:, 0]
         emitted = tokens.gather(1, num_accepted[:, None])[:, 0]
-        self.length[:n] = torch.where(keep, inputs[:, 0] + 1 + num_accepted, self.length[:n])
+        self.length[:n] = torch.where(keep, start + 1 + num_accepted, self.length[:n])
         self.last[:n] = torch.where(keep, emitted, self.last[:n])
+        j = torch.arange(Q, device=tokens.device)
+        write = keep[:, None] & (j[None, :] <= num_accepted[:, None])
+        pos = torch.where(write, start[:, None] + 1 + j[None, :], torch.full_like(tokens, self.capacity + 1))
+        self.history[:n].scatter_(1, pos, tokens)
 
-    def set(self, slot: int, length: int, last: int) -> None:
-        """Write one slot's state from the host (a token tree verified there)."""
-        self.length[slot] = length
-        self.last[slot] = last
+    def set(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Write one slot's state from the host: it held ``start`` tokens and emitted ``tokens``
+        (a token tree verified there)."""
+        self.length[slot] = start + len(tokens)
+        self.last[slot] = tokens[-1]
+        self.history[slot, start + 1:start + 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int64).to(
+            self.history.device)
 
 
 class LocalTarget(Target):
@@ -283,7 +327,7 @@ class LocalTarget(Target):
         self._info = TargetInfo(name or str(checkpoint.path), checkpoint.config.vocab_size, self.cache.num_slots,
                                 self.cache.capacity, str(self.runner.device))
         self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
-        self.state = RoundState(self.cache.num_slots, self.runner.device)
+        self.state = RoundState(self.cache.num_slots, self.cache.capacity, self.runner.device)
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
         self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
 
@@ -321,7 +365,8 @@ class LocalTarget(Target):
         positions = torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64).to(dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
         firsts = sample_tokens(logits, positions, sampling)
-        self.state.admit(index, firsts, positions)
+        self.state.admit(index, firsts, [prompts[s] for s in slots],
+                         [min(items[i].params.max_tokens, self.cache.capacity - len(items[i].prompt_ids)) for i in order])
         out = firsts[:, None].double()
         if any(it.return_logprobs for it in items):
             lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
@@ -370,19 +415,24 @@ class LocalTarget(Target):
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
         return self._verify_step(items, out, trees)
 
-    def launch_chained(self, items: list[ChainedItem]) -> "_LaunchedVerify":
-        """See ``Target.launch_chained``: one decode step whose start positions and tokens the
+    def launch_chained(self, items: list[ChainedItem], drafter=None) -> "_LaunchedVerify":
+        """See ``Target.launch_chained``: one step whose start positions, tokens and drafts the
         device fills from ``RoundState`` (``ModelRunner.step``'s ``patch``), then verification and
         the results' copy, as ``launch_verify``. Any number of chained rounds may be in flight;
         ``collect`` them in launch order.
 
         Raises:
             ValueError: the runner taps hidden states (a tapping drafter reads them at collect, and
-                the next round's forward would have overwritten them).
+                the next round's forward would have overwritten them); drafts asked for without a
+                device drafter.
         """
         if self.runner.config.taps:
             raise ValueError("chained rounds do not return tapped states")
-        out = self.runner.step({it.slot: [0] for it in items}, patch=self.state.feed)
+        k = max(it.max_draft for it in items)
+        if k and (drafter is None or not drafter.drafts_on_device):
+            raise ValueError("chained drafts need a drafter that drafts on the device")
+        out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
+                               patch=lambda inputs: self.state.feed(inputs, drafter, k))
         return self._verify_step(items, out, {})
 
     def _verify_step(self, items: list, out, trees: dict[int, list[int]]) -> "_LaunchedVerify":
@@ -404,7 +454,7 @@ class LocalTarget(Target):
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
                             self._draft_probs(chain_items, n, Q - 1, draft_tokens))
         self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
-        packed = torch.cat([inputs[:, :1], res.num_accepted[:, None], res.tokens], dim=1).double()
+        packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1).double()
         if any(it.return_logprobs for it in items):  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
             packed = torch.cat([packed, lp.double()], dim=1)
@@ -418,7 +468,7 @@ class LocalTarget(Target):
         one blocking wait), rolls back the rejected drafts' KV and gathers the kept positions'
         tapped states."""
         items, slots, trees, out, Q = handle.items, handle.slots, handle.trees, handle.out, handle.width
-        host = handle.copy.wait()
+        host = handle.copy.wait()  # per row: start, q_len, accepted, Q tokens, (Q logprobs)
         starts = [int(host[s][0]) for s in slots]  # what each slot held before the round
         results: list[VerifyResult] = []
         for it, row_slot in zip(items, slots):
@@ -426,13 +476,13 @@ class LocalTarget(Target):
                 results.append(self._verify_tree(it, out, handle.sampling, starts[len(results)]))
                 continue
             row = host[row_slot]
-            m = int(row[1])
-            results.append(VerifyResult([int(t) for t in row[2:m + 3]], m))
+            m = int(row[2])
+            results.append(VerifyResult([int(t) for t in row[3:m + 4]], m))
         for it, slot, length, r in zip(items, slots, starts, results):
             if r.path:  # token tree: move the accepted branch's K/V to consecutive positions
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-                self.state.set(slot, length + 1 + r.num_accepted, r.tokens[-1])
+                self.state.set(slot, length, r.tokens)
             # drop rejected drafts' KV; a later round still in flight keeps its share of the length
             self._queued[slot] -= _step_tokens(it)
             self.cache.truncate(slot, length + 1 + r.num_accepted + self._queued[slot])
@@ -453,8 +503,9 @@ class LocalTarget(Target):
                     logp = out.logits[it.slot, rows].float().log_softmax(-1)
                     lp = logp.gather(-1, torch.tensor(r.tokens, device=logp.device)[:, None])[:, 0].tolist()
                 else:
-                    lp = host[it.slot][Q + 2:Q + 2 + len(r.tokens)]
-            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras))
+                    lp = host[it.slot][Q + 3:Q + 3 + len(r.tokens)]
+            drafts = int(host[it.slot][1]) - 1 if isinstance(it, ChainedItem) else None
+            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts))
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
@@ -470,7 +521,7 @@ class LocalTarget(Target):
 
 def _step_tokens(it) -> int:
     """Tokens a round appends to the item's slot: the last token and its drafts."""
-    return 1 + (len(it.proposal.tokens) if isinstance(it, VerifyItem) else 0)
+    return 1 + (len(it.proposal.tokens) if isinstance(it, VerifyItem) else it.max_draft)
 
 
 class _HostCopy:

@@ -1,8 +1,9 @@
-"""Chained rounds: target-only decode rounds queued one ahead from the device round state.
+"""Chained rounds: decode rounds queued one ahead from the device round state.
 
-``Engine.step`` queues round n + 1 (``Target.launch_chained``: last tokens and start positions
-come from ``tandem.target.RoundState`` on the device) before it waits for round n, then runs round
-n's stop rules while n + 1 runs. These tests pin down that this changes nothing a user sees: the
+``Engine.step`` queues round n + 1 (``Target.launch_chained``: last tokens, start positions and,
+for a drafter that drafts on the device (n-gram), the drafts come from
+``tandem.target.RoundState`` on the device) before it waits for round n, then runs round n's stop
+rules while n + 1 runs. These tests pin down that this changes nothing a user sees: the
 same tokens, text, finish reasons, log-probabilities and usage as rounds launched only once the
 previous one is back (the host-driven path, forced by a target that says it cannot chain), with
 stop strings, stop ids, EOS and max_tokens cutting runs, aborts while a round is in flight, slots
@@ -12,7 +13,10 @@ reused, and the host and device views of the KV cache lengths in agreement after
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tandem.drafters import NgramDrafter
+from tandem.drafters.ngram import NgramIndex, ngram_drafts
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
@@ -21,11 +25,16 @@ PROMPTS = ["Write a haiku about rust.", "List three prime numbers.", "What is 2+
            "Say hi", "Count to five.", "Tell me a story about a cat", "Why is the sky blue?"]
 
 
-def _params(eos_id: int) -> list[SamplingParams]:
+# for the 32-word model (n-gram drafts recur and get accepted there): "w1" .. "w31"
+WORD_PROMPTS = ["w1 w2 w3 w1 w2 w3 w1", "w5 w9 w5 w9", "w7", "w3 w4 w5 w6 w3 w4", "w11 w12 w11 w12 w11",
+                "w2 w2 w2 w2", "w20 w21 w22 w23 w20 w21", "w8 w9 w10"]
+
+
+def _params(eos_id: int, stop: str = "e") -> list[SamplingParams]:
     return [SamplingParams(max_tokens=24, ignore_eos=True),
             SamplingParams(max_tokens=5, temperature=0.8, seed=3),
             SamplingParams(max_tokens=1),
-            SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True),  # a stop string inside the text
+            SamplingParams(max_tokens=30, stop=[stop], ignore_eos=True),  # a stop string inside the text
             SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=7),
             SamplingParams(max_tokens=12, top_k=5, temperature=0.7, seed=11, ignore_eos=True),
             SamplingParams(max_tokens=40, temperature=1.5, seed=5),  # may stop on EOS
@@ -37,8 +46,22 @@ def target_dir(tiny_checkpoint):
     return str(tiny_checkpoint("llama", with_tokenizer=True))
 
 
-def _engine(target_dir: str, chained: bool, slots: int = 4) -> Engine:
-    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=96))
+@pytest.fixture(scope="module")
+def word_dir(small_vocab_checkpoint):
+    return str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
+
+
+def _case(drafter: str, target_dir: str, word_dir: str, eos_id: int):
+    """(model directory, prompts, params): target-only on the tiny model with the real tokenizer;
+    n-gram on the 32-word model, whose outputs repeat n-grams so drafts are accepted."""
+    if drafter == "ngram":
+        return word_dir, WORD_PROMPTS, _params(0, stop="w7")
+    return target_dir, PROMPTS, _params(eos_id)
+
+
+def _engine(target_dir: str, chained: bool, drafter: str = "none", slots: int = 4, k: int = 4) -> Engine:
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=96),
+                    drafter=NgramDrafter() if drafter == "ngram" else None, num_draft_tokens=k)
     if not chained:
         engine.target.chains_rounds = False  # the host-driven path: launch only after the previous collect
     assert engine.chains_rounds is chained
@@ -68,13 +91,19 @@ def _run(engine: Engine, prompts: list[str], params: list[SamplingParams], abort
     return [(done[i], streamed[i]) for i in ids], overlapped
 
 
-def test_chained_rounds_change_nothing_a_user_sees(target_dir, real_tokenizer):
-    params = _params(real_tokenizer.eos_token_ids[0])
-    want, _ = _run(_engine(target_dir, chained=False), PROMPTS, params)
-    engine = _engine(target_dir, chained=True)
-    got, overlapped = _run(engine, PROMPTS, params)
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_chained_rounds_change_nothing_a_user_sees(target_dir, word_dir, real_tokenizer, drafter):
+    model, prompts, params = _case(drafter, target_dir, word_dir, real_tokenizer.eos_token_ids[0])
+    host = _engine(model, chained=False, drafter=drafter)
+    want, _ = _run(host, prompts, params)
+    engine = _engine(model, chained=True, drafter=drafter)
+    got, overlapped = _run(engine, prompts, params)
+    # the same drafts were verified (the device n-gram lookup is the host index's rule)
+    assert (engine.stats.num_drafted, engine.stats.num_accepted) == (host.stats.num_drafted, host.stats.num_accepted)
+    if drafter == "ngram":
+        assert engine.stats.num_accepted > 0
     assert overlapped > 5  # a round really was in flight while the host ran the previous one's stop rules
-    for (g, gs), (w, ws), p in zip(got, want, PROMPTS):
+    for (g, gs), (w, ws), p in zip(got, want, prompts):
         assert g[:3] == w[:3], p  # tokens, text, finish reason
         assert g[4] == w[4] == len(g[0])  # usage counts what was kept
         assert g[3] == pytest.approx(w[3], abs=1e-5)  # logprobs cut at the same boundary
@@ -85,14 +114,15 @@ def test_chained_rounds_change_nothing_a_user_sees(target_dir, real_tokenizer):
     assert engine.cache.num_free() == engine.cache.num_slots
 
 
-def test_more_requests_than_slots_and_abort_in_flight(target_dir, real_tokenizer):
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_more_requests_than_slots_and_abort_in_flight(target_dir, word_dir, real_tokenizer, drafter):
     """Twice as many requests as slots (slots are freed while a round that used them may still be
     in flight, and reused), one aborted mid-generation: every other request gets what it gets on
     the host-driven path, and the aborted one streamed a prefix of its own output."""
-    params = _params(real_tokenizer.eos_token_ids[0]) * 2
-    prompts = PROMPTS * 2
-    want, _ = _run(_engine(target_dir, chained=False), prompts, params)
-    engine = _engine(target_dir, chained=True)
+    model, prompts, params = _case(drafter, target_dir, word_dir, real_tokenizer.eos_token_ids[0])
+    params, prompts = params * 2, prompts * 2
+    want, _ = _run(_engine(model, chained=False, drafter=drafter), prompts, params)
+    engine = _engine(model, chained=True, drafter=drafter)
     got, _ = _run(engine, prompts, params, abort_at={0: 4})
     assert got[0][0][0] == "aborted" and 0 < len(got[0][1]) < len(want[0][0][0])
     assert got[0][1] == want[0][0][0][:len(got[0][1])]
@@ -124,3 +154,49 @@ def test_host_and_device_lengths_agree_between_rounds(target_dir):
     while engine.has_unfinished():
         engine.step()
     assert engine.completion(rid).completion_tokens == 30
+
+
+def test_device_ngram_lookup_is_the_host_index_rule():
+    """``ngram_drafts`` (one batched device pass) gives ``NgramIndex.lookup``'s drafts for random
+    sequences over small vocabularies (many recurring n-grams), every n-gram range and room,
+    sequences of one token included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        B, C, k = 6, 40, rng.randint(1, 5)
+        max_n = rng.randint(1, 4)
+        min_n = rng.randint(1, max_n)
+        history = torch.randint(0, 5, (B, C), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        last = torch.tensor([rng.randint(0, C - 3) for _ in range(B)])
+        room = torch.tensor([rng.randint(0, k) for _ in range(B)])
+        tokens, lens = ngram_drafts(history, last, room, max_n, min_n, k)
+        for b in range(B):
+            seq = history[b, :last[b] + 1].tolist()
+            index = NgramIndex(max_n, min_n)
+            index.extend(seq)
+            want = index.lookup(int(room[b])) if room[b] > 0 and len(seq) >= 2 else []
+            assert tokens[b, :lens[b]].tolist() == want, (seq, int(room[b]), max_n, min_n)
+
+
+def test_ngram_rounds_near_the_context_limit(word_dir):
+    """Requests that run into the context limit (prompt + output = max_seq_len) with drafts on:
+    the device's draft-room rule keeps every write inside the cache, the output is what the
+    host-driven path gives, and nothing is left in flight."""
+    def make(chained: bool) -> Engine:
+        e = Engine(word_dir, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=40),
+                   drafter=NgramDrafter(), num_draft_tokens=5)
+        if not chained:
+            e.target.chains_rounds = False
+        return e
+
+    prompts = ["w1 w2 w3 w1 w2 w3 w1 w2 w3 w1 w2 w3", "w4 w4 w4 w4 w4 w4 w4 w4 w4 w4 w4 w4 w4 w4"]
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    want = make(False).generate(prompts, params)
+    engine = make(True)
+    got = engine.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason == "length"
+        assert g.prompt_tokens + len(g.token_ids) == 40
+    assert engine.stats.num_accepted > 0
+    assert not engine.has_unfinished() and engine.cache.num_free() == 2

@@ -261,6 +261,9 @@ class Drafter(ABC):
     # that only see token ids. Non-empty: the engine taps the target, calls ``bind`` once and
     # ``observe`` after every prefill and verification.
     target_taps: tuple[int, ...] = ()
+    # Drafts from the target's token history on the device (``device_drafts``): the engine then
+    # queues each round before the previous one is back (chained rounds) and never calls propose.
+    drafts_on_device: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
@@ -276,6 +279,22 @@ class Drafter(ABC):
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` finished or was aborted: drop its state."""
+
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts of a batch computed on the device (drafters with ``drafts_on_device``): what
+        ``propose`` would draft, as device work only (no host reads; it is queued before the
+        previous round's results are known).
+
+        Args:
+            history: ``[B, C]`` int64, row b's sequence is ``history[b, :last[b] + 1]``.
+            last: ``[B]`` int64 index of each row's last token; room: ``[B]`` int64 drafts allowed.
+            k: width of the result (>= every ``room``).
+
+        Returns:
+            ``(tokens [B, k] int64, lens [B] int64)``, deterministic drafts (q one-hot).
+        """
+        raise NotImplementedError(f"the {self.name} drafter does not draft on the device")
 
     def bind(self, runner) -> None:
         """Attach to the in-process target ``ModelRunner`` (drafters with ``target_taps`` only)."""

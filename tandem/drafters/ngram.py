@@ -4,11 +4,17 @@ Matches the last n tokens (n from ``max_n`` down to ``min_n``) against the earli
 (prompt and generated text) and proposes what followed the most recent earlier match that has
 a full continuation (else the earliest match). q is
 one-hot, so speculative sampling accepts draft token x with probability p(x).
+
+Two implementations of one rule: ``NgramIndex`` (host, per sequence, incremental) and
+``ngram_drafts`` (device, the whole batch at once over the target's token history, so a round's
+drafts are ready on the device without the host; ``tandem.target.LocalTarget.launch_chained``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+
+import torch
 
 from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, one_hot_features, synced_index
 
@@ -57,6 +63,56 @@ class NgramIndex:
         return []
 
 
+def ngram_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, max_n: int, min_n: int,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``NgramIndex.lookup`` for a batch of sequences at once, on their device, with no host sync.
+
+    Row b's sequence is ``history[b, :last[b] + 1]``. For n from ``max_n`` down to ``min_n`` (and
+    n <= T - 1), the n-gram ending at the last token is matched at every earlier start ``st``
+    (``st + n <= T - 1``, so the suffix never matches itself): ``e_n[st] = (x[st] == x[T - n]) &
+    e_{n-1}[st + 1]``. The longest n with a match wins; of its starts, the most recent one with
+    ``room[b]`` tokens after it (``st <= T - n - room``), else the earliest; the drafts are the
+    tokens after the match, at most ``room[b]`` and at most what the sequence holds.
+
+    Args:
+        history: ``[B, C]`` int64 token ids (entries past ``last`` are ignored).
+        last: ``[B]`` int64 index of each row's last token (T - 1).
+        room: ``[B]`` int64 drafts allowed per row, in [0, k] (0: none).
+        max_n, min_n: n-gram sizes, 1 <= min_n <= max_n.
+        k: width of the result.
+
+    Returns:
+        ``(tokens [B, k] int64, lens [B] int64)``: row b's drafts are ``tokens[b, :lens[b]]``.
+    """
+    B, C = history.shape
+    dev = history.device
+    T = last + 1
+    cols = torch.arange(C, device=dev)
+    pad = torch.full((B, 1), -1, dtype=history.dtype, device=dev)
+    eq = torch.ones(B, C, dtype=torch.bool, device=dev)  # e_0: the empty gram matches everywhere
+    best_start = torch.zeros(B, dtype=torch.int64, device=dev)
+    best_n = torch.zeros(B, dtype=torch.int64, device=dev)
+    big = torch.full((B, C), C, dtype=torch.int64, device=dev)
+    for n in range(1, max_n + 1):
+        ref = history.gather(1, (T - n).clamp(min=0)[:, None])  # [B, 1]: x[T - n]
+        eq = (history == ref) & torch.cat([eq[:, 1:], pad >= 0], dim=1)  # e_n[st] = x[st] == x[T-n] & e_{n-1}[st+1]
+        if n < min_n:
+            continue
+        hit = eq & (cols[None, :] + n <= (T - 1)[:, None]) & (n <= T - 1)[:, None]
+        recent = hit & (cols[None, :] <= (T - n - room)[:, None])
+        latest = torch.where(recent, cols[None, :], torch.full_like(big, -1)).amax(1)
+        earliest = torch.where(hit, cols[None, :], big).amin(1)
+        start = torch.where(latest >= 0, latest, earliest)
+        found = hit.any(1)
+        best_start = torch.where(found, start + n, best_start)  # longer n overwrite shorter ones
+        best_n = torch.where(found, torch.full_like(best_n, n), best_n)
+    j = torch.arange(k, device=dev)
+    lens = torch.where(best_n > 0, torch.minimum(room, T - best_start), torch.zeros_like(room)).clamp(min=0)
+    at = (best_start[:, None] + j[None, :]).clamp(max=C - 1)
+    tokens = torch.where(j[None, :] < lens[:, None], history.gather(1, at), torch.zeros_like(at))
+    return tokens, lens
+
+
 class NgramDrafter(Drafter):
     """Prompt-lookup drafter. Keeps one ``NgramIndex`` per KV slot, extended with the tokens
     accepted since the previous round (rebuilt if the slot's sequence is not an extension of
@@ -71,6 +127,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    drafts_on_device = True  # ``device_drafts``: chained rounds draft without the host
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -80,6 +137,12 @@ class NgramDrafter(Drafter):
 
     def release(self, slot: int) -> None:
         self._index.pop(slot, None)
+
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``propose``'s drafts computed on the device from the target's token history
+        (``ngram_drafts``; same rule, same tokens)."""
+        return ngram_drafts(history, last, room, self.max_n, self.min_n, k)
 
     def _synced(self, req: DraftRequest) -> NgramIndex:
         return synced_index(self._index, req, lambda: NgramIndex(self.max_n, self.min_n))

@@ -252,8 +252,10 @@ class ModelRunner:
                 columns)]`` int64: start, q_len, tokens; see ``_forward_logits``) before the forward
                 runs, to overwrite columns from device state (``tandem.target.RoundState``:
                 chained rounds, whose start positions and tokens the host does not know yet). It
-                must only queue device work. The host-side lengths still grow by
-                ``len(tokens_per_slot[s])``: the caller corrects them once the round is back.
+                must only queue device work, and keep every row's writes inside the cache (the
+                host then does not check the room: its lengths are upper bounds). The host-side
+                lengths still grow by ``len(tokens_per_slot[s])``: the caller corrects them once
+                the round is back.
 
         Returns:
             ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
@@ -269,10 +271,11 @@ class ModelRunner:
         for slot, toks in tokens_per_slot.items():
             if not toks:
                 raise ValueError(f"slot {slot} has no tokens to append")
-            self.cache.check_room(slot, len(toks))
+            if patch is None:  # a patched step's host lengths are upper bounds: the patch keeps to the room
+                self.cache.check_room(slot, len(toks))
         n = max(tokens_per_slot) + 1
         q = max(len(t) for t in tokens_per_slot.values())
-        attn_len = max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items())
+        attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + len(t) for s, t in tokens_per_slot.items()))
         if self.config.fixed_step_tokens:  # exact kernels: one shape for every step (RunnerConfig)
             n, q = self.cache.num_slots, max(q, self.config.fixed_step_tokens)
             attn_len = min(self.cache.capacity, max(self.cache.lengths[s] + q for s in tokens_per_slot))
