@@ -444,11 +444,12 @@ class LocalTarget(Target):
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
         draft_lens = (inputs[:, 1] - 1).clamp_min(0)
-        chain = torch.ones(n, dtype=torch.bool)
+        # made on the device: a copy from pageable host memory may make the driver wait for the
+        # stream, i.e. for the round in flight, which would undo the chaining
+        chain = torch.ones(n, dtype=torch.bool, device=inputs.device)
         if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
-            chain[list(trees)] = False
-            draft_lens = draft_lens * chain.to(draft_lens.device)
-        chain = chain.to(inputs.device)
+            chain[torch.tensor(sorted(trees), dtype=torch.int64).to(inputs.device)] = False
+            draft_lens = draft_lens * chain
         sampling = self.sampling.rows(n, slots)
         chain_items = [it for it in items if isinstance(it, VerifyItem) and it.slot not in trees]
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
