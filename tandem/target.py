@@ -432,7 +432,8 @@ class LocalTarget(Target):
         if k and (drafter is None or not drafter.drafts_on_device):
             raise ValueError("chained drafts need a drafter that drafts on the device")
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
-                               patch=lambda inputs: self.state.feed(inputs, drafter, k))
+                               patch=lambda inputs: self.state.feed(inputs, drafter, k),
+                               patch_key=("chained", id(drafter) if drafter is not None else None, k))
         return self._verify_step(items, out, {})
 
     def _verify_step(self, items: list, out, trees: dict[int, list[int]]) -> "_LaunchedVerify":

@@ -200,3 +200,22 @@ def test_ngram_rounds_near_the_context_limit(word_dir):
         assert g.prompt_tokens + len(g.token_ids) == 40
     assert engine.stats.num_accepted > 0
     assert not engine.has_unfinished() and engine.cache.num_free() == 2
+
+
+def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch):
+    """The CUDA-graph path of a chained n-gram round (the device patch captured with the forward,
+    one captured call per shape and patch key), with the capture stood in by eager calls so it
+    runs on the CPU: the same tokens as the host-driven path, each shape made once."""
+    import tandem.models.runner as runner_mod
+
+    prompts, params = WORD_PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [c.token_ids for c in _engine(word_dir, chained=False, drafter="ngram").generate(prompts, params)]
+    engine = _engine(word_dir, chained=True, drafter="ngram")
+    object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
+    made, real = [], runner_mod.CapturedCall
+    monkeypatch.setattr(runner_mod, "CapturedCall",
+                        lambda fn, inputs, capture=True, pool=None: made.append(1) or real(fn, inputs, capture=False))
+    assert [c.token_ids for c in engine.generate(prompts, params)] == want
+    assert engine.stats.num_accepted > 0
+    assert made and len(made) == len(engine.runner._graphs)
+    assert all(key[4] is not None for key in engine.runner._graphs)  # every decode step ran chained

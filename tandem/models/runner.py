@@ -138,7 +138,7 @@ class ModelRunner:
         # batch 1 fusion lifts graphs from 325 to 504 tok/s.
         self._forward_compiled = (torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
                                   if config.compile else None)
-        self._graphs: dict[tuple[int, int, int, bool], CapturedCall] = {}
+        self._graphs: dict[tuple, CapturedCall] = {}  # (batch, tokens/row, context, tree, patch key)
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
         # pinned host inputs per graph, two per shape: with a round in flight (chained rounds) the next
         # round's inputs are staged while the previous copy may not have run yet
@@ -238,7 +238,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
-             patch: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
+             patch: Callable[[torch.Tensor], None] | None = None, patch_key: object = None) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
@@ -255,7 +255,9 @@ class ModelRunner:
                 must only queue device work, and keep every row's writes inside the cache (the
                 host then does not check the room: its lengths are upper bounds). The host-side
                 lengths still grow by ``len(tokens_per_slot[s])``: the caller corrects them once
-                the round is back.
+                the round is back. With CUDA graphs the patch is captured in the step's graph
+                (one launch for both), once per ``patch_key``: patches with the same key must do
+                the same device work (they may be different closures over the same tensors).
 
         Returns:
             ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
@@ -292,7 +294,7 @@ class ModelRunner:
             rows.append(row)
         packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
-            out = self._replay(n, q, attn_len, packed, tree, patch)
+            out = self._replay(n, q, attn_len, packed, tree, patch, patch_key)
         else:
             inputs = packed.to(self.device)
             if patch is not None:
@@ -305,15 +307,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False,
-                patch: Callable[[torch.Tensor], None] | None = None) -> StepOutput:
-        key = (n, q, attn_len, tree)
+                patch: Callable[[torch.Tensor], None] | None = None, patch_key: object = None) -> StepOutput:
+        key = (n, q, attn_len, tree, patch_key if patch is not None else None)
         captured = self._graphs.get(key)
         if captured is None:
-            if patch is not None:  # the warm-up runs write K/V: give them the real inputs
-                packed_dev = packed.to(self.device)
-                patch(packed_dev)
-                packed = packed_dev
-            captured = self._capture(n, q, attn_len, packed)
+            captured = self._capture(n, q, attn_len, packed, patch)
             self._graphs[key] = captured
         # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. Two
         # buffers per shape, used in turn: the one used two steps ago has long been copied.
@@ -330,24 +328,36 @@ class ModelRunner:
             copied.record()
         else:  # the graph bookkeeping run on a CPU (tests)
             captured.inputs[0].copy_(packed)
-        if patch is not None:
-            patch(captured.inputs[0])
         return captured()._replace(inputs=captured.inputs[0])
 
-    def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor) -> "CapturedCall":
+    def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor,
+                 patch: Callable[[torch.Tensor], None] | None = None) -> "CapturedCall":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
-        # warm-up runs and the replay write identical values to identical positions.
+        # warm-up runs and the replay write identical values to identical positions (a patch that
+        # drafts may draft fewer tokens in the second warm-up, which sees its own output; the
+        # replay, from the staged inputs, then writes every position the step owns again).
         log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
         packed = packed.to(self.device)
         k, v = self.cache.k[:, :n], self.cache.v[:, :n]
+
+        def patched(forward):
+            if patch is None:
+                return forward
+
+            def run(p, *args):
+                patch(p)
+                return forward(p, *args)
+            return run
+
         if self._forward_compiled is not None and n == 1:
-            compiled = self._forward_compiled
+            compiled = patched(self._forward_compiled)
             try:
                 return CapturedCall(lambda p: compiled(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
             except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
                 log.warning("torch.compile failed (%s); using the uncompiled forward", exc)
                 self._forward_compiled = None
-        return CapturedCall(lambda p: self._forward(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
+        forward = patched(self._forward)
+        return CapturedCall(lambda p: forward(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
         """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
@@ -356,9 +366,9 @@ class ModelRunner:
         for b in batch_sizes:
             nb = batch_bucket(b, self.cache.num_slots)
             for ctx in contexts:
-                if (nb, tokens_per_row, ctx, False) not in self._graphs:
+                if (nb, tokens_per_row, ctx, False, None) not in self._graphs:
                     packed = torch.zeros((nb, tokens_per_row + 2), dtype=torch.long)  # all rows idle
-                    self._graphs[(nb, tokens_per_row, ctx, False)] = self._capture(nb, tokens_per_row, ctx, packed)
+                    self._graphs[(nb, tokens_per_row, ctx, False, None)] = self._capture(nb, tokens_per_row, ctx, packed)
 
     @torch.inference_mode()
     def measure_step_ms(self, batch_size: int, tokens_per_row: int, context: int, iters: int = 30) -> float:
