@@ -117,9 +117,10 @@ class Engine:
     def chains_rounds(self) -> bool:
         """Rounds are queued one ahead from the target's device state (``Target.launch_chained``):
         target-only decoding, or a drafter that drafts on the device (n-gram), without a draft
-        policy, on a target that keeps its round state on the device. The host then never waits
+        policy or verification logs, on a target that keeps its round state on the device. The host then never waits
         between rounds: it runs round n's stop rules while the device runs n + 1."""
-        drafts_ok = self.drafter is None or self.drafter.drafts_on_device
+        # (verification logs need the host drafter's per-draft features: they keep the host path)
+        drafts_ok = self.drafter is None or (self.drafter.drafts_on_device and self.verification_sink is None)
         return drafts_ok and self.draft_policy is None and self.target.chains_rounds \
             and not (self.runner_config is not None and self.runner_config.taps)
 
