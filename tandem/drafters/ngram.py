@@ -65,14 +65,17 @@ class NgramIndex:
 
 def ngram_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, max_n: int, min_n: int,
                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``NgramIndex.lookup`` for a batch of sequences at once, on their device, with no host sync.
+    """``NgramIndex.lookup`` for a batch of sequences at once, on their device, with no host sync
+    and a fixed number of kernels (about twenty, whatever ``max_n``: it runs inside a CUDA graph).
 
-    Row b's sequence is ``history[b, :last[b] + 1]``. For n from ``max_n`` down to ``min_n`` (and
-    n <= T - 1), the n-gram ending at the last token is matched at every earlier start ``st``
-    (``st + n <= T - 1``, so the suffix never matches itself): ``e_n[st] = (x[st] == x[T - n]) &
-    e_{n-1}[st + 1]``. The longest n with a match wins; of its starts, the most recent one with
-    ``room[b]`` tokens after it (``st <= T - n - room``), else the earliest; the drafts are the
-    tokens after the match, at most ``room[b]`` and at most what the sequence holds.
+    Row b's sequence is ``x = history[b, :last[b] + 1]`` of length T. For every earlier end index
+    ``e <= T - 2`` the match length ``L[e]`` is the number of leading s in ``0 .. max_n - 1`` with
+    ``x[e - s] == x[T - 1 - s]`` (one broadcast compare of end-aligned windows, then a cumulative
+    product), capped where the window runs off the start. The longest n in ``[min_n, max_n]`` that
+    some e reaches wins; of its matches (start ``st = e - n + 1``), the most recent one with
+    ``room[b]`` tokens after it (``st <= T - n - room``, i.e. ``e <= T - 1 - room``), else the
+    earliest; the drafts are the tokens after the match, at most ``room[b]`` and at most what the
+    sequence holds.
 
     Args:
         history: ``[B, C]`` int64 token ids (entries past ``last`` are ignored).
@@ -87,29 +90,27 @@ def ngram_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, 
     B, C = history.shape
     dev = history.device
     T = last + 1
-    cols = torch.arange(C, device=dev)
-    pad = torch.full((B, 1), -1, dtype=history.dtype, device=dev)
-    eq = torch.ones(B, C, dtype=torch.bool, device=dev)  # e_0: the empty gram matches everywhere
-    best_start = torch.zeros(B, dtype=torch.int64, device=dev)
-    best_n = torch.zeros(B, dtype=torch.int64, device=dev)
-    big = torch.full((B, C), C, dtype=torch.int64, device=dev)
-    for n in range(1, max_n + 1):
-        ref = history.gather(1, (T - n).clamp(min=0)[:, None])  # [B, 1]: x[T - n]
-        eq = (history == ref) & torch.cat([eq[:, 1:], pad >= 0], dim=1)  # e_n[st] = x[st] == x[T-n] & e_{n-1}[st+1]
-        if n < min_n:
-            continue
-        hit = eq & (cols[None, :] + n <= (T - 1)[:, None]) & (n <= T - 1)[:, None]
-        recent = hit & (cols[None, :] <= (T - n - room)[:, None])
-        latest = torch.where(recent, cols[None, :], torch.full_like(big, -1)).amax(1)
-        earliest = torch.where(hit, cols[None, :], big).amin(1)
-        start = torch.where(latest >= 0, latest, earliest)
-        found = hit.any(1)
-        best_start = torch.where(found, start + n, best_start)  # longer n overwrite shorter ones
-        best_n = torch.where(found, torch.full_like(best_n, n), best_n)
+    s = torch.arange(max_n, device=dev)
+    e = torch.arange(C, device=dev)
+    # windows[b, e, s] = x[e - s] (-1 before the start); suffix[b, s] = x[T - 1 - s] (-2 before it)
+    padded = torch.cat([torch.full((B, max_n), -1, dtype=history.dtype, device=dev), history], dim=1)
+    windows = padded.unfold(1, max_n, 1)[:, 1:].flip(-1)  # [B, C, max_n]
+    at = T[:, None] - 1 - s[None, :]
+    suffix = torch.where(at >= 0, history.gather(1, at.clamp(min=0)), torch.full_like(at, -2))
+    length = (windows == suffix[:, None, :]).to(torch.int64).cumprod(-1).sum(-1)  # [B, C]
+    length = torch.where(e[None, :] <= (T - 2)[:, None], length, torch.zeros_like(length))
+    length = torch.where(length >= min_n, length, torch.zeros_like(length))
+    n = length.amax(1)  # [B]: the longest recurring suffix (0: none)
+    hit = (length >= n[:, None]) & (n[:, None] > 0)
+    big = torch.full_like(length, C)
+    recent = torch.where(hit & (e[None, :] <= (T - 1 - room)[:, None]), e[None, :], torch.full_like(length, -1)).amax(1)
+    earliest = torch.where(hit, e[None, :], big).amin(1)
+    end = torch.where(recent >= 0, recent, earliest)
+    first = end + 1  # the continuation starts after the match's end
     j = torch.arange(k, device=dev)
-    lens = torch.where(best_n > 0, torch.minimum(room, T - best_start), torch.zeros_like(room)).clamp(min=0)
-    at = (best_start[:, None] + j[None, :]).clamp(max=C - 1)
-    tokens = torch.where(j[None, :] < lens[:, None], history.gather(1, at), torch.zeros_like(at))
+    lens = torch.where(n > 0, torch.minimum(room, T - first), torch.zeros_like(room)).clamp(min=0)
+    cols = (first[:, None] + j[None, :]).clamp(max=C - 1)
+    tokens = torch.where(j[None, :] < lens[:, None], history.gather(1, cols), torch.zeros_like(cols))
     return tokens, lens
 
 
