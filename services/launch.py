@@ -129,9 +129,9 @@ def _trace_file(config: StackConfig, name: str) -> Path | None:
     return Path(config.trace_dir) / f"{name}.jsonl"
 
 
-def _check_alive(proc: subprocess.Popen, log_path: Path, what: str) -> None:
+def _check_alive(proc: subprocess.Popen, log_path: Path | str, what: str) -> None:
     if proc.poll() is not None:
-        tail = log_path.read_text(errors="replace")[-3000:]
+        tail = Path(log_path).read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{what} exited with status {proc.returncode} during start-up; log tail:\n{tail}")
 
 
