@@ -258,9 +258,10 @@ class RoundState:
         self.prompt_len.index_copy_(0, index, lengths)
         self.max_new.index_copy_(0, index, torch.tensor(max_new, dtype=torch.int64).to(dev))
 
-    def feed(self, inputs: torch.Tensor, drafter=None, k: int = 0) -> None:
+    def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0) -> None:
         """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
-        ``patch``): every row with tokens starts at its slot's device length with its last token;
+        ``patch``; ``attn_len`` bounds every row's length + 1, so the drafter reads only that much
+        of the history): every row with tokens starts at its slot's device length with its last token;
         with a device ``drafter``, its drafts follow, as many as the row's placeholder count
         allows and the draft-room rule (``Engine._draft_room``) gives on the device: no draft past
         the context (``capacity``) or the token limit."""
@@ -275,7 +276,9 @@ class RoundState:
         room = torch.minimum(inputs[:, 1] - 1, torch.minimum(self.capacity - length - 1,
                                                                self.max_new[:n] - num_tokens - 1))
         room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
-        tokens, lens = drafter.device_drafts(self.history[:n], length, room, k)
+        # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
+        last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)
+        tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k)
         inputs[:, 3:3 + k] = tokens
         inputs[:, 1] = torch.where(active, 1 + lens, inputs[:, 1])
 
@@ -432,7 +435,7 @@ class LocalTarget(Target):
         if k and (drafter is None or not drafter.drafts_on_device):
             raise ValueError("chained drafts need a drafter that drafts on the device")
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
-                               patch=lambda inputs: self.state.feed(inputs, drafter, k),
+                               patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k),
                                patch_key=("chained", id(drafter) if drafter is not None else None, k))
         return self._verify_step(items, out, {})
 

@@ -238,7 +238,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
-             patch: Callable[[torch.Tensor], None] | None = None, patch_key: object = None) -> StepOutput:
+             patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
@@ -249,7 +249,8 @@ class ModelRunner:
                 ancestors among the appended ones and is rotated for position ``length + depth``.
                 Slots without an entry are chains. Token j's K/V is stored at ``length + j``.
             patch: called with the step's packed inputs on the device (``[n, 2 + Q (+ tree
-                columns)]`` int64: start, q_len, tokens; see ``_forward_logits``) before the forward
+                columns)]`` int64: start, q_len, tokens; see ``_forward_logits``) and the step's
+                attended context length (>= every row's start + q_len) before the forward
                 runs, to overwrite columns from device state (``tandem.target.RoundState``:
                 chained rounds, whose start positions and tokens the host does not know yet). It
                 must only queue device work, and keep every row's writes inside the cache (the
@@ -298,7 +299,7 @@ class ModelRunner:
         else:
             inputs = packed.to(self.device)
             if patch is not None:
-                patch(inputs)
+                patch(inputs, attn_len)
             out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(inputs=inputs)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
@@ -307,7 +308,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False,
-                patch: Callable[[torch.Tensor], None] | None = None, patch_key: object = None) -> StepOutput:
+                patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None) -> StepOutput:
         key = (n, q, attn_len, tree, patch_key if patch is not None else None)
         captured = self._graphs.get(key)
         if captured is None:
@@ -331,7 +332,7 @@ class ModelRunner:
         return captured()._replace(inputs=captured.inputs[0])
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor,
-                 patch: Callable[[torch.Tensor], None] | None = None) -> "CapturedCall":
+                 patch: Callable[[torch.Tensor, int], None] | None = None) -> "CapturedCall":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
         # warm-up runs and the replay write identical values to identical positions (a patch that
         # drafts may draft fewer tokens in the second warm-up, which sees its own output; the
@@ -345,7 +346,7 @@ class ModelRunner:
                 return forward
 
             def run(p, *args):
-                patch(p)
+                patch(p, attn_len)
                 return forward(p, *args)
             return run
 
