@@ -116,13 +116,16 @@ class Engine:
     @property
     def chains_rounds(self) -> bool:
         """Rounds are queued one ahead from the target's device state (``Target.launch_chained``):
-        target-only decoding, or a drafter that drafts on the device (n-gram), without a draft
-        policy or verification logs, on a target that keeps its round state on the device. The host then never waits
-        between rounds: it runs round n's stop rules while the device runs n + 1."""
+        target-only decoding, or a drafter that drafts on the device (n-gram from the token
+        history, SpecFormer from the verify pass), without a draft policy or verification logs, on
+        a target that keeps its round state on the device. The host then never waits between
+        rounds: it runs round n's stop rules while the device runs n + 1."""
         # (verification logs need the host drafter's per-draft features: they keep the host path)
         drafts_ok = self.drafter is None or (self.drafter.drafts_on_device and self.verification_sink is None)
-        return drafts_ok and self.draft_policy is None and self.target.chains_rounds \
-            and not (self.runner_config is not None and self.runner_config.taps)
+        # tapped states are only read inside the round, by a drafter that drafts from the verify pass
+        taps_ok = not (self.runner_config is not None and self.runner_config.taps) or (
+            self.drafter is not None and self.drafter.drafts_from_verify)
+        return drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
 
     @property
     def _observes(self) -> bool:
@@ -298,6 +301,8 @@ class Engine:
             if self._observes:  # SpecFormer: the prompt's target states seed its context
                 self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], [*r.prompt_ids[1:], res.tokens[0]])
                                       for r, res in zip(reqs, results)])
+                if self.chains_rounds:  # their first drafts, on the device, before their first round
+                    self.target.prime_drafts([r.slot for r in reqs], self.drafter)
             for req, res in zip(reqs, results):
                 outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
                 if not req.finished:
@@ -356,7 +361,7 @@ class Engine:
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
                     raise
-                launched = _Round(reqs, [DraftProposal.empty() for _ in reqs], [], handle, t0)
+                launched = _Round(reqs, [DraftProposal.empty() for _ in reqs], [], handle, t0, chained=True)
                 self._in_flight |= launched.slots
             if previous is None:
                 self._launched = launched
@@ -409,8 +414,9 @@ class Engine:
         live = [i for i, r in enumerate(rnd.reqs) if r.slot is not None and not r.finished]
         for i in live:
             rnd.reqs[i].pending = rnd.results[i].tokens
+        # (a chained round's drafter read the verify pass on the device: nothing to observe here)
         observed = [TargetStates(rnd.reqs[i].slot, rnd.held[i], rnd.results[i].extras["taps"], rnd.results[i].tokens)
-                    for i in live] if self._observes else []
+                    for i in live] if self._observes and not rnd.chained else []
         if observed:  # the drafter reads the verify pass's states (SpecFormer): its own span in traces
             with span("observe", batch_size=len(observed), drafter=self.drafter.name):
                 self.drafter.observe(observed)

@@ -122,6 +122,7 @@ class _Round:
     t0: float
     results: list[TargetResult] | None = None
     wall_s: float = 0.0  # launch (or the previous round's collect, if later) to collect
+    chained: bool = False  # queued from the device round state (Target.launch_chained)
 
     def __post_init__(self) -> None:
         self.slots = frozenset(r.slot for r in self.reqs)  # the KV slots it runs on

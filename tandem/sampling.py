@@ -127,6 +127,11 @@ SEED_BITS = 63  # seeds are integers in [0, 2**63)
 # Streams of uniforms at one sequence position (each used at most once per position).
 STREAM_ACCEPT = 0  # the accept test of the draft token at the position
 STREAM_SAMPLE = 1  # drawing the token at the position (target-only, correction or bonus)
+# drawing a device drafter's draft token for the position (SpecFormer in chained rounds). A
+# position may be drafted again in a later round with another q, reusing the number: that is safe
+# because a draft is only ever examined once (a rejection decides the position for good) and a
+# draft that was never examined influenced nothing.
+STREAM_DRAFT = 2
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -158,7 +163,7 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
     Args:
         seed: ``[B]`` int64 in ``[0, 2**63)``.
         position: ``[B, ...]`` int64 sequence positions (``>= 0``, ``< 2**32``).
-        stream: which draw at that position (``STREAM_ACCEPT`` or ``STREAM_SAMPLE``).
+        stream: which draw at that position (``STREAM_ACCEPT``, ``STREAM_SAMPLE`` or ``STREAM_DRAFT``).
 
     Returns:
         float32 tensor shaped like ``position``.

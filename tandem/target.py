@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .drafters.base import DraftProposal
+from .drafters.base import DraftProposal, VerifiedStep
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig
 from .models.weights import Checkpoint
@@ -175,6 +175,10 @@ class Target(ABC):
             NotImplementedError: this target does not keep device round state.
         """
         raise NotImplementedError(f"{type(self).__name__} does not chain rounds on its device")
+
+    def prime_drafts(self, slots: list[int], drafter) -> None:
+        """Let a drafter that drafts from the verify pass make the first drafts of just-prefilled
+        ``slots`` on the target's device (chaining targets; a no-op elsewhere)."""
 
 
 class SlotSampling:
@@ -424,12 +428,17 @@ class LocalTarget(Target):
         the results' copy, as ``launch_verify``. Any number of chained rounds may be in flight;
         ``collect`` them in launch order.
 
+        A drafter that drafts from the verify pass (``Drafter.drafts_from_verify``: SpecFormer)
+        reads the step's tapped states on the device after verification
+        (``Drafter.device_after_verify``) and leaves the next round's drafts there; its sampled
+        drafts' q comes from ``Drafter.device_draft_probs``.
+
         Raises:
-            ValueError: the runner taps hidden states (a tapping drafter reads them at collect, and
-                the next round's forward would have overwritten them); drafts asked for without a
-                device drafter.
+            ValueError: the runner taps hidden states for a drafter that does not read them inside
+                the round (the next round's forward would overwrite them before collect); drafts
+                asked for without a device drafter.
         """
-        if self.runner.config.taps:
+        if self.runner.config.taps and (drafter is None or not drafter.drafts_from_verify):
             raise ValueError("chained rounds do not return tapped states")
         k = max(it.max_draft for it in items)
         if k and (drafter is None or not drafter.drafts_on_device):
@@ -437,10 +446,23 @@ class LocalTarget(Target):
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
                                patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k),
                                patch_key=("chained", id(drafter) if drafter is not None else None, k))
-        return self._verify_step(items, out, {})
+        return self._verify_step(items, out, {}, drafter)
 
-    def _verify_step(self, items: list, out, trees: dict[int, list[int]]) -> "_LaunchedVerify":
-        """Verification of a queued step, the device round state's update and the results' copy."""
+    def prime_drafts(self, slots: list[int], drafter) -> None:
+        """After ``prefill`` of ``slots`` and the drafter's ``observe`` of it: a drafter that drafts
+        from the verify pass makes those slots' first drafts on the device
+        (``SpecFormerDrafter.device_prime``), so their first chained round verifies drafts."""
+        if not slots or not drafter.drafts_from_verify:
+            return
+        n = max(slots) + 1
+        keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
+        keep[torch.tensor(slots, dtype=torch.int64).to(keep.device)] = True
+        drafter.device_prime(keep, self.state, self.sampling.rows(n, slots),
+                             max(self.cache.lengths[s] for s in slots) + 1)
+
+    def _verify_step(self, items: list, out, trees: dict[int, list[int]], drafter=None) -> "_LaunchedVerify":
+        """Verification of a queued step, the device round state's update, a verify-pass drafter's
+        device work (chained rounds) and the results' copy."""
         slots = [it.slot for it in items]
         for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
             self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
@@ -455,10 +477,16 @@ class LocalTarget(Target):
             chain[torch.tensor(sorted(trees), dtype=torch.int64).to(inputs.device)] = False
             draft_lens = draft_lens * chain
         sampling = self.sampling.rows(n, slots)
-        chain_items = [it for it in items if isinstance(it, VerifyItem) and it.slot not in trees]
-        res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling,
-                            self._draft_probs(chain_items, n, Q - 1, draft_tokens))
+        if drafter is not None:  # a chained round: the drafter's q is on the device already
+            q = drafter.device_draft_probs(n, Q - 1) if sampling.any_sampled else None
+        else:
+            q = self._draft_probs([it for it in items if isinstance(it, VerifyItem) and it.slot not in trees],
+                                  n, Q - 1, draft_tokens)
+        res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling, q)
         self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        if drafter is not None and drafter.drafts_from_verify:
+            drafter.device_after_verify(VerifiedStep(inputs[:, 0], out.taps, res.num_accepted, res.tokens,
+                                                     chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
         packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1).double()
         if any(it.return_logprobs for it in items):  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
@@ -496,7 +524,8 @@ class LocalTarget(Target):
         kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
                 for r in results]  # step rows whose tokens stay in the cache
         taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
-        if out.taps is not None:  # one gather for every sequence
+        if out.taps is not None and not isinstance(items[0], ChainedItem):  # one gather for every sequence
+            # (a chained round's taps were read on the device, and a later round may have overwritten them)
             gathered = out.taps[torch.tensor([s for s, rows in zip(slots, kept) for _ in rows]),
                                 torch.tensor([r for rows in kept for r in rows])]
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]

@@ -219,3 +219,78 @@ def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch):
     assert engine.stats.num_accepted > 0
     assert made and len(made) == len(engine.runner._graphs)
     assert all(key[4] is not None for key in engine.runner._graphs)  # every decode step ran chained
+
+
+# ----------------------------------------------------------------------------- SpecFormer in the round
+
+
+def _specformer_engine(target_dir: str, chained: bool, variant: str = "lookup", slots: int = 4) -> Engine:
+    from test_specformer import VARIANTS, _random_head
+
+    from tandem.drafters.specformer import SpecFormerDrafter
+    from tandem.models.weights import load_checkpoint
+
+    ck = load_checkpoint(target_dir)
+    engine = Engine(ck, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=128),
+                    drafter=SpecFormerDrafter(_random_head(ck.config, **VARIANTS[variant])), num_draft_tokens=4)
+    if not chained:
+        engine.target.chains_rounds = False
+    assert engine.chains_rounds is chained
+    return engine
+
+
+@pytest.mark.parametrize("variant", ["paper", "lookup"])
+def test_chained_specformer_drafts_what_the_host_path_drafts(target_dir, real_tokenizer, variant):
+    """A chained SpecFormer round runs the head's context layers and draft part on the device after
+    verification (``device_after_verify``) and primes a new slot's drafts after its prefill: greedy
+    requests get the same tokens, text, stop cuts and logprobs as the host path (observe, then
+    propose), and the same drafts are verified (equal drafted and accepted counts, in float32)."""
+    prompts = PROMPTS
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 1, 30, 20, 12, 40, 9)]
+    params[3] = SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True)
+    host = _specformer_engine(target_dir, chained=False, variant=variant)
+    want, _ = _run(host, prompts, params)
+    engine = _specformer_engine(target_dir, chained=True, variant=variant)
+    got, overlapped = _run(engine, prompts, params)
+    assert host.stats.num_drafted > 50
+    assert (engine.stats.num_drafted, engine.stats.num_accepted) == (host.stats.num_drafted, host.stats.num_accepted)
+    assert overlapped > 5
+    for (g, gs), (w, _), p in zip(got, want, prompts):
+        assert g[:3] == w[:3], p
+        assert g[3] == pytest.approx(w[3], abs=1e-5)
+        assert gs == g[0]
+    assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
+
+
+def test_chained_specformer_sampled_requests_draw_their_drafts_on_the_device(target_dir):
+    """Sampled requests in chained SpecFormer rounds draft from q on the device (``STREAM_DRAFT``)
+    and are verified against that q: drafts are accepted, a seeded request gives the same tokens
+    alone and in a batch with others, and greedy neighbours keep the target's own output."""
+    seeded = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = _specformer_engine(target_dir, chained=True).generate([PROMPTS[0]], seeded)[0].token_ids
+    engine = _specformer_engine(target_dir, chained=True)
+    outs = engine.generate(PROMPTS[:4], [seeded, greedy, SamplingParams(max_tokens=25, temperature=1.2, seed=9), greedy])
+    assert outs[0].token_ids == alone
+    base = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
+    want = base.generate([PROMPTS[1], PROMPTS[3]], greedy)
+    assert [outs[1].token_ids, outs[3].token_ids] == [w.token_ids for w in want]
+    assert engine.stats.num_drafted > 0 and engine.drafter._draft_q is not None
+
+
+def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
+    """The head's per-round device work goes through its captured-call path (one per batch bucket,
+    tokens per row, context and sampling flags; capture stood in by eager calls on the CPU): the
+    same tokens and drafts as without it."""
+    import tandem.drafters.specformer as sf
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = _specformer_engine(target_dir, chained=True)
+    want = [c.token_ids for c in plain.generate(PROMPTS[:3], params)]
+    engine = _specformer_engine(target_dir, chained=True)
+    engine.drafter._static = True
+    real = sf.CapturedCall
+    monkeypatch.setattr(sf, "CapturedCall", lambda fn, inputs, capture=True, pool=None: real(fn, inputs, capture=False))
+    assert [c.token_ids for c in engine.generate(PROMPTS[:3], params)] == want
+    assert engine.stats.num_drafted == plain.stats.num_drafted
+    assert any(key[0] == "chained" for key in engine.drafter._captured)

@@ -216,6 +216,7 @@ def test_drafts_from_verify_pass_match_full_recompute(tiny_ck, tiny_target, vari
     head = _random_head(tiny_ck.config, **VARIANTS[variant])
     drafter = Oracle(head)
     engine = Engine(tiny_ck, cfg, drafter=drafter)
+    engine.target.chains_rounds = False  # the host-drafted path (observe, then propose) is what this checks
     prompt_ids = engine.make_request(PROMPTS[0], SamplingParams(max_tokens=20)).prompt_ids
     calls = []
     step = engine.runner.step
@@ -257,6 +258,7 @@ def test_static_buffer_rounds_match_full_recompute(tiny_ck, tiny_target, variant
     head = _random_head(tiny_ck.config, **VARIANTS[variant])
     drafter = SpecFormerDrafter(head)
     engine = Engine(tiny_ck, cfg, drafter=drafter)
+    engine.target.chains_rounds = False  # the host-drafted path (observe, then propose) is what this checks
     drafter._static = True  # the graph path's buffers and padding, without capture (CPU)
     rids = [engine.add_request(p, params) for p in PROMPTS[:3]]
     for _ in range(4):
@@ -318,6 +320,7 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
 
     drafter = Oracle(_random_head(tiny_ck.config, **VARIANTS[variant]))
     engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=4)
+    engine.target.chains_rounds = False  # the host-drafted path (observe, then propose) is what this checks
     drafter._static = True
     twin = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS[variant]))
     twin.bind(engine.runner)
@@ -397,6 +400,7 @@ def test_engine_traces_the_drafters_observe_phase(tiny_ck, tmp_path, monkeypatch
     monkeypatch.setattr(tandem.telemetry, "_tracer", provider.get_tracer("test"))
     engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128),
                     drafter=SpecFormerDrafter(_random_head(tiny_ck.config)), num_draft_tokens=2)
+    engine.target.chains_rounds = False  # host-drafted rounds have an observe phase (chained ones draft in the round)
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))
     provider.shutdown()
     report = build_report(read_spans(tmp_path / "t.jsonl"))
@@ -806,8 +810,9 @@ def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):
 
 
 def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
-    """`TANDEM_TRACE_FILE` works for in-process commands too: a SpecFormer run's rounds split into
-    draft, verify and observe in `tandem trace-report`."""
+    """`TANDEM_TRACE_FILE` works for in-process commands too: a SpecFormer run's rounds and their
+    verify phase (chained rounds: the head drafts inside it, so there is no separate observe
+    phase) in `tandem trace-report`."""
     import os
     import subprocess
     import sys
@@ -822,7 +827,8 @@ def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
     res = CliRunner().invoke(main, ["trace-report", str(trace), "--json"])
     assert res.exit_code == 0, res.output
     phases = json.loads(res.stdout)["phases"]
-    assert phases["round"]["count"] > 0 and phases["observe"]["count"] > 0 and phases["verify"]["count"] > 0
+    assert phases["round"]["count"] > 0 and phases["verify"]["count"] == phases["round"]["count"]
+    assert phases.get("observe", {}).get("count", 0) == 0
     bad = subprocess.run([sys.executable, "-m", "tandem", "generate", "--prompt", "hi", "--model", model,
                           "--device", "cpu", "--max-tokens", "2"], env=dict(env, TANDEM_TRACE_FILE=str(tmp_path)),
                          capture_output=True, text=True, timeout=300)
@@ -881,11 +887,13 @@ def test_head_for_another_target_is_refused(trained, small_vocab_checkpoint):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("variant", ["bonus", "next-token", "lookup"])
-def test_specformer_cuda_graphs_lossless(tiny_ck, variant):
-    """On the GPU the taps come out of captured CUDA graphs and the head's observe and draft
-    replay graphs of their own; greedy output stays identical, and the drafts (hence the
-    accepted counts) equal those of the same head run eagerly."""
+def test_specformer_cuda_graphs_lossless(tiny_ck, variant, chained):
+    """On the GPU the taps come out of captured CUDA graphs and the head's work replays graphs of
+    its own (observe and draft on the host-drafted path; its in-round work on the chained path);
+    greedy output stays identical, and the drafts (hence the accepted counts) equal those of the
+    same head run eagerly."""
     cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=128, cuda_graphs=True)
     head = _random_head(tiny_ck.config, **VARIANTS[variant])
     drafter = SpecFormerDrafter(head)
@@ -893,11 +901,15 @@ def test_specformer_cuda_graphs_lossless(tiny_ck, variant):
     eager = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS[variant]))
     eager_engine = Engine(tiny_ck, cfg, drafter=eager, num_draft_tokens=4)
     eager._static = False
+    if not chained:
+        engine.target.chains_rounds = eager_engine.target.chains_rounds = False
+    assert engine.chains_rounds is chained and eager_engine.chains_rounds is chained
     ref = Engine(tiny_ck, cfg)
     params = SamplingParams(max_tokens=24)
     got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert engine.stats.num_drafted > 0 and {k[0] for k in drafter._captured} == {"observe", "draft"}
+    assert engine.stats.num_drafted > 0
+    assert {k[0] for k in drafter._captured} == ({"chained"} if chained else {"observe", "draft"})
     eager_engine.generate(PROMPTS[:6], params)
     assert (eager_engine.stats.num_drafted, eager_engine.stats.num_accepted) == \
         (engine.stats.num_drafted, engine.stats.num_accepted)

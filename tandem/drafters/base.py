@@ -248,6 +248,33 @@ class TargetStates:
         return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
 
 
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A chained round's verification, on the device, for drafters that draft from the verify pass
+    (``Drafter.drafts_from_verify``); row = KV slot, rows ``0 .. n-1`` of the step's batch bucket.
+
+    Attributes:
+        start: ``[n]`` int64, tokens each slot's cache held before the round.
+        taps: ``[n, Q, len(taps), d]`` the step's tapped target states (row j: the j-th input).
+        num_accepted: ``[n]`` int64 accepted drafts.
+        tokens: ``[n, Q]`` int64 emitted tokens (the first ``num_accepted + 1``: row j's next token).
+        keep: ``[n]`` bool, the rows that ran this round (others are idle rows of the bucket).
+        attn_len: the step's attended context length (>= every kept row's new length + 1).
+        state: the target's round state after the round (``tandem.target.RoundState``: ``length``,
+            ``last``, ``history``), updated already.
+        sampling: rows ``0 .. n-1``'s settings (``tandem.verify.RowSampling``).
+    """
+
+    start: torch.Tensor
+    taps: torch.Tensor
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    keep: torch.Tensor
+    attn_len: int
+    state: object
+    sampling: object
+
+
 # ``keep_drafting(slots, features) -> [bool]``: called with the ``[n, NUM_FEATURES]`` features of
 # the position just drafted for the sequences in ``slots``; False = stop drafting that sequence.
 KeepDrafting = Callable[[list[int], torch.Tensor], list[bool]]
@@ -261,9 +288,12 @@ class Drafter(ABC):
     # that only see token ids. Non-empty: the engine taps the target, calls ``bind`` once and
     # ``observe`` after every prefill and verification.
     target_taps: tuple[int, ...] = ()
-    # Drafts from the target's token history on the device (``device_drafts``): the engine then
-    # queues each round before the previous one is back (chained rounds) and never calls propose.
+    # Drafts on the device (``device_drafts``): the engine then queues each round before the
+    # previous one is back (chained rounds) and never calls propose.
     drafts_on_device: bool = False
+    # Its device drafts come from the verify pass itself (SpecFormer): ``device_after_verify`` runs
+    # in every chained round, after verification, and leaves the next round's drafts on the device.
+    drafts_from_verify: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
@@ -295,6 +325,16 @@ class Drafter(ABC):
             ``(tokens [B, k] int64, lens [B] int64)``, deterministic drafts (q one-hot).
         """
         raise NotImplementedError(f"the {self.name} drafter does not draft on the device")
+
+    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
+        """``[n, k, V]`` float32 q that rows ``0 .. n-1``'s device drafts were drawn from (for
+        speculative sampling), or None when they are deterministic (q one-hot: the default)."""
+        return None
+
+    def device_after_verify(self, step: VerifiedStep) -> None:
+        """Device work after a chained round's verification (``drafts_from_verify`` drafters):
+        read the verify pass, update the drafter's state and leave the next round's drafts where
+        ``device_drafts`` finds them. Queues device work only. The default does nothing."""
 
     def bind(self, runner) -> None:
         """Attach to the in-process target ``ModelRunner`` (drafters with ``target_taps`` only)."""

@@ -17,12 +17,15 @@ The rule, for a sequence ``x[0..i]`` whose last index is ``i``:
 ``lookup_continuations`` computes every index of whole sequences at once (training, replay; a batch
 of rows in one vectorised pass);
 ``LookupIndex`` keeps one growing sequence and answers for its end in O(max_n) dictionary probes
-(serving). Both give the same answer (tested).
+(serving, host-drafted rounds); ``lookup_drafts`` answers for the end of every row of a batch on
+the device, inside a CUDA graph (chained rounds). All three give the same answer (tested).
+``suffix_match_lengths`` is the device core it shares with the n-gram drafter's ``ngram_drafts``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 MAX_N = 4  # longest n-gram matched
 
@@ -114,3 +117,60 @@ class LookupIndex:
                 period = i - e
                 return [toks[e + 1 + j % period] for j in range(k)], n
         return [], 0
+
+
+def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) -> torch.Tensor:
+    """For each row's sequence ``x = history[b, :last[b] + 1]`` (T tokens) and every earlier end
+    index ``e <= T - 2``, how many of its last tokens match the sequence's suffix: the number of
+    leading ``s`` in ``0 .. max_n - 1`` with ``x[e - s] == x[T - 1 - s]``, capped where the window
+    runs off the start. One broadcast compare of end-aligned windows and a cumulative product: a
+    fixed number of kernels whatever ``max_n`` (it runs inside CUDA graphs).
+
+    Args:
+        history: ``[B, C]`` int64 token ids >= 0 (entries past ``last`` are ignored).
+        last: ``[B]`` int64 index of each row's last token, in ``[0, C)``.
+        max_n: longest match counted (>= 1).
+
+    Returns:
+        ``[B, C]`` int64 match lengths in ``[0, max_n]``; 0 for ``e > T - 2``.
+    """
+    B, C = history.shape
+    dev = history.device
+    T = last + 1
+    s = torch.arange(max_n, device=dev)
+    e = torch.arange(C, device=dev)
+    # windows[b, e, s] = x[e - s] (-1 before the start); suffix[b, s] = x[T - 1 - s] (-2 before it)
+    padded = torch.cat([torch.full((B, max_n), -1, dtype=history.dtype, device=dev), history], dim=1)
+    windows = padded.unfold(1, max_n, 1)[:, 1:].flip(-1)  # [B, C, max_n]
+    at = T[:, None] - 1 - s[None, :]
+    suffix = torch.where(at >= 0, history.gather(1, at.clamp(min=0)), torch.full_like(at, -2))
+    length = (windows == suffix[:, None, :]).to(torch.int64).cumprod(-1).sum(-1)  # [B, C]
+    return torch.where(e[None, :] <= (T - 2)[:, None], length, torch.zeros_like(length))
+
+
+def lookup_drafts(history: torch.Tensor, last: torch.Tensor, k: int, max_n: int = MAX_N
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LookupIndex.lookup`` for the end of every row of a batch at once, on the device (no host
+    sync; the module docstring's rule).
+
+    Args:
+        history: ``[B, C]`` int64, row b's sequence is ``history[b, :last[b] + 1]``.
+        last: ``[B]`` int64 index of each row's last token.
+        k: continuation tokens per row.
+        max_n: longest n-gram matched.
+
+    Returns:
+        ``cont`` ``[B, k]`` int64 (-1 where nothing recurs) and ``match`` ``[B]`` int64 (the match
+        length, 0 for none).
+    """
+    C = history.shape[1]
+    e = torch.arange(C, device=history.device)
+    length = suffix_match_lengths(history, last, max_n)
+    match = length.amax(1)  # the longest recurring suffix
+    hit = (length >= match[:, None]) & (match[:, None] > 0)
+    end = torch.where(hit, e[None, :], torch.full_like(length, -1)).amax(1)  # its most recent earlier end
+    period = (last - end).clamp(min=1)
+    j = torch.arange(k, device=history.device)
+    cols = (end[:, None] + 1 + j[None, :] % period[:, None]).clamp(0, C - 1)
+    cont = torch.where(match[:, None] > 0, history.gather(1, cols), torch.full_like(cols, -1))
+    return cont, match

@@ -17,6 +17,7 @@ from bisect import bisect_right
 import torch
 
 from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, one_hot_features, synced_index
+from .lookup import suffix_match_lengths
 
 
 class NgramIndex:
@@ -69,10 +70,9 @@ def ngram_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, 
     and a fixed number of kernels (about twenty, whatever ``max_n``: it runs inside a CUDA graph).
 
     Row b's sequence is ``x = history[b, :last[b] + 1]`` of length T. For every earlier end index
-    ``e <= T - 2`` the match length ``L[e]`` is the number of leading s in ``0 .. max_n - 1`` with
-    ``x[e - s] == x[T - 1 - s]`` (one broadcast compare of end-aligned windows, then a cumulative
-    product), capped where the window runs off the start. The longest n in ``[min_n, max_n]`` that
-    some e reaches wins; of its matches (start ``st = e - n + 1``), the most recent one with
+    ``e <= T - 2`` the match length ``L[e]`` is how many of the tokens ending at e match the
+    sequence's suffix (``tandem.drafters.lookup.suffix_match_lengths``). The longest n in
+    ``[min_n, max_n]`` that some e reaches wins; of its matches (start ``st = e - n + 1``), the most recent one with
     ``room[b]`` tokens after it (``st <= T - n - room``, i.e. ``e <= T - 1 - room``), else the
     earliest; the drafts are the tokens after the match, at most ``room[b]`` and at most what the
     sequence holds.
@@ -90,15 +90,8 @@ def ngram_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, 
     B, C = history.shape
     dev = history.device
     T = last + 1
-    s = torch.arange(max_n, device=dev)
     e = torch.arange(C, device=dev)
-    # windows[b, e, s] = x[e - s] (-1 before the start); suffix[b, s] = x[T - 1 - s] (-2 before it)
-    padded = torch.cat([torch.full((B, max_n), -1, dtype=history.dtype, device=dev), history], dim=1)
-    windows = padded.unfold(1, max_n, 1)[:, 1:].flip(-1)  # [B, C, max_n]
-    at = T[:, None] - 1 - s[None, :]
-    suffix = torch.where(at >= 0, history.gather(1, at.clamp(min=0)), torch.full_like(at, -2))
-    length = (windows == suffix[:, None, :]).to(torch.int64).cumprod(-1).sum(-1)  # [B, C]
-    length = torch.where(e[None, :] <= (T - 2)[:, None], length, torch.zeros_like(length))
+    length = suffix_match_lengths(history, last, max_n)  # [B, C]
     length = torch.where(length >= min_n, length, torch.zeros_like(length))
     n = length.amax(1)  # [B]: the longest recurring suffix (0: none)
     hit = (length >= n[:, None]) & (n[:, None] > 0)

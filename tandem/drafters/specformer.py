@@ -49,9 +49,10 @@ from ..models.config import ModelConfig, ModelLoadError
 from ..models.rope import apply_rope
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transformer import RMSNorm
-from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, make_readable,
-                   synced_index, weights_file)
-from .lookup import MAX_N, LookupIndex
+from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
+from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep, draft_rows,
+                   make_readable, synced_index, weights_file)
+from .lookup import MAX_N, LookupIndex, lookup_drafts
 
 FORMAT = "tandem-specformer-v1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -540,6 +541,14 @@ class _Pending:
 class SpecFormerDrafter(Drafter):
     """Drafts from the verify pass: the engine taps the target and calls ``observe``.
 
+    Two paths, one head. Host-drafted rounds (a draft policy, verification logs): ``observe``
+    after each round, then ``propose``. Chained rounds (``drafts_from_verify``): after each
+    verification the round itself runs the head's context layers over the kept positions and its
+    draft part, on the device (``device_after_verify``; one CUDA graph per shape), and leaves each
+    slot's next drafts — and, for sampled requests, the q they were drawn from — in device buffers
+    that the next round reads (``device_drafts``, ``device_draft_probs``). A slot's first chained
+    round after its prefill drafts nothing (its drafts are made by that round).
+
     Args:
         head: a trained ``SpecFormerHead``.
         top_m: candidates kept per position for hard-position branching.
@@ -548,6 +557,8 @@ class SpecFormerDrafter(Drafter):
     """
 
     name = "specformer"
+    drafts_on_device = True
+    drafts_from_verify = True
 
     def __init__(self, head: SpecFormerHead, top_m: int = 4) -> None:
         self.head = head.eval()
@@ -585,6 +596,12 @@ class SpecFormerDrafter(Drafter):
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self._num_slots = runner.cache.num_slots
+        # chained rounds' device state per slot: the context state at the last kept position, the
+        # next round's drafts and (sampled requests) their q, allocated by the first sampled round
+        self._state = torch.zeros((self._num_slots, cfg.hidden_size), device=dev, dtype=dtype)
+        self._draft_tokens = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.long, device=dev)
+        self._draft_lens = torch.zeros(self._num_slots, dtype=torch.long, device=dev)
+        self._draft_q: torch.Tensor | None = None
         # with the runner's CUDA graphs, the head's decode-round observe and draft replay graphs too
         # (static buffers per batch bucket and context bucket): at batch 1 a round is otherwise
         # hundreds of kernel launches around one graph replay (docs/benchmarks.md, Pass 8 and 9)
@@ -661,6 +678,10 @@ class SpecFormerDrafter(Drafter):
             last = self._observe_rows(x, packed[:n, :3 + x.shape[1]].to(dev), attn_len)
         for i, (s, m) in enumerate(zip(states, lens)):
             self.pending[s.slot] = _Pending(s.start + m, last[i], s.next_token)
+        # chained rounds start from here: these slots' device drafts are stale until their next round
+        index = torch.tensor([s.slot for s in states], dtype=torch.long).to(dev)
+        self._state[index] = last.to(self._state.dtype)
+        self._draft_lens[index] = 0
 
     def _observe_rows(self, x: torch.Tensor, packed: torch.Tensor, attn_len: int) -> torch.Tensor:
         """The context sub-layers over new target positions, writing their K/V into the head's cache.
@@ -697,6 +718,114 @@ class SpecFormerDrafter(Drafter):
                                                  enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
         return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]  # the last accepted position
+
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the previous chained round left for rows ``0 .. B-1`` (``history`` and
+        ``last`` are not read: the head drafted from the verify pass), at most ``room`` each."""
+        n = room.shape[0]
+        ld = self.head.config.num_draft_tokens
+        lens = torch.minimum(room, self._draft_lens[:n])
+        tokens = self._draft_tokens[:n, :k]
+        if k > ld:
+            tokens = torch.cat([tokens, tokens.new_zeros(n, k - ld)], dim=1)
+        return tokens, lens
+
+    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
+        """``[n, k, V]`` q of the device drafts of rows ``0 .. n-1`` (rows of greedy requests are
+        not read); None before any sampled request drafted (every draft so far is an argmax)."""
+        q = self._draft_q
+        if q is None:
+            return None
+        q = q[:n, :k]
+        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+
+    @torch.inference_mode()
+    @sdpa_kernel(SERVING_SDPA)
+    def device_after_verify(self, step: VerifiedStep) -> None:
+        """The head's work inside a chained round (the paper's design: the drafts come out of the
+        pass that verifies): its context layers over each kept row's accepted positions (K/V into
+        its cache, as ``observe``), then its draft part after the new last token, with the lookup
+        continuation from the target's device history (``lookup_drafts``); greedy requests draft
+        the argmax, sampled ones draw from q (the request's sampling transform of the draft
+        logits) with ``counter_uniform(seed, position, STREAM_DRAFT)``. On CUDA one graph per
+        (batch bucket, tokens per row, context, sampling flags)."""
+        if self._target is None:
+            raise RuntimeError("SpecFormerDrafter.device_after_verify before bind()")
+        n, Q = step.tokens.shape
+        sampling = step.sampling
+        self._ensure_q(sampling)
+        values = (step.start, step.taps, step.num_accepted, step.tokens, step.keep)
+
+        def run(start, taps, num_accepted, tokens, keep):
+            self._chained_rows(start, taps, num_accepted, tokens, keep, step.attn_len, step.state, sampling)
+
+        if self._static:
+            key = ("chained", n, Q, step.attn_len, sampling.any_sampled, sampling.filtered)
+
+            def fill(inputs):
+                for buf, v in zip(inputs, values):
+                    buf.copy_(v)
+
+            self._replay(key, run, lambda: tuple(torch.empty_like(v) for v in values), fill)
+            if self._static:  # else the capture failed (logged): from now on the head runs eagerly
+                return
+        run(*values)
+
+    def _chained_rows(self, start: torch.Tensor, taps: torch.Tensor, num_accepted: torch.Tensor,
+                      tokens: torch.Tensor, keep: torch.Tensor, attn_len: int, state, sampling) -> None:
+        """``device_after_verify``'s device work (see ``VerifiedStep`` for the arguments)."""
+        n = tokens.shape[0]
+        dev = tokens.device
+        q_lens = torch.where(keep, num_accepted + 1, torch.zeros_like(num_accepted))
+        packed = torch.cat([start[:, None], q_lens[:, None], torch.arange(n, device=dev)[:, None], tokens], dim=1)
+        h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len)  # [n, d] at the last kept position
+        self._state[:n] = torch.where(keep[:, None], h, self._state[:n])
+        self._draft_next(keep, state, sampling, attn_len + 1)
+
+    @torch.inference_mode()
+    def device_prime(self, keep: torch.Tensor, state, sampling, width: int) -> None:
+        """Drafts for slots just prefilled (``keep`` ``[n]`` bool over rows ``0 .. n-1``), from the
+        context states ``observe`` left, so their first chained round already verifies drafts.
+        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length."""
+        self._ensure_q(sampling)
+        self._draft_next(keep, state, sampling, width)
+
+    def _ensure_q(self, sampling) -> None:
+        """The q buffer, made when the first sampled request drafts (outside any graph capture)."""
+        if sampling.any_sampled and self._draft_q is None:
+            cfg = self.head.config
+            self._draft_q = torch.zeros((self._num_slots, cfg.num_draft_tokens, cfg.vocab_size),
+                                        dtype=torch.float32, device=self.k_cache.device)
+
+    def _draft_next(self, keep: torch.Tensor, state, sampling, width: int) -> None:
+        """The next round's drafts (and q) of the kept rows, from their context states and the
+        lookup continuation of ``state.history[:, :width]``."""
+        cfg = self.head.config
+        n = keep.shape[0]
+        ld = cfg.num_draft_tokens
+        dev = keep.device
+        ctx = self._state[:n]
+        length = state.length[:n]  # the new last token sits at history[length]
+        last = torch.where(keep, length, torch.zeros_like(length)).clamp(max=width - 1)
+        if cfg.lookup_tokens:
+            cont, match = lookup_drafts(state.history[:n, :width], last, ld)
+        else:
+            cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
+        ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
+        logits = self._draft_rows(ctx, ids).float()  # [n, ld, V]
+        drafts = logits.argmax(-1)
+        if sampling.any_sampled:
+            V = logits.shape[-1]
+            rep = lambda t: t[:, None].expand(n, ld).reshape(-1)  # noqa: E731
+            q = sampling_probs(logits.reshape(n * ld, V), rep(sampling.temperature), rep(sampling.top_k),
+                               rep(sampling.top_p), sampling.filtered)
+            u = counter_uniform(sampling.seed, length[:, None] + 1 + torch.arange(ld, device=dev)[None, :], STREAM_DRAFT)
+            drawn = sample_inverse_cdf(q, u.reshape(-1)).view(n, ld)
+            drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
+            self._draft_q[:n] = torch.where(keep[:, None, None], q.view(n, ld, V), self._draft_q[:n])
+        self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
+        self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
 
     def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
         """The context lookup continuation of ``req.token_ids`` (l_d ids or none) and its match

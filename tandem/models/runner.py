@@ -300,7 +300,8 @@ class ModelRunner:
             inputs = packed.to(self.device)
             if patch is not None:
                 patch(inputs, attn_len)
-            out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(inputs=inputs)
+            out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(
+                inputs=inputs, attn_len=attn_len)
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
         return out
@@ -329,7 +330,7 @@ class ModelRunner:
             copied.record()
         else:  # the graph bookkeeping run on a CPU (tests)
             captured.inputs[0].copy_(packed)
-        return captured()._replace(inputs=captured.inputs[0])
+        return captured()._replace(inputs=captured.inputs[0], attn_len=attn_len)
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor,
                  patch: Callable[[torch.Tensor, int], None] | None = None) -> "CapturedCall":
@@ -424,12 +425,14 @@ class StepOutput(NamedTuple):
     ``taps`` ``[n, Q, len(taps), d]`` when the runner taps hidden states (else None), and
     ``inputs``, the step's packed int64 rows on the device (start, q_len, the Q tokens, then tree
     columns; see ``ModelRunner._forward_logits``), so that verification reads the drafts there
-    instead of copying them to the device again."""
+    instead of copying them to the device again, and ``attn_len``, the attended context length
+    (>= every row's start + q_len; 0 after a prefill)."""
 
     logits: torch.Tensor
     argmax: torch.Tensor
     taps: torch.Tensor | None = None
     inputs: torch.Tensor | None = None
+    attn_len: int = 0
 
 
 def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
