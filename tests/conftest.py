@@ -164,11 +164,18 @@ def tiny_engine(tiny_checkpoint):
     return Engine(str(d), RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true", default=False,
+                     help="run the collected tests in reverse order (shows tests that lean on earlier ones)")
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(gpu)
+    if config.getoption("--reverse-order"):
+        items.reverse()
 
 
 def reset_engine(engine) -> None:
