@@ -2,18 +2,18 @@
 environment, and ``tandem trace-report`` on traces of real work (the tiny engine, a real gRPC hop).
 
 Spans in this process come from local ``TracerProvider``s (the global one can be set only once per
-process); ``init_tracing`` itself runs in short subprocesses, with the environment it reads.
+process); ``init_tracing`` itself runs in short subprocesses, with the environment it reads. The
+tests of real work record the spans that the engine and the services emit themselves
+(``product_spans``: the product's tracer, ``tandem.telemetry._tracer``, swapped for a local one).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from opentelemetry.exporter.otlp.json.file.trace_exporter import FileSpanExporte
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import telemetry
@@ -41,6 +42,41 @@ def file_tracer(path: Path) -> tuple[TracerProvider, trace.Tracer]:
     provider = TracerProvider(sampler=ALWAYS_ON)
     provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(path)))
     return provider, provider.get_tracer("tandem-tests")
+
+
+@pytest.fixture()
+def product_spans(tmp_path, monkeypatch):
+    """Records every span that Tandem's own code opens (``tandem.telemetry.span``) in this test, in
+    memory (``finished()``: the SDK's ``ReadableSpan``s, with kinds and parent links) and as the
+    OTLP JSON file that ``tandem trace-report`` reads (``path``)."""
+    path = tmp_path / "product.jsonl"
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_ON)
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(path)))
+    monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer(telemetry.TRACER_NAME))
+
+    class Recorded:
+        def finished(self) -> list:
+            provider.force_flush()
+            return list(memory.get_finished_spans())
+
+    rec = Recorded()
+    rec.path = path
+    yield rec
+    provider.shutdown()
+
+
+def by_name(spans, name: str) -> list:
+    return [s for s in spans if s.name == name]
+
+
+def parent_of(span, spans):
+    """The recorded span that is ``span``'s parent (None for a root or a parent not recorded)."""
+    if span.parent is None:
+        return None
+    return next((p for p in spans if p.context.span_id == span.parent.span_id
+                 and p.context.trace_id == span.context.trace_id), None)
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
@@ -126,104 +162,138 @@ def test_inject_extract_round_trips_the_trace(tmp_path):
     provider.shutdown()
 
 
-def test_network_time_from_a_real_grpc_hop(tmp_path):
-    """Client and server spans around real unary gRPC calls on loopback, linked through the
-    metadata: trace-report derives one network sample per call, no larger than the call."""
-    grpc = pytest.importorskip("grpc")
-    path = tmp_path / "grpc.jsonl"
-    provider, tracer = file_tracer(path)
+def test_network_time_from_a_real_grpc_hop(product_spans, tiny_engine):
+    """The engine over a real verifier service on loopback (``RemoteTarget`` -> gRPC ->
+    ``tandem.v1.Verifier``): the client's ``rpc.client.verify`` spans (inside the engine's
+    ``prefill`` / ``verify``) parent the server's ``rpc.server.verify`` spans through the trace
+    context each stream message carries, and trace-report derives one network sample per call,
+    no larger than the call."""
+    pytest.importorskip("grpc")
+    from services.common import BackgroundServer
+    from services.router.remote import RemoteTarget
+    from services.verifier.server import serve as serve_verifier
+    from tandem.drafters import NgramDrafter
+    from tandem.engine import Engine
+    from tandem.sampling import SamplingParams
+    from tandem.target import LocalTarget
 
-    def verify(payload: bytes, context) -> bytes:
-        with tracer.start_as_current_span("rpc.server.verify", kind=trace.SpanKind.SERVER,
-                                          context=extract_context(context.invocation_metadata())):
-            return hashlib.sha256(payload).digest() + payload[::-1]
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("tandem.test.Verifier", {
-        "Verify": grpc.unary_unary_rpc_method_handler(verify)})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    calls, payload = 5, os.urandom(1 << 18)
+    local = LocalTarget(tiny_engine.checkpoint, tiny_engine.runner_config)
+    server = BackgroundServer(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary("/tandem.test.Verifier/Verify")
-            for _ in range(calls):
-                with tracer.start_as_current_span("round"):
-                    with tracer.start_as_current_span("verify"):
-                        with tracer.start_as_current_span("rpc.client.verify", kind=trace.SpanKind.CLIENT):
-                            reply = call(payload, metadata=inject_metadata(), timeout=30)
-                assert reply[32:] == payload[::-1]
+        remote = RemoteTarget(server.address)
+        engine = Engine(tokenizer=tiny_engine.tokenizer, drafter=NgramDrafter(), num_draft_tokens=3, target=remote)
+        got = engine.generate(["a b c a b c a b", "one two one two one", "x y z"], SamplingParams(max_tokens=10))
+        remote.close()
     finally:
-        server.stop(None)
-        provider.shutdown()
-    spans = read_spans(path)
-    report = build_report(spans)
+        server.stop()
+    assert all(c.completion_tokens for c in got)
+    spans = product_spans.finished()
+    clients, servers = by_name(spans, "rpc.client.verify"), by_name(spans, "rpc.server.verify")
+    assert len(clients) == len(servers) >= 3  # a prefill and at least two verify rounds, each one RPC
+    assert {s.kind for s in clients} == {trace.SpanKind.CLIENT} and {s.kind for s in servers} == {trace.SpanKind.SERVER}
+    client_of = {}
+    for srv in servers:  # each server span is the child of exactly one client span, in its trace
+        cl = parent_of(srv, spans)
+        assert cl is not None and cl.name == "rpc.client.verify", srv.name
+        assert cl.context.trace_id == srv.context.trace_id and cl.context.span_id not in client_of
+        client_of[cl.context.span_id] = cl
+        # both sides describe the same batch, and the server's work lies inside the client's call
+        assert (cl.attributes["prefill"], cl.attributes["verify"]) == (srv.attributes["prefill"],
+                                                                       srv.attributes["verify"])
+        assert cl.attributes["address"] == server.address
+        assert cl.start_time <= srv.start_time <= srv.end_time <= cl.end_time
+    assert sorted(s.attributes["batch_id"] for s in servers) == list(range(1, len(servers) + 1))
+    for cl in clients:  # the engine's phase around each call: prefill, or a round's verify
+        phase = parent_of(cl, spans)
+        assert phase is not None and phase.name in ("prefill", "verify"), phase
+        assert (cl.attributes["prefill"] > 0) == (phase.name == "prefill")
+        if phase.name == "verify":
+            assert parent_of(phase, spans).name == "round"
+
+    report = build_report(read_spans(product_spans.path))
     network = report.phase("network")
-    assert network.count == calls and report.phase("round").count == calls
-    clients = [s.duration_ms for s in spans if s.name == "rpc.client.verify"]
-    assert 0 <= network.p50_ms <= network.p99_ms <= max(clients)
-    assert network.total_ms <= sum(clients)
-    assert 0 <= report.network_share <= report.phase("verify").share_of_round <= 1
+    assert network.count == len(clients) and report.phase("round").count == len(by_name(spans, "round"))
+    durations = [(s.end_time - s.start_time) / 1e6 for s in clients]
+    assert 0 <= network.p50_ms <= network.p99_ms <= max(durations)
+    assert network.total_ms <= sum(durations)
+    assert 0 < report.network_share <= report.phase("verify").share_of_round <= 1
 
 
 # ----------------------------------------------------------------------------- a real engine run
 
 
-def test_trace_report_on_a_real_engine_run(tmp_path, tiny_engine):
-    """Each engine.step() in a ``round`` span, the drafter's proposals in ``draft`` and the target
-    forwards that verify them in ``verify``; the report must count exactly what ran."""
+def test_trace_report_on_a_real_engine_run(product_spans, tiny_engine):
+    """The engine's own spans: each decode round a ``round``, the drafter's proposals in its
+    ``draft`` child and the target forward that verifies them in its ``verify`` child, admission
+    in ``prefill``; the report must count exactly what ran."""
     from tandem.drafters import NgramDrafter
     from tandem.engine import Engine
     from tandem.sampling import SamplingParams
 
-    path = tmp_path / "engine.jsonl"
-    provider, tracer = file_tracer(path)
     engine = Engine(tiny_engine.checkpoint, tiny_engine.runner_config, tokenizer=tiny_engine.tokenizer,
                     drafter=NgramDrafter(), num_draft_tokens=3)
-    # the host-drafted path, where drafting is a host call of its own (chained n-gram rounds draft
-    # inside the verify step on the device: no separate draft call to time)
+    # the host-drafted path, where drafting is a host call of its own in a draft span (chained
+    # n-gram rounds draft inside the verify step on the device: no separate draft call to count)
     engine.target.chains_rounds = False
-    calls = {"draft": 0, "verify": 0}
+    calls = {"draft": 0, "verify": 0, "prefill": 0, "draft_tokens": 0}
 
-    def traced(name, fn):
+    def counted(name, fn):  # counts what really ran (no spans of its own)
         def wrapper(*args, **kwargs):
             calls[name] += 1
-            with tracer.start_as_current_span(name):
-                return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if name == "draft":
+                calls["draft_tokens"] += sum(len(p.tokens) for p in out)
+            return out
         return wrapper
 
-    engine.drafter.propose = traced("draft", engine.drafter.propose)
-    engine.runner.step = traced("verify", engine.runner.step)
+    engine.drafter.propose = counted("draft", engine.drafter.propose)
+    engine.target.launch_verify = counted("verify", engine.target.launch_verify)
+    engine.target.prefill = counted("prefill", engine.target.prefill)
     for i, prompt in enumerate(["a b c a b c a b", "one two one two one", "x y z"]):
         engine.add_request(prompt, SamplingParams(max_tokens=12), request_id=f"r{i}")
     steps, wall_ms = 0, 0.0
     while engine.has_unfinished():
         t0 = time.perf_counter()
-        with tracer.start_as_current_span("round", attributes={"round": steps}):
-            engine.step()
+        engine.step()
         wall_ms += (time.perf_counter() - t0) * 1e3
         steps += 1
-    provider.shutdown()
 
-    res = CliRunner().invoke(main, ["trace-report", str(path), "--json"])
+    spans = product_spans.finished()
+    rounds, drafts, verifies = by_name(spans, "round"), by_name(spans, "draft"), by_name(spans, "verify")
+    prefills = by_name(spans, "prefill")
+    assert steps > 1 and calls["draft"] > 0 and calls["draft_tokens"] > 0
+    assert (len(rounds), len(drafts), len(verifies), len(prefills)) == \
+        (calls["verify"], calls["draft"], calls["verify"], calls["prefill"])
+    assert {s.name for s in spans} == {"prefill", "round", "draft", "verify"}  # nothing else, nothing unnamed
+    for child in drafts + verifies:  # each inside a round, one of each per round, describing it
+        rnd = parent_of(child, spans)
+        assert rnd is not None and rnd.name == "round"
+        assert child.attributes["batch_size"] == rnd.attributes["batch_size"]
+    assert sorted(parent_of(c, spans).context.span_id for c in drafts) == \
+        sorted(parent_of(c, spans).context.span_id for c in verifies) == sorted(r.context.span_id for r in rounds)
+    assert all(d.attributes["drafter"] == "ngram" for d in drafts)
+    assert sum(v.attributes["draft_tokens"] for v in verifies) == calls["draft_tokens"]
+    assert sum(p.attributes["batch_size"] for p in prefills) == 3 and all(p.parent is None for p in prefills + rounds)
+
+    res = CliRunner().invoke(main, ["trace-report", str(product_spans.path), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     phases = report["phases"]
-    assert steps > 1 and calls["verify"] > 0 and calls["draft"] > 0
-    assert phases["round"]["count"] == steps
-    assert phases["verify"]["count"] == calls["verify"] and phases["draft"]["count"] == calls["draft"]
-    assert report["num_spans"] == steps + calls["verify"] + calls["draft"]
+    assert phases["round"]["count"] == len(rounds) and phases["prefill"]["count"] == len(prefills)
+    assert phases["verify"]["count"] == len(verifies) and phases["draft"]["count"] == len(drafts)
+    assert report["num_spans"] == len(spans)
     assert phases["network"]["count"] == 0 and report["network_share"] is None  # in-process: no wire
     for name in ("round", "draft", "verify"):
         p = phases[name]
         assert 0 < p["p50_ms"] <= p["p99_ms"] and p["mean_ms"] * p["count"] == pytest.approx(p["total_ms"])
-    # span clocks agree with the wall time measured around the same steps: the spans lie inside the
-    # measured windows, and cover most of them (a unit error would be off by 1000x; the span
-    # bookkeeping between them grows on a loaded machine, so no tighter lower bound)
-    assert 0.5 * wall_ms <= phases["round"]["total_ms"] <= wall_ms + 1.0
+    # span clocks agree with the wall time measured around the same steps: the rounds and prefills
+    # lie inside the measured steps, and cover most of them (a unit error would be off by 1000x;
+    # the bookkeeping between spans grows on a loaded machine, so no tighter lower bound)
+    covered = phases["round"]["total_ms"] + phases["prefill"]["total_ms"]
+    assert 0.5 * wall_ms <= covered <= wall_ms + 1.0
     shares = [phases[n]["share_of_round"] for n in ("draft", "verify")]
     assert all(0 < s < 1 for s in shares) and sum(shares) <= 1
-    table = CliRunner().invoke(main, ["trace-report", str(path)])
+    table = CliRunner().invoke(main, ["trace-report", str(product_spans.path)])
     assert table.exit_code == 0 and "verify" in table.stdout and "no RPC or network spans" in table.stdout
 
 
