@@ -403,7 +403,8 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--configs", "configs_spec", default=None, metavar="NAME,...",
               help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
-                   "hf-prompt-lookup (target always runs: it is the baseline). Default: target (+ hf-generate).")
+                   "hf-prompt-lookup; target-host, ngram-host, specformer-host run host-drafted rounds instead of "
+                   "chained device rounds (target always runs: it is the baseline). Default: target (+ hf-generate).")
 @click.option("--hf-baseline/--no-hf-baseline", default=None,
               help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
 @click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,

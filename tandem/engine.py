@@ -103,6 +103,9 @@ class Engine:
         self.verification_sink = verification_sink
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
+        # chain rounds on the device wherever the configuration allows (``chains_rounds``); False
+        # keeps host-drafted rounds (the bench's ``*-host`` configurations measure the two side by side)
+        self.chained_rounds = True
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._collected: _Round | None = None  # the last round's results, before their stop rules
         self._launched: _Round | None = None  # a chained round in flight (queued, not collected)
@@ -125,7 +128,7 @@ class Engine:
         # tapped states are only read inside the round, by a drafter that drafts from the verify pass
         taps_ok = not (self.runner_config is not None and self.runner_config.taps) or (
             self.drafter is not None and self.drafter.drafts_from_verify)
-        return drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
+        return self.chained_rounds and drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
 
     @property
     def _observes(self) -> bool:

@@ -294,3 +294,28 @@ def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
     assert [c.token_ids for c in engine.generate(PROMPTS[:3], params)] == want
     assert engine.stats.num_drafted == plain.stats.num_drafted
     assert any(key[0] == "chained" for key in engine.drafter._captured)
+
+
+def test_device_lookup_is_the_lookup_index_rule():
+    """``lookup_drafts`` (chained SpecFormer rounds, on the device) gives ``LookupIndex``'s answer
+    (the host-drafted rounds' rule) at the end of random low-entropy rows of a padded batch."""
+    import random
+
+    from tandem.drafters.lookup import LookupIndex, lookup_drafts
+
+    rng = random.Random(0)
+    for _ in range(200):
+        B, C = 4, 40
+        history = torch.randint(0, 5, (B, C + 2), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        last, want = [], []
+        for b in range(B):
+            T = rng.randint(1, C)
+            x = [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(T)]
+            history[b, :T] = torch.tensor(x)
+            index = LookupIndex()
+            index.extend(x)
+            want.append(index.lookup(6))
+            last.append(T - 1)
+        cont, match = lookup_drafts(history, torch.tensor(last), 6)
+        got = [(cont[b].tolist() if match[b] > 0 else [], int(match[b])) for b in range(B)]
+        assert got == want

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..control import CostModel, DraftPolicy, TauController, entropy_score, make_draft_policy
 from ..drafters.base import Drafter
@@ -60,6 +60,7 @@ class Decoding:
     drafter: Drafter | None
     num_draft_tokens: int
     draft_policy: DraftPolicy | None = None
+    chained: bool = True  # ``Engine.chained_rounds``: False for the ``*-host`` configurations
 
 
 @dataclass
@@ -281,6 +282,16 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 build=_ablation(lambda ctx: DraftPolicy(_ablation_predictor(ctx), controller=TauController(),
                                                         cost=ctx.cost, branch_top_m=_full_system_m(ctx.options))),
                 prepare=_prepare_ablation(True), uses_cost_model=True),
+    # The same decodings with host-drafted rounds (each round launched once the previous one is
+    # back, drafts proposed on the host): the chained device rounds measured against them.
+    BenchConfig("target-host", "target-only with host-driven rounds (no chaining)", lambda o: 0, lambda o: 1,
+                build=lambda ctx: Decoding(None, 1, chained=False)),
+    BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (NgramIndex), k = --num-draft-tokens",
+                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
+                build=lambda ctx: replace(_ngram(ctx), chained=False)),
+    BenchConfig("specformer-host", f"SpecFormer with host-drafted rounds (observe, then propose), k = {SPECFORMER_K}",
+                lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1,
+                build=lambda ctx: replace(_specformer(ctx), chained=False), prepare=BuildContext.specformer_head),
     BenchConfig("hf-generate", "Hugging Face generate, greedy (batch 1)", lambda o: 0, lambda o: 0,
                 hf_prompt_lookup=lambda o: 0),
     BenchConfig("hf-prompt-lookup", "Hugging Face prompt-lookup decoding, k = --num-draft-tokens (batch 1)",

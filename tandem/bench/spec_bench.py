@@ -222,7 +222,8 @@ def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None
         if c.name == "context-aware" and options.ca_drafter in DISTRIBUTED_DRAFTERS:
             continue
         raise ConfigError(f"--mode distributed cannot run {c.name!r}: the service stack has drafter services for "
-                          f"ngram and draft-model only (SpecFormer drafts inside the verifier's forward)")
+                          f"ngram and draft-model only (SpecFormer drafts inside the verifier's forward; the *-host "
+                          f"configurations compare round paths in one process)")
 
 
 def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runner_config: RunnerConfig,
@@ -433,6 +434,7 @@ def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord]
     wall s, peak GiB, round cost)."""
     engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
                                                                     decoding.draft_policy)
+    engine.chained_rounds = decoding.chained
     engine.max_running = batch_size
     texts = [r.text for r in prompts]
     dev = engine.runner.device
