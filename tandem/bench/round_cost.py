@@ -6,12 +6,20 @@ round), once under ``torch.profiler`` with a ``HostSyncCounter`` (GPU-busy time 
 device time of every kernel and copy; blocking host reads per round). Greedy decoding makes both
 runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
 work. Prefill (the first step) is outside both measurements.
+
+With ``TANDEM_KERNEL_TABLES=DIR`` in the environment, the profiled run's table of operators and
+kernels by total GPU time (``torch.profiler``'s ``key_averages``) is also written to
+``DIR/<label>.txt`` (``tandem bench`` labels it ``<configuration>-b<batch>``): where a round's
+GPU time goes.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,13 +64,14 @@ def _drain(engine: Engine) -> None:
                 engine.completion(out.request_id)
 
 
-def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams) -> RoundCost:
+def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams, label: str = "round") -> RoundCost:
     """Measure the rounds of ``texts`` run as one batch (see the module docstring).
 
     Args:
         engine: a warm engine (graphs captured) with the configuration set.
         texts: prompts, at most the engine's running-batch limit.
         params: greedy sampling parameters.
+        label: the kernel table's file name (``TANDEM_KERNEL_TABLES``; see the module docstring).
 
     Raises:
         ValueError: sampled ``params`` (the two runs would not make the same rounds).
@@ -92,9 +101,20 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams)
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize(dev)
+        rounds0 = engine.num_rounds
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, counter:
             _drain(engine)
             torch.cuda.synchronize(dev)
+        tables = os.environ.get("TANDEM_KERNEL_TABLES")
+        if tables:
+            Path(tables).mkdir(parents=True, exist_ok=True)
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-") or "round"
+            averages = prof.key_averages()
+            (Path(tables) / f"{name}.txt").write_text(
+                f"{engine.num_rounds - rounds0} rounds\n\nby GPU time\n"
+                + averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+                + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25,
+                                                          max_name_column_width=70))
         return gpu_busy_ms(prof)
 
     rounds_p, busy_ms = _admit_then(engine, prompt_ids, params, profiled)

@@ -450,7 +450,7 @@ def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord]
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
-    cost = measure_round_cost(engine, texts[:batch_size], params)
+    cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
     engine.stats = SpecDecodeStats()
     return comps, wall, peak, cost
 

@@ -683,7 +683,8 @@ class SpecFormerDrafter(Drafter):
         self._state[index] = last.to(self._state.dtype)
         self._draft_lens[index] = 0
 
-    def _observe_rows(self, x: torch.Tensor, packed: torch.Tensor, attn_len: int) -> torch.Tensor:
+    def _observe_rows(self, x: torch.Tensor, packed: torch.Tensor, attn_len: int,
+                      rows_are_slots: bool = False) -> torch.Tensor:
         """The context sub-layers over new target positions, writing their K/V into the head's cache.
 
         Args:
@@ -691,6 +692,7 @@ class SpecFormerDrafter(Drafter):
             packed: ``[n, 3 + M]`` long on the device: first position, row count, KV slot, then
                 each row's next token (``context_next_token`` heads).
             attn_len: attended context length (a bucket; the mask hides positions past each row).
+            rows_are_slots: row i is KV slot i (chained rounds): the cache is read as a view, not gathered.
 
         Returns:
             ``[n, d]`` context states at each sequence's last row (garbage for a row count of 0).
@@ -713,7 +715,10 @@ class SpecFormerDrafter(Drafter):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             k_cache[slots[:, None], :, write] = k
             v_cache[slots[:, None], :, write] = v
-            keys, values = k_cache[slots, :, :attn_len], v_cache[slots, :, :attn_len]
+            if rows_are_slots:
+                keys, values = k_cache[:n, :, :attn_len], v_cache[:n, :, :attn_len]
+            else:
+                keys, values = k_cache[slots, :, :attn_len], v_cache[slots, :, :attn_len]
             att = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                  enable_gqa=layer.kv_heads != layer.num_heads)
             h = layer.finish(h, att)
@@ -779,7 +784,7 @@ class SpecFormerDrafter(Drafter):
         dev = tokens.device
         q_lens = torch.where(keep, num_accepted + 1, torch.zeros_like(num_accepted))
         packed = torch.cat([start[:, None], q_lens[:, None], torch.arange(n, device=dev)[:, None], tokens], dim=1)
-        h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len)  # [n, d] at the last kept position
+        h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len, rows_are_slots=True)  # [n, d]
         self._state[:n] = torch.where(keep[:, None], h, self._state[:n])
         self._draft_next(keep, state, sampling, attn_len + 1)
 
