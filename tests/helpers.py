@@ -80,3 +80,21 @@ def total_variation(counts, probs) -> float:
     counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
     probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
     return 0.5 * float((counts / counts.sum() - probs / probs.sum()).abs().sum())
+
+
+def assert_in_target_top_k(runner: ModelRunner, prompt_ids: list[int], token_ids: list[int], top_k: int) -> None:
+    """Each of ``token_ids``, sampled after ``prompt_ids`` with ``top_k``, is among the target's
+    ``top_k`` most likely tokens at its position (one fresh forward of ``runner``, a runner of the
+    target, over the whole sequence).
+
+    Any lossless sampler must emit only those; a draft token taken without the target's say mostly
+    is not (from a vocabulary of thousands). A necessary condition only: the distribution-level
+    checks are in test_speculative.py and test_lossless.py.
+    """
+    assert token_ids, "nothing to check"
+    logits = our_logits(runner, list(prompt_ids) + list(token_ids[:-1]))[len(prompt_ids) - 1:]
+    kth = logits.topk(top_k, dim=-1).values[:, -1]
+    got = logits.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+    outside = [i for i in range(len(token_ids)) if got[i] < kth[i] - 1e-4]  # 1e-4: batched vs fresh forward
+    assert not outside, f"tokens at output positions {outside} are outside the target's top-{top_k}"
+

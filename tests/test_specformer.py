@@ -28,6 +28,7 @@ from tandem.train.loop import TrainConfig, train
 from tandem.train.specformer import SpecFormerObjective, new_head, specformer_labels
 
 from conftest import spec_bench_prompts
+from helpers import assert_in_target_top_k, make_runner
 
 PROMPTS = ["Write a short poem about rain.", "What is the capital of France?", "Explain recursion simply.",
            "List three fruits.", "How do magnets work?", "Say hello in Spanish.", "Count to five.",
@@ -838,18 +839,24 @@ def test_generate_writes_a_trace_file_that_splits_rounds(trained, tmp_path):
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_trained_drafters_are_lossless_tiny(trained, tiny_ck, kind, temperature):
-    """Greedy: identical to target-only. Sampling with a seed: runs and respects the limits (the
-    distribution-level check for sampling lives in tests/test_speculative.py)."""
+    """Greedy: identical to target-only. Sampled (seeded, top_k = 4): every token is one of the
+    target's 4 most likely at its position, drafts included (a necessary condition; the
+    distribution-level check of speculative sampling, SpecFormer included, is in
+    tests/test_speculative.py)."""
     _, out = trained
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
     drafter = (SpecFormerDrafter.load(out / kind) if kind == "specformer"
                else DraftModelDrafter(load_draft_checkpoint(str(out / kind), tiny_ck), cfg))
     engine = Engine(tiny_ck, cfg, drafter=drafter, num_draft_tokens=4)
     ref = Engine(tiny_ck, cfg)
-    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3)
-    got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
+    params = SamplingParams(max_tokens=24, temperature=temperature, top_k=4 if temperature else 0, seed=3)
+    got = engine.generate(PROMPTS[:6], params)
     if temperature == 0.0:
-        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref.generate(PROMPTS[:6], params)]
+    else:
+        runner = make_runner(tiny_ck, 1, cfg.max_seq_len)
+        for prompt, c in zip(PROMPTS[:6], got):
+            assert_in_target_top_k(runner, engine.encode_prompt(prompt), c.token_ids, params.top_k)
     assert all(1 <= len(c.token_ids) <= 24 for c in got)
     assert engine.stats.num_drafted > 0
 

@@ -3,7 +3,7 @@ sampling verification over trees, KV moves of the accepted branch, and lossless 
 
 import pytest
 import torch
-from helpers import chi_square_pvalue, make_runner, our_logits
+from helpers import assert_in_target_top_k, chi_square_pvalue, make_runner, our_logits
 
 from tandem.control import DraftPolicy
 from tandem.drafters import DraftModelDrafter, DraftProposal
@@ -77,7 +77,8 @@ def test_tree_sampling_emits_tokens_distributed_as_p(with_q):
 def test_branched_proposal_shape():
     feats = torch.arange(12, dtype=torch.float32).view(3, 4)
     top = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
-    prop = DraftProposal([5, 8, 11], torch.softmax(torch.randn(3, 20), -1), feats, top)
+    prop = DraftProposal([5, 8, 11], torch.softmax(torch.randn(3, 20, generator=torch.Generator().manual_seed(0)), -1),
+                         feats, top)
     tree = prop.branched(1, 3)
     assert tree.tokens == [5, 8, 9, 10] and tree.parents == [-1, 0, 0, 0]
     assert tree.chain_length == 1 and tree.probs.shape == (4, 20)
@@ -89,13 +90,18 @@ def test_branched_proposal_shape():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_engine_with_branching_is_lossless_greedy_and_runs_sampled(tiny_checkpoint, temperature):
+def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_checkpoint, temperature):
+    """Token trees in the engine. Greedy: exactly target-only output. Sampled (top_k = 3): every
+    token is one of the target's 3 most likely at its position, though most tree nodes are the
+    draft model's candidates (the distribution-level test of trees is test_speculative.py's
+    draft-model-tree)."""
     target_dir = str(tiny_checkpoint("llama", with_tokenizer=True))
     draft = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, seed=1))
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
     base = Engine(target_dir, cfg)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [3, 4], [7] * 10]
-    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, seed=3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, top_k=3 if temperature else 0,
+                            seed=3)
     # position 1 looks easy, later ones hard: keep one draft, branch position 2 into 3 leaves
     score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)
     eng = Engine(target_dir, cfg, tokenizer=base.tokenizer, drafter=DraftModelDrafter(draft, cfg),
@@ -111,3 +117,7 @@ def test_engine_with_branching_is_lossless_greedy_and_runs_sampled(tiny_checkpoi
         while base.has_unfinished():
             base.step()
         assert [c.token_ids for c in got] == [base.completion(i).token_ids for i in ref]
+    else:
+        runner = make_runner(base.checkpoint, 1, cfg.max_seq_len)
+        for p, c in zip(prompts, got):
+            assert_in_target_top_k(runner, p, c.token_ids, params.top_k)
