@@ -98,3 +98,28 @@ def assert_in_target_top_k(runner: ModelRunner, prompt_ids: list[int], token_ids
     outside = [i for i in range(len(token_ids)) if got[i] < kth[i] - 1e-4]  # 1e-4: batched vs fresh forward
     assert not outside, f"tokens at output positions {outside} are outside the target's top-{top_k}"
 
+
+def check_acceptance_figures(drafted: int, accepted: int, acceptance_rate: float, mean_accepted_length: float,
+                             output_tokens: int, prompts: int, k: int) -> None:
+    """A benchmark row's acceptance figures agree with its own token counts (rather than merely
+    lying in their ranges, which any numbers of the right kind do).
+
+    α = accepted / drafted. Every request's first token comes from its prefill, so the decode
+    steps emitted ``output_tokens - prompts`` tokens, and τ (tokens per step) makes the step count
+    ``steps = emitted / τ`` a whole number. A step emits its accepted drafts plus one token, save a
+    request's last step, which the stop rules may cut (at most one per request): so
+    ``emitted - steps <= accepted <= emitted - steps + prompts``, and τ <= k + 1.
+    """
+    import math
+
+    assert 0 <= accepted <= drafted
+    if drafted:
+        assert acceptance_rate == accepted / drafted or abs(acceptance_rate - accepted / drafted) < 1e-9
+    else:
+        assert acceptance_rate is None or math.isnan(acceptance_rate)
+    emitted = output_tokens - prompts
+    steps = emitted / mean_accepted_length
+    assert abs(steps - round(steps)) < 1e-6, (emitted, mean_accepted_length)
+    steps = round(steps)
+    assert emitted - steps <= accepted <= emitted - steps + prompts, (emitted, steps, accepted)
+    assert mean_accepted_length <= k + 1

@@ -6,7 +6,6 @@ share each batch size's target engine and warm-up, and report like every other c
 
 import gzip
 import json
-import math
 
 import numpy as np
 import pytest
@@ -22,6 +21,8 @@ from tandem.models import load_checkpoint
 from tandem.models.runner import RunnerConfig
 from tandem.predictor import train_predictor
 from tandem.tokenizer import load_tokenizer
+
+from helpers import check_acceptance_figures
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +63,9 @@ def test_ablation_rows_are_lossless_and_complete(setup):
         for r in rows:
             assert r.lossless_share == 1.0, r  # greedy: every row is lossless
             assert r.output_tokens == rows[0].output_tokens
-            assert r.tps > 0 and math.isfinite(r.speedup) and r.mean_accepted_length >= 1.0
+            assert r.speedup == pytest.approx(r.tps / rows[0].tps)  # rows[0]: target-only
+            check_acceptance_figures(r.drafted, r.accepted, r.acceptance_rate, r.mean_accepted_length,
+                                     r.output_tokens, r.prompts, r.k)
         assert all(r.k == 3 for r in rows[1:])
         assert report.get("fixed-k", b).drafted > 0
 
