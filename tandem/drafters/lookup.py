@@ -123,8 +123,11 @@ def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) 
     """For each row's sequence ``x = history[b, :last[b] + 1]`` (T tokens) and every earlier end
     index ``e <= T - 2``, how many of its last tokens match the sequence's suffix: the number of
     leading ``s`` in ``0 .. max_n - 1`` with ``x[e - s] == x[T - 1 - s]``, capped where the window
-    runs off the start. One broadcast compare of end-aligned windows and a cumulative product: a
-    fixed number of kernels whatever ``max_n`` (it runs inside CUDA graphs).
+    runs off the start. ``max_n`` compares of contiguous shifted slices against one suffix token
+    each, folded with a running AND: about three small kernels per ``s`` and no host work (it runs
+    inside CUDA graphs). (A compare over strided end-aligned windows and a cumulative product over
+    their last dimension, the first version, cost about 1 ms a round at batch 64 on an H200: both
+    ran non-vectorised over ``[B, C, max_n]``.)
 
     Args:
         history: ``[B, C]`` int64 token ids >= 0 (entries past ``last`` are ignored).
@@ -139,13 +142,17 @@ def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) 
     T = last + 1
     s = torch.arange(max_n, device=dev)
     e = torch.arange(C, device=dev)
-    # windows[b, e, s] = x[e - s] (-1 before the start); suffix[b, s] = x[T - 1 - s] (-2 before it)
+    # shifted by s: padded[:, max_n - s + e] = x[e - s] (-1 before the start)
+    # suffix[b, s] = x[T - 1 - s] (-2 before it)
     padded = torch.cat([torch.full((B, max_n), -1, dtype=history.dtype, device=dev), history], dim=1)
-    windows = padded.unfold(1, max_n, 1)[:, 1:].flip(-1)  # [B, C, max_n]
     at = T[:, None] - 1 - s[None, :]
     suffix = torch.where(at >= 0, history.gather(1, at.clamp(min=0)), torch.full_like(at, -2))
-    length = (windows == suffix[:, None, :]).to(torch.int64).cumprod(-1).sum(-1)  # [B, C]
-    return torch.where(e[None, :] <= (T - 2)[:, None], length, torch.zeros_like(length))
+    running = (history == suffix[:, :1]) & (e[None, :] <= (T - 2)[:, None])  # s = 0, earlier ends only
+    length = running.to(torch.int64)
+    for i in range(1, max_n):
+        running = running & (padded[:, max_n - i:max_n - i + C] == suffix[:, i:i + 1])
+        length = length + running
+    return length
 
 
 def lookup_drafts(history: torch.Tensor, last: torch.Tensor, k: int, max_n: int = MAX_N
