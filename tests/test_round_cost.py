@@ -38,17 +38,43 @@ def target_dir(tiny_checkpoint):
     return str(tiny_checkpoint("llama", with_tokenizer=True))
 
 
+def _drafter(kind: str, target_dir: str):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "specformer":
+        from test_specformer import _random_head
+
+        from tandem.drafters.specformer import SpecFormerDrafter
+
+        return SpecFormerDrafter(_random_head(load_checkpoint(target_dir).config, lookup_tokens=True,
+                                              context_next_token=True))
+    return None
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "specformer"])
 def test_one_blocking_read_per_round(target_dir, drafter, temperature):
+    """Target-only, n-gram and SpecFormer rounds (chained: SpecFormer drafts inside the round),
+    greedy and sampled: at most one blocking read per decode round."""
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
-    engine = Engine(target_dir, cfg, drafter=NgramDrafter() if drafter == "ngram" else None, num_draft_tokens=4)
+    engine = Engine(target_dir, cfg, drafter=_drafter(drafter, target_dir), num_draft_tokens=4)
+    assert engine.chains_rounds
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, top_k=3, top_p=0.9, seed=1)
     reads, rounds, sites = _decode_reads(engine, params)
     assert rounds >= 5
     assert reads <= rounds, f"{reads} host reads in {rounds} rounds: {sites}"
-    if drafter == "ngram":
+    if drafter != "none":
         assert engine.stats.num_drafted > 0  # speculation really ran
+
+
+def test_host_drafted_specformer_reads_are_counted(target_dir):
+    """The host-drafted SpecFormer path (kept for the context-aware policy) reads the head's
+    drafts back each round: two reads a round, counted; the chained path above makes one."""
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    engine = Engine(target_dir, cfg, drafter=_drafter("specformer", target_dir), num_draft_tokens=4)
+    engine.chained_rounds = False
+    reads, rounds, sites = _decode_reads(engine, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert rounds >= 5 and rounds < reads <= 2 * rounds, sites
 
 
 def test_draft_model_reads_are_counted(target_dir, tiny_checkpoint):
