@@ -270,9 +270,14 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
     results, wall = _run_file(engine, records, params, not no_chat)
     _print_results(engine, records, results, wall)
     if compare:
-        drafter_obj, engine.drafter = engine.drafter, None
-        base, base_wall = _run_file(engine, records, params, not no_chat, desc="target-only")
-        engine.drafter = drafter_obj
+        # the baseline runs with no drafter and no draft policy (whose tau controller must not learn
+        # from target-only rounds); both are put back afterwards
+        saved = engine.drafter, engine.draft_policy
+        engine.drafter = engine.draft_policy = None
+        try:
+            base, base_wall = _run_file(engine, records, params, not no_chat, desc="target-only")
+        finally:
+            engine.drafter, engine.draft_policy = saved
         _print_comparison(engine, results, wall, base, base_wall, sampled=not params.greedy)
 
 

@@ -126,8 +126,9 @@ class Engine:
         # (verification logs need the host drafter's per-draft features: they keep the host path)
         drafts_ok = self.drafter is None or (self.drafter.drafts_on_device and self.verification_sink is None)
         # tapped states are only read inside the round, by a drafter that drafts from the verify pass
+        # (without a drafter nobody reads them: a tapping engine run target-only, e.g. --compare)
         taps_ok = not (self.runner_config is not None and self.runner_config.taps) or (
-            self.drafter is not None and self.drafter.drafts_from_verify)
+            self.drafter is None or self.drafter.drafts_from_verify)
         return self.chained_rounds and drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
 
     @property

@@ -435,10 +435,10 @@ class LocalTarget(Target):
 
         Raises:
             ValueError: the runner taps hidden states for a drafter that does not read them inside
-                the round (the next round's forward would overwrite them before collect); drafts
-                asked for without a device drafter.
+                the round (the next round's forward would overwrite them before collect; without a
+                drafter nobody reads them); drafts asked for without a device drafter.
         """
-        if self.runner.config.taps and (drafter is None or not drafter.drafts_from_verify):
+        if self.runner.config.taps and drafter is not None and not drafter.drafts_from_verify:
             raise ValueError("chained rounds do not return tapped states")
         k = max(it.max_draft for it in items)
         if k and (drafter is None or not drafter.drafts_on_device):

@@ -982,6 +982,31 @@ def test_cli_generate_compare_tiny_draft_model(tiny_checkpoint, prompts_file):
     assert "speedup" in res.stdout and "2/2" in res.stdout
 
 
+def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, prompts_file, monkeypatch):
+    """--compare's target-only baseline runs with neither the drafter nor the draft policy (its
+    online τ must not learn from target-only rounds), and both are back on the engine afterwards."""
+    import tandem.cli as cli_mod
+
+    seen, engines = [], []
+    run_file = cli_mod._run_file
+
+    def spy(engine, *args, **kwargs):
+        seen.append((engine.drafter, engine.draft_policy))
+        engines.append(engine)
+        return run_file(engine, *args, **kwargs)
+
+    monkeypatch.setattr(cli_mod, "_run_file", spy)
+    pred = "tandem/drafters/weights/draft-model-smollm2-135m/predictor.safetensors"
+    res = cli("--prompts-file", str(prompts_file), "--limit", "2", "--max-tokens", "8",
+              "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--max-seq-len", "256",
+              "--drafter", "draft-model", "--draft-model", "truncate:1", "--predictor", pred, "--compare")
+    assert res.exit_code == 0, res.output
+    (drafter, policy), (base_drafter, base_policy) = seen
+    assert drafter is not None and policy is not None and policy.controller is not None
+    assert base_drafter is None and base_policy is None
+    assert engines[0] is engines[1] and (engines[0].drafter, engines[0].draft_policy) == (drafter, policy)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--drafter", "draft-model"], "needs --draft-model"),
     (["--drafter", "draft-model", "--draft-model", "truncate:5"], "1..1 layers"),
