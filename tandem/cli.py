@@ -109,10 +109,9 @@ def _engine(model, device, max_batch_size, max_seq_len, cuda_graphs=None, compil
     if draft_model and drafter not in ("draft-model", "specformer"):
         raise InvalidRequestError("--draft-model needs --drafter draft-model or specformer")
     draft = build_drafter(drafter, draft_model, checkpoint, cfg)
-    from .drafters.specformer import SpecFormerDrafter
-
-    if isinstance(draft, SpecFormerDrafter) and num_draft_tokens > (slots := draft.head.config.num_draft_tokens):
-        err_console.print(f"note: this SpecFormer head drafts {slots} tokens a round (l_d); "
+    slots = draft.max_draft_tokens if draft is not None else None
+    if slots is not None and num_draft_tokens > slots:
+        err_console.print(f"note: this {draft.name} drafter drafts {slots} tokens a round (l_d); "
                           f"--num-draft-tokens {num_draft_tokens} is capped to {slots}", highlight=False,
                           soft_wrap=True)
         num_draft_tokens = slots

@@ -132,6 +132,15 @@ class Engine:
         return self.chained_rounds and drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
 
     @property
+    def draft_limit(self) -> int:
+        """Draft tokens per sequence per round at most: ``num_draft_tokens`` capped by the
+        drafter's own limit (``Drafter.max_draft_tokens``; 0 without a drafter)."""
+        if self.drafter is None:
+            return 0
+        cap = self.drafter.max_draft_tokens
+        return self.num_draft_tokens if cap is None else min(self.num_draft_tokens, cap)
+
+    @property
     def _observes(self) -> bool:
         """The drafter is fed the target's states of every accepted position (SpecFormer)."""
         return (self.drafter is not None and bool(self.drafter.target_taps) and self.runner_config is not None
@@ -358,7 +367,7 @@ class Engine:
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
                 try:
-                    k = self.num_draft_tokens if self.drafter is not None else 0
+                    k = self.draft_limit
                     with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none"):
                         handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
                                                              for s, r in zip(slots, reqs)], self.drafter)
@@ -394,7 +403,7 @@ class Engine:
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
-        if self.drafter is not None and self.overlap_drafting and type(self.drafter).prefetch is not Drafter.prefetch:
+        if self.drafter is not None and self.overlap_drafting and self.drafter.prefetches:
             self._prefetch(reqs, proposals)
         held = [len(r.prompt_ids) + r.num_tokens - 1 for r in reqs]  # tokens each slot holds before the round
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
@@ -468,7 +477,7 @@ class Engine:
         (the last one not yet in the cache): the last token and the drafts must fit the context,
         and no draft goes past max_tokens."""
         held = len(r.prompt_ids) + num_tokens - 1
-        return min(self.num_draft_tokens, self.max_seq_len - held - 1, r.output.max_new_tokens - num_tokens - 1)
+        return min(self.draft_limit, self.max_seq_len - held - 1, r.output.max_new_tokens - num_tokens - 1)
 
     def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
         """Let the drafter draft the next round on the assumption that every draft of this one is

@@ -219,6 +219,8 @@ class RemoteDrafter(Drafter):
             replica that was replaced listens elsewhere). None: ``address`` for good.
     """
 
+    prefetches = True  # drafts the next round on the drafter service while the target verifies
+
     def __init__(self, address: str, vocab_size: int, key: str | None = None, timeout_s: float = 10.0,
                  retry_s: float = 0.5, max_retry_s: float = 5.0, resolve: Callable[[], str] | None = None) -> None:
         self.address = address

@@ -294,6 +294,11 @@ class Drafter(ABC):
     # Its device drafts come from the verify pass itself (SpecFormer): ``device_after_verify`` runs
     # in every chained round, after verification, and leaves the next round's drafts on the device.
     drafts_from_verify: bool = False
+    # Drafts per sequence per round at most (None: as many as asked; a SpecFormer head: its l_d):
+    # the engine caps k with it.
+    max_draft_tokens: int | None = None
+    # Overrides ``prefetch`` with real work (a remote drafter): the engine then calls it each round.
+    prefetches: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:

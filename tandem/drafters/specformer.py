@@ -582,6 +582,7 @@ class SpecFormerDrafter(Drafter):
 
     def __init__(self, head: SpecFormerHead, top_m: int = 4) -> None:
         self.head = head.eval()
+        self.max_draft_tokens = head.config.num_draft_tokens  # l_d slots a round
         self.top_m = top_m
         self.target_taps = head.config.taps
         self.pending: dict[int, _Pending] = {}
