@@ -701,7 +701,7 @@ def trained(tiny_checkpoint, distilled, tmp_path_factory):
                   "--max-answer-tokens", "24"]
     for kind, extra in (("specformer", head_flags), ("draft-model", ["--init-layers", "0"])):
         res = runner.invoke(main, ["train", kind, "--data", str(distilled), "--out", str(out / kind), "--model", model,
-                                   "--device", "cpu", "--max-steps", "30", "--lr", "3e-3", "--batch-tokens", "512",
+                                   "--device", "cpu", "--max-steps", "15", "--lr", "5e-3", "--batch-tokens", "512",
                                    "--eval-limit", "3", "--eval-max-tokens", "16"] + extra)
         assert res.exit_code == 0, res.output
     return model, out
@@ -711,7 +711,7 @@ def test_cli_training_writes_weights_and_model_card(trained):
     _, out = trained
     for kind in ("specformer", "draft-model"):
         card = json.loads((out / kind / "card.json").read_text())
-        assert card["training"]["steps"] == 30 and card["data"]["answers"] == len(PROMPTS)
+        assert card["training"]["steps"] == 15 and card["data"]["answers"] == len(PROMPTS)
         sb = card["spec_bench"]
         assert sb["prompts"] == 3 and 0.0 <= sb["overall"]["acceptance_rate"] <= 1.0
         readme = (out / kind / "README.md").read_text()
@@ -751,7 +751,7 @@ def test_resume_into_a_run_of_other_settings_is_a_clear_error(trained, distilled
                         (["--context-init-layers", "1,0", "--soft-labels", "0.2"], "soft_label_weight 0.5 -> 0.2"),
                         (["--context-layers", "2"], "head.context_init")):
         res = CliRunner().invoke(main, ["train", "specformer", "--data", str(distilled), "--out", str(out / "specformer"),
-                                        "--model", model, "--device", "cpu", "--max-steps", "30", "--lr", "3e-3",
+                                        "--model", model, "--device", "cpu", "--max-steps", "15", "--lr", "5e-3",
                                         "--batch-tokens", "512", "--bonus-token", "--context-next-token",
                                         "--max-answer-tokens", "24"] + flags)
         assert res.exit_code == 2 and said in res.output and "Traceback" not in res.output, res.output
