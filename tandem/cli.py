@@ -433,6 +433,9 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
+@click.option("--kernels", type=click.Choice(["auto", "fused", "reference"]), default="auto", show_default=True,
+              help="Decode/verify kernels: fused (Triton + flash-attn, batch-invariant; GPU) or reference "
+                   "(PyTorch ops, masked SDPA); auto = fused where it can run.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k, random-length, "
                    "entropy-threshold, predictor, full-system over --drafter (or --ca-drafter) at k = "
@@ -444,8 +447,8 @@ def info(model, device, batch_size, max_seq_len) -> None:
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, ablation, drafter,
-          draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
+          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, kernels, ablation,
+          drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     from .data import bundled_spec_bench, load_prompts
@@ -485,13 +488,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
-                   out, warmup)
+                   out, warmup, kernels)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out,
-                   warmup) -> None:
+                   warmup, kernels="auto") -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     import torch
     from tqdm import tqdm
@@ -521,7 +524,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                            ca_drafter=ca_drafter,
                            predictor=predictor, tau=tau, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
-                                compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None)
+                                compile=compile_, dtype=getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None,
+                                kernels=kernels)
     checkpoint = load_checkpoint(model)
     uses_predictor = any(c.name in ("context-aware", "predictor", "full-system") for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)

@@ -8,6 +8,8 @@ from helpers import make_runner, our_logits
 
 from tandem.models import CacheFullError, KVCache, load_checkpoint
 from tandem.models.runner import ModelRunner, RunnerConfig
+from tandem.models.kernels import MAX_FUSED_TOKENS
+from tandem.models.kv_cache import KV_SLACK
 
 ATOL = 1e-4
 
@@ -188,9 +190,9 @@ def test_step_argument_errors(tiny):
 def test_kv_cache_layout(tiny):
     c = tiny.config
     cache = KVCache(c, num_slots=3, capacity=10)
-    assert cache.k.shape == (c.num_layers, 3, c.num_kv_heads, 11, c.head_dim)
+    assert cache.k.shape == (c.num_layers, 3, c.num_kv_heads, 10 + KV_SLACK, c.head_dim)
     assert cache.v.shape == cache.k.shape
-    assert cache.scratch_index == 10
+    assert cache.scratch_index == 10 + KV_SLACK - 1 and KV_SLACK >= MAX_FUSED_TOKENS
     assert cache.nbytes() == 2 * cache.k.numel() * 4
     assert cache.lengths == [0, 0, 0] and cache.num_free() == 3
 

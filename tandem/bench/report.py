@@ -46,8 +46,8 @@ def main_table(report: BenchReport) -> TextTable:
     lossless share; then per decode round: wall ms, GPU-busy ms, their ratio, graph launches and
     host syncs; then latency and memory."""
     m = report.meta
-    title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}"
-             + (", exact kernels" if m.exact_kernels else ""))
+    title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
+             f"({m.attention})" + (", exact kernels" if m.exact_kernels else ""))
     headers = ["method", "batch", "k", "κ", "TPS", "speedup", "acceptance", "lossless", "round ms", "GPU ms",
                "wall/GPU", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB"]
     rows = [[r.config, str(r.batch_size), str(r.k), _f(r.kappa, ".2f"), _f(r.tps, ".1f"), _f(r.speedup, ".2f") + "x",
@@ -172,7 +172,7 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     written = [write_json(report, out), out / "results.md", out / "speedup.png"]
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
-            f"{m.compile}, exact kernels {m.exact_kernels}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
+            f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
             f"submission (all prompts are queued at once).\n\n")

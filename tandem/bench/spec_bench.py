@@ -28,7 +28,7 @@ from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
-from ..models.runner import ModelRunner, RunnerConfig
+from ..models.runner import ModelRunner, RunnerConfig, resolve_kernels
 from ..models.weights import Checkpoint
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -117,6 +117,8 @@ class BenchMeta:
     torch: str
     date_utc: str
     warmup: str = "short"  # results written before the option existed ran the short warm-up
+    kernels: str = "reference"  # decode/verify path (RunnerConfig.kernels resolved); older results ran the reference
+    attention: str = "sdpa-masked"  # attention backend of decode/verify steps
 
 
 @dataclass
@@ -362,13 +364,14 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
         ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
     rc = config  # the settings every engine shares (batch size aside)
+    kernels = resolve_kernels(rc, checkpoint.config)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
                      dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup)
+                     warmup=warmup, kernels=kernels, attention="flash-attn" if kernels == "fused" else "sdpa-masked")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")

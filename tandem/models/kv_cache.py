@@ -1,8 +1,10 @@
 """Preallocated KV cache with one slot per running sequence.
 
-Layout (per K and V): ``[num_layers, num_slots, num_kv_heads, capacity + 1, head_dim]``. The extra
-position at index ``capacity`` is a scratch row: padded tokens of a ragged batch write there and
-attention never reads it. Each slot has a length (tokens held); appending writes at
+Layout (per K and V): ``[num_layers, num_slots, num_kv_heads, capacity + KV_SLACK, head_dim]``. The
+positions past ``capacity`` never hold a sequence's tokens: padded tokens of a ragged batch write to
+the last one (the scratch row), and the fused attention (``tandem.models.kernels``), which attends
+``start + Q`` positions of every row whatever its real token count, may read them for a row's
+padding only. Each slot has a length (tokens held); appending writes at
 ``length .. length + q - 1`` and truncating just lowers the length (O(1)), which is how
 speculative decoding rolls back rejected draft tokens.
 """
@@ -21,6 +23,7 @@ class CacheFullError(RuntimeError):
     """A slot would grow past the cache capacity, or no slot is free."""
 
 
+KV_SLACK = 16  # positions past the capacity: the scratch row, and room for the widest fused step's padding
 MEMORY_HEADROOM = 0.9  # share of the free memory one allocation may take
 
 
@@ -57,7 +60,7 @@ class KVCache:
         device, dtype: where and how K/V are stored.
 
     Attributes:
-        k, v: ``[num_layers, num_slots, num_kv_heads, capacity + 1, head_dim]``.
+        k, v: ``[num_layers, num_slots, num_kv_heads, capacity + KV_SLACK, head_dim]``.
         lengths: host-side list of tokens held per slot; the device copy is built per forward.
     """
 
@@ -65,7 +68,7 @@ class KVCache:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if num_slots < 1 or capacity < 2:
             raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
-        shape = (config.num_layers, num_slots, config.num_kv_heads, capacity + 1, config.head_dim)
+        shape = (config.num_layers, num_slots, config.num_kv_heads, capacity + KV_SLACK, config.head_dim)
         check_fits(2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size(), torch.device(device),
                    f"a KV cache of {num_slots} slots x {capacity} tokens")
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -77,8 +80,8 @@ class KVCache:
 
     @property
     def scratch_index(self) -> int:
-        """Position index that padded tokens write to; never attended."""
-        return self.capacity
+        """Position index that padded tokens write to; never attended by a real token."""
+        return self.k.shape[3] - 1
 
     def nbytes(self) -> int:
         """Bytes held by K and V together."""

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
+from .kernels import fused_unavailable_reason
 from .kv_cache import KVCache
 from .transformer import Transformer
 from .weights import Checkpoint
@@ -65,6 +66,11 @@ class RunnerConfig:
             and attention-mask memory while letting many short prompts share one forward.
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
+        kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
+            they can run: CUDA with Triton and flash-attn, no QK-norm), "fused" (the same, or a
+            ConfigError saying why not), "reference" (plain PyTorch ops with a masked SDPA, the
+            path a CPU always takes). Prefill and token trees always take the reference path.
+            The fused path replaces ``compile`` (which is then ignored).
     """
 
     device: str = "cpu"
@@ -77,6 +83,31 @@ class RunnerConfig:
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
     taps: tuple[int, ...] = ()
+    kernels: str = "auto"
+
+
+KERNEL_CHOICES = ("auto", "fused", "reference")
+
+
+def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
+    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused" or "reference".
+
+    Raises:
+        ConfigError: an unknown choice, or "fused" where the fused path cannot run (the
+            message says why: no CUDA, no triton / flash-attn, dtype, head size, QK-norm).
+    """
+    choice = config.kernels
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "reference":
+        return "reference"
+    device = torch.device(config.device)
+    reason = "QK-norm models" if model.qk_norm else fused_unavailable_reason(device, model.head_dim, config.dtype)
+    if reason is not None and choice == "fused":
+        raise ConfigError(f"the fused kernels cannot run here: {reason}")
+    if reason is not None and device.type == "cuda":
+        log.warning("decode kernels: reference PyTorch path (%s)", reason)
+    return "fused" if reason is None else "reference"
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -131,19 +162,33 @@ class ModelRunner:
         model = Transformer(checkpoint.config, max_positions=config.max_seq_len + 1)
         model.load_weights(checkpoint.tensors)
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
+        self.model.fused = self._use_fused_kernels()
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
         # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
         # dynamic-shape inductor kernels made batch 16 2.6x slower than plain graphs, while at
-        # batch 1 fusion lifts graphs from 325 to 504 tok/s.
+        # batch 1 fusion lifts graphs from 325 to 504 tok/s. The fused kernels make it unnecessary.
         self._forward_compiled = (torch.compile(self._forward_logits, dynamic=True, fullgraph=True)
-                                  if config.compile else None)
+                                  if config.compile and not self.model.fused else None)
         self._graphs: dict[tuple, CapturedCall] = {}  # (batch, tokens/row, context, tree, patch key)
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
         # pinned host inputs per graph, two per shape: with a round in flight (chained rounds) the next
         # round's inputs are staged while the previous copy may not have run yet
         self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._staging_turn: dict[tuple, int] = {}
+
+    def _use_fused_kernels(self) -> bool:
+        return resolve_kernels(self.config, self.model_config) == "fused"
+
+    @property
+    def kernels(self) -> str:
+        """The decode/verify path in use: "fused" (Triton + flash-attn) or "reference"."""
+        return "fused" if self.model.fused else "reference"
+
+    @property
+    def attention_backend(self) -> str:
+        """Attention of decode/verify steps: "flash-attn" (fused path) or "sdpa-masked"."""
+        return "flash-attn" if self.model.fused else "sdpa-masked"
 
     # ------------------------------------------------------------------ forwards
 

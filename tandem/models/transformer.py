@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig, ModelLoadError
+from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
 
 
@@ -56,7 +58,7 @@ class Block(nn.Module):
         """Args:
             x: ``[B, Q, d]`` hidden states.
             cos, sin: ``[B, Q, head_dim]`` rotary tables at each token's position.
-            k_cache, v_cache: this layer's cache rows ``[B, kv_heads, capacity + 1, head_dim]``.
+            k_cache, v_cache: this layer's cache rows ``[B, kv_heads, capacity + KV_SLACK, head_dim]``.
             rows, write_pos: ``[B, Q]`` where each token's K/V is written.
             attn_mask: ``[B, 1, group * Q, attn_len]`` bool, True = may attend.
             attn_len: cache positions attended (>= every row's new length).
@@ -127,6 +129,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.max_positions = max_positions
+        self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -163,7 +166,7 @@ class Transformer(nn.Module):
             tokens: ``[B, Q]`` token ids; row b's first ``q_lens[b]`` are real, the rest padding.
             start: ``[B]`` int64, tokens each row holds before this call (its write offset).
             q_lens: ``[B]`` int64, real tokens per row (0 allowed: the row only does dummy work).
-            k_cache, v_cache: ``[num_layers, B, kv_heads, capacity + 1, head_dim]`` views of the
+            k_cache, v_cache: ``[num_layers, B, kv_heads, capacity + KV_SLACK, head_dim]`` views of the
                 cache rows this batch runs on (the last position is the scratch row).
             attn_len: cache positions to attend over; must be >= max(start + q_lens).
             depth: ``[B, Q]`` int64 position offset of each new token (token tree verification:
@@ -180,6 +183,8 @@ class Transformer(nn.Module):
             states or None when ``taps`` is empty).
         """
         B, Q = tokens.shape
+        if self.fused and depth is None and tree_mask is None and Q <= MAX_FUSED_TOKENS:
+            return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps)
         g = self.config.group_size
         scratch = k_cache.shape[3] - 1
         offs = torch.arange(Q, device=tokens.device)
@@ -207,6 +212,43 @@ class Transformer(nn.Module):
             if _is_tap(i + 1, taps):
                 tapped.append(x)
         return self.norm(x), _stack_taps(tapped, taps)
+
+    def forward_fused(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
+        fused GPU kernels (``tandem.models.kernels``): nine kernels per layer, no attention mask, and
+        every row's result independent of the other rows of the batch and of the row's width.
+
+        Same arguments and result as ``forward_hidden`` (no trees). The cache rows need
+        ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity):
+        attention runs over ``start + Q`` positions of each row, causally aligned at the end, so a
+        row's real tokens never see its padding.
+        """
+        cfg = self.config
+        B, Q = tokens.shape
+        scratch = k_cache.shape[3] - 1
+        offs = torch.arange(Q, device=tokens.device)
+        slot_pos = start[:, None] + offs[None, :]
+        write_pos = torch.where(offs[None, :] < q_lens[:, None], slot_pos, torch.full_like(slot_pos, scratch))
+        rope_pos = slot_pos.clamp(max=self.max_positions - 1)
+        seqlens = (start + Q).to(torch.int32)
+        eps = cfg.rms_norm_eps
+        x = self.embed(tokens)
+        tapped = [x] if _is_tap(0, taps) else []
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
+            q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
+                                      k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens)
+            x = layer.wo(att.reshape(B, Q, layer.q_size))
+            h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
+            x = layer.w2(kernels.silu_mul(layer.w13(h)))
+            if _is_tap(i + 1, taps):
+                tapped.append(residual + x)
+        hidden, _ = kernels.add_rmsnorm(x, residual, self.norm.weight, eps)
+        return hidden, _stack_taps(tapped, taps)
 
     def forward_causal(self, tokens: torch.Tensor, taps: tuple[int, ...] = (),
                        num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,216 @@
+"""Fused GPU kernels for the decode and verify forward (Triton), and the attention entry point.
+
+A plain PyTorch layer issues about forty small kernels per decode step (RMSNorm alone is seven:
+cast, square, mean, add, rsqrt, multiply, scale), and at the bundled model's size each costs a few
+microseconds of GPU time and about as much CPU time inside a CUDA-graph launch. The fused path
+issues nine per layer: add+RMSNorm, the QKV GEMM, RoPE+KV-cache write, attention, the output GEMM,
+add+RMSNorm, the gate/up GEMM, SiLU-multiply, the down GEMM (GEMMs stay cuBLAS).
+
+Every kernel here processes one token row per program with a fixed block size, so a row's result
+does not depend on how many rows share the launch (batch- and width-invariant, as in Thinking
+Machines' "Defeating Nondeterminism in LLM Inference", 2025). Attention is FlashAttention-2's
+``flash_attn_with_kvcache`` (Dao 2023) with a fixed split count (``ATTN_SPLITS``) for the same reason:
+its own heuristic picks the split count from the batch size.
+
+Nothing here runs on a CPU: ``fused_available()`` says whether this process can use the path
+(CUDA, Triton, flash-attn, a supported head size); the float32 reference forward in
+``transformer.py`` is what the fused path is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .kv_cache import KV_SLACK
+
+log = logging.getLogger(__name__)
+
+ATTN_SPLITS = 1  # flash-attn split-KV chunks: fixed, so a row's attention does not depend on the batch
+MAX_FUSED_TOKENS = KV_SLACK  # tokens per row the fused forward takes (decode and verify; prefill is wider)
+FLASH_HEAD_DIMS = (64,)  # head sizes the bundled flash-attn build was compiled for
+
+
+@functools.lru_cache(maxsize=1)
+def _modules():
+    """``(triton, tl, flash_attn_with_kvcache)`` or None when any is missing."""
+    try:
+        import triton
+        import triton.language as tl
+        from flash_attn import flash_attn_with_kvcache
+    except Exception as exc:  # ImportError, or a flash-attn build that does not load here
+        log.info("fused decode kernels unavailable: %s", exc)
+        return None
+    return triton, tl, flash_attn_with_kvcache
+
+
+def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the fused path cannot run for this model and device, or None when it can."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (flash-attn needs bf16/fp16)"
+    if head_dim not in FLASH_HEAD_DIMS:
+        return f"head dim {head_dim} (the flash-attn build supports {FLASH_HEAD_DIMS})"
+    if _modules() is None:
+        return "triton or flash-attn is not importable (pip install 'tandem[flash-attn]' on a GPU machine)"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    triton, tl, _ = _modules()
+
+    @triton.jit
+    def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        # one row per program: r = x (+ res), rounded to the storage dtype as a plain add would be;
+        # out = w * (r / rms(r)) with the normalised value rounded before the scale, as RMSNorm does
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+            x = (x + r).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * n_cols + cols, x, mask=m)
+            x = x.to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr, v_ptr,
+                       tokens_per_row, k_sb, k_sh, k_sp, qkv_stride,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # one token per program: rotate its q heads into q_out, rotate its k heads and copy its v
+        # heads into the cache rows at the token's write position (rotate-half RoPE)
+        tok = tl.program_id(0).to(tl.int64)
+        b = tok // tokens_per_row
+        half: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, half)
+        pos = tl.load(pos_ptr + tok)
+        wpos = tl.load(write_ptr + tok)
+        cos1 = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
+        cos2 = tl.load(cos_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
+        sin1 = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+        sin2 = tl.load(sin_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
+        base = qkv_ptr + tok * qkv_stride
+        for h in tl.static_range(HEADS):
+            x1 = tl.load(base + h * HEAD_DIM + d).to(tl.float32)
+            x2 = tl.load(base + h * HEAD_DIM + half + d).to(tl.float32)
+            o = q_out_ptr + (tok * HEADS + h) * HEAD_DIM
+            tl.store(o + d, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty))
+            tl.store(o + half + d, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty))
+        for h in tl.static_range(KV_HEADS):
+            kb = base + (HEADS + h) * HEAD_DIM
+            x1 = tl.load(kb + d).to(tl.float32)
+            x2 = tl.load(kb + half + d).to(tl.float32)
+            dst = b * k_sb + h * k_sh + wpos * k_sp
+            tl.store(k_ptr + dst + d, (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + dst + half + d, (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty))
+            vb = base + (HEADS + KV_HEADS + h) * HEAD_DIM
+            tl.store(v_ptr + dst + d, tl.load(vb + d))
+            tl.store(v_ptr + dst + half + d, tl.load(vb + half + d))
+
+    @triton.jit
+    def silu_mul_kernel(gu_ptr, out_ptr, n_inter, BLOCK: tl.constexpr):
+        # program (row, chunk): silu(gate) * up over one BLOCK of the row's [gate | up] halves, each
+        # op rounded to the storage dtype as the unfused ops are
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < n_inter
+        g = tl.load(gu_ptr + row * 2 * n_inter + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * n_inter + n_inter + cols, mask=m, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * n_inter + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
+
+    return add_rmsnorm_kernel, rope_kv_kernel, silu_mul_kernel
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = x + residual`` (or ``x``), then RMSNorm(r) (Zhang & Sennrich 2019) in one kernel.
+
+    Args:
+        x, residual: ``[..., d]`` contiguous, same dtype; ``residual`` None for the first layer.
+        weight: ``[d]``.
+
+    Returns:
+        ``(normed [..., d], r [..., d])``: the normalised rows and the new residual stream.
+    """
+    add_rmsnorm_kernel, _, _ = _kernels()
+    d = x.shape[-1]
+    rows = x.numel() // d
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    add_rmsnorm_kernel[(rows,)](x, residual if residual is not None else x, weight, out, res_out, d, eps,
+                                HAS_RES=residual is not None, BLOCK=_pow2(d))
+    return out, res_out
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                  write_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotate q and k (RoPE, Su et al. 2021, rotate-half layout) and write k, v into the cache.
+
+    Args:
+        qkv: ``[B, Q, (heads + 2 * kv_heads) * head_dim]`` the fused projection's output.
+        cos, sin: ``[max_positions, head_dim]`` tables.
+        pos: ``[B, Q]`` int64 rotary position of each token.
+        write_pos: ``[B, Q]`` int64 cache position each token's K/V goes to.
+        k_cache, v_cache: one layer's rows ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
+
+    Returns:
+        Rotated q ``[B, Q, heads, head_dim]``.
+    """
+    _, rope_kv_kernel, _ = _kernels()
+    B, Q, width = qkv.shape
+    hd = cos.shape[-1]
+    q = torch.empty((B, Q, heads, hd), dtype=qkv.dtype, device=qkv.device)
+    qkv = qkv.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    rope_kv_kernel[(B * Q,)](qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), q, k_cache, v_cache, Q,
+                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), width,
+                             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` over ``[..., 2 * I]`` rows (gate first) -> ``[..., I]``."""
+    _, _, silu_mul_kernel = _kernels()
+    inter = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1]
+    out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(_pow2(inter), 1024)
+    silu_mul_kernel[(rows, -(-inter // block))](gate_up.contiguous(), out, inter, BLOCK=block)
+    return out
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
+
+    Args:
+        q: ``[B, Q, heads, head_dim]``; token j of row b is at position ``seqlens[b] - Q + j``.
+        k_cache, v_cache: ``[B, kv_heads, positions, head_dim]`` (the K/V of the new tokens already
+            written); ``positions >= max(seqlens)``.
+        seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end).
+
+    Returns:
+        ``[B, Q, heads, head_dim]``. FlashAttention-2 (``flash_attn_with_kvcache``) with
+        ``ATTN_SPLITS`` fixed split-KV chunks.
+    """
+    flash = _modules()[2]
+    return flash(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
+                 num_splits=ATTN_SPLITS)
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
