@@ -215,14 +215,18 @@ class SlotSampling:
         self.temperature.index_copy_(0, idx, floats[:, 0])
         self.top_p.index_copy_(0, idx, floats[:, 1])
 
-    def rows(self, n: int, slots: list[int]) -> RowSampling:
-        """Settings of rows ``0 .. n-1`` (row = slot) for a step over ``slots``; the host flags
-        come from those slots' parameters."""
+    def flags(self, slots: list[int]) -> tuple[bool, bool]:
+        """``(any_sampled, filtered)`` of a step over ``slots`` (``RowSampling``'s host flags)."""
         ps = [self.params[s] for s in slots]
         sampled = [p for p in ps if p is not None and not p.greedy]
+        return bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+
+    def rows(self, n: int, slots: list[int] | None = None, flags: tuple[bool, bool] | None = None) -> RowSampling:
+        """Settings of rows ``0 .. n-1`` (row = slot) for a step over ``slots``, whose parameters
+        give the host flags (or pass ``flags`` from ``flags(slots)``)."""
+        any_sampled, filtered = flags if flags is not None else self.flags(slots or [])
         return RowSampling(self.greedy[:n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
-                           any_sampled=bool(sampled),
-                           filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+                           any_sampled=any_sampled, filtered=filtered)
 
 
 class RoundState:
@@ -443,10 +447,23 @@ class LocalTarget(Target):
         k = max(it.max_draft for it in items)
         if k and (drafter is None or not drafter.drafts_on_device):
             raise ValueError("chained drafts need a drafter that drafts on the device")
+        flags = self.sampling.flags([it.slot for it in items])
+        logprobs = any(it.return_logprobs for it in items)
+        if drafter is not None:
+            drafter.prepare_round(flags[0])  # its buffers exist before any graph is captured
+
+        def verify(out) -> torch.Tensor:  # captured with the forward: the round is one graph launch
+            n, Q = out.argmax.shape
+            sampling = self.sampling.rows(n, flags=flags)
+            q = drafter.device_draft_probs(n, Q - 1) if drafter is not None and flags[0] else None
+            chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
+            return self._verify_device(out, chain, sampling, q, drafter, logprobs)
+
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
                                patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k),
-                               patch_key=("chained", id(drafter) if drafter is not None else None, k))
-        return self._verify_step(items, out, {}, drafter)
+                               patch_key=("chained", id(drafter) if drafter is not None else None, k, flags, logprobs),
+                               epilogue=verify)
+        return self._launched(items, out, {}, None)
 
     def prime_drafts(self, slots: list[int], drafter) -> None:
         """After ``prefill`` of ``slots`` and the drafter's ``observe`` of it: a drafter that drafts
@@ -460,41 +477,51 @@ class LocalTarget(Target):
         drafter.device_prime(keep, self.state, self.sampling.rows(n, slots),
                              max(self.cache.lengths[s] for s in slots) + 1)
 
-    def _verify_step(self, items: list, out, trees: dict[int, list[int]], drafter=None) -> "_LaunchedVerify":
-        """Verification of a queued step, the device round state's update, a verify-pass drafter's
-        device work (chained rounds) and the results' copy."""
-        slots = [it.slot for it in items]
-        for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
-            self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
+    def _verify_step(self, items: list[VerifyItem], out, trees: dict[int, list[int]]) -> "_LaunchedVerify":
+        """Verification of a queued host-drafted step (its drafts and q came from the host), the
+        device round state's update and the results' copy."""
+        n, Q = out.argmax.shape
+        # made on the device: a copy from pageable host memory may make the driver wait for the
+        # stream, i.e. for the round in flight, which would undo the chaining
+        chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
+        if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
+            chain[torch.tensor(sorted(trees), dtype=torch.int64).to(chain.device)] = False
+        sampling = self.sampling.rows(n, [it.slot for it in items])
+        q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
+        packed = self._verify_device(out, chain, sampling, q, None, any(it.return_logprobs for it in items))
+        if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
+            out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
+        return self._launched(items, out._replace(epilogue=packed), trees, sampling)
+
+    def _verify_device(self, out, chain: torch.Tensor, sampling: RowSampling, q: torch.Tensor | None, drafter,
+                       logprobs: bool) -> torch.Tensor:
+        """A verify round's device work after its forward, with no host synchronisation (a chained
+        round captures it in the step's graph): ``verify_chains`` over the chain rows (``chain``
+        ``[n]`` bool; other rows verify no drafts), the round state's update, a verify-pass
+        drafter's next drafts (``Drafter.device_after_verify``), and the results packed for the
+        host: ``[n, 3 + Q (+ Q)]`` float64 rows of start, q_len, accepted, the Q emitted-token
+        slots, then (``logprobs``) their log-probabilities."""
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
-        draft_lens = (inputs[:, 1] - 1).clamp_min(0)
-        # made on the device: a copy from pageable host memory may make the driver wait for the
-        # stream, i.e. for the round in flight, which would undo the chaining
-        chain = torch.ones(n, dtype=torch.bool, device=inputs.device)
-        if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
-            chain[torch.tensor(sorted(trees), dtype=torch.int64).to(inputs.device)] = False
-            draft_lens = draft_lens * chain
-        sampling = self.sampling.rows(n, slots)
-        if drafter is not None:  # a chained round: the drafter's q is on the device already
-            q = drafter.device_draft_probs(n, Q - 1) if sampling.any_sampled else None
-        else:
-            q = self._draft_probs([it for it in items if isinstance(it, VerifyItem) and it.slot not in trees],
-                                  n, Q - 1, draft_tokens)
+        draft_lens = (inputs[:, 1] - 1).clamp_min(0) * chain
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling, q)
         self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
         if drafter is not None and drafter.drafts_from_verify:
             drafter.device_after_verify(VerifiedStep(inputs[:, 0], out.taps, res.num_accepted, res.tokens,
                                                      chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
         packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1).double()
-        if any(it.return_logprobs for it in items):  # row j of the forward predicts the token after the j-th input
+        if logprobs:  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
             packed = torch.cat([packed, lp.double()], dim=1)
-        copy = _HostCopy(packed, self._pinned)
-        if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
-            out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
-        return _LaunchedVerify(items, slots, trees, out, sampling, copy, Q)
+        return packed
+
+    def _launched(self, items: list, out, trees: dict[int, list[int]], sampling) -> "_LaunchedVerify":
+        """Queue the copy of a round's packed results (``out.epilogue``) for ``collect``."""
+        for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
+            self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
+        copy = _HostCopy(out.epilogue, self._pinned)
+        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, out.argmax.shape[1])
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
         """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's

@@ -336,10 +336,17 @@ class Drafter(ABC):
         speculative sampling), or None when they are deterministic (q one-hot: the default)."""
         return None
 
+    def prepare_round(self, sampled: bool) -> None:
+        """Called before a chained round is queued (``sampled``: some request of it samples):
+        allocate any device buffer its device work needs, outside the round's graph capture
+        (memory allocated and filled inside a capture would be refilled by every replay). The
+        default does nothing."""
+
     def device_after_verify(self, step: VerifiedStep) -> None:
         """Device work after a chained round's verification (``drafts_from_verify`` drafters):
         read the verify pass, update the drafter's state and leave the next round's drafts where
-        ``device_drafts`` finds them. Queues device work only. The default does nothing."""
+        ``device_drafts`` finds them. Queues device work only, with no host synchronisation: it
+        is captured in the round's CUDA graph. The default does nothing."""
 
     def bind(self, runner) -> None:
         """Attach to the in-process target ``ModelRunner`` (drafters with ``target_taps`` only)."""

@@ -778,13 +778,14 @@ class SpecFormerDrafter(Drafter):
             raise RuntimeError("SpecFormerDrafter.device_after_verify before bind()")
         n, Q = step.tokens.shape
         sampling = step.sampling
-        self._ensure_q(sampling)
+        self._ensure_q(sampling.any_sampled)
         values = (step.start, step.taps, step.num_accepted, step.tokens, step.keep)
 
         def run(start, taps, num_accepted, tokens, keep):
             self._chained_rows(start, taps, num_accepted, tokens, keep, step.attn_len, step.state, sampling)
 
-        if self._static:
+        # inside the target's capture of the round (the usual case) the work joins that graph
+        if self._static and not (self.k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
             key = ("chained", n, Q, step.attn_len, sampling.any_sampled, sampling.filtered)
 
             def fill(inputs):
@@ -812,12 +813,16 @@ class SpecFormerDrafter(Drafter):
         """Drafts for slots just prefilled (``keep`` ``[n]`` bool over rows ``0 .. n-1``), from the
         context states ``observe`` left, so their first chained round already verifies drafts.
         ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length."""
-        self._ensure_q(sampling)
+        self._ensure_q(sampling.any_sampled)
         self._draft_next(keep, state, sampling, width)
 
-    def _ensure_q(self, sampling) -> None:
+    def prepare_round(self, sampled: bool) -> None:
+        """The q buffer before a sampled chained round is captured (``Drafter.prepare_round``)."""
+        self._ensure_q(sampled)
+
+    def _ensure_q(self, sampled: bool) -> None:
         """The q buffer, made when the first sampled request drafts (outside any graph capture)."""
-        if sampling.any_sampled and self._draft_q is None:
+        if sampled and self._draft_q is None:
             cfg = self.head.config
             self._draft_q = torch.zeros((self._num_slots, cfg.num_draft_tokens, cfg.vocab_size),
                                         dtype=torch.float32, device=self.k_cache.device)

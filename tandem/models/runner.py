@@ -176,6 +176,7 @@ class ModelRunner:
         # round's inputs are staged while the previous copy may not have run yet
         self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._staging_turn: dict[tuple, int] = {}
+        self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
 
     def _use_fused_kernels(self) -> bool:
         return resolve_kernels(self.config, self.model_config) == "fused"
@@ -283,7 +284,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
-             patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None) -> StepOutput:
+             patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None,
+             epilogue: Callable[["StepOutput"], torch.Tensor] | None = None) -> StepOutput:
         """Append tokens to several slots in one batched forward (decode or verification).
 
         Args:
@@ -304,6 +306,13 @@ class ModelRunner:
                 the round is back. With CUDA graphs the patch is captured in the step's graph
                 (one launch for both), once per ``patch_key``: patches with the same key must do
                 the same device work (they may be different closures over the same tensors).
+            epilogue: device work after the forward, given its ``StepOutput`` (inputs and
+                attn_len set): verification, the device round state's update, a drafter's work
+                on the verify pass; its result is the output's ``epilogue``. Captured in the same
+                graph (the round is one launch), keyed by ``patch_key`` as the patch is. An
+                epilogue may update device state, so it must run exactly once per step: the
+                first step of a key runs eagerly (it warms every kernel up), the second captures
+                the graph without warm-up runs and replays it.
 
         Returns:
             ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
@@ -340,25 +349,38 @@ class ModelRunner:
             rows.append(row)
         packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
-            out = self._replay(n, q, attn_len, packed, tree, patch, patch_key)
+            out = self._replay(n, q, attn_len, packed, tree, patch, patch_key, epilogue)
         else:
-            inputs = packed.to(self.device)
-            if patch is not None:
-                patch(inputs, attn_len)
-            out = self._forward(inputs, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)._replace(
-                inputs=inputs, attn_len=attn_len)
+            out = self._step_fn(n, q, attn_len, patch, epilogue)(packed.to(self.device))
         for slot, toks in tokens_per_slot.items():
             self.cache.lengths[slot] += len(toks)
         return out
 
     # ------------------------------------------------------------------ CUDA graphs
 
+    def _step_fn(self, n: int, q: int, attn_len: int, patch=None, epilogue=None,
+                 forward=None) -> Callable[[torch.Tensor], "StepOutput"]:
+        """The device work of one step over packed inputs ``p``: patch, forward, epilogue."""
+        k, v = self.cache.k[:, :n], self.cache.v[:, :n]
+        forward = forward or self._forward
+
+        def run(p: torch.Tensor) -> StepOutput:
+            if patch is not None:
+                patch(p, attn_len)
+            out = forward(p, k, v, attn_len, q)._replace(inputs=p, attn_len=attn_len)
+            return out if epilogue is None else out._replace(epilogue=epilogue(out))
+        return run
+
     def _replay(self, n: int, q: int, attn_len: int, packed: torch.Tensor, tree: bool = False,
-                patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None) -> StepOutput:
-        key = (n, q, attn_len, tree, patch_key if patch is not None else None)
+                patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None,
+                epilogue: Callable[["StepOutput"], torch.Tensor] | None = None) -> StepOutput:
+        key = (n, q, attn_len, tree, patch_key if patch is not None or epilogue is not None else None)
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._capture(n, q, attn_len, packed, patch)
+            if epilogue is not None and key not in self._warmed:  # see ``step``: run once eagerly first
+                self._warmed.add(key)
+                return self._step_fn(n, q, attn_len, patch, epilogue)(packed.to(self.device))
+            captured = self._capture(n, q, attn_len, packed, patch, epilogue)
             self._graphs[key] = captured
         # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. Two
         # buffers per shape, used in turn: the one used two steps ago has long been copied.
@@ -375,36 +397,28 @@ class ModelRunner:
             copied.record()
         else:  # the graph bookkeeping run on a CPU (tests)
             captured.inputs[0].copy_(packed)
-        return captured()._replace(inputs=captured.inputs[0], attn_len=attn_len)
+        return captured()
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor,
-                 patch: Callable[[torch.Tensor, int], None] | None = None) -> "CapturedCall":
+                 patch: Callable[[torch.Tensor, int], None] | None = None,
+                 epilogue: Callable[["StepOutput"], torch.Tensor] | None = None) -> "CapturedCall":
         # Capturing during a real step is safe: a forward writes only its own tokens' K/V, so the
         # warm-up runs and the replay write identical values to identical positions (a patch that
         # drafts may draft fewer tokens in the second warm-up, which sees its own output; the
-        # replay, from the staged inputs, then writes every position the step owns again).
+        # replay, from the staged inputs, then writes every position the step owns again). An
+        # epilogue updates state: its step ran eagerly once already, and is captured without warm-up.
         log.info("capturing CUDA graph for batch %d, %d tokens/row, context %d", n, q, attn_len)
         packed = packed.to(self.device)
-        k, v = self.cache.k[:, :n], self.cache.v[:, :n]
-
-        def patched(forward):
-            if patch is None:
-                return forward
-
-            def run(p, *args):
-                patch(p, attn_len)
-                return forward(p, *args)
-            return run
-
+        warmup = 0 if epilogue is not None else 2
         if self._forward_compiled is not None and n == 1:
-            compiled = patched(self._forward_compiled)
+            compiled = self._step_fn(n, q, attn_len, patch, epilogue, forward=self._forward_compiled)
             try:
-                return CapturedCall(lambda p: compiled(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
+                return CapturedCall(compiled, (packed,), pool=self._graph_pool, warmup=warmup)
             except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
                 log.warning("torch.compile failed (%s); using the uncompiled forward", exc)
                 self._forward_compiled = None
-        forward = patched(self._forward)
-        return CapturedCall(lambda p: forward(p, k, v, attn_len, q), (packed,), pool=self._graph_pool)
+        return CapturedCall(self._step_fn(n, q, attn_len, patch, epilogue), (packed,), pool=self._graph_pool,
+                            warmup=warmup)
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
         """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
@@ -471,13 +485,15 @@ class StepOutput(NamedTuple):
     ``inputs``, the step's packed int64 rows on the device (start, q_len, the Q tokens, then tree
     columns; see ``ModelRunner._forward_logits``), so that verification reads the drafts there
     instead of copying them to the device again, and ``attn_len``, the attended context length
-    (>= every row's start + q_len; 0 after a prefill)."""
+    (>= every row's start + q_len; 0 after a prefill), and ``epilogue``, the result of the step's
+    epilogue (``ModelRunner.step``), if any."""
 
     logits: torch.Tensor
     argmax: torch.Tensor
     taps: torch.Tensor | None = None
     inputs: torch.Tensor | None = None
     attn_len: int = 0
+    epilogue: torch.Tensor | None = None
 
 
 def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
@@ -522,16 +538,17 @@ class CapturedCall:
         inputs: its static input buffers.
         capture: capture a CUDA graph (CUDA only).
         pool: graph memory pool shared with other captures (``torch.cuda.graph_pool_handle()``).
+        warmup: eager runs before the capture (0 when ``fn`` updates state and already ran once).
     """
 
-    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None) -> None:
+    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2) -> None:
         self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
         if not capture:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(warmup):
                 fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
