@@ -433,9 +433,11 @@ def info(model, device, batch_size, max_seq_len) -> None:
 @click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
-@click.option("--kernels", type=click.Choice(["auto", "fused", "reference"]), default="auto", show_default=True,
+@click.option("--kernels", type=click.Choice(["auto", "fused", "reference", "fused-heuristic"]), default="auto",
+              show_default=True,
               help="Decode/verify kernels: fused (Triton + flash-attn, batch-invariant; GPU) or reference "
-                   "(PyTorch ops, masked SDPA); auto = fused where it can run.")
+                   "(PyTorch ops, masked SDPA); auto = fused where it can run; fused-heuristic = fused with "
+                   "flash-attn's batch-dependent split-KV choice (measures what invariance costs).")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k, random-length, "
                    "entropy-threshold, predictor, full-system over --drafter (or --ca-drafter) at k = "

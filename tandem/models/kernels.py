@@ -191,7 +191,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: torch.Tensor) -> torch.Tensor:
+                           seqlens: torch.Tensor, splits: int = ATTN_SPLITS) -> torch.Tensor:
     """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
 
     Args:
@@ -199,14 +199,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache, v_cache: ``[B, kv_heads, positions, head_dim]`` (the K/V of the new tokens already
             written); ``positions >= max(seqlens)``.
         seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end).
+        splits: split-KV chunks; 0 = flash-attn's heuristic, which depends on the batch size
+            (a row's numerics then depend on its batch: only for measuring what invariance costs).
 
     Returns:
         ``[B, Q, heads, head_dim]``. FlashAttention-2 (``flash_attn_with_kvcache``) with
-        ``ATTN_SPLITS`` fixed split-KV chunks.
+        ``splits`` split-KV chunks.
     """
     flash = _modules()[2]
     return flash(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
-                 num_splits=ATTN_SPLITS)
+                 num_splits=splits)
 
 
 def _pow2(n: int) -> int:

@@ -69,8 +69,11 @@ class RunnerConfig:
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
             they can run: CUDA with Triton and flash-attn, no QK-norm), "fused" (the same, or a
             ConfigError saying why not), "reference" (plain PyTorch ops with a masked SDPA, the
-            path a CPU always takes). Prefill and token trees always take the reference path.
-            The fused path replaces ``compile`` (which is then ignored).
+            path a CPU always takes), "fused-heuristic" (the fused kernels with flash-attn's own
+            split-KV heuristic, which depends on the batch size: not batch-invariant, so greedy
+            speculative output may differ from target-only; it exists to measure what invariance
+            costs). Prefill and token trees always take the reference path. The fused path
+            replaces ``compile`` (which is then ignored).
     """
 
     device: str = "cpu"
@@ -86,7 +89,7 @@ class RunnerConfig:
     kernels: str = "auto"
 
 
-KERNEL_CHOICES = ("auto", "fused", "reference")
+KERNEL_CHOICES = ("auto", "fused", "reference", "fused-heuristic")
 
 
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
@@ -103,11 +106,13 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
         return "reference"
     device = torch.device(config.device)
     reason = "QK-norm models" if model.qk_norm else fused_unavailable_reason(device, model.head_dim, config.dtype)
-    if reason is not None and choice == "fused":
+    if reason is not None and choice.startswith("fused"):
         raise ConfigError(f"the fused kernels cannot run here: {reason}")
     if reason is not None and device.type == "cuda":
         log.warning("decode kernels: reference PyTorch path (%s)", reason)
-    return "fused" if reason is None else "reference"
+    if reason is not None:
+        return "reference"
+    return "fused-heuristic" if choice == "fused-heuristic" else "fused"
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -179,12 +184,18 @@ class ModelRunner:
         self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
 
     def _use_fused_kernels(self) -> bool:
-        return resolve_kernels(self.config, self.model_config) == "fused"
+        kernels = resolve_kernels(self.config, self.model_config)
+        if kernels == "fused-heuristic":
+            self.model.attn_splits = 0
+        return kernels != "reference"
 
     @property
     def kernels(self) -> str:
-        """The decode/verify path in use: "fused" (Triton + flash-attn) or "reference"."""
-        return "fused" if self.model.fused else "reference"
+        """The decode/verify path in use: "fused" (Triton + flash-attn), "fused-heuristic" or
+        "reference" (``RunnerConfig.kernels``)."""
+        if not self.model.fused:
+            return "reference"
+        return "fused" if self.model.attn_splits else "fused-heuristic"
 
     @property
     def attention_backend(self) -> str:

@@ -130,6 +130,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.max_positions = max_positions
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
+        self.attn_splits = kernels.ATTN_SPLITS  # the fused attention's split-KV chunks (0: batch-dependent)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -241,7 +242,7 @@ class Transformer(nn.Module):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
                                       k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens)
+            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, self.attn_splits)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
