@@ -301,27 +301,32 @@ class Engine:
             req = self.waiting.popleft()
             req.slot = self.target.allocate()
             admitted[req.slot] = req
+        prefilled = None
         if admitted:
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
-                    results = self.target.prefill([PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
+                    handle = self.target.launch_prefill(
+                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
                     r.slot = None
                 raise
-            if self._observes:  # SpecFormer: the prompt's target states seed its context
+            results = None
+            if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
+                results = self.target.collect_prefill(handle)
                 self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], [*r.prompt_ids[1:], res.tokens[0]])
                                       for r, res in zip(reqs, results)])
                 if self.chains_rounds:  # their first drafts, on the device, before their first round
                     self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-            for req, res in zip(reqs, results):
-                outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
-                if not req.finished:
-                    self.running[req.slot] = req
+            if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
+                self.running.update((r.slot, r) for r in reqs)
+                prefilled = (reqs, handle, results)
+            else:
+                outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
         if self.chains_rounds or self._launched is not None:
-            outputs.extend(self._step_chained())
+            outputs.extend(self._step_chained(prefilled))
             return outputs
         # Overlapped rounds: launch round n + 1 (its inputs need only round n's token ids), run the
         # host work of round n (stop rules, detokenisation, streaming, metrics) while the device
@@ -344,12 +349,25 @@ class Engine:
                 self._collected = self._collect(launched)
         return outputs
 
-    def _step_chained(self) -> list[RequestOutput]:
+    def _admit(self, reqs: list[Request], results: list) -> list[RequestOutput]:
+        """Append the prefill's first token of each admitted request (stop rules included); the
+        ones it does not finish run."""
+        outputs = []
+        for req, res in zip(reqs, results):
+            outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
+            if not req.finished:
+                self.running[req.slot] = req
+        return outputs
+
+    def _step_chained(self, prefilled=None) -> list[RequestOutput]:
         """One step of chained rounds: queue round n + 1 from the target's device state while
         round n is still in flight, then wait for round n and run its stop rules, detokenisation
         and metrics while the device runs n + 1. A request that round n finishes ran n + 1 for
         nothing: that result is discarded and its slot freed when it is back. Requests admitted
-        this step join at once (their prefill left their first token on the device)."""
+        this step (``prefilled``: the requests, their ``PrefillHandle`` and its results if already
+        read) join at once: their
+        prefill left their first token on the device, and the host reads it after queueing n + 1,
+        so admission never leaves the device idle."""
         outputs: list[RequestOutput] = []
         if self._collected is not None:  # a host-drafted round's results (the drafter was just removed)
             outputs.extend(self._finish(self._collected))
@@ -376,6 +394,9 @@ class Engine:
                     raise
                 launched = _Round(reqs, [DraftProposal.empty() for _ in reqs], [], handle, t0, chained=True)
                 self._in_flight |= launched.slots
+            if prefilled is not None:  # the admitted requests' first tokens, read after the round was queued
+                reqs_in, handle_in, results = prefilled
+                outputs.extend(self._admit(reqs_in, results or self.target.collect_prefill(handle_in)))
             if previous is None:
                 self._launched = launched
                 return outputs

@@ -21,7 +21,7 @@ import torch
 
 from .drafters.base import DraftProposal, VerifiedStep
 from .models.kv_cache import KVCache
-from .models.runner import ModelRunner, RunnerConfig
+from .models.runner import ModelRunner, RunnerConfig, to_device
 from .models.weights import Checkpoint
 from .profiling import note_blocking_wait
 from .sampling import SamplingParams, new_seed
@@ -113,6 +113,15 @@ class TargetResult:
     num_drafts: int | None = None
 
 
+@dataclass
+class PrefillHandle:
+    """A prefill between ``Target.launch_prefill`` and ``collect_prefill``: ``extras`` per item
+    (e.g. the prompt's tapped states, on the device) and the target's own ``payload``."""
+
+    extras: list[dict[str, torch.Tensor]]
+    payload: object
+
+
 class Target(ABC):
     """Prefill and verification over a slot-addressed KV cache (see the module docstring)."""
 
@@ -140,6 +149,22 @@ class Target(ABC):
         Raises:
             CacheFullError: a prompt does not fit its slot. TargetUnavailable: remote failure.
         """
+
+    def launch_prefill(self, items: list[PrefillItem]) -> "PrefillHandle":
+        """Start ``prefill(items)``: a target that can queue the work (the GPU) returns before the
+        first tokens are known, so a chained round can be queued behind it before the host reads
+        them (``collect_prefill``). The handle's ``extras`` (per item, as ``TargetResult.extras``)
+        are usable at once. The default runs ``prefill`` now.
+
+        Raises:
+            As ``prefill``.
+        """
+        results = self.prefill(items)
+        return PrefillHandle([r.extras for r in results], results)
+
+    def collect_prefill(self, handle: "PrefillHandle") -> list[TargetResult]:
+        """The results of a ``launch_prefill`` (blocks until its first tokens are on the host)."""
+        return handle.payload
 
     @abstractmethod
     def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
@@ -204,11 +229,11 @@ class SlotSampling:
         seeds = [p.seed if p.seed is not None else new_seed() for p in params]
         for s, p, seed in zip(slots, params, seeds):
             self.params[s], self.seeds[s] = p, seed
-        idx = torch.tensor(slots, dtype=torch.int64).to(self.device)
-        ints = torch.tensor([[int(p.greedy), p.top_k, seed] for p, seed in zip(params, seeds)],
-                            dtype=torch.int64).to(self.device)
-        floats = torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p] for p in params],
-                              dtype=torch.float32).to(self.device)
+        idx = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        ints = to_device(torch.tensor([[int(p.greedy), p.top_k, seed] for p, seed in zip(params, seeds)],
+                                      dtype=torch.int64), self.device)
+        floats = to_device(torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p] for p in params],
+                                        dtype=torch.float32), self.device)
         self.greedy.index_copy_(0, idx, ints[:, 0] > 0)
         self.top_k.index_copy_(0, idx, ints[:, 1])
         self.seed.index_copy_(0, idx, ints[:, 2])
@@ -258,13 +283,13 @@ class RoundState:
         dev = index.device
         width = max(len(p) for p in prompts)
         rows = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64).to(dev)
-        self.history[index, :width] = rows.to(dev)  # entries past a prompt are overwritten before they are read
+        lengths = to_device(torch.tensor([len(p) for p in prompts], dtype=torch.int64), dev)
+        self.history[index, :width] = to_device(rows, dev)  # entries past a prompt are overwritten before they are read
         self.history[index, lengths] = first_tokens
         self.last.index_copy_(0, index, first_tokens)
         self.length.index_copy_(0, index, lengths)
         self.prompt_len.index_copy_(0, index, lengths)
-        self.max_new.index_copy_(0, index, torch.tensor(max_new, dtype=torch.int64).to(dev))
+        self.max_new.index_copy_(0, index, to_device(torch.tensor(max_new, dtype=torch.int64), dev))
 
     def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0) -> None:
         """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
@@ -362,6 +387,13 @@ class LocalTarget(Target):
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
         """See ``Target.prefill``; with a tapping runner (``RunnerConfig.taps``) each result's
         ``extras["taps"]`` holds the prompt's tapped states ``[len(prompt), len(taps), d]``."""
+        return self.collect_prefill(self.launch_prefill(items))
+
+    def launch_prefill(self, items: list[PrefillItem]) -> PrefillHandle:
+        """See ``Target.launch_prefill``: the prompts' forward, the first tokens (sampled on the
+        device), the device round state's admission, and one non-blocking copy of the first tokens
+        (and their log-probabilities) to the host; every host-to-device copy goes through pinned
+        memory, so nothing here waits for a round in flight."""
         order = sorted(range(len(items)), key=lambda i: items[i].slot)
         slots = [items[i].slot for i in order]
         self.sampling.admit(slots, [items[i].params for i in order])
@@ -372,8 +404,8 @@ class LocalTarget(Target):
         else:
             logits = self.runner.prefill(prompts, taps)  # rows in ascending slot order
         dev = logits.device
-        index = torch.tensor(slots, dtype=torch.int64).to(dev)
-        positions = torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64).to(dev)
+        index = to_device(torch.tensor(slots, dtype=torch.int64), dev)
+        positions = to_device(torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64), dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
         firsts = sample_tokens(logits, positions, sampling)
         self.state.admit(index, firsts, [prompts[s] for s in slots],
@@ -382,12 +414,17 @@ class LocalTarget(Target):
         if any(it.return_logprobs for it in items):
             lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
             out = torch.cat([out, lp.double()], dim=1)
-        host = out.tolist()
+        extras = [{"taps": taps[it.slot]} if taps else {} for it in items]
+        return PrefillHandle(extras, (items, order, extras, _HostCopy(out, self._pinned)))
+
+    def collect_prefill(self, handle: PrefillHandle) -> list[TargetResult]:
+        """See ``Target.collect_prefill``: waits for the first tokens' copy."""
+        items, order, extras, copy = handle.payload
+        host = copy.wait()
         results: list[TargetResult | None] = [None] * len(items)
         for row, i in enumerate(order):
-            tok = int(host[row][0])
             lp = [host[row][1]] if items[i].return_logprobs else None
-            results[i] = TargetResult([tok], logprobs=lp, extras={"taps": taps[items[i].slot]} if taps else {})
+            results[i] = TargetResult([int(host[row][0])], logprobs=lp, extras=extras[i])
         return results  # type: ignore[return-value]
 
     def _draft_probs(self, items: list[VerifyItem], n: int, K: int, draft_tokens: torch.Tensor) -> torch.Tensor | None:
@@ -473,7 +510,7 @@ class LocalTarget(Target):
             return
         n = max(slots) + 1
         keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
-        keep[torch.tensor(slots, dtype=torch.int64).to(keep.device)] = True
+        keep[to_device(torch.tensor(slots, dtype=torch.int64), keep.device)] = True
         drafter.device_prime(keep, self.state, self.sampling.rows(n, slots),
                              max(self.cache.lengths[s] for s in slots) + 1)
 

@@ -92,6 +92,15 @@ class RunnerConfig:
 KERNEL_CHOICES = ("auto", "fused", "reference", "fused-heuristic")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device`` without waiting for the device: on CUDA through pinned
+    memory with a non-blocking copy (a copy from pageable memory makes the driver wait for the
+    stream, i.e. for a round in flight); a plain move elsewhere."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
     """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused" or "reference".
 
@@ -281,8 +290,9 @@ class ModelRunner:
                     tokens[s - lo, :len(piece)] = torch.tensor(piece)
                     q_lens[s - lo] = len(piece)
             attn_len = int((start + q_lens).max())
-            hidden, taps = self.model.forward_hidden(tokens.to(self.device), start.to(self.device),
-                                                     q_lens.to(self.device), k, v, attn_len, taps=self.config.taps)
+            dev = self.device
+            hidden, taps = self.model.forward_hidden(to_device(tokens, dev), to_device(start, dev),
+                                                     to_device(q_lens, dev), k, v, attn_len, taps=self.config.taps)
             for s in group:
                 q = int(q_lens[s - lo])
                 if q:
