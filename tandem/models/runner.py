@@ -291,8 +291,10 @@ class ModelRunner:
                     q_lens[s - lo] = len(piece)
             attn_len = int((start + q_lens).max())
             dev = self.device
+            wide = int(start.max()) + width <= self.cache.k.shape[3]  # room for the fused kernels' attention span
             hidden, taps = self.model.forward_hidden(to_device(tokens, dev), to_device(start, dev),
-                                                     to_device(q_lens, dev), k, v, attn_len, taps=self.config.taps)
+                                                     to_device(q_lens, dev), k, v, attn_len, taps=self.config.taps,
+                                                     wide=wide)
             for s in group:
                 q = int(q_lens[s - lo])
                 if q:

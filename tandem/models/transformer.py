@@ -160,7 +160,7 @@ class Transformer(nn.Module):
     def forward_hidden(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, attn_len: int,
                        depth: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                       taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       taps: tuple[int, ...] = (), wide: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens`` to the cache rows and return final-norm hidden states.
 
         Args:
@@ -178,13 +178,15 @@ class Transformer(nn.Module):
             taps: residual-stream depths to return besides the output (0 = embedding output,
                 i = after block i, ``num_layers`` = the last block's output before the final
                 norm): the hidden states a SpecFormer head reads.
+            wide: the caller checked that every row has room for ``start + Q`` cache positions,
+                so a step wider than ``MAX_FUSED_TOKENS`` (a prefill) may take the fused kernels.
 
         Returns:
             ``([B, Q, d]`` hidden states after the final RMSNorm, ``[B, Q, len(taps), d]`` tapped
             states or None when ``taps`` is empty).
         """
         B, Q = tokens.shape
-        if self.fused and depth is None and tree_mask is None and Q <= MAX_FUSED_TOKENS:
+        if self.fused and depth is None and tree_mask is None and (Q <= MAX_FUSED_TOKENS or wide):
             return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps)
         g = self.config.group_size
         scratch = k_cache.shape[3] - 1
@@ -222,7 +224,8 @@ class Transformer(nn.Module):
         every row's result independent of the other rows of the batch and of the row's width.
 
         Same arguments and result as ``forward_hidden`` (no trees). The cache rows need
-        ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity):
+        ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity,
+        enough for any decode or verify step; a prefill checks it: ``forward_hidden``'s ``wide``):
         attention runs over ``start + Q`` positions of each row, causally aligned at the end, so a
         row's real tokens never see its padding.
         """
