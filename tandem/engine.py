@@ -37,6 +37,9 @@ Prompt = str | list[dict[str, str]]  # plain text, or chat messages
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
 
 
+_NO_PROPOSAL = DraftProposal.empty()  # what a chained round's requests carry (their drafts never reach the host); read-only
+
+
 @contextlib.contextmanager
 def _no_span():
     yield
@@ -392,7 +395,7 @@ class Engine:
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
                     raise
-                launched = _Round(reqs, [DraftProposal.empty() for _ in reqs], [], handle, t0, chained=True)
+                launched = _Round(reqs, [_NO_PROPOSAL] * len(reqs), [], handle, t0, chained=True)
                 self._in_flight |= launched.slots
             if prefilled is not None:  # the admitted requests' first tokens, read after the round was queued
                 reqs_in, handle_in, results = prefilled

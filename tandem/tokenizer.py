@@ -37,6 +37,7 @@ class Tokenizer:
         self.hf = hf_tokenizer
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.vocab_size = len(hf_tokenizer)
+        self._backend = _plain_backend(hf_tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Tokenize plain text (no special tokens added).
@@ -48,7 +49,11 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Detokenize, dropping special tokens."""
+        """Detokenize, dropping special tokens. Straight through the Rust tokenizer where that is
+        what ``transformers`` would do anyway (no clean-up pass): its Python wrapper costs more
+        than the decode itself, and the engine decodes twice per generated token."""
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
     @property
@@ -69,6 +74,19 @@ class Tokenizer:
             check_utf8(m["content"])
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def _plain_backend(hf_tokenizer):
+    """The ``tokenizers`` object behind a fast tokenizer whose ``decode`` adds nothing to it (no
+    clean-up of tokenization spaces, which transformers also skips for BPE models), else None."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    clean_up = bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False))
+    if clean_up and not (type(backend.model).__name__ == "BPE" and not getattr(
+            hf_tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)):
+        return None
+    return backend
 
 
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
