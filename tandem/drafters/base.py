@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.weights import weights_file  # noqa: F401 (the CLI imports it from here)
 from ..sampling import SamplingParams, sampling_probs
 
 NUM_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 margin, position (1-based)
@@ -370,23 +371,3 @@ def synced_index(indexes: dict, req: DraftRequest, new):
         held = 0
     index.extend(req.token_ids[held:])
     return index
-
-
-def weights_file(path):
-    """The safetensors file of trained drafter weights given as their directory (holding
-    ``model.safetensors``) or as the file itself; a ``pathlib.Path``."""
-    from pathlib import Path
-
-    p = Path(path)
-    return p / "model.safetensors" if p.is_dir() else p
-
-
-def make_readable(path) -> None:
-    """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
-    through a private temporary file, which leaves 0600, so a head trained by one user could not
-    be served by another."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)

@@ -18,8 +18,8 @@ import torch
 
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
-from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, make_readable, weights_file
+from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -58,7 +58,7 @@ def load_draft_checkpoint(spec: str, target: Checkpoint) -> Checkpoint:
         return truncated_checkpoint(target, n)
     if is_draft_model_dir(spec):
         return load_draft_model(spec, target)
-    from .specformer import is_specformer_dir
+    from ..models.specformer import is_specformer_dir
 
     if is_specformer_dir(spec):
         raise ModelLoadError(f"{spec} is a SpecFormer head, not a draft model: use --drafter specformer")
