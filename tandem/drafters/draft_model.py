@@ -19,7 +19,7 @@ import torch
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, sync_tokens
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -172,15 +172,9 @@ class DraftModelDrafter(Drafter):
             if r.slot not in self.cached:
                 cache.claim(r.slot)
                 self.cached[r.slot] = []
-            held = self.cached[r.slot]
-            common = 0
-            limit = min(len(held), len(r.token_ids) - 1)  # feed at least the last token
-            while common < limit and held[common] == r.token_ids[common]:
-                common += 1
+            common = sync_tokens(self.cached[r.slot], r.token_ids, limit=len(r.token_ids) - 1)  # feed the last token
             cache.truncate(r.slot, common)
-            del held[common:]
             feeds[r.slot] = r.token_ids[common:]
-            held.extend(feeds[r.slot])
         logits: dict[int, torch.Tensor] = {}
         long = {s: f for s, f in feeds.items() if len(f) > PREFILL_THRESHOLD}
         short = {s: f for s, f in feeds.items() if len(f) <= PREFILL_THRESHOLD}
