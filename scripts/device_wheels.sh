@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# Download, into the ignored folder .whl/, the wheels the GPU machine lacks (it has torch, numpy,
-# transformers, grpcio and protobuf, but
-# no opentelemetry, gguf, prometheus, fastapi stack there), for one device call of its own:
-#   run carry [".whl"]  mkdir -p /tmp/whl && cp .whl/* /tmp/whl/
-# and, in the call that starts the work:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/whl/*.whl
-#   export PYTHONPATH=/tmp/site:$PWD
-# The OTLP JSON-file exporter wheels let `TANDEM_TRACE_FILE` work there (pass 8 lacked them).
+# Download, into the ignored folder .whl/, the wheels the GPU machine lacks: it has torch, numpy,
+# transformers, grpcio and protobuf, but not gguf, prometheus_client, the fastapi stack or
+# OpenTelemetry (with the OTLP JSON-file exporter that `TANDEM_TRACE_FILE` writes through).
+# The device call that runs scripts/device_pass.sh carries .whl/ and installs them first.
+#   scripts/device_wheels.sh
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 pip=$top/.venv/bin/pip

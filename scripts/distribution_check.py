@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tandem.bench.replay import GreedyTrace, load_traces, replay, specformer_drafts
-from tandem.drafters.specformer import load_specformer
+from tandem.models.specformer import load_specformer
 from tandem.models.transformer import Transformer
 from tandem.models.weights import default_model_path, load_checkpoint
 from tandem.train.distill import read_distilled

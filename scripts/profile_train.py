@@ -30,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from tandem.cli import _train_setup
-    from tandem.drafters.specformer import load_specformer
+    from tandem.models.specformer import load_specformer
     from tandem.train.loop import iter_batches
     from tandem.train.specformer import SpecFormerObjective
 

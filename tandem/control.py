@@ -17,6 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .state import best_effort
+
 log = logging.getLogger(__name__)
 
 
@@ -312,7 +314,7 @@ class DraftPolicy:
         self.store, self.store_key, self.sync_every = store, store_key, sync_every
         self._rounds = 0
         if store is not None and controller is not None:
-            state = self._store_call(store.get_json, store_key)
+            state = best_effort(store.get_json, store_key, why="τ starts from its prior")
             if state:
                 try:
                     controller.load_state_dict(state)
@@ -417,16 +419,7 @@ class DraftPolicy:
             self.controller.observe(emitted_tokens, round_ms, tau=self._tau_used)
             self._rounds += 1
             if self.store is not None and self._rounds % self.sync_every == 0:
-                self._store_call(self.store.set_json, self.store_key, self.controller.state_dict())
-
-    def _store_call(self, fn, *args):
-        from .state import StateStoreUnavailable
-
-        try:
-            return fn(*args)
-        except StateStoreUnavailable as exc:
-            log.warning("state store unavailable, τ stays local: %s", exc)
-            return None
+                best_effort(self.store.set_json, self.store_key, self.controller.state_dict(), why="τ stays local")
 
 
 def entropy_score(features):

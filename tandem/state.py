@@ -11,14 +11,28 @@ errors surface as ``StateStoreUnavailable`` so callers can keep serving on local
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
 
+log = logging.getLogger(__name__)
+
 
 class StateStoreUnavailable(RuntimeError):
     """The backing store (Redis) cannot be reached."""
+
+
+def best_effort(fn, *args, why: str = ""):
+    """``fn(*args)`` (a state store call), or None after logging a warning when the store is
+    unavailable: shared state is an optimisation, and a caller keeps serving on its local state.
+    ``why`` says what stays local (e.g. "τ stays local")."""
+    try:
+        return fn(*args)
+    except StateStoreUnavailable as exc:
+        log.warning("state store unavailable%s: %s", f", {why}" if why else "", exc)
+        return None
 
 
 class StateStore(ABC):

@@ -274,7 +274,7 @@ def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_promp
     """SpecFormer (drafts from the verify pass: the engine taps the target) beside target-only,
     also under exact kernels and under the context-aware policy; a random head is enough to check
     the wiring and losslessness."""
-    from tandem.drafters.specformer import SpecFormerConfig, SpecFormerHead, save_specformer
+    from tandem.models.specformer import SpecFormerConfig, SpecFormerHead, save_specformer
 
     ck = load_checkpoint(tiny_dir)
     save_specformer(SpecFormerHead(SpecFormerConfig.for_target(ck.config)), tmp_path / "head", dtype=torch.float32)

@@ -13,12 +13,13 @@ from click.testing import CliRunner
 from tandem.cli import main
 from tandem.data import PromptRecord
 from tandem.drafters.draft_model import DraftModelDrafter, load_draft_checkpoint
-from tandem.drafters.specformer import (SpecFormerConfig, SpecFormerDrafter, SpecFormerHead,
-                                        init_context_from_target, load_specformer, save_specformer)
+from tandem.drafters.specformer import SpecFormerDrafter
 from tandem.engine import Engine
 from tandem.errors import InvalidRequestError
 from tandem.models.config import ModelLoadError
 from tandem.models.runner import RunnerConfig
+from tandem.models.specformer import (SpecFormerConfig, SpecFormerHead, init_context_from_target, load_specformer,
+                                      save_specformer)
 from tandem.models.transformer import Transformer
 from tandem.models.weights import load_checkpoint
 from tandem.sampling import SamplingParams
@@ -115,7 +116,7 @@ def test_context_lookup_whole_sequence_equals_incremental():
 def test_lookup_head_reads_the_continuation(tiny_ck, tiny_target):
     """A ``lookup_tokens`` head's drafts change with the lookup input (the continuation and the
     match length both enter every draft slot), and a head without the input is refused."""
-    from tandem.drafters.specformer import lookup_inputs
+    from tandem.models.specformer import lookup_inputs
     from tandem.train.specformer import lookup_rows
 
     head = _random_head(tiny_ck.config, **VARIANTS["lookup"])

@@ -24,6 +24,7 @@ from services.common import GrpcServer, params_from_pb, probs_to_sparse
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
 from tandem.errors import InvalidRequestError
+from tandem.models.kv_cache import SlotPool
 from tandem.sampling import SamplingParams, make_generator
 from tandem.telemetry import extract_context, span
 
@@ -69,7 +70,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.max_sequences = max_sequences
         self.max_probs_per_token = max_probs_per_token
         self.device = device
-        self._free = list(range(max_sequences))
+        self._slots = SlotPool(max_sequences, "drafter sequence slot")
         self._lock = threading.Lock()  # one propose at a time, whatever the stream
 
     async def Info(self, request, context):
@@ -103,7 +104,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 seq = seqs.pop(sid, None)
                 if seq is not None:
                     self.drafter.release(seq.slot)
-                    self._free.append(seq.slot)
+                    self._slots.free(seq.slot)
 
     def _draft(self, seqs: dict[int, _Sequence], batch) -> drafter_pb2.DraftBatch:
         asks: list[DraftRequest] = []
@@ -113,15 +114,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if seq is None:
                     if d.base_len:
                         raise InvalidRequestError(f"sequence {d.seq_id} is new to this stream: send it whole (base_len 0)")
-                    if not self._free:
+                    if not self._slots.num_free():
                         raise InvalidRequestError(f"the drafter holds {self.max_sequences} sequences at most")
                     params = params_from_pb(d.params)
                     if not params.greedy:  # sample from the top-K truncation of q: exactly what is sent back
                         k = self.max_probs_per_token
                         params = replace(params, top_k=min(params.top_k, k) if params.top_k else k)
                     gen = None if params.greedy else make_generator(drafter_seed(params.seed), self.device)
-                    self._free.sort()
-                    seq = seqs[d.seq_id] = _Sequence(self._free.pop(0), params, gen)
+                    seq = seqs[d.seq_id] = _Sequence(self._slots.allocate(), params, gen)
                 if d.base_len > len(seq.tokens):
                     raise InvalidRequestError(f"sequence {d.seq_id}: base_len {d.base_len} > {len(seq.tokens)} held")
                 del seq.tokens[d.base_len:]

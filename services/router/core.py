@@ -28,7 +28,7 @@ from tandem.engine import Completion, Engine, Prompt, Request, RequestOutput, Ro
 from tandem.errors import ConfigError, InvalidRequestError
 from tandem.predictor import VerificationRecord
 from tandem.sampling import SamplingParams
-from tandem.state import FallbackStore, InMemoryStore, RedisStore, StateStore, StateStoreUnavailable
+from tandem.state import FallbackStore, InMemoryStore, RedisStore, StateStore, best_effort
 from tandem.target import TargetUnavailable
 from tandem.telemetry import Metrics, span
 from tandem.tokenizer import Tokenizer
@@ -311,23 +311,16 @@ class Router:
     def _log_verification(self, record: VerificationRecord) -> None:
         x, y = record.labelled()
         if len(y):
-            self._store_call(self.store.append_log, f"{VERIFICATION_LOG}:{record.drafter}",
-                             {"features": x.tolist(), "labels": y.tolist()})
+            best_effort(self.store.append_log, f"{VERIFICATION_LOG}:{record.drafter}",
+                        {"features": x.tolist(), "labels": y.tolist()}, why="verification log record dropped")
 
     def _on_done(self, sub: _Submission, c: Completion) -> None:
         self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
                                      c.prompt_tokens, c.completion_tokens, c.finish_reason)
         drafter = self.drafters[0].name if self.drafters else "none"
-        self._store_call(self.store.incr, f"acceptance:{drafter}:{sub.category}", {
+        best_effort(self.store.incr, f"acceptance:{drafter}:{sub.category}", {
             "requests": 1, "num_drafted": c.spec.num_drafted, "num_accepted": c.spec.num_accepted,
-            "num_emitted": c.spec.num_emitted, "num_steps": c.spec.num_steps})
-
-    def _store_call(self, fn, *args):
-        try:
-            return fn(*args)
-        except StateStoreUnavailable as exc:  # the in-memory store never raises; FallbackStore queues
-            log.warning("state store: %s", exc)
-            return None
+            "num_emitted": c.spec.num_emitted, "num_steps": c.spec.num_steps}, why="acceptance counters not counted")
 
     # ------------------------------------------------------------------ API (event loop)
 

@@ -28,8 +28,8 @@ import torch
 from services.common import CLIENT_OPTIONS, auth_metadata, probe_health, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tandem.control import CostModel
-from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting
-from tandem.models.kv_cache import CacheFullError
+from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, common_prefix
+from tandem.models.kv_cache import CacheFullError, SlotPool
 from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
 from tandem.telemetry import inject_metadata, span
 
@@ -124,7 +124,7 @@ class RemoteTarget(Target):
         for c in info.cost:
             table.setdefault(c.batch_size, {})[c.tokens_per_sequence] = c.ms
         self.cost = CostModel(table) if table else None
-        self._free = list(range(info.num_slots))
+        self._slots = SlotPool(info.num_slots, "verifier slot")
         self._released: list[int] = []
         self._stream: BidiStream | None = None
         self._batches = 0
@@ -134,18 +134,13 @@ class RemoteTarget(Target):
         return self._info
 
     def num_free(self) -> int:
-        return len(self._free)
+        return self._slots.num_free()
 
     def allocate(self) -> int:
-        if not self._free:
-            raise CacheFullError("no free slot on the verifier")
-        self._free.sort()
-        return self._free.pop(0)
+        return self._slots.allocate()
 
     def free(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"slot {slot} is already free")
-        self._free.append(slot)
+        self._slots.free(slot)
         if self._stream is not None:
             self._released.append(slot)  # sent with the next batch
 
@@ -284,9 +279,7 @@ class RemoteDrafter(Drafter):
         seqs = []
         for r in requests:
             held = self._synced.get(r.slot)
-            n = len(held) if held is not None else 0
-            if held is not None and (n > len(r.token_ids) or r.token_ids[n - 1] != held[-1]):
-                n = next((i for i, (a, b) in enumerate(zip(held, r.token_ids)) if a != b), min(len(held), len(r.token_ids)))
+            n = common_prefix(held, r.token_ids) if held is not None else 0
             seqs.append(drafter_pb2.SequenceDelta(seq_id=r.slot, base_len=n, tokens=r.token_ids[n:],
                                                   max_draft=r.max_draft,
                                                   params=params_to_pb(r.params) if held is None else None))

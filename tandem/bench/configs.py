@@ -100,7 +100,7 @@ class BuildContext:
         """
         if self._head is None:
             from ..drafters.factory import drafter_weights
-            from ..drafters.specformer import load_specformer
+            from ..models.specformer import load_specformer
 
             head = load_specformer(drafter_weights("specformer", self.options.specformer, self.checkpoint,
                                                    option="--specformer"))

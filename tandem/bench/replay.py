@@ -293,7 +293,7 @@ def load_drafter(kind: str, path: str | None, checkpoint, option: str = "the wei
     if kind == "ngram":
         return None
     if kind == "specformer":
-        from ..drafters.specformer import load_specformer
+        from ..models.specformer import load_specformer
 
         head = load_specformer(drafter_weights(kind, path, checkpoint, option))
         head.config.check_target(checkpoint.config)

@@ -283,7 +283,7 @@ def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
     compiled shapes the warm-up already made: a capture or a compile never lands inside the timing.
     ``short``: the first ``max(2 * batch_size, 4)`` (the batch fills and drains through every batch
     bucket, but context buckets first met later are captured inside the timed pass; about half the
-    wall time, for quick runs). Measured on the H200 (docs/benchmarks.md, pass 4): at batch 16 with
+    wall time, for quick runs). Measured on the H200 (2026-12-01, commit 9377310): at batch 16 with
     ``short`` a fresh engine's captures and its batch-1 compile fell inside the timed pass.
 
     Raises:

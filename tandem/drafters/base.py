@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.weights import weights_file  # noqa: F401 (the CLI imports it from here)
 from ..sampling import SamplingParams, sampling_probs
 
 NUM_FEATURES = 4  # entropy, top-1 probability, top-1 minus top-2 margin, position (1-based)
@@ -365,6 +366,27 @@ class Drafter(ABC):
         """
 
 
+def common_prefix(held: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``held`` (what a drafter or its mirror holds for a
+    sequence) and ``tokens`` (the sequence now), at most ``limit``: how much of what is held
+    survives a round (the rest were rejected drafts, or the slot now holds another sequence).
+    The common case, ``tokens`` extending ``held``, is one list comparison."""
+    n = min(len(held), len(tokens), len(tokens) if limit is None else limit)
+    if list(held[:n]) == list(tokens[:n]):
+        return n
+    return next(i for i in range(n) if held[i] != tokens[i])
+
+
+def sync_tokens(held: list[int], tokens: Sequence[int], limit: int | None = None) -> int:
+    """Bring ``held`` to ``tokens``: cut it to their common prefix (``common_prefix``, at most
+    ``limit``), then append the rest of ``tokens``. Returns the kept length n; the tokens to feed
+    are ``tokens[n:]``."""
+    n = common_prefix(held, tokens, limit)
+    del held[n:]
+    held.extend(tokens[n:])
+    return n
+
+
 def synced_index(indexes: dict, req: DraftRequest, new):
     """The token index kept for ``req.slot`` in ``indexes``, extended with the tokens ``req`` holds
     beyond it; rebuilt with ``new()`` when the slot's sequence is not an extension of what it
@@ -372,28 +394,8 @@ def synced_index(indexes: dict, req: DraftRequest, new):
     accepted tokens reach it, so it never rolls back."""
     index = indexes.get(req.slot)
     held = len(index.tokens) if index is not None else 0
-    if index is None or len(req.token_ids) < held or req.token_ids[:held] != index.tokens:
+    if index is None or common_prefix(index.tokens, req.token_ids) < held:
         index = indexes[req.slot] = new()
         held = 0
     index.extend(req.token_ids[held:])
     return index
-
-
-def weights_file(path):
-    """The safetensors file of trained drafter weights given as their directory (holding
-    ``model.safetensors``) or as the file itself; a ``pathlib.Path``."""
-    from pathlib import Path
-
-    p = Path(path)
-    return p / "model.safetensors" if p.is_dir() else p
-
-
-def make_readable(path) -> None:
-    """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
-    through a private temporary file, which leaves 0600, so a head trained by one user could not
-    be served by another."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)

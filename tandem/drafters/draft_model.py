@@ -18,8 +18,8 @@ import torch
 
 from ..models.config import ModelLoadError
 from ..models.runner import ModelRunner, RunnerConfig
-from ..models.weights import Checkpoint, load_checkpoint
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, make_readable, weights_file
+from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, sync_tokens
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -58,7 +58,7 @@ def load_draft_checkpoint(spec: str, target: Checkpoint) -> Checkpoint:
         return truncated_checkpoint(target, n)
     if is_draft_model_dir(spec):
         return load_draft_model(spec, target)
-    from .specformer import is_specformer_dir
+    from ..models.specformer import is_specformer_dir
 
     if is_specformer_dir(spec):
         raise ModelLoadError(f"{spec} is a SpecFormer head, not a draft model: use --drafter specformer")
@@ -172,15 +172,9 @@ class DraftModelDrafter(Drafter):
             if r.slot not in self.cached:
                 cache.claim(r.slot)
                 self.cached[r.slot] = []
-            held = self.cached[r.slot]
-            common = 0
-            limit = min(len(held), len(r.token_ids) - 1)  # feed at least the last token
-            while common < limit and held[common] == r.token_ids[common]:
-                common += 1
+            common = sync_tokens(self.cached[r.slot], r.token_ids, limit=len(r.token_ids) - 1)  # feed the last token
             cache.truncate(r.slot, common)
-            del held[common:]
             feeds[r.slot] = r.token_ids[common:]
-            held.extend(feeds[r.slot])
         logits: dict[int, torch.Tensor] = {}
         long = {s: f for s, f in feeds.items() if len(f) > PREFILL_THRESHOLD}
         short = {s: f for s, f in feeds.items() if len(f) <= PREFILL_THRESHOLD}

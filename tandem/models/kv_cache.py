@@ -11,6 +11,7 @@ speculative decoding rolls back rejected draft tokens.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -24,6 +25,61 @@ class CacheFullError(RuntimeError):
 
 
 KV_SLACK = 16  # positions past the capacity: the scratch row, and room for the widest fused step's padding
+
+
+class SlotPool:
+    """The free slots among ``0 .. num_slots - 1``, handed out lowest first (which keeps a running
+    batch dense at low slot indices). One pool type for every slot numbering: a KV cache's, the
+    verifier's slots as a remote client sees them, a drafter service's sequences.
+
+    Args:
+        num_slots: pool size (>= 0).
+        what: what a slot is, for errors ("no free {what}").
+    """
+
+    def __init__(self, num_slots: int, what: str = "slot") -> None:
+        self.num_slots = num_slots
+        self.what = what
+        self._free = list(range(num_slots))  # a min-heap
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
+    def allocate(self) -> int:
+        """Take the lowest free slot.
+
+        Raises:
+            CacheFullError: every slot is in use.
+        """
+        if not self._free:
+            raise CacheFullError(f"no free {self.what}")
+        return heapq.heappop(self._free)
+
+    def claim(self, slot: int) -> None:
+        """Take a specific free slot (a drafter mirrors the target's slot numbering).
+
+        Raises:
+            CacheFullError: the slot is in use or out of range.
+        """
+        if slot not in self._free:
+            raise CacheFullError(f"{self.what} {slot} is not free")
+        self._free.remove(slot)
+        heapq.heapify(self._free)
+
+    def free(self, slot: int) -> None:
+        """Return a slot to the pool.
+
+        Raises:
+            ValueError: the slot is already free.
+        """
+        if slot in self._free:
+            raise ValueError(f"{self.what} {slot} is already free")
+        heapq.heappush(self._free, slot)
+
+
 MEMORY_HEADROOM = 0.9  # share of the free memory one allocation may take
 
 
@@ -76,7 +132,7 @@ class KVCache:
         self.num_slots = num_slots
         self.capacity = capacity
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots))
+        self.slots = SlotPool(num_slots, "KV cache slot")
 
     @property
     def scratch_index(self) -> int:
@@ -88,41 +144,26 @@ class KVCache:
         return self.k.numel() * self.k.element_size() * 2
 
     def num_free(self) -> int:
-        return len(self._free)
+        return self.slots.num_free()
 
     def allocate(self) -> int:
-        """Take the lowest free slot (keeps the running batch dense at low slot indices).
-
-        Raises:
-            CacheFullError: every slot is in use.
-        """
-        if not self._free:
-            raise CacheFullError("no free KV cache slot")
-        self._free.sort()
-        slot = self._free.pop(0)
+        """Take the lowest free slot, empty (``SlotPool.allocate``; raises CacheFullError)."""
+        slot = self.slots.allocate()
         self.lengths[slot] = 0
         return slot
 
     def claim(self, slot: int) -> None:
-        """Take a specific free slot (a drafter mirrors the target's slot numbering).
-
-        Raises:
-            CacheFullError: the slot is in use or out of range.
-        """
-        if slot not in self._free:
-            raise CacheFullError(f"slot {slot} is not free")
-        self._free.remove(slot)
+        """Take a specific free slot, empty (``SlotPool.claim``; raises CacheFullError)."""
+        self.slots.claim(slot)
         self.lengths[slot] = 0
 
     def is_free(self, slot: int) -> bool:
-        return slot in self._free
+        return self.slots.is_free(slot)
 
     def free(self, slot: int) -> None:
-        """Return a slot to the pool (its contents become garbage)."""
-        if slot in self._free:
-            raise ValueError(f"slot {slot} is already free")
+        """Return a slot to the pool (its contents become garbage; raises ValueError if already free)."""
+        self.slots.free(slot)
         self.lengths[slot] = 0
-        self._free.append(slot)
 
     def truncate(self, slot: int, length: int) -> None:
         """Roll slot back to ``length`` tokens, O(1): later appends overwrite the dropped entries.

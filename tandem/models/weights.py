@@ -284,3 +284,21 @@ def _load_gguf(path: Path) -> Checkpoint:
             )
         out[f"layers.{i}.w13.weight"] = torch.cat([gate, up])
     return Checkpoint(path=path, config=cfg, tensors=out, chat_template=field("tokenizer.chat_template"))
+
+
+def weights_file(path):
+    """The safetensors file of trained drafter weights given as their directory (holding
+    ``model.safetensors``) or as the file itself; a ``pathlib.Path``."""
+    p = Path(path)
+    return p / "model.safetensors" if p.is_dir() else p
+
+
+def make_readable(path) -> None:
+    """Give a written weights file the usual permissions (0666 less the umask): safetensors writes
+    through a private temporary file, which leaves 0600, so a head trained by one user could not
+    be served by another."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

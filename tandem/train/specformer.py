@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..drafters.lookup import lookup_continuations
-from ..drafters.specformer import SpecFormerConfig, SpecFormerHead, lookup_inputs
+from ..models.specformer import SpecFormerConfig, SpecFormerHead, lookup_inputs
 from ..models.transformer import Transformer
 from .distill import DistilledSequence
 from .loop import pad_batch
