@@ -20,11 +20,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.rnn import pad_sequence
 
+from ..models import kernels
+from ..models.kernels import FLASH_HEAD_DIMS
+from ..models.kv_cache import KV_SLACK
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
 # imported from here by the CLI
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
-                                 lookup_inputs, save_specformer, specformer_file)
+                                 lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep, draft_rows, synced_index
 from .lookup import LookupIndex, lookup_drafts
@@ -99,6 +102,7 @@ class SpecFormerDrafter(Drafter):
         self.pending: dict[int, _Pending] = {}
         self._lookups: dict[int, LookupIndex] = {}
         self._target = None
+        self._fused = False  # the head runs the fused kernels (set by bind)
 
     @classmethod
     def load(cls, path: str | Path | None = None, top_m: int = 4) -> "SpecFormerDrafter":
@@ -111,7 +115,9 @@ class SpecFormerDrafter(Drafter):
 
     def bind(self, runner) -> None:
         """Attach to the target ``ModelRunner`` (its final norm, LM head, RoPE tables, device, dtype)
-        and allocate the context-attention KV cache ``[context_layers, slots, kv_heads, capacity + 1, head_dim]``.
+        and allocate the context-attention KV cache ``[context_layers, slots, kv_heads, capacity + KV_SLACK, head_dim]``.
+        On a runner that uses the fused kernels the head uses them too (``use_fused_kernels``; its
+        context attention of chained rounds through ``kernels.attention_with_kvcache``).
 
         Raises:
             ModelLoadError: the head was trained for a target of another shape.
@@ -124,10 +130,14 @@ class SpecFormerDrafter(Drafter):
         self._target = runner.model
         dev, dtype = runner.device, runner.config.dtype
         self.head.to(device=dev, dtype=dtype)
-        shape = (cfg.context_layers, runner.cache.num_slots, cfg.ctx_kv_heads, runner.cache.capacity + 1, cfg.head_dim)
+        shape = (cfg.context_layers, runner.cache.num_slots, cfg.ctx_kv_heads, runner.cache.capacity + KV_SLACK,
+                 cfg.head_dim)
+        self._fused = bool(runner.model.fused) and cfg.head_dim in FLASH_HEAD_DIMS
+        use_fused_kernels(self.head, self._fused)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self._num_slots = runner.cache.num_slots
+        self._capacity = runner.cache.capacity
         # chained rounds' device state per slot: the context state at the last kept position, the
         # next round's drafts and (sampled requests) their q, allocated by the first sampled round
         self._state = torch.zeros((self._num_slots, cfg.hidden_size), device=dev, dtype=dtype)
@@ -184,7 +194,7 @@ class SpecFormerDrafter(Drafter):
             raise ValueError("this SpecFormer head needs each row's next token (TargetStates.next_tokens, one per row)")
         # rounded up to the runner's context bucket (the mask hides the extra positions), so a
         # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
-        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self.k_cache.shape[3] - 1)
+        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self._capacity)
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
         static = self._static and max(lens) <= rows_m
         nb, M = (batch_bucket(n, self._num_slots), rows_m) if static else (n, max(lens))
@@ -241,6 +251,16 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
+        if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, flash attention
+            seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
+            for i, layer in enumerate(head.ctx):
+                k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
+                q = kernels.rope_kv_write(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, rope_pos, write,
+                                          k_rows, v_rows, layer.num_heads, layer.kv_heads)
+                att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_splits)
+                h = h + layer.o(att.reshape(n, M, -1))
+                h = h if layer.mlp is None else layer.mlp(h)
+            return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]

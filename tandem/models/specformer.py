@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafters.lookup import MAX_N
+from . import kernels
 from .config import ModelConfig, ModelLoadError
 from .rope import apply_rope
 from .transformer import RMSNorm
@@ -262,7 +263,11 @@ class _SwiGLU(nn.Module):
         with torch.no_grad():
             self.w2.weight.zero_()
 
+    fused = False  # SiLU-multiply as one kernel (``use_fused_kernels``)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return x + self.w2(kernels.silu_mul(self.w13(self.norm(x))))
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
@@ -387,6 +392,15 @@ class SpecFormerHead(nn.Module):
             h = layer.finish(h, att)
         h = h[select] if select is not None else h.reshape(B * T, -1)
         return self.draft(h, bonus_emb, lookup)
+
+
+def use_fused_kernels(head: SpecFormerHead, on: bool = True) -> None:
+    """Run the head's RMSNorms and SwiGLU activations through the fused GPU kernels
+    (``tandem.models.kernels``): serving only (the kernels have no backward), on a target runner
+    that uses them."""
+    for m in head.modules():
+        if isinstance(m, (RMSNorm, _SwiGLU)):
+            m.fused = on
 
 
 def lookup_inputs(embed: nn.Embedding, cont, match) -> tuple[torch.Tensor, torch.Tensor]:

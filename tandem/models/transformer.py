@@ -19,7 +19,11 @@ from .rope import apply_rope, rope_tables
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face Llama does."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 as Hugging Face Llama does. With
+    ``fused`` set (inference on a GPU whose runner uses the fused kernels) it is one Triton kernel
+    (``kernels.add_rmsnorm``) instead of seven."""
+
+    fused = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -27,6 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.add_rmsnorm(x.contiguous(), None, self.weight, self.eps)[0]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
