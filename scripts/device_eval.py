@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.cli import _engine
+from tandem.cli.common import _engine
+from tandem.speculation import SpeculativeConfig
 from tandem.data import bundled_spec_bench, load_prompts, round_robin_by_category
 from tandem.bench.acceptance import measure_acceptance
 from tandem.sampling import SamplingParams
@@ -32,7 +33,7 @@ for spec in sys.argv[2:]:
     parts = what.split(":")
     drafter, path, k = parts[0], (parts[1] or None) if len(parts) > 1 else None, int(parts[2]) if len(parts) > 2 else 4
     t_load = time.perf_counter()
-    e = _engine(None, None, batch, 2048, compile_=False, drafter=drafter, draft_model=path, num_draft_tokens=k)
+    e = _engine(None, None, batch, 2048, SpeculativeConfig(drafter, draft_model=path, num_draft_tokens=k), compile_=False)
     params = SamplingParams(max_tokens=int(os.environ.get("MAX_TOKENS", 256)))
     if torch.cuda.is_available():  # warm-up: captures the graphs
         e.generate([r.text for r in recs[:min(len(recs), 2 * batch)]], params)

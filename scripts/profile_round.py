@@ -3,13 +3,14 @@
 import sys, time
 import torch
 from torch.profiler import ProfilerActivity, profile
-from tandem.cli import _engine
+from tandem.cli.common import _engine
+from tandem.speculation import SpeculativeConfig
 from tandem.sampling import SamplingParams
 
 model, head, out = sys.argv[1:4]
 prompt = "Explain how a transformer language model generates text, step by step."
 for kind, path in (("none", None), ("specformer", head)):
-    eng = _engine(model, None, 1, 2048, drafter=kind, draft_model=path, num_draft_tokens=4)
+    eng = _engine(model, None, 1, 2048, SpeculativeConfig(kind, draft_model=path, num_draft_tokens=4))
     p = SamplingParams(max_tokens=128, ignore_eos=True)
     eng.generate([prompt], p)  # warm-up (graph capture)
     torch.cuda.synchronize(); t0 = time.perf_counter()
