@@ -29,12 +29,13 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=5)
     a = ap.parse_args()
 
-    from tandem.cli import _train_setup
     from tandem.models.specformer import load_specformer
     from tandem.train.loop import iter_batches
+    from tandem.train.run import load_train_target
     from tandem.train.specformer import SpecFormerObjective
 
-    _, target, seqs, _, amp, rcfg = _train_setup(a.model, None, a.data)
+    t = load_train_target(a.model, None, a.data)
+    target, seqs, amp, rcfg = t.model, t.sequences, t.amp, t.runner_config
     head = load_specformer(a.head).to(rcfg.device).train()
     objective = SpecFormerObjective(head, target, amp, a.soft_labels)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-5)

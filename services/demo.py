@@ -2,8 +2,8 @@
 
 Starts verifier, drafter and router as separate processes, sends Spec-Bench prompts through
 ``/v1/chat/completions`` with the official ``openai`` client (several in flight, so the router
-batches them), prints per-prompt tokens, acceptance and latency and the totals, then shuts the
-stack down.
+batches them), prints per-prompt tokens, acceptance and latency and the totals, one prompt with
+its answer, and the temperature used, then shuts the stack down (its temporary logs go with it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.data import PromptRecord
+from tandem.speculation import SpeculativeConfig
 
 from .launch import Stack, StackConfig, start_stack
 
@@ -67,13 +68,16 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
 
     console = console or Console()
     t_start = time.perf_counter()
-    console.print(f"starting verifier, {config.drafter} drafter and router on loopback ...", highlight=False)
+    console.print(f"speculation: {describe_speculation(config.speculation)}", highlight=False)
+    console.print(f"starting verifier{'' if config.drafter == 'none' else ', drafter'} and router on loopback "
+                  f"(context limit {config.max_seq_len} tokens: --max-seq-len) ...", highlight=False)
     stack: Stack = start_stack(config)
     try:
         verifiers = ", ".join(stack.verifier_addresses)
+        logs = (f"logs in {stack.logs['router'].parent}" if stack.temp_log_dir is None
+                else "logs removed on exit (--log-dir DIR keeps them)")
         console.print(f"stack up in {time.perf_counter() - t_start:.1f} s: router {stack.http_url}, verifier "
-                      f"{verifiers}, drafter {stack.drafter_address}; logs in "
-                      f"{stack.logs['router'].parent}", highlight=False)
+                      f"{verifiers}, drafter {stack.drafter_address or 'none'}; {logs}", highlight=False)
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=config.api_key or "none", max_retries=0,
                                timeout=600)
         model = client.models.list().data[0].id
@@ -84,13 +88,53 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
     finally:
         stack.stop()
     _print(console, results, wall, model, config, concurrency)
+    _print_sample(console, results[0])
+    console.print(temperature_note(temperature), highlight=False)
     return results
+
+
+DRAFTER_NAMES = {"none": "none (target-only decoding)", "ngram": "n-gram (prompt lookup)",
+                 "draft-model": "draft model", "specformer": "SpecFormer head"}
+POLICY_NAMES = {"fixed": "fixed (k drafts per sequence per round)",
+                "entropy": "context-aware (entropy score, tau learned online, cost-model allocation)",
+                "predictor": "context-aware (learned predictor, tau learned online, cost-model allocation)",
+                "random": "random length (ablation)"}
+
+
+def describe_speculation(spec: SpeculativeConfig) -> str:
+    """One line: the drafter (and its weights), k and the draft policy."""
+    if not spec.speculates:
+        return DRAFTER_NAMES["none"]
+    weights = f" ({spec.draft_model})" if spec.draft_model else ""
+    predictor = f" ({spec.predictor})" if spec.predictor else ""
+    return (f"drafter {DRAFTER_NAMES.get(spec.drafter, spec.drafter)}{weights}, k = {spec.num_draft_tokens}, "
+            f"draft policy {POLICY_NAMES[spec.policy]}{predictor}")
+
+
+def temperature_note(temperature: float) -> str:
+    """The temperature the demo's requests used, and the defaults elsewhere."""
+    mode = "greedy: the output is exactly the target's" if temperature == 0 else "sampled"
+    return (f"temperature {temperature:g} ({mode}; tandem demo --temperature T). A request to the HTTP API that "
+            f"leaves temperature out samples at 1, the OpenAI default; tandem generate defaults to 0.")
+
+
+def _trim(text: str, limit: int) -> str:
+    """``text`` on one line, cut to ``limit`` characters with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+
+
+def _print_sample(console: Console, r: DemoResult) -> None:
+    console.print(f"sample ({r.record.prompt_id}, {r.record.category}; {r.completion_tokens} tokens, "
+                  f"{r.finish_reason}):", highlight=False)
+    console.print(f"  prompt: {_trim(r.record.text, 200)}", highlight=False, markup=False)
+    console.print(f"  answer: {_trim(r.text, 400)}", highlight=False, markup=False)
 
 
 def _print(console: Console, results: list[DemoResult], wall: float, model: str, config: StackConfig,
            concurrency: int) -> None:
     table = Table(title=f"{model} via router -> verifier + {config.drafter} drafter (k={config.num_draft_tokens}, "
-                        f"{concurrency} requests in flight)")
+                        f"policy {config.policy}, {concurrency} requests in flight)")
     for col in ("prompt id", "category", "prompt tok", "output tok", "finish", "drafted", "accepted", "accept rate",
                 "mean acc len", "TTFT ms", "latency s"):
         table.add_column(col, justify="left" if col in ("category", "finish") else "right")

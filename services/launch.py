@@ -6,6 +6,7 @@ and the end-to-end tests use.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,12 +19,18 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.errors import ConfigError
+from tandem.speculation import SpeculativeConfig
+
 
 def free_port() -> int:
     """A TCP port that is free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SERVICE_DRAFTERS = ("none", "ngram", "draft-model")  # SpecFormer drafts inside the verifier: no service
 
 
 @dataclass
@@ -41,7 +48,8 @@ class StackConfig:
         redis_url: shared state for the router (None: ``TANDEM_REDIS_URL`` or in-memory).
         grpc_front_door: also serve ``tandem.v1.Router`` on a port.
         drafter_timeout_s: router's wait for one round of drafts (s).
-        log_dir: where each process's log goes (default: a temp directory).
+        log_dir: where each process's log goes; default: a temporary directory that
+            ``Stack.stop`` removes (kept only when the stack fails to start: the error names it).
         num_verifiers: verifier replicas (processes); the router runs one engine per replica.
         overlap: the router drafts the next round while the verifier checks this one.
         policy: router draft-length policy: "fixed", "entropy" or "predictor" (with ``predictor``).
@@ -71,6 +79,34 @@ class StackConfig:
     measure_cost: int = 0
     trace_dir: str | None = None
 
+    @classmethod
+    def serving(cls, spec: SpeculativeConfig, **settings) -> "StackConfig":
+        """The stack that serves ``spec``: its drafter as the drafter service, its k and draft
+        policy in the router; ``settings`` are the other fields.
+
+        Raises:
+            ConfigError: a configuration the services cannot run (``speculation``).
+        """
+        config = cls(drafter=spec.drafter, draft_model=spec.draft_model, num_draft_tokens=spec.num_draft_tokens,
+                     policy=spec.policy, predictor=spec.predictor, **settings)
+        if config.speculation != spec:
+            raise ConfigError("the router sets tau online and takes no branching or host-round settings; "
+                              f"this configuration cannot be served: {spec}")
+        return config
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        """How the stack speculates: the drafter service's kind, the router's k and policy.
+
+        Raises:
+            ConfigError: a drafter without a service (SpecFormer drafts inside the verifier's
+                forward) or a bad policy / predictor combination.
+        """
+        if self.drafter not in SERVICE_DRAFTERS:
+            raise ConfigError(f"the service stack runs drafters {', '.join(SERVICE_DRAFTERS)}, not {self.drafter!r}")
+        return SpeculativeConfig(self.drafter, draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens,
+                                 policy=self.policy, predictor=self.predictor)
+
 
 @dataclass
 class Stack:
@@ -83,9 +119,11 @@ class Stack:
     grpc_address: str | None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
+    temp_log_dir: Path | None = None  # made by start_stack (no StackConfig.log_dir): removed by stop
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM each process (router first), then SIGKILL what is still alive after ``timeout_s``."""
+    def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
+        """SIGTERM each process (router first), then SIGKILL what is still alive after
+        ``timeout_s``; then remove the temporary log directory unless ``keep_logs``."""
         for name in ["router", "drafter", *sorted(n for n in self.processes if n.startswith("verifier"))]:
             p = self.processes.get(name)
             if p is not None and p.poll() is None:
@@ -97,6 +135,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.temp_log_dir is not None and not keep_logs:
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
+            self.temp_log_dir = None
 
     def restart_drafter(self) -> None:
         """Start the drafter again on its old port (after a crash or a kill)."""
@@ -178,9 +219,11 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
     loopback ports and wait until all are healthy.
 
     Raises:
+        ConfigError: a configuration the services cannot run (``StackConfig.speculation``).
         RuntimeError: a process died during start-up (its log tail is in the message).
         TimeoutError: not healthy within ``timeout_s``.
     """
+    config.speculation  # a configuration the services cannot run fails before any process starts
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tandem-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     vports = [free_port() for _ in range(config.num_verifiers)]
@@ -191,6 +234,7 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
                   f"127.0.0.1:{dport}" if config.drafter != "none" else None,
                   f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}" if config.grpc_front_door else None)
     stack.logs = {n: log_dir / f"{n}.log" for n in (*vnames, "drafter", "router")}
+    stack.temp_log_dir = None if config.log_dir else log_dir
     try:
         for name, port in zip(vnames, vports):
             stack.processes[name] = _spawn("verifier", [
@@ -224,6 +268,6 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
                                            _trace_file(config, "router"))
         wait_http_healthy(stack.http_url, timeout_s, stack.processes["router"], stack.logs["router"])
     except BaseException:
-        stack.stop()
+        stack.stop(keep_logs=True)  # the error names a log: it stays
         raise
     return stack

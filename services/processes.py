@@ -71,36 +71,48 @@ def run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure
         measure_cost_k: measure T(b, q) for q = 1..k+1 at start-up (0: skip) and publish it.
     """
     from services.verifier.server import serve
-    from tandem.control import CostModel
+    from tandem.speculation import measure_target_cost
 
     check_port_free(host, port)
     init_tracing("tandem-verifier")
     target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
-    cost = None
-    if measure_cost_k:
-        sizes = sorted({1, target.info.num_slots})
-        cost = CostModel.measure(target.runner, sizes, measure_cost_k + 1, iters=3).table
+    cost = measure_target_cost(target, measure_cost_k + 1).table if measure_cost_k else None
     _run(lambda stop: serve(target, eos, port, host, resolve_api_key(key), cost, stop=stop))
+
+
+def drafter_speculation(drafter: str, draft_model: str | None) -> "SpeculativeConfig":
+    """The ``SpeculativeConfig`` of a drafter service (``tandem serve drafter``): its drafter kind
+    and weights; the router holds k and the policy.
+
+    Raises:
+        InvalidRequestError: a drafter that has no service (SpecFormer drafts inside the
+            verifier's pass); ConfigError: weights for a drafter that takes none.
+    """
+    from tandem.errors import InvalidRequestError
+    from tandem.speculation import SpeculativeConfig
+
+    if drafter not in ("ngram", "draft-model"):  # SpecFormer drafts inside the verifier's pass: no service
+        raise InvalidRequestError(f"unknown drafter {drafter!r} for a drafter service; use ngram or draft-model")
+    return SpeculativeConfig(drafter, draft_model=draft_model if drafter == "draft-model" else None)
 
 
 def build_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, max_sequences: int,
                   max_seq_len: int):
-    """(the drafter, its device name) from ``tandem serve drafter`` options.
+    """(the drafter, its device name) from ``tandem serve drafter`` options
+    (``tandem.speculation.build_speculation`` of ``drafter_speculation``).
 
     Raises:
-        InvalidRequestError / ModelLoadError: bad drafter options.
+        InvalidRequestError / ModelLoadError / ConfigError: bad drafter options.
     """
-    from tandem.drafters.factory import build_drafter as build
-    from tandem.errors import InvalidRequestError
     from tandem.models.runner import default_runner_config
     from tandem.models.weights import load_checkpoint
+    from tandem.speculation import build_speculation
 
-    if drafter not in ("ngram", "draft-model"):  # SpecFormer drafts inside the verifier's pass: no service
-        raise InvalidRequestError(f"unknown drafter {drafter!r} for a drafter service; use ngram or draft-model")
+    spec = drafter_speculation(drafter, draft_model)
     cfg = default_runner_config(device, max_batch_size=max_sequences, max_seq_len=max_seq_len)
-    if drafter == "ngram":
-        return build(drafter, None, None, cfg), "cpu"
-    return build(drafter, draft_model, load_checkpoint(model), cfg), cfg.device
+    if drafter == "ngram":  # no weights: no target to load
+        return build_speculation(spec).drafter, "cpu"
+    return build_speculation(spec, load_checkpoint(model), cfg).drafter, cfg.device
 
 
 def run_drafter(drafter: str, draft_model: str | None, model: str | None, device: str | None, port: int, host: str,
@@ -109,8 +121,10 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
     saved beside the drafter's weights) every draft goes out with its predicted acceptance.
 
     Raises:
-        InvalidRequestError / ModelLoadError: bad drafter options.
+        InvalidRequestError / ModelLoadError / ConfigError: bad drafter or predictor options.
     """
+    from dataclasses import replace
+
     from services.drafter.server import serve
 
     check_port_free(host, port)
@@ -118,14 +132,13 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
     impl, dev = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
     scorer = None
     if predictor is not None:
-        from tandem.drafters.factory import drafter_predictor
         from tandem.errors import ConfigError
         from tandem.models.weights import load_checkpoint
         from tandem.predictor import AcceptancePredictor
+        from tandem.speculation import resolve_predictor
 
-        path = drafter_predictor(drafter, draft_model, load_checkpoint(model)) if predictor == "auto" else predictor
-        if path is None:
-            raise ConfigError(f"--predictor auto: no predictor saved beside the {drafter} drafter's weights")
+        spec = replace(drafter_speculation(drafter, draft_model), policy="predictor", predictor=predictor)
+        path = resolve_predictor(spec, load_checkpoint(model) if predictor == "auto" else None)
         try:
             scorer = AcceptancePredictor.load(path)
         except Exception as exc:  # missing file, not a predictor

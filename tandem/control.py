@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -422,6 +423,21 @@ class DraftPolicy:
                 best_effort(self.store.set_json, self.store_key, self.controller.state_dict(), why="τ stays local")
 
 
+class RandomLengthPolicy(DraftPolicy):
+    """Draft length drawn uniformly from 0..n per sequence (n = the proposal's length): the
+    context-aware ablation's "random length" row (``SpeculativeConfig(policy="random")``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(score=None)
+        self._rng = random.Random(seed)
+
+    def begin_round(self):
+        return None  # lengths are drawn after drafting: no early stop
+
+    def lengths(self, features, scores=None) -> list[int]:
+        return [self._rng.randint(0, f.shape[0]) for f in features]
+
+
 def entropy_score(features):
     """The entropy-only rule as a probability: exp(−entropy of q) (1 for a one-hot draft)."""
     return (-features[:, 0]).exp()
@@ -439,49 +455,8 @@ def parse_tau(tau: str | float) -> float | None:
         return None
     try:
         value = float(tau)
-    except ValueError:
+    except (TypeError, ValueError):
         value = -1.0
     if not 0.0 <= value <= 1.0:  # NaN fails too
         raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
     return value
-
-
-def make_draft_policy(predictor: str | None, tau: str | float = "auto", branch_top_m: int = 0,
-                      fallback_score=None, cost: CostModel | None = None) -> DraftPolicy | None:
-    """The context-aware DraftPolicy from user options (``tandem generate``, ``tandem bench``).
-
-    Args:
-        predictor: path of an acceptance predictor (``tandem train predictor``), or None.
-        tau: a threshold in [0, 1] (number or string), or "auto" for the online τ controller.
-        branch_top_m: hard-position enhancement (0/1: off).
-        fallback_score: score to use when ``predictor`` is None (e.g. ``entropy_score``); None
-            means no predictor = no policy.
-        cost: verifier cost model for the batch-wide allocation (None: τ cut only; set later).
-
-    Returns:
-        The policy, or None when there is neither a predictor nor a fallback score.
-
-    Raises:
-        ConfigError: a bad ``tau``; ``tau`` or ``branch_top_m`` without a predictor or fallback;
-            an unreadable predictor.
-    """
-    from .errors import ConfigError
-
-    value = parse_tau(tau)
-    if predictor is None and fallback_score is None:
-        if branch_top_m:
-            raise ConfigError("--branch-top-m needs --predictor")
-        if value is not None:
-            raise ConfigError("--tau needs --predictor")
-        return None
-    score = fallback_score
-    if predictor is not None:
-        from .predictor import AcceptancePredictor
-
-        try:
-            score = AcceptancePredictor.load(predictor).predict
-        except Exception as exc:  # missing file, not safetensors, not a predictor
-            raise ConfigError(f"cannot load predictor {predictor!r}: {exc}") from None
-    if value is None:
-        return DraftPolicy(score, controller=TauController(), cost=cost, branch_top_m=branch_top_m)
-    return DraftPolicy(score, tau=value, cost=cost, branch_top_m=branch_top_m)

@@ -56,23 +56,27 @@ class Engine:
         drafter: speculative decoding drafter (None: target-only decoding).
         num_draft_tokens: draft tokens per sequence per round at most (k).
         draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
+        chained_rounds: chain rounds on the device where the configuration allows it
+            (``chains_rounds``); False keeps host-drafted rounds.
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
             train the difficulty predictor).
-        target: run prefill and verification here instead of a local model (e.g. the router's
-            client of a remote verifier, ``services.router.remote.RemoteTarget``); then
+        target: run prefill and verification here instead of building a local model: a
+            ``LocalTarget`` already built (``tandem.speculation.build_engine``), or the router's
+            client of a remote verifier (``services.router.remote.RemoteTarget``); then
             ``checkpoint`` and ``runner_config`` must be None and ``tokenizer`` is required.
 
     Raises:
         ModelLoadError: the model cannot be loaded.
         ValueError: ``num_draft_tokens`` < 1 with a drafter; ``target`` with a checkpoint, or
-            without a tokenizer.
+            without a tokenizer; a drafter that reads target states the given local target does
+            not tap.
     """
 
     def __init__(self, checkpoint: Checkpoint | str | None = None, runner_config: RunnerConfig | None = None,
                  tokenizer: Tokenizer | None = None, drafter: Drafter | None = None,
                  num_draft_tokens: int = 4, draft_policy: DraftPolicy | None = None,
                  verification_sink: Callable[[VerificationRecord], None] | None = None,
-                 *, target: Target | None = None) -> None:
+                 *, target: Target | None = None, chained_rounds: bool = True) -> None:
         if target is None:
             if not isinstance(checkpoint, Checkpoint):
                 checkpoint = load_checkpoint(checkpoint)
@@ -86,7 +90,8 @@ class Engine:
                 raise ValueError("give either a target or a checkpoint / runner_config, not both")
             if tokenizer is None:
                 raise ValueError("an engine over a given target needs its tokenizer")
-            self.runner_config = None
+            # a local target keeps its runner's settings; a remote one has none here
+            self.runner_config = target.runner.config if isinstance(target, LocalTarget) else None
             self.tokenizer = tokenizer
         self.target = target
         self.checkpoint = getattr(target, "checkpoint", None)  # None for a remote target
@@ -115,7 +120,7 @@ class Engine:
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
         # chain rounds on the device wherever the configuration allows (``chains_rounds``); False
         # keeps host-drafted rounds (the bench's ``*-host`` configurations measure the two side by side)
-        self.chained_rounds = True
+        self.chained_rounds = chained_rounds
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._collected: _Round | None = None  # the last round's results, before their stop rules
         self._launched: _Round | None = None  # a chained round in flight (queued, not collected)

@@ -5,7 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tandem.cli import _unescape, main
+from tandem.cli import main
+from tandem.cli.common import _unescape
 
 
 @pytest.fixture()
@@ -90,7 +91,7 @@ def test_context_aware_option_errors(run, args, message):
 def test_out_of_memory_is_one_line(run, monkeypatch, exc, message):
     """Running out of memory (CPU allocator, CUDA, Python) is a one-line error, exit 2; any other
     RuntimeError stays a traceback (a bug, not a user error)."""
-    import tandem.cli as cli
+    import tandem.cli.generate as cli
 
     def boom(*a, **kw):
         raise exc

@@ -983,9 +983,10 @@ def test_cli_generate_compare_tiny_draft_model(tiny_checkpoint, prompts_file):
 
 
 def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, prompts_file, monkeypatch):
-    """--compare's target-only baseline runs with neither the drafter nor the draft policy (its
-    online τ must not learn from target-only rounds), and both are back on the engine afterwards."""
-    import tandem.cli as cli_mod
+    """--compare's target-only baseline runs on an engine of its own over the same target, built
+    from the target-only configuration: with neither the drafter nor the draft policy (its online
+    τ must not learn from target-only rounds); the speculative engine keeps both, untouched."""
+    import tandem.cli.generate as cli_mod
 
     seen, engines = [], []
     run_file = cli_mod._run_file
@@ -1004,7 +1005,9 @@ def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, pr
     (drafter, policy), (base_drafter, base_policy) = seen
     assert drafter is not None and policy is not None and policy.controller is not None
     assert base_drafter is None and base_policy is None
-    assert engines[0] is engines[1] and (engines[0].drafter, engines[0].draft_policy) == (drafter, policy)
+    assert engines[0] is not engines[1] and engines[0].target is engines[1].target
+    assert (engines[0].drafter, engines[0].draft_policy) == (drafter, policy)
+    assert (engines[1].drafter, engines[1].draft_policy) == (None, None)
 
 
 @pytest.mark.parametrize("args, message", [

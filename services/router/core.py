@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.control import DraftPolicy, TauController, entropy_score
 from tandem.engine import Completion, Engine, Prompt, Request, RequestOutput, RoundSummary
 from tandem.errors import ConfigError, InvalidRequestError
 from tandem.predictor import VerificationRecord
 from tandem.sampling import SamplingParams
+from tandem.speculation import TARGET_ONLY, SpeculativeConfig, build_speculation
 from tandem.state import FallbackStore, InMemoryStore, RedisStore, StateStore, best_effort
 from tandem.target import TargetUnavailable
 from tandem.telemetry import Metrics, span
@@ -49,11 +49,10 @@ class RouterConfig:
         drafter: ``host:port`` of the drafter service (None: target-only decoding).
         model: model path (GGUF file / HF directory) whose tokenizer to load; None = bundled.
         model_name: the id clients see in /v1/models (default: the verifier's).
-        num_draft_tokens: k, draft tokens per sequence per round at most.
-        policy: "fixed" (k for everyone), "entropy" (draft length from exp(-entropy) under an
-            online τ, allocated with the verifier's cost model), or "predictor" (the learned
-            difficulty predictor at ``predictor_path``, same control).
-        predictor_path: ``.safetensors`` from ``tandem train predictor``.
+        speculation: k and the draft policy (``remote_speculation``): "fixed" (k for everyone),
+            "entropy" (draft length from exp(-entropy) under an online τ, allocated with the
+            verifier's cost model) or "predictor" (the learned acceptance predictor, same
+            control); its drafter is "remote" exactly when ``drafter`` is set.
         redis_url: shared state store; None = in-memory (this process only).
         api_key: bearer token for the internal services (None: no auth).
         drafter_timeout_s / verifier_timeout_s: longest wait for one round's answer (s).
@@ -66,15 +65,25 @@ class RouterConfig:
     drafter: str | None = None
     model: str | None = None
     model_name: str | None = None
-    num_draft_tokens: int = 4
-    policy: str = "fixed"
-    predictor_path: str | None = None
+    speculation: SpeculativeConfig = TARGET_ONLY
     redis_url: str | None = None
     api_key: str | None = None
     drafter_timeout_s: float = 10.0
     verifier_timeout_s: float = 120.0
     drafter_resolver: Callable[[], str] | None = None
     overlap: bool = True
+
+
+def remote_speculation(drafter: str | None, num_draft_tokens: int = 4, policy: str = "fixed",
+                       predictor: str | None = None) -> SpeculativeConfig:
+    """The router's ``SpeculativeConfig``: the drafter service at ``drafter`` (None: target-only),
+    k, and the draft policy with τ learned online.
+
+    Raises:
+        ConfigError: a bad policy / predictor combination, or a policy without a drafter.
+    """
+    return SpeculativeConfig("remote" if drafter else "none", num_draft_tokens=num_draft_tokens, policy=policy,
+                             predictor=predictor)
 
 
 @dataclass
@@ -264,6 +273,10 @@ class Router:
         self._ids = itertools.count()
         self._subs_by_id: dict[str, _Submission] = {}
         self._span_tasks: set[asyncio.Future] = set()
+        spec = config.speculation
+        if spec.speculates != bool(config.drafter) or spec.drafter not in ("remote", "none"):
+            raise ConfigError(f"the router's speculation must name a remote drafter exactly when a drafter service "
+                              f"is given (drafter {config.drafter!r}, speculation drafter {spec.drafter!r})")
         targets = [RemoteTarget(a, config.api_key, timeout_s=config.verifier_timeout_s) for a in config.verifiers]
         first = targets[0]
         self.model_name = config.model_name or Path(first.info.model).name
@@ -276,32 +289,16 @@ class Router:
                 drafter = RemoteDrafter(config.drafter, target.info.vocab_size, config.api_key,
                                         timeout_s=config.drafter_timeout_s, resolve=config.drafter_resolver)
                 self.drafters.append(drafter)
-            engine = Engine(tokenizer=self.tokenizer, drafter=drafter, num_draft_tokens=config.num_draft_tokens,
-                            draft_policy=self._policy(target) if drafter else None,
-                            verification_sink=self._log_verification, target=target)
+            speculation = build_speculation(spec, drafter=drafter, cost=target.cost, store=self.store)
+            engine = Engine(tokenizer=self.tokenizer, drafter=speculation.drafter,
+                            num_draft_tokens=speculation.num_draft_tokens, draft_policy=speculation.draft_policy,
+                            chained_rounds=speculation.chained_rounds, verification_sink=self._log_verification,
+                            target=target)
             engine.on_round = self._observe_round
             engine.overlap_drafting = config.overlap
             self.workers.append(Worker(addr, engine, self._on_done))
         for w in self.workers:
             w.start()
-
-    def _policy(self, target: RemoteTarget) -> DraftPolicy | None:
-        c = self.config
-        if c.policy == "fixed":
-            if c.predictor_path:
-                raise ConfigError("--predictor needs --policy predictor")
-            return None
-        if c.policy == "entropy":
-            score = entropy_score
-        elif c.policy == "predictor":
-            if not c.predictor_path:
-                raise ConfigError("--policy predictor needs --predictor PATH")
-            from tandem.predictor import AcceptancePredictor
-
-            score = AcceptancePredictor.load(c.predictor_path).predict
-        else:
-            raise ConfigError(f"unknown draft policy {c.policy!r}; use fixed, entropy or predictor")
-        return DraftPolicy(score, controller=TauController(), cost=target.cost, store=self.store, store_key="tau")
 
     # ------------------------------------------------------------------ callbacks (worker threads)
 

@@ -89,7 +89,7 @@ class RouterDeployment:
                        policy: str = "fixed", predictor: str | None = None, redis_url: str | None = None,
                        default_max_tokens: int = 256, api_key: str | None = None, grpc_port: int | None = None,
                        host: str = "127.0.0.1") -> None:
-        from services.router.core import Router, RouterConfig
+        from services.router.core import Router, RouterConfig, remote_speculation
         from tandem.telemetry import init_tracing
 
         init_tracing("tandem-router")
@@ -100,8 +100,9 @@ class RouterDeployment:
         def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
             return _dialable(drafter.address.remote().result(timeout_s=5))
 
-        config = RouterConfig(verifiers, drafter_address, model, None, num_draft_tokens, policy, predictor,
-                              redis_url or os.environ.get("TANDEM_REDIS_URL"), self.api_key,
+        config = RouterConfig(verifiers, drafter_address, model,
+                              speculation=remote_speculation(drafter_address, num_draft_tokens, policy, predictor),
+                              redis_url=redis_url or os.environ.get("TANDEM_REDIS_URL"), api_key=self.api_key,
                               drafter_resolver=resolver if drafter is not None else None)
         self.router = await asyncio.to_thread(Router, config)
         self._grpc = None

@@ -41,14 +41,12 @@ class VerifierDeployment:
                  measure_cost: int = 0, api_key: str | None = None) -> None:
         from services.processes import build_local_target
         from services.verifier.server import serve as serve_verifier
-        from tandem.control import CostModel
+        from tandem.speculation import measure_target_cost
         from tandem.telemetry import init_tracing
 
         init_tracing("tandem-verifier")
         target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
-        cost = None
-        if measure_cost:
-            cost = CostModel.measure(target.runner, sorted({1, target.info.num_slots}), measure_cost + 1, iters=3).table
+        cost = measure_target_cost(target, measure_cost + 1).table if measure_cost else None
         key = resolve_api_key(api_key)
         self._server = BackgroundServer(lambda ready, stop: serve_verifier(target, eos, port, host, key, cost,
                                                                           ready=ready, stop=stop))

@@ -1,9 +1,9 @@
 """Benchmark configurations: one registry, name -> how that configuration decodes.
 
 Engine configurations (``target``, ``ngram``, ``draft-model``, ``specformer``, ``context-aware``)
-run on the same target engine, which the runner builds once per batch size; each one only sets
-the engine's drafter, draft length k and draft policy (a drafter that reads the target's hidden
-states, SpecFormer, gets an engine of its own built with it). Outside references
+are ``SpeculativeConfig`` values; the runner builds each one's engine with
+``tandem.speculation.build_engine`` over the target of the batch size (built once per batch size;
+a drafter that reads the target's hidden states, SpecFormer, gets a target of its own). Outside references
 (``hf-generate``, ``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at
 batch 1. The ablation rows of the context-aware paper (``fixed-k``, ``random-length``,
 ``entropy-threshold``, ``predictor``, ``full-system``; ``ABLATION_CONFIGS``, what ``tandem bench
@@ -17,14 +17,13 @@ target-only pass.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..control import CostModel, DraftPolicy, TauController, entropy_score, make_draft_policy
-from ..drafters.base import Drafter
+from ..control import CostModel
 from ..errors import ConfigError
 from ..models.weights import Checkpoint
+from ..speculation import SpeculativeConfig, Speculation, build_draft_policy, build_speculation
 
 DRAFT_MODEL_K = 4  # the draft-model configuration's fixed k (the papers' baseline setting)
 SPECFORMER_K = 4  # SpecFormer paper: k = 4 at every batch size
@@ -54,19 +53,9 @@ class BenchOptions:
 
 
 @dataclass
-class Decoding:
-    """How one configuration decodes on the target engine (``Engine`` attributes of the same names)."""
-
-    drafter: Drafter | None
-    num_draft_tokens: int
-    draft_policy: DraftPolicy | None = None
-    chained: bool = True  # ``Engine.chained_rounds``: False for the ``*-host`` configurations
-
-
-@dataclass
 class BuildContext:
-    """What builders may use: the target checkpoint, the options, the verifier cost model, and
-    (per batch size) the target engine."""
+    """What configurations may use: the target checkpoint, the options, the verifier cost model,
+    and (per batch size) the target engine."""
 
     checkpoint: Checkpoint
     options: BenchOptions
@@ -108,6 +97,15 @@ class BuildContext:
             self._head = head
         return self._head
 
+    def weights(self, spec: SpeculativeConfig):
+        """The loaded weights of ``spec``'s drafter, shared by every engine of the run (None for
+        drafters without weights)."""
+        if spec.drafter == "draft-model":
+            return self.draft_checkpoint()
+        if spec.drafter == "specformer":
+            return self.specformer_head()
+        return None
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -118,9 +116,10 @@ class BenchConfig:
         description: one line for tables and ``--help``.
         draft_tokens: k reported in the tables (0: no speculation).
         tokens_per_row: most tokens one verification row can hold (exact kernels pad to it).
-        build: engine configurations: the decoding to set on the target engine.
+        speculation: engine configurations: how the engine speculates (``SpeculativeConfig``),
+            from the options (and the checkpoint, for the predictor saved beside a drafter).
         hf_prompt_lookup: outside references: ``prompt_lookup_num_tokens`` for HF generate (0: plain).
-        prepare: checks (and loads) what ``build`` needs; raises ConfigError / ModelLoadError.
+        prepare: checks (and loads) what the configuration needs; raises ConfigError / ModelLoadError.
         uses_cost_model: needs the verifier cost model T(b, q).
     """
 
@@ -128,7 +127,7 @@ class BenchConfig:
     description: str
     draft_tokens: Callable[[BenchOptions], int]
     tokens_per_row: Callable[[BenchOptions], int]
-    build: Callable[[BuildContext], Decoding] | None = None
+    speculation: Callable[[BuildContext], SpeculativeConfig] | None = None
     hf_prompt_lookup: Callable[[BenchOptions], int] | None = None
     prepare: Callable[[BuildContext], object] = lambda ctx: None
     uses_cost_model: bool = False
@@ -136,27 +135,28 @@ class BenchConfig:
     @property
     def is_reference(self) -> bool:
         """True for outside references (HF generate): batch 1 only, not our engine."""
-        return self.build is None
+        return self.speculation is None
+
+    def build(self, ctx: BuildContext) -> Speculation:
+        """The drafter, k and policy of this configuration on ``ctx.engine``'s settings
+        (``tandem.speculation.build_speculation``, with the run's loaded weights and cost model)."""
+        spec = self.speculation(ctx)
+        return build_speculation(spec, ctx.checkpoint, ctx.engine.runner_config, weights=ctx.weights(spec),
+                                 cost=ctx.cost)
 
 
-def _draft_model(ctx: BuildContext) -> Decoding:
-    from ..drafters import DraftModelDrafter
-
-    return Decoding(DraftModelDrafter(ctx.draft_checkpoint(), ctx.engine.runner_config), DRAFT_MODEL_K)
+def _ngram(ctx: BuildContext) -> SpeculativeConfig:
+    return SpeculativeConfig("ngram", num_draft_tokens=ctx.options.num_draft_tokens)
 
 
-def _ngram(ctx: BuildContext) -> Decoding:
-    from ..drafters import NgramDrafter
-
-    return Decoding(NgramDrafter(), ctx.options.num_draft_tokens)
+def _draft_model(ctx: BuildContext) -> SpeculativeConfig:
+    return SpeculativeConfig("draft-model", draft_model=ctx.options.draft_model, num_draft_tokens=DRAFT_MODEL_K)
 
 
-def _specformer(ctx: BuildContext) -> Decoding:
+def _specformer(ctx: BuildContext) -> SpeculativeConfig:
     """SpecFormer drafts come out of the verify pass: the drafter reads the target's hidden states
-    (``target_taps``), so the runner builds a dedicated engine around it (``Engine`` sets the taps)."""
-    from ..drafters.specformer import SpecFormerDrafter
-
-    return Decoding(SpecFormerDrafter(ctx.specformer_head()), SPECFORMER_K)
+    (``target_taps``), so its engine gets a target of its own (``build_engine``)."""
+    return SpeculativeConfig("specformer", draft_model=ctx.options.specformer, num_draft_tokens=SPECFORMER_K)
 
 
 def predictor_path(options: BenchOptions, checkpoint: Checkpoint) -> str | None:
@@ -167,13 +167,6 @@ def predictor_path(options: BenchOptions, checkpoint: Checkpoint) -> str | None:
     return options.predictor or drafter_predictor(options.ca_drafter, weights, checkpoint)
 
 
-def _ca_policy(ctx: BuildContext) -> DraftPolicy:
-    """The predictor (``predictor_path``), else the entropy score."""
-    o = ctx.options
-    return make_draft_policy(predictor_path(o, ctx.checkpoint), o.tau, o.branch_top_m, fallback_score=entropy_score,
-                             cost=ctx.cost)
-
-
 def _ca_base(ctx: BuildContext) -> BenchConfig:
     name = ctx.options.ca_drafter
     if name not in CA_DRAFTERS:
@@ -181,38 +174,32 @@ def _ca_base(ctx: BuildContext) -> BenchConfig:
     return CONFIGS[name]
 
 
-def _context_aware(ctx: BuildContext) -> Decoding:
-    base = _ca_base(ctx).build(ctx)
-    return Decoding(base.drafter, ctx.options.num_draft_tokens, _ca_policy(ctx))
+def _over_ca_drafter(ctx: BuildContext, **policy) -> SpeculativeConfig:
+    """The ``--ca-drafter`` drafter at k = ``--num-draft-tokens`` under ``policy`` (fields of
+    ``SpeculativeConfig``)."""
+    return replace(_ca_base(ctx).speculation(ctx), num_draft_tokens=ctx.options.num_draft_tokens, **policy)
+
+
+def _context_aware(ctx: BuildContext) -> SpeculativeConfig:
+    """The predictor (``predictor_path``), else the entropy score; ``--tau`` and ``--branch-top-m``."""
+    o = ctx.options
+    path = predictor_path(o, ctx.checkpoint)
+    return _over_ca_drafter(ctx, policy="predictor" if path else "entropy", predictor=path, tau=o.tau,
+                            branch_top_m=o.branch_top_m)
 
 
 def _prepare_context_aware(ctx: BuildContext) -> None:
     _ca_base(ctx).prepare(ctx)
-    _ca_policy(ctx)  # a bad --tau / --predictor fails now
+    build_draft_policy(_context_aware(ctx), ctx.checkpoint)  # a bad --tau / --predictor fails now
 
 
-class RandomLengthPolicy(DraftPolicy):
-    """Draft length drawn uniformly from 0..n per sequence (the ablation's "random length" row)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__(score=None)
-        self._rng = random.Random(seed)
-
-    def begin_round(self):
-        return None  # lengths are drawn after drafting: no early stop
-
-    def lengths(self, features, scores=None) -> list[int]:
-        return [self._rng.randint(0, f.shape[0]) for f in features]
-
-
-def _ablation_predictor(ctx: BuildContext):
-    """The learned predictor's score function for the ablation rows that use it.
+def _ablation_predictor(ctx: BuildContext) -> str:
+    """The learned predictor of the ablation rows that use it.
 
     Raises:
         ConfigError: neither ``--predictor`` nor a predictor saved next to the drafter's weights.
     """
     from ..drafters.factory import PREDICTOR_FILE
-    from ..predictor import AcceptancePredictor
 
     o = ctx.options
     path = predictor_path(o, ctx.checkpoint)
@@ -222,80 +209,77 @@ def _ablation_predictor(ctx: BuildContext):
     if path is None:
         raise ConfigError(f"the ablation's predictor rows need --predictor (or a {PREDICTOR_FILE} next to the "
                           f"{o.ca_drafter} drafter's weights)")
-    try:
-        return AcceptancePredictor.load(path).predict
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"cannot load predictor {path}: {exc}") from None
-
-
-def _ablation(make_policy: Callable[[BuildContext], DraftPolicy | None]) -> Callable[[BuildContext], Decoding]:
-    """An ablation row: the ``--ca-drafter`` drafter at k = ``--num-draft-tokens`` under a policy."""
-    def build(ctx: BuildContext) -> Decoding:
-        drafter = _ca_base(ctx).build(ctx).drafter
-        return Decoding(drafter, ctx.options.num_draft_tokens, make_policy(ctx))
-    return build
-
-
-def _prepare_ablation(uses_predictor: bool) -> Callable[[BuildContext], None]:
-    def prepare(ctx: BuildContext) -> None:
-        _ca_base(ctx).prepare(ctx)
-        if uses_predictor:
-            _ablation_predictor(ctx)
-    return prepare
+    return path
 
 
 def _full_system_m(o: BenchOptions) -> int:
     return max(o.branch_top_m, 2)
 
 
+def _ablation_predictor_row(ctx: BuildContext, branch_top_m: int = 0) -> SpeculativeConfig:
+    return _over_ca_drafter(ctx, policy="predictor", predictor=_ablation_predictor(ctx), branch_top_m=branch_top_m)
+
+
+def _prepare_ablation(uses_predictor: bool) -> Callable[[BuildContext], None]:
+    def prepare(ctx: BuildContext) -> None:
+        _ca_base(ctx).prepare(ctx)
+        if uses_predictor:
+            build_draft_policy(_ablation_predictor_row(ctx), ctx.checkpoint)  # an unreadable predictor fails now
+    return prepare
+
+
+def _host(speculation: Callable[[BuildContext], SpeculativeConfig]) -> Callable[[BuildContext], SpeculativeConfig]:
+    """The same decoding with host-drafted rounds."""
+    return lambda ctx: replace(speculation(ctx), chained_rounds=False)
+
+
+def _k(o: BenchOptions) -> int:
+    return o.num_draft_tokens
+
+
+def _k1(o: BenchOptions) -> int:
+    return o.num_draft_tokens + 1
+
+
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("target", "target-only greedy decoding (the baseline)", lambda o: 0, lambda o: 1,
-                build=lambda ctx: Decoding(None, 1)),
-    BenchConfig("ngram", "prompt-lookup n-gram drafter, k = --num-draft-tokens", lambda o: o.num_draft_tokens,
-                lambda o: o.num_draft_tokens + 1, build=_ngram),
+                speculation=lambda ctx: SpeculativeConfig()),
+    BenchConfig("ngram", "prompt-lookup n-gram drafter, k = --num-draft-tokens", _k, _k1, speculation=_ngram),
     BenchConfig("draft-model", f"small draft LM (--draft-model), k = {DRAFT_MODEL_K}", lambda o: DRAFT_MODEL_K,
-                lambda o: DRAFT_MODEL_K + 1, build=_draft_model, prepare=BuildContext.draft_checkpoint),
+                lambda o: DRAFT_MODEL_K + 1, speculation=_draft_model, prepare=BuildContext.draft_checkpoint),
     BenchConfig("specformer", f"SpecFormer draft head (--specformer), k = {SPECFORMER_K}", lambda o: SPECFORMER_K,
-                lambda o: SPECFORMER_K + 1, build=_specformer, prepare=BuildContext.specformer_head),
+                lambda o: SPECFORMER_K + 1, speculation=_specformer, prepare=BuildContext.specformer_head),
     BenchConfig("context-aware", "adaptive length + cost-model batch budget + online tau over --ca-drafter "
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
-                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
-                build=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
+                _k, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
+                speculation=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
     # The context-aware paper's ablation table, over --ca-drafter (tandem bench --ablation runs these).
-    BenchConfig("fixed-k", "ablation: fixed k = --num-draft-tokens over --ca-drafter", lambda o: o.num_draft_tokens,
-                lambda o: o.num_draft_tokens + 1, build=_ablation(lambda ctx: None), prepare=_prepare_ablation(False)),
-    BenchConfig("random-length", "ablation: draft length uniform in 0..k per sequence", lambda o: o.num_draft_tokens,
-                lambda o: o.num_draft_tokens + 1, build=_ablation(lambda ctx: RandomLengthPolicy(seed=0)),
-                prepare=_prepare_ablation(False)),
+    BenchConfig("fixed-k", "ablation: fixed k = --num-draft-tokens over --ca-drafter", _k, _k1,
+                speculation=_over_ca_drafter, prepare=_prepare_ablation(False)),
+    BenchConfig("random-length", "ablation: draft length uniform in 0..k per sequence", _k, _k1,
+                speculation=lambda ctx: _over_ca_drafter(ctx, policy="random"), prepare=_prepare_ablation(False)),
     BenchConfig("entropy-threshold", "ablation: entropy score exp(-H(q)) with the online tau, no learned predictor",
-                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
-                build=_ablation(lambda ctx: DraftPolicy(entropy_score, controller=TauController())),
+                _k, _k1, speculation=lambda ctx: _over_ca_drafter(ctx, policy="entropy", cost_model=False),
                 prepare=_prepare_ablation(False)),
     BenchConfig("predictor", "ablation: learned predictor + online tau + batch allocation, no enhancement",
-                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
-                build=_ablation(lambda ctx: DraftPolicy(_ablation_predictor(ctx), controller=TauController(),
-                                                        cost=ctx.cost)),
-                prepare=_prepare_ablation(True), uses_cost_model=True),
+                _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True),
     BenchConfig("full-system", "ablation: predictor + online tau + batch allocation + top-m hard-position branching "
-                "(m = max(--branch-top-m, 2))", lambda o: o.num_draft_tokens,
-                lambda o: o.num_draft_tokens + _full_system_m(o),
-                build=_ablation(lambda ctx: DraftPolicy(_ablation_predictor(ctx), controller=TauController(),
-                                                        cost=ctx.cost, branch_top_m=_full_system_m(ctx.options))),
+                "(m = max(--branch-top-m, 2))", _k, lambda o: o.num_draft_tokens + _full_system_m(o),
+                speculation=lambda ctx: _ablation_predictor_row(ctx, _full_system_m(ctx.options)),
                 prepare=_prepare_ablation(True), uses_cost_model=True),
     # The same decodings with host-drafted rounds (each round launched once the previous one is
     # back, drafts proposed on the host): the chained device rounds measured against them.
     BenchConfig("target-host", "target-only with host-driven rounds (no chaining)", lambda o: 0, lambda o: 1,
-                build=lambda ctx: Decoding(None, 1, chained=False)),
+                speculation=lambda ctx: SpeculativeConfig(chained_rounds=False)),
     BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (NgramIndex), k = --num-draft-tokens",
-                lambda o: o.num_draft_tokens, lambda o: o.num_draft_tokens + 1,
-                build=lambda ctx: replace(_ngram(ctx), chained=False)),
+                _k, _k1, speculation=_host(_ngram)),
     BenchConfig("specformer-host", f"SpecFormer with host-drafted rounds (observe, then propose), k = {SPECFORMER_K}",
-                lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1,
-                build=lambda ctx: replace(_specformer(ctx), chained=False), prepare=BuildContext.specformer_head),
+                lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1, speculation=_host(_specformer),
+                prepare=BuildContext.specformer_head),
     BenchConfig("hf-generate", "Hugging Face generate, greedy (batch 1)", lambda o: 0, lambda o: 0,
                 hf_prompt_lookup=lambda o: 0),
     BenchConfig("hf-prompt-lookup", "Hugging Face prompt-lookup decoding, k = --num-draft-tokens (batch 1)",
-                lambda o: o.num_draft_tokens, lambda o: 0, hf_prompt_lookup=lambda o: o.num_draft_tokens),
+                _k, lambda o: 0, hf_prompt_lookup=lambda o: o.num_draft_tokens),
 ]}
 
 CA_DRAFTERS = ("ngram", "draft-model", "specformer")

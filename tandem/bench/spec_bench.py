@@ -32,7 +32,8 @@ from ..models.runner import ModelRunner, RunnerConfig, resolve_kernels
 from ..models.weights import Checkpoint
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .configs import BenchConfig, BenchOptions, BuildContext, Decoding, prepare_configs
+from ..speculation import SpeculativeConfig, build_engine
+from .configs import BenchConfig, BenchOptions, BuildContext, prepare_configs
 from .round_cost import RoundCost, measure_round_cost
 from .throughput import bench_hf_generate
 
@@ -228,12 +229,13 @@ def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None
                           f"configurations compare round paths in one process)")
 
 
-def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runner_config: RunnerConfig,
-                    records: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
-                    progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
-    """Run ``records`` through the disaggregated stack: ``tandem serve`` verifier, drafter and
-    router as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
-    in flight through ``Router.Generate``; a warm-up pass (``warmup_share``), then the timed pass.
+def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
+                    runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
+                    desc: str, progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
+    """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
+    speculation): ``tandem serve`` verifier, drafter and router as separate processes on loopback
+    gRPC (``services.launch``), ``batch_size`` requests in flight through ``Router.Generate``; a
+    warm-up pass (``warmup_share``), then the timed pass.
 
     Returns:
         Completions (record order; TTFT / TPOT measured by the client, network included) and the
@@ -247,19 +249,11 @@ def run_distributed(config: BenchConfig, options: BenchOptions, model: str, runn
     from services.router.client import generate_all
 
     check_distributed([config], options)
-    name = options.ca_drafter if config.name == "context-aware" else config.name
-    policy, predictor, k = "fixed", None, config.draft_tokens(options) or 1
-    if config.name == "context-aware":
-        from ..models.weights import load_checkpoint
-        from .configs import predictor_path
-
-        predictor = predictor_path(options, load_checkpoint(model))
-        policy = "predictor" if predictor else "entropy"
-    stack = start_stack(StackConfig(model=model, drafter=DISTRIBUTED_DRAFTERS[name],
-                                    draft_model=options.draft_model if name == "draft-model" else None,
-                                    num_draft_tokens=k, max_batch_size=batch_size,
-                                    max_seq_len=runner_config.max_seq_len, policy=policy, predictor=predictor,
-                                    measure_cost=k if config.uses_cost_model else 0), timeout_s=900)
+    # the router learns tau online: the stack serves the configuration with tau "auto"
+    stack = start_stack(StackConfig.serving(replace(spec, tau="auto"), model=model, max_batch_size=batch_size,
+                                            max_seq_len=runner_config.max_seq_len,
+                                            measure_cost=spec.num_draft_tokens if config.uses_cost_model else 0),
+                        timeout_s=900)
     try:
         for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
@@ -391,23 +385,21 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
-                    comps, wall = run_distributed(c, options, str(checkpoint.path), engine.runner_config, prompts, b,
-                                                  params, f"{c.name} b={b}", progress, warmup)
+                    comps, wall = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path),
+                                                  engine.runner_config, prompts, b, params, f"{c.name} b={b}",
+                                                  progress, warmup)
                     res = _engine_result(c, options, b, prompts, comps, wall, math.nan, base, base_tokens)  # other processes' memory
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
                 else:
-                    decoding = c.build(ctx)
-                    own = _needs_own_engine(decoding)
-                    run_on = (Engine(checkpoint, engine.runner_config, tokenizer=tokenizer, drafter=decoding.drafter,
-                                     num_draft_tokens=decoding.num_draft_tokens, draft_policy=decoding.draft_policy)
-                              if own else engine)
-                    comps, wall, peak, cost = _engine_pass(run_on, decoding, prompts, b, params, f"{c.name} b={b}",
-                                                           progress, warmup)
+                    spec = c.speculation(ctx)  # on this batch size's target (SpecFormer: a tapping one of its own)
+                    run_on = build_engine(spec, share=engine, weights=ctx.weights(spec), cost=ctx.cost)
+                    comps, wall, peak, cost = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}", progress,
+                                                           warmup)
                     res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),
                                   **asdict(cost))
-                    engine.drafter = engine.draft_policy = decoding = run_on = None
+                    run_on = None
                     _free_memory()
                     if c.name == "target":
                         base = res
@@ -422,23 +414,12 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     return report
 
 
-def _needs_own_engine(decoding: Decoding) -> bool:
-    """A drafter that reads the target's hidden states (``target_taps``, SpecFormer) must be given
-    to ``Engine`` at construction (it sets the runner's taps and binds the drafter)."""
-    return decoding.drafter is not None and bool(decoding.drafter.target_taps)
-
-
-def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord], batch_size: int,
-                 params: SamplingParams, desc: str, progress: bool,
-                 warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost]:
-    """Set ``decoding`` on the engine (a no-op for an engine built with it), run a warm-up pass
+def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
+                 progress: bool, warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost]:
+    """On an engine built for one configuration (``build_engine``), run a warm-up pass
     (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
-    the timed pass, then the round-cost pass (``measure_round_cost``). Returns (completions,
-    wall s, peak GiB, round cost)."""
-    engine.drafter, engine.num_draft_tokens, engine.draft_policy = (decoding.drafter, decoding.num_draft_tokens,
-                                                                    decoding.draft_policy)
-    engine.chained_rounds = decoding.chained
-    engine.max_running = batch_size
+    the timed pass, then the round-cost pass (``measure_round_cost``) with ``batch_size``
+    requests. Returns (completions, wall s, peak GiB, round cost)."""
     texts = [r.text for r in prompts]
     dev = engine.runner.device
     for label, run in (("warm-up", warmup_share(texts, batch_size, warmup)), ("timed", texts)):
@@ -454,7 +435,6 @@ def _engine_pass(engine: Engine, decoding: Decoding, prompts: list[PromptRecord]
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
     cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
-    engine.stats = SpecDecodeStats()
     return comps, wall, peak, cost
 
 

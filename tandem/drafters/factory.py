@@ -1,5 +1,5 @@
-"""Drafters by name, with the shipped weights as defaults: one place for ``tandem generate``,
-``tandem collect-logs`` and ``tandem bench``."""
+"""Drafters by name, with the shipped weights as defaults (``tandem.speculation`` builds every
+drafter through ``build_drafter``)."""
 
 from __future__ import annotations
 
@@ -41,25 +41,36 @@ def drafter_weights(kind: str, path: str | None, checkpoint: Checkpoint, option:
     return str(default)
 
 
-def build_drafter(kind: str, path: str | None, checkpoint: Checkpoint, config: RunnerConfig) -> Drafter | None:
-    """The drafter for ``--drafter`` (None for "none"); trained drafters default to the shipped
-    ones when the target is the bundled model (``drafter_weights``).
+def build_drafter(kind: str, path: str | None, checkpoint: Checkpoint, config: RunnerConfig,
+                  weights=None) -> Drafter | None:
+    """The drafter of kind ``kind`` (None for "none"); trained drafters default to the shipped
+    ones when the target is the bundled model (``drafter_weights``). Called by
+    ``tandem.speculation.build_speculation``, which holds the rest of a speculative setup.
+
+    Args:
+        kind: "none", "ngram", "draft-model" or "specformer".
+        path: a trained drafter's weights (None: the shipped ones).
+        checkpoint, config: the target and its runner settings (a draft model runs with them).
+        weights: the weights already loaded (a draft model's ``Checkpoint``, a SpecFormer head):
+            ``path`` is then not read again.
 
     Raises:
         InvalidRequestError: no weights for this target; ModelLoadError: unloadable drafter.
     """
     from .draft_model import DraftModelDrafter, load_draft_checkpoint
     from .ngram import NgramDrafter
-    from .specformer import SpecFormerDrafter
+    from .specformer import SpecFormerDrafter, load_specformer
 
     if kind == "ngram":
         return NgramDrafter()
     if kind not in DRAFTER_KINDS:
         return None
-    weights = drafter_weights(kind, path, checkpoint)
+    if weights is None:
+        path = drafter_weights(kind, path, checkpoint)
+        weights = load_specformer(path) if kind == "specformer" else load_draft_checkpoint(path, checkpoint)
     if kind == "specformer":
-        return SpecFormerDrafter.load(weights)
-    return DraftModelDrafter(load_draft_checkpoint(weights, checkpoint), config)
+        return SpecFormerDrafter(weights)
+    return DraftModelDrafter(weights, config)
 
 
 PREDICTOR_FILE = "predictor.safetensors"  # an acceptance predictor lives next to its drafter's weights

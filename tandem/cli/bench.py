@@ -1,0 +1,171 @@
+"""``tandem bench``: decoding configurations (``tandem.bench.configs``) compared on Spec-Bench
+prompts per batch size, or earlier results merged (``--from-results``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from ..data import bundled_spec_bench, load_prompts
+from ..errors import InvalidRequestError
+from .common import (console, device_option, dtype_option, err_console, fail, init_tracing, kernels_option, model_option,
+                     torch_dtype, with_drafter_options)
+
+
+@click.command()
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
+              help="Spec-Bench style JSONL (default: the bundled Spec-Bench copy).")
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Prompts at batch 1 (batch b runs max(limit, 2b)), round-robin across the Spec-Bench tasks.")
+@click.option("--batch-sizes", default="1,16,64", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--configs", "configs_spec", default=None, metavar="NAME,...",
+              help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
+                   "hf-prompt-lookup; target-host, ngram-host, specformer-host run host-drafted rounds instead of "
+                   "chained device rounds (target always runs: it is the baseline). Default: target (+ hf-generate).")
+@click.option("--hf-baseline/--no-hf-baseline", default=None,
+              help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
+@click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Prompts for the HF references (batch 1 only: they are slow).")
+@click.option("--specformer", "specformer_path", default=None, metavar="PATH",
+              help="SpecFormer head for the specformer configuration (default: the one shipped for the bundled model).")
+@click.option("--ca-drafter", default="draft-model", show_default=True, metavar="NAME",
+              help="Drafter the context-aware configuration controls: draft-model, ngram or specformer.")
+@click.option("--exact-kernels", is_flag=True,
+              help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
+                   "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")
+@click.option("--cost-table", is_flag=True, help="Also measure the verifier step time T(b, q) for q = 1..k+1.")
+@click.option("--warmup", type=click.Choice(["full", "short"]), default="full", show_default=True,
+              help="Warm-up pass before each timed pass: full = the same prompts (every CUDA graph and compile "
+                   "is made before timing); short = max(2b, 4) of them (faster; later context lengths are "
+                   "captured inside the timing).")
+@click.option("--mode", type=click.Choice(["inproc", "distributed"]), default="inproc", show_default=True,
+              help="inproc: one process; distributed: through the gRPC services (tandem serve).")
+@model_option
+@device_option
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
+@click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+@dtype_option
+@kernels_option
+@click.option("--ablation", is_flag=True,
+              help="The context-aware ablation as the configuration set: target, fixed-k, random-length, "
+                   "entropy-threshold, predictor, full-system over --drafter (or --ca-drafter) at k = "
+                   "--num-draft-tokens; the predictor rows use --predictor PATH|auto.")
+@with_drafter_options
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Write results.json, results.md and the PNG plots here.")
+@click.option("--from-results", "from_results", default=None, metavar="FILE,...",
+              help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
+                   "the tables and plots to --out.")
+def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
+          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, kernels,
+          ablation, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
+    """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
+    acceptance, latency, memory and the lossless check, per batch size."""
+    if from_results:
+        _bench_from_results(from_results, out)
+        return
+    init_tracing()
+
+    try:
+        sizes = sorted({int(b) for b in batch_sizes.split(",")})  # an empty item is an error, not skipped
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        fail(f"--batch-sizes must be positive integers separated by commas, got {batch_sizes!r}")
+        return
+    try:
+        records = load_prompts(prompts_file or bundled_spec_bench())
+    except InvalidRequestError as exc:
+        fail(str(exc))
+        return
+    if not records:
+        fail("the prompts file has no prompts")
+    if ablation:  # the paper's ablation rows are configurations on the same engines (tandem.bench.configs)
+        from ..bench.configs import ABLATION_CONFIGS  # torch
+
+        if configs_spec:
+            fail("--ablation runs its own configuration set; drop --configs")
+        if tau != "auto":
+            fail("--ablation rows set τ themselves (the online controller, or none); drop --tau")
+        configs_spec, hf_baseline = ",".join(ABLATION_CONFIGS), False
+        if drafter != "none":
+            ca_drafter, drafter = drafter, "none"
+        if predictor == "auto":  # the predictor saved next to the drafter's weights
+            predictor = None
+    _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
+                   hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
+                   compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+                   out, warmup, kernels)
+
+
+def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
+                   specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
+                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out,
+                   warmup, kernels="auto") -> None:
+    """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
+    # torch-backed
+    from ..bench.configs import BenchOptions, parse_configs, predictor_path
+    from ..bench.report import tables, write_json, write_report
+    from ..bench.spec_bench import check_mode, run_benchmark
+    from ..models.runner import default_runner_config
+    from ..models.weights import load_checkpoint
+    from ..tokenizer import load_tokenizer
+
+    if drafter != "none":
+        fail("--drafter is for --ablation; choose configurations with --configs")
+    if configs_spec is not None:
+        parse_configs(configs_spec)  # an empty list or item is an error before anything else
+    names = [n.strip() for n in (configs_spec or "target").split(",")]
+    if hf_baseline or (hf_baseline is None and configs_spec is None):
+        names.append("hf-generate")
+    elif hf_baseline is False:
+        names = [n for n in names if n != "hf-generate"]
+    configs = parse_configs(",".join(names))
+    check_mode(mode)
+    predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
+    options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
+                           ca_drafter=ca_drafter, predictor=predictor, tau=tau, branch_top_m=branch_top_m)
+    cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
+                                compile=compile_, dtype=torch_dtype(dtype), kernels=kernels)
+    checkpoint = load_checkpoint(model)
+    uses_predictor = any(c.name in ("context-aware", "predictor", "full-system") for c in configs)
+    options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
+                      predictor=predictor_path(options, checkpoint) if uses_predictor else None)
+    err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
+                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False,
+                      soft_wrap=True)
+    report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
+                           max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
+                           cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup,
+                           say=lambda msg: tqdm.write(msg, file=sys.stderr),
+                           on_result=(lambda partial: write_json(partial, out)) if out else None)
+    for t in tables(report):
+        console.print(t.to_rich())
+    if out:
+        written = write_report(report, out)
+        console.print("wrote " + ", ".join(str(p) for p in written), highlight=False)
+
+
+def _bench_from_results(files: str, out) -> None:
+    """``tandem bench --from-results``: merge results.json files into one set of tables and plots."""
+    from ..bench.report import tables, write_report  # torch
+    from ..bench.spec_bench import BenchReport, merge_reports
+
+    if not out:
+        fail("--from-results needs --out")
+    try:
+        report = merge_reports([BenchReport.from_dict(json.loads(Path(f).read_text()))
+                                for f in files.split(",") if f.strip()])
+    except (OSError, ValueError) as exc:
+        fail(f"--from-results: {exc}")
+        return
+    for t in tables(report):
+        console.print(t.to_rich())
+    console.print("wrote " + ", ".join(str(p) for p in write_report(report, out)), highlight=False)

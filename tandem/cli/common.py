@@ -1,0 +1,185 @@
+"""What every ``tandem`` command shares: the consoles, one-line errors, the common options, the
+mapping of the drafter options to a ``SpeculativeConfig``, and the engine a command runs on."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from tqdm import tqdm
+
+from ..control import parse_tau
+from ..errors import ConfigError, InvalidRequestError
+from ..metrics import SpecDecodeStats
+from ..speculation import TARGET_ONLY, SpeculativeConfig
+
+log = logging.getLogger("tandem")
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True)
+
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def init_tracing() -> None:
+    """Tracing for in-process commands: spans go where ``OTEL_*`` / ``TANDEM_TRACE_FILE`` say (read
+    with ``tandem trace-report``); with neither set no provider is installed and nothing is
+    recorded. A bad setting is an InvalidRequestError (one line), not a traceback."""
+    from ..telemetry import init_tracing as init, tracing_configured
+
+    try:
+        if tracing_configured():
+            init("tandem")
+    except (RuntimeError, OSError) as exc:
+        raise InvalidRequestError(f"tracing settings: {exc}") from None
+
+
+def command_line() -> str:
+    """This invocation as a user would type it (``tandem ...``, not the interpreter's script path)."""
+    return " ".join(["tandem", *sys.argv[1:]])
+
+
+def fail(msg: str) -> None:
+    """Print a one-line error to stderr and exit 2."""
+    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+def fmt(x: float, spec: str) -> str:
+    """``format(x, spec)``, or "-" for NaN (an undefined rate)."""
+    return "-" if x != x else format(x, spec)
+
+
+def _unescape(s: str) -> str:
+    """Turn the escapes a shell passes literally (\\n, \\t, \\r, \\\\) into characters."""
+    out, i = [], 0
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    while i < len(s):
+        if s[i] == "\\" and i + 1 < len(s) and s[i + 1] in table:
+            out.append(table[s[i + 1]])
+            i += 2
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def torch_dtype(dtype: str):
+    """``--dtype`` as a torch dtype (None for auto: bfloat16 on GPU, float32 on CPU)."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+
+
+# ----------------------------------------------------------------------------- options
+
+model_option = click.option("--model", "model", default=None, metavar="PATH",
+                            help="GGUF file or Hugging Face checkpoint directory (default: bundled SmolLM2-135M-Instruct).")
+device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available).")
+dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
+                            help="auto = bfloat16 on GPU, float32 on CPU.")
+kernels_option = click.option(
+    "--kernels", type=click.Choice(["auto", "fused", "reference", "fused-heuristic"]), default="auto",
+    show_default=True,
+    help="Decode/verify kernels: fused (Triton + flash-attn, batch-invariant; GPU) or reference (PyTorch ops, "
+         "masked SDPA); auto = fused where it can run; fused-heuristic = fused with flash-attn's batch-dependent "
+         "split-KV choice (measures what invariance costs).")
+
+
+def _check_tau(value: str) -> str:
+    """--tau checked when the command line is parsed, before any model loads."""
+    try:
+        parse_tau(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--tau "), param_hint="'--tau'") from None
+    return value
+
+
+drafter_options = [
+    click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model", "specformer"]), default="none",
+                 show_default=True, help="Speculative decoding drafter (none = target-only decoding)."),
+    click.option("--draft-model", default=None, metavar="PATH|truncate:N",
+                 help="Draft model for --drafter draft-model: a distilled draft (tandem train draft-model), a GGUF / "
+                      "HF directory sharing the target's tokenizer, or truncate:N (the target's first N layers). "
+                      "Default with the bundled target: the shipped distilled draft model. For --drafter "
+                      "specformer: a head directory (default: the shipped head; generate also takes --specformer)."),
+    click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+                 help="Draft tokens per sequence per round (k)."),
+    click.option("--predictor", default=None, metavar="PATH|auto",
+                 help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor), or "
+                      "auto = the predictor saved next to the drafter's weights; draft lengths follow it under tau."),
+    click.option("--tau", default="auto", show_default=True, callback=lambda ctx, param, value: _check_tau(value),
+                 help="Threshold on predicted acceptance: a number in [0, 1], or auto (learned online)."),
+    click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,
+                 help="Hard-position enhancement: verify the top-m candidates where tau cuts a draft (draft-model)."),
+]
+
+
+def with_drafter_options(fn):
+    """Add ``drafter_options`` to a command (read them with ``speculative_config``)."""
+    for opt in reversed(drafter_options):
+        fn = opt(fn)
+    return fn
+
+
+def speculative_config(drafter: str = "none", draft_model: str | None = None, num_draft_tokens: int = 4,
+                       predictor: str | None = None, tau: str = "auto", branch_top_m: int = 0) -> SpeculativeConfig:
+    """The drafter options (``with_drafter_options``) as a ``SpeculativeConfig``: a predictor
+    makes the policy "predictor" (τ online unless ``--tau``), none keeps k fixed.
+
+    Raises:
+        ConfigError: options that do not go together (``SpeculativeConfig``).
+    """
+    return SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                             policy="predictor" if predictor is not None else "fixed", predictor=predictor, tau=tau,
+                             branch_top_m=branch_top_m)
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig = TARGET_ONLY, cuda_graphs=None,
+            compile_=None, dtype="auto", num_requests=None, verification_sink=None, kernels="auto"):
+    """The engine a command runs on: the runner settings from the options, then
+    ``tandem.speculation.build_engine``. Without ``max_batch_size`` the KV cache gets the
+    device's default slots, or ``num_requests`` when fewer requests will ever run. A k above the
+    drafter's own limit is noted on stderr (the engine caps it).
+
+    Raises:
+        ModelLoadError / InvalidRequestError / ConfigError.
+    """
+    from dataclasses import replace
+
+    from ..models.runner import default_runner_config
+    from ..models.weights import load_checkpoint
+    from ..speculation import build_engine
+
+    init_tracing()
+    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                cuda_graphs=cuda_graphs, compile=compile_, dtype=torch_dtype(dtype), kernels=kernels)
+    if max_batch_size is None and num_requests:
+        cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
+    engine = build_engine(spec, load_checkpoint(model), cfg, verification_sink=verification_sink)
+    if engine.drafter is not None and engine.draft_limit < spec.num_draft_tokens:
+        err_console.print(f"note: this {engine.drafter.name} drafter drafts {engine.draft_limit} tokens a round "
+                          f"(l_d); --num-draft-tokens {spec.num_draft_tokens} is capped to {engine.draft_limit}",
+                          highlight=False, soft_wrap=True)
+    return engine
+
+
+def _run_file(engine, records, params, chat: bool, desc: str = "generating"):
+    """Run every record through the engine with a progress bar; returns (completions, wall s)."""
+    engine.stats = SpecDecodeStats()
+    with tqdm(total=len(records), desc=desc, unit="prompt", file=sys.stderr) as bar:
+        t0 = time.perf_counter()
+        try:
+            results = engine.generate([r.text for r in records], params, chat=chat, on_finish=lambda c: bar.update())
+        except InvalidRequestError as exc:
+            bar.leave = False  # erase the bar: the error is the line left
+            bar.close()
+            fail(str(exc))
+        wall = time.perf_counter() - t0
+    return results, wall

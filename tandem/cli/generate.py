@@ -1,0 +1,156 @@
+"""``tandem generate``: one prompt streamed, or a prompts file as a table of results; with
+``--compare`` also target-only decoding of the same prompts on the same target."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import click
+from rich.table import Table
+
+from ..data import load_prompts
+from ..errors import InvalidRequestError
+from ..speculation import TARGET_ONLY, build_engine
+from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
+                     kernels_option, model_option, speculative_config, with_drafter_options)
+
+
+@click.command()
+@click.option("--prompt", default=None, help="One prompt.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="JSONL of prompts (Spec-Bench 'turns' rows or 'prompt' rows).")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="First N prompts of the file.")
+@model_option
+@device_option
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
+@click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
+@click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
+@with_drafter_options
+@click.option("--specformer", "specformer_path", default=None, metavar="PATH",
+              help="SpecFormer head directory (tandem train specformer); implies --drafter specformer. Same as "
+                   "--drafter specformer --draft-model PATH, and as tandem bench --specformer.")
+@click.option("--compare", is_flag=True,
+              help="With a prompts file and a drafter: also run target-only on the same prompts and report "
+                   "the speedup and how many outputs are identical.")
+@dtype_option
+@kernels_option
+def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
+             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+             specformer_path, compare, dtype, kernels) -> None:
+    """Generate for one prompt (streamed) or a prompts file (table of results)."""
+    from ..sampling import SamplingParams  # torch
+
+    if specformer_path is not None:
+        if drafter not in ("none", "specformer"):
+            fail(f"--specformer needs --drafter specformer, got --drafter {drafter}")
+        if draft_model:
+            fail("give the SpecFormer head once: --specformer PATH or --draft-model PATH")
+        if not specformer_path.strip():
+            fail("--specformer is empty")
+        from ..drafters.specformer import specformer_file  # torch
+
+        specformer_file(specformer_path)  # a missing head is refused before the target loads
+        drafter, draft_model = "specformer", specformer_path
+    if (prompt is None) == (prompts_file is None):
+        fail("give exactly one of --prompt or --prompts-file")
+    if compare and (prompts_file is None or drafter == "none"):
+        fail("--compare needs --prompts-file and a --drafter")
+    if prompt is not None and not prompt.strip():
+        fail("prompt is empty")
+    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=tuple(_unescape(x) for x in stop))
+        records = load_prompts(prompts_file, limit) if prompts_file else None
+        if records is not None and not records:
+            fail("the prompts file has no prompts")
+        engine = _engine(model, device, batch_size, max_seq_len, spec, dtype=dtype, kernels=kernels,
+                         num_requests=1 if records is None else len(records))
+    except InvalidRequestError as exc:
+        fail(str(exc))
+        return
+    if prompt is not None:
+        try:
+            for out in engine.stream(prompt, params, chat=not no_chat):
+                sys.stdout.write(out.text_delta)
+                sys.stdout.flush()
+        except InvalidRequestError as exc:
+            fail(str(exc))
+        sys.stdout.write("\n")
+        if engine.drafter is not None:  # on stderr: stdout holds only the generated text
+            st = engine.stats
+            err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {fmt(st.acceptance_rate, '.3f')}, "
+                              f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
+        return
+    results, wall = _run_file(engine, records, params, not no_chat)
+    _print_results(engine, records, results, wall)
+    if compare:
+        # the baseline is an engine of its own over the same target (weights, KV cache, graphs),
+        # built from the target-only configuration: no drafter, and no draft policy whose τ
+        # controller would learn from target-only rounds; the speculative engine is left as it was
+        baseline = build_engine(TARGET_ONLY, share=engine)
+        base, base_wall = _run_file(baseline, records, params, not no_chat, desc="target-only")
+        _print_comparison(engine, results, wall, base, base_wall, sampled=not params.greedy)
+
+
+def _print_results(engine, records, results, wall: float) -> None:
+    spec_on = engine.drafter is not None
+    title = (f"{engine.checkpoint.path.name} on {engine.runner.device} ({engine.runner_config.dtype}, "
+             f"batch <= {engine.max_running}"
+             + (f", drafter {engine.drafter.name}, k={engine.num_draft_tokens})" if spec_on else ", target-only)"))
+    table = Table(title=title)
+    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "tok/s"]
+    if spec_on:
+        cols += ["drafted", "accepted", "accept rate", "mean acc len"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("category", "finish") else "right")
+    for rec, res in zip(records, results):
+        decode_s = res.latency_s - res.ttft_s
+        tps = (res.completion_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        row = [rec.prompt_id, rec.category, str(res.prompt_tokens), str(res.completion_tokens), res.finish_reason,
+               f"{res.ttft_s * 1e3:.0f}", fmt(tps, ".1f")]
+        if spec_on:
+            row += [str(res.spec.num_drafted), str(res.spec.num_accepted), fmt(res.spec.acceptance_rate, ".2f"),
+                    f"{res.spec.mean_accepted_length:.2f}"]
+        table.add_row(*row)
+    total = sum(r.completion_tokens for r in results)
+    table.add_section()
+    row = ["total", f"{len(results)} prompts", str(sum(r.prompt_tokens for r in results)), str(total), "",
+           f"p50 {statistics.median(r.ttft_s for r in results) * 1e3:.0f}", f"{total / wall:.1f}"]
+    if spec_on:
+        st = engine.stats
+        row += [str(st.num_drafted), str(st.num_accepted), fmt(st.acceptance_rate, ".2f"),
+                f"{st.mean_accepted_length:.2f}"]
+    table.add_row(*row)
+    console.print(table)
+    console.print(f"{total} output tokens in {wall:.2f} s: {total / wall:.1f} tok/s for the whole batch; "
+                  f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms", highlight=False)
+    if spec_on:
+        per_pos = ", ".join(fmt(a, ".2f") for a in engine.stats.acceptance_per_pos)
+        console.print(f"acceptance per draft position: {per_pos}", highlight=False)
+
+
+def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = False) -> None:
+    spec_tokens = sum(r.completion_tokens for r in results)
+    base_tokens = sum(r.completion_tokens for r in base)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(results, base))
+    table = Table(title="Speculative vs target-only decoding, same prompts, same engine")
+    for col in ("configuration", "output tok", "wall s", "tok/s", "speedup", "identical outputs"):
+        table.add_column(col, justify="right")
+    table.add_row("target-only", str(base_tokens), f"{base_wall:.2f}", f"{base_tokens / base_wall:.1f}", "1.00x", "-")
+    table.add_row(f"{engine.drafter.name}, k={engine.num_draft_tokens}", str(spec_tokens), f"{wall:.2f}",
+                  f"{spec_tokens / wall:.1f}", f"{(spec_tokens / wall) / (base_tokens / base_wall):.2f}x",
+                  f"{same}/{len(results)}")
+    console.print(table)
+    if sampled:
+        console.print("sampling: speculative output follows the same distribution as target-only, not the same "
+                      "tokens, so 'identical outputs' is not expected to be full", highlight=False)
+
+

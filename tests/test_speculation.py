@@ -1,0 +1,219 @@
+"""Speculation configured once: every entry point (tandem generate, the bench configurations, the
+router, the local stack) describes it with one ``SpeculativeConfig``, built by
+``tandem.speculation``; bad configurations fail when they are made."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from tandem.bench.configs import CONFIGS, BenchOptions, BuildContext
+from tandem.cli import main
+from tandem.control import CostModel, RandomLengthPolicy, entropy_score
+from tandem.errors import ConfigError, InvalidRequestError
+from tandem.models.runner import RunnerConfig
+from tandem.models.weights import load_checkpoint
+from tandem.sampling import SamplingParams
+from tandem.speculation import (TARGET_ONLY, SpeculativeConfig, build_draft_policy, build_engine,
+                                build_speculation)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint):
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="module")
+def predictor_file(tmp_path_factory):
+    from tandem.predictor import train_predictor
+
+    rng = torch.Generator().manual_seed(0)
+    x = torch.rand(300, 4, generator=rng).numpy()
+    y = (torch.rand(300, generator=rng).numpy() < x[:, 1]).astype("float32")
+    model, report = train_predictor(x, y, epochs=2)
+    path = tmp_path_factory.mktemp("predictor") / "predictor.safetensors"
+    model.save(path, report)
+    return str(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(drafter="eagle"), "unknown drafter 'eagle'"),
+    (dict(drafter="ngram", num_draft_tokens=0), "must be an integer in 1..16, got 0"),
+    (dict(drafter="ngram", num_draft_tokens=17), "must be an integer in 1..16, got 17"),
+    (dict(drafter="ngram", num_draft_tokens=2.0), "must be an integer"),
+    (dict(drafter="ngram", policy="entropy", tau="1.5"), "--tau must be a number in [0, 1] or auto"),
+    (dict(drafter="ngram", policy="entropy", tau="nan"), "--tau must be a number in [0, 1] or auto"),
+    (dict(drafter="ngram", tau="0.5"), "--tau needs --predictor"),
+    (dict(drafter="ngram", branch_top_m=2), "--branch-top-m needs --predictor"),
+    (dict(drafter="ngram", policy="entropy", branch_top_m=9), "branch_top_m must be an integer in 0..8"),
+    (dict(drafter="ngram", policy="adaptive"), "unknown draft policy 'adaptive'"),
+    (dict(drafter="ngram", predictor="p.safetensors"), "--predictor needs --policy predictor"),
+    (dict(drafter="ngram", policy="predictor"), "--policy predictor needs --predictor PATH"),
+    (dict(drafter="ngram", policy="predictor", predictor="auto"), "--predictor auto needs a trained drafter"),
+    (dict(policy="entropy"), "a draft policy (entropy) needs a --drafter"),
+    (dict(drafter="ngram", draft_model="truncate:1"), "--draft-model needs --drafter draft-model or specformer"),
+])
+def test_invalid_configurations_raise_when_made(fields, message):
+    with pytest.raises(ConfigError) as err:
+        SpeculativeConfig(**fields)
+    assert message in str(err.value)
+
+
+def test_configs_are_frozen_values():
+    spec = SpeculativeConfig("ngram", num_draft_tokens=3)
+    with pytest.raises(AttributeError):
+        spec.num_draft_tokens = 5
+    assert spec == SpeculativeConfig("ngram", None, 3) and hash(spec) == hash(SpeculativeConfig("ngram", None, 3))
+    assert TARGET_ONLY == SpeculativeConfig() and not TARGET_ONLY.speculates
+    assert SpeculativeConfig("ngram", num_draft_tokens=3, policy="entropy", branch_top_m=3).tokens_per_row == 6
+
+
+def _cli_spec(monkeypatch, module: str, args: list[str]) -> SpeculativeConfig:
+    """The SpeculativeConfig a CLI command hands to the engine builder (captured, nothing loads)."""
+    import importlib
+
+    seen = []
+
+    def capture(model, device, batch, seq_len, spec=TARGET_ONLY, **kwargs):
+        seen.append(spec)
+        raise InvalidRequestError("captured")
+
+    monkeypatch.setattr(importlib.import_module(module), "_engine", capture)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "captured" in res.stderr, res.output
+    return seen[0]
+
+
+@pytest.mark.parametrize("cli_args, config, options", [
+    (["--drafter", "ngram", "--num-draft-tokens", "3"], "ngram", BenchOptions(num_draft_tokens=3)),
+    (["--drafter", "draft-model", "--draft-model", "truncate:1"], "draft-model", BenchOptions(draft_model="truncate:1")),
+    (["--specformer", "HEAD"], "specformer", BenchOptions(specformer="HEAD")),
+    (["--drafter", "draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3", "--predictor", "PRED",
+      "--tau", "0.4", "--branch-top-m", "2"], "context-aware",
+     BenchOptions(num_draft_tokens=3, draft_model="truncate:1", predictor="PRED", tau="0.4", branch_top_m=2)),
+    (["--drafter", "ngram", "--num-draft-tokens", "5", "--predictor", "PRED"], "context-aware",
+     BenchOptions(num_draft_tokens=5, ca_drafter="ngram", predictor="PRED")),
+    (["--drafter", "draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3"], "fixed-k",
+     BenchOptions(num_draft_tokens=3, draft_model="truncate:1")),
+    (["--drafter", "ngram", "--predictor", "PRED", "--num-draft-tokens", "2"], "predictor",
+     BenchOptions(num_draft_tokens=2, ca_drafter="ngram", predictor="PRED")),
+])
+def test_generate_and_bench_build_the_same_config(monkeypatch, tmp_path, cli_args, config, options):
+    """tandem generate's options and the bench configuration with the same options give equal
+    SpeculativeConfigs (so both are built by the same build_speculation)."""
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(b"")  # found, never read: nothing loads here
+    pred = tmp_path / "p.safetensors"
+    subst = {"HEAD": str(head), "PRED": str(pred)}
+    cli_args = [subst.get(a, a) for a in cli_args]
+    options = replace(options, **{k: subst[v] for k, v in vars(options).items() if v in subst})
+    spec = _cli_spec(monkeypatch, "tandem.cli.generate", ["generate", "--prompt", "hi", *cli_args])
+    assert spec == CONFIGS[config].speculation(BuildContext(None, options))
+
+
+def test_collect_logs_builds_from_the_same_options(monkeypatch, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    spec = _cli_spec(monkeypatch, "tandem.cli.train", ["collect-logs", "--prompts", str(prompts), "--out",
+                                                       str(tmp_path / "l.npz"), "--drafter", "ngram",
+                                                       "--num-draft-tokens", "3"])
+    assert spec == CONFIGS["ngram"].speculation(BuildContext(None, BenchOptions(num_draft_tokens=3)))
+
+
+@pytest.mark.parametrize("policy, predictor", [("fixed", None), ("entropy", None), ("predictor", "p.safetensors")])
+def test_router_and_stack_speak_the_same_config(monkeypatch, policy, predictor):
+    """tandem serve router builds its SpeculativeConfig from its options: the bench's over the
+    drafter service ("remote" in the router); the local stack serves exactly that config."""
+    import services.processes
+    from services.launch import StackConfig
+
+    seen = []
+    monkeypatch.setattr(services.processes, "run_router", lambda config, *a: seen.append(config))
+    args = ["serve", "router", "--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:2", "--port", "8000",
+            "--num-draft-tokens", "3", "--policy", policy] + (["--predictor", predictor] if predictor else [])
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    options = BenchOptions(num_draft_tokens=3, ca_drafter="ngram", predictor=predictor)
+    bench = CONFIGS["fixed-k" if policy == "fixed" else "context-aware"].speculation(BuildContext(None, options))
+    assert seen[0].speculation == replace(bench, drafter="remote")
+    assert StackConfig.serving(bench).speculation == bench
+    assert StackConfig(drafter="ngram", num_draft_tokens=3, policy=policy, predictor=predictor).speculation == bench
+
+
+def test_router_refuses_a_policy_without_a_drafter(monkeypatch):
+    import services.processes
+
+    monkeypatch.setattr(services.processes, "run_router", lambda config, *a: None)
+    res = CliRunner().invoke(main, ["serve", "router", "--verifier", "127.0.0.1:1", "--port", "8000", "--policy",
+                                    "entropy"])
+    assert res.exit_code == 2 and "needs a --drafter" in res.stderr
+
+
+def test_stack_refuses_what_the_services_cannot_run():
+    from services.launch import StackConfig
+
+    with pytest.raises(ConfigError, match="runs drafters none, ngram, draft-model"):
+        StackConfig(drafter="specformer").speculation
+    with pytest.raises(ConfigError, match="cannot be served"):
+        StackConfig.serving(SpeculativeConfig("ngram", policy="entropy", branch_top_m=2))
+
+
+def test_build_speculation(tiny_dir, predictor_file):
+    ck = load_checkpoint(tiny_dir)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128)
+    cost = CostModel({1: {1: 1.0, 2: 1.5}})
+    assert build_speculation(TARGET_ONLY, ck, cfg).drafter is None
+    s = build_speculation(SpeculativeConfig("draft-model", draft_model="truncate:1", num_draft_tokens=3,
+                                            policy="predictor", predictor=predictor_file, tau="0.3",
+                                            branch_top_m=2), ck, cfg, cost=cost)
+    assert s.drafter.name == "draft-model" and s.num_draft_tokens == 3 and s.chained_rounds
+    p = s.draft_policy
+    assert p.controller is None and p.fixed_tau == 0.3 and p.branch_top_m == 2 and p.cost is cost
+    s = build_speculation(SpeculativeConfig("ngram", policy="entropy", cost_model=False, chained_rounds=False), ck,
+                          cfg, cost=cost)
+    assert s.draft_policy.score is entropy_score and s.draft_policy.controller is not None
+    assert s.draft_policy.cost is None and not s.chained_rounds
+    assert isinstance(build_draft_policy(SpeculativeConfig("ngram", policy="random")), RandomLengthPolicy)
+    with pytest.raises(ConfigError, match="cannot load predictor"):
+        build_speculation(SpeculativeConfig("ngram", policy="predictor", predictor=str(tiny_dir)), ck, cfg)
+    with pytest.raises(ConfigError, match="remote drafter is connected by its caller"):
+        build_speculation(SpeculativeConfig("remote"))
+    with pytest.raises(ConfigError, match="ngram drafter given for drafter 'draft-model'"):
+        build_speculation(SpeculativeConfig("draft-model", draft_model="truncate:1"), ck, cfg,
+                          drafter=build_speculation(SpeculativeConfig("ngram")).drafter)
+    with pytest.raises(ConfigError, match="no predictor.safetensors"):  # "auto": none beside these weights
+        build_speculation(SpeculativeConfig("draft-model", draft_model="truncate:1", policy="predictor",
+                                            predictor="auto"), ck, cfg)
+
+
+def test_build_engine_measures_its_cost_model_and_shares_targets(tiny_dir):
+    ck = load_checkpoint(tiny_dir)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128)
+    spec = SpeculativeConfig("draft-model", draft_model="truncate:1", num_draft_tokens=2, policy="entropy",
+                             branch_top_m=2)
+    engine = build_engine(spec, ck, cfg)
+    cost = engine.draft_policy.cost
+    assert sorted(cost.table) == [1, 2] and sorted(cost.table[2]) == [1, 2, 3, 4, 5]  # q <= k + m + 1
+    base = build_engine(TARGET_ONLY, share=engine)
+    assert base.target is engine.target and base.drafter is None and base.draft_policy is None
+    assert engine.draft_policy.cost is cost and engine.drafter.name == "draft-model"  # left as it was
+    out = base.generate(["hello there"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out[0].completion_tokens == 4
+    engine.add_request("hi")
+    with pytest.raises(ValueError, match="idle"):
+        build_engine(TARGET_ONLY, share=engine)
+
+
+def test_a_shared_chained_engine_hands_over_every_slot(tiny_dir):
+    """A chained engine may have launched a round past its last request's end; sharing its target
+    collects that round first, so the new engine finds every KV slot free."""
+    engine = build_engine(SpeculativeConfig("ngram", num_draft_tokens=3), load_checkpoint(tiny_dir),
+                          RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128))
+    assert engine.chains_rounds
+    engine.generate(["one two one two one", "three four three four"], SamplingParams(max_tokens=6))
+    base = build_engine(TARGET_ONLY, share=engine)
+    assert not engine.has_unfinished() and base.target.num_free() == base.target.info.num_slots == 2
+    got = base.generate(["one two one two one", "three four three four"], SamplingParams(max_tokens=6))
+    assert all(c.completion_tokens >= 1 for c in got)
