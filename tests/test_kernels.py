@@ -40,46 +40,58 @@ def test_kernel_choice_on_cpu(tiny_checkpoint):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fast"))
 
 
-def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = ()) -> ModelRunner:
-    return ModelRunner(ckpt, RunnerConfig(device="cuda", dtype=torch.bfloat16, max_batch_size=slots,
-                                          max_seq_len=512, cuda_graphs=graphs, kernels=kernels, taps=taps))
+def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = (),
+            dtype: torch.dtype = torch.bfloat16) -> ModelRunner:
+    return ModelRunner(ckpt, RunnerConfig(device="cuda", dtype=dtype, max_batch_size=slots, max_seq_len=512,
+                                          cuda_graphs=graphs, kernels=kernels, taps=taps))
+
+
+def _rel_err(x: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((x.float() - exact.float()).norm() / exact.float().norm()).item()
 
 
 @pytest.mark.gpu
 @needs_fused
-def test_fused_forward_matches_reference(tiny_checkpoint):
-    """Ragged verify steps through the fused kernels give the reference forward's logits, tapped
-    states and cache contents within bf16 tolerance (padded rows, idle rows, several steps with a
-    rollback between them)."""
+def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint):
+    """Against a float32 forward, the fused kernels' logits, tapped states and cache contents are
+    as accurate as the bf16 reference forward's (relative error at most 1.5x the reference's, and
+    under 3e-2): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback
+    between steps). bf16 rounds differently in the two bf16 paths, so they are compared through
+    the exact result rather than with each other."""
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
-    ref, fused = _runner(ckpt, "reference", 4, taps=(0, 1, 2)), _runner(ckpt, "fused", 4, taps=(0, 1, 2))
-    assert fused.kernels == "fused" and fused.attention_backend == "flash-attn"
+    taps = (0, 1, 2)
+    exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32),
+                         _runner(ckpt, "reference", 4, taps=taps), _runner(ckpt, "fused", 4, taps=taps))
+    assert fused.kernels == "fused" and fused.attention_backend == "flash-attn" and ref.kernels == "reference"
     rng = random.Random(0)
     vocab = ckpt.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((37, 5, 300))}
-    for r in (ref, fused):
+    runners = (exact, ref, fused)
+    for r in runners:
         for s in prompts:
             r.cache.allocate()
         r.prefill(prompts)
+
+    def check(want, ref_out, got, what):
+        e_ref, e_fused = _rel_err(ref_out, want), _rel_err(got, want)
+        assert e_fused <= max(1.5 * e_ref, 1e-3) and e_fused < 3e-2, (what, e_ref, e_fused)
+
     for step in range(4):
         app = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for s in prompts if rng.random() < 0.8}
         app = app or {0: [1]}
-        outs = [r.step(app) for r in (ref, fused)]
+        outs = [r.step(app) for r in runners]
         for s, toks in app.items():
-            want, got = (o.logits[s, :len(toks)].float() for o in outs)
-            scale = want.abs().max().item()
-            assert (want - got).abs().max().item() <= 0.02 * scale + 0.05, (step, s)
-            wt, gt = (o.taps[s, :len(toks)].float() for o in outs)
-            assert (wt - gt).abs().max().item() <= 0.02 * wt.abs().max().item() + 0.05
-        for r in (ref, fused):  # roll one slot back: its next step overwrites the dropped positions
-            s = next(iter(app))
+            n = len(toks)
+            check(*(o.logits[s, :n] for o in outs), ("logits", step, s))
+            check(*(o.taps[s, :n] for o in outs), ("taps", step, s))
+        s = next(iter(app))
+        for r in runners:  # roll one slot back: its next step overwrites the dropped positions
             r.cache.truncate(s, r.cache.lengths[s] - len(app[s]) + 1)
     for s in prompts:
-        n = ref.cache.lengths[s]
-        assert fused.cache.lengths[s] == n
-        for a, b in ((ref.cache.k, fused.cache.k), (ref.cache.v, fused.cache.v)):
-            x, y = a[:, s, :, :n].float(), b[:, s, :, :n].float()
-            assert (x - y).abs().max().item() <= 0.02 * x.abs().max().item() + 0.02
+        n = exact.cache.lengths[s]
+        assert ref.cache.lengths[s] == fused.cache.lengths[s] == n
+        for name in ("k", "v"):
+            check(*(getattr(r.cache, name)[:, s, :, :n] for r in runners), (name, s))
 
 
 @pytest.mark.gpu
