@@ -13,7 +13,7 @@ import operator
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from .control import DraftPolicy
@@ -27,14 +27,13 @@ from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, make_generator, new_seed
 from .stopping import OutputState
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
+from .engine_api import EngineConveniences, Prompt
 from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
 from .telemetry import span
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import CHAT_ROLES, Tokenizer, load_tokenizer  # noqa: F401 (CHAT_ROLES re-exported)
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[dict[str, str]]  # plain text, or chat messages
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
 
 
 _NO_PROPOSAL = DraftProposal.empty()  # what a chained round's requests carry (their drafts never reach the host); read-only
@@ -45,7 +44,7 @@ def _no_span():
     yield
 
 
-class Engine:
+class Engine(EngineConveniences):
     """Continuous-batching generation over one target model.
 
     Args:
@@ -178,30 +177,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Tokenize a prompt: chat messages always use the chat template; plain text uses it
-        when ``chat`` is true and the model has one.
+        """Tokenize a prompt (``Tokenizer.encode_prompt``).
 
         Raises:
             InvalidRequestError: empty prompt or malformed messages.
         """
-        if isinstance(prompt, bytes):
-            try:
-                prompt = prompt.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidRequestError(f"prompt is not valid UTF-8: {exc}") from None
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise InvalidRequestError("prompt is empty")
-            if chat and self.tokenizer.has_chat_template:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt:
-            for i, m in enumerate(prompt):
-                if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"messages[{i}] must have a role in {', '.join(CHAT_ROLES)} and a "
-                                              f"string content")
-            return self.tokenizer.apply_chat_template(prompt)
-        raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
@@ -598,78 +579,3 @@ class Engine:
                 self._release(req)
         return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
                              req.output.finish_reason, new_logprobs)
-
-    # ------------------------------------------------------------------ convenience
-
-    def completion(self, request_id: str) -> Completion:
-        """The finished request's result (and forget it).
-
-        Raises:
-            KeyError: unknown id; RuntimeError: not finished yet.
-        """
-        req = self.requests[request_id]
-        if not req.finished:
-            raise RuntimeError(f"request {request_id} has not finished")
-        del self.requests[request_id]
-        n = len(req.output.token_ids)
-        first = req.first_token_time or req.finish_time
-        return Completion(
-            request_id=req.request_id, text=req.output.text, token_ids=list(req.output.token_ids),
-            finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
-            ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
-            tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
-            logprobs=None if req.logprobs is None else list(req.logprobs),
-        )
-
-    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, chat: bool = True, on_finish=None) -> list[Completion]:
-        """Run every prompt to completion with continuous batching; results in prompt order.
-
-        Args:
-            prompts: texts or chat-message lists.
-            params: one SamplingParams for all, or one per prompt.
-            chat: apply the chat template to plain-text prompts.
-            on_finish: optional callback ``(Completion) -> None`` (progress bars).
-
-        Raises:
-            InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
-                with "prompt I of N:" (1-based).
-        """
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("need one SamplingParams per prompt")
-        ids: list[str] = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp))
-            except InvalidRequestError as exc:
-                for rid in ids:  # all or nothing: a bad prompt queues none of the batch
-                    self.abort(rid)
-                raise InvalidRequestError(f"prompt {i + 1} of {len(prompts)}: {exc}") from None
-        results: dict[str, Completion] = {}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    results[out.request_id] = self.completion(out.request_id)
-                    if on_finish is not None:
-                        on_finish(results[out.request_id])
-        return [results[i] for i in ids]
-
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[RequestOutput]:
-        """Generate one request, yielding its deltas as they come (other queued requests advance too)."""
-        rid = self.add_request(prompt, params, chat=chat)
-        try:
-            while True:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            self.requests.pop(rid, None)
-                            return
-        finally:
-            if rid in self.requests and not self.requests[rid].finished:
-                self.abort(rid)

@@ -15,6 +15,8 @@ from .models.weights import Checkpoint
 
 log = logging.getLogger(__name__)
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
+
 
 def check_utf8(text: str) -> None:
     """Raise InvalidRequestError when ``text`` cannot be encoded as UTF-8 (lone surrogates, e.g.
@@ -55,6 +57,33 @@ class Tokenizer:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=True)
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def encode_prompt(self, prompt, chat: bool = True) -> list[int]:
+        """Tokenize a prompt (text, UTF-8 bytes, or chat messages ``[{"role", "content"}]``):
+        chat messages always use the chat template; plain text uses it when ``chat`` is true and
+        the model has one.
+
+        Raises:
+            InvalidRequestError: empty prompt or malformed messages.
+        """
+        if isinstance(prompt, bytes):
+            try:
+                prompt = prompt.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidRequestError(f"prompt is not valid UTF-8: {exc}") from None
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequestError("prompt is empty")
+            if chat and self.has_chat_template:
+                return self.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.encode(prompt)
+        if isinstance(prompt, list) and prompt:
+            for i, m in enumerate(prompt):
+                if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"messages[{i}] must have a role in {', '.join(CHAT_ROLES)} and a "
+                                              f"string content")
+            return self.apply_chat_template(prompt)
+        raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
 
     @property
     def has_chat_template(self) -> bool:

@@ -1,0 +1,90 @@
+"""The engine's whole-request conveniences: run prompts to completion, stream one request, and
+hand out a finished request's result. They use only ``Engine``'s public stepping API
+(``add_request``, ``step``, ``abort``, ``requests``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from .errors import InvalidRequestError
+from .requests import Completion, RequestOutput
+from .sampling import SamplingParams
+
+Prompt = str | list[dict[str, str]]  # plain text, or chat messages
+
+
+class EngineConveniences:
+    """Mixed into ``tandem.engine.Engine``."""
+
+    def completion(self, request_id: str) -> Completion:
+        """The finished request's result (and forget it).
+
+        Raises:
+            KeyError: unknown id; RuntimeError: not finished yet.
+        """
+        req = self.requests[request_id]
+        if not req.finished:
+            raise RuntimeError(f"request {request_id} has not finished")
+        del self.requests[request_id]
+        n = len(req.output.token_ids)
+        first = req.first_token_time or req.finish_time
+        return Completion(
+            request_id=req.request_id, text=req.output.text, token_ids=list(req.output.token_ids),
+            finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
+            ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
+            tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+        )
+
+    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, chat: bool = True, on_finish=None) -> list[Completion]:
+        """Run every prompt to completion with continuous batching; results in prompt order.
+
+        Args:
+            prompts: texts or chat-message lists.
+            params: one SamplingParams for all, or one per prompt.
+            chat: apply the chat template to plain-text prompts.
+            on_finish: optional callback ``(Completion) -> None`` (progress bars).
+
+        Raises:
+            InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
+                with "prompt I of N:" (1-based).
+        """
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids: list[str] = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp))
+            except InvalidRequestError as exc:
+                for rid in ids:  # all or nothing: a bad prompt queues none of the batch
+                    self.abort(rid)
+                raise InvalidRequestError(f"prompt {i + 1} of {len(prompts)}: {exc}") from None
+        results: dict[str, Completion] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    results[out.request_id] = self.completion(out.request_id)
+                    if on_finish is not None:
+                        on_finish(results[out.request_id])
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[RequestOutput]:
+        """Generate one request, yielding its deltas as they come (other queued requests advance too)."""
+        rid = self.add_request(prompt, params, chat=chat)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            self.requests.pop(rid, None)
+                            return
+        finally:
+            if rid in self.requests and not self.requests[rid].finished:
+                self.abort(rid)

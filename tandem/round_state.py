@@ -1,0 +1,146 @@
+"""Per-slot state a ``LocalTarget`` keeps on its device: each sequence's sampling settings
+(written once at admission) and its round state (last token, KV length, token history, prompt
+length and token limit), so a chained round needs nothing from the host."""
+
+from __future__ import annotations
+
+import torch
+
+from .models.runner import to_device
+from .sampling import SamplingParams, new_seed
+from .verify import RowSampling
+
+
+class SlotSampling:
+    """Per-slot sampling settings on the target's device, written once when a sequence is
+    admitted, so a verify round sends no sampling parameters to the device.
+
+    Args:
+        num_slots: KV cache slots; device: the target's device.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.device = device
+        self.greedy = torch.ones(num_slots, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.params: list[SamplingParams | None] = [None] * num_slots  # host mirror
+        self.seeds: list[int] = [0] * num_slots
+
+    def admit(self, slots: list[int], params: list[SamplingParams]) -> None:
+        """Record the settings of newly admitted sequences (a request without a seed gets one)."""
+        seeds = [p.seed if p.seed is not None else new_seed() for p in params]
+        for s, p, seed in zip(slots, params, seeds):
+            self.params[s], self.seeds[s] = p, seed
+        idx = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        ints = to_device(torch.tensor([[int(p.greedy), p.top_k, seed] for p, seed in zip(params, seeds)],
+                                      dtype=torch.int64), self.device)
+        floats = to_device(torch.tensor([[p.temperature if not p.greedy else 1.0, p.top_p] for p in params],
+                                        dtype=torch.float32), self.device)
+        self.greedy.index_copy_(0, idx, ints[:, 0] > 0)
+        self.top_k.index_copy_(0, idx, ints[:, 1])
+        self.seed.index_copy_(0, idx, ints[:, 2])
+        self.temperature.index_copy_(0, idx, floats[:, 0])
+        self.top_p.index_copy_(0, idx, floats[:, 1])
+
+    def flags(self, slots: list[int]) -> tuple[bool, bool]:
+        """``(any_sampled, filtered)`` of a step over ``slots`` (``RowSampling``'s host flags)."""
+        ps = [self.params[s] for s in slots]
+        sampled = [p for p in ps if p is not None and not p.greedy]
+        return bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+
+    def rows(self, n: int, slots: list[int] | None = None, flags: tuple[bool, bool] | None = None) -> RowSampling:
+        """Settings of rows ``0 .. n-1`` (row = slot) for a step over ``slots``, whose parameters
+        give the host flags (or pass ``flags`` from ``flags(slots)``)."""
+        any_sampled, filtered = flags if flags is not None else self.flags(slots or [])
+        return RowSampling(self.greedy[:n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
+                           any_sampled=any_sampled, filtered=filtered)
+
+
+class RoundState:
+    """Per-slot round state on the target's device: what the next round of a sequence feeds and
+    where, without the host knowing it yet.
+
+    Attributes:
+        last: ``[num_slots]`` int64, the token each slot emitted last and the cache does not hold
+            yet (written by prefill and by every verify round on the device).
+        length: ``[num_slots]`` int64, tokens each slot's KV cache holds after its last round
+            (the device mirror of ``KVCache.lengths``; a rollback is a write of this tensor).
+        history: ``[num_slots, capacity + 2]`` int64, each slot's tokens (prompt and output; index
+            ``length`` is ``last``), what device drafters draft from; the last column is scratch.
+        prompt_len, max_new: ``[num_slots]`` int64, each sequence's prompt length and token limit
+            (for the draft-room rule on the device).
+    """
+
+    def __init__(self, num_slots: int, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.last = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.length = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.history = torch.zeros(num_slots, capacity + 2, dtype=torch.int64, device=device)
+        self.prompt_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.max_new = torch.zeros(num_slots, dtype=torch.int64, device=device)
+
+    def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, prompts: list[list[int]],
+              max_new: list[int]) -> None:
+        """Prefilled slots ``index`` ``[R]`` hold their ``prompts`` and feed ``first_tokens`` ``[R]`` next."""
+        dev = index.device
+        width = max(len(p) for p in prompts)
+        rows = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64)
+        lengths = to_device(torch.tensor([len(p) for p in prompts], dtype=torch.int64), dev)
+        self.history[index, :width] = to_device(rows, dev)  # entries past a prompt are overwritten before they are read
+        self.history[index, lengths] = first_tokens
+        self.last.index_copy_(0, index, first_tokens)
+        self.length.index_copy_(0, index, lengths)
+        self.prompt_len.index_copy_(0, index, lengths)
+        self.max_new.index_copy_(0, index, to_device(torch.tensor(max_new, dtype=torch.int64), dev))
+
+    def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0) -> None:
+        """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
+        ``patch``; ``attn_len`` bounds every row's length + 1, so the drafter reads only that much
+        of the history): every row with tokens starts at its slot's device length with its last token;
+        with a device ``drafter``, its drafts follow, as many as the row's placeholder count
+        allows and the draft-room rule (``Engine._draft_room``) gives on the device: no draft past
+        the context (``capacity``) or the token limit."""
+        n = inputs.shape[0]
+        active = inputs[:, 1] > 0
+        length = self.length[:n]
+        inputs[:, 0] = torch.where(active, length, inputs[:, 0])
+        inputs[:, 2] = torch.where(active, self.last[:n], inputs[:, 2])
+        if drafter is None or k == 0:
+            return
+        num_tokens = length - self.prompt_len[:n] + 1
+        room = torch.minimum(inputs[:, 1] - 1, torch.minimum(self.capacity - length - 1,
+                                                               self.max_new[:n] - num_tokens - 1))
+        room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
+        # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
+        last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)
+        tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k)
+        inputs[:, 3:3 + k] = tokens
+        inputs[:, 1] = torch.where(active, 1 + lens, inputs[:, 1])
+
+    def advance(self, inputs: torch.Tensor, chain: torch.Tensor, num_accepted: torch.Tensor,
+                tokens: torch.Tensor) -> None:
+        """After verification of rows ``0 .. n-1`` (``inputs`` ``[n, >= 2]``: start, q_len): each
+        chain row with tokens (``chain`` ``[n]`` bool) keeps its last token and accepted drafts
+        (length ``start + 1 + num_accepted``), appends what it emitted (``tokens`` ``[n, K + 1]``,
+        the first ``num_accepted + 1``) to its history and feeds the last of them next."""
+        n, Q = tokens.shape
+        keep = chain & (inputs[:, 1] > 0)
+        start = inputs[:, 0]
+        emitted = tokens.gather(1, num_accepted[:, None])[:, 0]
+        self.length[:n] = torch.where(keep, start + 1 + num_accepted, self.length[:n])
+        self.last[:n] = torch.where(keep, emitted, self.last[:n])
+        j = torch.arange(Q, device=tokens.device)
+        write = keep[:, None] & (j[None, :] <= num_accepted[:, None])
+        pos = torch.where(write, start[:, None] + 1 + j[None, :], torch.full_like(tokens, self.capacity + 1))
+        self.history[:n].scatter_(1, pos, tokens)
+
+    def set(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Write one slot's state from the host: it held ``start`` tokens and emitted ``tokens``
+        (a token tree verified there)."""
+        self.length[slot] = start + len(tokens)
+        self.last[slot] = tokens[-1]
+        self.history[slot, start + 1:start + 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int64).to(
+            self.history.device)
