@@ -12,8 +12,16 @@ import os
 import warnings
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP worker threads sleep between parallel regions instead of spinning. Set before torch is
+# imported (libgomp reads it when it loads); the service processes the tests start inherit it. The
+# tests run thousands of small forwards with Python work between them: with the default policy
+# the idle worker spins through all of it, which on a 2-core machine shared with the services (or
+# anything else) burns a core and slows the tests 2-4x, in CPU and wall time alike. (When a
+# plugin has imported torch already, the services still get it.)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -147,24 +147,32 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
                                         0 if faults.q_unfiltered else g.top_k,
                                         1.0 if faults.q_unfiltered else g.top_p) for g in groups]).float()
     any_filter = any(g.top_k > 0 or g.top_p < 1 for g in groups if g.temperature > 0)
+    any_det = any(g.deterministic for g in groups)
     K = max(g.k for g in groups)
+    # draws by inversion of q's cumulative sum in float64 (a token of probability 0 is never drawn:
+    # its interval [cdf[i - 1], cdf[i]) is empty), a few times cheaper than torch.multinomial
+    draw_cdf = draw.double().cumsum(-1)[..., :-1].contiguous()  # [G, V, V - 1]
     gen = torch.Generator().manual_seed(draft_seed)
     out = torch.zeros(N, T_OUT + K + 1, dtype=torch.int64)
     count = torch.zeros(N, dtype=torch.int64)
     last = torch.full((N,), X0, dtype=torch.int64)
     active = torch.arange(N)
+    cols = torch.arange(K + 1)
     while active.numel():
         n = active.numel()
         a_gid, a_det = gid[active], det[active]
         lens = (torch.rand(n, generator=gen) * (kmax[active] + 1).float()).long()
-        drafts = torch.zeros(n, K, dtype=torch.int64)
-        qs = torch.zeros(n, K, V)
+        drafts = torch.empty(n, K, dtype=torch.int64)
+        qs = torch.empty(n, K, V)
         prev = last[active]
+        u = torch.rand(n, K, 1, generator=gen, dtype=torch.float64)
         for j in range(K):
-            q_draw = draw[a_gid, prev]
-            tok = torch.multinomial(q_draw, 1, generator=gen)[:, 0]
-            tok = torch.where(a_det, DETERMINISTIC_DRAFT[prev], tok)
-            qs[:, j] = torch.where(a_det[:, None], torch.nn.functional.one_hot(tok, V).float(), report[a_gid, prev])
+            tok = (draw_cdf[a_gid, prev] <= u[:, j]).sum(-1)
+            q = report[a_gid, prev]
+            if any_det:
+                tok = torch.where(a_det, DETERMINISTIC_DRAFT[prev], tok)
+                q = torch.where(a_det[:, None], torch.nn.functional.one_hot(tok, V).float(), q)
+            qs[:, j] = q
             drafts[:, j] = tok
             prev = tok
         inputs = torch.cat([last[active, None], drafts], dim=1)
@@ -176,7 +184,6 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
                             sampling, None if use_none_q else on(qs))
         res = type(res)(res.num_accepted.cpu(), res.tokens.cpu())
         m = res.num_accepted
-        cols = torch.arange(K + 1)
         emitted = cols[None, :] <= m[:, None]
         dest = (count[active, None] + cols[None, :]).clamp(max=out.shape[1] - 1)
         rows = active[:, None].expand(-1, K + 1)
