@@ -248,7 +248,7 @@ def test_trace_report_on_a_real_engine_run(product_spans, tiny_engine):
 
     engine.drafter.propose = counted("draft", engine.drafter.propose)
     engine.target.launch_verify = counted("verify", engine.target.launch_verify)
-    engine.target.prefill = counted("prefill", engine.target.prefill)
+    engine.target.launch_prefill = counted("prefill", engine.target.launch_prefill)  # what admission calls
     for i, prompt in enumerate(["a b c a b c a b", "one two one two one", "x y z"]):
         engine.add_request(prompt, SamplingParams(max_tokens=12), request_id=f"r{i}")
     steps, wall_ms = 0, 0.0
