@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 
-_NO_PROPOSAL = DraftProposal.empty()  # what a chained round's requests carry (their drafts never reach the host); read-only
+# what a chained round's requests carry (their drafts never reach the host); shared, read-only
+_NO_PROPOSAL = DraftProposal.empty()
 
 
 @contextlib.contextmanager
@@ -371,9 +372,8 @@ class Engine(EngineConveniences):
         and metrics while the device runs n + 1. A request that round n finishes ran n + 1 for
         nothing: that result is discarded and its slot freed when it is back. Requests admitted
         this step (``prefilled``: the requests, their ``PrefillHandle`` and its results if already
-        read) join at once: their
-        prefill left their first token on the device, and the host reads it after queueing n + 1,
-        so admission never leaves the device idle."""
+        read) join at once: their prefill left their first token on the device, and the host reads
+        it after queueing n + 1, so admission never leaves the device idle."""
         outputs: list[RequestOutput] = []
         if self._collected is not None:  # a host-drafted round's results (the drafter was just removed)
             outputs.extend(self._finish(self._collected))

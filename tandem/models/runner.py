@@ -72,8 +72,9 @@ class RunnerConfig:
             path a CPU always takes), "fused-heuristic" (the fused kernels with flash-attn's own
             split-KV heuristic, which depends on the batch size: not batch-invariant, so greedy
             speculative output may differ from target-only; it exists to measure what invariance
-            costs). Prefill and token trees always take the reference path. The fused path
-            replaces ``compile`` (which is then ignored).
+            costs). Token trees take the reference path; a prefill takes the fused one when
+            every row has room for its attention span. The fused path replaces ``compile``
+            (which is then ignored).
     """
 
     device: str = "cpu"
@@ -102,10 +103,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
-    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused" or "reference".
+    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused",
+    "fused-heuristic" or "reference".
 
     Raises:
-        ConfigError: an unknown choice, or "fused" where the fused path cannot run (the
+        ConfigError: an unknown choice, or a fused choice where the fused path cannot run (the
             message says why: no CUDA, no triton / flash-attn, dtype, head size, QK-norm).
     """
     choice = config.kernels
