@@ -14,7 +14,7 @@ import torch
 
 from tandem.errors import ConfigError
 from tandem.models import load_checkpoint
-from tandem.models.kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
+from tandem.models.kernels import MAX_FUSED_TOKENS, flash_available, fused_unavailable_reason, gqa_attention
 from tandem.models.runner import ModelRunner, RunnerConfig
 
 # head_dim 64 with 3 query heads per KV head, as the bundled SmolLM2 (the flash-attn build's shape)
@@ -25,7 +25,10 @@ def _fused_ready() -> bool:
     return torch.cuda.is_available() and fused_unavailable_reason(torch.device("cuda"), 64, torch.bfloat16) is None
 
 
-needs_fused = pytest.mark.skipif(not _fused_ready(), reason="needs CUDA with triton and flash-attn")
+needs_fused = pytest.mark.skipif(not _fused_ready(), reason="needs CUDA with triton")
+# the fused kernels with our attention, and with flash-attn's (where it is importable)
+FUSED_PATHS = ["fused", pytest.param("fused-flash", marks=pytest.mark.skipif(
+    not (_fused_ready() and flash_available(64)), reason="needs flash-attn"))]
 
 
 def test_kernel_choice_on_cpu(tiny_checkpoint):
@@ -36,6 +39,8 @@ def test_kernel_choice_on_cpu(tiny_checkpoint):
     assert runner.kernels == "reference" and runner.attention_backend == "sdpa-masked"
     with pytest.raises(ConfigError, match="not a CUDA device"):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fused"))
+    with pytest.raises(ConfigError, match="not a CUDA device"):
+        ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fused-flash"))
     with pytest.raises(ConfigError, match="kernels must be one of"):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fast"))
 
@@ -52,7 +57,45 @@ def _rel_err(x: torch.Tensor, exact: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @needs_fused
-def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint):
+@pytest.mark.parametrize("q_len", [1, 2, 5, 16, 70])
+def test_gqa_attention_matches_float32_attention(q_len):
+    """The GQA-packed attention kernel against float32 attention over expanded K/V with a causal
+    mask aligned at each row's end: ragged lengths (one row as short as its new tokens), 3 query
+    heads per KV head, decode (1 token), verify (2 ... 16) and a prefill-sized step (70). Stale
+    positions past a row's length hold large values, which must not leak into the result."""
+    gen = torch.Generator(device="cuda").manual_seed(q_len)
+    B, heads, kv_heads, hd, positions = 5, 6, 2, 64, 600
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    seqlens = torch.tensor([q_len, q_len + 1, 64 + q_len, 333, 600], device="cuda", dtype=torch.int32)
+    q = randn(B, q_len, heads, hd).bfloat16()
+    k, v = randn(B, kv_heads, positions, hd).bfloat16(), randn(B, kv_heads, positions, hd).bfloat16()
+    for b, n in enumerate(seqlens.tolist()):
+        k[b, :, n:], v[b, :, n:] = 1e4, -1e4
+    got = gqa_attention(q, k, v, seqlens).float()
+    g = heads // kv_heads
+    keys = torch.arange(positions, device="cuda")
+    pos = seqlens[:, None].long() - q_len + torch.arange(q_len, device="cuda")[None, :]  # [B, Q]
+    mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]
+    qf = q.float().transpose(1, 2)  # [B, heads, Q, hd]
+    kf = k.float().repeat_interleave(g, dim=1)
+    vf = v.float().repeat_interleave(g, dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None]).transpose(1, 2)
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < 2e-2, err  # bf16 inputs and P, fp32 accumulation
+    bf16_ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
+        attn_mask=mask[:, None]).transpose(1, 2).float()
+    assert err <= max(1.5 * (bf16_ref - want).abs().max().item(), 1e-3)
+
+
+@pytest.mark.gpu
+@needs_fused
+@pytest.mark.parametrize("kernels", FUSED_PATHS)
+def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, kernels):
     """Against a float32 forward, the fused kernels' logits, tapped states and cache contents are
     as accurate as the bf16 reference forward's (relative error at most 1.5x the reference's, and
     under 3e-2): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback
@@ -61,8 +104,9 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
     taps = (0, 1, 2)
     exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32),
-                         _runner(ckpt, "reference", 4, taps=taps), _runner(ckpt, "fused", 4, taps=taps))
-    assert fused.kernels == "fused" and fused.attention_backend == "flash-attn" and ref.kernels == "reference"
+                         _runner(ckpt, "reference", 4, taps=taps), _runner(ckpt, kernels, 4, taps=taps))
+    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn"}[kernels]
+    assert fused.kernels == kernels and fused.attention_backend == attention and ref.kernels == "reference"
     rng = random.Random(0)
     vocab = ckpt.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((37, 5, 300))}
@@ -97,13 +141,14 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint):
 @pytest.mark.gpu
 @needs_fused
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs):
+@pytest.mark.parametrize("kernels", FUSED_PATHS)
+def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kernels):
     """One row (the same context, the same tokens) verified alone or among 2 ... 128 rows, at any
     slot of the batch, with 1 ... 8 tokens: the logits of its common positions are bitwise equal.
     Every slot holds the same prompt, so any slot can carry the row; other rows get random tokens
     and widths; each step is rolled back."""
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
-    runner = _runner(ckpt, "fused", 128, graphs=graphs)
+    runner = _runner(ckpt, kernels, 128, graphs=graphs)
     rng = random.Random(1)
     vocab = ckpt.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(150)]

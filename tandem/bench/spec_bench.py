@@ -28,7 +28,7 @@ from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
-from ..models.runner import ModelRunner, RunnerConfig, resolve_kernels
+from ..models.runner import ModelRunner, RunnerConfig, attention_name, resolve_kernels
 from ..models.weights import Checkpoint
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -365,7 +365,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup, kernels=kernels, attention="sdpa-masked" if kernels == "reference" else "flash-attn")
+                     warmup=warmup, kernels=kernels, attention=attention_name(kernels))
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ..control import parse_tau
 from ..errors import ConfigError, InvalidRequestError
 from ..metrics import SpecDecodeStats
+from ..models.runner import KERNEL_CHOICES
 from ..speculation import TARGET_ONLY, SpeculativeConfig
 
 log = logging.getLogger("tandem")
@@ -82,11 +83,11 @@ device_option = click.option("--device", default=None, help="cpu, cuda, cuda:N (
 dtype_option = click.option("--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True,
                             help="auto = bfloat16 on GPU, float32 on CPU.")
 kernels_option = click.option(
-    "--kernels", type=click.Choice(["auto", "fused", "reference", "fused-heuristic"]), default="auto",
-    show_default=True,
-    help="Decode/verify kernels: fused (Triton + flash-attn, batch-invariant; GPU) or reference (PyTorch ops, "
-         "masked SDPA); auto = fused where it can run; fused-heuristic = fused with flash-attn's batch-dependent "
-         "split-KV choice (measures what invariance costs).")
+    "--kernels", type=click.Choice(list(KERNEL_CHOICES)), default="auto", show_default=True,
+    help="Decode/verify kernels: fused (Triton, our GQA-packed attention, batch-invariant; GPU) or reference "
+         "(PyTorch ops, masked SDPA); auto = fused where it can run; fused-flash = fused with flash-attn's "
+         "attention; fused-heuristic = fused-flash with flash-attn's batch-dependent split-KV choice (measures "
+         "what invariance costs).")
 
 
 def _check_tau(value: str) -> str:

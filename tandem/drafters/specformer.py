@@ -251,13 +251,13 @@ class SpecFormerDrafter(Drafter):
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
-        if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, flash attention
+        if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, the fused attention
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
             for i, layer in enumerate(head.ctx):
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
                 q = kernels.rope_kv_write(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, rope_pos, write,
                                           k_rows, v_rows, layer.num_heads, layer.kv_heads)
-                att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_splits)
+                att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend)
                 h = h + layer.o(att.reshape(n, M, -1))
                 h = h if layer.mlp is None else layer.mlp(h)
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]

@@ -8,19 +8,29 @@ add+RMSNorm, the gate/up GEMM, SiLU-multiply, the down GEMM (GEMMs stay cuBLAS).
 
 Every kernel here processes one token row per program with a fixed block size, so a row's result
 does not depend on how many rows share the launch (batch- and width-invariant, as in Thinking
-Machines' "Defeating Nondeterminism in LLM Inference", 2025). Attention is FlashAttention-2's
-``flash_attn_with_kvcache`` (Dao 2023) with a fixed split count (``ATTN_SPLITS``) for the same reason:
-its own heuristic picks the split count from the batch size.
+Machines' "Defeating Nondeterminism in LLM Inference", 2025).
 
-Nothing here runs on a CPU: ``fused_available()`` says whether this process can use the path
-(CUDA, Triton, flash-attn, a supported head size); the float32 reference forward in
-``transformer.py`` is what the fused path is tested against.
+Attention of decode and verify steps is our own GQA-packed kernel (``gqa_attention``): one
+program per (row, KV head) holds the query rows of *all* the row's new tokens and of all the query
+heads that share that KV head (``Q x group`` rows, packed in tiles of 16), so every K/V block is
+read once per KV head whatever the number of tokens verified, with the causal limit of each packed
+row applied in registers (no mask tensor). FlashAttention-2's ``flash_attn_with_kvcache`` (Dao
+2023) folds the query heads of a KV head only for one new token; for 2 .. 16 it reads the cache
+once per query head, which made verifying 2 tokens at batch 64 cost 1.8x a decode step. flash-attn
+(``tandem[flash-attn]``) still runs the prefill where it is importable, and can be chosen for
+decode/verify too (``RunnerConfig.kernels = "fused-flash"``) with a fixed split count
+(``ATTN_SPLITS``): its own heuristic picks the split count from the batch size.
+
+Nothing here runs on a CPU: ``fused_unavailable_reason()`` says whether this process can use the
+path (CUDA, Triton, a supported head size); the float32 reference forward in ``transformer.py`` is
+what the fused path is tested against.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 
@@ -30,20 +40,39 @@ log = logging.getLogger(__name__)
 
 ATTN_SPLITS = 1  # flash-attn split-KV chunks: fixed, so a row's attention does not depend on the batch
 MAX_FUSED_TOKENS = KV_SLACK  # tokens per row the fused forward takes (decode and verify; prefill is wider)
+FUSED_HEAD_DIMS = (64, 128)  # head sizes the fused kernels take (powers of two; flash-attn's build: 64)
 FLASH_HEAD_DIMS = (64,)  # head sizes the bundled flash-attn build was compiled for
+ATTN_BACKENDS = ("triton", "flash", "flash-heuristic")  # decode/verify attention (``attention_with_kvcache``)
+ATTN_BLOCK_M = 16  # packed query rows (token x query head) per tile: the smallest tensor-core tile
+ATTN_BLOCK_N = 64  # keys per step of the attention loop
 
 
 @functools.lru_cache(maxsize=1)
 def _modules():
-    """``(triton, tl, flash_attn_with_kvcache)`` or None when any is missing."""
+    """``(triton, tl)`` or None when Triton is missing."""
     try:
         import triton
         import triton.language as tl
-        from flash_attn import flash_attn_with_kvcache
-    except Exception as exc:  # ImportError, or a flash-attn build that does not load here
+    except Exception as exc:  # ImportError, or a Triton that does not load here
         log.info("fused decode kernels unavailable: %s", exc)
         return None
-    return triton, tl, flash_attn_with_kvcache
+    return triton, tl
+
+
+@functools.lru_cache(maxsize=1)
+def _flash():
+    """flash-attn's ``flash_attn_with_kvcache``, or None when it is not importable."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except Exception as exc:  # ImportError, or a flash-attn build that does not load here
+        log.info("flash-attn unavailable (prefill takes the Triton attention): %s", exc)
+        return None
+    return flash_attn_with_kvcache
+
+
+def flash_available(head_dim: int) -> bool:
+    """Whether flash-attn's kernel is importable here and built for ``head_dim``."""
+    return head_dim in FLASH_HEAD_DIMS and _flash() is not None
 
 
 def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -51,17 +80,17 @@ def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.d
     if device.type != "cuda":
         return "not a CUDA device"
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {dtype} (flash-attn needs bf16/fp16)"
-    if head_dim not in FLASH_HEAD_DIMS:
-        return f"head dim {head_dim} (the flash-attn build supports {FLASH_HEAD_DIMS})"
+        return f"dtype {dtype} (the fused kernels take bf16/fp16)"
+    if head_dim not in FUSED_HEAD_DIMS:
+        return f"head dim {head_dim} (the fused kernels take {FUSED_HEAD_DIMS})"
     if _modules() is None:
-        return "triton or flash-attn is not importable (pip install 'tandem[flash-attn]' on a GPU machine)"
+        return "triton is not importable (it comes with PyTorch's CUDA wheels)"
     return None
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    triton, tl, _ = _modules()
+    triton, tl = _modules()
 
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
@@ -190,8 +219,90 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _attention_kernel():
+    triton, tl = _modules()
+
+    @triton.jit(do_not_specialize=["n_tokens"])
+    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, out_ptr, n_tokens, scale_log2, k_sb, k_sh, k_sp,
+                             GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
+        # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
+        # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
+        # row's limit is an exact no-op for it (alpha = 1, p = 0), so its result is the same whatever
+        # the tile holds besides it: batch- and width-invariant.
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        tile = tl.program_id(2)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        live = tok < n_tokens
+        q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + rows % GROUP
+        d = tl.arange(0, HEAD_DIM)
+        qv = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+        seqlen = tl.load(seqlen_ptr + b)
+        last = seqlen - n_tokens + tok  # the last key each packed row sees
+        end = seqlen - n_tokens + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_tokens - 1) + 1
+        k_base = k_ptr + b * k_sb + kvh * k_sh
+        v_base = v_ptr + b * k_sb + kvh * k_sh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for start in range(0, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < end
+            kb = tl.load(k_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.dot(qv, tl.trans(kb)) * scale_log2
+            s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(v_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None])
+
+    return gqa_attention_kernel
+
+
+def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its KV cache, query heads packed per KV head.
+
+    Args:
+        q: ``[B, Q, heads, head_dim]`` (any Q >= 1); token j of row b is at position
+            ``seqlens[b] - Q + j``.
+        k_cache, v_cache: ``[B, kv_heads, positions, head_dim]``, last dim contiguous, the new
+            tokens' K/V already written; ``positions >= max(seqlens)``; every position finite
+            (``KVCache`` zero-fills).
+        seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end);
+            ``seqlens[b] >= Q``.
+
+    Returns:
+        ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
+        per KV head (GQA, Ainslie et al. 2023) for all Q tokens; fp32 accumulation.
+    """
+    kernel = _attention_kernel()
+    B, Q, heads, hd = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    grid = (B, kv_heads, -(-Q * group // ATTN_BLOCK_M))
+    kernel[grid](q, k_cache, v_cache, seqlens, out, Q, math.log2(math.e) / math.sqrt(hd),
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                 GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
+                 num_warps=4, num_stages=2)
+    return out
+
+
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: torch.Tensor, splits: int = ATTN_SPLITS) -> torch.Tensor:
+                           seqlens: torch.Tensor, backend: str = "triton") -> torch.Tensor:
     """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
 
     Args:
@@ -199,16 +310,23 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache, v_cache: ``[B, kv_heads, positions, head_dim]`` (the K/V of the new tokens already
             written); ``positions >= max(seqlens)``.
         seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end).
-        splits: split-KV chunks; 0 = flash-attn's heuristic, which depends on the batch size
-            (a row's numerics then depend on its batch: only for measuring what invariance costs).
+        backend: "triton" (``gqa_attention``), "flash" (FlashAttention-2's
+            ``flash_attn_with_kvcache`` with ``ATTN_SPLITS`` split-KV chunks) or "flash-heuristic"
+            (flash-attn choosing the split count from the batch size: a row's numerics then depend
+            on its batch; only for measuring what invariance costs).
 
     Returns:
-        ``[B, Q, heads, head_dim]``. FlashAttention-2 (``flash_attn_with_kvcache``) with
-        ``splits`` split-KV chunks.
+        ``[B, Q, heads, head_dim]``.
+
+    Raises:
+        ValueError: an unknown backend.
     """
-    flash = _modules()[2]
-    return flash(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
-                 num_splits=splits)
+    if backend == "triton":
+        return gqa_attention(q, k_cache, v_cache, seqlens)
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+    return _flash()(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
+                    num_splits=ATTN_SPLITS if backend == "flash" else 0)
 
 
 def _pow2(n: int) -> int:

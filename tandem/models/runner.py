@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .kernels import fused_unavailable_reason
+from .kernels import flash_available, fused_unavailable_reason
 from .kv_cache import KVCache
 from .transformer import Transformer
 from .weights import Checkpoint
@@ -67,13 +67,15 @@ class RunnerConfig:
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
-            they can run: CUDA with Triton and flash-attn, no QK-norm), "fused" (the same, or a
-            ConfigError saying why not), "reference" (plain PyTorch ops with a masked SDPA, the
-            path a CPU always takes), "fused-heuristic" (the fused kernels with flash-attn's own
-            split-KV heuristic, which depends on the batch size: not batch-invariant, so greedy
-            speculative output may differ from target-only; it exists to measure what invariance
-            costs). Token trees take the reference path; a prefill takes the fused one when
-            every row has room for its attention span. The fused path replaces ``compile``
+            they can run: CUDA with Triton, a head size of 64 or 128, no QK-norm), "fused" (the same,
+            or a ConfigError saying why not), "fused-flash" (the fused kernels with flash-attn's
+            attention for decode and verify instead of our GQA-packed one; needs flash-attn),
+            "fused-heuristic" ("fused-flash" with flash-attn's own split-KV heuristic, which depends
+            on the batch size: not batch-invariant, so greedy speculative output may differ from
+            target-only; it exists to measure what invariance costs), "reference" (plain PyTorch
+            ops with a masked SDPA, the path a CPU always takes). Token trees take the reference
+            path; a prefill takes the fused one (flash-attn's attention where it is importable)
+            when every row has room for its attention span. The fused path replaces ``compile``
             (which is then ignored).
     """
 
@@ -90,7 +92,9 @@ class RunnerConfig:
     kernels: str = "auto"
 
 
-KERNEL_CHOICES = ("auto", "fused", "reference", "fused-heuristic")
+KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "reference")
+_ATTENTION = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic"}  # kernels -> backend
+ATTENTION_NAMES = {"triton": "triton-gqa", "flash": "flash-attn", "flash-heuristic": "flash-attn-heuristic"}
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -103,12 +107,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
-    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused",
+    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused", "fused-flash",
     "fused-heuristic" or "reference".
 
     Raises:
         ConfigError: an unknown choice, or a fused choice where the fused path cannot run (the
-            message says why: no CUDA, no triton / flash-attn, dtype, head size, QK-norm).
+            message says why: no CUDA, no triton, dtype, head size, QK-norm; no flash-attn for
+            the flash choices).
     """
     choice = config.kernels
     if choice not in KERNEL_CHOICES:
@@ -123,7 +128,16 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
         log.warning("decode kernels: reference PyTorch path (%s)", reason)
     if reason is not None:
         return "reference"
-    return "fused-heuristic" if choice == "fused-heuristic" else "fused"
+    if choice in ("fused-flash", "fused-heuristic") and not flash_available(model.head_dim):
+        raise ConfigError(f"kernels={choice} needs flash-attn built for head dim {model.head_dim} "
+                          "(pip install 'tandem[flash-attn]' on a GPU machine)")
+    return "fused" if choice == "auto" else choice
+
+
+def attention_name(kernels: str) -> str:
+    """The decode/verify attention a resolved ``kernels`` path uses ("triton-gqa", "flash-attn",
+    "flash-attn-heuristic", "sdpa-masked"); as ``ModelRunner.attention_backend``."""
+    return ATTENTION_NAMES[_ATTENTION[kernels]] if kernels in _ATTENTION else "sdpa-masked"
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -196,22 +210,22 @@ class ModelRunner:
 
     def _use_fused_kernels(self) -> bool:
         kernels = resolve_kernels(self.config, self.model_config)
-        if kernels == "fused-heuristic":
-            self.model.attn_splits = 0
+        self.model.attn_backend = _ATTENTION.get(kernels, "triton")
         return kernels != "reference"
 
     @property
     def kernels(self) -> str:
-        """The decode/verify path in use: "fused" (Triton + flash-attn), "fused-heuristic" or
-        "reference" (``RunnerConfig.kernels``)."""
+        """The decode/verify path in use: "fused" (Triton kernels, our attention), "fused-flash",
+        "fused-heuristic" or "reference" (``RunnerConfig.kernels``)."""
         if not self.model.fused:
             return "reference"
-        return "fused" if self.model.attn_splits else "fused-heuristic"
+        return {b: k for k, b in _ATTENTION.items()}[self.model.attn_backend]
 
     @property
     def attention_backend(self) -> str:
-        """Attention of decode/verify steps: "flash-attn" (fused path) or "sdpa-masked"."""
-        return "flash-attn" if self.model.fused else "sdpa-masked"
+        """Attention of decode/verify steps: "triton-gqa", "flash-attn", "flash-attn-heuristic" (fused
+        paths) or "sdpa-masked" (reference)."""
+        return attention_name(self.kernels)
 
     # ------------------------------------------------------------------ forwards
 

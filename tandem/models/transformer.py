@@ -136,7 +136,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.max_positions = max_positions
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
-        self.attn_splits = kernels.ATTN_SPLITS  # the fused attention's split-KV chunks (0: batch-dependent)
+        self.attn_backend = "triton"  # decode/verify attention of the fused path (kernels.ATTN_BACKENDS)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -193,7 +193,7 @@ class Transformer(nn.Module):
         """
         B, Q = tokens.shape
         if self.fused and depth is None and tree_mask is None and (Q <= MAX_FUSED_TOKENS or wide):
-            return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps)
+            return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps, prefill=wide)
         g = self.config.group_size
         scratch = k_cache.shape[3] - 1
         offs = torch.arange(Q, device=tokens.device)
@@ -224,7 +224,7 @@ class Transformer(nn.Module):
 
     def forward_fused(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      taps: tuple[int, ...] = (), prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
         fused GPU kernels (``tandem.models.kernels``): nine kernels per layer, no attention mask, and
         every row's result independent of the other rows of the batch and of the row's width.
@@ -234,8 +234,15 @@ class Transformer(nn.Module):
         enough for any decode or verify step; a prefill checks it: ``forward_hidden``'s ``wide``):
         attention runs over ``start + Q`` positions of each row, causally aligned at the end, so a
         row's real tokens never see its padding.
+
+        Attention: ``self.attn_backend`` for decode and verify steps; a prefill (``prefill``, whatever
+        its width, so that a prompt's cache does not depend on what it was batched with) takes
+        flash-attn where it is importable, else the same Triton kernel.
         """
         cfg = self.config
+        backend = self.attn_backend
+        if prefill:
+            backend = "flash" if kernels.flash_available(cfg.head_dim) else "triton"
         B, Q = tokens.shape
         scratch = k_cache.shape[3] - 1
         offs = torch.arange(Q, device=tokens.device)
@@ -251,7 +258,7 @@ class Transformer(nn.Module):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
                                       k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, self.attn_splits)
+            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
