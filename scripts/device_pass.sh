@@ -4,7 +4,10 @@
 #   $MODEL  the assembled GGUF (/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   $OUT    where files come back
 # available to it. Each command's output goes to $OUT/NN.log (NN = its index) and to the call's
-# output; the pass ends with one summary line per command (exit code, seconds).
+# output; the pass ends with one summary line per command (exit code, seconds), and everything under
+# $OUT is packed into $OUT/pass.tgz (results folders, kernel tables and logs in one file).
+# PASS_TIMEOUT (seconds, default none) bounds each command, so one slow command cannot take the
+# whole pass and its archive with it.
 #
 # Before the pass, here:
 #   scripts/device_wheels.sh        # .whl/: the Python packages the GPU machine lacks
@@ -30,9 +33,11 @@ for cmd in "$@"; do
   i=$((i + 1)); log=$(printf "%s/%02d.log" "$OUT" "$i")
   echo "=== [$i] $cmd"
   start=$SECONDS
-  bash -c "$cmd" 2>&1 | tee "$log"
+  if [[ -n ${PASS_TIMEOUT:-} ]]; then timeout "$PASS_TIMEOUT" bash -c "$cmd" 2>&1 | tee "$log"
+  else bash -c "$cmd" 2>&1 | tee "$log"; fi
   rc=${PIPESTATUS[0]}
   summary+=("[$i] rc=$rc $((SECONDS - start))s  $cmd")
 done
 echo "=== summary"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+tar czf /tmp/pass.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/pass.tgz "$OUT/"

@@ -97,8 +97,8 @@ def test_gqa_attention_matches_float32_attention(q_len):
 @pytest.mark.parametrize("kernels", FUSED_PATHS)
 def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, kernels):
     """Against a float32 forward, the fused kernels' logits, tapped states and cache contents are
-    as accurate as the bf16 reference forward's (relative error at most 1.5x the reference's, and
-    under 3e-2): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback
+    as accurate as the bf16 reference forward's (relative error at most 1.5x the reference's; the
+    random tiny model's bf16 logits are ~7% off float32 on either path): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback
     between steps). bf16 rounds differently in the two bf16 paths, so they are compared through
     the exact result rather than with each other."""
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
@@ -118,7 +118,7 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, kernels)
 
     def check(want, ref_out, got, what):
         e_ref, e_fused = _rel_err(ref_out, want), _rel_err(got, want)
-        assert e_fused <= max(1.5 * e_ref, 1e-3) and e_fused < 3e-2, (what, e_ref, e_fused)
+        assert e_fused <= max(1.5 * e_ref, 1e-3), (what, e_ref, e_fused)
 
     for step in range(4):
         app = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for s in prompts if rng.random() < 0.8}
