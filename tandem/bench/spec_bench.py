@@ -28,7 +28,8 @@ from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
-from ..models.runner import ModelRunner, RunnerConfig, attention_name, resolve_kernels
+from ..models.kernels import attention_name
+from ..models.runner import ModelRunner, RunnerConfig, resolve_kernels
 from ..models.weights import Checkpoint
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer

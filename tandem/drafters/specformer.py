@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.rnn import pad_sequence
 
 from ..models import kernels
-from ..models.kernels import FLASH_HEAD_DIMS
+from ..models.kernels import FLASH_HEAD_DIMS, FUSED_HEAD_DIMS
 from ..models.kv_cache import KV_SLACK
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
@@ -132,7 +132,9 @@ class SpecFormerDrafter(Drafter):
         self.head.to(device=dev, dtype=dtype)
         shape = (cfg.context_layers, runner.cache.num_slots, cfg.ctx_kv_heads, runner.cache.capacity + KV_SLACK,
                  cfg.head_dim)
-        self._fused = bool(runner.model.fused) and cfg.head_dim in FLASH_HEAD_DIMS
+        # its context attention takes the target's decode/verify attention backend
+        head_dims = FUSED_HEAD_DIMS if runner.model.attn_backend == "triton" else FLASH_HEAD_DIMS
+        self._fused = bool(runner.model.fused) and cfg.head_dim in head_dims
         use_fused_kernels(self.head, self._fused)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)

@@ -75,6 +75,22 @@ def flash_available(head_dim: int) -> bool:
     return head_dim in FLASH_HEAD_DIMS and _flash() is not None
 
 
+_BACKEND_OF = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic"}  # kernels choice
+_BACKEND_NAMES = {"triton": "triton-gqa", "flash": "flash-attn", "flash-heuristic": "flash-attn-heuristic"}
+
+
+def attention_backend_for(kernels: str) -> str:
+    """The ``attention_with_kvcache`` backend of a resolved ``RunnerConfig.kernels`` path ("fused",
+    "fused-flash", "fused-heuristic"; "triton" for "reference", whose forward never calls it)."""
+    return _BACKEND_OF.get(kernels, "triton")
+
+
+def attention_name(kernels: str) -> str:
+    """The decode/verify attention a resolved ``kernels`` path uses, as reported in bench metadata:
+    "triton-gqa", "flash-attn", "flash-attn-heuristic", or "sdpa-masked" for "reference"."""
+    return _BACKEND_NAMES[_BACKEND_OF[kernels]] if kernels in _BACKEND_OF else "sdpa-masked"
+
+
 def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused path cannot run for this model and device, or None when it can."""
     if device.type != "cuda":

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .kernels import flash_available, fused_unavailable_reason
+from .kernels import attention_backend_for, attention_name, flash_available, fused_unavailable_reason
 from .kv_cache import KVCache
 from .transformer import Transformer
 from .weights import Checkpoint
@@ -93,8 +93,6 @@ class RunnerConfig:
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "reference")
-_ATTENTION = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic"}  # kernels -> backend
-ATTENTION_NAMES = {"triton": "triton-gqa", "flash": "flash-attn", "flash-heuristic": "flash-attn-heuristic"}
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -132,12 +130,6 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
         raise ConfigError(f"kernels={choice} needs flash-attn built for head dim {model.head_dim} "
                           "(pip install 'tandem[flash-attn]' on a GPU machine)")
     return "fused" if choice == "auto" else choice
-
-
-def attention_name(kernels: str) -> str:
-    """The decode/verify attention a resolved ``kernels`` path uses ("triton-gqa", "flash-attn",
-    "flash-attn-heuristic", "sdpa-masked"); as ``ModelRunner.attention_backend``."""
-    return ATTENTION_NAMES[_ATTENTION[kernels]] if kernels in _ATTENTION else "sdpa-masked"
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
@@ -192,7 +184,9 @@ class ModelRunner:
         model = Transformer(checkpoint.config, max_positions=config.max_seq_len + 1)
         model.load_weights(checkpoint.tensors)
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
-        self.model.fused = self._use_fused_kernels()
+        self._kernels = resolve_kernels(config, checkpoint.config)
+        self.model.fused = self._kernels != "reference"
+        self.model.attn_backend = attention_backend_for(self._kernels)
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
         # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
@@ -208,18 +202,11 @@ class ModelRunner:
         self._staging_turn: dict[tuple, int] = {}
         self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
 
-    def _use_fused_kernels(self) -> bool:
-        kernels = resolve_kernels(self.config, self.model_config)
-        self.model.attn_backend = _ATTENTION.get(kernels, "triton")
-        return kernels != "reference"
-
     @property
     def kernels(self) -> str:
         """The decode/verify path in use: "fused" (Triton kernels, our attention), "fused-flash",
-        "fused-heuristic" or "reference" (``RunnerConfig.kernels``)."""
-        if not self.model.fused:
-            return "reference"
-        return {b: k for k, b in _ATTENTION.items()}[self.model.attn_backend]
+        "fused-heuristic" or "reference" (``RunnerConfig.kernels``, resolved)."""
+        return self._kernels
 
     @property
     def attention_backend(self) -> str:
