@@ -185,7 +185,7 @@ class DraftModelDrafter(Drafter):
         if short:
             out = self.runner.step(short)
             for s, f in short.items():
-                logits[s] = out.logits[s, len(f) - 1].clone()
+                logits[s] = out.logits[s, len(f) - 1].to(torch.float32, copy=True)
         return logits
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
@@ -208,5 +208,5 @@ class DraftModelDrafter(Drafter):
             out = self.runner.step({s: [t] for s, t in last.items()})
             for s, t in last.items():
                 self.cached[s].append(t)
-                logits[s] = out.logits[s, 0].clone()
+                logits[s] = out.logits[s, 0].to(torch.float32, copy=True)
         return [DraftProposal.concat(parts[r.slot]) if r.max_draft > 0 else DraftProposal.empty() for r in requests]

@@ -375,7 +375,7 @@ class SpecFormerDrafter(Drafter):
         else:
             cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
         ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
-        logits = self._draft_rows(ctx, ids).float()  # [n, ld, V]
+        logits = self._draft_rows(ctx, ids, float32=False)  # [n, ld, V]; sampling_probs upcasts
         drafts = logits.argmax(-1)
         if sampling.any_sampled:
             V = logits.shape[-1]
@@ -429,15 +429,16 @@ class SpecFormerDrafter(Drafter):
             torch.zeros((nb, ld + 2), dtype=torch.long, device=dev)), fill) if self._static else None
         return self._draft_rows(states, ids[:n].to(dev)) if out is None else out[:n]
 
-    def _draft_rows(self, states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _draft_rows(self, states: torch.Tensor, ids: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """``[n, l_d, vocab]`` draft logits from context states ``[n, d]`` and ``ids`` ``[n, l_d + 2]``
-        (long, on the device: the lookup continuation with -1 for none, its match length, the bonus token)."""
+        (long, on the device: the lookup continuation with -1 for none, its match length, the bonus
+        token); float32, or in the weights' dtype with ``float32=False``."""
         head, target = self.head, self._target
         cfg = head.config
         ld = cfg.num_draft_tokens
         bonus = target.embed(ids[:, ld + 1]) if cfg.bonus_token else None
         lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
-        return target.logits(target.norm(head.draft(states, bonus, lookup)))
+        return target.logits(target.norm(head.draft(states, bonus, lookup)), float32)
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []

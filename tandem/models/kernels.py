@@ -131,33 +131,34 @@ def _kernels():
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr, v_ptr,
                        tokens_per_row, k_sb, k_sh, k_sp, qkv_stride,
                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-        # one token per program: rotate its q heads into q_out, rotate its k heads and copy its v
-        # heads into the cache rows at the token's write position (rotate-half RoPE)
+        # program (token, head): head < HEADS rotates that q head into q_out; head = HEADS + h
+        # rotates k head h and copies v head h into the cache row at the token's write position
+        # (rotate-half RoPE). One program per head keeps a decode step's few tokens on many SMs.
         tok = tl.program_id(0).to(tl.int64)
-        b = tok // tokens_per_row
+        h = tl.program_id(1)
         half: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, half)
         pos = tl.load(pos_ptr + tok)
-        wpos = tl.load(write_ptr + tok)
         cos1 = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
         cos2 = tl.load(cos_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
         sin1 = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
         sin2 = tl.load(sin_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
-        base = qkv_ptr + tok * qkv_stride
-        for h in tl.static_range(HEADS):
-            x1 = tl.load(base + h * HEAD_DIM + d).to(tl.float32)
-            x2 = tl.load(base + h * HEAD_DIM + half + d).to(tl.float32)
+        src = qkv_ptr + tok * qkv_stride + h * HEAD_DIM
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + half + d).to(tl.float32)
+        r1 = x1 * cos1 - x2 * sin1
+        r2 = x2 * cos2 + x1 * sin2
+        if h < HEADS:
             o = q_out_ptr + (tok * HEADS + h) * HEAD_DIM
-            tl.store(o + d, (x1 * cos1 - x2 * sin1).to(q_out_ptr.dtype.element_ty))
-            tl.store(o + half + d, (x2 * cos2 + x1 * sin2).to(q_out_ptr.dtype.element_ty))
-        for h in tl.static_range(KV_HEADS):
-            kb = base + (HEADS + h) * HEAD_DIM
-            x1 = tl.load(kb + d).to(tl.float32)
-            x2 = tl.load(kb + half + d).to(tl.float32)
-            dst = b * k_sb + h * k_sh + wpos * k_sp
-            tl.store(k_ptr + dst + d, (x1 * cos1 - x2 * sin1).to(k_ptr.dtype.element_ty))
-            tl.store(k_ptr + dst + half + d, (x2 * cos2 + x1 * sin2).to(k_ptr.dtype.element_ty))
-            vb = base + (HEADS + KV_HEADS + h) * HEAD_DIM
+            tl.store(o + d, r1.to(q_out_ptr.dtype.element_ty))
+            tl.store(o + half + d, r2.to(q_out_ptr.dtype.element_ty))
+        else:
+            kvh = h - HEADS
+            wpos = tl.load(write_ptr + tok)
+            dst = (tok // tokens_per_row) * k_sb + kvh * k_sh + wpos * k_sp
+            tl.store(k_ptr + dst + d, r1.to(k_ptr.dtype.element_ty))
+            tl.store(k_ptr + dst + half + d, r2.to(k_ptr.dtype.element_ty))
+            vb = src + KV_HEADS * HEAD_DIM  # v head kvh sits KV_HEADS heads after k head kvh
             tl.store(v_ptr + dst + d, tl.load(vb + d))
             tl.store(v_ptr + dst + half + d, tl.load(vb + half + d))
 
@@ -218,7 +219,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: 
     q = torch.empty((B, Q, heads, hd), dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    rope_kv_kernel[(B * Q,)](qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), q, k_cache, v_cache, Q,
+    rope_kv_kernel[(B * Q, heads + kv_heads)](qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), q, k_cache, v_cache, Q,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), width,
                              HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd)
     return q

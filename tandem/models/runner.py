@@ -227,7 +227,7 @@ class ModelRunner:
             tree_mask = packed[:, 2 * q + 2:].reshape(packed.shape[0], q, q) > 0
         hidden, taps = self.model.forward_hidden(packed[:, 2:q + 2], packed[:, 0], packed[:, 1], k_cache, v_cache,
                                                  attn_len, depth, tree_mask, self.config.taps)
-        logits = self.model.logits(hidden)
+        logits = self.model.logits(hidden, float32=False)  # consumers upcast the rows they sample from
         return StepOutput(logits, logits.argmax(dim=-1), taps)
 
     @torch.inference_mode()
@@ -341,7 +341,7 @@ class ModelRunner:
                 the graph without warm-up runs and replays it.
 
         Returns:
-            ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` float32 and ``argmax`` ``[n, Q]``;
+            ``StepOutput`` with ``logits`` ``[n, Q, vocab]`` (the model's dtype) and ``argmax`` ``[n, Q]``;
             row = slot, ``Q`` = the longest token list, and row ``s``'s first
             ``len(tokens_per_slot[s])`` positions are valid. With CUDA graphs these are static
             buffers that the next call overwrites: read them first.
@@ -506,7 +506,9 @@ class ModelRunner:
 
 
 class StepOutput(NamedTuple):
-    """One batched forward's result: ``logits`` ``[n, Q, vocab]`` float32, ``argmax`` ``[n, Q]``,
+    """One batched forward's result: ``logits`` ``[n, Q, vocab]`` in the model's dtype (bfloat16 on
+    a GPU: the argmax of a bf16 row equals that of its exact float32 upcast, and the rows that are
+    sampled are upcast by ``sampling_probs``), ``argmax`` ``[n, Q]``,
     ``taps`` ``[n, Q, len(taps), d]`` when the runner taps hidden states (else None), and
     ``inputs``, the step's packed int64 rows on the device (start, q_len, the Q tokens, then tree
     columns; see ``ModelRunner._forward_logits``), so that verification reads the drafts there

@@ -291,9 +291,12 @@ class Transformer(nn.Module):
                 tapped.append(x)
         return self.norm(x), _stack_taps(tapped, taps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: ``[..., d]`` hidden -> ``[..., vocab]`` float32 logits."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """LM head: ``[..., d]`` hidden -> ``[..., vocab]`` logits, float32 (``float32=False``: in the
+        weights' dtype, which a batch's argmax reads without writing a float32 copy of every row:
+        the upcast is exact, so the argmax is the same)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
 
 def _is_tap(depth: int, taps: tuple[int, ...]) -> bool:
