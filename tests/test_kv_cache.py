@@ -115,10 +115,34 @@ def test_prefill_appends_to_partly_filled_slot(tiny):
     torch.testing.assert_close(last, our_logits(ref, first + second)[-1], atol=ATOL, rtol=0)
 
 
+def test_prefill_appends_to_scattered_partly_filled_slots(tiny):
+    """Scattered slots that already hold tokens (a drafter catching up) get their next pieces in
+    one batch: each row continues from its own length, the slot between them is untouched."""
+    rand = Tokens(tiny.config.vocab_size, seed=4)
+    runner = ModelRunner(tiny, RunnerConfig(device="cpu", max_batch_size=3, max_seq_len=40, prefill_chunk=4))
+    ref = make_runner(tiny, slots=1, max_seq_len=40)
+    for _ in range(3):
+        runner.cache.allocate()
+    seqs = {0: rand(7), 1: rand(5), 2: rand(12)}
+    runner.prefill(seqs)
+    more = {0: rand(9), 2: rand(3)}
+    last = runner.prefill(more)
+    assert runner.cache.lengths == [16, 5, 15]
+    for row, slot in enumerate(sorted(more)):
+        seqs[slot] = seqs[slot] + more[slot]
+        torch.testing.assert_close(last[row], our_logits(ref, seqs[slot])[-1], atol=ATOL, rtol=0)
+    appended = {s: rand(2) for s in range(3)}
+    out = runner.step(appended)
+    for s, toks in appended.items():
+        seqs[s] += toks
+    _check_rows(out.logits, appended, seqs, ref)
+
+
 @pytest.mark.parametrize("chunk,budget", [(1024, 8192), (4, 12), (5, 1)], ids=["one-forward", "grouped-chunked", "row-by-row"])
 def test_batched_prefill_ragged_prompts(tiny, chunk, budget):
-    """Several prompts of different lengths prefilled together (grouped into contiguous slot
-    ranges, chunked), with a running slot inside the range that must stay untouched."""
+    """Several prompts of different lengths prefilled together (grouped, chunked; the scattered
+    slots 0, 1, 3, 4 run on a dense copy of their rows), with a running slot between them that
+    must stay untouched."""
     rand = Tokens(tiny.config.vocab_size, seed=6)
     runner = ModelRunner(tiny, RunnerConfig(device="cpu", max_batch_size=5, max_seq_len=40, prefill_chunk=chunk,
                                             prefill_tokens=budget))

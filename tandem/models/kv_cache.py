@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -138,6 +139,32 @@ class KVCache:
     def scratch_index(self) -> int:
         """Position index that padded tokens write to; never attended by a real token."""
         return self.k.shape[3] - 1
+
+    def batch_rows(self, slots: list[int], positions: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+        """K/V of ``slots`` (ascending) as the rows of one batch, ``[num_layers, len(slots),
+        num_kv_heads, P, head_dim]`` each, and a function to call once the batch has written them.
+
+        Contiguous slots: views of their rows (P = the full row; the function does nothing).
+        Scattered slots (those requests freed, as admission finds them): a dense copy of their
+        first ``positions`` positions plus one scratch position after them (P = positions + 1;
+        padded tokens write there), which the function copies back. A batch over scattered slots
+        then has one row per slot instead of a contiguous range whose idle rows cost as much.
+        """
+        lo, hi = slots[0], slots[-1]
+        if hi - lo + 1 == len(slots):
+            return self.k[:, lo:hi + 1], self.v[:, lo:hi + 1], lambda: None
+        positions = min(positions, self.scratch_index)  # at most the whole row (whose last is scratch)
+        index = torch.tensor(slots, device=self.k.device)
+        rows = []
+        for full in (self.k, self.v):
+            part = full.new_empty(full.shape[:1] + (len(slots),) + full.shape[2:3] + (positions + 1,) + full.shape[4:])
+            part[:, :, :, :positions] = full[:, index, :, :positions]
+            rows.append(part)
+
+        def write_back() -> None:
+            self.k[:, index, :, :positions] = rows[0][:, :, :, :positions]
+            self.v[:, index, :, :positions] = rows[1][:, :, :, :positions]
+        return rows[0], rows[1], write_back
 
     def nbytes(self) -> int:
         """Bytes held by K and V together."""

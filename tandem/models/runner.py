@@ -235,9 +235,9 @@ class ModelRunner:
                 taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Append prompts to their slots in as few forwards as the token budget allows.
 
-        Slots are grouped into contiguous row ranges whose padded size (rows x chunk length) stays
-        under ``prefill_tokens``; each group runs in chunks of ``prefill_chunk`` positions. Rows of
-        a range that are not being prefilled (running requests) get 0 tokens and are untouched.
+        Slots are grouped, in ascending order, into batches whose padded size (rows x chunk length)
+        stays under ``prefill_tokens``, one row per prompt (``_prefill_group``); each group runs in
+        chunks of ``prefill_chunk`` positions. Other slots are untouched.
 
         Args:
             prompts: slot -> prompt tokens (>= 1 each).
@@ -264,8 +264,7 @@ class ModelRunner:
         for slot in slots + [None]:
             if slot is not None:
                 cand = group + [slot]
-                width = min(chunk, max(len(prompts[s]) for s in cand))
-                if not group or (cand[-1] - cand[0] + 1) * width <= budget:
+                if not group or len(cand) * min(chunk, max(len(prompts[s]) for s in cand)) <= budget:
                     group = cand
                     continue
             self._prefill_group(group, prompts, last_hidden, pieces)
@@ -277,36 +276,43 @@ class ModelRunner:
 
     def _prefill_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                        taps_out: dict[int, list[torch.Tensor]] | None) -> None:
-        lo, hi = group[0], group[-1]
-        rows = hi - lo + 1
-        done = {s: 0 for s in group}
+        """Prefill the slots of ``group`` (ascending) as the rows of one batch (``KVCache.batch_rows``:
+        one row per slot, scattered slots included), in chunks of ``prefill_chunk`` positions."""
+        rows = len(group)
+        lengths = [self.cache.lengths[s] for s in group]
         chunk = self.config.prefill_chunk
-        k, v = self.cache.k[:, lo:hi + 1], self.cache.v[:, lo:hi + 1]
-        while any(done[s] < len(prompts[s]) for s in group):
-            width = min(chunk, max(len(prompts[s]) - done[s] for s in group))
+        # a chunk's start + width stays within (the longest row at the end) + (the widest chunk)
+        k, v, write_back = self.cache.batch_rows(group, max(n + len(prompts[s]) for n, s in zip(lengths, group))
+                                                 + min(chunk, max(len(prompts[s]) for s in group)))
+        done = [0] * rows
+        while any(done[r] < len(prompts[s]) for r, s in enumerate(group)):
+            width = min(chunk, max(len(prompts[s]) - done[r] for r, s in enumerate(group)))
             tokens = torch.zeros((rows, width), dtype=torch.long)
-            start = torch.tensor([self.cache.lengths[lo + r] for r in range(rows)], dtype=torch.long)
+            start = torch.tensor(lengths, dtype=torch.long)
             q_lens = torch.zeros(rows, dtype=torch.long)
-            for s in group:
-                piece = prompts[s][done[s]:done[s] + width]
+            for r, s in enumerate(group):
+                piece = prompts[s][done[r]:done[r] + width]
                 if piece:
-                    tokens[s - lo, :len(piece)] = torch.tensor(piece)
-                    q_lens[s - lo] = len(piece)
+                    tokens[r, :len(piece)] = torch.tensor(piece)
+                    q_lens[r] = len(piece)
             attn_len = int((start + q_lens).max())
             dev = self.device
-            wide = int(start.max()) + width <= self.cache.k.shape[3]  # room for the fused kernels' attention span
+            wide = int(start.max()) + width <= k.shape[3]  # room for the fused kernels' attention span
             hidden, taps = self.model.forward_hidden(to_device(tokens, dev), to_device(start, dev),
                                                      to_device(q_lens, dev), k, v, attn_len, taps=self.config.taps,
                                                      wide=wide)
-            for s in group:
-                q = int(q_lens[s - lo])
+            for r, s in enumerate(group):
+                q = int(q_lens[r])
                 if q:
                     if taps_out is not None and taps is not None:
-                        taps_out.setdefault(s, []).append(taps[s - lo, :q])
-                    self.cache.lengths[s] += q
-                    done[s] += q
-                    if done[s] == len(prompts[s]):
-                        out[s] = hidden[s - lo, q - 1]
+                        taps_out.setdefault(s, []).append(taps[r, :q])
+                    lengths[r] += q
+                    done[r] += q
+                    if done[r] == len(prompts[s]):
+                        out[s] = hidden[r, q - 1]
+        write_back()
+        for r, s in enumerate(group):
+            self.cache.lengths[s] = lengths[r]
 
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
