@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from .admission import AdmissionPolicy
 from .control import DraftPolicy
 from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
 from .errors import InvalidRequestError
@@ -99,13 +100,7 @@ class Engine(EngineConveniences):
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
         self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
-        # Admission batching: while requests run, wait for this share of max_running free slots
-        # (or for every waiting request to fit) before a prefill, unless the oldest waiting request
-        # has waited admission_wait_rounds rounds. A prefill costs the host about as much whatever
-        # its row count; admitting one request per freed slot made it the largest host cost at
-        # batch 64 (docs/benchmarks.md).
-        self.admission_share = 1 / 8
-        self.admission_wait_rounds = 8
+        self.admission = AdmissionPolicy()  # when waiting requests join while others run
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
@@ -289,8 +284,9 @@ class Engine(EngineConveniences):
         if not self.running:
             return True
         free = min(self.target.num_free(), self.max_running - len(self.running))
-        want = min(len(self.waiting), max(1, int(self.max_running * self.admission_share)))
-        return free >= want or self.num_rounds - self.waiting[0].queued_round >= self.admission_wait_rounds
+        return self.admission.due(free, len(self.waiting), self.max_running,
+                                  self.num_rounds - self.waiting[0].queued_round,
+                                  self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
 
     def has_unfinished(self) -> bool:
         pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
@@ -309,7 +305,11 @@ class Engine(EngineConveniences):
             req.slot = self.target.allocate()
             admitted[req.slot] = req
         prefilled = None
+        if self.waiting and self.running and not admitted:
+            self.admission.note_round(min(self.target.num_free(), self.max_running - len(self.running)),
+                                      len(self.waiting))
         if admitted:
+            t_admit = time.perf_counter()
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
@@ -327,6 +327,7 @@ class Engine(EngineConveniences):
                                       for r, res in zip(reqs, results)])
                 if self.chains_rounds:  # their first drafts, on the device, before their first round
                     self.target.prime_drafts([r.slot for r in reqs], self.drafter)
+            self.admission.note_prefill(time.perf_counter() - t_admit)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)
                 prefilled = (reqs, handle, results)

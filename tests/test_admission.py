@@ -1,12 +1,14 @@
-"""Admission batching (``Engine._admission_due``): while requests run, a prefill waits for a share
-of the slots to be free or for its oldest request to have waited a few rounds; outputs do not
-depend on it."""
+"""Admission batching (``Engine._admission_due``, ``tandem.admission.AdmissionPolicy``): while
+requests run, a prefill waits for a share of the slots to be free, for the idle slots to have cost
+the batch as much as a prefill does, or for its oldest request to have waited a number of rounds;
+outputs do not depend on it."""
 
 from __future__ import annotations
 
 import pytest
 from test_chained import PROMPTS
 
+from tandem.admission import AdmissionPolicy
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
@@ -21,7 +23,7 @@ def _run(target_dir: str, share: float, chained: bool, wait: int = 1000) -> tupl
     engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=16, max_seq_len=96))
     if not chained:
         engine.target.chains_rounds = False
-    engine.admission_share, engine.admission_wait_rounds = share, wait
+    engine.admission = AdmissionPolicy(share, wait, balance=False)
     sizes: list[int] = []
     launch = engine.target.launch_prefill
     engine.target.launch_prefill = lambda items: sizes.append(len(items)) or launch(items)
@@ -45,3 +47,25 @@ def test_admission_waits_for_a_batch_of_free_slots(target_dir):
     want, _ = _run(target_dir, 0.0, True)
     got, waited = _run(target_dir, 1.0, True, wait=3)
     assert got == want and sum(waited) == 40 and len(waited) > 2
+
+
+def test_balance_admits_once_idle_slots_cost_a_prefill():
+    """The cost balance: with a prefill measured at 10 ms, rounds of 2 ms and a batch of 64, the
+    waiting requests are admitted once the idle slot-rounds reach 64 * 10 / 2 = 320 (not before,
+    and not by the share or the wait cap, set out of reach); a prefill resets the count; without
+    a measured prefill, or with no free slot, the balance never admits."""
+    policy = AdmissionPolicy(share=1.0, wait_rounds=10**6)
+    assert not policy.due(free=3, waiting=5, max_running=64, waited_rounds=0, round_s=0.002)  # nothing measured
+    policy.note_prefill(0.010)
+    rounds = 0
+    while not policy.due(free=4, waiting=9, max_running=64, waited_rounds=rounds, round_s=0.002):
+        policy.note_round(free=4, waiting=9)
+        rounds += 1
+    assert rounds == 80 and policy.idle_slot_rounds == 320  # 4 idle slots a round
+    assert not policy.due(free=0, waiting=9, max_running=64, waited_rounds=rounds, round_s=0.002)
+    policy.note_prefill(0.020)  # smoothed: 0.8 * 10 ms + 0.2 * 20 ms
+    assert policy.idle_slot_rounds == 0 and abs(policy.prefill_s - 0.012) < 1e-12
+    assert AdmissionPolicy(share=1 / 8).due(free=8, waiting=20, max_running=64, waited_rounds=0, round_s=0.0)
+    assert AdmissionPolicy(wait_rounds=5).due(free=1, waiting=20, max_running=64, waited_rounds=5, round_s=0.0)
+    assert not AdmissionPolicy(balance=False, wait_rounds=5).due(free=1, waiting=20, max_running=64,
+                                                                 waited_rounds=4, round_s=0.002)

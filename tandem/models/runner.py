@@ -235,9 +235,10 @@ class ModelRunner:
                 taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Append prompts to their slots in as few forwards as the token budget allows.
 
-        Slots are grouped, in ascending order, into batches whose padded size (rows x chunk length)
-        stays under ``prefill_tokens``, one row per prompt (``_prefill_group``); each group runs in
-        chunks of ``prefill_chunk`` positions. Other slots are untouched.
+        Prompts are grouped by length (so a batch pads its rows little) into batches whose padded
+        size (rows x chunk length) stays under ``prefill_tokens``, one row per prompt
+        (``_prefill_group``); each group runs in chunks of ``prefill_chunk`` positions. Other slots
+        are untouched.
 
         Args:
             prompts: slot -> prompt tokens (>= 1 each).
@@ -261,13 +262,13 @@ class ModelRunner:
         last_hidden: dict[int, torch.Tensor] = {}
         pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
         group: list[int] = []
-        for slot in slots + [None]:
+        for slot in sorted(slots, key=lambda s: len(prompts[s])) + [None]:  # similar lengths pad little
             if slot is not None:
                 cand = group + [slot]
-                if not group or len(cand) * min(chunk, max(len(prompts[s]) for s in cand)) <= budget:
+                if not group or len(cand) * min(chunk, len(prompts[slot])) <= budget:
                     group = cand
                     continue
-            self._prefill_group(group, prompts, last_hidden, pieces)
+            self._prefill_group(sorted(group), prompts, last_hidden, pieces)
             group = [slot] if slot is not None else []
         hidden = torch.stack([last_hidden[s] for s in slots])
         if taps_out is not None and self.config.taps:

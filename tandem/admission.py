@@ -1,0 +1,64 @@
+"""When waiting requests join a running batch (continuous batching's prefill timing).
+
+A prefill runs eagerly: its host cost (launching every kernel of every layer) is about the same
+whatever its row count, and the rounds queued behind it wait for it. A slot left free while
+requests wait loses one row of every round. Admitting at every freed slot pays the first cost
+over and over (at batch 64 with one or two requests per prefill it was most of a run's wall time);
+waiting for many free slots pays the second. ``AdmissionPolicy`` balances the two.
+"""
+
+from __future__ import annotations
+
+
+class AdmissionPolicy:
+    """Whether the waiting requests are admitted now, while others run.
+
+    Admit when any of:
+    - ``share`` of the batch (``max_running``) is free, or every waiting request fits;
+    - ``balance`` and the idle slot-rounds since the last prefill (each round, the free slots that
+      waiting requests could use), times the mean round time, reach ``max_running`` times the
+      measured cost of a prefill: the rows lost to waiting then equal the rows a prefill stalls
+      (the ski-rental balance: within twice the cost of the best fixed waiting time, without
+      knowing when the next slots free);
+    - the oldest waiting request has waited ``wait_rounds`` rounds (a bound on its time to first
+      token).
+
+    Attributes:
+        share: fraction of ``max_running`` in (0, 1] (0: admit whenever a slot is free).
+        wait_rounds: rounds, >= 0.
+        balance: use the cost balance (off: share and wait_rounds only).
+        prefill_s: smoothed host time of a prefill (s), None before the first one.
+        idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
+    """
+
+    def __init__(self, share: float = 1 / 8, wait_rounds: int = 64, balance: bool = True) -> None:
+        self.share = share
+        self.wait_rounds = wait_rounds
+        self.balance = balance
+        self.prefill_s: float | None = None
+        self.idle_slot_rounds = 0.0
+
+    def note_round(self, free: int, waiting: int) -> None:
+        """A round ran with ``free`` usable slots and ``waiting`` requests queued."""
+        self.idle_slot_rounds += min(free, waiting)
+
+    def note_prefill(self, seconds: float) -> None:
+        """A prefill took ``seconds`` of host time (smoothed, weight 0.2 for the newest)."""
+        self.prefill_s = seconds if self.prefill_s is None else 0.8 * self.prefill_s + 0.2 * seconds
+        self.idle_slot_rounds = 0.0
+
+    def due(self, free: int, waiting: int, max_running: int, waited_rounds: int, round_s: float) -> bool:
+        """Whether to admit now (see the class docstring).
+
+        Args:
+            free: slots a new request could take now (KV slots and the running limit).
+            waiting: queued requests (>= 1).
+            max_running: the batch limit.
+            waited_rounds: rounds the oldest waiting request has waited.
+            round_s: mean wall time of a round (s); 0 before any.
+        """
+        if free >= min(waiting, max(1, int(max_running * self.share))) or waited_rounds >= self.wait_rounds:
+            return True
+        if not self.balance or free == 0 or self.prefill_s is None or round_s <= 0:
+            return False
+        return self.idle_slot_rounds * round_s >= max_running * self.prefill_s
