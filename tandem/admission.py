@@ -20,8 +20,10 @@ class AdmissionPolicy:
       measured cost of a prefill: the rows lost to waiting then equal the rows a prefill stalls
       (the ski-rental balance: within twice the cost of the best fixed waiting time, without
       knowing when the next slots free);
-    - the oldest waiting request has waited ``wait_rounds`` rounds (a bound on its time to first
-      token).
+    - a free slot has waited ``wait_rounds`` rounds for a waiting request (a bound on the time to
+      first token beyond queueing). The count starts when a slot is free while requests wait, not
+      when a request arrives: requests queued long before a slot frees (a burst) would otherwise
+      all be "late" at once and every freed slot would be filled alone.
 
     Attributes:
         share: fraction of ``max_running`` in (0, 1] (0: admit whenever a slot is free).
@@ -29,6 +31,7 @@ class AdmissionPolicy:
         balance: use the cost balance (off: share and wait_rounds only).
         prefill_s: smoothed host time of a prefill (s), None before the first one.
         idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
+        idle_rounds: rounds with a slot idle and requests waiting since the last prefill.
     """
 
     def __init__(self, share: float = 1 / 8, wait_rounds: int = 64, balance: bool = True) -> None:
@@ -37,27 +40,29 @@ class AdmissionPolicy:
         self.balance = balance
         self.prefill_s: float | None = None
         self.idle_slot_rounds = 0.0
+        self.idle_rounds = 0
 
     def note_round(self, free: int, waiting: int) -> None:
         """A round ran with ``free`` usable slots and ``waiting`` requests queued."""
         self.idle_slot_rounds += min(free, waiting)
+        self.idle_rounds += min(free, waiting) > 0
 
     def note_prefill(self, seconds: float) -> None:
         """A prefill took ``seconds`` of host time (smoothed, weight 0.2 for the newest)."""
         self.prefill_s = seconds if self.prefill_s is None else 0.8 * self.prefill_s + 0.2 * seconds
         self.idle_slot_rounds = 0.0
+        self.idle_rounds = 0
 
-    def due(self, free: int, waiting: int, max_running: int, waited_rounds: int, round_s: float) -> bool:
+    def due(self, free: int, waiting: int, max_running: int, round_s: float) -> bool:
         """Whether to admit now (see the class docstring).
 
         Args:
             free: slots a new request could take now (KV slots and the running limit).
             waiting: queued requests (>= 1).
             max_running: the batch limit.
-            waited_rounds: rounds the oldest waiting request has waited.
             round_s: mean wall time of a round (s); 0 before any.
         """
-        if free >= min(waiting, max(1, int(max_running * self.share))) or waited_rounds >= self.wait_rounds:
+        if free >= min(waiting, max(1, int(max_running * self.share))) or (free and self.idle_rounds >= self.wait_rounds):
             return True
         if not self.balance or free == 0 or self.prefill_s is None or round_s <= 0:
             return False

@@ -199,7 +199,6 @@ class Engine(EngineConveniences):
         if req.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
-        req.queued_round = self.num_rounds
         self.waiting.append(req)
         return req.request_id
 
@@ -285,7 +284,6 @@ class Engine(EngineConveniences):
             return True
         free = min(self.target.num_free(), self.max_running - len(self.running))
         return self.admission.due(free, len(self.waiting), self.max_running,
-                                  self.num_rounds - self.waiting[0].queued_round,
                                   self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
 
     def has_unfinished(self) -> bool:

@@ -32,7 +32,6 @@ class Request:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
     pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
-    queued_round: int = 0  # the engine's round count when the request was queued (admission batching)
 
     @property
     def finished(self) -> bool:

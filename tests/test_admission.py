@@ -55,17 +55,30 @@ def test_balance_admits_once_idle_slots_cost_a_prefill():
     and not by the share or the wait cap, set out of reach); a prefill resets the count; without
     a measured prefill, or with no free slot, the balance never admits."""
     policy = AdmissionPolicy(share=1.0, wait_rounds=10**6)
-    assert not policy.due(free=3, waiting=5, max_running=64, waited_rounds=0, round_s=0.002)  # nothing measured
+    assert not policy.due(free=3, waiting=5, max_running=64, round_s=0.002)  # nothing measured
     policy.note_prefill(0.010)
     rounds = 0
-    while not policy.due(free=4, waiting=9, max_running=64, waited_rounds=rounds, round_s=0.002):
+    while not policy.due(free=4, waiting=9, max_running=64, round_s=0.002):
         policy.note_round(free=4, waiting=9)
         rounds += 1
     assert rounds == 80 and policy.idle_slot_rounds == 320  # 4 idle slots a round
-    assert not policy.due(free=0, waiting=9, max_running=64, waited_rounds=rounds, round_s=0.002)
+    assert not policy.due(free=0, waiting=9, max_running=64, round_s=0.002)
     policy.note_prefill(0.020)  # smoothed: 0.8 * 10 ms + 0.2 * 20 ms
-    assert policy.idle_slot_rounds == 0 and abs(policy.prefill_s - 0.012) < 1e-12
-    assert AdmissionPolicy(share=1 / 8).due(free=8, waiting=20, max_running=64, waited_rounds=0, round_s=0.0)
-    assert AdmissionPolicy(wait_rounds=5).due(free=1, waiting=20, max_running=64, waited_rounds=5, round_s=0.0)
-    assert not AdmissionPolicy(balance=False, wait_rounds=5).due(free=1, waiting=20, max_running=64,
-                                                                 waited_rounds=4, round_s=0.002)
+    assert policy.idle_slot_rounds == 0 and policy.idle_rounds == 0 and abs(policy.prefill_s - 0.012) < 1e-12
+    assert AdmissionPolicy(share=1 / 8).due(free=8, waiting=20, max_running=64, round_s=0.0)
+
+
+def test_wait_cap_counts_rounds_with_a_slot_idle():
+    """The wait cap counts rounds in which a slot sat free while requests waited, not the time
+    since the requests arrived: a burst queued long before any slot frees is not admitted one
+    freed slot at a time. Rounds with the batch full do not count; a prefill resets the count."""
+    policy = AdmissionPolicy(share=1.0, wait_rounds=5, balance=False)
+    for _ in range(100):  # the batch is full: the queue waits, the cap does not run
+        policy.note_round(free=0, waiting=30)
+    assert not policy.due(free=1, waiting=30, max_running=64, round_s=0.002)
+    for i in range(5):
+        assert not policy.due(free=1, waiting=30, max_running=64, round_s=0.002), i
+        policy.note_round(free=1, waiting=30)
+    assert policy.due(free=1, waiting=30, max_running=64, round_s=0.002)
+    policy.note_prefill(0.01)
+    assert not policy.due(free=1, waiting=30, max_running=64, round_s=0.002)
