@@ -32,6 +32,7 @@ class AdmissionPolicy:
         prefill_s: smoothed host time of a prefill (s), None before the first one.
         idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
         idle_rounds: rounds with a slot idle and requests waiting since the last prefill.
+        prefills, prefill_total_s: prefills noted and their host time in all (s).
     """
 
     def __init__(self, share: float = 1 / 8, wait_rounds: int = 64, balance: bool = True) -> None:
@@ -41,6 +42,8 @@ class AdmissionPolicy:
         self.prefill_s: float | None = None
         self.idle_slot_rounds = 0.0
         self.idle_rounds = 0
+        self.prefills = 0
+        self.prefill_total_s = 0.0
 
     def note_round(self, free: int, waiting: int) -> None:
         """A round ran with ``free`` usable slots and ``waiting`` requests queued."""
@@ -50,6 +53,8 @@ class AdmissionPolicy:
     def note_prefill(self, seconds: float) -> None:
         """A prefill took ``seconds`` of host time (smoothed, weight 0.2 for the newest)."""
         self.prefill_s = seconds if self.prefill_s is None else 0.8 * self.prefill_s + 0.2 * seconds
+        self.prefills += 1
+        self.prefill_total_s += seconds
         self.idle_slot_rounds = 0.0
         self.idle_rounds = 0
 

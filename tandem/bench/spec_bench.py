@@ -91,6 +91,9 @@ class RunResult:
     round_gpu_ms: float = math.nan
     graph_launches_per_round: float = math.nan
     host_syncs_per_round: float = math.nan
+    # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
+    prefills: int = 0
+    prefill_host_ms: float = math.nan
 
     @property
     def round_overhead(self) -> float:
@@ -396,10 +399,10 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 else:
                     spec = c.speculation(ctx)  # on this batch size's target (SpecFormer: a tapping one of its own)
                     run_on = build_engine(spec, share=engine, weights=ctx.weights(spec), cost=ctx.cost)
-                    comps, wall, peak, cost = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}", progress,
-                                                           warmup)
+                    comps, wall, peak, cost, admitted = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}",
+                                                                     progress, warmup)
                     res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),
-                                  **asdict(cost))
+                                  **asdict(cost), **admitted)
                     run_on = None
                     _free_memory()
                     if c.name == "target":
@@ -416,11 +419,12 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
 
 
 def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
-                 progress: bool, warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost]:
+                 progress: bool, warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost, dict]:
     """On an engine built for one configuration (``build_engine``), run a warm-up pass
     (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
     the timed pass, then the round-cost pass (``measure_round_cost``) with ``batch_size``
-    requests. Returns (completions, wall s, peak GiB, round cost)."""
+    requests. Returns (completions, wall s, peak GiB, round cost, the timed pass's ``prefills`` and
+    ``prefill_host_ms``)."""
     texts = [r.text for r in prompts]
     dev = engine.runner.device
     for label, run in (("warm-up", warmup_share(texts, batch_size, warmup)), ("timed", texts)):
@@ -429,14 +433,17 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
+            n0, s0 = engine.admission.prefills, engine.admission.prefill_total_s
             t0 = time.perf_counter()
             comps = engine.generate(run, params, on_finish=lambda _: bar.update())
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
+    n, s = engine.admission.prefills - n0, engine.admission.prefill_total_s - s0
+    admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan)
     cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
-    return comps, wall, peak, cost
+    return comps, wall, peak, cost, admitted
 
 
 def _pct(values: list[float], q: float) -> float:
