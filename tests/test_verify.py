@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import chi_square_pvalue, total_variation
 
-from tandem.drafters import (NUM_FEATURES, DraftRequest, NgramDrafter, NgramIndex, distribution_features,
+from tandem.drafters import (NUM_FEATURES, DraftRequest, LookupIndex, NgramDrafter, distribution_features,
                              load_draft_checkpoint, truncated_checkpoint)
 from tandem.drafters.base import one_hot_features
 from tandem.drafters.draft_model import check_compatible
@@ -67,9 +67,9 @@ def scan_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
     """The drafter's incremental index over ``tokens`` (the code under test)."""
-    index = NgramIndex(max_n, min_n)
+    index = LookupIndex(max_n, min_n)
     index.extend(tokens.tolist())
-    return index.lookup(k)
+    return index.lookup(k)[0]
 
 
 def test_ngram_longest_match_wins():
@@ -358,13 +358,13 @@ def test_ngram_index_equals_full_scan():
         seq = rng.integers(0, 1 + trial % 6, size=int(rng.integers(2, 80))).tolist()
         max_n, min_n = int(rng.integers(1, 5)), 1
         min_n = int(rng.integers(1, max_n + 1))
-        index = NgramIndex(max_n, min_n)
+        index = LookupIndex(max_n, min_n)
         for t in range(len(seq)):
             index.extend([seq[t]])
             if t + 1 < 2:
                 continue
             for k in (1, 3, 8):
-                assert index.lookup(k) == scan_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
+                assert index.lookup(k)[0] == scan_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
 
 
 def test_ngram_drafter_rebuilds_for_a_reused_slot():

@@ -271,7 +271,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # back, drafts proposed on the host): the chained device rounds measured against them.
     BenchConfig("target-host", "target-only with host-driven rounds (no chaining)", lambda o: 0, lambda o: 1,
                 speculation=lambda ctx: SpeculativeConfig(chained_rounds=False)),
-    BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (NgramIndex), k = --num-draft-tokens",
+    BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (LookupIndex), k = --num-draft-tokens",
                 _k, _k1, speculation=_host(_ngram)),
     BenchConfig("specformer-host", f"SpecFormer with host-drafted rounds (observe, then propose), k = {SPECFORMER_K}",
                 lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1, speculation=_host(_specformer),
