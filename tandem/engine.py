@@ -55,7 +55,7 @@ class Engine(EngineConveniences):
         tokenizer: reuse an already loaded tokenizer.
         drafter: speculative decoding drafter (None: target-only decoding).
         num_draft_tokens: draft tokens per sequence per round at most (k).
-        draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
+        draft_policy: context-aware lengths (predictor + θ + batch allocation); None = fixed k.
         chained_rounds: chain rounds on the device where the configuration allows it
             (``chains_rounds``); False keeps host-drafted rounds.
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
@@ -532,7 +532,7 @@ class Engine(EngineConveniences):
     def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
         asks = [DraftRequest(r.slot, r.prompt_ids + r.token_ids, max(self._draft_room(r, r.num_tokens), 0), r.params,
                              r.generator) for r in reqs]
-        # adaptive length: a drafter that drafts position by position stops where τ says (the policy's rule)
+        # adaptive length: a drafter that drafts position by position stops where θ says (the policy's rule)
         rule = self.draft_policy.begin_round() if self.draft_policy is not None else None
         try:
             proposals = self.drafter.propose(asks, rule)

@@ -167,9 +167,9 @@ def test_config_registry_errors(tiny_dir, tmp_path):
         prepare_configs(parse_configs("specformer"), ctx)
     with pytest.raises(ModelLoadError, match="no SpecFormer head"):
         prepare_configs(parse_configs("specformer"), BuildContext(ctx.checkpoint, BenchOptions(specformer=str(tmp_path))))
-    with pytest.raises(ConfigError, match="--tau must be"):
+    with pytest.raises(ConfigError, match="--acceptance-threshold must be"):
         prepare_configs(parse_configs("context-aware"), BuildContext(ctx.checkpoint, BenchOptions(ca_drafter="ngram",
-                                                                                                  tau="2")))
+                                                                                                  acceptance_threshold="2")))
     with pytest.raises(ConfigError, match="cannot load predictor"):
         prepare_configs(parse_configs("context-aware"), BuildContext(
             ctx.checkpoint, BenchOptions(ca_drafter="ngram", predictor=str(tmp_path / "missing.safetensors"))))

@@ -292,7 +292,7 @@ def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests
         return got, len(calls)
 
     plain, plain_steps = drafted_run(None)
-    policy = DraftPolicy(score, tau=0.5, cumulative=cumulative)
+    policy = DraftPolicy(score, acceptance_threshold=0.5, cumulative=cumulative)
     proposed = []
     real_apply = policy.apply
     policy.apply = lambda props, slots=None: (proposed.append(sum(len(p.tokens) for p in props)),
@@ -835,7 +835,7 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     if drafter == "draft-model-tree":
         # keep draft 1, call position 2 hard and branch it into its top-3 candidates: a token tree
         # [d1 -> {c1, c2, c3}] verified in one pass (hard-position enhancement)
-        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), tau=0.5, branch_top_m=3)
+        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
     eng = Engine(target.checkpoint, target.runner_config, tokenizer=target.tokenizer, drafter=d, num_draft_tokens=k,
                  draft_policy=policy)
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)

@@ -250,8 +250,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     from services.router.client import generate_all
 
     check_distributed([config], options)
-    # the router learns tau online: the stack serves the configuration with tau "auto"
-    stack = start_stack(StackConfig.serving(replace(spec, tau="auto"), model=model, max_batch_size=batch_size,
+    # the router learns acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
+    stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
                                             max_seq_len=runner_config.max_seq_len,
                                             measure_cost=spec.num_draft_tokens if config.uses_cost_model else 0),
                         timeout_s=900)
@@ -418,7 +418,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
 def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
                  progress: bool, warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost]:
     """On an engine built for one configuration (``build_engine``), run a warm-up pass
-    (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
+    (``warmup_share``: graphs captured, compiles done, the online threshold θ with rounds behind it), then
     the timed pass, then the round-cost pass (``measure_round_cost``) with ``batch_size``
     requests. Returns (completions, wall s, peak GiB, round cost)."""
     texts = [r.text for r in prompts]
