@@ -4,7 +4,7 @@ For each batch size b the runner builds one target engine (``b`` KV cache slots)
 target-only decoding, then each configuration of ``tandem.bench.configs`` on the same prompts
 (first turn, chat template, greedy), each as a warm-up pass and a timed pass. Metrics follow
 docs/architecture.md ("Metrics"): TPS for the whole batch, speedup over target-only at the same batch size in
-the same run, acceptance rate α, mean accepted length τ_acc, κ, TTFT / TPOT p50 and p99, peak
+the same run, acceptance rate α, mean accepted length τ_acc, TTFT / TPOT p50 and p99, peak
 GPU memory, and the lossless check (share of prompts whose tokens equal target-only's).
 """
 
@@ -74,7 +74,6 @@ class RunResult:
     speedup: float
     acceptance_rate: float
     mean_accepted_length: float
-    kappa: float
     drafted: int
     accepted: int
     ttft_p50_ms: float
@@ -146,8 +145,8 @@ class BenchReport:
         Raises:
             ValueError: not a ``tandem bench`` results.json.
         """
-        def floats(row: dict) -> dict:
-            return {k: float("nan") if v is None else v for k, v in row.items()}
+        def floats(row: dict) -> dict:  # results written before "kappa" was dropped: it was τ_acc again
+            return {k: float("nan") if v is None else v for k, v in row.items() if k != "kappa"}
 
         try:
             results = [RunResult(**{**floats(r), "per_task": [TaskStats(**floats(t)) for t in r["per_task"]]})
@@ -472,7 +471,7 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
     per_task = [TaskStats(t, n, st.num_drafted, st.num_accepted, st.acceptance_rate, st.mean_accepted_length)
                 for t, (n, st) in sorted(by_task.items())]
     return RunResult(c.name, b, c.draft_tokens(options), len(prompts), tokens, wall, tps, speedup,
-                     total.acceptance_rate, total.mean_accepted_length, total.kappa, total.num_drafted,
+                     total.acceptance_rate, total.mean_accepted_length, total.num_drafted,
                      total.num_accepted, _pct(ttfts, 50), _pct(ttfts, 99), _pct(tpots, 50), _pct(tpots, 99), peak,
                      share, bad, per_task)
 
