@@ -24,7 +24,7 @@ from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, make_generator, new_seed
+from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
@@ -257,7 +257,7 @@ class Engine(EngineConveniences):
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
         if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
             params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
-        gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
+        gen = request_generator(params, self.target.info.device)
         return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
                        logprobs=[] if logprobs else None)
 

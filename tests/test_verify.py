@@ -394,3 +394,17 @@ def test_extreme_sampling_settings_stay_finite():
     for bad in (dict(temperature=True), dict(top_p=True)):
         with pytest.raises(Exception, match="must be"):
             SamplingParams(**bad)
+
+
+def test_request_generator_is_the_one_per_request_stream():
+    """``request_generator``: none for greedy requests; a seeded request's generator repeats its
+    draws; the drafter's stream for the same seed is another one (its draws must not reuse the
+    verifier's)."""
+    from tandem.sampling import SamplingParams, request_generator
+
+    assert request_generator(SamplingParams(), "cpu") is None
+    params = SamplingParams(temperature=1.0, seed=7)
+    draw = lambda g: torch.rand(8, generator=g).tolist()  # noqa: E731
+    assert draw(request_generator(params, "cpu")) == draw(request_generator(params, "cpu"))
+    assert draw(request_generator(params, "cpu", drafter=True)) == draw(request_generator(params, "cpu", drafter=True))
+    assert draw(request_generator(params, "cpu")) != draw(request_generator(params, "cpu", drafter=True))
