@@ -355,25 +355,18 @@ def test_oracle_drafter_room_limited_runs(tiny, oracle_setup, max_tokens):
         assert generated + max_draft + 1 <= max_tokens
 
 
-def test_always_wrong_drafter(tiny, oracle_setup):
+@pytest.mark.parametrize("drafter", ["always-wrong", "none"])
+def test_mean_accepted_length_is_one_without_accepted_drafts(tiny, oracle_setup, drafter):
+    """An always-wrong drafter (every draft rejected) and no drafter at all: one token per step."""
     reqs, ref = oracle_setup
-    eng = make_engine(tiny, OracleDrafter(sequences(reqs, ref), mode="wrong", vocab=tiny.checkpoint.config.vocab_size))
+    wrong = drafter == "always-wrong"
+    eng = make_engine(tiny, OracleDrafter(sequences(reqs, ref), mode="wrong", vocab=tiny.checkpoint.config.vocab_size)
+                      if wrong else None)
     got = run(eng, reqs)
     assert_same_outputs(got, ref)
     for c in got:
-        assert c.spec.mean_accepted_length == 1.0
-        assert c.spec.acceptance_rate == 0.0 and c.spec.num_drafted > 0
-        assert c.spec.num_steps == c.completion_tokens - 1
-    assert eng.stats.mean_accepted_length == 1.0
-
-
-def test_no_drafter_mean_accepted_length_is_one(tiny, oracle_setup):
-    reqs, ref = oracle_setup
-    eng = make_engine(tiny)
-    got = run(eng, reqs)
-    assert_same_outputs(got, ref)
-    for c in got:
-        assert c.spec.mean_accepted_length == 1.0 and c.spec.num_drafted == 0
+        assert c.spec.mean_accepted_length == 1.0 and (c.spec.num_drafted > 0) == wrong
+        assert not wrong or c.spec.acceptance_rate == 0.0
         assert c.spec.num_steps == c.completion_tokens - 1
     assert eng.stats.mean_accepted_length == 1.0
 
