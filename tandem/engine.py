@@ -25,7 +25,7 @@ from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, new_seed, request_generator
-from .stopping import OutputState
+from .stopping import OutputState, draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
 from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
@@ -501,10 +501,8 @@ class Engine(EngineConveniences):
 
     def _draft_room(self, r: Request, num_tokens: int) -> int:
         """Draft tokens a request may get in a round that starts with ``num_tokens`` output tokens
-        (the last one not yet in the cache): the last token and the drafts must fit the context,
-        and no draft goes past max_tokens."""
-        held = len(r.prompt_ids) + num_tokens - 1
-        return min(self.draft_limit, self.max_seq_len - held - 1, r.output.max_new_tokens - num_tokens - 1)
+        (the last one not yet in the cache): ``tandem.stopping.draft_room``."""
+        return draft_room(self.draft_limit, self.max_seq_len, len(r.prompt_ids), num_tokens, r.output.max_new_tokens)
 
     def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
         """Let the drafter draft the next round on the assumption that every draft of this one is
@@ -565,10 +563,8 @@ class Engine(EngineConveniences):
         if req.logprobs is not None:
             new_logprobs = list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept
             req.logprobs.extend(new_logprobs)
-        if drafted is not None:
-            if req.finished and kept < len(tokens):  # metrics are cut at the stop boundary too
-                drafted, accepted = min(drafted, kept), min(accepted, kept)
-            req.spec.record(drafted, accepted, kept)
+        if drafted is not None:  # metrics are cut at the stop boundary too
+            req.spec.record_run(drafted, accepted, len(tokens), kept)
         now = time.perf_counter()
         if req.first_token_time is None:
             req.first_token_time = now

@@ -38,6 +38,15 @@ class SpecDecodeStats:
             if i < accepted:
                 self.accepted_per_pos[i] += 1
 
+    def record_run(self, drafted: int, accepted: int, emitted: int, kept: int) -> None:
+        """One verification step whose run of ``emitted`` tokens the stop rules cut to ``kept``
+        (``kept == emitted`` when no rule fired inside it): the draft counters are cut at the same
+        boundary, so a stop token inside an accepted run ends the count there. The one place the
+        engine (``Engine._append``) and replay (``tandem.bench.replay.walk``) record a step."""
+        if kept < emitted:
+            drafted, accepted = min(drafted, kept), min(accepted, kept)
+        self.record(drafted, accepted, kept)
+
     def merge(self, other: "SpecDecodeStats") -> None:
         self.num_steps += other.num_steps
         self.num_emitted += other.num_emitted
