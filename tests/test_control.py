@@ -22,7 +22,7 @@ def test_expected_emitted_counts_bonus_and_survival():
     assert expected_emitted([1.0] * 4, 4) == 5.0
 
 
-def test_tau_cut_per_token_and_cumulative():
+def test_threshold_cut_per_token_and_cumulative():
     p = [0.9, 0.8, 0.3, 0.9]
     assert threshold_cut(p, 0.5) == 2
     assert threshold_cut(p, 0.0) == 4

@@ -86,7 +86,7 @@ def test_verification_record_labels_stop_after_first_rejection():
     assert y.tolist() == [1.0] * 5
 
 
-def test_draft_policy_cuts_by_tau_and_allocates():
+def test_draft_policy_cuts_by_threshold_and_allocates():
     feats = [torch.tensor([[0.0, 1, 1, i] for i in range(1, 5)]), torch.zeros(0, 4)]
     decay = lambda f: 0.9 ** f[:, 3]  # 0.9, 0.81, 0.73, 0.66
     assert DraftPolicy(decay, acceptance_threshold=0.75).lengths(feats) == [2, 0]

@@ -261,7 +261,7 @@ def test_greedy_identical_tiny(tiny, tiny_drafters, tiny_requests, tiny_referenc
 
 
 @pytest.mark.parametrize("cumulative", [False, True], ids=["per-token", "survival"])
-def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests, tiny_reference, cumulative):
+def test_draft_model_stops_drafting_below_threshold(tiny, tiny_drafters, tiny_requests, tiny_reference, cumulative):
     """Adaptive length as the context-aware paper drafts it: with a policy, the draft model stops a
     sequence after the first position whose predicted acceptance (or survival product) is below τ,
     so the draft-model forwards past it never run. That position is still drafted (the policy cuts
