@@ -483,7 +483,9 @@ def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], 
     share, bad = _lossless(prompts, outs, base_tokens)
     nan = float("nan")
     return RunResult(c.name, 1, c.draft_tokens(options), len(prompts), res.output_tokens, res.wall_s, res.tps,
-                     res.tps / base.tps, nan, nan, nan, 0, 0, nan, nan, nan, nan, res.peak_mem_gib, share, bad)
+                     res.tps / base.tps, acceptance_rate=nan, mean_accepted_length=nan, drafted=0, accepted=0,
+                     ttft_p50_ms=nan, ttft_p99_ms=nan, tpot_p50_ms=nan, tpot_p99_ms=nan,
+                     peak_mem_gib=res.peak_mem_gib, lossless_share=share, mismatched_prompt_ids=bad)
 
 
 def _summary(r: RunResult) -> str:
