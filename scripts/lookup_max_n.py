@@ -1,18 +1,14 @@
-"""Mean accepted length of pure context lookup (prompt lookup decoding with the lookup rule of
-tandem/drafters/lookup.py, k = 4) on the committed greedy Spec-Bench traces, for several longest
-match lengths: does matching longer suffixes than MAX_N = 4 help? (CPU, seconds.)
+"""Mean accepted length of pure prompt lookup (the n-gram drafter, with the one lookup rule of
+tandem/drafters/lookup.py, k = 4) by exact greedy replay of the committed Spec-Bench traces, for
+several longest match lengths: does matching longer suffixes than MAX_N = 4 help? (CPU, seconds.)
 
     python scripts/lookup_max_n.py [TRACES] [--max-n 1,2,4,8,16]
 """
 import argparse
-import collections
-import gzip
-import json
 from pathlib import Path
 
-import numpy as np
-
-from tandem.drafters.lookup import lookup_continuations
+from tandem.bench.replay import load_traces, replay, token_drafter_drafts
+from tandem.drafters import NgramDrafter
 
 TOP = Path(__file__).resolve().parents[1]
 
@@ -24,26 +20,15 @@ def main() -> None:
     a = ap.parse_args()
     try:
         sizes = [int(v) for v in a.max_n.split(",")]
-        rows = [json.loads(line) for line in (gzip.open if a.traces.endswith(".gz") else open)(a.traces, "rt")]
-    except (OSError, ValueError) as exc:
+        traces = load_traces(a.traces)
+    except ValueError as exc:
         ap.error(str(exc))
     if not sizes or min(sizes) < 1:
         ap.error("--max-n takes positive integers")
     for max_n in sizes:
-        emitted, rounds = collections.Counter(), collections.Counter()
-        for r in rows:
-            x = np.array(r["prompt_ids"] + r["output_ids"])
-            cont, _ = lookup_continuations(x, 4, max_n)
-            i = len(r["prompt_ids"])  # each round drafts after the last accepted token x[i]
-            while i < len(x) - 1:
-                acc = 0
-                while acc < 4 and i + 1 + acc < len(x) and cont[i][acc] == x[i + 1 + acc]:
-                    acc += 1
-                rounds[r["category"]] += 1
-                emitted[r["category"]] += acc + 1
-                i += acc + 1
-        per = ", ".join(f"{c} {emitted[c] / rounds[c]:.2f}" for c in sorted(rounds))
-        print(f"max_n {max_n}: overall {sum(emitted.values()) / sum(rounds.values()):.3f} ({per})")
+        overall, per_cat = replay(traces, token_drafter_drafts(NgramDrafter(max_n=max_n), traces), 4)
+        per = ", ".join(f"{c} {s['mean_accepted_length']:.2f}" for c, s in per_cat.items())
+        print(f"max_n {max_n}: overall {overall['mean_accepted_length']:.3f} ({per})")
 
 
 if __name__ == "__main__":

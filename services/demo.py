@@ -96,8 +96,8 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
 DRAFTER_NAMES = {"none": "none (target-only decoding)", "ngram": "n-gram (prompt lookup)",
                  "draft-model": "draft model", "specformer": "SpecFormer head"}
 POLICY_NAMES = {"fixed": "fixed (k drafts per sequence per round)",
-                "entropy": "context-aware (entropy score, tau learned online, cost-model allocation)",
-                "predictor": "context-aware (learned predictor, tau learned online, cost-model allocation)",
+                "entropy": "context-aware (entropy score, acceptance threshold learned online, cost-model allocation)",
+                "predictor": "context-aware (learned predictor, acceptance threshold learned online, cost-model allocation)",
                 "random": "random length (ablation)"}
 
 

@@ -90,7 +90,7 @@ class StackConfig:
         config = cls(drafter=spec.drafter, draft_model=spec.draft_model, num_draft_tokens=spec.num_draft_tokens,
                      policy=spec.policy, predictor=spec.predictor, **settings)
         if config.speculation != spec:
-            raise ConfigError("the router sets tau online and takes no branching or host-round settings; "
+            raise ConfigError("the router sets the acceptance threshold online and takes no branching or host-round settings; "
                               f"this configuration cannot be served: {spec}")
         return config
 

@@ -1,7 +1,10 @@
-"""Draft-length control: verifier cost model, batch-wide draft-token allocation, online τ.
+"""Draft-length control: verifier cost model, batch-wide draft-token allocation, online threshold θ.
 
-Implements the adaptive-length and batch-budget parts of the two papers in the two papers (Context-aware drafting, ACL 2025; SpecFormer, AAAI 2026):
-the context-aware paper's threshold τ on predicted acceptance (learned online here), and the
+Implements the adaptive-length and batch-budget parts of two papers (Context-aware drafting, ACL
+2025; SpecFormer, AAAI 2026): the context-aware paper's threshold on predicted acceptance
+probability, here θ = ``acceptance_threshold`` in [0, 1] (fixed, or learned online by
+``ThresholdController``; the paper writes it τ, a letter this project keeps for the mean accepted
+length τ_acc of ``tandem.metrics``), and the
 SpecFormer observation that at large batch the verifier's cost grows with the tokens verified,
 so draft tokens must be spent where they are most likely accepted across the whole batch.
 
@@ -36,7 +39,7 @@ class CostModel:
     online from measured round times. ``draft_step_ms`` is for drafters that draft only the
     allocated positions (0 for positions drafted before the allocation runs, as in the engine:
     that time is part of the overhead; ``DraftPolicy.begin_round`` saves drafting instead, by
-    stopping a position-by-position drafter at τ).
+    stopping a position-by-position drafter at θ).
     """
 
     table: dict[int, dict[int, float]]
@@ -112,13 +115,13 @@ def expected_emitted(probs: Sequence[float], n: int) -> float:
     return total
 
 
-def tau_cut(probs: Sequence[float], tau: float, cumulative: bool = False) -> int:
-    """Draft length under threshold τ: stop before the first position whose predicted acceptance
-    (per token, or the survival product Π p_j with ``cumulative``) falls below τ."""
+def threshold_cut(probs: Sequence[float], acceptance_threshold: float, cumulative: bool = False) -> int:
+    """Draft length under threshold θ: stop before the first position whose predicted acceptance
+    (per token, or the survival product Π p_j with ``cumulative``) falls below θ."""
     survive = 1.0
     for i, p in enumerate(probs):
         survive *= p
-        if (survive if cumulative else p) < tau:
+        if (survive if cumulative else p) < acceptance_threshold:
             return i
     return len(probs)
 
@@ -133,14 +136,14 @@ class Allocation:
     tokens_per_ms: float  # the objective: expected emitted tokens per ms
 
 
-def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, tau: float = 0.0,
+def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, acceptance_threshold: float = 0.0,
                            cumulative: bool = False, max_total_tokens: int | None = None) -> Allocation:
     """Choose every sequence's draft length to maximise expected emitted tokens per unit of
     predicted round time across the batch.
 
     The verifier pads the batch to the longest row, so a round costs ``round_ms(b, max_i n_i)``.
     For a fixed longest length m every sequence should verify ``min(m, L_i)`` drafts (each extra
-    position adds Π p ≥ 0 expected tokens at no extra cost), where ``L_i`` is its τ-cut length;
+    position adds Π p ≥ 0 expected tokens at no extra cost), where ``L_i`` is its θ-cut length;
     the optimum is the best m. With ``max_total_tokens`` (SpecFormer's fixed budget k per batch),
     within each m the budget goes to the positions of largest survival product first, which is
     optimal because survival products decrease along each chain.
@@ -148,8 +151,8 @@ def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, ta
     Args:
         probs: per sequence, predicted acceptance probability of each proposed draft position.
         cost: verifier / drafter cost model.
-        tau: per-position threshold (0 keeps everything).
-        cumulative: apply τ to the survival product instead of each p.
+        acceptance_threshold: per-position threshold (0 keeps everything).
+        cumulative: apply θ to the survival product instead of each p.
         max_total_tokens: cap on draft tokens summed over the batch (None: no cap).
 
     Returns:
@@ -158,7 +161,7 @@ def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, ta
     b = len(probs)
     if b == 0:
         return Allocation([], 0.0, 0.0, 0.0)
-    caps = [tau_cut(p, tau, cumulative) for p in probs]
+    caps = [threshold_cut(p, acceptance_threshold, cumulative) for p in probs]
     best: Allocation | None = None
     for m in range(0, max(caps) + 1):
         lengths = [min(m, c) for c in caps]
@@ -189,20 +192,20 @@ def _budgeted(probs: Sequence[Sequence[float]], limits: list[int], budget: int) 
     return lengths
 
 
-class TauController:
-    """Online τ: a discounted-UCB bandit (Garivier & Moulines 2011) over a grid of thresholds,
+class ThresholdController:
+    """Online θ: a discounted-UCB bandit (Garivier & Moulines 2011) over a grid of thresholds,
     rewarded by measured goodput (emitted tokens per ms of draft + verify time).
 
-    Update rule. For every candidate τ_a the controller keeps discounted sums of the rounds it
+    Update rule. For every candidate θ_a the controller keeps discounted sums of the rounds it
     was used in (N_a), of their emitted tokens (S_a) and of their durations (M_a); every
     observation first multiplies all sums by γ, so old rounds fade with a half-life of
-    ln 2 / (1 − γ) rounds. Goodput of τ_a is S_a / M_a (a ratio of means: rounds weigh by time,
-    as throughput does). The next round uses the τ_a maximising
+    ln 2 / (1 − γ) rounds. Goodput of θ_a is S_a / M_a (a ratio of means: rounds weigh by time,
+    as throughput does). The next round uses the θ_a maximising
     ``S_a / M_a + c · g_max · sqrt(ln(Σ N) / N_a)`` (untried candidates first), where g_max is the
-    best current goodput, so exploration is scaled to the reward. ``tau`` (the value reported
+    best current goodput, so exploration is scaled to the reward. ``acceptance_threshold`` (the value reported
     and shared) is the candidate with the best goodput. When text gets easier or harder, the
-    discounted sums forget the old regime and τ moves to the new optimum; a hill climb would
-    stall on a plateau (e.g. τ above every prediction drafts nothing and measures no slope).
+    discounted sums forget the old regime and θ moves to the new optimum; a hill climb would
+    stall on a plateau (e.g. θ above every prediction drafts nothing and measures no slope).
 
     The state is a small dict (``state_dict`` / ``load_state_dict``) so router replicas can share
     it through the state store.
@@ -216,7 +219,7 @@ class TauController:
     def __init__(self, grid: Sequence[float] | None = None, gamma: float = 0.995, c: float = 0.1) -> None:
         self.grid = [round(x, 4) for x in (grid if grid is not None else [i / 10 for i in range(10)])]
         if not self.grid:
-            raise ValueError("the τ grid is empty")
+            raise ValueError("the θ grid is empty")
         self.gamma, self.c = gamma, c
         self.counts = [0.0] * len(self.grid)
         self.tokens = [0.0] * len(self.grid)
@@ -228,14 +231,14 @@ class TauController:
         return [t / m if m > 0 else math.nan for t, m in zip(self.tokens, self.ms)]
 
     @property
-    def tau(self) -> float:
-        """The best τ so far (the first candidate before any data)."""
+    def acceptance_threshold(self) -> float:
+        """The best θ so far (the first candidate before any data)."""
         g = self.goodput()
         tried = [i for i, x in enumerate(g) if not math.isnan(x)]
         return self.grid[max(tried, key=lambda i: g[i])] if tried else self.grid[0]
 
     def current(self) -> float:
-        """τ to use for the next round."""
+        """θ to use for the next round."""
         for i, n in enumerate(self.counts):
             if n == 0:
                 self._last = i
@@ -248,12 +251,12 @@ class TauController:
         self._last = max(range(len(self.grid)), key=lambda i: scores[i])
         return self.grid[self._last]
 
-    def observe(self, emitted_tokens: float, round_ms: float, tau: float | None = None) -> None:
-        """Report one round: tokens emitted and its duration (ms), run with ``tau`` (default: the
+    def observe(self, emitted_tokens: float, round_ms: float, acceptance_threshold: float | None = None) -> None:
+        """Report one round: tokens emitted and its duration (ms), run with ``acceptance_threshold`` (default: the
         value the last ``current()`` returned)."""
         if round_ms <= 0:
             return
-        i = self._last if tau is None else min(range(len(self.grid)), key=lambda j: abs(self.grid[j] - tau))
+        i = self._last if acceptance_threshold is None else min(range(len(self.grid)), key=lambda j: abs(self.grid[j] - acceptance_threshold))
         for arr in (self.counts, self.tokens, self.ms):
             for j in range(len(arr)):
                 arr[j] *= self.gamma
@@ -266,30 +269,30 @@ class TauController:
 
     def load_state_dict(self, state: dict) -> None:
         if [round(x, 4) for x in state["grid"]] != self.grid:
-            raise ValueError("τ controller state was saved with another grid")
+            raise ValueError("threshold controller state was saved with another grid")
         self.counts = [float(x) for x in state["counts"]]
         self.tokens = [float(x) for x in state["tokens"]]
         self.ms = [float(x) for x in state["ms"]]
 
 
 class DraftPolicy:
-    """Context-aware draft lengths for the engine: score each proposed position, cut by τ and
-    allocate across the batch, then learn τ from the measured round goodput.
+    """Context-aware draft lengths for the engine: score each proposed position, cut by θ and
+    allocate across the batch, then learn θ from the measured round goodput.
 
     Args:
         score: ``features [n, F] -> acceptance probabilities [n]`` (the learned predictor's
             ``predict``; ``entropy_score`` for the entropy-only rule).
-        controller: online τ (None: the fixed ``tau``).
-        cost: verifier cost model for the batch-wide allocation (None: τ cut only).
-        tau: fixed threshold when there is no controller.
+        controller: online threshold θ (None: the fixed ``acceptance_threshold``).
+        cost: verifier cost model for the batch-wide allocation (None: θ cut only).
+        acceptance_threshold: fixed threshold when there is no controller.
         cumulative: cut on the survival product instead of each position's probability.
         max_total_tokens: draft tokens per round over the whole batch (None: no cap).
-        branch_top_m: hard-position enhancement: where τ cut a draft, verify the m most likely
+        branch_top_m: hard-position enhancement: where θ cut a draft, verify the m most likely
             tokens of that position together as leaves of a small token tree (0/1: off). The
             extra tokens count against ``max_total_tokens``.
-        store, store_key: share the τ controller's state through a ``tandem.state`` store (router
+        store, store_key: share the threshold controller's state through a ``tandem.state`` store (router
             replicas): loaded at start, saved every ``sync_every`` rounds. A store that is down
-            is logged and skipped; τ keeps learning locally.
+            is logged and skipped; θ keeps learning locally.
         overhead_rate: weight of each round in the online fit of the fixed per-round cost.
 
     Round-cost calibration. T(b, q) is measured at start-up, but a round also carries host work
@@ -302,9 +305,9 @@ class DraftPolicy:
     next round with that overhead in ``CostModel.round_ms``.
     """
 
-    def __init__(self, score, controller: TauController | None = None, cost: CostModel | None = None,
-                 tau: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
-                 branch_top_m: int = 0, store=None, store_key: str = "tau", sync_every: int = 32,
+    def __init__(self, score, controller: ThresholdController | None = None, cost: CostModel | None = None,
+                 acceptance_threshold: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
+                 branch_top_m: int = 0, store=None, store_key: str = "acceptance_threshold", sync_every: int = 32,
                  overhead_rate: float = 0.1) -> None:
         if not 0.0 < overhead_rate <= 1.0:
             raise ValueError(f"overhead_rate must be in (0, 1], got {overhead_rate}")
@@ -315,29 +318,29 @@ class DraftPolicy:
         self.store, self.store_key, self.sync_every = store, store_key, sync_every
         self._rounds = 0
         if store is not None and controller is not None:
-            state = best_effort(store.get_json, store_key, why="τ starts from its prior")
+            state = best_effort(store.get_json, store_key, why="θ starts from its prior")
             if state:
                 try:
                     controller.load_state_dict(state)
                 except (KeyError, ValueError) as exc:
-                    log.warning("ignoring τ state in the store (%s)", exc)
+                    log.warning("ignoring θ state in the store (%s)", exc)
         self.score = score
         self.controller = controller
         self.cost = cost
-        self.fixed_tau = tau
+        self.fixed_threshold = acceptance_threshold
         self.cumulative = cumulative
         self.max_total_tokens = max_total_tokens
-        self._tau_used = tau
-        self._round_open = False  # begin_round chose τ for a round that lengths() has not closed
+        self._threshold_used = acceptance_threshold
+        self._round_open = False  # begin_round chose θ for a round that lengths() has not closed
         self._scored: dict[int, list[float]] = {}  # slot -> keep_drafting's p per position this round
 
     def begin_round(self):
-        """Choose this round's τ (the controller's next candidate, or the fixed τ) and return the
+        """Choose this round's θ (the controller's next candidate, or the fixed θ) and return the
         keep-drafting rule for ``Drafter.propose``'s ``keep_drafting``: draft a sequence while its
         last position's predicted acceptance (or, with ``cumulative``, its survival product) is at
-        least τ. The first position below τ is still drafted, so ``lengths`` can cut there and
-        branch on its top candidates; ``lengths`` then uses the same τ."""
-        self._tau_used = self.controller.current() if self.controller is not None else self.fixed_tau
+        least θ. The first position below θ is still drafted, so ``lengths`` can cut there and
+        branch on its top candidates; ``lengths`` then uses the same θ."""
+        self._threshold_used = self.controller.current() if self.controller is not None else self.fixed_threshold
         self._round_open = True
         self._scored = {}
         return self.keep_drafting
@@ -351,7 +354,7 @@ class DraftPolicy:
         for slot, p in zip(slots, self.score(features).tolist()):
             scored = self._scored.setdefault(slot, [])
             scored.append(p)
-            out.append((math.prod(scored) if self.cumulative else p) >= self._tau_used)  # survival: Π p so far
+            out.append((math.prod(scored) if self.cumulative else p) >= self._threshold_used)  # survival: Π p so far
         return out
 
     def lengths(self, features: Sequence, scores: Sequence | None = None) -> list[int]:
@@ -364,7 +367,7 @@ class DraftPolicy:
             self.begin_round()
         self._round_open = False
         self._scored = {}
-        tau = self._tau_used
+        acceptance_threshold = self._threshold_used
         sizes = [f.shape[0] for f in features]
         if not any(sizes):
             return sizes
@@ -379,9 +382,9 @@ class DraftPolicy:
             probs.append(flat[i:i + n])
             i += n
         if self.cost is None:
-            return [tau_cut(p, tau, self.cumulative) for p in probs]
+            return [threshold_cut(p, acceptance_threshold, self.cumulative) for p in probs]
         cost = replace(self.cost, overhead_ms=self.overhead_ms)  # never mutates a shared cost model
-        alloc = allocate_draft_lengths(probs, cost, tau, self.cumulative, self.max_total_tokens)
+        alloc = allocate_draft_lengths(probs, cost, acceptance_threshold, self.cumulative, self.max_total_tokens)
         self._modelled_ms = alloc.predicted_ms - self.overhead_ms
         return alloc.lengths
 
@@ -410,17 +413,17 @@ class DraftPolicy:
         return out
 
     def observe(self, emitted_tokens: int, round_ms: float) -> None:
-        """Feed one round's outcome (tokens emitted, measured round time in ms) to the τ
+        """Feed one round's outcome (tokens emitted, measured round time in ms) to the θ
         controller and to the fit of the fixed per-round cost."""
         if self._modelled_ms is not None and round_ms > 0:
             residual = max(0.0, round_ms - self._modelled_ms)
             self.overhead_ms += self.overhead_rate * (residual - self.overhead_ms)
             self._modelled_ms = None
         if self.controller is not None:
-            self.controller.observe(emitted_tokens, round_ms, tau=self._tau_used)
+            self.controller.observe(emitted_tokens, round_ms, acceptance_threshold=self._threshold_used)
             self._rounds += 1
             if self.store is not None and self._rounds % self.sync_every == 0:
-                best_effort(self.store.set_json, self.store_key, self.controller.state_dict(), why="τ stays local")
+                best_effort(self.store.set_json, self.store_key, self.controller.state_dict(), why="θ stays local")
 
 
 class RandomLengthPolicy(DraftPolicy):
@@ -443,20 +446,21 @@ def entropy_score(features):
     return (-features[:, 0]).exp()
 
 
-def parse_tau(tau: str | float) -> float | None:
-    """``--tau``: None for "auto" (the online τ controller), else the fixed threshold.
+def parse_acceptance_threshold(acceptance_threshold: str | float) -> float | None:
+    """``--acceptance-threshold``: None for "auto" (the online ``ThresholdController``), else the
+    fixed threshold.
 
     Raises:
         ConfigError: not "auto" and not a number in [0, 1].
     """
     from .errors import ConfigError
 
-    if tau == "auto":
+    if acceptance_threshold == "auto":
         return None
     try:
-        value = float(tau)
+        value = float(acceptance_threshold)
     except (TypeError, ValueError):
         value = -1.0
     if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise ConfigError(f"--tau must be a number in [0, 1] or auto, got {tau!r}")
+        raise ConfigError(f"--acceptance-threshold must be a number in [0, 1] or auto, got {acceptance_threshold!r}")
     return value

@@ -25,8 +25,8 @@ from .predictor import VerificationRecord
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, make_generator, new_seed
-from .stopping import OutputState
+from .sampling import SamplingParams, new_seed, request_generator
+from .stopping import OutputState, draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
 from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
@@ -56,7 +56,7 @@ class Engine(EngineConveniences):
         tokenizer: reuse an already loaded tokenizer.
         drafter: speculative decoding drafter (None: target-only decoding).
         num_draft_tokens: draft tokens per sequence per round at most (k).
-        draft_policy: context-aware lengths (predictor + τ + batch allocation); None = fixed k.
+        draft_policy: context-aware lengths (predictor + θ + batch allocation); None = fixed k.
         chained_rounds: chain rounds on the device where the configuration allows it
             (``chains_rounds``); False keeps host-drafted rounds.
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
@@ -251,7 +251,7 @@ class Engine(EngineConveniences):
         max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
         if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
             params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
-        gen = None if params.greedy else make_generator(params.seed, self.target.info.device)
+        gen = request_generator(params, self.target.info.device)
         return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
                        logprobs=[] if logprobs else None)
 
@@ -500,10 +500,8 @@ class Engine(EngineConveniences):
 
     def _draft_room(self, r: Request, num_tokens: int) -> int:
         """Draft tokens a request may get in a round that starts with ``num_tokens`` output tokens
-        (the last one not yet in the cache): the last token and the drafts must fit the context,
-        and no draft goes past max_tokens."""
-        held = len(r.prompt_ids) + num_tokens - 1
-        return min(self.draft_limit, self.max_seq_len - held - 1, r.output.max_new_tokens - num_tokens - 1)
+        (the last one not yet in the cache): ``tandem.stopping.draft_room``."""
+        return draft_room(self.draft_limit, self.max_seq_len, len(r.prompt_ids), num_tokens, r.output.max_new_tokens)
 
     def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
         """Let the drafter draft the next round on the assumption that every draft of this one is
@@ -531,7 +529,7 @@ class Engine(EngineConveniences):
     def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
         asks = [DraftRequest(r.slot, r.prompt_ids + r.token_ids, max(self._draft_room(r, r.num_tokens), 0), r.params,
                              r.generator) for r in reqs]
-        # adaptive length: a drafter that drafts position by position stops where τ says (the policy's rule)
+        # adaptive length: a drafter that drafts position by position stops where θ says (the policy's rule)
         rule = self.draft_policy.begin_round() if self.draft_policy is not None else None
         try:
             proposals = self.drafter.propose(asks, rule)
@@ -564,10 +562,8 @@ class Engine(EngineConveniences):
         if req.logprobs is not None:
             new_logprobs = list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept
             req.logprobs.extend(new_logprobs)
-        if drafted is not None:
-            if req.finished and kept < len(tokens):  # metrics are cut at the stop boundary too
-                drafted, accepted = min(drafted, kept), min(accepted, kept)
-            req.spec.record(drafted, accepted, kept)
+        if drafted is not None:  # metrics are cut at the stop boundary too
+            req.spec.record_run(drafted, accepted, len(tokens), kept)
         now = time.perf_counter()
         if req.first_token_time is None:
             req.first_token_time = now

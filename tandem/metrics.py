@@ -3,8 +3,8 @@
 - acceptance rate α = accepted draft tokens / drafted tokens;
 - mean accepted length τ_acc = emitted tokens / target verification steps (bonus included;
   1.0 without speculation; tokens cut by a stop rule are not counted);
-- κ = tokens per target forward under the fixed draft budget (here equal to τ_acc, since every
-  decode step is one target forward).
+- SpecFormer's κ (tokens per target forward under a fixed draft budget) is τ_acc here, since every
+  decode step is one target forward: it has no name of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ class SpecDecodeStats:
             if i < accepted:
                 self.accepted_per_pos[i] += 1
 
+    def record_run(self, drafted: int, accepted: int, emitted: int, kept: int) -> None:
+        """One verification step whose run of ``emitted`` tokens the stop rules cut to ``kept``
+        (``kept == emitted`` when no rule fired inside it): the draft counters are cut at the same
+        boundary, so a stop token inside an accepted run ends the count there. The one place the
+        engine (``Engine._append``) and replay (``tandem.bench.replay.walk``) record a step."""
+        if kept < emitted:
+            drafted, accepted = min(drafted, kept), min(accepted, kept)
+        self.record(drafted, accepted, kept)
+
     def merge(self, other: "SpecDecodeStats") -> None:
         self.num_steps += other.num_steps
         self.num_emitted += other.num_emitted
@@ -62,11 +71,6 @@ class SpecDecodeStats:
         return self.num_emitted / self.num_steps if self.num_steps else 1.0
 
     @property
-    def kappa(self) -> float:
-        """κ: tokens per target forward."""
-        return self.mean_accepted_length
-
-    @property
     def acceptance_per_pos(self) -> list[float]:
         """Share of drafts accepted at each draft position."""
         return [a / d if d else float("nan") for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
@@ -75,6 +79,6 @@ class SpecDecodeStats:
         return {
             "num_steps": self.num_steps, "num_emitted": self.num_emitted, "num_drafted": self.num_drafted,
             "num_accepted": self.num_accepted, "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length, "kappa": self.kappa,
+            "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_pos": self.acceptance_per_pos,
         }

@@ -8,6 +8,7 @@ import torch
 
 from .models.runner import to_device
 from .sampling import SamplingParams, new_seed
+from .stopping import draft_room
 from .verify import RowSampling
 
 
@@ -101,7 +102,7 @@ class RoundState:
         ``patch``; ``attn_len`` bounds every row's length + 1, so the drafter reads only that much
         of the history): every row with tokens starts at its slot's device length with its last token;
         with a device ``drafter``, its drafts follow, as many as the row's placeholder count
-        allows and the draft-room rule (``Engine._draft_room``) gives on the device: no draft past
+        allows and the draft-room rule (``tandem.stopping.draft_room``) gives on the device: no draft past
         the context (``capacity``) or the token limit."""
         n = inputs.shape[0]
         active = inputs[:, 1] > 0
@@ -111,8 +112,7 @@ class RoundState:
         if drafter is None or k == 0:
             return
         num_tokens = length - self.prompt_len[:n] + 1
-        room = torch.minimum(inputs[:, 1] - 1, torch.minimum(self.capacity - length - 1,
-                                                               self.max_new[:n] - num_tokens - 1))
+        room = draft_room(inputs[:, 1] - 1, self.capacity, self.prompt_len[:n], num_tokens, self.max_new[:n])
         room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
         # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
         last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)

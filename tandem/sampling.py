@@ -109,13 +109,27 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """A per-request random generator on ``device`` (seeded from the OS when ``seed`` is None)."""
+DRAFTER_SEED_OFFSET = 0x9E3779B97F4A7C15  # golden-ratio constant: the drafter's stream differs from the verifier's
+
+
+def request_generator(params: SamplingParams, device: torch.device | str, drafter: bool = False
+                      ) -> torch.Generator | None:
+    """The one random generator of a request on ``device``: None for a greedy request; else a
+    ``torch.Generator`` seeded with ``params.seed`` (from the OS when it is None). Every place that
+    holds a request's generator (the engine, the drafter service) builds it here.
+
+    A drafter (``drafter=True``) seeds with ``(seed + DRAFTER_SEED_OFFSET) mod 2**63`` instead:
+    had it used the verifier's seed, its draft draws would reuse the verifier's acceptance draws
+    and bias the output; the fixed offset keeps seeded requests reproducible with independent
+    streams.
+    """
+    if params.greedy:
+        return None
     g = torch.Generator(device=device)
-    if seed is None:
+    if params.seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed((params.seed + DRAFTER_SEED_OFFSET) % 2**63 if drafter else params.seed)
     return g
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .control import CostModel, DraftPolicy, RandomLengthPolicy, TauController, entropy_score, parse_tau
+from .control import CostModel, DraftPolicy, RandomLengthPolicy, ThresholdController, entropy_score, parse_acceptance_threshold
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # the builders import torch-backed modules when called: the config itself stays light
@@ -46,23 +46,23 @@ class SpeculativeConfig:
             shipped for the bundled target.
         num_draft_tokens: k, draft tokens per sequence per round at most (1..16); a drafter with
             its own limit (a SpecFormer head's l_d) caps it (``Engine.draft_limit``).
-        policy: draft lengths: "fixed" (k for everyone), "entropy" (exp(-entropy of q) under τ),
-            "predictor" (the learned acceptance predictor under τ), or "random" (uniform in
+        policy: draft lengths: "fixed" (k for everyone), "entropy" (exp(-entropy of q) under θ),
+            "predictor" (the learned acceptance predictor under θ), or "random" (uniform in
             0..k per sequence: the ablation's baseline).
         predictor: the acceptance predictor of policy "predictor": a ``.safetensors`` path, or
             "auto" (the one saved beside the drafter's weights).
-        tau: the threshold on predicted acceptance, a number in [0, 1], or "auto" (learned online
-            by the τ controller).
-        branch_top_m: hard-position enhancement: verify the top-m candidates where τ cuts a
+        acceptance_threshold: the threshold on predicted acceptance, a number in [0, 1], or "auto" (learned online
+            by the threshold controller).
+        branch_top_m: hard-position enhancement: verify the top-m candidates where θ cuts a
             draft (0/1: off; 0..8).
         cost_model: allocate draft tokens across the batch under the verifier's cost model
-            T(b, q) (measured on a local target when none is given); False: τ cut only.
+            T(b, q) (measured on a local target when none is given); False: θ cut only.
         chained_rounds: chain rounds on the device where the drafter allows it
             (``Engine.chains_rounds``); False keeps host-drafted rounds.
 
     Raises:
-        ConfigError: an unknown drafter or policy, k or m out of range, a bad τ, or options that
-            do not go together (a predictor or τ without a policy that uses them, a policy
+        ConfigError: an unknown drafter or policy, k or m out of range, a bad θ, or options that
+            do not go together (a predictor or θ without a policy that uses them, a policy
             without a drafter, weights for a drafter that takes none).
     """
 
@@ -71,7 +71,7 @@ class SpeculativeConfig:
     num_draft_tokens: int = 4
     policy: str = "fixed"
     predictor: str | None = None
-    tau: str | float = "auto"
+    acceptance_threshold: str | float = "auto"
     branch_top_m: int = 0
     cost_model: bool = True
     chained_rounds: bool = True
@@ -87,7 +87,7 @@ class SpeculativeConfig:
                               f"got {self.num_draft_tokens!r}")
         if not isinstance(self.branch_top_m, int) or not 0 <= self.branch_top_m <= MAX_BRANCH_TOP_M:
             raise ConfigError(f"branch_top_m must be an integer in 0..{MAX_BRANCH_TOP_M}, got {self.branch_top_m!r}")
-        tau = parse_tau(self.tau)  # ConfigError: "--tau must be a number in [0, 1] or auto"
+        acceptance_threshold = parse_acceptance_threshold(self.acceptance_threshold)  # ConfigError: "--acceptance-threshold must be a number in [0, 1] or auto"
         if self.draft_model is not None and self.drafter not in TRAINED_DRAFTERS:
             raise ConfigError("--draft-model needs --drafter draft-model or specformer")
         if self.policy == "fixed":
@@ -95,8 +95,8 @@ class SpeculativeConfig:
                 raise ConfigError("--predictor needs --policy predictor")
             if self.branch_top_m:
                 raise ConfigError("--branch-top-m needs --predictor")
-            if tau is not None:
-                raise ConfigError("--tau needs --predictor")
+            if acceptance_threshold is not None:
+                raise ConfigError("--acceptance-threshold needs --predictor")
             return
         if self.drafter == "none":
             raise ConfigError(f"a draft policy ({self.policy}) needs a --drafter")
@@ -155,7 +155,7 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
 
 
 def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, cost: CostModel | None = None,
-                       store=None, store_key: str = "tau") -> DraftPolicy | None:
+                       store=None, store_key: str = "acceptance_threshold") -> DraftPolicy | None:
     """The draft policy of ``spec`` (None for policy "fixed").
 
     Args:
@@ -163,7 +163,7 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
         checkpoint: the target (finds the predictor of ``predictor="auto"``).
         cost: the verifier cost model T(b, q) for the batch allocation; used only when
             ``spec.cost_model``.
-        store, store_key: share the τ controller's state through a ``tandem.state`` store.
+        store, store_key: share the threshold controller's state through a ``tandem.state`` store.
 
     Raises:
         ConfigError: an unreadable predictor, or "auto" without one.
@@ -181,12 +181,12 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
             score = AcceptancePredictor.load(path).predict
         except Exception as exc:  # missing file, not safetensors, not a predictor
             raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
-    tau = parse_tau(spec.tau)
+    acceptance_threshold = parse_acceptance_threshold(spec.acceptance_threshold)
     cost = cost if spec.cost_model else None
-    if tau is None:
-        return DraftPolicy(score, controller=TauController(), cost=cost, branch_top_m=spec.branch_top_m,
+    if acceptance_threshold is None:
+        return DraftPolicy(score, controller=ThresholdController(), cost=cost, branch_top_m=spec.branch_top_m,
                            store=store, store_key=store_key)
-    return DraftPolicy(score, tau=tau, cost=cost, branch_top_m=spec.branch_top_m, store=store, store_key=store_key)
+    return DraftPolicy(score, acceptance_threshold=acceptance_threshold, cost=cost, branch_top_m=spec.branch_top_m, store=store, store_key=store_key)
 
 
 def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
@@ -204,7 +204,7 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
         weights: the drafter's weights already loaded (a draft model's ``Checkpoint`` or a
             SpecFormer head), so several engines share one load (the bench).
         cost: the verifier cost model for a context-aware policy (``spec.cost_model``).
-        store: τ state shared through a state store (router replicas).
+        store: θ state shared through a state store (router replicas).
 
     Raises:
         ConfigError: a remote drafter not given, a drafter given for another kind, a bad predictor.

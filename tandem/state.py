@@ -1,6 +1,6 @@
 """Shared state: one interface, an in-memory default and a Redis implementation.
 
-What lives here: the τ controller's state (shared by router replicas), acceptance statistics per
+What lives here: the threshold controller's state (shared by router replicas), acceptance statistics per
 drafter and Spec-Bench-style category (counters), and the verification-log stream that retrains
 the difficulty predictor (a capped stream: Redis ``XADD ... MAXLEN ~``).
 
@@ -27,7 +27,7 @@ class StateStoreUnavailable(RuntimeError):
 def best_effort(fn, *args, why: str = ""):
     """``fn(*args)`` (a state store call), or None after logging a warning when the store is
     unavailable: shared state is an optimisation, and a caller keeps serving on its local state.
-    ``why`` says what stays local (e.g. "τ stays local")."""
+    ``why`` says what stays local (e.g. "θ stays local")."""
     try:
         return fn(*args)
     except StateStoreUnavailable as exc:

@@ -9,8 +9,36 @@ from the returned count are cut at the same place.
 
 from __future__ import annotations
 
+import torch
+
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
+    """The draft-room rule: how many drafts a request may verify in a round that starts with
+    ``num_tokens`` output tokens (the last one not yet in the KV cache). The last token and the
+    drafts must fit the context, and no draft goes past the token limit (the bonus token after
+    them is the limit's last). Negative where there is no room at all.
+
+    The one rule for the engine's host-drafted rounds (``Engine._draft_room``), the device's
+    chained rounds (``RoundState.patch``, over int64 tensors, elementwise) and replay
+    (``tandem.bench.replay.walk``).
+
+    Args:
+        limit: drafts allowed otherwise (k, or a row's placeholder count): int or ``[B]`` tensor.
+        context: the context limit in tokens (the KV cache's capacity).
+        prompt_len, num_tokens, max_new_tokens: the request's prompt length, output tokens so far
+            and effective token limit (``OutputState.max_new_tokens``): ints or ``[B]`` tensors.
+
+    Returns:
+        An int, or a ``[B]`` int64 tensor when any argument is a tensor.
+    """
+    held = prompt_len + num_tokens - 1  # tokens in the KV cache
+    fit, stop = context - held - 1, max_new_tokens - num_tokens - 1
+    if any(isinstance(v, torch.Tensor) for v in (limit, fit, stop)):
+        return torch.minimum(torch.as_tensor(limit), torch.minimum(torch.as_tensor(fit), torch.as_tensor(stop)))
+    return min(limit, fit, stop)
 
 
 class OutputState:

@@ -126,22 +126,28 @@ class PrefillHandle:
 class Target(ABC):
     """Prefill and verification over a slot-addressed KV cache (see the module docstring)."""
 
+    _info: TargetInfo  # set by each implementation's constructor
+
     @property
-    @abstractmethod
     def info(self) -> TargetInfo:
         """Model name, vocabulary, slots and context limit."""
+        return self._info
 
     @abstractmethod
+    def _slot_pool(self):
+        """What numbers this target's slots: a ``SlotPool``, or the ``KVCache`` that holds one."""
+
     def num_free(self) -> int:
         """Free slots."""
+        return self._slot_pool().num_free()
 
-    @abstractmethod
     def allocate(self) -> int:
         """Take the lowest free slot. Raises CacheFullError when none is free."""
+        return self._slot_pool().allocate()
 
-    @abstractmethod
     def free(self, slot: int) -> None:
         """Release ``slot`` (its sequence finished or was aborted)."""
+        self._slot_pool().free(slot)
 
     @abstractmethod
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
@@ -237,18 +243,8 @@ class LocalTarget(Target):
     def cache(self) -> KVCache:
         return self.runner.cache
 
-    @property
-    def info(self) -> TargetInfo:
-        return self._info
-
-    def num_free(self) -> int:
-        return self.cache.num_free()
-
-    def allocate(self) -> int:
-        return self.cache.allocate()
-
-    def free(self, slot: int) -> None:
-        self.cache.free(slot)
+    def _slot_pool(self) -> KVCache:
+        return self.cache
 
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
         """See ``Target.prefill``; with a tapping runner (``RunnerConfig.taps``) each result's

@@ -95,7 +95,7 @@ def test_ablation_cli_refuses_bad_options(setup, tmp_path):
     garbage.write_text("not a predictor")
     for extra, message in ((["--drafter", "draft-model", "--draft-model", str(draft), "--predictor", str(garbage)],
                             "is not a Tandem acceptance predictor"),
-                           (["--drafter", "draft-model", "--draft-model", str(draft), "--tau", "0.5"], "drop --tau"),
+                           (["--drafter", "draft-model", "--draft-model", str(draft), "--acceptance-threshold", "0.5"], "drop --acceptance-threshold"),
                            (["--drafter", "ngram"], "trained on n-gram verification logs")):
         res = CliRunner().invoke(main, base + extra)
         assert res.exit_code == 2 and message in res.output, (extra, res.output)

@@ -76,7 +76,7 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
         assert r["tps"] > 0 and r["output_tokens"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert r["lossless_share"] == 1.0 and r["mismatched_prompt_ids"] == [], r  # greedy fp32: lossless
         if name == "target":
-            assert r["speedup"] == 1.0 and r["kappa"] == 1.0 and r["drafted"] == 0 and r["acceptance_rate"] is None
+            assert r["speedup"] == 1.0 and r["mean_accepted_length"] == 1.0 and "kappa" not in r and r["drafted"] == 0 and r["acceptance_rate"] is None
         else:
             assert r["speedup"] == pytest.approx(r["tps"] / rows[("target", b)]["tps"])
             assert r["drafted"] > 0 and r["k"] == (3 if name == "ngram" else 4)
@@ -109,7 +109,7 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     assert sorted(data["cost_table"]) == ["1", "2"] and sorted(data["cost_table"]["2"]) == ["1", "2", "3", "4"]
     assert all(t > 0 for row in data["cost_table"].values() for t in row.values())
     md = (out / "results.md").read_text()
-    assert "| method | batch | k | κ | TPS | speedup | acceptance | lossless | round ms | GPU ms | wall/GPU |" in md
+    assert "| method | batch | k | τ_acc | TPS | speedup | acceptance | lossless | round ms | GPU ms | wall/GPU |" in md
     assert "per Spec-Bench task" in md and "T(b, q)" in md
     for png in ("speedup.png", "acceptance_by_task.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -129,6 +129,11 @@ def test_warmup_share():
     # results.json written before the option existed load as the short warm-up they ran
     old = json.loads((DATA_DIR.parent / "docs/results/2026-12-01/bench-16-128/results.json").read_text())
     assert "warmup" not in old["meta"] and BenchReport.from_dict(old).meta.warmup == "short"
+    # and those written with the "kappa" copy of τ_acc and the "tau" option name still load
+    assert "kappa" in old["results"][0] and "tau" in old["meta"]["options"]
+    report = BenchReport.from_dict(old)
+    assert report.results[0].mean_accepted_length == old["results"][0]["kappa"]
+    assert report.meta.options["tau"] == old["meta"]["options"]["tau"]
 
 
 def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):
@@ -167,9 +172,9 @@ def test_config_registry_errors(tiny_dir, tmp_path):
         prepare_configs(parse_configs("specformer"), ctx)
     with pytest.raises(ModelLoadError, match="no SpecFormer head"):
         prepare_configs(parse_configs("specformer"), BuildContext(ctx.checkpoint, BenchOptions(specformer=str(tmp_path))))
-    with pytest.raises(ConfigError, match="--tau must be"):
+    with pytest.raises(ConfigError, match="--acceptance-threshold must be"):
         prepare_configs(parse_configs("context-aware"), BuildContext(ctx.checkpoint, BenchOptions(ca_drafter="ngram",
-                                                                                                  tau="2")))
+                                                                                                  acceptance_threshold="2")))
     with pytest.raises(ConfigError, match="cannot load predictor"):
         prepare_configs(parse_configs("context-aware"), BuildContext(
             ctx.checkpoint, BenchOptions(ca_drafter="ngram", predictor=str(tmp_path / "missing.safetensors"))))

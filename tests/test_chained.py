@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tandem.drafters import NgramDrafter
-from tandem.drafters.ngram import NgramIndex, ngram_drafts
+from tandem.drafters.lookup import LookupIndex, lookup_drafts
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
@@ -156,10 +156,11 @@ def test_host_and_device_lengths_agree_between_rounds(target_dir):
     assert engine.completion(rid).completion_tokens == 30
 
 
-def test_device_ngram_lookup_is_the_host_index_rule():
-    """``ngram_drafts`` (one batched device pass) gives ``NgramIndex.lookup``'s drafts for random
-    sequences over small vocabularies (many recurring n-grams), every n-gram range and room,
-    sequences of one token included."""
+def test_device_lookup_is_the_host_index_rule():
+    """``lookup_drafts`` (one batched device pass: the n-gram drafter's and SpecFormer's chained
+    rounds) gives ``LookupIndex.lookup``'s continuation and match length for random sequences over
+    small vocabularies (many recurring n-grams), every n-gram range and room, sequences of one
+    token included."""
     import random
 
     rng = random.Random(0)
@@ -170,13 +171,15 @@ def test_device_ngram_lookup_is_the_host_index_rule():
         history = torch.randint(0, 5, (B, C), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         last = torch.tensor([rng.randint(0, C - 3) for _ in range(B)])
         room = torch.tensor([rng.randint(0, k) for _ in range(B)])
-        tokens, lens = ngram_drafts(history, last, room, max_n, min_n, k)
+        cont, lens, match = lookup_drafts(history, last, room, k, max_n, min_n)
         for b in range(B):
             seq = history[b, :last[b] + 1].tolist()
-            index = NgramIndex(max_n, min_n)
+            index = LookupIndex(max_n, min_n)
             index.extend(seq)
-            want = index.lookup(int(room[b])) if room[b] > 0 and len(seq) >= 2 else []
-            assert tokens[b, :lens[b]].tolist() == want, (seq, int(room[b]), max_n, min_n)
+            toks, n = index.lookup(max(1, int(room[b])))
+            want = toks if room[b] > 0 else []
+            assert cont[b, :lens[b]].tolist() == want, (seq, int(room[b]), max_n, min_n)
+            assert (cont[b, lens[b]:] == -1).all() and int(match[b]) == n
 
 
 def test_ngram_rounds_near_the_context_limit(word_dir):
@@ -296,12 +299,11 @@ def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
     assert any(key[0] == "chained" for key in engine.drafter._captured)
 
 
-def test_device_lookup_is_the_lookup_index_rule():
-    """``lookup_drafts`` (chained SpecFormer rounds, on the device) gives ``LookupIndex``'s answer
-    (the host-drafted rounds' rule) at the end of random low-entropy rows of a padded batch."""
+def test_device_lookup_at_full_width_in_a_padded_batch():
+    """``lookup_drafts`` at full width (SpecFormer's chained rounds read l_d tokens) gives
+    ``LookupIndex``'s answer at the end of random rows of a padded batch over several vocabulary
+    sizes."""
     import random
-
-    from tandem.drafters.lookup import LookupIndex, lookup_drafts
 
     rng = random.Random(0)
     for _ in range(200):
@@ -316,6 +318,7 @@ def test_device_lookup_is_the_lookup_index_rule():
             index.extend(x)
             want.append(index.lookup(6))
             last.append(T - 1)
-        cont, match = lookup_drafts(history, torch.tensor(last), 6)
-        got = [(cont[b].tolist() if match[b] > 0 else [], int(match[b])) for b in range(B)]
+        last = torch.tensor(last)
+        cont, lens, match = lookup_drafts(history, last, torch.full_like(last, 6), 6)
+        got = [(cont[b, :lens[b]].tolist(), int(match[b])) for b in range(B)]
         assert got == want

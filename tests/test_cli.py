@@ -68,11 +68,11 @@ def test_unescape_stop_strings():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "--prompt", "hi", "--tau", "2"], "'--tau': must be a number in [0, 1] or auto"),
-    (["generate", "--prompt", "hi", "--tau", "nan"], "'--tau': must be a number in [0, 1] or auto"),
+    (["generate", "--prompt", "hi", "--acceptance-threshold", "2"], "'--acceptance-threshold': must be a number in [0, 1] or auto"),
+    (["generate", "--prompt", "hi", "--acceptance-threshold", "nan"], "'--acceptance-threshold': must be a number in [0, 1] or auto"),
     # checked as the command line is read: before the model (here a missing one) would load
-    (["generate", "--prompt", "hi", "--model", "/nonexistent", "--tau", "foo"], "got 'foo'"),
-    (["generate", "--prompt", "hi", "--tau", "0.5"], "--tau needs --predictor"),
+    (["generate", "--prompt", "hi", "--model", "/nonexistent", "--acceptance-threshold", "foo"], "got 'foo'"),
+    (["generate", "--prompt", "hi", "--acceptance-threshold", "0.5"], "--acceptance-threshold needs --predictor"),
     (["generate", "--prompt", "hi", "--draft-model", "truncate:2"], "--draft-model needs --drafter draft-model"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", "README.md"], "cannot load predictor"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", "auto"], "needs a trained drafter"),
@@ -81,6 +81,20 @@ def test_context_aware_option_errors(run, args, message):
     res = run(*args)
     assert res.exit_code == 2, res.output
     assert message in res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tau", "2"], "'--acceptance-threshold': must be a number in [0, 1] or auto"),
+    (["--tau", "0.5"], "--acceptance-threshold needs --predictor"),  # the value reached the threshold
+    (["--tau", "0.5", "--acceptance-threshold", "0.5"], "give --acceptance-threshold only"),
+])
+def test_tau_is_a_deprecated_alias_of_acceptance_threshold(run, args, message):
+    """``--tau`` (τ is the mean accepted length) still sets the acceptance threshold, with a
+    deprecation warning; it is hidden from --help."""
+    res = run("generate", "--prompt", "hi", *args)
+    assert res.exit_code == 2, res.output
+    assert "--tau is deprecated" in res.stderr and message in res.stderr
+    assert "--tau" not in run("generate", "--help").output
 
 
 @pytest.mark.parametrize("exc,message", [

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tandem.control import (CostModel, TauController, allocate_draft_lengths, expected_emitted, tau_cut)
+from tandem.control import (CostModel, ThresholdController, allocate_draft_lengths, expected_emitted, threshold_cut)
 
 
 def linear_cost(base=1.0, per_token=0.25, per_row=0.01, draft_step_ms=0.0):
@@ -22,13 +22,13 @@ def test_expected_emitted_counts_bonus_and_survival():
     assert expected_emitted([1.0] * 4, 4) == 5.0
 
 
-def test_tau_cut_per_token_and_cumulative():
+def test_threshold_cut_per_token_and_cumulative():
     p = [0.9, 0.8, 0.3, 0.9]
-    assert tau_cut(p, 0.5) == 2
-    assert tau_cut(p, 0.0) == 4
-    assert tau_cut(p, 0.95) == 0
-    assert tau_cut(p, 0.7, cumulative=True) == 2  # 0.9, 0.72, 0.216
-    assert tau_cut(p, 0.75, cumulative=True) == 1
+    assert threshold_cut(p, 0.5) == 2
+    assert threshold_cut(p, 0.0) == 4
+    assert threshold_cut(p, 0.95) == 0
+    assert threshold_cut(p, 0.7, cumulative=True) == 2  # 0.9, 0.72, 0.216
+    assert threshold_cut(p, 0.75, cumulative=True) == 1
 
 
 def test_cost_model_interpolates_batch_and_tokens():
@@ -41,8 +41,8 @@ def test_cost_model_interpolates_batch_and_tokens():
         CostModel({})
 
 
-def brute_force(probs, cost, tau, budget=None):
-    caps = [tau_cut(p, tau) for p in probs]
+def brute_force(probs, cost, acceptance_threshold, budget=None):
+    caps = [threshold_cut(p, acceptance_threshold) for p in probs]
     best = -1.0
     for lengths in itertools.product(*[range(c + 1) for c in caps]):
         if budget is not None and sum(lengths) > budget:
@@ -58,10 +58,10 @@ def test_allocation_is_optimal_on_small_random_batches(seed):
     b = rng.randint(1, 4)
     probs = [[rng.random() ** 0.5 for _ in range(rng.randint(0, 4))] for _ in range(b)]
     cost = linear_cost(per_token=rng.choice([0.01, 0.1, 0.4]), draft_step_ms=rng.choice([0.0, 0.05]))
-    tau = rng.choice([0.0, 0.3, 0.6])
+    acceptance_threshold = rng.choice([0.0, 0.3, 0.6])
     budget = rng.choice([None, 2, 5])
-    alloc = allocate_draft_lengths(probs, cost, tau=tau, max_total_tokens=budget)
-    assert alloc.tokens_per_ms == pytest.approx(brute_force(probs, cost, tau, budget), rel=1e-9)
+    alloc = allocate_draft_lengths(probs, cost, acceptance_threshold=acceptance_threshold, max_total_tokens=budget)
+    assert alloc.tokens_per_ms == pytest.approx(brute_force(probs, cost, acceptance_threshold, budget), rel=1e-9)
     assert all(0 <= n <= len(p) for n, p in zip(alloc.lengths, probs))
     if budget is not None:
         assert sum(alloc.lengths) <= budget
@@ -70,7 +70,7 @@ def test_allocation_is_optimal_on_small_random_batches(seed):
 def test_allocation_hand_made_cases():
     free = CostModel({1: {q: 1.0 for q in range(1, 9)}, 8: {q: 1.0 for q in range(1, 9)}})
     # verification free in q: draft everything that passes τ
-    assert allocate_draft_lengths([[0.9, 0.1, 0.9], [0.5]], free, tau=0.2).lengths == [1, 1]
+    assert allocate_draft_lengths([[0.9, 0.1, 0.9], [0.5]], free, acceptance_threshold=0.2).lengths == [1, 1]
     # very expensive extra tokens: verify none
     steep = CostModel({2: {1: 1.0, 2: 10.0, 3: 20.0}})
     assert allocate_draft_lengths([[0.5, 0.5], [0.5, 0.5]], steep).lengths == [0, 0]
@@ -79,12 +79,12 @@ def test_allocation_hand_made_cases():
     assert allocate_draft_lengths([], free).lengths == []
 
 
-def simulate(tau, phase, rng, cost, k_max=8):
+def simulate(acceptance_threshold, phase, rng, cost, k_max=8):
     """One round of a synthetic acceptance process: position acceptance probabilities are
     drawn per position (easy or hard text), the predictor knows them, τ cuts the draft."""
     lo, hi = phase
     p = [rng.uniform(lo, hi) for _ in range(k_max)]
-    n = tau_cut(p, tau)
+    n = threshold_cut(p, acceptance_threshold)
     emitted = 1
     for i in range(n):
         if rng.random() < p[i]:
@@ -94,51 +94,51 @@ def simulate(tau, phase, rng, cost, k_max=8):
     return emitted, cost.round_ms(1, n)
 
 
-def best_tau(phase, cost, grid):
+def best_threshold(phase, cost, grid):
     rng = random.Random(0)
     scores = {}
-    for tau in grid:
+    for acceptance_threshold in grid:
         tok = ms = 0.0
         for _ in range(4000):
-            e, t = simulate(tau, phase, rng, cost)
+            e, t = simulate(acceptance_threshold, phase, rng, cost)
             tok += e
             ms += t
-        scores[tau] = tok / ms
+        scores[acceptance_threshold] = tok / ms
     return max(scores, key=scores.get), scores
 
 
-def test_tau_controller_tracks_a_difficulty_change():
+def test_threshold_controller_tracks_a_difficulty_change():
     cost = linear_cost(per_token=0.05, draft_step_ms=0.02)
     easy, hard = (0.85, 1.0), (0.0, 0.8)
     grid = [round(0.05 * i, 2) for i in range(0, 20)]
-    tau_easy, s_easy = best_tau(easy, cost, grid)
-    tau_hard, s_hard = best_tau(hard, cost, grid)
+    threshold_easy, s_easy = best_threshold(easy, cost, grid)
+    threshold_hard, s_hard = best_threshold(hard, cost, grid)
     # easy text: any τ below 0.85 drafts everything; hard text: the optimum is near 0.3 and a
     # τ near 0 loses > 5% (too many doomed drafts), so τ must come down and then go back up
     assert s_easy[0.9] < 0.7 * max(s_easy.values())
     assert s_hard[0.05] < 0.95 * max(s_hard.values()) and s_hard[0.9] < 0.8 * max(s_hard.values())
 
-    ctl = TauController()
+    ctl = ThresholdController()
     rng = random.Random(1)
     seen = []
     for phase, rounds in ((easy, 3000), (hard, 3000)):
         for _ in range(rounds):
             e, t = simulate(ctl.current(), phase, rng, cost)
             ctl.observe(e, t)
-        seen.append(ctl.tau)
-    def near_opt(tau, scores):  # goodput at the learned τ within 5% of the best on the grid
-        nearest = min(scores, key=lambda g: abs(g - tau))
+        seen.append(ctl.acceptance_threshold)
+    def near_opt(acceptance_threshold, scores):  # goodput at the learned τ within 5% of the best on the grid
+        nearest = min(scores, key=lambda g: abs(g - acceptance_threshold))
         return scores[nearest] >= 0.95 * max(scores.values())
-    assert near_opt(seen[0], s_easy), (seen, tau_easy)
-    assert near_opt(seen[1], s_hard), (seen, tau_hard)
+    assert near_opt(seen[0], s_easy), (seen, threshold_easy)
+    assert near_opt(seen[1], s_hard), (seen, threshold_hard)
 
 
-def test_tau_controller_state_round_trip():
-    a = TauController()
+def test_threshold_controller_state_round_trip():
+    a = ThresholdController()
     for i in range(20):
         a.current()
         a.observe(2 + i % 3, 1.0)
-    b = TauController()
+    b = ThresholdController()
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict()
     assert not any(math.isnan(g) for g in b.goodput())
@@ -152,7 +152,7 @@ def test_policy_uses_drafter_scores_when_given():
     from tandem.control import DraftPolicy
     from tandem.drafters.base import DraftProposal, one_hot_features
 
-    policy = DraftPolicy(lambda f: torch.zeros(f.shape[0]), tau=0.5)  # own score: reject everything
+    policy = DraftPolicy(lambda f: torch.zeros(f.shape[0]), acceptance_threshold=0.5)  # own score: reject everything
     scored = DraftProposal([1, 2, 3], None, one_hot_features(3), scores=torch.tensor([0.9, 0.8, 0.1]))
     plain = DraftProposal([1, 2, 3], None, one_hot_features(3))
     out = policy.apply([scored, plain])
@@ -177,7 +177,7 @@ def test_round_overhead_is_fitted_online_and_lengthens_drafts():
         best = max(range(5), key=lambda n: expected_emitted(probs, n) / c.round_ms(1, n))
         assert got.lengths == [best] and got.predicted_ms == pytest.approx(c.round_ms(1, best))
 
-    policy = DraftPolicy(lambda f: f[:, 0], cost=cost, tau=0.0)
+    policy = DraftPolicy(lambda f: f[:, 0], cost=cost, acceptance_threshold=0.0)
     features = [torch.tensor([[p] for p in probs])]
     assert policy.lengths(features) == [1] and policy.overhead_ms == 0.0
     for _ in range(60):  # every round really takes the modelled time + 20 ms

@@ -485,7 +485,7 @@ def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, hf_model, mo
         drafter = NgramDrafter()
     if mode == "tree-greedy":  # keep one draft, branch position 2 into its top-3: token trees every round
         drafter = DraftModelDrafter(load_draft_checkpoint("truncate:4", real_checkpoint), cfg)
-        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), tau=0.5, branch_top_m=3)
+        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
     engine = Engine(real_checkpoint, cfg, drafter=drafter, num_draft_tokens=3, draft_policy=policy)
     prompts = ["List three colours, one per line.", "Write the numbers 1 to 12 separated by spaces."]
     sampled = mode == "ngram-sampled"

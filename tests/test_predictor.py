@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.control import CostModel, DraftPolicy, TauController, entropy_score
+from tandem.control import CostModel, DraftPolicy, ThresholdController, entropy_score
 from tandem.drafters import NgramDrafter
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
@@ -86,15 +86,15 @@ def test_verification_record_labels_stop_after_first_rejection():
     assert y.tolist() == [1.0] * 5
 
 
-def test_draft_policy_cuts_by_tau_and_allocates():
+def test_draft_policy_cuts_by_threshold_and_allocates():
     feats = [torch.tensor([[0.0, 1, 1, i] for i in range(1, 5)]), torch.zeros(0, 4)]
     decay = lambda f: 0.9 ** f[:, 3]  # 0.9, 0.81, 0.73, 0.66
-    assert DraftPolicy(decay, tau=0.75).lengths(feats) == [2, 0]
+    assert DraftPolicy(decay, acceptance_threshold=0.75).lengths(feats) == [2, 0]
     free = CostModel({1: {q: 1.0 for q in range(1, 9)}})
-    assert DraftPolicy(decay, cost=free, tau=0.0).lengths(feats) == [4, 0]
+    assert DraftPolicy(decay, cost=free, acceptance_threshold=0.0).lengths(feats) == [4, 0]
     steep = CostModel({2: {1: 1.0, 2: 50.0, 3: 60.0, 4: 70.0, 5: 80.0}})
-    assert DraftPolicy(decay, cost=steep, tau=0.0).lengths(feats) == [0, 0]
-    ctl = TauController(grid=[0.0, 0.7])
+    assert DraftPolicy(decay, cost=steep, acceptance_threshold=0.0).lengths(feats) == [0, 0]
+    ctl = ThresholdController(grid=[0.0, 0.7])
     pol = DraftPolicy(decay, controller=ctl)
     pol.lengths(feats)
     pol.observe(3, 2.0)
@@ -117,7 +117,7 @@ def test_engine_with_draft_policy_is_lossless_and_logs(tiny_checkpoint):
     logs = []
     decay = lambda f: 0.9 ** f[:, 3]
     eng = Engine(d, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(), num_draft_tokens=6,
-                 draft_policy=DraftPolicy(decay, controller=TauController(grid=[0.5, 0.7, 0.85])),
+                 draft_policy=DraftPolicy(decay, controller=ThresholdController(grid=[0.5, 0.7, 0.85])),
                  verification_sink=logs.append)
     ids = [eng.add_request(prompt_ids=p, params=params) for p in prompts]
     while eng.has_unfinished():

@@ -65,15 +65,15 @@ def test_fallback_store_queues_and_replays(redis_proc):
     redis_proc.stop()
     store.incr("acc", {"drafted": 2, "accepted": 2})  # during the outage
     store.append_log("vlog:x", {"i": 1})
-    store.set_json("tau", {"grid": [0.5]})
+    store.set_json("acceptance_threshold", {"grid": [0.5]})
     assert not store.up and store.pending == 3
     assert store.counters("acc") == {"drafted": 5.0, "accepted": 3.0}  # local state keeps serving reads
-    assert store.get_json("tau") == {"grid": [0.5]}
+    assert store.get_json("acceptance_threshold") == {"grid": [0.5]}
     redis_proc.start()  # an empty Redis came back: the replay restores what was written during the outage
     assert store.ping() and store.up and store.pending == 0
     direct = RedisStore(redis_proc.url)
     assert direct.counters("acc") == {"drafted": 2.0, "accepted": 2.0}
-    assert direct.read_log("vlog:x") == [{"i": 1}] and direct.get_json("tau") == {"grid": [0.5]}
+    assert direct.read_log("vlog:x") == [{"i": 1}] and direct.get_json("acceptance_threshold") == {"grid": [0.5]}
     direct.close()
 
 
@@ -87,7 +87,7 @@ def _health(url: str) -> dict:
 
 def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
-    # adaptive draft lengths: tau controller over exp(-entropy) scores. No cost model here: T(b, q)
+    # adaptive draft lengths: threshold controller over exp(-entropy) scores. No cost model here: T(b, q)
     # timed on a loaded 2-core CI machine can be noisy enough for the allocator to draft nothing,
     # and this test is about what reaches the state store (the allocator has its own tests).
     stack = start_stack(StackConfig(model=model, drafter="ngram", max_batch_size=4, max_seq_len=256,
@@ -104,7 +104,7 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
         first = ask(prompts[0], "coding")
         h = _health(stack.http_url)["state_store"]
         assert h["backend"] == "redis" and h["up"]
-        for p in prompts:  # enough rounds for the router to publish its tau controller state (every 32)
+        for p in prompts:  # enough rounds for the router to publish its threshold controller state (every 32)
             client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}], max_tokens=48,
                                            temperature=0)
         # writes that met a slow Redis (0.5 s timeout; a loaded CI machine) are queued and replayed:
@@ -115,8 +115,8 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
             if st["up"] and not st.get("pending_writes"):
                 break
             time.sleep(0.3)
-        tau = RedisStore(redis_proc.url).get_json("tau")
-        assert tau is not None and sum(tau["counts"]) > 0 and len(tau["grid"]) == len(tau["counts"])
+        state = RedisStore(redis_proc.url).get_json("acceptance_threshold")
+        assert state is not None and sum(state["counts"]) > 0 and len(state["grid"]) == len(state["counts"])
         vlog = RedisStore(redis_proc.url).read_log("vlog:ngram", 10)  # labelled drafts that retrain the predictor
         assert vlog and all(len(r["features"]) == len(r["labels"]) for r in vlog)
         before = ask(prompts[1], "writing")  # the answer with Redis up (another category: its counters are lost below)

@@ -81,29 +81,37 @@ def _random_head(cfg, num_draft=4, causal=False, seed=0, bonus_token=False, **sh
 
 
 def test_context_lookup_whole_sequence_equals_incremental():
-    """``lookup_continuations`` (training, replay) and ``LookupIndex`` (serving) agree at every
-    index of random low-entropy sequences; the rule's cases by hand: longest match wins, the most
-    recent occurrence wins, a loop's continuation wraps with its period."""
+    """``lookup_continuations`` (training, analysis) and ``LookupIndex`` (serving) agree at every
+    index of random low-entropy sequences, for several widths and n-gram ranges; the rule's cases
+    by hand: the longest match wins, the most recent occurrence with k tokens after it wins, else
+    the earliest, and a continuation never runs past the end."""
     from tandem.drafters.lookup import LookupIndex, lookup_continuations
 
     rng = np.random.default_rng(0)
     for trial in range(300):
         x = rng.integers(0, 2 + trial % 6, size=int(rng.integers(1, 60)))
-        cont, match = lookup_continuations(x, 4)
-        index = LookupIndex()
+        k = 1 + trial % 6
+        max_n = 1 + trial % 4
+        min_n = 1 + (trial // 4) % max_n
+        cont, match = lookup_continuations(x, k, max_n, min_n)
+        index = LookupIndex(max_n, min_n)
         for i, tok in enumerate(x):
             index.extend([tok])
-            toks, n = index.lookup(4)
-            assert n == match[i] and toks == ([int(t) for t in cont[i]] if n else [])
-            assert (cont[i] >= 0).all() == (n > 0)
+            toks, n = index.lookup(k)
+            assert n == match[i] and toks == [int(t) for t in cont[i] if t >= 0]
+            assert (cont[i, :len(toks)] >= 0).all() and (cont[i, len(toks):] == -1).all()
     cont, match = lookup_continuations([5, 1, 2, 9, 7, 1, 2, 8, 1, 2], 3)
-    assert match[9] == 2 and cont[9].tolist() == [8, 1, 2]  # "1 2" last ended at 6: what followed it
-    cont, match = lookup_continuations([3, 4, 3, 4, 3], 4)  # a loop of period 2
-    assert match[4] == 3 and cont[4].tolist() == [4, 3, 4, 3]
+    assert match[9] == 2 and cont[9].tolist() == [8, 1, 2]  # "1 2" last occurred at 5..6, 3 tokens before the end
+    cont, match = lookup_continuations([5, 1, 2, 9, 7, 1, 2, 8, 1, 2], 4)
+    assert match[9] == 2 and cont[9].tolist() == [9, 7, 1, 2]  # at width 4 only the one at 1..2 has room
+    cont, match = lookup_continuations([3, 4, 3, 4, 3], 4)  # a loop of period 2: the earliest occurrence
+    assert match[4] == 3 and cont[4].tolist() == [4, 3, -1, -1]
     cont, match = lookup_continuations([1, 2, 3], 2)
     assert (match == 0).all() and (cont == -1).all()
     with pytest.raises(ValueError):
         lookup_continuations([1, 2], 0)
+    with pytest.raises(ValueError):
+        lookup_continuations([1, 2], 2, max_n=2, min_n=3)
     # a batch of rows in one pass equals each row alone (rows never match each other)
     for trial in range(50):
         x = rng.integers(0, 2 + trial % 5, size=(int(rng.integers(1, 6)), int(rng.integers(1, 50))))

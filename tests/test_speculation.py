@@ -42,9 +42,9 @@ def predictor_file(tmp_path_factory):
     (dict(drafter="ngram", num_draft_tokens=0), "must be an integer in 1..16, got 0"),
     (dict(drafter="ngram", num_draft_tokens=17), "must be an integer in 1..16, got 17"),
     (dict(drafter="ngram", num_draft_tokens=2.0), "must be an integer"),
-    (dict(drafter="ngram", policy="entropy", tau="1.5"), "--tau must be a number in [0, 1] or auto"),
-    (dict(drafter="ngram", policy="entropy", tau="nan"), "--tau must be a number in [0, 1] or auto"),
-    (dict(drafter="ngram", tau="0.5"), "--tau needs --predictor"),
+    (dict(drafter="ngram", policy="entropy", acceptance_threshold="1.5"), "--acceptance-threshold must be a number in [0, 1] or auto"),
+    (dict(drafter="ngram", policy="entropy", acceptance_threshold="nan"), "--acceptance-threshold must be a number in [0, 1] or auto"),
+    (dict(drafter="ngram", acceptance_threshold="0.5"), "--acceptance-threshold needs --predictor"),
     (dict(drafter="ngram", branch_top_m=2), "--branch-top-m needs --predictor"),
     (dict(drafter="ngram", policy="entropy", branch_top_m=9), "branch_top_m must be an integer in 0..8"),
     (dict(drafter="ngram", policy="adaptive"), "unknown draft policy 'adaptive'"),
@@ -90,8 +90,8 @@ def _cli_spec(monkeypatch, module: str, args: list[str]) -> SpeculativeConfig:
     (["--drafter", "draft-model", "--draft-model", "truncate:1"], "draft-model", BenchOptions(draft_model="truncate:1")),
     (["--specformer", "HEAD"], "specformer", BenchOptions(specformer="HEAD")),
     (["--drafter", "draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3", "--predictor", "PRED",
-      "--tau", "0.4", "--branch-top-m", "2"], "context-aware",
-     BenchOptions(num_draft_tokens=3, draft_model="truncate:1", predictor="PRED", tau="0.4", branch_top_m=2)),
+      "--acceptance-threshold", "0.4", "--branch-top-m", "2"], "context-aware",
+     BenchOptions(num_draft_tokens=3, draft_model="truncate:1", predictor="PRED", acceptance_threshold="0.4", branch_top_m=2)),
     (["--drafter", "ngram", "--num-draft-tokens", "5", "--predictor", "PRED"], "context-aware",
      BenchOptions(num_draft_tokens=5, ca_drafter="ngram", predictor="PRED")),
     (["--drafter", "draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3"], "fixed-k",
@@ -166,11 +166,11 @@ def test_build_speculation(tiny_dir, predictor_file):
     cost = CostModel({1: {1: 1.0, 2: 1.5}})
     assert build_speculation(TARGET_ONLY, ck, cfg).drafter is None
     s = build_speculation(SpeculativeConfig("draft-model", draft_model="truncate:1", num_draft_tokens=3,
-                                            policy="predictor", predictor=predictor_file, tau="0.3",
+                                            policy="predictor", predictor=predictor_file, acceptance_threshold="0.3",
                                             branch_top_m=2), ck, cfg, cost=cost)
     assert s.drafter.name == "draft-model" and s.num_draft_tokens == 3 and s.chained_rounds
     p = s.draft_policy
-    assert p.controller is None and p.fixed_tau == 0.3 and p.branch_top_m == 2 and p.cost is cost
+    assert p.controller is None and p.fixed_threshold == 0.3 and p.branch_top_m == 2 and p.cost is cost
     s = build_speculation(SpeculativeConfig("ngram", policy="entropy", cost_model=False, chained_rounds=False), ck,
                           cfg, cost=cost)
     assert s.draft_policy.score is entropy_score and s.draft_policy.controller is not None

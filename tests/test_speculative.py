@@ -261,7 +261,7 @@ def test_greedy_identical_tiny(tiny, tiny_drafters, tiny_requests, tiny_referenc
 
 
 @pytest.mark.parametrize("cumulative", [False, True], ids=["per-token", "survival"])
-def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests, tiny_reference, cumulative):
+def test_draft_model_stops_drafting_below_threshold(tiny, tiny_drafters, tiny_requests, tiny_reference, cumulative):
     """Adaptive length as the context-aware paper drafts it: with a policy, the draft model stops a
     sequence after the first position whose predicted acceptance (or survival product) is below τ,
     so the draft-model forwards past it never run. That position is still drafted (the policy cuts
@@ -292,7 +292,7 @@ def test_draft_model_stops_drafting_below_tau(tiny, tiny_drafters, tiny_requests
         return got, len(calls)
 
     plain, plain_steps = drafted_run(None)
-    policy = DraftPolicy(score, tau=0.5, cumulative=cumulative)
+    policy = DraftPolicy(score, acceptance_threshold=0.5, cumulative=cumulative)
     proposed = []
     real_apply = policy.apply
     policy.apply = lambda props, slots=None: (proposed.append(sum(len(p.tokens) for p in props)),
@@ -355,25 +355,18 @@ def test_oracle_drafter_room_limited_runs(tiny, oracle_setup, max_tokens):
         assert generated + max_draft + 1 <= max_tokens
 
 
-def test_always_wrong_drafter(tiny, oracle_setup):
+@pytest.mark.parametrize("drafter", ["always-wrong", "none"])
+def test_mean_accepted_length_is_one_without_accepted_drafts(tiny, oracle_setup, drafter):
+    """An always-wrong drafter (every draft rejected) and no drafter at all: one token per step."""
     reqs, ref = oracle_setup
-    eng = make_engine(tiny, OracleDrafter(sequences(reqs, ref), mode="wrong", vocab=tiny.checkpoint.config.vocab_size))
+    wrong = drafter == "always-wrong"
+    eng = make_engine(tiny, OracleDrafter(sequences(reqs, ref), mode="wrong", vocab=tiny.checkpoint.config.vocab_size)
+                      if wrong else None)
     got = run(eng, reqs)
     assert_same_outputs(got, ref)
     for c in got:
-        assert c.spec.mean_accepted_length == 1.0
-        assert c.spec.acceptance_rate == 0.0 and c.spec.num_drafted > 0
-        assert c.spec.num_steps == c.completion_tokens - 1
-    assert eng.stats.mean_accepted_length == 1.0
-
-
-def test_no_drafter_mean_accepted_length_is_one(tiny, oracle_setup):
-    reqs, ref = oracle_setup
-    eng = make_engine(tiny)
-    got = run(eng, reqs)
-    assert_same_outputs(got, ref)
-    for c in got:
-        assert c.spec.mean_accepted_length == 1.0 and c.spec.num_drafted == 0
+        assert c.spec.mean_accepted_length == 1.0 and (c.spec.num_drafted > 0) == wrong
+        assert not wrong or c.spec.acceptance_rate == 0.0
         assert c.spec.num_steps == c.completion_tokens - 1
     assert eng.stats.mean_accepted_length == 1.0
 
@@ -835,7 +828,7 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     if drafter == "draft-model-tree":
         # keep draft 1, call position 2 hard and branch it into its top-3 candidates: a token tree
         # [d1 -> {c1, c2, c3}] verified in one pass (hard-position enhancement)
-        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), tau=0.5, branch_top_m=3)
+        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
     eng = Engine(target.checkpoint, target.runner_config, tokenizer=target.tokenizer, drafter=d, num_draft_tokens=k,
                  draft_policy=policy)
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)

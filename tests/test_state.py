@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from tandem.control import TauController
+from tandem.control import ThresholdController
 from tandem.state import InMemoryStore, RedisStore, StateStoreUnavailable, open_store
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -59,15 +59,15 @@ def test_capped_log(store):
     assert store.read_log("vlog", 0) == []
 
 
-def test_tau_controller_state_is_shared_through_the_store(store):
-    a = TauController()
+def test_threshold_controller_state_is_shared_through_the_store(store):
+    a = ThresholdController()
     for i in range(40):
         a.current()
         a.observe(1 + i % 4, 1.0)
-    store.set_json("tau:ngram", a.state_dict())
-    b = TauController()
-    b.load_state_dict(store.get_json("tau:ngram"))
-    assert b.tau == a.tau and b.goodput() == a.goodput()
+    store.set_json("acceptance_threshold:ngram", a.state_dict())
+    b = ThresholdController()
+    b.load_state_dict(store.get_json("acceptance_threshold:ngram"))
+    assert b.acceptance_threshold == a.acceptance_threshold and b.goodput() == a.goodput()
 
 
 def test_redis_down_raises_unavailable_fast():
@@ -89,15 +89,15 @@ def test_draft_policy_shares_tau_state_through_the_store(store):
 
     from tandem.control import DraftPolicy
 
-    a = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.5), controller=TauController(), store=store,
-                    store_key="tau:test", sync_every=4)
+    a = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.5), controller=ThresholdController(), store=store,
+                    store_key="acceptance_threshold:test", sync_every=4)
     feats = [torch.zeros(3, 4)]
     for i in range(8):
         a.lengths(feats)
         a.observe(1 + i % 3, 1.0)
-    saved = store.get_json("tau:test")
+    saved = store.get_json("acceptance_threshold:test")
     assert saved is not None and sum(saved["counts"]) > 0
-    b = DraftPolicy(lambda f: f[:, 0], controller=TauController(), store=store, store_key="tau:test")
+    b = DraftPolicy(lambda f: f[:, 0], controller=ThresholdController(), store=store, store_key="acceptance_threshold:test")
     assert b.controller.state_dict() == saved  # a second replica starts from the shared state
 
 
@@ -107,7 +107,7 @@ def test_draft_policy_keeps_working_when_the_store_is_down():
     from tandem.control import DraftPolicy
 
     dead = RedisStore("redis://127.0.0.1:1/0", timeout_s=0.1)
-    pol = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.9), controller=TauController(), store=dead, sync_every=1)
+    pol = DraftPolicy(lambda f: torch.full((f.shape[0],), 0.9), controller=ThresholdController(), store=dead, sync_every=1)
     assert pol.lengths([torch.zeros(2, 4)]) in ([2], [0], [1])
     pol.observe(2, 1.0)  # logs a warning, does not raise
     assert sum(pol.controller.counts) == 1

@@ -105,7 +105,7 @@ def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_chec
     # position 1 looks easy, later ones hard: keep one draft, branch position 2 into 3 leaves
     score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)
     eng = Engine(target_dir, cfg, tokenizer=base.tokenizer, drafter=DraftModelDrafter(draft, cfg),
-                 num_draft_tokens=4, draft_policy=DraftPolicy(score, tau=0.5, branch_top_m=3))
+                 num_draft_tokens=4, draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
     ids = [eng.add_request(prompt_ids=p, params=params) for p in prompts]
     while eng.has_unfinished():
         eng.step()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import chi_square_pvalue, total_variation
 
-from tandem.drafters import (NUM_FEATURES, DraftRequest, NgramDrafter, NgramIndex, distribution_features,
+from tandem.drafters import (NUM_FEATURES, DraftRequest, LookupIndex, NgramDrafter, distribution_features,
                              load_draft_checkpoint, truncated_checkpoint)
 from tandem.drafters.base import one_hot_features
 from tandem.drafters.draft_model import check_compatible
@@ -67,9 +67,9 @@ def scan_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
     """The drafter's incremental index over ``tokens`` (the code under test)."""
-    index = NgramIndex(max_n, min_n)
+    index = LookupIndex(max_n, min_n)
     index.extend(tokens.tolist())
-    return index.lookup(k)
+    return index.lookup(k)[0]
 
 
 def test_ngram_longest_match_wins():
@@ -233,7 +233,7 @@ def test_verify_chains_sampling_exact_cases():
 
 def test_spec_decode_stats_record():
     st = SpecDecodeStats()
-    assert st.mean_accepted_length == 1.0 and math.isnan(st.acceptance_rate) and st.kappa == 1.0
+    assert st.mean_accepted_length == 1.0 and math.isnan(st.acceptance_rate)
     st.record(drafted=4, accepted=2, emitted=3)
     st.record(drafted=2, accepted=2, emitted=3)
     st.record(drafted=0, accepted=0, emitted=1)
@@ -242,7 +242,7 @@ def test_spec_decode_stats_record():
     assert st.accepted_per_pos == [2, 2, 0, 0]
     assert st.acceptance_per_pos == [1.0, 1.0, 0.0, 0.0]
     assert st.acceptance_rate == pytest.approx(4 / 6)
-    assert st.mean_accepted_length == pytest.approx(7 / 3) and st.kappa == st.mean_accepted_length
+    assert st.mean_accepted_length == pytest.approx(7 / 3)
     d = st.to_dict()
     assert d["num_steps"] == 3 and d["mean_accepted_length"] == pytest.approx(7 / 3)
     assert d["acceptance_per_pos"] == [1.0, 1.0, 0.0, 0.0]
@@ -358,13 +358,13 @@ def test_ngram_index_equals_full_scan():
         seq = rng.integers(0, 1 + trial % 6, size=int(rng.integers(2, 80))).tolist()
         max_n, min_n = int(rng.integers(1, 5)), 1
         min_n = int(rng.integers(1, max_n + 1))
-        index = NgramIndex(max_n, min_n)
+        index = LookupIndex(max_n, min_n)
         for t in range(len(seq)):
             index.extend([seq[t]])
             if t + 1 < 2:
                 continue
             for k in (1, 3, 8):
-                assert index.lookup(k) == scan_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
+                assert index.lookup(k)[0] == scan_lookup(np.asarray(seq[:t + 1]), max_n, min_n, k), (seq[:t + 1], k)
 
 
 def test_ngram_drafter_rebuilds_for_a_reused_slot():
@@ -394,3 +394,17 @@ def test_extreme_sampling_settings_stay_finite():
     for bad in (dict(temperature=True), dict(top_p=True)):
         with pytest.raises(Exception, match="must be"):
             SamplingParams(**bad)
+
+
+def test_request_generator_is_the_one_per_request_stream():
+    """``request_generator``: none for greedy requests; a seeded request's generator repeats its
+    draws; the drafter's stream for the same seed is another one (its draws must not reuse the
+    verifier's)."""
+    from tandem.sampling import SamplingParams, request_generator
+
+    assert request_generator(SamplingParams(), "cpu") is None
+    params = SamplingParams(temperature=1.0, seed=7)
+    draw = lambda g: torch.rand(8, generator=g).tolist()  # noqa: E731
+    assert draw(request_generator(params, "cpu")) == draw(request_generator(params, "cpu"))
+    assert draw(request_generator(params, "cpu", drafter=True)) == draw(request_generator(params, "cpu", drafter=True))
+    assert draw(request_generator(params, "cpu")) != draw(request_generator(params, "cpu", drafter=True))

@@ -11,17 +11,19 @@ import logging
 
 from ray import serve
 
-from services.common import BackgroundServer, api_key as resolve_api_key
-from services.verifier.deployment import advertised
+from services.common import api_key as resolve_api_key
+from services.verifier.deployment import GrpcReplica
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, health_check_period_s=5)
-class DrafterDeployment:
+class DrafterDeployment(GrpcReplica):
     """Args: as ``tandem serve drafter``: drafter ("ngram" | "draft-model"), draft_model (path or
     truncate:N), model (the target, for truncate:N), device, max_sequences, max_seq_len, port,
-    host, advertise_host, api_key."""
+    host, advertise_host, api_key. ``address()`` is where its ``tandem.v1.Drafter`` listens."""
+
+    role = "drafter"
 
     def __init__(self, drafter: str = "ngram", draft_model: str | None = None, model: str | None = None,
                  device: str | None = None, max_sequences: int = 64, max_seq_len: int = 2048, port: int = 0,
@@ -33,20 +35,6 @@ class DrafterDeployment:
         init_tracing("tandem-drafter")
         impl, device_name = build_drafter(drafter, draft_model, model, device, max_sequences, max_seq_len)
         key = resolve_api_key(api_key)
-        self._server = BackgroundServer(lambda ready, stop: serve_drafter(impl, max_sequences, port, host, key,
-                                                                         device_name, ready=ready, stop=stop))
-        self._address = advertised(host, advertise_host, int(self._server.address.rsplit(":", 1)[1]))
+        self._start(lambda ready, stop: serve_drafter(impl, max_sequences, port, host, key, device_name,
+                                                      ready=ready, stop=stop), host, advertise_host)
         log.info("drafter replica (%s) serving gRPC on %s", drafter, self._address)
-
-    def address(self) -> str:
-        """Where this replica's ``tandem.v1.Drafter`` listens (``host:port``)."""
-        return self._address
-
-    def check_health(self) -> None:
-        if not self._server.alive:
-            raise RuntimeError("the drafter's gRPC server stopped")
-
-    def __del__(self) -> None:
-        server = getattr(self, "_server", None)
-        if server is not None:
-            server.stop(timeout_s=5)

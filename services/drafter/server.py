@@ -25,25 +25,12 @@ from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
 from tandem.errors import InvalidRequestError
 from tandem.models.kv_cache import SlotPool
-from tandem.sampling import SamplingParams, make_generator
+from tandem.sampling import SamplingParams, request_generator
 from tandem.telemetry import extract_context, span
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tandem.v1.Drafter"
-
-
-SEED_OFFSET = 0x9E3779B97F4A7C15  # golden-ratio constant: the drafter's stream differs from the verifier's
-
-
-def drafter_seed(seed: int | None) -> int | None:
-    """The drafter's generator seed for a request seeded with ``seed``.
-
-    The verifier seeds its generator with ``seed`` itself; had the drafter done the same, its
-    draft draws would reuse the verifier's acceptance draws and bias the output. A fixed offset
-    keeps seeded requests reproducible with independent streams.
-    """
-    return None if seed is None else (seed + SEED_OFFSET) % 2**63
 
 
 class _Sequence:
@@ -120,7 +107,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if not params.greedy:  # sample from the top-K truncation of q: exactly what is sent back
                         k = self.max_probs_per_token
                         params = replace(params, top_k=min(params.top_k, k) if params.top_k else k)
-                    gen = None if params.greedy else make_generator(drafter_seed(params.seed), self.device)
+                    gen = request_generator(params, self.device, drafter=True)
                     seq = seqs[d.seq_id] = _Sequence(self._slots.allocate(), params, gen)
                 if d.base_len > len(seq.tokens):
                     raise InvalidRequestError(f"sequence {d.seq_id}: base_len {d.base_len} > {len(seq.tokens)} held")

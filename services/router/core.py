@@ -6,7 +6,7 @@ per round, drafts from a ``RemoteDrafter`` stream (target-only while the drafter
 requests go to the least loaded healthy replica. Front doors (HTTP, gRPC) call ``submit`` from
 the event loop and read events from an ``asyncio.Queue``.
 
-Shared state (``tandem.state``): τ controller state (through ``DraftPolicy``), acceptance
+Shared state (``tandem.state``): threshold controller state (through ``DraftPolicy``), acceptance
 counters per drafter and category, and the verification-log stream. A store that is down
 degrades to local state (``FallbackStore``) and is reported by ``health()``.
 """
@@ -50,7 +50,7 @@ class RouterConfig:
         model: model path (GGUF file / HF directory) whose tokenizer to load; None = bundled.
         model_name: the id clients see in /v1/models (default: the verifier's).
         speculation: k and the draft policy (``remote_speculation``): "fixed" (k for everyone),
-            "entropy" (draft length from exp(-entropy) under an online τ, allocated with the
+            "entropy" (draft length from exp(-entropy) under an online threshold θ, allocated with the
             verifier's cost model) or "predictor" (the learned acceptance predictor, same
             control); its drafter is "remote" exactly when ``drafter`` is set.
         redis_url: shared state store; None = in-memory (this process only).
@@ -77,7 +77,7 @@ class RouterConfig:
 def remote_speculation(drafter: str | None, num_draft_tokens: int = 4, policy: str = "fixed",
                        predictor: str | None = None) -> SpeculativeConfig:
     """The router's ``SpeculativeConfig``: the drafter service at ``drafter`` (None: target-only),
-    k, and the draft policy with τ learned online.
+    k, and the draft policy with θ learned online.
 
     Raises:
         ConfigError: a bad policy / predictor combination, or a policy without a drafter.

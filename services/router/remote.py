@@ -129,18 +129,11 @@ class RemoteTarget(Target):
         self._stream: BidiStream | None = None
         self._batches = 0
 
-    @property
-    def info(self) -> TargetInfo:
-        return self._info
-
-    def num_free(self) -> int:
-        return self._slots.num_free()
-
-    def allocate(self) -> int:
-        return self._slots.allocate()
+    def _slot_pool(self) -> SlotPool:
+        return self._slots
 
     def free(self, slot: int) -> None:
-        self._slots.free(slot)
+        super().free(slot)
         if self._stream is not None:
             self._released.append(slot)  # sent with the next batch
 

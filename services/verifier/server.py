@@ -29,7 +29,8 @@ SERVICE_NAME = "tandem.v1.Verifier"
 
 
 class _Stream:
-    """Sequences of one Verify stream: seq_id -> (slot, params, generator)."""
+    """Sequences of one Verify stream: seq_id -> (slot, params). Random numbers come from the
+    target's counter-based draws keyed by each request's seed: the verifier holds no generator."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, tuple[int, object]] = {}  # seq_id -> (slot, SamplingParams)

@@ -39,7 +39,7 @@ class BenchOptions:
         specformer: ``--specformer`` (a head from ``tandem train specformer``); None = the shipped head.
         ca_drafter: the drafter ``context-aware`` controls (a registry name).
         predictor: acceptance predictor path; None = the entropy score ``exp(-H(q))``.
-        tau: threshold in [0, 1] or "auto" (online τ controller).
+        acceptance_threshold: threshold in [0, 1] or "auto" (online threshold controller).
         branch_top_m: hard-position branching of ``context-aware`` (0: off).
     """
 
@@ -48,7 +48,7 @@ class BenchOptions:
     specformer: str | None = None
     ca_drafter: str = "draft-model"
     predictor: str | None = None
-    tau: str = "auto"
+    acceptance_threshold: str = "auto"
     branch_top_m: int = 0
 
 
@@ -181,16 +181,16 @@ def _over_ca_drafter(ctx: BuildContext, **policy) -> SpeculativeConfig:
 
 
 def _context_aware(ctx: BuildContext) -> SpeculativeConfig:
-    """The predictor (``predictor_path``), else the entropy score; ``--tau`` and ``--branch-top-m``."""
+    """The predictor (``predictor_path``), else the entropy score; ``--acceptance-threshold`` and ``--branch-top-m``."""
     o = ctx.options
     path = predictor_path(o, ctx.checkpoint)
-    return _over_ca_drafter(ctx, policy="predictor" if path else "entropy", predictor=path, tau=o.tau,
+    return _over_ca_drafter(ctx, policy="predictor" if path else "entropy", predictor=path, acceptance_threshold=o.acceptance_threshold,
                             branch_top_m=o.branch_top_m)
 
 
 def _prepare_context_aware(ctx: BuildContext) -> None:
     _ca_base(ctx).prepare(ctx)
-    build_draft_policy(_context_aware(ctx), ctx.checkpoint)  # a bad --tau / --predictor fails now
+    build_draft_policy(_context_aware(ctx), ctx.checkpoint)  # a bad --acceptance-threshold / --predictor fails now
 
 
 def _ablation_predictor(ctx: BuildContext) -> str:
@@ -249,7 +249,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 lambda o: DRAFT_MODEL_K + 1, speculation=_draft_model, prepare=BuildContext.draft_checkpoint),
     BenchConfig("specformer", f"SpecFormer draft head (--specformer), k = {SPECFORMER_K}", lambda o: SPECFORMER_K,
                 lambda o: SPECFORMER_K + 1, speculation=_specformer, prepare=BuildContext.specformer_head),
-    BenchConfig("context-aware", "adaptive length + cost-model batch budget + online tau over --ca-drafter "
+    BenchConfig("context-aware", "adaptive length + cost-model batch budget + online acceptance threshold over --ca-drafter "
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
                 _k, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
                 speculation=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
@@ -258,12 +258,12 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 speculation=_over_ca_drafter, prepare=_prepare_ablation(False)),
     BenchConfig("random-length", "ablation: draft length uniform in 0..k per sequence", _k, _k1,
                 speculation=lambda ctx: _over_ca_drafter(ctx, policy="random"), prepare=_prepare_ablation(False)),
-    BenchConfig("entropy-threshold", "ablation: entropy score exp(-H(q)) with the online tau, no learned predictor",
+    BenchConfig("entropy-threshold", "ablation: entropy score exp(-H(q)) with the online acceptance threshold, no learned predictor",
                 _k, _k1, speculation=lambda ctx: _over_ca_drafter(ctx, policy="entropy", cost_model=False),
                 prepare=_prepare_ablation(False)),
-    BenchConfig("predictor", "ablation: learned predictor + online tau + batch allocation, no enhancement",
+    BenchConfig("predictor", "ablation: learned predictor + online acceptance threshold + batch allocation, no enhancement",
                 _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True),
-    BenchConfig("full-system", "ablation: predictor + online tau + batch allocation + top-m hard-position branching "
+    BenchConfig("full-system", "ablation: predictor + online acceptance threshold + batch allocation + top-m hard-position branching "
                 "(m = max(--branch-top-m, 2))", _k, lambda o: o.num_draft_tokens + _full_system_m(o),
                 speculation=lambda ctx: _ablation_predictor_row(ctx, _full_system_m(ctx.options)),
                 prepare=_prepare_ablation(True), uses_cost_model=True),
@@ -271,7 +271,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     # back, drafts proposed on the host): the chained device rounds measured against them.
     BenchConfig("target-host", "target-only with host-driven rounds (no chaining)", lambda o: 0, lambda o: 1,
                 speculation=lambda ctx: SpeculativeConfig(chained_rounds=False)),
-    BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (NgramIndex), k = --num-draft-tokens",
+    BenchConfig("ngram-host", "n-gram drafter with host-drafted rounds (LookupIndex), k = --num-draft-tokens",
                 _k, _k1, speculation=_host(_ngram)),
     BenchConfig("specformer-host", f"SpecFormer with host-drafted rounds (observe, then propose), k = {SPECFORMER_K}",
                 lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1, speculation=_host(_specformer),

@@ -4,7 +4,7 @@ For each batch size b the runner builds one target engine (``b`` KV cache slots)
 target-only decoding, then each configuration of ``tandem.bench.configs`` on the same prompts
 (first turn, chat template, greedy), each as a warm-up pass and a timed pass. Metrics follow
 docs/architecture.md ("Metrics"): TPS for the whole batch, speedup over target-only at the same batch size in
-the same run, acceptance rate α, mean accepted length τ_acc, κ, TTFT / TPOT p50 and p99, peak
+the same run, acceptance rate α, mean accepted length τ_acc, TTFT / TPOT p50 and p99, peak
 GPU memory, and the lossless check (share of prompts whose tokens equal target-only's).
 """
 
@@ -74,7 +74,6 @@ class RunResult:
     speedup: float
     acceptance_rate: float
     mean_accepted_length: float
-    kappa: float
     drafted: int
     accepted: int
     ttft_p50_ms: float
@@ -149,8 +148,8 @@ class BenchReport:
         Raises:
             ValueError: not a ``tandem bench`` results.json.
         """
-        def floats(row: dict) -> dict:
-            return {k: float("nan") if v is None else v for k, v in row.items()}
+        def floats(row: dict) -> dict:  # results written before "kappa" was dropped: it was τ_acc again
+            return {k: float("nan") if v is None else v for k, v in row.items() if k != "kappa"}
 
         try:
             results = [RunResult(**{**floats(r), "per_task": [TaskStats(**floats(t)) for t in r["per_task"]]})
@@ -253,8 +252,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     from services.router.client import generate_all
 
     check_distributed([config], options)
-    # the router learns tau online: the stack serves the configuration with tau "auto"
-    stack = start_stack(StackConfig.serving(replace(spec, tau="auto"), model=model, max_batch_size=batch_size,
+    # the router learns acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
+    stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
                                             max_seq_len=runner_config.max_seq_len,
                                             measure_cost=spec.num_draft_tokens if config.uses_cost_model else 0),
                         timeout_s=900)
@@ -421,7 +420,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
 def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, params: SamplingParams, desc: str,
                  progress: bool, warmup: str = "full") -> tuple[list[Completion], float, float, RoundCost, dict]:
     """On an engine built for one configuration (``build_engine``), run a warm-up pass
-    (``warmup_share``: graphs captured, compiles done, the online τ with rounds behind it), then
+    (``warmup_share``: graphs captured, compiles done, the online threshold θ with rounds behind it), then
     the timed pass, then the round-cost pass (``measure_round_cost``) with ``batch_size``
     requests. Returns (completions, wall s, peak GiB, round cost, the timed pass's ``prefills`` and
     ``prefill_host_ms``)."""
@@ -479,7 +478,7 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
     per_task = [TaskStats(t, n, st.num_drafted, st.num_accepted, st.acceptance_rate, st.mean_accepted_length)
                 for t, (n, st) in sorted(by_task.items())]
     return RunResult(c.name, b, c.draft_tokens(options), len(prompts), tokens, wall, tps, speedup,
-                     total.acceptance_rate, total.mean_accepted_length, total.kappa, total.num_drafted,
+                     total.acceptance_rate, total.mean_accepted_length, total.num_drafted,
                      total.num_accepted, _pct(ttfts, 50), _pct(ttfts, 99), _pct(tpots, 50), _pct(tpots, 99), peak,
                      share, bad, per_task)
 
@@ -491,7 +490,9 @@ def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], 
     share, bad = _lossless(prompts, outs, base_tokens)
     nan = float("nan")
     return RunResult(c.name, 1, c.draft_tokens(options), len(prompts), res.output_tokens, res.wall_s, res.tps,
-                     res.tps / base.tps, nan, nan, nan, 0, 0, nan, nan, nan, nan, res.peak_mem_gib, share, bad)
+                     res.tps / base.tps, acceptance_rate=nan, mean_accepted_length=nan, drafted=0, accepted=0,
+                     ttft_p50_ms=nan, ttft_p99_ms=nan, tpot_p50_ms=nan, tpot_p99_ms=nan,
+                     peak_mem_gib=res.peak_mem_gib, lossless_share=share, mismatched_prompt_ids=bad)
 
 
 def _summary(r: RunResult) -> str:

@@ -65,7 +65,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, in
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, kernels,
-          ablation, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out, from_results) -> None:
+          ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if from_results:
@@ -92,8 +92,8 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
 
         if configs_spec:
             fail("--ablation runs its own configuration set; drop --configs")
-        if tau != "auto":
-            fail("--ablation rows set τ themselves (the online controller, or none); drop --tau")
+        if acceptance_threshold != "auto":
+            fail("--ablation rows set θ themselves (the online controller, or none); drop --acceptance-threshold")
         configs_spec, hf_baseline = ",".join(ABLATION_CONFIGS), False
         if drafter != "none":
             ca_drafter, drafter = drafter, "none"
@@ -101,13 +101,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
             predictor = None
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
-                   compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+                   compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
                    out, warmup, kernels)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
-                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m, out,
+                   max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
                    warmup, kernels="auto") -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
@@ -131,7 +131,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     check_mode(mode)
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
-                           ca_drafter=ca_drafter, predictor=predictor, tau=tau, branch_top_m=branch_top_m)
+                           ca_drafter=ca_drafter, predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels)
     checkpoint = load_checkpoint(model)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from tqdm import tqdm
 
-from ..control import parse_tau
+from ..control import parse_acceptance_threshold
 from ..errors import ConfigError, InvalidRequestError
 from ..metrics import SpecDecodeStats
 from ..models.runner import KERNEL_CHOICES
@@ -90,12 +90,36 @@ kernels_option = click.option(
          "what invariance costs).")
 
 
-def _check_tau(value: str) -> str:
-    """--tau checked when the command line is parsed, before any model loads."""
+TAU_DEPRECATED = "--tau is deprecated (τ is the mean accepted length); use --acceptance-threshold"
+
+
+def _deprecated_tau(ctx: click.Context, param, value: str | None) -> None:
+    """``--tau`` (hidden, deprecated): warns on stderr and hands its value to
+    ``--acceptance-threshold``, which reads it from ``ctx.meta`` (this option is eager, so it is
+    parsed first)."""
+    if value is not None:
+        click.echo(f"warning: {TAU_DEPRECATED}", err=True)
+        ctx.meta["deprecated_tau"] = value
+
+
+def _check_acceptance_threshold(ctx: click.Context, param, value: str) -> str:
+    """--acceptance-threshold (or the deprecated --tau) checked when the command line is parsed,
+    before any model loads.
+
+    Raises:
+        click.BadParameter: not a number in [0, 1] nor auto, or both options given.
+    """
+    tau = ctx.meta.get("deprecated_tau")
+    if tau is not None:
+        if ctx.get_parameter_source(param.name) is not click.core.ParameterSource.DEFAULT:
+            raise click.BadParameter("give --acceptance-threshold only (--tau is its deprecated name)",
+                                     param_hint="'--acceptance-threshold'")
+        value = tau
     try:
-        parse_tau(value)
+        parse_acceptance_threshold(value)
     except ConfigError as exc:
-        raise click.BadParameter(str(exc).removeprefix("--tau "), param_hint="'--tau'") from None
+        raise click.BadParameter(str(exc).removeprefix("--acceptance-threshold "),
+                                 param_hint="'--acceptance-threshold'") from None
     return value
 
 
@@ -111,11 +135,14 @@ drafter_options = [
                  help="Draft tokens per sequence per round (k)."),
     click.option("--predictor", default=None, metavar="PATH|auto",
                  help="Context-aware drafting: acceptance predictor (.safetensors from tandem train predictor), or "
-                      "auto = the predictor saved next to the drafter's weights; draft lengths follow it under tau."),
-    click.option("--tau", default="auto", show_default=True, callback=lambda ctx, param, value: _check_tau(value),
-                 help="Threshold on predicted acceptance: a number in [0, 1], or auto (learned online)."),
+                      "auto = the predictor saved next to the drafter's weights; draft lengths follow it under --acceptance-threshold."),
+    click.option("--acceptance-threshold", default="auto", show_default=True, callback=_check_acceptance_threshold,
+                 help="Threshold on predicted acceptance probability: a number in [0, 1], or auto (learned "
+                      "online)."),
+    click.option("--tau", default=None, hidden=True, is_eager=True, expose_value=False, callback=_deprecated_tau,
+                 help="Deprecated name of --acceptance-threshold."),
     click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,
-                 help="Hard-position enhancement: verify the top-m candidates where tau cuts a draft (draft-model)."),
+                 help="Hard-position enhancement: verify the top-m candidates where the acceptance threshold cuts a draft (draft-model)."),
 ]
 
 
@@ -127,15 +154,15 @@ def with_drafter_options(fn):
 
 
 def speculative_config(drafter: str = "none", draft_model: str | None = None, num_draft_tokens: int = 4,
-                       predictor: str | None = None, tau: str = "auto", branch_top_m: int = 0) -> SpeculativeConfig:
+                       predictor: str | None = None, acceptance_threshold: str = "auto", branch_top_m: int = 0) -> SpeculativeConfig:
     """The drafter options (``with_drafter_options``) as a ``SpeculativeConfig``: a predictor
-    makes the policy "predictor" (τ online unless ``--tau``), none keeps k fixed.
+    makes the policy "predictor" (θ online unless ``--acceptance-threshold``), none keeps k fixed.
 
     Raises:
         ConfigError: options that do not go together (``SpeculativeConfig``).
     """
     return SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                             policy="predictor" if predictor is not None else "fixed", predictor=predictor, tau=tau,
+                             policy="predictor" if predictor is not None else "fixed", predictor=predictor, acceptance_threshold=acceptance_threshold,
                              branch_top_m=branch_top_m)
 
 

@@ -42,7 +42,7 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 @dtype_option
 @kernels_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
-             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m,
+             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
              specformer_path, compare, dtype, kernels) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from ..sampling import SamplingParams  # torch
@@ -64,7 +64,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--compare needs --prompts-file and a --drafter")
     if prompt is not None and not prompt.strip():
         fail("prompt is empty")
-    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m)
+    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(_unescape(x) for x in stop))
@@ -93,7 +93,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
     _print_results(engine, records, results, wall)
     if compare:
         # the baseline is an engine of its own over the same target (weights, KV cache, graphs),
-        # built from the target-only configuration: no drafter, and no draft policy whose τ
+        # built from the target-only configuration: no drafter, and no draft policy whose θ
         # controller would learn from target-only rounds; the speculative engine is left as it was
         baseline = build_engine(TARGET_ONLY, share=engine)
         base, base_wall = _run_file(baseline, records, params, not no_chat, desc="target-only")

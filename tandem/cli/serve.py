@@ -85,7 +85,7 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 @host_option
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
 @click.option("--policy", type=click.Choice(["fixed", "entropy", "predictor"]), default="fixed", show_default=True,
-              help="Draft lengths: fixed k, or adaptive (tau controller + verifier cost model) over exp(-entropy) "
+              help="Draft lengths: fixed k, or adaptive (threshold controller + verifier cost model) over exp(-entropy) "
                    "or the learned predictor.")
 @click.option("--predictor", default=None, metavar="PATH", help="Predictor for --policy predictor.")
 @click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",

@@ -32,7 +32,7 @@ from .common import (_engine, _run_file, command_line, console, device_option, d
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
-def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, predictor, tau,
+def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold,
                  branch_top_m, max_tokens, batch_size, max_seq_len) -> None:
     """Run speculative decoding and record, per drafted position, the predictor features and the
     label (accepted 1, first rejected 0; later positions unlabelled)."""
@@ -43,7 +43,7 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
 
     if drafter == "none":
         fail("collect-logs needs a --drafter")
-    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, tau, branch_top_m)
+    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
     records = []
     store = open_store()  # TANDEM_REDIS_URL set: the logs also go to the capped Redis stream
 

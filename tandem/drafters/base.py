@@ -307,7 +307,7 @@ class Drafter(ABC):
 
         Args:
             keep_drafting: this round's adaptive-length rule ("draft while the predicted acceptance
-                is at least τ", the context-aware paper; ``DraftPolicy.begin_round``), or None.
+                is at least θ", the context-aware paper; ``DraftPolicy.begin_round``), or None.
                 Drafters that draft position by position (the draft model) call it after each
                 position and stop drafting the sequences it answers False for, saving the draft
                 steps; the others may ignore it (the policy cuts their drafts afterwards).

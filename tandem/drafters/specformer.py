@@ -371,7 +371,7 @@ class SpecFormerDrafter(Drafter):
         length = state.length[:n]  # the new last token sits at history[length]
         last = torch.where(keep, length, torch.zeros_like(length)).clamp(max=width - 1)
         if cfg.lookup_tokens:
-            cont, match = lookup_drafts(state.history[:n, :width], last, ld)
+            cont, _, match = lookup_drafts(state.history[:n, :width], last, torch.full_like(last, ld), ld)
         else:
             cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
         ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
@@ -390,8 +390,8 @@ class SpecFormerDrafter(Drafter):
         self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
 
     def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
-        """The context lookup continuation of ``req.token_ids`` (l_d ids or none) and its match
-        length, from the slot's ``LookupIndex`` (``synced_index``)."""
+        """The context lookup continuation of ``req.token_ids`` (at most l_d ids, none when nothing
+        recurs) and its match length, from the slot's ``LookupIndex`` (``synced_index``)."""
         return synced_index(self._lookups, req, LookupIndex).lookup(self.head.config.num_draft_tokens)
 
     @torch.inference_mode()
@@ -416,7 +416,7 @@ class SpecFormerDrafter(Drafter):
         rows = []  # lookup continuation (-1: none), match length, bonus token
         for r, p in zip(requests, pend):
             toks, match = self._lookup(r) if cfg.lookup_tokens else ([], 0)
-            rows.append((toks or [-1] * ld) + [match, p.bonus or 0])
+            rows.append(toks + [-1] * (ld - len(toks)) + [match, p.bonus or 0])
         ids = torch.tensor(rows + [[-1] * ld + [0, 0]] * (nb - n), dtype=torch.long)
         states = torch.stack([p.state for p in pend])
         dev = self.k_cache.device

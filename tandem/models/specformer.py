@@ -20,9 +20,9 @@ the context sub-layers whole decoder blocks of the target's shape (grouped-query
 target's MLP width), initialised from chosen target blocks (``init_context_from_target``), the
 way the context-aware paper's draft model starts from target blocks: a pretrained start that a few
 million distilled tokens can refine without memorising them. ``lookup_tokens`` gives every draft
-slot one more input, the context lookup continuation (``tandem.drafters.lookup``: what followed
-the most recent earlier occurrence of the sequence's last 1-4 tokens, as prompt lookup decoding
-would draft it) and its match length, so the head learns where copying from the context beats its
+slot one more input, the context lookup continuation (``tandem.drafters.lookup``, the n-gram
+drafter's rule: what followed an earlier occurrence of the sequence's last 1-4 tokens, as prompt
+lookup decoding drafts it) and its match length, so the head learns where copying from the context beats its
 own forecast (repetition loops, extraction, summaries, translations of a quoted text).
 
 At target position ``t`` (whose target logits give the bonus token ``x[t+1]``) draft slot ``j``
