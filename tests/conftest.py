@@ -20,8 +20,25 @@ from pathlib import Path
 # plugin has imported torch already, the services still get it.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Derived-file cache (tandem.cache: the tokenizer built from the GGUF's metadata) in a directory
+# of this run, shared by the test process and every service process it starts: each run builds
+# its entries once, from a cold cache, and never reads or writes the user's cache.
+if "TANDEM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="tandem-test-cache-")
+    os.environ["TANDEM_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# One intra-op thread in the test process: its models are tiny (or 135M parameters at batch <= 8),
+# and on a 2-core machine shared with the service processes the tests start (and other work) a
+# second thread costs more in hand-offs than it gains.
+torch.set_num_threads(1)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)
