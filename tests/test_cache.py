@@ -89,3 +89,26 @@ def test_cached_gguf_tokenizer_is_the_built_one(real_tokenizer):
     messages = [{"role": "user", "content": texts[2]}]
     assert (cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             == built.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+@pytest.mark.slow
+def test_cached_gguf_checkpoint_is_the_conversion(real_checkpoint):
+    """A GGUF checkpoint read back from the cache is exactly what converting the file gives:
+    same config, chat template and float32 tensors, bit for bit (the entry's keying by content
+    is checked above)."""
+    import importlib.metadata
+
+    import torch
+
+    from tandem.models.weights import GGUF_CACHE_FORMAT, _convert_gguf, load_checkpoint
+
+    path = default_model_path()
+    entry = cache.entry_dir("checkpoints", path, f"gguf-{importlib.metadata.version('gguf')}-f{GGUF_CACHE_FORMAT}")
+    assert (entry / "checkpoint.json").is_file()  # stored when real_checkpoint was loaded (or earlier)
+    cached, converted = load_checkpoint(path), _convert_gguf(path)
+    assert cached.config == converted.config == real_checkpoint.config
+    assert cached.chat_template == converted.chat_template and cached.path == converted.path
+    assert cached.tensors.keys() == converted.tensors.keys()
+    for name, t in converted.tensors.items():
+        assert cached.tensors[name].dtype == t.dtype == torch.float32
+        assert torch.equal(cached.tensors[name], t), name
