@@ -32,6 +32,26 @@ if "TANDEM_CACHE_DIR" not in os.environ:
     os.environ["TANDEM_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
+# glibc malloc keeps freed memory for reuse instead of handing every large block back to the
+# kernel: by default a tensor over the (dynamic, at most 32 MiB) mmap threshold is mmap'd and
+# munmap'd again at every allocation, and each reuse page-faults it in anew. The tests allocate
+# and drop such activations and gradients thousands of times (training runs, batch-64 verifies):
+# that was a third of their CPU time, in the kernel. The service processes they start get the
+# same settings through the environment (read at their start-up); this process sets them with
+# mallopt, its allocator being up already.
+_MALLOC = {"MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
+           "MALLOC_TOP_PAD_": (-2, 64 << 20)}
+for _name, (_param, _value) in _MALLOC.items():
+    os.environ.setdefault(_name, str(_value))
+try:
+    import ctypes
+
+    _libc = ctypes.CDLL("libc.so.6")
+    for _name, (_param, _value) in _MALLOC.items():
+        _libc.mallopt(_param, int(os.environ[_name]))
+except (OSError, AttributeError, ValueError):  # not glibc: its allocator, its defaults
+    pass
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
