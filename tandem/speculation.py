@@ -154,6 +154,22 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
     return path
 
 
+def predictor_score(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None) -> Callable:
+    """The ``predict`` of the acceptance predictor ``spec.predictor`` names ("auto": the one
+    beside the drafter's weights for ``checkpoint``).
+
+    Raises:
+        ConfigError: an unreadable predictor, or "auto" without one.
+    """
+    from .predictor import AcceptancePredictor
+
+    path = resolve_predictor(spec, checkpoint)
+    try:
+        return AcceptancePredictor.load(path).predict
+    except Exception as exc:  # missing file, not safetensors, not a predictor
+        raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
+
+
 def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, cost: CostModel | None = None,
                        store=None, store_key: str = "acceptance_threshold") -> DraftPolicy | None:
     """The draft policy of ``spec`` (None for policy "fixed").
@@ -172,15 +188,7 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
         return None
     if spec.policy == "random":
         return RandomLengthPolicy(seed=0)
-    score: Callable = entropy_score
-    if spec.policy == "predictor":
-        from .predictor import AcceptancePredictor
-
-        path = resolve_predictor(spec, checkpoint)
-        try:
-            score = AcceptancePredictor.load(path).predict
-        except Exception as exc:  # missing file, not safetensors, not a predictor
-            raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
+    score: Callable = predictor_score(spec, checkpoint) if spec.policy == "predictor" else entropy_score
     acceptance_threshold = parse_acceptance_threshold(spec.acceptance_threshold)
     cost = cost if spec.cost_model else None
     if acceptance_threshold is None:
@@ -304,6 +312,8 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
     else:
         target = LocalTarget(checkpoint, replace(runner_config, taps=taps) if taps else runner_config)
     if needs_policy_cost:
+        if spec.policy == "predictor":
+            predictor_score(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
                                         cost=_policy_cost(spec, drafter, target))
     return Engine(tokenizer=tokenizer or load_tokenizer(checkpoint), target=target,

@@ -118,6 +118,39 @@ def _plain_backend(hf_tokenizer):
     return backend
 
 
+def load_hf_tokenizer(path: str | Path):
+    """The ``transformers`` tokenizer of a GGUF file (from its metadata) or of a Hugging Face
+    checkpoint directory.
+
+    transformers builds a GGUF's tokenizer by reading the whole file and converting its vocabulary
+    and merges (~8 CPU-seconds for the bundled SmolLM2); the result is saved once in the cache
+    (``tandem.cache``, keyed by the file's sha256 and the transformers version) and later loads
+    read it back (~0.5 s). A directory's tokenizer files are read as they are.
+
+    Raises:
+        whatever ``AutoTokenizer.from_pretrained`` raises for a bad file or directory.
+    """
+    from transformers import AutoTokenizer
+
+    from . import cache
+
+    path = Path(path)
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(str(path))
+    import transformers
+
+    entry = cache.entry_dir("tokenizers", path, f"transformers-{transformers.__version__}")
+    if entry is not None and (entry / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(entry))
+        except Exception as exc:  # noqa: BLE001 - a damaged entry: build again
+            log.debug("cached tokenizer %s unreadable (%s); rebuilding", entry, exc)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if entry is not None:
+        cache.store_dir(entry, hf.save_pretrained)
+    return hf
+
+
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     """Load the tokenizer that belongs to ``checkpoint`` (GGUF metadata or an HF directory)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -129,10 +162,7 @@ def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     hf_logging.set_verbosity_error()
     path = Path(checkpoint.path)
     try:
-        if checkpoint.is_gguf:
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            hf = AutoTokenizer.from_pretrained(str(path))
+        hf = load_hf_tokenizer(path)
     except Exception as exc:  # transformers raises many types (ValueError, OSError, KeyError...)
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from None
     if not getattr(hf, "chat_template", None) and checkpoint.chat_template:

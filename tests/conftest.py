@@ -20,8 +20,45 @@ from pathlib import Path
 # plugin has imported torch already, the services still get it.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Derived-file cache (tandem.cache: the tokenizer built from the GGUF's metadata) in a directory
+# of this run, shared by the test process and every service process it starts: each run builds
+# its entries once, from a cold cache, and never reads or writes the user's cache.
+if "TANDEM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="tandem-test-cache-")
+    os.environ["TANDEM_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
+# glibc malloc keeps freed memory for reuse instead of handing every large block back to the
+# kernel: by default a tensor over the (dynamic, at most 32 MiB) mmap threshold is mmap'd and
+# munmap'd again at every allocation, and each reuse page-faults it in anew. The tests allocate
+# and drop such activations and gradients thousands of times (training runs, batch-64 verifies):
+# that was a third of their CPU time, in the kernel. The service processes they start get the
+# same settings through the environment (read at their start-up); this process sets them with
+# mallopt, its allocator being up already.
+_MALLOC = {"MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30),
+           "MALLOC_TOP_PAD_": (-2, 64 << 20)}
+for _name, (_param, _value) in _MALLOC.items():
+    os.environ.setdefault(_name, str(_value))
+try:
+    import ctypes
+
+    _libc = ctypes.CDLL("libc.so.6")
+    for _name, (_param, _value) in _MALLOC.items():
+        _libc.mallopt(_param, int(os.environ[_name]))
+except (OSError, AttributeError, ValueError):  # not glibc: its allocator, its defaults
+    pass
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# One intra-op thread in the test process: its models are tiny (or 135M parameters at batch <= 8),
+# and on a 2-core machine shared with the service processes the tests start (and other work) a
+# second thread costs more in hand-offs than it gains.
+torch.set_num_threads(1)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)

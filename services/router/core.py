@@ -116,19 +116,16 @@ def load_router_tokenizer(model: str | None, eos_token_ids: list[int]) -> Tokeni
     Raises:
         ModelLoadError: the tokenizer cannot be loaded.
     """
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from tandem.models.config import ModelLoadError
     from tandem.models.weights import default_model_path
+    from tandem.tokenizer import load_hf_tokenizer
 
     hf_logging.set_verbosity_error()
     path = default_model_path() if model is None else Path(model).expanduser()
     try:
-        if path.suffix == ".gguf":
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        else:
-            hf = AutoTokenizer.from_pretrained(str(path))
+        hf = load_hf_tokenizer(path)
     except Exception as exc:  # transformers raises many types
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from None
     eos = list(eos_token_ids) + ([int(hf.eos_token_id)] if hf.eos_token_id is not None else [])

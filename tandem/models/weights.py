@@ -212,7 +212,63 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Bump when what ``_convert_gguf`` returns changes (tensor names, fusing, layout): cached
+# conversions of the old format are then left alone.
+GGUF_CACHE_FORMAT = 1
+
+
 def _load_gguf(path: Path) -> Checkpoint:
+    """``_convert_gguf`` through the derived-file cache (``tandem.cache``): reading the GGUF and
+    dequantizing it costs ~10 CPU-seconds for the bundled SmolLM2 at every start-up; the float32
+    result is saved once (safetensors, ~4 bytes per parameter) and read back in well under a
+    second. The entry is keyed by the file's sha256, the gguf package's version and
+    ``GGUF_CACHE_FORMAT``."""
+    from .. import cache
+
+    try:
+        import importlib.metadata
+
+        entry = cache.entry_dir("checkpoints", path,
+                                f"gguf-{importlib.metadata.version('gguf')}-f{GGUF_CACHE_FORMAT}")
+    except Exception:  # noqa: BLE001 - unreadable file (the reader says so) or no gguf metadata: no cache
+        entry = None
+    if entry is not None and (entry / "checkpoint.json").is_file():
+        try:
+            return _read_cached_checkpoint(path, entry)
+        except Exception as exc:  # noqa: BLE001 - a damaged entry: convert again
+            import logging
+
+            logging.getLogger(__name__).debug("cached checkpoint %s unreadable (%s); converting again", entry, exc)
+    ck = _convert_gguf(path)
+    if entry is not None:
+        cache.store_dir(entry, lambda d: _write_cached_checkpoint(ck, d))
+    return ck
+
+
+def _write_cached_checkpoint(ck: Checkpoint, d: Path) -> None:
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in ck.tensors.items()}, str(d / "model.safetensors"))
+    (d / "checkpoint.json").write_text(json.dumps({"config": asdict(ck.config), "chat_template": ck.chat_template}))
+
+
+def _read_cached_checkpoint(path: Path, d: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    from .config import RopeScaling
+
+    meta = json.loads((d / "checkpoint.json").read_text())
+    cfg = dict(meta["config"])
+    cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
+    cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    return Checkpoint(path=path, config=ModelConfig(**cfg), tensors=load_file(str(d / "model.safetensors")),
+                      chat_template=meta["chat_template"])
+
+
+def _convert_gguf(path: Path) -> Checkpoint:
+    """Read a GGUF file: config from its metadata, dequantized float32 tensors under our names."""
     import gguf
 
     try:
