@@ -18,8 +18,8 @@ class AdmissionPolicy:
     - ``balance`` and the idle slot-rounds since the last prefill (each round, the free slots that
       waiting requests could use), times the mean round time, reach ``max_running`` times the
       measured cost of a prefill: the rows lost to waiting then equal the rows a prefill stalls
-      (the ski-rental balance: within twice the cost of the best fixed waiting time, without
-      knowing when the next slots free);
+      (the ski-rental rule: keep paying the waiting cost until it matches the one-off cost, since
+      when the next slots free is unknown);
     - a free slot has waited ``wait_rounds`` rounds for a waiting request (a bound on the time to
       first token beyond queueing). The count starts when a slot is free while requests wait, not
       when a request arrives: requests queued long before a slot frees (a burst) would otherwise
@@ -67,7 +67,9 @@ class AdmissionPolicy:
             max_running: the batch limit.
             round_s: mean wall time of a round (s); 0 before any.
         """
-        if free >= min(waiting, max(1, int(max_running * self.share))) or (free and self.idle_rounds >= self.wait_rounds):
+        if free >= min(waiting, max(1, int(max_running * self.share))):
+            return True
+        if free and self.idle_rounds >= self.wait_rounds:
             return True
         if not self.balance or free == 0 or self.prefill_s is None or round_s <= 0:
             return False

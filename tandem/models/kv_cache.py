@@ -154,7 +154,9 @@ class KVCache:
         if hi - lo + 1 == len(slots):
             return self.k[:, lo:hi + 1], self.v[:, lo:hi + 1], lambda: None
         positions = min(positions, self.scratch_index)  # at most the whole row (whose last is scratch)
-        index = torch.tensor(slots, device=self.k.device)
+        index = torch.tensor(slots)
+        if self.k.is_cuda:  # through pinned memory: a pageable copy would wait for the round in flight
+            index = index.pin_memory().to(self.k.device, non_blocking=True)
         rows = []
         for full in (self.k, self.v):
             part = full.new_empty(full.shape[:1] + (len(slots),) + full.shape[2:3] + (positions + 1,) + full.shape[4:])
