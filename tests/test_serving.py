@@ -326,6 +326,10 @@ def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
     ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "not served"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
+     "unsupported field(s): best_of, messages[0].name"),
+    (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB"),
 ])
 def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle):
     """Each bad request gets a 4xx with a message while a good streaming request runs alongside."""
@@ -788,3 +792,21 @@ def test_drafter_service_sends_predictor_scores(tiny_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_fields_at_their_no_op_value_are_accepted():
+    """OpenAI fields Tandem does not implement pass only at the value that changes nothing
+    (``NO_OP_VALUES``); any other value, or a field nobody knows, is a 400 naming it."""
+    from services.router.http import ChatCompletionRequest, CompletionRequest
+    from tandem.errors import InvalidRequestError
+
+    hi = [{"role": "user", "content": "hi"}]
+    ok = ChatCompletionRequest(messages=hi, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[],
+                               user="user-1", response_format={"type": "text"}, max_tokens=8)
+    assert ok.sampling(16).max_tokens == 8
+    for extra, name in [({"frequency_penalty": 0.3}, "frequency_penalty"), ({"tools": [{"type": "function"}]}, "tools"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"), ({"colour": 1}, "colour")]:
+        with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}"):
+            ChatCompletionRequest(messages=hi, **extra).sampling(16)
+    with pytest.raises(InvalidRequestError, match="suffix"):
+        CompletionRequest(prompt="hi", suffix="!").sampling(16)

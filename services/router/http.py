@@ -6,7 +6,10 @@ Usage objects carry the speculative-decoding metrics of the request next to the 
 acceptance_rate, mean_accepted_length}`` (docs/architecture.md ("Metrics") definitions).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
-400, a missing or wrong bearer token 401, a failed verifier 503.
+400 (a field Tandem does not implement included, unless it is at its no-op value: no field is
+ignored in silence), a missing or wrong bearer token 401, a body over ``MAX_BODY_BYTES`` 413, a
+failed verifier 503. Prompts are tokenized off the event loop, so a long one never stalls other
+requests' streams.
 """
 
 from __future__ import annotations
@@ -33,8 +36,26 @@ from tandem.sampling import SamplingParams
 from .core import Delta, Done, Failed, Router
 
 
+MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
+
+# OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
+NO_OP_VALUES = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": ({}, None),
+                "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+                "response_format": ({"type": "text"}, None), "parallel_tool_calls": (None, False, True),
+                "store": (False, None), "metadata": (None,), "user": None}  # user: an end-user id, no effect
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # kept so that ``unsupported_fields`` can name them
+
+    def unsupported_fields(self) -> list[str]:
+        """Extra fields of this object that would change the output if honoured (``NO_OP_VALUES``)."""
+        bad = []
+        for name, value in (self.model_extra or {}).items():
+            allowed = NO_OP_VALUES.get(name, ())
+            if allowed is not None and value not in allowed:
+                bad.append(name)
+        return bad
 
 
 class StreamOptions(_Base):
@@ -57,6 +78,11 @@ class _SamplingFields(_Base):
     category: str = "default"  # extension: acceptance statistics per category
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
+        bad = self.unsupported_fields() + [f"messages[{i}].{f}" for i, m in enumerate(getattr(self, "messages", []))
+                                           for f in m.unsupported_fields()]
+        if bad:
+            raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
+                                      "send them at their no-op value or leave them out)")
         if self.n != 1:
             raise InvalidRequestError("only n = 1 is supported")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -91,6 +117,37 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs:
             raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own")
         return self.logprobs
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes gets 413 and is never stored or parsed (by its
+    Content-Length, or, for a chunked body, as soon as the bytes read pass the limit)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            while (await receive()).get("more_body"):  # read and drop it (never stored or parsed), so
+                pass  # that the client, still sending, gets the 413 instead of a broken pipe
+            return await _too_large(self.limit)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise StarletteHTTPException(413, _too_large(self.limit).body.decode())
+            return message
+        return await self.app(scope, limited, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(413, f"the request body is over {limit // 2**20} MiB; no prompt within the context limit needs that")
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -136,6 +193,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         default_max_tokens: ``max_tokens`` when a request gives none.
     """
     app = FastAPI(title="Tandem", version="0.1.0")
+    app.add_middleware(_BodyLimit)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -166,6 +224,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 413:  # a chunked body past MAX_BODY_BYTES (_BodyLimit)
+            return JSONResponse(json.loads(exc.detail), status_code=413)
         else:
             message = str(exc.detail)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
@@ -207,8 +267,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                 raise InvalidRequestError("send one prompt per request (a list of one string)")
             prompt = prompt[0]
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
-        engine_req = router.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid,
-                                         logprobs=req.wants_logprobs())
+        # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
+        engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
+                                             request_id=rid, logprobs=req.wants_logprobs())
         created = int(time.time())
         if req.stream:
             if not any(w.healthy for w in router.workers):  # known down: say so before the 200 of a stream
