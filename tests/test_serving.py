@@ -810,3 +810,15 @@ def test_fields_at_their_no_op_value_are_accepted():
             ChatCompletionRequest(messages=hi, **extra).sampling(16)
     with pytest.raises(InvalidRequestError, match="suffix"):
         CompletionRequest(prompt="hi", suffix="!").sampling(16)
+
+
+def test_chat_with_only_empty_messages_is_an_empty_prompt():
+    """A chat whose every message is empty is refused like an empty completions prompt (the chat
+    template around it is not a prompt); one non-empty message is enough."""
+    from services.router.http import ChatMessage, _chat_content
+    from tandem.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="  ")])
+    assert _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="hi")])[1] == \
+        {"role": "user", "content": "hi"}

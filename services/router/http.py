@@ -182,6 +182,8 @@ def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 raise InvalidRequestError("only text content parts are supported")
             content = "".join(texts)
         out.append({"role": m.role, "content": content or ""})
+    if not any(m["content"].strip() for m in out):  # as /v1/completions and `tandem generate` refuse ""
+        raise InvalidRequestError("prompt is empty: every message's content is empty")
     return out
 
 
