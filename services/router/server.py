@@ -97,7 +97,10 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
 
     router = await asyncio.to_thread(Router, config)
     app = build_app(router, api_key, default_max_tokens)
-    http = uvicorn.Server(uvicorn.Config(app, host=host, port=http_port, log_level="warning", lifespan="off"))
+    # `tandem -v serve router` (root logger at INFO) also logs each HTTP request, as uvicorn's access log
+    verbose = logging.getLogger().getEffectiveLevel() <= logging.INFO
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=http_port, log_level="info" if verbose else "warning",
+                                         access_log=verbose, lifespan="off"))
     grpc_task = None
     if grpc_port is not None:
         grpc_stop = asyncio.Event()
