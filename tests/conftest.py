@@ -215,6 +215,33 @@ def pytest_addoption(parser):
                      help="run the collected tests in reverse order (shows tests that lean on earlier ones)")
 
 
+_STACKS: list[str] = []  # the test (node id) that started each service stack, in order
+
+
+def pytest_configure(config):
+    """Count the service stacks (``services.launch.start_stack``: verifier, drafter and router
+    processes) the run starts, for the terminal summary: each costs several CPU-seconds of
+    process start-up, so tests share one where they can."""
+    try:
+        import services.launch as launch
+    except ImportError:  # a tree without the serving code
+        return
+    start = launch.start_stack
+
+    def counted(*args, **kwargs):
+        _STACKS.append(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])
+        return start(*args, **kwargs)
+
+    launch.start_stack = counted
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _STACKS:
+        terminalreporter.write_line(f"service stacks started: {len(_STACKS)}")
+        for test in _STACKS:
+            terminalreporter.write_line(f"  {test}")
+
+
 def pytest_collection_modifyitems(config, items):
     gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     for item in items:
