@@ -98,6 +98,38 @@ def real_engine(real_checkpoint):
     return Engine(real_checkpoint, default_runner_config("cpu", max_batch_size=8, max_seq_len=1024))
 
 
+@pytest.fixture
+def on_real_target(real_engine):
+    """Factory: ``on_real_target(drafter=None, num_draft_tokens=4, draft_policy=None)`` is an engine
+    over ``real_engine``'s target (its runner and KV cache: no second copy of the model) with a
+    drafter, k and policy of its own. One engine runs on the target at a time: a round the last
+    one launched past its requests' end is collected first, and after the test each engine's
+    requests are aborted and its rounds collected, so the shared target's slots all come back
+    (also when the test fails)."""
+    from tandem.engine import Engine
+
+    made = [real_engine]
+
+    def make(drafter=None, num_draft_tokens: int = 4, draft_policy=None):
+        for other in made:
+            _drain(other)
+        engine = Engine(target=real_engine.target, tokenizer=real_engine.tokenizer, drafter=drafter,
+                        num_draft_tokens=num_draft_tokens, draft_policy=draft_policy)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made[1:]:
+        reset_engine(engine)
+        _drain(engine)
+
+
+def _drain(engine) -> None:
+    """Collect a round ``engine`` launched past its requests' end (it holds their slots till then)."""
+    while engine.has_unfinished():
+        engine.step()
+
+
 @pytest.fixture(scope="session")
 def hf_model(real_checkpoint):
     """Hugging Face transformers' own load of the same GGUF: the reference oracle."""
@@ -213,6 +245,33 @@ def tiny_engine(tiny_checkpoint):
 def pytest_addoption(parser):
     parser.addoption("--reverse-order", action="store_true", default=False,
                      help="run the collected tests in reverse order (shows tests that lean on earlier ones)")
+
+
+_STACKS: list[str] = []  # the test (node id) that started each service stack, in order
+
+
+def pytest_configure(config):
+    """Count the service stacks (``services.launch.start_stack``: verifier, drafter and router
+    processes) the run starts, for the terminal summary: each costs several CPU-seconds of
+    process start-up, so tests share one where they can."""
+    try:
+        import services.launch as launch
+    except ImportError:  # a tree without the serving code
+        return
+    start = launch.start_stack
+
+    def counted(*args, **kwargs):
+        _STACKS.append(os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0])
+        return start(*args, **kwargs)
+
+    launch.start_stack = counted
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _STACKS:
+        terminalreporter.write_line(f"service stacks started: {len(_STACKS)}")
+        for test in _STACKS:
+            terminalreporter.write_line(f"  {test}")
 
 
 def pytest_collection_modifyitems(config, items):

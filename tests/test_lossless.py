@@ -468,25 +468,23 @@ def test_powered_on_gpu(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ngram-sampled", "tree-greedy", "stop-cut"])
-def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, hf_model, mode):
+def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, real_engine, on_real_target, hf_model, mode):
     """The returned log-probabilities equal log_softmax of Hugging Face transformers' float32
     logits (an independent implementation of the same GGUF) at every emitted token: sampled with
     n-gram speculation, greedy through token trees, and target-only cut with the text at a stop
     string."""
     from tandem.control import DraftPolicy
     from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
-    from tandem.engine import Engine
-    from tandem.models.runner import default_runner_config
     from tandem.sampling import SamplingParams
 
-    cfg = default_runner_config("cpu", max_batch_size=4, max_seq_len=512)
+    cfg = real_engine.runner_config  # CPU float32; the engine runs on the session engine's target
     drafter, policy = None, None
     if mode == "ngram-sampled":
         drafter = NgramDrafter()
     if mode == "tree-greedy":  # keep one draft, branch position 2 into its top-3: token trees every round
         drafter = DraftModelDrafter(load_draft_checkpoint("truncate:4", real_checkpoint), cfg)
         policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
-    engine = Engine(real_checkpoint, cfg, drafter=drafter, num_draft_tokens=3, draft_policy=policy)
+    engine = on_real_target(drafter, num_draft_tokens=3, draft_policy=policy)
     prompts = ["List three colours, one per line.", "Write the numbers 1 to 12 separated by spaces."]
     sampled = mode == "ngram-sampled"
     params = SamplingParams(max_tokens=16, temperature=0.8 if sampled else 0.0, top_p=0.9, seed=11,

@@ -662,15 +662,14 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
 
 
 @pytest.mark.slow
-def test_real_model_through_the_stack(real_checkpoint):
+def test_real_model_through_the_stack(on_real_target):
     """The bundled SmolLM2-135M through verifier + n-gram drafter + router processes: greedy
     outputs (streamed and not) equal the in-process engine's, and drafts are accepted."""
     stack = start_stack(StackConfig(drafter="ngram", max_batch_size=4, max_seq_len=1024), timeout_s=300)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=300)
         model_id = client.models.list().data[0].id
-        engine = Engine(real_checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=1024),
-                        drafter=NgramDrafter(), num_draft_tokens=4)
+        engine = on_real_target(NgramDrafter(), num_draft_tokens=4)  # in-process, same model and context
         prompts = [spec_bench_prompts(250)[i] for i in (244, 41)]  # qa, coding
         accepted = 0
         for prompt in prompts:

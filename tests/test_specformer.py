@@ -932,20 +932,34 @@ def test_specformer_cuda_graphs_lossless(tiny_ck, variant, chained):
         (engine.stats.num_drafted, engine.stats.num_accepted)
 
 
+SMOLLM2_PARAMS = SamplingParams(max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def smollm2_target_only(real_engine) -> list[list[int]]:
+    """Target-only greedy tokens of the first three Spec-Bench prompts on the bundled model (the
+    session engine, no drafter)."""
+    assert real_engine.drafter is None
+    return [c.token_ids for c in real_engine.generate(spec_bench_prompts(3), SMOLLM2_PARAMS)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["specformer", "draft-model"])
-def test_shipped_drafters_lossless_on_smollm2(real_checkpoint, kind):
+def test_shipped_drafters_lossless_on_smollm2(real_checkpoint, real_engine, on_real_target, smollm2_target_only,
+                                             kind):
     """The shipped drafters load by default with the bundled target, draft, and leave greedy output
     identical to target-only decoding."""
     from tandem.drafters.factory import build_drafter
 
-    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=512)
-    engine = Engine(real_checkpoint, cfg, drafter=build_drafter(kind, None, real_checkpoint, cfg), num_draft_tokens=4)
-    ref = Engine(real_checkpoint, cfg)
-    prompts = spec_bench_prompts(3)
-    params = SamplingParams(max_tokens=32)
-    got, want = engine.generate(prompts, params), ref.generate(prompts, params)
-    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    cfg = real_engine.runner_config
+    drafter = build_drafter(kind, None, real_checkpoint, cfg)
+    if drafter.target_taps:  # SpecFormer reads the target's hidden states: a target that taps them
+        engine = Engine(real_checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=512),
+                        drafter=drafter, num_draft_tokens=4)
+    else:  # a draft model drafts from tokens alone: the session engine's target
+        engine = on_real_target(drafter, num_draft_tokens=4)
+    got = engine.generate(spec_bench_prompts(3), SMOLLM2_PARAMS)
+    assert [c.token_ids for c in got] == smollm2_target_only
     assert engine.stats.num_drafted > 0 and engine.stats.num_accepted > 0
 
 
