@@ -821,3 +821,17 @@ def test_chat_with_only_empty_messages_is_an_empty_prompt():
         _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="  ")])
     assert _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="hi")])[1] == \
         {"role": "user", "content": "hi"}
+
+
+def test_body_over_the_limit_is_a_413_chunked_or_not():
+    """A body over MAX_BODY_BYTES is refused before anything parses it, whether its size comes in
+    Content-Length or only shows while a chunked body is read (no router is reached either way)."""
+    from fastapi.testclient import TestClient
+
+    from services.router.http import MAX_BODY_BYTES, build_app
+
+    client = TestClient(build_app(router=None))
+    chunks = (b"x" * 2**20 for _ in range(MAX_BODY_BYTES // 2**20 + 2))
+    for body in (b"x" * (MAX_BODY_BYTES + 1), chunks):
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "over 4 MiB" in r.json()["error"]["message"], r.text
