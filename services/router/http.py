@@ -221,7 +221,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         """Starlette's own errors in OpenAI's shape: unknown path 404, wrong method 405, and a body
         it cannot decode (e.g. invalid UTF-8) 400."""
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
-            message = "the request body could not be decoded; send UTF-8 JSON"
+            message = ("the request body could not be decoded: send UTF-8 JSON (invalid UTF-8, and JSON nested "
+                       "deeper than the parser's limit, end here)")
         elif exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
