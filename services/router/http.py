@@ -78,8 +78,7 @@ class _SamplingFields(_Base):
     category: str = "default"  # extension: acceptance statistics per category
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        bad = self.unsupported_fields() + [f"messages[{i}].{f}" for i, m in enumerate(getattr(self, "messages", []))
-                                           for f in m.unsupported_fields()]
+        bad = self.unsupported_fields()
         if bad:
             raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
                                       "send them at their no-op value or leave them out)")
@@ -112,6 +111,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
+
+    def unsupported_fields(self) -> list[str]:
+        return super().unsupported_fields() + [f"messages[{i}].{f}" for i, m in enumerate(self.messages)
+                                               for f in m.unsupported_fields()]
 
     def wants_logprobs(self) -> bool:
         if self.top_logprobs:

