@@ -154,7 +154,6 @@ def load_hf_tokenizer(path: str | Path):
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     """Load the tokenizer that belongs to ``checkpoint`` (GGUF metadata or an HF directory)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from .models.config import ModelLoadError

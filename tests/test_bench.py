@@ -4,7 +4,6 @@ CPU only, on the tiny random checkpoints of conftest.py (float32, greedy: every 
 must reproduce target-only output exactly).
 """
 
-import importlib.util
 import json
 import math
 
