@@ -322,9 +322,13 @@ class Engine(EngineConveniences):
                 raise
             results = None
             if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
-                results = self.target.collect_prefill(handle)
-                self.drafter.observe([TargetStates(r.slot, 0, res.extras["taps"], [*r.prompt_ids[1:], res.tokens[0]])
-                                      for r, res in zip(reqs, results)])
+                if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
+                    nexts = [ex["next_tokens"] for ex in handle.extras]
+                else:
+                    results = self.target.collect_prefill(handle)
+                    nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
+                self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
+                                      for r, ex, nx in zip(reqs, handle.extras, nexts)])
                 if self.chains_rounds:  # their first drafts, on the device, before their first round
                     self.target.prime_drafts([r.slot for r in reqs], self.drafter)
             self.admission.note_prefill(time.perf_counter() - t_admit)

@@ -276,8 +276,23 @@ class LocalTarget(Target):
         if any(it.return_logprobs for it in items):
             lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
             out = torch.cat([out, lp.double()], dim=1)
-        extras = [{"taps": taps[it.slot]} if taps else {} for it in items]
+        extras = [{} for _ in items]
+        if taps:  # what a SpecFormer head's observe needs, all on the device: no wait for the first tokens
+            nexts = self._next_tokens(slots, prompts, firsts)
+            extras = [{"taps": taps[it.slot], "next_tokens": nexts[it.slot]} for it in items]
         return PrefillHandle(extras, (items, order, extras, _HostCopy(out, self._pinned)))
+
+    @staticmethod
+    def _next_tokens(slots: list[int], prompts: dict[int, list[int]], firsts: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Slot -> ``[len(prompt)]`` int64 on the device: each prompt position's next token, i.e.
+        the prompt shifted by one and ended by the first generated token (``firsts`` ``[n]``, row
+        i for ``slots[i]``, still on the device: written there, never read back)."""
+        lens = [len(prompts[s]) for s in slots]
+        flat = to_device(torch.tensor([t for s in slots for t in prompts[s][1:] + [0]], dtype=torch.int64),
+                         firsts.device)
+        ends = to_device(torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1, firsts.device)
+        flat[ends] = firsts
+        return dict(zip(slots, flat.split(lens)))
 
     def collect_prefill(self, handle: PrefillHandle) -> list[TargetResult]:
         """See ``Target.collect_prefill``: waits for the first tokens' copy."""

@@ -86,3 +86,35 @@ def test_draft_model_reads_are_counted(target_dir, tiny_checkpoint):
     reads, rounds, sites = _decode_reads(engine, SamplingParams(max_tokens=24, ignore_eos=True))
     per_round = reads / rounds
     assert 1 < per_round <= 1 + 3 * 3, sites  # the verify copy + at most 3 reads per draft position
+
+
+def test_specformer_admission_reads_nothing_before_the_round_is_queued(target_dir):
+    """Requests admitted with a SpecFormer head, alone and while others run: the head's context
+    starts from the prompt's tapped states and next tokens on the device (the prefill's first token
+    is not read back first), so each admitting step queues its round before it reads the prefill's
+    results, and the device is never left idle waiting for the host."""
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    engine = Engine(target_dir, cfg, drafter=_drafter("specformer", target_dir), num_draft_tokens=4)
+    calls: list[str] = []
+    for name in ("collect_prefill", "launch_chained"):
+        method = getattr(engine.target, name)
+
+        def spy(*args, _name=name, _method=method, **kwargs):
+            calls.append(_name)
+            return _method(*args, **kwargs)
+
+        setattr(engine.target, name, spy)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for p in PROMPTS[:2]:
+        engine.add_request(prompt_ids=p, params=params)
+    engine.step()
+    assert calls == ["launch_chained", "collect_prefill"]
+    engine.step()
+    for p in PROMPTS[2:]:
+        engine.add_request(prompt_ids=p, params=params)
+    calls.clear()
+    engine.step()  # admits the two while the first two run
+    assert calls == ["launch_chained", "collect_prefill"]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_drafted > 0

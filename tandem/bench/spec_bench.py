@@ -123,6 +123,7 @@ class BenchMeta:
     warmup: str = "short"  # results written before the option existed ran the short warm-up
     kernels: str = "reference"  # decode/verify path (RunnerConfig.kernels resolved); older results ran the reference
     attention: str = "sdpa-masked"  # attention backend of decode/verify steps
+    prefill_graphs: bool = False  # prefills from CUDA graphs (RunnerConfig.prefill_graphs, resolved); older results: eager
 
 
 @dataclass
@@ -368,7 +369,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup, kernels=kernels, attention=attention_name(kernels))
+                     warmup=warmup, kernels=kernels, attention=attention_name(kernels),
+                     prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs)
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")

@@ -50,6 +50,9 @@ from .common import (console, device_option, dtype_option, err_console, fail, in
 @device_option
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
 @click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
+@click.option("--prefill-graphs/--no-prefill-graphs", default=None,
+              help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
+                   "Default: as --cuda-graphs.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
 @kernels_option
@@ -64,8 +67,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, in
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, max_seq_len, dtype, kernels,
-          ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
+          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, prefill_graphs, max_seq_len, dtype,
+          kernels, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if from_results:
@@ -102,13 +105,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-                   out, warmup, kernels)
+                   out, warmup, kernels, prefill_graphs)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
-                   warmup, kernels="auto") -> None:
+                   warmup, kernels="auto", prefill_graphs=None) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -133,7 +136,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter, predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
-                                compile=compile_, dtype=torch_dtype(dtype), kernels=kernels)
+                                compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
+                                prefill_graphs=prefill_graphs)
     checkpoint = load_checkpoint(model)
     uses_predictor = any(c.name in ("context-aware", "predictor", "full-system") for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)

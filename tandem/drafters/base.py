@@ -235,18 +235,15 @@ class TargetStates:
         taps: ``[m, len(taps), d]`` states at positions ``start .. start + m - 1``.
         next_tokens: the ``m`` tokens at positions ``start + 1 .. start + m``, i.e. each row's next
             token; the last is this round's bonus token (the target has not consumed it yet).
-            Needed by ``bonus_token`` and ``context_next_token`` heads.
+            Needed by ``bonus_token`` and ``context_next_token`` heads. A ``[m]`` int64 tensor on
+            the taps' device after a prefill (its last token is the prefill's first generated
+            token, which the host has not read yet), a list of ints after a host-drafted round.
     """
 
     slot: int
     start: int
     taps: torch.Tensor
-    next_tokens: Sequence[int] | None = None
-
-    @property
-    def next_token(self) -> int | None:
-        """This round's bonus token (the token after the last row), or None."""
-        return int(self.next_tokens[-1]) if self.next_tokens is not None and len(self.next_tokens) else None
+    next_tokens: Sequence[int] | torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

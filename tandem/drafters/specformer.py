@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..models import kernels
 from ..models.kernels import FLASH_HEAD_DIMS, FUSED_HEAD_DIMS
 from ..models.kv_cache import KV_SLACK
-from ..models.runner import CapturedCall, batch_bucket, context_bucket
+from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_device
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
 # imported from here by the CLI
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
@@ -69,7 +69,7 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 class _Pending:
     length: int  # positions the head has seen for this slot (= the target's cache length)
     state: torch.Tensor = field(repr=False)  # [d] context state at the last accepted position
-    bonus: int | None = None  # the bonus token (the token after that position)
+    bonus: int | torch.Tensor | None = None  # the bonus token (the token after that position; 0-d on the device after a prefill)
 
 
 class SpecFormerDrafter(Drafter):
@@ -200,18 +200,25 @@ class SpecFormerDrafter(Drafter):
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
         static = self._static and max(lens) <= rows_m
         nb, M = (batch_bucket(n, self._num_slots), rows_m) if static else (n, max(lens))
-        rows = [[s.start, m, s.slot] + [int(t) for t in (s.next_tokens if s.next_tokens is not None else [0] * m)]
-                + [0] * (M - m) for s, m in zip(states, lens)]  # first position, rows, slot, each row's next token
-        packed = torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long)
+        # first position, rows, slot, each row's next token; next tokens given on the device (a
+        # prefill's: they end with its first token, not read back) are written there
+        on_device = [torch.is_tensor(s.next_tokens) for s in states]
+        rows = [[s.start, m, s.slot] + [int(t) for t in (s.next_tokens if s.next_tokens is not None and not dev_next
+                                                           else [0] * m)]
+                + [0] * (M - m) for s, m, dev_next in zip(states, lens, on_device)]
         dev, dtype = self.k_cache.device, self.k_cache.dtype
+        packed = to_device(torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long), dev)
+        for i, (s, m) in enumerate(zip(states, lens)):
+            if on_device[i]:
+                packed[i, 3:3 + m] = s.next_tokens
         last = None
         if static:
             flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
-            where = torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long).to(dev)
+            where = to_device(torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long), dev)
 
             def fill(inputs):
                 inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
-                inputs[1].copy_(packed, non_blocking=True)
+                inputs[1].copy_(packed)
 
             out = self._replay(("observe", nb, attn_len), lambda x, pk: self._observe_rows(x, pk, attn_len),
                                lambda: (torch.zeros((nb, M, len(cfg.taps), cfg.hidden_size), device=dev, dtype=dtype),
@@ -219,11 +226,13 @@ class SpecFormerDrafter(Drafter):
             last = None if out is None else out[:n].clone()  # the next replay overwrites the graph's output
         if last is None:  # eager: no graphs, a prefill, or a failed capture
             x = pad_sequence([s.taps.to(dtype) for s in states], batch_first=True)  # [n, M, taps, d]
-            last = self._observe_rows(x, packed[:n, :3 + x.shape[1]].to(dev), attn_len)
+            last = self._observe_rows(x, packed[:n, :3 + x.shape[1]], attn_len)
         for i, (s, m) in enumerate(zip(states, lens)):
-            self.pending[s.slot] = _Pending(s.start + m, last[i], s.next_token)
+            bonus = None if s.next_tokens is None else s.next_tokens[-1]
+            self.pending[s.slot] = _Pending(s.start + m, last[i], bonus if torch.is_tensor(bonus) or bonus is None
+                                            else int(bonus))
         # chained rounds start from here: these slots' device drafts are stale until their next round
-        index = torch.tensor([s.slot for s in states], dtype=torch.long).to(dev)
+        index = to_device(torch.tensor([s.slot for s in states], dtype=torch.long), dev)
         self._state[index] = last.to(self._state.dtype)
         self._draft_lens[index] = 0
 
@@ -416,18 +425,22 @@ class SpecFormerDrafter(Drafter):
         rows = []  # lookup continuation (-1: none), match length, bonus token
         for r, p in zip(requests, pend):
             toks, match = self._lookup(r) if cfg.lookup_tokens else ([], 0)
-            rows.append(toks + [-1] * (ld - len(toks)) + [match, p.bonus or 0])
-        ids = torch.tensor(rows + [[-1] * ld + [0, 0]] * (nb - n), dtype=torch.long)
-        states = torch.stack([p.state for p in pend])
+            rows.append(toks + [-1] * (ld - len(toks)) + [match, p.bonus if isinstance(p.bonus, int) else 0])
         dev = self.k_cache.device
+        ids = to_device(torch.tensor(rows + [[-1] * ld + [0, 0]] * (nb - n), dtype=torch.long), dev)
+        on_device = [i for i, p in enumerate(pend) if torch.is_tensor(p.bonus)]  # after a prefill: written there
+        if on_device:
+            ids[to_device(torch.tensor(on_device), dev), ld + 1] = torch.stack([pend[i].bonus for i in on_device])
+        states = torch.stack([p.state for p in pend])
+
         def fill(inputs):
             inputs[0][:n].copy_(states)
-            inputs[1].copy_(ids, non_blocking=True)
+            inputs[1].copy_(ids)
 
         out = self._replay(("draft", nb), self._draft_rows, lambda: (
             torch.zeros((nb, cfg.hidden_size), device=dev, dtype=self.k_cache.dtype),
             torch.zeros((nb, ld + 2), dtype=torch.long, device=dev)), fill) if self._static else None
-        return self._draft_rows(states, ids[:n].to(dev)) if out is None else out[:n]
+        return self._draft_rows(states, ids[:n]) if out is None else out[:n]
 
     def _draft_rows(self, states: torch.Tensor, ids: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """``[n, l_d, vocab]`` draft logits from context states ``[n, d]`` and ``ids`` ``[n, l_d + 2]``

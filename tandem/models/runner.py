@@ -1,7 +1,8 @@
 """Model runner: owns the target weights and KV cache and runs batched forwards.
 
 Two paths with the same numerics:
-- eager (CPU, and prefill everywhere): one ``Transformer.forward_hidden`` call per batch;
+- eager (CPU): one ``Transformer.forward_hidden`` call per batch (prefill: ``tandem.models.prefill``,
+  eager or from CUDA graphs of its own);
 - decode on CUDA: the forward (optionally ``torch.compile``-d with dynamic shapes, which fuses
   the small element-wise kernels) is captured once per (batch bucket, tokens per row, context
   bucket) into a CUDA graph and replayed, removing per-kernel launch overhead.
@@ -23,6 +24,7 @@ from ..errors import ConfigError
 from .config import ModelConfig
 from .kernels import attention_backend_for, attention_name, flash_available, fused_unavailable_reason
 from .kv_cache import KVCache
+from .prefill import Prefiller
 from .transformer import Transformer
 from .weights import Checkpoint
 
@@ -64,6 +66,10 @@ class RunnerConfig:
         prefill_chunk: prompt positions per prefill forward.
         prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
             and attention-mask memory while letting many short prompts share one forward.
+        prefill_graphs: run prefills of fresh slots whose prompts fit one chunk from CUDA graphs,
+            one per (rows, positions) bucket (``tandem.models.prefill``; dense K/V buffers of the
+            largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the same
+            as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
@@ -88,6 +94,7 @@ class RunnerConfig:
     compile: bool = False
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
+    prefill_graphs: bool | None = None
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
 
@@ -201,6 +208,7 @@ class ModelRunner:
         self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
         self._staging_turn: dict[tuple, int] = {}
         self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
+        self._prefiller = Prefiller(self)
 
     @property
     def kernels(self) -> str:
@@ -233,12 +241,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, prompts: dict[int, list[int]],
                 taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Append prompts to their slots in as few forwards as the token budget allows.
-
-        Prompts are grouped by length (so a batch pads its rows little) into batches whose padded
-        size (rows x chunk length) stays under ``prefill_tokens``, one row per prompt
-        (``_prefill_group``); each group runs in chunks of ``prefill_chunk`` positions. Other slots
-        are untouched.
+        """Append prompts to their slots in as few forwards as the token budget allows
+        (``tandem.models.prefill``: grouped by length, one row per prompt, from a CUDA graph per
+        bucket with ``prefill_graphs``). Other slots are untouched.
 
         Args:
             prompts: slot -> prompt tokens (>= 1 each).
@@ -251,69 +256,9 @@ class ModelRunner:
 
         Raises:
             CacheFullError: a prompt does not fit in its slot.
+            ValueError: an empty prompt.
         """
-        for slot, ids in prompts.items():
-            if not ids:
-                raise ValueError(f"slot {slot} has an empty prompt")
-            self.cache.check_room(slot, len(ids))
-        chunk = self.config.prefill_chunk
-        budget = max(self.config.prefill_tokens, chunk)
-        slots = sorted(prompts)
-        last_hidden: dict[int, torch.Tensor] = {}
-        pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
-        group: list[int] = []
-        for slot in sorted(slots, key=lambda s: len(prompts[s])) + [None]:  # similar lengths pad little
-            if slot is not None:
-                cand = group + [slot]
-                if not group or len(cand) * min(chunk, len(prompts[slot])) <= budget:
-                    group = cand
-                    continue
-            self._prefill_group(sorted(group), prompts, last_hidden, pieces)
-            group = [slot] if slot is not None else []
-        hidden = torch.stack([last_hidden[s] for s in slots])
-        if taps_out is not None and self.config.taps:
-            taps_out.update({s: torch.cat(p) for s, p in pieces.items()})
-        return self.model.logits(hidden)
-
-    def _prefill_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
-                       taps_out: dict[int, list[torch.Tensor]] | None) -> None:
-        """Prefill the slots of ``group`` (ascending) as the rows of one batch (``KVCache.batch_rows``:
-        one row per slot, scattered slots included), in chunks of ``prefill_chunk`` positions."""
-        rows = len(group)
-        lengths = [self.cache.lengths[s] for s in group]
-        chunk = self.config.prefill_chunk
-        # a chunk's start + width stays within (the longest row at the end) + (the widest chunk)
-        k, v, write_back = self.cache.batch_rows(group, max(n + len(prompts[s]) for n, s in zip(lengths, group))
-                                                 + min(chunk, max(len(prompts[s]) for s in group)))
-        done = [0] * rows
-        while any(done[r] < len(prompts[s]) for r, s in enumerate(group)):
-            width = min(chunk, max(len(prompts[s]) - done[r] for r, s in enumerate(group)))
-            tokens = torch.zeros((rows, width), dtype=torch.long)
-            start = torch.tensor(lengths, dtype=torch.long)
-            q_lens = torch.zeros(rows, dtype=torch.long)
-            for r, s in enumerate(group):
-                piece = prompts[s][done[r]:done[r] + width]
-                if piece:
-                    tokens[r, :len(piece)] = torch.tensor(piece)
-                    q_lens[r] = len(piece)
-            attn_len = int((start + q_lens).max())
-            dev = self.device
-            wide = int(start.max()) + width <= k.shape[3]  # room for the fused kernels' attention span
-            hidden, taps = self.model.forward_hidden(to_device(tokens, dev), to_device(start, dev),
-                                                     to_device(q_lens, dev), k, v, attn_len, taps=self.config.taps,
-                                                     wide=wide)
-            for r, s in enumerate(group):
-                q = int(q_lens[r])
-                if q:
-                    if taps_out is not None and taps is not None:
-                        taps_out.setdefault(s, []).append(taps[r, :q])
-                    lengths[r] += q
-                    done[r] += q
-                    if done[r] == len(prompts[s]):
-                        out[s] = hidden[r, q - 1]
-        write_back()
-        for r, s in enumerate(group):
-            self.cache.lengths[s] = lengths[r]
+        return self._prefiller.prefill(prompts, taps_out)
 
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
@@ -415,22 +360,26 @@ class ModelRunner:
                 return self._step_fn(n, q, attn_len, patch, epilogue)(packed.to(self.device))
             captured = self._capture(n, q, attn_len, packed, patch, epilogue)
             self._graphs[key] = captured
-        # through a pinned staging buffer: a copy from pageable memory may wait for the GPU. Two
-        # buffers per shape, used in turn: the one used two steps ago has long been copied.
-        if self.device.type == "cuda":
-            ring = self._staging.get(key)
-            if ring is None:
-                ring = self._staging[key] = [(torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
-                                              torch.cuda.Event()) for _ in range(2)]
-            turn = self._staging_turn[key] = 1 - self._staging_turn.get(key, 1)
-            staging, copied = ring[turn]
-            copied.synchronize()  # a step whose results were never read (timing loops) may still be copying
-            staging.copy_(packed)
-            captured.inputs[0].copy_(staging, non_blocking=True)
-            copied.record()
-        else:  # the graph bookkeeping run on a CPU (tests)
-            captured.inputs[0].copy_(packed)
+        self._stage(key, packed, captured.inputs[0])
         return captured()
+
+    def _stage(self, key: tuple, packed: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy host inputs ``packed`` into a graph's static input ``dest`` without waiting for the
+        device: through a pinned staging buffer (a copy from pageable memory may wait for the GPU),
+        two per graph ``key``, used in turn (the one used two steps ago has long been copied)."""
+        if self.device.type != "cuda":  # the graph bookkeeping run on a CPU (tests)
+            dest.copy_(packed)
+            return
+        ring = self._staging.get(key)
+        if ring is None:
+            ring = self._staging[key] = [(torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True),
+                                          torch.cuda.Event()) for _ in range(2)]
+        turn = self._staging_turn[key] = 1 - self._staging_turn.get(key, 1)
+        staging, copied = ring[turn]
+        copied.synchronize()  # a step whose results were never read (timing loops) may still be copying
+        staging.copy_(packed)
+        dest.copy_(staging, non_blocking=True)
+        copied.record()
 
     def _capture(self, n: int, q: int, attn_len: int, packed: torch.Tensor,
                  patch: Callable[[torch.Tensor, int], None] | None = None,

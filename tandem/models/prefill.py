@@ -1,0 +1,198 @@
+"""Prefill: appending prompts to KV cache slots, eagerly or from CUDA graphs.
+
+``Prefiller.prefill`` groups the prompts by length into batches of at most ``prefill_tokens``
+padded tokens, one row per prompt. A group runs one of two ways:
+
+- eager: ``KVCache.batch_rows`` gives the group's rows (views of contiguous slots, else a dense copy
+  written back after), and each chunk of ``prefill_chunk`` positions is one ``forward_hidden`` call.
+  On a GPU its host cost is launching every kernel of every layer, ~10-20 ms for the bundled
+  30-layer model whatever the row count: the rounds queued behind a prefill wait for it.
+- static (``RunnerConfig.prefill_graphs``, on by default with CUDA graphs): a group of fresh slots
+  whose prompts fit one chunk is padded to a bucket of rows (a power of two) and positions (a power
+  of two, at least ``MIN_WIDTH``) and runs over dense K/V buffers of exactly that shape, from a
+  CUDA graph captured once per bucket: one launch. The buffers are views of one store sized for the
+  largest bucket allowed (``rows x positions <= 2 x prefill_tokens``), which every bucket shares
+  (prefills run one after another on one stream); the group's rows are then copied into its slots.
+  Without CUDA graphs (CPU tests) the same path runs eagerly.
+
+A row's results do not depend on its padding (padded tokens write their K/V to the scratch position
+and causal attention never reads a later position), so both paths give a prompt the same cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+
+MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
+
+
+def width_bucket(n: int, limit: int) -> int:
+    """Positions of the static bucket for a prompt of ``n`` tokens: a power of two, at least
+    ``MIN_WIDTH``, at most ``limit`` (the prefill chunk) but never below ``n``."""
+    w = MIN_WIDTH
+    while w < n:
+        w *= 2
+    return max(min(w, limit), n)
+
+
+class Prefiller:
+    """The prefill half of a ``ModelRunner`` (see the module docstring)."""
+
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.runner = runner
+        cfg = runner.config
+        self.static = cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs
+        self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
+        self.launches = 0  # static prefill groups run (graph replays on CUDA)
+
+    @property
+    def max_bucket_tokens(self) -> int:
+        """rows x positions of the largest static bucket."""
+        cfg = self.runner.config
+        return 2 * max(cfg.prefill_tokens, cfg.prefill_chunk)
+
+    def prefill(self, prompts: dict[int, list[int]], taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """See ``ModelRunner.prefill``."""
+        runner = self.runner
+        for slot, ids in prompts.items():
+            if not ids:
+                raise ValueError(f"slot {slot} has an empty prompt")
+            runner.cache.check_room(slot, len(ids))
+        chunk = runner.config.prefill_chunk
+        budget = max(runner.config.prefill_tokens, chunk)
+        slots = sorted(prompts)
+        last_hidden: dict[int, torch.Tensor] = {}
+        pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
+        group: list[int] = []
+        for slot in sorted(slots, key=lambda s: len(prompts[s])) + [None]:  # similar lengths pad little
+            if slot is not None:
+                cand = group + [slot]
+                if not group or len(cand) * min(chunk, len(prompts[slot])) <= budget:
+                    group = cand
+                    continue
+            group = sorted(group)
+            if not self._static_group(group, prompts, last_hidden, pieces):
+                self._eager_group(group, prompts, last_hidden, pieces)
+            group = [slot] if slot is not None else []
+        hidden = torch.stack([last_hidden[s] for s in slots])
+        if taps_out is not None and runner.config.taps:
+            taps_out.update({s: torch.cat(p) for s, p in pieces.items()})
+        return runner.model.logits(hidden)
+
+    def _eager_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
+                     taps_out: dict[int, list[torch.Tensor]] | None) -> None:
+        """Prefill the slots of ``group`` (ascending) as the rows of one batch (``KVCache.batch_rows``:
+        one row per slot, scattered slots included), in chunks of ``prefill_chunk`` positions."""
+        from .runner import to_device
+
+        runner = self.runner
+        cache = runner.cache
+        rows = len(group)
+        lengths = [cache.lengths[s] for s in group]
+        chunk = runner.config.prefill_chunk
+        # a chunk's start + width stays within (the longest row at the end) + (the widest chunk)
+        k, v, write_back = cache.batch_rows(group, max(n + len(prompts[s]) for n, s in zip(lengths, group))
+                                            + min(chunk, max(len(prompts[s]) for s in group)))
+        done = [0] * rows
+        while any(done[r] < len(prompts[s]) for r, s in enumerate(group)):
+            width = min(chunk, max(len(prompts[s]) - done[r] for r, s in enumerate(group)))
+            tokens = torch.zeros((rows, width), dtype=torch.long)
+            start = torch.tensor(lengths, dtype=torch.long)
+            q_lens = torch.zeros(rows, dtype=torch.long)
+            for r, s in enumerate(group):
+                piece = prompts[s][done[r]:done[r] + width]
+                if piece:
+                    tokens[r, :len(piece)] = torch.tensor(piece)
+                    q_lens[r] = len(piece)
+            attn_len = int((start + q_lens).max())
+            dev = runner.device
+            wide = int(start.max()) + width <= k.shape[3]  # room for the fused kernels' attention span
+            hidden, taps = runner.model.forward_hidden(to_device(tokens, dev), to_device(start, dev),
+                                                       to_device(q_lens, dev), k, v, attn_len, taps=runner.config.taps,
+                                                       wide=wide)
+            for r, s in enumerate(group):
+                q = int(q_lens[r])
+                if q:
+                    if taps_out is not None and taps is not None:
+                        taps_out.setdefault(s, []).append(taps[r, :q])
+                    lengths[r] += q
+                    done[r] += q
+                    if done[r] == len(prompts[s]):
+                        out[s] = hidden[r, q - 1]
+        write_back()
+        for r, s in enumerate(group):
+            cache.lengths[s] = lengths[r]
+
+    def _static_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
+                      taps_out: dict[int, list[torch.Tensor]] | None) -> bool:
+        """Prefill ``group`` on the static path (see the module docstring); False, doing nothing,
+        when the group does not qualify (static prefill off, a slot already holding tokens, a prompt
+        longer than one chunk, or a bucket past ``max_bucket_tokens``)."""
+        from .runner import CapturedCall, batch_bucket, to_device
+
+        runner = self.runner
+        cache = runner.cache
+        longest = max(len(prompts[s]) for s in group)
+        if not self.static or any(cache.lengths[s] for s in group) or longest > runner.config.prefill_chunk:
+            return False
+        rows = len(group)
+        R, W = batch_bucket(rows, cache.num_slots), width_bucket(longest, runner.config.prefill_chunk)
+        if R * W > self.max_bucket_tokens:
+            return False
+        packed = torch.zeros((R, 1 + W), dtype=torch.long)  # q_len, then the tokens (one copy to the device)
+        for r, s in enumerate(group):
+            packed[r, 0] = len(prompts[s])
+            packed[r, 1:1 + len(prompts[s])] = torch.tensor(prompts[s])
+        key = ("prefill", R, W)
+        captured = runner._graphs.get(key)
+        if captured is None:
+            k, v = self._buffers(R, W)
+
+            def run(p: torch.Tensor):
+                q_lens = p[:, 0]
+                return runner.model.forward_hidden(p[:, 1:], torch.zeros_like(q_lens), q_lens, k, v, W,
+                                                   taps=runner.config.taps, wide=True)
+
+            captured = CapturedCall(run, (to_device(packed, runner.device),), capture=runner.config.cuda_graphs,
+                                    pool=runner._graph_pool)
+            captured.kv = (k, v)
+            runner._graphs[key] = captured
+        else:
+            runner._stage(key, packed, captured.inputs[0])
+        hidden, taps = captured()
+        self.launches += 1
+        k, v = captured.kv
+        index = to_device(torch.tensor(group, dtype=torch.long), runner.device)
+        cache.k[:, index, :, :longest] = k[:, :rows, :, :longest]
+        cache.v[:, index, :, :longest] = v[:, :rows, :, :longest]
+        # copies, not views: the next replay of this bucket overwrites the graph's outputs
+        last = to_device(packed[:rows, 0] - 1, runner.device)
+        ends = hidden[torch.arange(rows, device=runner.device), last]  # [rows, d]
+        for r, s in enumerate(group):
+            q = len(prompts[s])
+            out[s] = ends[r]
+            if taps_out is not None and taps is not None:
+                taps_out.setdefault(s, []).append(taps[r, :q].clone())
+            cache.lengths[s] = q
+        return True
+
+    def _buffers(self, R: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V of a ``R`` x ``W`` bucket, ``[num_layers, R, num_kv_heads, W + 1, head_dim]``
+        each (the last position is the scratch one padded tokens write to): views of the shared store."""
+        runner = self.runner
+        full = runner.cache.k
+        layers, kv_heads, head_dim = full.shape[0], full.shape[2], full.shape[4]
+        per_position = layers * kv_heads * head_dim
+        if self._store is None:
+            positions = self.max_bucket_tokens + runner.cache.num_slots  # R x (W + 1) at most
+            # zeros, not garbage: masked attention (the reference path) multiplies the values of
+            # positions it does not attend by 0, and 0 x NaN is NaN
+            self._store = tuple(full.new_zeros(positions * per_position) for _ in range(2))
+        shape = (layers, R, kv_heads, W + 1, head_dim)
+        n = layers * R * kv_heads * (W + 1) * head_dim
+        return self._store[0][:n].view(shape), self._store[1][:n].view(shape)

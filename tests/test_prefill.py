@@ -1,0 +1,115 @@
+"""Prefill paths (``tandem.models.prefill``): the static, bucketed path (from CUDA graphs on a GPU,
+eager here) leaves each prompt the same KV cache, logits and tapped states as the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine import Engine
+from tandem.models import load_checkpoint
+from tandem.models.prefill import MIN_WIDTH, width_bucket
+from tandem.models.runner import ModelRunner, RunnerConfig
+from tandem.sampling import SamplingParams
+
+LENGTHS = {1: 3, 3: 40, 4: 7, 6: 70}  # scattered slots, lengths across several width buckets
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint("llama"))
+
+
+def _prompts(vocab: int, lengths: dict[int, int], seed: int = 0) -> dict[int, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {s: torch.randint(1, vocab, (n,), generator=gen).tolist() for s, n in lengths.items()}
+
+
+def _runner(checkpoint, static: bool, device: str = "cpu", **kw) -> ModelRunner:
+    cfg = RunnerConfig(device=device, dtype=torch.float32, max_batch_size=8, max_seq_len=128, prefill_graphs=static,
+                       taps=(0, 2), **kw)
+    runner = ModelRunner(checkpoint, cfg)
+    for _ in range(8):
+        runner.cache.allocate()
+    return runner
+
+
+def _check_same(got: ModelRunner, want: ModelRunner, prompts, got_out, want_out, atol: float) -> None:
+    (got_logits, got_taps), (want_logits, want_taps) = got_out, want_out
+    torch.testing.assert_close(got_logits.cpu(), want_logits.cpu(), atol=atol, rtol=0)
+    for s, ids in prompts.items():
+        n = len(ids)
+        assert got.cache.lengths[s] == want.cache.lengths[s] == n
+        for name in ("k", "v"):
+            torch.testing.assert_close(getattr(got.cache, name)[:, s, :, :n].float().cpu(),
+                                       getattr(want.cache, name)[:, s, :, :n].float().cpu(), atol=atol, rtol=0)
+        torch.testing.assert_close(got_taps[s].float().cpu(), want_taps[s].float().cpu(), atol=atol, rtol=0)
+
+
+def _prefill(runner: ModelRunner, prompts) -> tuple[torch.Tensor, dict]:
+    taps: dict = {}
+    return runner.prefill(prompts, taps), taps
+
+
+def test_width_buckets():
+    assert [width_bucket(n, 1024) for n in (1, MIN_WIDTH, MIN_WIDTH + 1, 200, 1000)] == [
+        MIN_WIDTH, MIN_WIDTH, 2 * MIN_WIDTH, 256, 1024]
+    assert width_bucket(900, 1000) == 1000 and width_bucket(100, 64) == 100  # the chunk caps, never below n
+
+
+def test_static_prefill_equals_eager(checkpoint):
+    """Scattered slots, four lengths, taps: the padded static path's logits, K/V rows, lengths and
+    tapped states equal the eager path's; a prompt past one chunk and a slot already holding tokens
+    take the eager path (no static launch)."""
+    prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
+    static, eager = _runner(checkpoint, True), _runner(checkpoint, False)
+    _check_same(static, eager, prompts, _prefill(static, prompts), _prefill(eager, prompts), atol=1e-5)
+    assert static._prefiller.launches >= 1 and eager._prefiller.launches == 0
+    launches = static._prefiller.launches
+    more = {s: p[:5] for s, p in _prompts(checkpoint.config.vocab_size, {3: 5, 6: 5}, seed=1).items()}
+    _check_same(static, eager, {3: prompts[3] + more[3], 6: prompts[6] + more[6]},
+                _prefill(static, more), _prefill(eager, more), atol=1e-5)
+    assert static._prefiller.launches == launches  # slots holding tokens: eager
+    long_static = _runner(checkpoint, True, prefill_chunk=16)
+    long_eager = _runner(checkpoint, False, prefill_chunk=16)
+    _check_same(long_static, long_eager, prompts, _prefill(long_static, prompts), _prefill(long_eager, prompts),
+                atol=1e-5)
+    assert long_static._prefiller.launches == 0  # one group, with prompts past a chunk: eager, by chunks
+
+
+def test_static_prefill_reuses_its_bucket_and_keeps_outputs(checkpoint):
+    """Groups in one prefill that share a bucket (same rows and width): each group's
+    results survive the later replays (they are copies, not views of the graph's outputs)."""
+    prompts = _prompts(checkpoint.config.vocab_size, {0: 20, 1: 21, 2: 22, 3: 23})
+    cfg = dict(prefill_chunk=32, prefill_tokens=32)  # one prompt of 20+ tokens per group: four groups, one bucket
+    static, eager = _runner(checkpoint, True, **cfg), _runner(checkpoint, False, **cfg)
+    _check_same(static, eager, prompts, _prefill(static, prompts), _prefill(eager, prompts), atol=1e-5)
+    assert static._prefiller.launches == 4 and len([k for k in static._graphs if k[0] == "prefill"]) == 1
+
+
+def test_engine_output_same_with_static_prefill(tiny_checkpoint):
+    """Greedy generation over the tiny model is the same token for token with either prefill path."""
+    d = str(tiny_checkpoint("llama", with_tokenizer=True))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = ["a b c d e f", "hello there, how are you today?", "x" * 50]
+    outs = []
+    for static in (True, False):
+        engine = Engine(d, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=static))
+        outs.append([c.token_ids for c in engine.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_graphs_equal_eager_on_the_gpu(checkpoint):
+    """From CUDA graphs (float32, the fused kernels): the same results as eager prefills, twice
+    (the second run replays the captured buckets)."""
+    prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
+    graphs = _runner(checkpoint, True, device="cuda", cuda_graphs=True)
+    eager = _runner(checkpoint, False, device="cuda", cuda_graphs=True)
+    for _ in range(2):
+        for s in prompts:
+            graphs.cache.truncate(s, 0)
+            eager.cache.truncate(s, 0)
+        _check_same(graphs, eager, prompts, _prefill(graphs, prompts), _prefill(eager, prompts), atol=1e-4)
+    assert graphs._prefiller.launches >= 2 and any(k[0] == "prefill" for k in graphs._graphs)
