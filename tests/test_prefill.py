@@ -57,6 +57,23 @@ def test_width_buckets():
     assert width_bucket(900, 1000) == 1000 and width_bucket(100, 64) == 100  # the chunk caps, never below n
 
 
+@pytest.mark.parametrize("slots,chunk,tokens", [(8, 1024, 8192), (128, 1024, 8192), (6, 100, 64)])
+def test_buckets_cover_every_static_group(checkpoint, slots, chunk, tokens):
+    """``Prefiller.buckets`` (what ``capture_all`` captures at start-up) holds the bucket of every
+    group the static path can meet: any row count up to the slots, any longest prompt up to a chunk."""
+    from tandem.models.runner import batch_bucket
+
+    runner = ModelRunner(checkpoint, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=128,
+                                                  prefill_chunk=chunk, prefill_tokens=tokens))
+    pre = runner._prefiller
+    buckets = set(pre.buckets())
+    assert len(buckets) == len(pre.buckets())
+    met = {(batch_bucket(n, slots), width_bucket(w, chunk)) for n in range(1, slots + 1) for w in range(1, chunk + 1)}
+    assert {b for b in met if b[0] * b[1] <= pre.max_bucket_tokens} == buckets
+    if (slots, chunk) == (8, 1024):
+        assert len(buckets) == 4 * 6  # rows 1..8, positions 32..1024
+
+
 def test_static_prefill_equals_eager(checkpoint):
     """Scattered slots, four lengths, taps: the padded static path's logits, K/V rows, lengths and
     tapped states equal the eager path's; a prompt past one chunk and a slot already holding tokens
@@ -102,14 +119,17 @@ def test_engine_output_same_with_static_prefill(tiny_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prefill_graphs_equal_eager_on_the_gpu(checkpoint):
-    """From CUDA graphs (float32, the fused kernels): the same results as eager prefills, twice
-    (the second run replays the captured buckets)."""
+    """From CUDA graphs (float32, the fused kernels): every bucket captured when the runner is
+    built (none during a prefill), and the same results as eager prefills, twice."""
     prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
     graphs = _runner(checkpoint, True, device="cuda", cuda_graphs=True)
     eager = _runner(checkpoint, False, device="cuda", cuda_graphs=True)
+    made = {k for k in graphs._graphs if k[0] == "prefill"}  # every bucket, at construction
+    assert made == {("prefill", r, w) for r, w in graphs._prefiller.buckets()}
     for _ in range(2):
         for s in prompts:
             graphs.cache.truncate(s, 0)
             eager.cache.truncate(s, 0)
         _check_same(graphs, eager, prompts, _prefill(graphs, prompts), _prefill(eager, prompts), atol=1e-4)
-    assert graphs._prefiller.launches >= 2 and any(k[0] == "prefill" for k in graphs._graphs)
+    assert graphs._prefiller.launches >= 2 and {k for k in graphs._graphs if k[0] == "prefill"} == made
+    assert not any(k[0] == "prefill" for k in eager._graphs)

@@ -13,7 +13,8 @@ padded tokens, one row per prompt. A group runs one of two ways:
   CUDA graph captured once per bucket: one launch. The buffers are views of one store sized for the
   largest bucket allowed (``rows x positions <= 2 x prefill_tokens``), which every bucket shares
   (prefills run one after another on one stream); the group's rows are then copied into its slots.
-  Without CUDA graphs (CPU tests) the same path runs eagerly.
+  Every bucket is captured when the runner is built (``capture_all``), so no capture lands in an
+  admission. Without CUDA graphs (CPU tests) the same path runs eagerly.
 
 A row's results do not depend on its padding (padded tokens write their K/V to the scratch position
 and causal attention never reads a later position), so both paths give a prompt the same cache.
@@ -133,7 +134,7 @@ class Prefiller:
         """Prefill ``group`` on the static path (see the module docstring); False, doing nothing,
         when the group does not qualify (static prefill off, a slot already holding tokens, a prompt
         longer than one chunk, or a bucket past ``max_bucket_tokens``)."""
-        from .runner import CapturedCall, batch_bucket, to_device
+        from .runner import batch_bucket, to_device
 
         runner = self.runner
         cache = runner.cache
@@ -149,21 +150,8 @@ class Prefiller:
             packed[r, 0] = len(prompts[s])
             packed[r, 1:1 + len(prompts[s])] = torch.tensor(prompts[s])
         key = ("prefill", R, W)
-        captured = runner._graphs.get(key)
-        if captured is None:
-            k, v = self._buffers(R, W)
-
-            def run(p: torch.Tensor):
-                q_lens = p[:, 0]
-                return runner.model.forward_hidden(p[:, 1:], torch.zeros_like(q_lens), q_lens, k, v, W,
-                                                   taps=runner.config.taps, wide=True)
-
-            captured = CapturedCall(run, (to_device(packed, runner.device),), capture=runner.config.cuda_graphs,
-                                    pool=runner._graph_pool)
-            captured.kv = (k, v)
-            runner._graphs[key] = captured
-        else:
-            runner._stage(key, packed, captured.inputs[0])
+        captured = runner._graphs.get(key) or self._capture(R, W)
+        runner._stage(key, packed, captured.inputs[0])
         hidden, taps = captured()
         self.launches += 1
         k, v = captured.kv
@@ -180,6 +168,49 @@ class Prefiller:
                 taps_out.setdefault(s, []).append(taps[r, :q].clone())
             cache.lengths[s] = q
         return True
+
+    def _capture(self, R: int, W: int):
+        """The static call of bucket ``R`` x ``W`` (a CUDA graph with CUDA graphs, else an eager call),
+        made and kept in the runner's graphs under ``("prefill", R, W)``."""
+        from .runner import CapturedCall, to_device
+
+        runner = self.runner
+        k, v = self._buffers(R, W)
+
+        def run(p: torch.Tensor):
+            q_lens = p[:, 0]
+            return runner.model.forward_hidden(p[:, 1:], torch.zeros_like(q_lens), q_lens, k, v, W,
+                                               taps=runner.config.taps, wide=True)
+
+        idle = torch.zeros((R, 1 + W), dtype=torch.long)  # every row empty: the warm-up runs write scratch only
+        captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs,
+                                pool=runner._graph_pool)
+        captured.kv = (k, v)
+        runner._graphs[("prefill", R, W)] = captured
+        return captured
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, positions) bucket the static path can run: rows a ``batch_bucket`` value,
+        positions a ``width_bucket`` value, rows x positions within ``max_bucket_tokens``."""
+        slots, chunk = self.runner.cache.num_slots, self.runner.config.prefill_chunk
+        rows = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
+        widths = sorted({width_bucket(1 << i, chunk) for i in range(chunk.bit_length() + 1) if 1 << i <= chunk}
+                        | {chunk})
+        return [(r, w) for r in rows for w in widths if r * w <= self.max_bucket_tokens]
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every bucket now (at start-up, CUDA graphs only): a capture synchronises the
+        device and runs the forward eagerly twice first, which inside a running batch's admission
+        would stall every request. Returns the number captured."""
+        if not (self.static and self.runner.config.cuda_graphs):
+            return 0
+        made = 0
+        for r, w in self.buckets():
+            if ("prefill", r, w) not in self.runner._graphs:
+                self._capture(r, w)
+                made += 1
+        return made
 
     def _buffers(self, R: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V of a ``R`` x ``W`` bucket, ``[num_layers, R, num_kv_heads, W + 1, head_dim]``

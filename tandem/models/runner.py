@@ -209,6 +209,9 @@ class ModelRunner:
         self._staging_turn: dict[tuple, int] = {}
         self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
         self._prefiller = Prefiller(self)
+        made = self._prefiller.capture_all()
+        if made:
+            log.info("captured %d prefill CUDA graphs (rows x positions buckets)", made)
 
     @property
     def kernels(self) -> str:
