@@ -229,22 +229,22 @@ class Engine(EngineConveniences):
             raise InvalidRequestError(f"params must be a tandem.sampling.SamplingParams, got {type(params).__name__}")
         if prompt_ids is None:
             if prompt is None:
-                raise InvalidRequestError("give a prompt or prompt_ids")
+                raise InvalidRequestError("give a prompt or prompt_ids", param="prompt")
             ids = self.encode_prompt(prompt, chat=chat)
         else:
             try:
                 ids = [operator.index(t) for t in prompt_ids]
             except TypeError:
-                raise InvalidRequestError("prompt token ids must be integers") from None
+                raise InvalidRequestError("prompt token ids must be integers", param="prompt") from None
         if not ids:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         vocab = self.target.info.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if len(ids) >= self.max_seq_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the context limit is {self.max_seq_len} tokens "
-                f"(prompt plus at least one generated token)")
+                f"(prompt plus at least one generated token)", param="prompt")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")

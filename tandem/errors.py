@@ -5,7 +5,16 @@ class InvalidRequestError(ValueError):
     """A request is malformed (empty or over-long prompt, bad sampling parameters, bad token ids).
 
     Services map it to HTTP 400 / gRPC INVALID_ARGUMENT; it never affects other requests.
+
+    Args:
+        message: what is wrong, for the caller.
+        param: the request field at fault (OpenAI's error ``param``: "temperature", "max_tokens",
+            "prompt", ...), or None when no single field is.
     """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ConfigError(ValueError):

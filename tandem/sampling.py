@@ -52,23 +52,27 @@ class SamplingParams:
         """Raises InvalidRequestError naming the first bad field."""
         if (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                 or not 1 <= self.max_tokens < 2**31):
-            raise InvalidRequestError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}",
+                                      param="max_tokens")
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
                 or not math.isfinite(self.temperature) or self.temperature < 0):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                                      param="temperature")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
-            raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}",
+                                      param="top_k")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
-                raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}")
+                raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}",
+                                          param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:

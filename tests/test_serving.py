@@ -303,6 +303,11 @@ def test_fifty_concurrent_streams(stack, model_id, local_engine, prompts):
         assert text == ref.text and usage is not None and usage.completion_tokens == ref.completion_tokens, i
 
 
+def room(engine, prompt: str) -> int:
+    """The most output tokens a chat request with ``prompt`` may ask for (prompt + output <= CONTEXT)."""
+    return CONTEXT - len(engine.encode_prompt([{"role": "user", "content": prompt}]))
+
+
 def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
@@ -314,25 +319,35 @@ def _post(stack, path: str, body, key: str | None = KEY) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-@pytest.mark.parametrize("body, needle", [
-    (b"{not json", "not valid JSON"),
-    (b"", "body is empty"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n = 1"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "not served"),
-    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias"),
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, needle, param", [
+    (b"{not json", "not valid JSON", None),
+    (b"", "body is empty", None),
+    ({"messages": []}, "messages", "messages"),
+    ({"messages": HI, "temperature": -1}, "temperature", "temperature"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"messages": HI, "top_p": 1.5}, "top_p", "top_p"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role", "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit", "messages"),
+    ({"messages": HI, "max_tokens": 10**9}, "past the context limit of 256 tokens", "max_tokens"),
+    ({"messages": HI, "max_completion_tokens": 250}, "at most", "max_completion_tokens"),
+    ({"messages": HI, "max_tokens": "4"}, "max_tokens", "max_tokens"),
+    ({"messages": HI, "max_tokens": True}, "max_tokens", "max_tokens"),
+    ({"messages": HI, "stream": "yes"}, "stream", "stream"),
+    ({"messages": HI, "n": 3}, "n = 1", "n"),
+    ({"messages": HI, "model": "gpt-9"}, "not served", "model"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),
+    ({"messages": HI, "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias", "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
-     "unsupported field(s): best_of, messages[0].name"),
-    (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB"),
+     "unsupported field(s): best_of, messages[0].name", "best_of"),
+    (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB", None),
 ])
-def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle):
-    """Each bad request gets a 4xx with a message while a good streaming request runs alongside."""
+def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle,
+                                                        param):
+    """Each bad request gets a 4xx whose message says what is wrong and whose ``param`` names the
+    field at fault (None where no single field is), while a good streaming request runs alongside."""
     result = {}
     good = threading.Thread(target=lambda: result.setdefault("r", stream_text(client, model_id, prompts[1], 12)))
     good.start()
@@ -340,6 +355,7 @@ def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id,
     good.join(timeout=120)
     assert 400 <= status < 500, payload
     assert needle in payload["error"]["message"]
+    assert payload["error"]["param"] == param, payload
     text, usage, finish = result["r"]  # the good request is unharmed: exactly the in-process engine's output
     want = reference(local_engine, [prompts[1]], 12)[0]
     assert text == want.text and usage.completion_tokens == want.completion_tokens
@@ -406,7 +422,7 @@ def test_client_disconnect_frees_slots(stack, client, model_id, local_engine, pr
     streams = []
     for i in range(SLOTS):
         s = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[i]}],
-                                           max_tokens=CONTEXT, temperature=0, stream=True,
+                                           max_tokens=room(local_engine, prompts[i]), temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         first_content(s)  # the request is running (it runs to the context limit unless aborted)
         streams.append(s)
@@ -582,7 +598,8 @@ def test_verifier_failure_spares_other_replicas(tiny_dir, local_engine, prompts)
             parts = []
             try:
                 for chunk in client.chat.completions.create(
-                        model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=CONTEXT,
+                        model=model_id, messages=[{"role": "user", "content": prompts[i]}],
+                        max_tokens=room(local_engine, prompts[i]),
                         temperature=0, stream=True, extra_body={"ignore_eos": True}):
                     started[i].set()
                     if chunk.choices:

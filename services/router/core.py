@@ -318,6 +318,11 @@ class Router:
 
     # ------------------------------------------------------------------ API (event loop)
 
+    @property
+    def context_limit(self) -> int:
+        """Tokens a request may hold in all (prompt + output): the verifiers' context."""
+        return self.workers[0].engine.max_seq_len
+
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
                      chat: bool = True, request_id: str | None = None, logprobs: bool = False) -> Request:
         """Validate and tokenize (no engine state is touched).

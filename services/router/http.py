@@ -6,8 +6,9 @@ Usage objects carry the speculative-decoding metrics of the request next to the 
 acceptance_rate, mean_accepted_length}`` (docs/architecture.md ("Metrics") definitions).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
-400 (a field Tandem does not implement included, unless it is at its no-op value: no field is
-ignored in silence), a missing or wrong bearer token 401, a body over ``MAX_BODY_BYTES`` 413, a
+400 with the field at fault in ``param`` (a field of the wrong JSON type, a ``max_tokens`` that
+with the prompt passes the served context, and a field Tandem does not implement, unless it is at
+its no-op value: no field is ignored in silence), a missing or wrong bearer token 401, a body over ``MAX_BODY_BYTES`` 413, a
 failed verifier 503. Prompts are tokenized off the event loop, so a long one never stalls other
 requests' streams.
 """
@@ -46,7 +47,9 @@ NO_OP_VALUES = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")  # kept so that ``unsupported_fields`` can name them
+    # extra fields are kept so that ``unsupported_fields`` can name them; strict: a field of the
+    # wrong JSON type is a 400, not converted ("4" or true for max_tokens, "yes" for stream)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def unsupported_fields(self) -> list[str]:
         """Extra fields of this object that would change the output if honoured (``NO_OP_VALUES``)."""
@@ -81,9 +84,9 @@ class _SamplingFields(_Base):
         bad = self.unsupported_fields()
         if bad:
             raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
-                                      "send them at their no-op value or leave them out)")
+                                      "send them at their no-op value or leave them out)", param=bad[0])
         if self.n != 1:
-            raise InvalidRequestError("only n = 1 is supported")
+            raise InvalidRequestError("only n = 1 is supported", param="n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
@@ -97,7 +100,8 @@ class CompletionRequest(_SamplingFields):
 
     def wants_logprobs(self) -> bool:
         if self.logprobs:
-            raise InvalidRequestError("top alternatives are not returned; use logprobs=0 for the tokens' own")
+            raise InvalidRequestError("top alternatives are not returned; use logprobs=0 for the tokens' own",
+                                      param="logprobs")
         return self.logprobs is not None
 
 
@@ -118,7 +122,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def wants_logprobs(self) -> bool:
         if self.top_logprobs:
-            raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own")
+            raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own",
+                                      param="top_logprobs")
         return self.logprobs
 
 
@@ -182,11 +187,11 @@ def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if isinstance(content, list):  # OpenAI content parts: text only
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise InvalidRequestError("only text content parts are supported")
+                raise InvalidRequestError("only text content parts are supported", param="messages")
             content = "".join(texts)
         out.append({"role": m.role, "content": content or ""})
     if not any(m["content"].strip() for m in out):  # as /v1/completions and `tandem generate` refuse ""
-        raise InvalidRequestError("prompt is empty: every message's content is empty")
+        raise InvalidRequestError("prompt is empty: every message's content is empty", param="messages")
     return out
 
 
@@ -217,7 +222,10 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
-        return _error(400, str(exc))
+        param = exc.param
+        if param == "prompt" and request.url.path.endswith("/chat/completions"):
+            param = "messages"  # the chat API's prompt
+        return _error(400, str(exc), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -262,7 +270,10 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(router.started),
                                             "owned_by": "tandem"}]}
 
-    async def run(request: Request, req, prompt, chat: bool, params: SamplingParams, chat_api: bool):
+    async def run(request: Request, req, prompt, chat: bool, params: SamplingParams, chat_api: bool,
+                  requested: tuple[str, int] | None = None):
+        """Serve one request; ``requested`` = (field, value) of an explicit output limit, refused
+        when prompt + it is past the served context (without one, the output stops at the context)."""
         if req.model is not None and req.model != router.model_name:
             return _error(404, f"model {req.model!r} is not served here; use {router.model_name!r}", param="model")
         prompt_ids = None
@@ -270,12 +281,19 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             prompt_ids, prompt = prompt, None
         elif isinstance(prompt, list) and not chat_api:
             if len(prompt) != 1:
-                raise InvalidRequestError("send one prompt per request (a list of one string)")
+                raise InvalidRequestError("send one prompt per request (a list of one string)", param="prompt")
             prompt = prompt[0]
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
         # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
         engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
                                              request_id=rid, logprobs=req.wants_logprobs())
+        if requested is not None:
+            name, value = requested
+            limit, n = router.context_limit, len(engine_req.prompt_ids)
+            if n + value > limit:
+                raise InvalidRequestError(f"{name} is {value} and the prompt has {n} tokens: past the context limit "
+                                          f"of {limit} tokens (prompt + {name} <= {limit}; at most {limit - n} for "
+                                          f"this prompt)", param=name)
         created = int(time.time())
         if req.stream:
             if not any(w.healthy for w in router.workers):  # known down: say so before the 200 of a stream
@@ -288,15 +306,19 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
-            raise InvalidRequestError("echo is not supported")
-        return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False)
+            raise InvalidRequestError("echo is not supported", param="echo")
+        return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False,
+                         requested=None if body.max_tokens is None else ("max_tokens", body.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
+        requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             params = replace(params, max_tokens=body.max_completion_tokens)
-        return await run(request, body, _chat_content(body.messages), True, params, chat_api=True)
+            requested = ("max_completion_tokens", body.max_completion_tokens)
+        return await run(request, body, _chat_content(body.messages), True, params, chat_api=True,
+                         requested=requested)
 
     return app
 

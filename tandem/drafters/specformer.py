@@ -69,7 +69,8 @@ def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 class _Pending:
     length: int  # positions the head has seen for this slot (= the target's cache length)
     state: torch.Tensor = field(repr=False)  # [d] context state at the last accepted position
-    bonus: int | torch.Tensor | None = None  # the bonus token (the token after that position; 0-d on the device after a prefill)
+    # the bonus token (the token after that position; 0-d on the device after a prefill)
+    bonus: int | torch.Tensor | None = None
 
 
 class SpecFormerDrafter(Drafter):
@@ -214,7 +215,8 @@ class SpecFormerDrafter(Drafter):
         last = None
         if static:
             flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
-            where = to_device(torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long), dev)
+            where = to_device(torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long),
+                              dev)
 
             def fill(inputs):
                 inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
