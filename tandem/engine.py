@@ -563,11 +563,12 @@ class Engine(EngineConveniences):
                 logprobs: list[float] | None = None) -> RequestOutput:
         """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token.
         ``logprobs`` (one per token) are kept for requests that asked for them, cut with the tokens."""
-        kept = req.output.append(tokens)
-        new_logprobs = None
+        out = req.output
+        kept = out.append(tokens)
         if req.logprobs is not None:
-            new_logprobs = list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept
-            req.logprobs.extend(new_logprobs)
+            req.logprobs.extend(list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept)
+            del req.logprobs[len(out.token_ids):]  # a stop string also cuts tokens of earlier runs
+        text, lo, hi = out.take_delta()
         if drafted is not None:  # metrics are cut at the stop boundary too
             req.spec.record_run(drafted, accepted, len(tokens), kept)
         now = time.perf_counter()
@@ -578,5 +579,5 @@ class Engine(EngineConveniences):
             self.stats.merge(req.spec)
             if req.slot is not None:
                 self._release(req)
-        return RequestOutput(req.request_id, tokens[:kept], req.output.take_text_delta(), req.finished,
-                             req.output.finish_reason, new_logprobs)
+        return RequestOutput(req.request_id, out.token_ids[lo:hi], text, req.finished, out.finish_reason,
+                             None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi))

@@ -61,6 +61,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
+    token_texts: list[str] | None = None  # each new token's text; they join to text_delta (OutputState.token_texts)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Completion:
     tpot_s: float
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
+    token_texts: list[str] | None = None  # each token's text; they join to ``text``
 
     @property
     def completion_tokens(self) -> int:

@@ -4,7 +4,11 @@ A run is one or more tokens appended at once: 1 in plain decoding, the accepted 
 plus the bonus token in speculative decoding. Rules are checked token by token, in order:
 EOS / stop token ids, then stop strings (which may complete anywhere inside the run), then
 max_tokens. Tokens after the boundary are dropped, so token ids, text and every metric derived
-from the returned count are cut at the same place.
+from the returned count are cut at the same place. A stop string is cut from the text, and with it
+every token whose text starts at or after the cut (those of earlier runs included): the tokens
+left are exactly those that made the returned text (the last may end inside the stop string: its
+text is counted up to the cut). While a request runs, text that could begin a stop string is held
+back, and with it the tokens that made it, so a stream never hands out a token it later drops.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ class OutputState:
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
-        self._emitted = 0
+        self._emitted = 0  # characters of text handed out (take_delta)
+        self._released = 0  # tokens handed out
+        self._ends: list[int] = []  # end offset in ``text`` of each token's text (a stop id: empty)
 
     @property
     def finished(self) -> bool:
@@ -76,26 +82,28 @@ class OutputState:
         """
         if self.finished:
             raise RuntimeError("append to a finished request")
-        kept = 0
+        before = len(self.token_ids)
         for tok in tokens:
             self.token_ids.append(tok)
-            kept += 1
             if tok in self.stop_ids:
+                self._ends.append(len(self.text))
                 self.finish_reason = "stop"
                 break
             delta = self._detok.add(tok)
-            if delta:
-                prev_len = len(self.text)
-                self.text += delta
-                if self._cut_at_stop_string(prev_len):
-                    self.finish_reason = "stop"
-                    break
+            prev_len = len(self.text)
+            self.text += delta
+            self._ends.append(len(self.text))
+            if delta and self._cut_at_stop_string(prev_len):
+                self.finish_reason = "stop"
+                break
             if len(self.token_ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
-        return kept
+        return max(0, len(self.token_ids) - before)
 
     def _cut_at_stop_string(self, prev_len: int) -> bool:
+        """Cut the text at a stop string the last delta completed, and the tokens whose text
+        starts at or after the cut (see the module docstring)."""
         if not self._max_stop_len:
             return False
         # a stop string completed by this delta starts after prev_len - (max_stop_len - 1)
@@ -103,13 +111,41 @@ class OutputState:
         hits = [i for s in self.params.stop if (i := self.text.find(s, lo)) >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        cut = min(hits)
+        self.text = self.text[:cut]
+        while self.token_ids and self._start(len(self.token_ids) - 1) >= cut:
+            self.token_ids.pop()
+            self._ends.pop()
+        self._ends = [min(e, cut) for e in self._ends]
         return True
 
+    def _start(self, i: int) -> int:
+        return self._ends[i - 1] if i else 0
+
+    def token_texts(self, lo: int = 0, hi: int | None = None) -> list[str]:
+        """The text of each token in ``token_ids[lo:hi]``: they join to the text those tokens made
+        (a token that completes no character yet has "", the next one the whole character; a stop
+        id has "")."""
+        hi = len(self.token_ids) if hi is None else hi
+        return [self.text[self._start(i):self._ends[i]] for i in range(lo, hi)]
+
+    def take_delta(self) -> tuple[str, int, int]:
+        """Text and tokens not yet handed out: ``(text, lo, hi)`` with ``token_ids[lo:hi]`` the
+        tokens that made it. While running, the last ``max_stop_len - 1`` characters are held back
+        so a stop string never leaks partially into a stream, and so are the tokens whose text
+        reaches into them; once finished, everything left."""
+        if self.finished:
+            end, hi = len(self.text), len(self.token_ids)
+        else:
+            end = max(self._emitted, len(self.text) - max(self._max_stop_len - 1, 0))
+            hi = self._released
+            while hi < len(self.token_ids) and self._ends[hi] <= end:
+                hi += 1
+            end = self._ends[hi - 1] if hi > self._released else self._emitted  # whole tokens' text only
+        delta, lo = self.text[self._emitted:end], self._released
+        self._emitted, self._released = end, hi
+        return delta, lo, hi
+
     def take_text_delta(self) -> str:
-        """Text not yet handed out. While running, the last ``max_stop_len - 1`` characters are
-        held back so a stop string never leaks partially into a stream."""
-        end = len(self.text) if self.finished else max(self._emitted, len(self.text) - max(self._max_stop_len - 1, 0))
-        delta = self.text[self._emitted:end]
-        self._emitted = end
-        return delta
+        """``take_delta``'s text alone (the tokens are marked handed out as well)."""
+        return self.take_delta()[0]

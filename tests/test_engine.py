@@ -185,8 +185,11 @@ def test_stop_string(real_engine, reference_run):
         assert stop not in res.text
         assert res.token_ids == full.token_ids[:len(res.token_ids)]
         assert len(res.token_ids) < 32
-        assert stop in real_engine.tokenizer.decode(res.token_ids)  # the completing token is the last one
-        assert stop not in real_engine.tokenizer.decode(res.token_ids[:-1])
+        # the tokens are exactly those that made the text: the last one has text before the cut
+        # (it may run into the stop string), the next one starts at or after it
+        decoded = real_engine.tokenizer.decode(res.token_ids)
+        assert decoded.startswith(res.text) and len(real_engine.tokenizer.decode(res.token_ids[:-1])) < len(res.text)
+        assert "".join(res.token_texts) == res.text and len(res.token_texts) == len(res.token_ids)
     # several stop strings: the earliest match wins, whatever the order given
     res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, stop=[span, word, "zzzz"]))[0]
     assert res.text == full.text[:min(full.text.index(word), full.text.index(span))]
@@ -326,17 +329,31 @@ def _state(max_new: int = 100, **params) -> OutputState:
 
 
 def test_output_state_holds_back_stop_prefix():
+    """Text that may begin a stop string is held back with the tokens that made it; when the stop
+    string completes (over four runs here), those tokens are dropped with their text, so what was
+    handed out is exactly the output: tokens, their texts and the text agree."""
     st = _state(stop=["STOP"])
-    deltas = []
+    deltas, handed = [], []
     for tok in [1, 2, 3, 4, 5, 6]:  # "ab" "S" "T" "O" "P" -> stops at P
         if st.finished:
             break
         st.append([tok])
-        deltas.append(st.take_text_delta())
+        text, lo, hi = st.take_delta()
+        deltas.append(text)
+        handed += st.token_ids[lo:hi]
     assert st.finish_reason == "stop" and st.text == "ab"
     assert "".join(deltas) == "ab"
     assert not any(c in d for d in deltas for c in "STOP")
-    assert st.token_ids == [1, 2, 3, 4, 5]
+    assert st.token_ids == handed == [1] and st.token_texts() == ["ab"]
+
+
+def test_output_state_keeps_the_token_that_runs_into_a_stop_string():
+    """A token whose text starts before the stop string and runs into it stays, its text counted up
+    to the cut; the tokens after it go."""
+    st = _state(stop=["STOP"])
+    assert st.append([8, 7, 6]) == 2  # "cd" "xSTOPy": the second token's text is "x" up to the cut
+    assert st.text == "cdx" and st.token_ids == [8, 7] and st.token_texts() == ["cd", "x"]
+    assert st.take_delta() == ("cdx", 0, 2)
 
 
 def test_output_state_releases_held_text_when_stop_does_not_complete():
@@ -352,7 +369,7 @@ def test_output_state_releases_held_text_when_stop_does_not_complete():
 def test_output_state_run_cut_at_stop_string_inside_run():
     st = _state(stop=["STOP"])
     kept = st.append([1, 9, 10, 6, 6])  # "ab" "ST" "OP" "x" "x": stop completes at the 3rd token
-    assert kept == 3 and st.token_ids == [1, 9, 10]
+    assert kept == 1 and st.token_ids == [1]  # "ST" and "OP" are the stop string's: dropped with it
     assert st.text == "ab" and st.finish_reason == "stop"
     with pytest.raises(RuntimeError):
         st.append([6])

@@ -167,6 +167,52 @@ def test_completions_endpoint_and_stop_strings(stack, client, model_id, local_en
     assert r.choices[0].text == ref_stop.text and r.choices[0].finish_reason == "stop"
 
 
+def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, local_engine, prompts):
+    """A stop string that ends the output inside a token: the returned text stops before it, and
+    ``usage.completion_tokens`` and the logprobs stop with the text: they count the tokens that
+    made the returned text (the last may run into the stop string), and the logprobs' tokens join
+    to the returned text, non-streamed and streamed, chat and completions."""
+    msgs = [{"role": "user", "content": prompts[2]}]
+    full = local_engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
+    texts = full.token_texts
+    starts = [len("".join(texts[:i])) for i in range(len(texts))]
+    # a stop string starting inside a token (one character after its start), past the first tokens
+    picks = [(i, full.text[starts[i] + 1:starts[i] + 4]) for i in range(3, len(texts) - 1) if len(texts[i]) >= 2]
+    i, stop = next((i, st) for i, st in picks if len(st) == 3 and full.text.index(st) == starts[i] + 1)
+    cut = starts[i] + 1
+    want_text, want_tokens = full.text[:cut], i + 1  # tokens 0..i made the text; token i runs into the stop
+    r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                       stop=[stop], logprobs=True, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.message.content == want_text and c.finish_reason == "stop"
+    assert r.usage.completion_tokens == want_tokens == len(c.logprobs.content)
+    assert "".join(t.token for t in c.logprobs.content) == want_text
+    rid = local_engine.add_request(prompts[2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=(stop,)),
+                                   logprobs=True)
+    while local_engine.has_unfinished():
+        local_engine.step()
+    local = local_engine.completion(rid)
+    assert local.token_ids == full.token_ids[:want_tokens] and local.text == want_text
+    assert [t.logprob for t in c.logprobs.content] == pytest.approx(local.logprobs, abs=1e-5)
+    parts, tokens, usage = [], [], None
+    for chunk in client.chat.completions.create(model=model_id, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                                stop=[stop], logprobs=True, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            if chunk.choices[0].logprobs is not None:
+                tokens += [t.token for t in chunk.choices[0].logprobs.content]
+        usage = chunk.usage or usage
+    assert "".join(parts) == "".join(tokens) == want_text and usage.completion_tokens == want_tokens
+    ref = local_engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=(stop,)),
+                                chat=False)[0]
+    r = client.completions.create(model=model_id, prompt=prompts[2], max_tokens=MAX_TOKENS, temperature=0,
+                                  stop=[stop], logprobs=0, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.text == ref.text and r.usage.completion_tokens == ref.completion_tokens == len(c.logprobs.tokens)
+    assert "".join(c.logprobs.tokens) == c.text
+
+
 def test_seeded_sampling_through_router(client, model_id, local_engine, prompts):
     """The seed decides a sampled request's output: through the router it is exactly the sample the
     in-process engine draws with that seed (the verifier seeds its generator from it), and other

@@ -323,11 +323,11 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     return app
 
 
-def _logprobs(router: Router, token_ids: list[int], logprobs: list[float] | None, chat_api: bool) -> dict | None:
-    """OpenAI logprobs object for ``token_ids`` (None when the request did not ask)."""
+def _logprobs(logprobs: list[float] | None, tokens: list[str] | None, chat_api: bool) -> dict | None:
+    """OpenAI logprobs object of the output tokens whose texts are ``tokens`` (joined, the returned
+    text: a token cut by a stop string counts up to the cut); None when the request did not ask."""
     if logprobs is None:
         return None
-    tokens = [router.tokenizer.decode([t]) for t in token_ids]
     if chat_api:
         return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
                             for tok, lp in zip(tokens, logprobs)]}
@@ -366,7 +366,7 @@ async def _complete(router: Router, request: Request, engine_req, category: str,
     c = event.completion
     return {"id": rid, "object": "chat.completion" if chat_api else "text_completion", "created": created,
             "model": router.model_name,
-            "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(router, c.token_ids, c.logprobs,
+            "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(c.logprobs, c.token_texts,
                                                                                      chat_api))],
             "usage": usage(c)}
 
@@ -386,7 +386,7 @@ async def _stream(router: Router, engine_req, category: str, rid: str, created: 
         if isinstance(event, Delta):
             out = event.output
             if out.text_delta or out.finished or out.logprobs:
-                lp = _logprobs(router, out.new_token_ids, out.logprobs, chat_api)
+                lp = _logprobs(out.logprobs, out.token_texts, chat_api)
                 yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp)])
         elif isinstance(event, Failed):
             yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
