@@ -592,17 +592,31 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
         s.stop()
 
 
-def test_dead_verifier_fails_requests_clearly(tiny_dir, prompts):
-    """Killing the verifier fails its requests with a clear 503 and marks /health unavailable."""
-    s = start_stack(StackConfig(model=tiny_dir, drafter="none", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+def test_health_is_live_and_a_dead_verifier_fails_requests_clearly(tiny_dir, prompts):
+    """/health probes the services itself: a drafter or verifier that dies while no request runs
+    shows at once, and a drafter that comes back shows as available again, still without traffic.
+    Then killing the verifier fails its requests with a clear 503 (a stream is refused up front)
+    and the standard gRPC health service follows. (One stack for both: each kills a process.)"""
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
                                 api_key=KEY), timeout_s=180)
     try:
+        assert health(s)["drafter"]["available"] is True
+        s.processes["drafter"].send_signal(signal.SIGKILL)
+        s.processes["drafter"].wait()
+        assert health(s)["drafter"]["available"] is False
+        s.restart_drafter()
+        deadline = time.monotonic() + 15  # the router's channel reconnects within its back-off (<= 2 s)
+        while not health(s)["drafter"]["available"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert health(s)["drafter"]["available"] is True
         client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
         assert client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
                                               max_tokens=2, temperature=0).choices[0].message.content  # served
         s.processes["verifier"].send_signal(signal.SIGKILL)
         s.processes["verifier"].wait()
+        h = health(s)  # no request since the kill: the probe itself sees it
+        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
                                            max_tokens=8, temperature=0)
@@ -783,29 +797,6 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
     servers = [sp for sp in spans if sp.name.startswith("rpc.server.")]
     assert servers and all(sp.trace_id in client_traces for sp in servers)  # joined their callers' traces
-
-
-def test_health_is_live_without_traffic(tiny_dir):
-    """/health probes the services itself: a drafter or verifier that dies while no request runs
-    shows at once, and a drafter that comes back shows as available again, still without traffic."""
-    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
-                                grpc_front_door=False), timeout_s=180)
-    try:
-        assert health(s)["drafter"]["available"] is True
-        s.processes["drafter"].send_signal(signal.SIGKILL)
-        s.processes["drafter"].wait()
-        assert health(s)["drafter"]["available"] is False
-        s.restart_drafter()
-        deadline = time.monotonic() + 15  # the router's channel reconnects within its back-off (<= 2 s)
-        while not health(s)["drafter"]["available"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert health(s)["drafter"]["available"] is True
-        s.processes["verifier"].send_signal(signal.SIGKILL)
-        s.processes["verifier"].wait()
-        h = health(s)
-        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
-    finally:
-        s.stop()
 
 
 def test_port_in_use_is_a_one_line_error():
