@@ -474,7 +474,7 @@ class Engine(EngineConveniences):
         """The stop rules over each accepted run of a collected round, metrics and outputs.
         Requests aborted or finished since it was launched are skipped (their result is void)."""
         outputs = []
-        emitted = drafted_total = accepted_total = 0
+        emitted = drafted_total = accepted_total = drafts = 0
         per_pos: list[int] = []
         for req, prop, res in zip(rnd.reqs, rnd.proposals, rnd.results):
             if req.pending is None or req.finished or req.slot is None:
@@ -484,12 +484,13 @@ class Engine(EngineConveniences):
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name))
-            before = (req.spec.num_drafted, req.spec.num_accepted)
+            before = (req.spec.num_drafted, req.spec.num_accepted, req.spec.num_emitted)
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
             outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
                                         logprobs=res.logprobs))
-            emitted += len(outputs[-1].new_token_ids)
+            emitted += req.spec.num_emitted - before[2]  # kept by the stop rules (a stream may hold some back)
             drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
+            drafts += drafted > 0
             drafted_total += drafted
             accepted_total += accepted
             per_pos.extend([0] * (accepted - len(per_pos)))
@@ -499,7 +500,8 @@ class Engine(EngineConveniences):
         if self.draft_policy is not None:
             self.draft_policy.observe(emitted, round_ms)
         if self.on_round is not None:
-            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms))
+            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms,
+                                       drafts))
         self.num_rounds += 1
         self.round_wall_s += rnd.wall_s
         return outputs
@@ -580,4 +582,5 @@ class Engine(EngineConveniences):
             if req.slot is not None:
                 self._release(req)
         return RequestOutput(req.request_id, out.token_ids[lo:hi], text, req.finished, out.finish_reason,
-                             None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi))
+                             None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi),
+                             out.stop_reason)

@@ -62,6 +62,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
     token_texts: list[str] | None = None  # each new token's text; they join to text_delta (OutputState.token_texts)
+    stop_reason: str | int | None = None  # once finished: the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RoundSummary:
         accepted_per_pos: sequences whose draft at 0-based position i was accepted.
         num_emitted_tokens: tokens the round emitted (accepted drafts + bonus tokens).
         batch_size: sequences verified; round_ms: draft + verify time (ms).
+        num_drafts: sequences that verified at least one draft token.
     """
 
     num_draft_tokens: int
@@ -81,6 +83,7 @@ class RoundSummary:
     num_emitted_tokens: int
     batch_size: int
     round_ms: float
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class Completion:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
     token_texts: list[str] | None = None  # each token's text; they join to ``text``
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
 
     @property
     def completion_tokens(self) -> int:

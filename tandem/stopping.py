@@ -61,6 +61,7 @@ class OutputState:
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self._emitted = 0  # characters of text handed out (take_delta)
@@ -88,6 +89,7 @@ class OutputState:
             if tok in self.stop_ids:
                 self._ends.append(len(self.text))
                 self.finish_reason = "stop"
+                self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
                 break
             delta = self._detok.add(tok)
             prev_len = len(self.text)
@@ -108,10 +110,10 @@ class OutputState:
             return False
         # a stop string completed by this delta starts after prev_len - (max_stop_len - 1)
         lo = max(0, prev_len - self._max_stop_len + 1)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, lo)) >= 0]
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, lo)) >= 0]
         if not hits:
             return False
-        cut = min(hits)
+        cut, self.stop_reason = min(hits)
         self.text = self.text[:cut]
         while self.token_ids and self._start(len(self.token_ids) - 1) >= cut:
             self.token_ids.pop()

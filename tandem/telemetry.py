@@ -222,11 +222,32 @@ class Metrics:
 
     From these, acceptance rate α = accepted / draft tokens and, with ``num_emitted_tokens`` counted
     per verification step, the mean accepted length (docs/architecture.md ("Metrics")).
+
+    The same speculative-decoding counts also go out under vLLM's names and labels, so dashboards
+    built for vLLM read them unchanged: ``vllm:spec_decode_num_drafts_total`` (sequences that
+    verified at least one draft token, once per round), ``vllm:spec_decode_num_draft_tokens_total``,
+    ``vllm:spec_decode_num_accepted_tokens_total`` and
+    ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``, each labelled
+    ``model_name``. Mean accepted length there is 1 + accepted / drafts, per drafting sequence.
+
+    Args:
+        model_name: the ``model_name`` label of the vLLM-named series (the served model's id).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.model_name = model_name
+        label = ["model_name"]
+        self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Sequences that verified draft tokens, per round.",
+                                   label, registry=r)
+        self.vllm_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", label,
+                                         registry=r)
+        self.vllm_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", label,
+                                            registry=r)
+        self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by 0-based draft position.",
+                                             label + ["position"], registry=r)
         self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens proposed for verification.",
                                     registry=r)
         self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
@@ -252,7 +273,7 @@ class Metrics:
         self.store_up = Gauge("tandem_state_store_up", "1 when the state store (Redis) answers, else 0.", registry=r)
 
     def observe_round(self, num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: list[int],
-                      num_emitted_tokens: int = 0) -> None:
+                      num_emitted_tokens: int = 0, num_drafts: int = 0) -> None:
         """Count one verification round (summed over the requests in it).
 
         Args:
@@ -261,13 +282,16 @@ class Metrics:
             accepted_per_pos: ``accepted_per_pos[i]`` = requests whose draft token at 0-based
                 position i was accepted; sums to ``num_accepted_tokens``.
             num_emitted_tokens: tokens the round emitted (accepted + bonus, cut by stop rules).
+            num_drafts: requests that verified at least one draft token this round.
 
         Raises:
-            ValueError: a negative count, more accepted than drafted tokens, or
-                ``sum(accepted_per_pos) != num_accepted_tokens``.
+            ValueError: a negative count, more accepted than drafted tokens, drafts without draft
+                tokens, or ``sum(accepted_per_pos) != num_accepted_tokens``.
         """
-        if min(num_draft_tokens, num_accepted_tokens, num_emitted_tokens, *accepted_per_pos, 0) < 0:
+        if min(num_draft_tokens, num_accepted_tokens, num_emitted_tokens, num_drafts, *accepted_per_pos, 0) < 0:
             raise ValueError("token counts must be >= 0")
+        if num_drafts > num_draft_tokens:
+            raise ValueError(f"{num_drafts} drafts > {num_draft_tokens} draft tokens")
         if num_accepted_tokens > num_draft_tokens:
             raise ValueError(f"{num_accepted_tokens} accepted tokens > {num_draft_tokens} draft tokens")
         if sum(accepted_per_pos) != num_accepted_tokens:
@@ -277,6 +301,10 @@ class Metrics:
         self.emitted_tokens.inc(num_emitted_tokens)
         for pos, n in enumerate(accepted_per_pos):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
+            self.vllm_accepted_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(n)
+        self.vllm_drafts.labels(model_name=self.model_name).inc(num_drafts)
+        self.vllm_draft_tokens.labels(model_name=self.model_name).inc(num_draft_tokens)
+        self.vllm_accepted_tokens.labels(model_name=self.model_name).inc(num_accepted_tokens)
 
     def observe_request(self, ttft_s: float, tpot_s: float | None, e2e_s: float, prompt_tokens: int,
                         completion_tokens: int, finished_reason: str = "stop") -> None:

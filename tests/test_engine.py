@@ -381,6 +381,23 @@ def test_output_state_stop_inside_one_token():
     assert st.text == "x" and st.take_text_delta() == "x"
 
 
+def test_output_state_stop_reason():
+    """``stop_reason`` names what ended the output: the stop string, a stop token id, or None for
+    EOS and the token limit (vLLM's field)."""
+    st = _state(stop=["OP", "STOP"])
+    st.append([1, 2, 3, 4, 5])  # "abSTOP": both match, "STOP" earlier
+    assert st.stop_reason == "STOP" and st.text == "ab"
+    st = _state(stop_token_ids=(6,))
+    st.append([1, 6])
+    assert st.finish_reason == "stop" and st.stop_reason == 6
+    st = _state()
+    st.append([1, 0])
+    assert st.finish_reason == "stop" and st.stop_reason is None  # EOS
+    st = _state(max_new=2)
+    st.append([1, 8])
+    assert st.finish_reason == "length" and st.stop_reason is None
+
+
 def test_output_state_eos_and_max_tokens_in_a_run():
     st = _state(max_new=10)
     assert st.append([1, 8, 0, 6]) == 3  # EOS kept as the last token, its (empty) text not added

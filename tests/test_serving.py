@@ -97,15 +97,16 @@ def grpc_generate(stack, prompt: str, params: SamplingParams, key: str | None = 
     return ids, text, last
 
 
-def metric(stack, name: str) -> float:
-    """One unlabelled sample of the router's /metrics (Prometheus text), e.g. a counter's ``_total``."""
+def metric(stack, name: str, **labels) -> float:
+    """One sample of the router's /metrics (Prometheus text), e.g. a counter's ``_total``: the
+    unlabelled one, or the one with exactly ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
         body = r.read().decode()
     found = [s.value for fam in text_string_to_metric_families(body) for s in fam.samples
-             if s.name == name and not s.labels]
-    assert len(found) == 1, (name, found)
+             if s.name == name and s.labels == labels]
+    assert len(found) == 1, (name, labels, found)
     return found[0]
 
 
@@ -185,6 +186,8 @@ def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, loc
                                        stop=[stop], logprobs=True, extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert c.message.content == want_text and c.finish_reason == "stop"
+    assert c.model_extra["stop_reason"] == stop  # vLLM's field: the stop string that ended it
+    assert r.system_fingerprint.startswith("fp_") and len(r.system_fingerprint) == 15
     assert r.usage.completion_tokens == want_tokens == len(c.logprobs.content)
     assert "".join(t.token for t in c.logprobs.content) == want_text
     rid = local_engine.add_request(prompts[2], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=(stop,)),
@@ -194,16 +197,19 @@ def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, loc
     local = local_engine.completion(rid)
     assert local.token_ids == full.token_ids[:want_tokens] and local.text == want_text
     assert [t.logprob for t in c.logprobs.content] == pytest.approx(local.logprobs, abs=1e-5)
-    parts, tokens, usage = [], [], None
+    parts, tokens, usage, reasons = [], [], None, []
     for chunk in client.chat.completions.create(model=model_id, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
                                                 stop=[stop], logprobs=True, stream=True,
                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        assert chunk.system_fingerprint == r.system_fingerprint
         if chunk.choices:
             parts.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].model_extra.get("stop_reason"))
             if chunk.choices[0].logprobs is not None:
                 tokens += [t.token for t in chunk.choices[0].logprobs.content]
         usage = chunk.usage or usage
     assert "".join(parts) == "".join(tokens) == want_text and usage.completion_tokens == want_tokens
+    assert reasons[-1] == stop and not any(reasons[:-1])  # on the last chunk only
     ref = local_engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=(stop,)),
                                 chat=False)[0]
     r = client.completions.create(model=model_id, prompt=prompts[2], max_tokens=MAX_TOKENS, temperature=0,
@@ -211,6 +217,10 @@ def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, loc
     c = r.choices[0]
     assert c.text == ref.text and r.usage.completion_tokens == ref.completion_tokens == len(c.logprobs.tokens)
     assert "".join(c.logprobs.tokens) == c.text
+    assert c.model_extra["stop_reason"] == (stop if ref.finish_reason == "stop" else None) == ref.stop_reason
+    r = client.completions.create(model=model_id, prompt=prompts[2], max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
 
 
 def test_seeded_sampling_through_router(client, model_id, local_engine, prompts):
@@ -494,21 +504,30 @@ def test_client_disconnect_frees_slots(stack, client, model_id, local_engine, pr
 
 def test_metrics_and_health(stack, client, model_id, local_engine, prompts):
     """/metrics counts the speculative-decoding work of the requests served: one request that
-    drafts moves the counters by exactly its own usage."""
+    drafts moves the counters by exactly its own usage, under our names and under vLLM's (with
+    the served model's ``model_name`` label; drafts = rounds in which it verified drafts)."""
     refs = reference(local_engine, prompts, MAX_TOKENS)
     i = next((i for i, r in enumerate(refs) if r.spec.num_drafted > 0), None)
     assert i is not None, "no prompt drafts: the test would prove nothing"
     names = {"drafted": "tandem_spec_decode_num_draft_tokens_total",
              "accepted": "tandem_spec_decode_num_accepted_tokens_total",
              "generated": "tandem_generation_tokens_total", "prompt": "tandem_prompt_tokens_total"}
+    vllm = {"drafts": "vllm:spec_decode_num_drafts_total", "drafted": "vllm:spec_decode_num_draft_tokens_total",
+            "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
     before = {k: metric(stack, n) for k, n in names.items()}
+    before_vllm = {k: metric(stack, n, model_name=model_id) for k, n in vllm.items()}
     r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[i]}],
                                        max_tokens=MAX_TOKENS, temperature=0)
     after = {k: metric(stack, n) for k, n in names.items()}
+    after_vllm = {k: metric(stack, n, model_name=model_id) for k, n in vllm.items()}
     sd = r.usage.model_extra["speculative_decoding"]
     assert sd["num_draft_tokens"] == refs[i].spec.num_drafted > 0
     assert after["drafted"] - before["drafted"] == sd["num_draft_tokens"]
     assert after["accepted"] - before["accepted"] == sd["num_accepted_tokens"]
+    assert after_vllm["drafted"] - before_vllm["drafted"] == sd["num_draft_tokens"]
+    assert after_vllm["accepted"] - before_vllm["accepted"] == sd["num_accepted_tokens"]
+    # a round in which the request drafted counts one draft: the rounds with a draft at position 0
+    assert after_vllm["drafts"] - before_vllm["drafts"] == refs[i].spec.drafted_per_pos[0] >= 1
     assert after["generated"] - before["generated"] == r.usage.completion_tokens
     assert after["prompt"] - before["prompt"] == r.usage.prompt_tokens
     h = health(stack)

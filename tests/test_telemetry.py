@@ -91,10 +91,10 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 
 def test_metrics_exposition_names_labels_values():
-    m, other = Metrics(), Metrics()  # separate registries: both can exist in one process
-    rounds = [(8, 5, [3, 2], 7), (4, 1, [1], 3), (6, 0, [], 2)]
-    for draft, accepted, per_pos, emitted in rounds:
-        m.observe_round(draft, accepted, per_pos, emitted)
+    m, other = Metrics("smol"), Metrics()  # separate registries: both can exist in one process
+    rounds = [(8, 5, [3, 2], 7, 3), (4, 1, [1], 3, 2), (6, 0, [], 2, 2)]
+    for draft, accepted, per_pos, emitted, drafts in rounds:
+        m.observe_round(draft, accepted, per_pos, emitted, drafts)
     m.observe_request(0.05, 0.01, 1.2, prompt_tokens=11, completion_tokens=40)
     m.observe_request(0.3, None, 0.3, prompt_tokens=7, completion_tokens=1, finished_reason="length")
     m.set_running(3)
@@ -110,6 +110,12 @@ def test_metrics_exposition_names_labels_values():
             per_pos[str(i)] = per_pos.get(str(i), 0) + n
     for pos, n in per_pos.items():
         assert got[("tandem_spec_decode_num_accepted_tokens_per_pos_total", (("position", pos),))] == n
+        assert got[("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    (("model_name", "smol"), ("position", pos)))] == n
+    vllm = (("model_name", "smol"),)  # the same counts under vLLM's names, drafts besides
+    assert got[("vllm:spec_decode_num_drafts_total", vllm)] == sum(r[4] for r in rounds)
+    assert got[("vllm:spec_decode_num_draft_tokens_total", vllm)] == sum(r[0] for r in rounds)
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", vllm)] == sum(r[1] for r in rounds)
     assert got[("tandem_request_success_total", (("finished_reason", "stop"),))] == 1
     assert got[("tandem_request_success_total", (("finished_reason", "length"),))] == 1
     assert got[("tandem_prompt_tokens_total", ())] == 11 + 7
@@ -133,6 +139,7 @@ def test_metrics_exposition_names_labels_values():
     ((4, 5, [1, 1, 1, 1, 1]), "accepted tokens > 4 draft"),
     ((4, 2, [1]), "sums to 1, not 2"),
     ((-1, 0, []), ">= 0"),
+    ((2, 0, [], 0, 3), "3 drafts > 2 draft tokens"),
 ])
 def test_observe_round_rejects_inconsistent_counts(args, match):
     m = Metrics()

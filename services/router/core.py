@@ -250,6 +250,20 @@ class Worker:
                     self._finish(out.request_id, Done(completion))
 
 
+def system_fingerprint(model: str, spec: SpeculativeConfig) -> str:
+    """OpenAI's ``system_fingerprint``: ``fp_`` and 12 hex digits naming the Tandem version, the
+    target model and the speculation configuration; it changes when any of them does (greedy output
+    is the target's whatever the speculation: the fingerprint tells apart what served it)."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("tandem")
+    except PackageNotFoundError:  # run from a source tree without an install
+        release = "source"
+    return "fp_" + hashlib.sha256(f"{release}|{model}|{spec!r}".encode()).hexdigest()[:12]
+
+
 class Router:
     """The router's scheduling core (see the module docstring).
 
@@ -264,7 +278,6 @@ class Router:
 
     def __init__(self, config: RouterConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
         self.store = open_router_store(config.redis_url)
         self.started = time.time()
         self._ids = itertools.count()
@@ -277,6 +290,8 @@ class Router:
         targets = [RemoteTarget(a, config.api_key, timeout_s=config.verifier_timeout_s) for a in config.verifiers]
         first = targets[0]
         self.model_name = config.model_name or Path(first.info.model).name
+        self.metrics = metrics or Metrics(self.model_name)
+        self.fingerprint = system_fingerprint(first.info.model, config.speculation)
         self.tokenizer = load_router_tokenizer(config.model, first.eos_token_ids)
         self.workers: list[Worker] = []
         self.drafters: list[RemoteDrafter] = []
@@ -300,7 +315,8 @@ class Router:
     # ------------------------------------------------------------------ callbacks (worker threads)
 
     def _observe_round(self, r: RoundSummary) -> None:
-        self.metrics.observe_round(r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_pos, r.num_emitted_tokens)
+        self.metrics.observe_round(r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_pos, r.num_emitted_tokens,
+                                   r.num_drafts)
 
     def _log_verification(self, record: VerificationRecord) -> None:
         x, y = record.labelled()

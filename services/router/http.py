@@ -338,12 +338,15 @@ def _logprobs(logprobs: list[float] | None, tokens: list[str] | None, chat_api: 
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
 
 
-def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None) -> dict:
+def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None,
+            stop_reason: str | int | None = None) -> dict:
+    """One choice; ``stop_reason`` (vLLM's field) is the stop string or stop token id that ended the
+    output (None for EOS, the token limit, or while it runs)."""
     if chat_api:
         key = "delta" if stream else "message"
         body = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs}
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
 
 
 async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,
@@ -366,8 +369,9 @@ async def _complete(router: Router, request: Request, engine_req, category: str,
     c = event.completion
     return {"id": rid, "object": "chat.completion" if chat_api else "text_completion", "created": created,
             "model": router.model_name,
+            "system_fingerprint": router.fingerprint,
             "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(c.logprobs, c.token_texts,
-                                                                                     chat_api))],
+                                                                                     chat_api), c.stop_reason)],
             "usage": usage(c)}
 
 
@@ -377,7 +381,7 @@ async def _stream(router: Router, engine_req, category: str, rid: str, created: 
 
     def chunk(choices: list, usage_: dict | None = None) -> str:
         return json.dumps({"id": rid, "object": obj, "created": created, "model": router.model_name,
-                           "choices": choices, "usage": usage_})
+                           "system_fingerprint": router.fingerprint, "choices": choices, "usage": usage_})
 
     if chat_api:
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -387,7 +391,8 @@ async def _stream(router: Router, engine_req, category: str, rid: str, created: 
             out = event.output
             if out.text_delta or out.finished or out.logprobs:
                 lp = _logprobs(out.logprobs, out.token_texts, chat_api)
-                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp)])
+                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp,
+                                     out.stop_reason if out.finished else None)])
         elif isinstance(event, Failed):
             yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
                                         "code": 503}})
