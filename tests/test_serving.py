@@ -110,6 +110,15 @@ def metric(stack, name: str, **labels) -> float:
     return found[0]
 
 
+def metric_sum(stack, name: str) -> float:
+    """The sum of a metric's samples over all their labels (e.g. every finish reason)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples if s.name == name)
+
+
 def health(stack) -> dict:
     try:
         with urllib.request.urlopen(f"{stack.http_url}/health", timeout=5) as r:
@@ -760,7 +769,8 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
 @pytest.mark.slow
 def test_real_model_through_the_stack(on_real_target):
     """The bundled SmolLM2-135M through verifier + n-gram drafter + router processes: greedy
-    outputs (streamed and not) equal the in-process engine's, and drafts are accepted."""
+    outputs (streamed and not) equal the in-process engine's, and drafts are accepted; a
+    non-streamed request whose client goes away is aborted within 2 s."""
     stack = start_stack(StackConfig(drafter="ngram", max_batch_size=4, max_seq_len=1024), timeout_s=300)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=300)
@@ -777,8 +787,35 @@ def test_real_model_through_the_stack(on_real_target):
             assert text == ref.text
             accepted += usage.model_extra["speculative_decoding"]["num_accepted_tokens"]
         assert accepted > 0
+        _disconnect_aborts_a_non_streamed_request(stack, model_id, prompts[0])
     finally:
         stack.stop()
+
+
+def _disconnect_aborts_a_non_streamed_request(stack, model_id: str, prompt: str) -> None:
+    """A non-streamed request whose client goes away is aborted: the running-requests gauge drops
+    to zero within 2 s of the connection closing, and the request never finishes (on the real
+    model on a CPU its 900 tokens would take many seconds more)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(stack.http_url)
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+                       "max_tokens": 900, "ignore_eos": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    finished = metric_sum(stack, "tandem_request_success_total")
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and metric(stack, "tandem_num_requests_running") < 1:
+            time.sleep(0.05)
+        assert metric(stack, "tandem_num_requests_running") == 1  # decoding
+    closed = time.monotonic()
+    while time.monotonic() - closed < 2 and metric(stack, "tandem_num_requests_running") > 0:
+        time.sleep(0.05)
+    assert metric(stack, "tandem_num_requests_running") == 0, "still running 2 s after the client left"
+    assert metric_sum(stack, "tandem_request_success_total") == finished  # aborted, not finished
 
 
 def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):

@@ -154,6 +154,21 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+class _BearerAuth:
+    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (else 401). Plain ASGI, not
+    Starlette's ``BaseHTTPMiddleware``, whose wrapped ``receive`` hides a client's disconnect from
+    the endpoint (a non-streamed request would then run on after its client left)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+                and dict(scope.get("headers") or ()).get(b"authorization") != self.expected:
+            return await _error(401, "missing or wrong bearer token", "authentication_error")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _too_large(limit: int) -> JSONResponse:
     return _error(413, f"the request body is over {limit // 2**20} MiB; no prompt within the context limit needs that")
 
@@ -245,12 +260,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error(exc.status_code, message, kind)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong bearer token", "authentication_error")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():
