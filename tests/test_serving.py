@@ -401,6 +401,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "max_tokens": "4"}, "max_tokens", "max_tokens"),
     ({"messages": HI, "max_tokens": True}, "max_tokens", "max_tokens"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
+    ({"messages": HI, "stop": 5}, "stop: Input should be", "stop"),  # a union field: no member tag in the path
+    ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content: Input should be", "messages.0.content"),
     ({"messages": HI, "n": 3}, "n = 1", "n"),
     ({"messages": HI, "model": "gpt-9"}, "not served", "model"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),

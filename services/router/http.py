@@ -169,6 +169,15 @@ class _BearerAuth:
         return await self.app(scope, receive, send)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_type_tag(part) -> bool:
+    """A location part pydantic adds for the member of a union field ("str", "list[str]", ...):
+    not part of the request's field path."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
 def _too_large(limit: int) -> JSONResponse:
     return _error(413, f"the request body is over {limit // 2**20} MiB; no prompt within the context limit needs that")
 
@@ -231,7 +240,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         if tuple(first.get("loc", ())) == ("body",) and "json" not in request.headers.get("content-type", ""):
             return _error(400, "the request body must be a JSON object sent with Content-Type: application/json "
                                f"(got {request.headers.get('content-type') or 'no content type'})")
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_tag(x))
         return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", exc)),
                       param=loc or None)
 
