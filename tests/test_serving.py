@@ -852,6 +852,13 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     from tandem.trace_report import read_spans
 
     spans = [sp for f in files for sp in read_spans(f)]
+    requests = [sp for sp in spans if sp.name == "request"]  # OpenTelemetry's GenAI conventions on each
+    assert len(requests) == 3
+    for sp in requests:
+        a = sp.attributes
+        assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == model
+        assert a["gen_ai.usage.input_tokens"] > 0 and 0 < a["gen_ai.usage.output_tokens"] <= MAX_TOKENS
+        assert a["gen_ai.request.max_tokens"] == MAX_TOKENS and a["outcome"] == "finished"
     client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
     servers = [sp for sp in spans if sp.name.startswith("rpc.server.")]
     assert servers and all(sp.trace_id in client_traces for sp in servers)  # joined their callers' traces

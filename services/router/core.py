@@ -385,23 +385,32 @@ class Router:
         ended = asyncio.get_running_loop().create_future()
 
         async def request_span() -> None:  # a span may not cross the generator's yields (contexts differ)
-            with span("request", request_id=rid, category=category or "default") as s:
-                outcome = await ended
+            # OpenTelemetry's GenAI semantic conventions beside our own attributes
+            with span("request", request_id=rid, category=category or "default",
+                      **{"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model_name,
+                         "gen_ai.request.max_tokens": request.params.max_tokens,
+                         "gen_ai.usage.input_tokens": len(request.prompt_ids)}) as s:
+                outcome, completion = await ended
                 s.set_attribute("outcome", outcome)
+                if completion is not None:
+                    s.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
+                    s.set_attribute("gen_ai.response.finish_reasons", [completion.finish_reason])
 
         holder = asyncio.ensure_future(request_span())
         self._span_tasks.add(holder)
         holder.add_done_callback(self._span_tasks.discard)
-        outcome = "aborted"
+        outcome, completion = "aborted", None
         try:
             while True:
                 event = await events.get()
-                yield event
-                if isinstance(event, (Done, Failed)):
+                if isinstance(event, (Done, Failed)):  # settled before the yield: a consumer may stop at it
                     outcome = "finished" if isinstance(event, Done) else "failed"
+                    completion = event.completion if isinstance(event, Done) else None
+                    yield event
                     return
+                yield event
         finally:
-            ended.set_result(outcome)
+            ended.set_result((outcome, completion))
             if outcome == "aborted":
                 self.abort(rid)
             else:
