@@ -25,16 +25,23 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def ray_local():
+    import shutil
+    import tempfile
+
     from services.launch import free_port
 
     # Ray workers import services/ and tandem/ from this checkout.
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Ray's session files (logs, sockets) in a directory of this run, removed after: nothing left in /tmp/ray
+    # (short: its socket paths must stay under the 107-byte limit)
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False, _temp_dir=temp_dir)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_serve_app_starts_serves_and_shuts_down(ray_local, tiny_checkpoint):

@@ -882,7 +882,7 @@ def test_port_in_use_is_a_one_line_error():
             assert "Traceback" not in res.stderr
 
 
-def test_drafter_service_sends_predictor_scores(tiny_dir):
+def test_drafter_service_sends_predictor_scores(tiny_dir, tmp_path):
     """`tandem serve drafter --predictor PATH`: each draft arrives with the predictor's acceptance
     probability of its features (the router then allocates with those)."""
     import subprocess
@@ -895,7 +895,7 @@ def test_drafter_service_sends_predictor_scores(tiny_dir):
 
     pred = "tandem/drafters/weights/draft-model-smollm2-135m/predictor.safetensors"
     port = free_port()
-    log = open(f"/tmp/drafter-scores-{port}.log", "wb")
+    log = open(tmp_path / "drafter.log", "wb")  # in the test's own directory: nothing left in /tmp
     proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "drafter", "--port", str(port), "--drafter",
                              "ngram", "--model", tiny_dir, "--predictor", pred], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -910,6 +910,7 @@ def test_drafter_service_sends_predictor_scores(tiny_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
 
 
 def test_fields_at_their_no_op_value_are_accepted():
