@@ -8,9 +8,9 @@ acceptance_rate, mean_accepted_length}`` (docs/architecture.md ("Metrics") defin
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
 400 with the field at fault in ``param`` (a field of the wrong JSON type, a ``max_tokens`` that
 with the prompt passes the served context, and a field Tandem does not implement, unless it is at
-its no-op value: no field is ignored in silence), a missing or wrong bearer token 401, a body over ``MAX_BODY_BYTES`` 413, a
-failed verifier 503. Prompts are tokenized off the event loop, so a long one never stalls other
-requests' streams.
+its no-op value: no field is ignored in silence), a missing or wrong bearer token 401, a body over
+``MAX_BODY_BYTES`` 413, a failed verifier 503. Prompts are tokenized off the event loop, so a long one
+never stalls other requests' streams.
 """
 
 from __future__ import annotations
@@ -365,8 +365,10 @@ def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, 
     if chat_api:
         key = "delta" if stream else "message"
         body = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
+        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs,
+                "stop_reason": stop_reason}
+    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs,
+            "stop_reason": stop_reason}
 
 
 async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,
