@@ -74,6 +74,31 @@ def test_buckets_cover_every_static_group(checkpoint, slots, chunk, tokens):
         assert len(buckets) == 4 * 6  # rows 1..8, positions 32..1024
 
 
+def test_failed_capture_falls_back_to_eager_prefills(checkpoint, monkeypatch):
+    """A bucket whose capture fails at start-up turns the static path off (with a warning) instead
+    of failing the runner: prefills then run eagerly and give the same results."""
+    import tandem.models.runner as runner_mod
+
+    runner = _runner(checkpoint, True)
+    pre = runner._prefiller
+    object.__setattr__(runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
+    calls = []
+
+    def failing(fn, inputs, capture=True, pool=None, warmup=2):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return runner_mod.CapturedCall(fn, inputs, capture=False)
+
+    monkeypatch.setattr(runner_mod, "CapturedCall", failing)
+    assert pre.capture_all() == 0 and not pre.static and not any(k[0] == "prefill" for k in runner._graphs)
+    object.__setattr__(runner.config, "cuda_graphs", False)
+    prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
+    eager = _runner(checkpoint, False)
+    _check_same(runner, eager, prompts, _prefill(runner, prompts), _prefill(eager, prompts), atol=1e-6)
+    assert pre.launches == 0
+
+
 def test_static_prefill_equals_eager(checkpoint):
     """Scattered slots, four lengths, taps: the padded static path's logits, K/V rows, lengths and
     tapped states equal the eager path's; a prompt past one chunk and a slot already holding tokens

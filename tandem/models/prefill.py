@@ -22,12 +22,15 @@ and causal attention never reads a later position), so both paths give a prompt 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
 
@@ -208,7 +211,15 @@ class Prefiller:
         made = 0
         for r, w in self.buckets():
             if ("prefill", r, w) not in self.runner._graphs:
-                self._capture(r, w)
+                try:
+                    self._capture(r, w)
+                except Exception as exc:  # e.g. a kernel that cannot be captured here: serve with eager prefills
+                    log.warning("prefill CUDA graph capture failed for %d rows x %d positions (%s); prefills run "
+                                "eagerly", r, w, exc)
+                    self.static = False
+                    for key in [k for k in self.runner._graphs if k[0] == "prefill"]:
+                        del self.runner._graphs[key]
+                    return 0
                 made += 1
         return made
 
