@@ -11,6 +11,7 @@ the profiled pass. Prints one line per call site: calls, mean host ms, total s.
 import argparse
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def main() -> None:
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
-            with record_function(label) if recording[0] else _null():
+            with record_function(label) if recording[0] else nullcontext():
                 res = fn(*args, **kwargs)
             times[label].append(time.perf_counter() - t0)
             return res
@@ -87,14 +88,6 @@ def main() -> None:
         + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
         + "\n\nby CUDA time\n" + averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
     print("\n".join(lines))
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

@@ -64,8 +64,7 @@ class OutputState:
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
-        self._emitted = 0  # characters of text handed out (take_delta)
-        self._released = 0  # tokens handed out
+        self._released = 0  # tokens handed out (take_delta), and with them text[:_start(_released)]
         self._ends: list[int] = []  # end offset in ``text`` of each token's text (a stop id: empty)
 
     @property
@@ -136,18 +135,12 @@ class OutputState:
         tokens that made it. While running, the last ``max_stop_len - 1`` characters are held back
         so a stop string never leaks partially into a stream, and so are the tokens whose text
         reaches into them; once finished, everything left."""
+        lo = hi = self._released
         if self.finished:
-            end, hi = len(self.text), len(self.token_ids)
+            hi = len(self.token_ids)
         else:
-            end = max(self._emitted, len(self.text) - max(self._max_stop_len - 1, 0))
-            hi = self._released
-            while hi < len(self.token_ids) and self._ends[hi] <= end:
+            limit = len(self.text) - max(self._max_stop_len - 1, 0)
+            while hi < len(self.token_ids) and self._ends[hi] <= limit:
                 hi += 1
-            end = self._ends[hi - 1] if hi > self._released else self._emitted  # whole tokens' text only
-        delta, lo = self.text[self._emitted:end], self._released
-        self._emitted, self._released = end, hi
-        return delta, lo, hi
-
-    def take_text_delta(self) -> str:
-        """``take_delta``'s text alone (the tokens are marked handed out as well)."""
-        return self.take_delta()[0]
+        self._released = hi
+        return self.text[self._start(lo):self._start(hi)], lo, hi

@@ -361,7 +361,7 @@ def test_output_state_releases_held_text_when_stop_does_not_complete():
     deltas = []
     for tok in [1, 2, 3, 8, 6]:  # "ab" "S" "T" "cd" "x": "ST" was a false start
         st.append([tok])
-        deltas.append(st.take_text_delta())
+        deltas.append(st.take_delta()[0])
     assert st.finish_reason == "length"
     assert "".join(deltas) == "abSTcdx" == st.text
 
@@ -378,7 +378,7 @@ def test_output_state_run_cut_at_stop_string_inside_run():
 def test_output_state_stop_inside_one_token():
     st = _state(stop=["STOP"])
     assert st.append([7, 6]) == 1
-    assert st.text == "x" and st.take_text_delta() == "x"
+    assert st.text == "x" and st.take_delta()[0] == "x"
 
 
 def test_output_state_stop_reason():

@@ -97,26 +97,26 @@ def grpc_generate(stack, prompt: str, params: SamplingParams, key: str | None = 
     return ids, text, last
 
 
-def metric(stack, name: str, **labels) -> float:
-    """One sample of the router's /metrics (Prometheus text), e.g. a counter's ``_total``: the
-    unlabelled one, or the one with exactly ``labels``."""
+def _samples(stack) -> list:
+    """Every sample of the router's /metrics (Prometheus text)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
         body = r.read().decode()
-    found = [s.value for fam in text_string_to_metric_families(body) for s in fam.samples
-             if s.name == name and s.labels == labels]
+    return [s for fam in text_string_to_metric_families(body) for s in fam.samples]
+
+
+def metric(stack, name: str, **labels) -> float:
+    """One sample of the router's /metrics, e.g. a counter's ``_total``: the unlabelled one, or the
+    one with exactly ``labels``."""
+    found = [s.value for s in _samples(stack) if s.name == name and s.labels == labels]
     assert len(found) == 1, (name, labels, found)
     return found[0]
 
 
 def metric_sum(stack, name: str) -> float:
     """The sum of a metric's samples over all their labels (e.g. every finish reason)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=5) as r:
-        body = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples if s.name == name)
+    return sum(s.value for s in _samples(stack) if s.name == name)
 
 
 def health(stack) -> dict:

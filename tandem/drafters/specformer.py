@@ -203,14 +203,13 @@ class SpecFormerDrafter(Drafter):
         nb, M = (batch_bucket(n, self._num_slots), rows_m) if static else (n, max(lens))
         # first position, rows, slot, each row's next token; next tokens given on the device (a
         # prefill's: they end with its first token, not read back) are written there
-        on_device = [torch.is_tensor(s.next_tokens) for s in states]
-        rows = [[s.start, m, s.slot] + [int(t) for t in (s.next_tokens if s.next_tokens is not None and not dev_next
-                                                           else [0] * m)]
-                + [0] * (M - m) for s, m, dev_next in zip(states, lens, on_device)]
+        on_host = [s.next_tokens is not None and not torch.is_tensor(s.next_tokens) for s in states]
+        rows = [[s.start, m, s.slot] + (list(s.next_tokens) if host else [0] * m) + [0] * (M - m)
+                for s, m, host in zip(states, lens, on_host)]
         dev, dtype = self.k_cache.device, self.k_cache.dtype
         packed = to_device(torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long), dev)
         for i, (s, m) in enumerate(zip(states, lens)):
-            if on_device[i]:
+            if torch.is_tensor(s.next_tokens):
                 packed[i, 3:3 + m] = s.next_tokens
         last = None
         if static:

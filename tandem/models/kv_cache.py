@@ -21,6 +21,15 @@ from ..errors import ConfigError
 from .config import ModelConfig
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device`` without waiting for the device: on CUDA through pinned
+    memory with a non-blocking copy (a copy from pageable memory makes the driver wait for the
+    stream, i.e. for a round in flight); a plain move elsewhere."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class CacheFullError(RuntimeError):
     """A slot would grow past the cache capacity, or no slot is free."""
 
@@ -154,9 +163,7 @@ class KVCache:
         if hi - lo + 1 == len(slots):
             return self.k[:, lo:hi + 1], self.v[:, lo:hi + 1], lambda: None
         positions = min(positions, self.scratch_index)  # at most the whole row (whose last is scratch)
-        index = torch.tensor(slots)
-        if self.k.is_cuda:  # through pinned memory: a pageable copy would wait for the round in flight
-            index = index.pin_memory().to(self.k.device, non_blocking=True)
+        index = to_device(torch.tensor(slots), self.k.device)
         rows = []
         for full in (self.k, self.v):
             part = full.new_empty(full.shape[:1] + (len(slots),) + full.shape[2:3] + (positions + 1,) + full.shape[4:])

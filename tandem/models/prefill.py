@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .kv_cache import to_device
+
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
@@ -92,8 +94,6 @@ class Prefiller:
                      taps_out: dict[int, list[torch.Tensor]] | None) -> None:
         """Prefill the slots of ``group`` (ascending) as the rows of one batch (``KVCache.batch_rows``:
         one row per slot, scattered slots included), in chunks of ``prefill_chunk`` positions."""
-        from .runner import to_device
-
         runner = self.runner
         cache = runner.cache
         rows = len(group)
@@ -137,7 +137,7 @@ class Prefiller:
         """Prefill ``group`` on the static path (see the module docstring); False, doing nothing,
         when the group does not qualify (static prefill off, a slot already holding tokens, a prompt
         longer than one chunk, or a bucket past ``max_bucket_tokens``)."""
-        from .runner import batch_bucket, to_device
+        from .runner import batch_bucket
 
         runner = self.runner
         cache = runner.cache
@@ -175,7 +175,7 @@ class Prefiller:
     def _capture(self, R: int, W: int):
         """The static call of bucket ``R`` x ``W`` (a CUDA graph with CUDA graphs, else an eager call),
         made and kept in the runner's graphs under ``("prefill", R, W)``."""
-        from .runner import CapturedCall, to_device
+        from .runner import CapturedCall
 
         runner = self.runner
         k, v = self._buffers(R, W)

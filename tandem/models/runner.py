@@ -23,7 +23,7 @@ import torch
 from ..errors import ConfigError
 from .config import ModelConfig
 from .kernels import attention_backend_for, attention_name, flash_available, fused_unavailable_reason
-from .kv_cache import KVCache
+from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
 from .prefill import Prefiller
 from .transformer import Transformer
 from .weights import Checkpoint
@@ -100,15 +100,6 @@ class RunnerConfig:
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "reference")
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (a host tensor) on ``device`` without waiting for the device: on CUDA through pinned
-    memory with a non-blocking copy (a copy from pageable memory makes the driver wait for the
-    stream, i.e. for a round in flight); a plain move elsewhere."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
