@@ -60,18 +60,20 @@ def test_width_buckets():
 @pytest.mark.parametrize("slots,chunk,tokens", [(8, 1024, 8192), (128, 1024, 8192), (6, 100, 64)])
 def test_buckets_cover_every_static_group(checkpoint, slots, chunk, tokens):
     """``Prefiller.buckets`` (what ``capture_all`` captures at start-up) holds the bucket of every
-    group the static path can meet: any row count up to the slots, any longest prompt up to a chunk."""
+    group the static path can meet: any row count up to the slots, any longest prompt up to the
+    cache capacity (past a chunk too)."""
     from tandem.models.runner import batch_bucket
 
-    runner = ModelRunner(checkpoint, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=128,
+    runner = ModelRunner(checkpoint, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=2048,
                                                   prefill_chunk=chunk, prefill_tokens=tokens))
     pre = runner._prefiller
+    cap = runner.cache.capacity
     buckets = set(pre.buckets())
     assert len(buckets) == len(pre.buckets())
-    met = {(batch_bucket(n, slots), width_bucket(w, chunk)) for n in range(1, slots + 1) for w in range(1, chunk + 1)}
+    met = {(batch_bucket(n, slots), width_bucket(w, cap)) for n in range(1, slots + 1) for w in range(1, cap + 1)}
     assert {b for b in met if b[0] * b[1] <= pre.max_bucket_tokens} == buckets
     if (slots, chunk) == (8, 1024):
-        assert len(buckets) == 4 * 6  # rows 1..8, positions 32..1024
+        assert cap == 2048 and len(buckets) == 4 * 7  # rows 1..8, positions 32..2048
 
 
 def test_failed_capture_falls_back_to_eager_prefills(checkpoint, monkeypatch):
@@ -101,8 +103,8 @@ def test_failed_capture_falls_back_to_eager_prefills(checkpoint, monkeypatch):
 
 def test_static_prefill_equals_eager(checkpoint):
     """Scattered slots, four lengths, taps: the padded static path's logits, K/V rows, lengths and
-    tapped states equal the eager path's; a prompt past one chunk and a slot already holding tokens
-    take the eager path (no static launch)."""
+    tapped states equal the eager path's, prompts past one chunk included (one static forward each,
+    where the eager path runs them by chunks); a slot already holding tokens takes the eager path."""
     prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
     static, eager = _runner(checkpoint, True), _runner(checkpoint, False)
     _check_same(static, eager, prompts, _prefill(static, prompts), _prefill(eager, prompts), atol=1e-5)
@@ -116,7 +118,7 @@ def test_static_prefill_equals_eager(checkpoint):
     long_eager = _runner(checkpoint, False, prefill_chunk=16)
     _check_same(long_static, long_eager, prompts, _prefill(long_static, prompts), _prefill(long_eager, prompts),
                 atol=1e-5)
-    assert long_static._prefiller.launches == 0  # one group, with prompts past a chunk: eager, by chunks
+    assert long_static._prefiller.launches >= 1 and long_eager._prefiller.launches == 0
 
 
 def test_static_prefill_reuses_its_bucket_and_keeps_outputs(checkpoint):

@@ -8,9 +8,11 @@ padded tokens, one row per prompt. A group runs one of two ways:
   On a GPU its host cost is launching every kernel of every layer, ~10-20 ms for the bundled
   30-layer model whatever the row count: the rounds queued behind a prefill wait for it.
 - static (``RunnerConfig.prefill_graphs``, on by default with CUDA graphs): a group of fresh slots
-  whose prompts fit one chunk is padded to a bucket of rows (a power of two) and positions (a power
-  of two, at least ``MIN_WIDTH``) and runs over dense K/V buffers of exactly that shape, from a
-  CUDA graph captured once per bucket: one launch. The buffers are views of one store sized for the
+  is padded to a bucket of rows (a power of two) and positions (a power of two, at least
+  ``MIN_WIDTH``, at most the cache capacity: a prompt longer than a chunk is one forward here, the
+  bucket's rows x positions bounding its activations as ``prefill_tokens`` bounds the eager path's)
+  and runs over dense K/V buffers of exactly that shape, from a CUDA graph captured once per
+  bucket: one launch. The buffers are views of one store sized for the
   largest bucket allowed (``rows x positions <= 2 x prefill_tokens``), which every bucket shares
   (prefills run one after another on one stream); the group's rows are then copied into its slots.
   Every bucket is captured when the runner is built (``capture_all``), so no capture lands in an
@@ -55,6 +57,11 @@ class Prefiller:
         self.static = cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
         self.launches = 0  # static prefill groups run (graph replays on CUDA)
+
+    @property
+    def max_width(self) -> int:
+        """Positions of the widest static bucket: the cache capacity (no prompt is longer)."""
+        return self.runner.cache.capacity
 
     @property
     def max_bucket_tokens(self) -> int:
@@ -135,17 +142,17 @@ class Prefiller:
     def _static_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                       taps_out: dict[int, list[torch.Tensor]] | None) -> bool:
         """Prefill ``group`` on the static path (see the module docstring); False, doing nothing,
-        when the group does not qualify (static prefill off, a slot already holding tokens, a prompt
-        longer than one chunk, or a bucket past ``max_bucket_tokens``)."""
+        when the group does not qualify (static prefill off, a slot already holding tokens, or a
+        bucket past ``max_bucket_tokens``)."""
         from .runner import batch_bucket
 
         runner = self.runner
         cache = runner.cache
         longest = max(len(prompts[s]) for s in group)
-        if not self.static or any(cache.lengths[s] for s in group) or longest > runner.config.prefill_chunk:
+        if not self.static or any(cache.lengths[s] for s in group):
             return False
         rows = len(group)
-        R, W = batch_bucket(rows, cache.num_slots), width_bucket(longest, runner.config.prefill_chunk)
+        R, W = batch_bucket(rows, cache.num_slots), width_bucket(longest, self.max_width)
         if R * W > self.max_bucket_tokens:
             return False
         packed = torch.zeros((R, 1 + W), dtype=torch.long)  # q_len, then the tokens (one copy to the device)
@@ -195,10 +202,10 @@ class Prefiller:
     def buckets(self) -> list[tuple[int, int]]:
         """Every (rows, positions) bucket the static path can run: rows a ``batch_bucket`` value,
         positions a ``width_bucket`` value, rows x positions within ``max_bucket_tokens``."""
-        slots, chunk = self.runner.cache.num_slots, self.runner.config.prefill_chunk
+        slots, limit = self.runner.cache.num_slots, self.max_width
         rows = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
-        widths = sorted({width_bucket(1 << i, chunk) for i in range(chunk.bit_length() + 1) if 1 << i <= chunk}
-                        | {chunk})
+        widths = sorted({width_bucket(1 << i, limit) for i in range(limit.bit_length() + 1) if 1 << i <= limit}
+                        | {limit})
         return [(r, w) for r in rows for w in widths if r * w <= self.max_bucket_tokens]
 
     @torch.inference_mode()

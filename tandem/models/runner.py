@@ -63,13 +63,14 @@ class RunnerConfig:
             changes nothing but the time.
         compile: ``torch.compile`` the batch-1 decode graph (CUDA only; falls back to the
             uncompiled forward if compilation fails).
-        prefill_chunk: prompt positions per prefill forward.
+        prefill_chunk: prompt positions per eager prefill forward (the static path takes a whole
+            prompt in one forward, bounded by its bucket's rows x positions).
         prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
             and attention-mask memory while letting many short prompts share one forward.
-        prefill_graphs: run prefills of fresh slots whose prompts fit one chunk from CUDA graphs,
-            one per (rows, positions) bucket (``tandem.models.prefill``; dense K/V buffers of the
-            largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the same
-            as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
+        prefill_graphs: run prefills of fresh slots from CUDA graphs, one per (rows, positions)
+            bucket, positions up to the context (``tandem.models.prefill``; dense K/V buffers of
+            the largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the
+            same as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
