@@ -296,7 +296,8 @@ _DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("variant", ["paper", "target-blocks", "lookup"])
 def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dtype, variant):
     """The static-buffer path (CUDA graphs on a GPU; forced, uncaptured, on the CPU) against an
-    eager twin head fed the same observe calls, every round: 10 requests admitted 1-3 at a time
+    eager twin head fed the same observe calls, every round and every admission (the prompts in
+    width buckets sharing one input store): 10 requests admitted 1-3 at a time
     with different lengths (slots finish and are reused mid-batch), 0-4 drafts accepted per round
     (rollbacks; 1-5 new rows per request), small context buckets (several per request). float32
     also against a from-scratch recompute; bf16 (GPU) within bf16 rounding."""
@@ -372,6 +373,8 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
                 assert torch.allclose(got[i], ref, atol=1e-3, rtol=1e-3), (steps, i)
     assert {k[0] for k in drafter._captured} == {"observe", "draft"}
     assert len({k[1] for k in drafter._captured}) > 1 and len({k[2] for k in drafter._captured if k[0] == "observe"}) > 1
+    # the admitted prompts were observed on the static path too, in width buckets past l_d + 1 rows
+    assert {k[3] for k in drafter._captured if k[0] == "observe"} - {drafter.head.config.num_draft_tokens + 1}
     assert [engine.completion(r).token_ids for r in rids] == [greedy[keys[i]][:maxes[i]] for i in rids.values()]
 
 

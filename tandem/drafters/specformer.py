@@ -23,6 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..models import kernels
 from ..models.kernels import FLASH_HEAD_DIMS, FUSED_HEAD_DIMS
 from ..models.kv_cache import KV_SLACK
+from ..models.prefill import width_bucket
 from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_device
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
 # imported from here by the CLI
@@ -152,6 +153,11 @@ class SpecFormerDrafter(Drafter):
         # hundreds of kernel launches around one graph replay (docs/benchmarks.md, history row a0fd552)
         self._static = bool(runner.config.cuda_graphs)
         self._captured: dict[tuple, CapturedCall] = {}
+        # observe of many rows at once (a prefill's prompts): replayed in (batch bucket, width
+        # bucket) shapes as the target's prefill is, within the same rows x positions bound; the
+        # input rows of every such shape are views of one store (observes run one at a time)
+        self._wide_rows = 2 * max(runner.config.prefill_tokens, runner.config.prefill_chunk)
+        self._wide_store: torch.Tensor | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
 
     def _replay(self, key: tuple, fn, make_inputs, fill):
@@ -199,8 +205,13 @@ class SpecFormerDrafter(Drafter):
         # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
         attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self._capacity)
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
-        static = self._static and max(lens) <= rows_m
-        nb, M = (batch_bucket(n, self._num_slots), rows_m) if static else (n, max(lens))
+        # static shapes: l_d + 1 rows (decode rounds) or, for more (a prefill's prompts), a width
+        # bucket as the target's static prefill uses, within its rows x positions bound
+        M = rows_m if max(lens) <= rows_m else width_bucket(max(lens), self._capacity)
+        nb = batch_bucket(n, self._num_slots)
+        static = self._static and (M == rows_m or nb * M <= self._wide_rows)
+        if not static:
+            nb, M = n, max(lens)
         # first position, rows, slot, each row's next token; next tokens given on the device (a
         # prefill's: they end with its first token, not read back) are written there
         on_host = [s.next_tokens is not None and not torch.is_tensor(s.next_tokens) for s in states]
@@ -214,18 +225,21 @@ class SpecFormerDrafter(Drafter):
         last = None
         if static:
             flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
-            where = to_device(torch.tensor([[i, j] for i, m in enumerate(lens) for j in range(m)], dtype=torch.long),
-                              dev)
+            counts = torch.tensor(lens, dtype=torch.long)
+            row = torch.repeat_interleave(torch.arange(n), counts)  # each tapped position's row and index in it
+            where = to_device(torch.stack([row, torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]], 1), dev)
 
             def fill(inputs):
                 inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
                 inputs[1].copy_(packed)
 
-            out = self._replay(("observe", nb, attn_len), lambda x, pk: self._observe_rows(x, pk, attn_len),
-                               lambda: (torch.zeros((nb, M, len(cfg.taps), cfg.hidden_size), device=dev, dtype=dtype),
-                                        torch.zeros((nb, 3 + M), dtype=torch.long, device=dev)), fill)
+            def inputs():
+                return (self._rows_buffer(nb, M), torch.zeros((nb, 3 + M), dtype=torch.long, device=dev))
+
+            out = self._replay(("observe", nb, attn_len, M), lambda x, pk: self._observe_rows(x, pk, attn_len),
+                               inputs, fill)
             last = None if out is None else out[:n].clone()  # the next replay overwrites the graph's output
-        if last is None:  # eager: no graphs, a prefill, or a failed capture
+        if last is None:  # eager: no graphs, rows past the static bound, or a failed capture
             x = pad_sequence([s.taps.to(dtype) for s in states], batch_first=True)  # [n, M, taps, d]
             last = self._observe_rows(x, packed[:n, :3 + x.shape[1]], attn_len)
         for i, (s, m) in enumerate(zip(states, lens)):
@@ -236,6 +250,18 @@ class SpecFormerDrafter(Drafter):
         index = to_device(torch.tensor([s.slot for s in states], dtype=torch.long), dev)
         self._state[index] = last.to(self._state.dtype)
         self._draft_lens[index] = 0
+
+    def _rows_buffer(self, nb: int, M: int) -> torch.Tensor:
+        """The static input rows of an observe shape, ``[nb, M, len(taps), d]`` zeros: its own
+        buffer for decode rounds' l_d + 1 rows, else a view of the store all wider shapes share."""
+        cfg = self.head.config
+        dev, dtype = self.k_cache.device, self.k_cache.dtype
+        shape = (nb, M, len(cfg.taps), cfg.hidden_size)
+        if M == cfg.num_draft_tokens + 1:
+            return torch.zeros(shape, device=dev, dtype=dtype)
+        if self._wide_store is None:
+            self._wide_store = torch.zeros(self._wide_rows * len(cfg.taps) * cfg.hidden_size, device=dev, dtype=dtype)
+        return self._wide_store[:nb * M * len(cfg.taps) * cfg.hidden_size].view(shape)
 
     def _observe_rows(self, x: torch.Tensor, packed: torch.Tensor, attn_len: int,
                       rows_are_slots: bool = False) -> torch.Tensor:
