@@ -169,7 +169,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 14)
 
 
-def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
     """Uniform [0, 1) float32 numbers that depend only on (seed, position, stream).
 
     A counter-based generator (the idea of Philox, Salmon et al. 2011, with an integer hash as the
@@ -181,10 +181,12 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
     Args:
         seed: ``[B]`` int64 in ``[0, 2**63)``.
         position: ``[B, ...]`` int64 sequence positions (``>= 0``, ``< 2**32``).
-        stream: which draw at that position (``STREAM_ACCEPT``, ``STREAM_SAMPLE`` or ``STREAM_DRAFT``).
+        stream: which draw at that position (``STREAM_ACCEPT``, ``STREAM_SAMPLE`` or ``STREAM_DRAFT``),
+            or an int64 tensor of them that broadcasts against ``position`` (several streams in one
+            call: ``[S, 1]`` streams and ``[1, n]`` positions give ``[S, n]``).
 
     Returns:
-        float32 tensor shaped like ``position``.
+        float32 tensor shaped like ``position`` (broadcast with ``stream``).
     """
     shape = (-1,) + (1,) * (position.dim() - 1)
     lo = (seed & _MASK32).view(shape)

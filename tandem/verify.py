@@ -281,7 +281,7 @@ def verify_tree_sampling(draft_tokens: list[int], parents: list[int], draft_prob
     streams = 2 + max((parents.count(x) for x in set(parents)), default=0)
     pos = torch.arange(position, position + n + 1)[None, :]
     seed_t = torch.tensor([seed], dtype=torch.int64)
-    u = torch.stack([counter_uniform(seed_t, pos, s)[0] for s in range(streams)]).tolist()  # [stream][depth]
+    u = counter_uniform(seed_t, pos, torch.arange(streams)[:, None]).tolist()  # [stream][depth], one call
     node, path = -1, []
     while True:
         depth = len(path)

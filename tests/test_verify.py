@@ -408,3 +408,15 @@ def test_request_generator_is_the_one_per_request_stream():
     assert draw(request_generator(params, "cpu")) == draw(request_generator(params, "cpu"))
     assert draw(request_generator(params, "cpu", drafter=True)) == draw(request_generator(params, "cpu", drafter=True))
     assert draw(request_generator(params, "cpu")) != draw(request_generator(params, "cpu", drafter=True))
+
+
+def test_counter_uniform_several_streams_in_one_call():
+    """A tensor of streams gives, row by row, exactly the numbers of one call per stream (what
+    the host tree verifier relies on), for several seeds and positions."""
+    from tandem.sampling import counter_uniform
+
+    seed = torch.tensor([0, 7, 2**40 + 3], dtype=torch.int64)
+    pos = torch.arange(12, dtype=torch.int64).view(1, 12).expand(3, 12)
+    each = torch.stack([counter_uniform(seed, pos, s) for s in range(5)], dim=1)  # [3, 5, 12]
+    together = counter_uniform(seed, pos[:, None, :], torch.arange(5)[None, :, None])
+    assert torch.equal(together, each) and len(set(each.flatten().tolist())) > 150
