@@ -41,7 +41,7 @@ MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
 
 def width_bucket(n: int, limit: int) -> int:
     """Positions of the static bucket for a prompt of ``n`` tokens: a power of two, at least
-    ``MIN_WIDTH``, at most ``limit`` (the prefill chunk) but never below ``n``."""
+    ``MIN_WIDTH``, at most ``limit`` (``Prefiller.max_width``) but never below ``n``."""
     w = MIN_WIDTH
     while w < n:
         w *= 2
