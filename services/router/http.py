@@ -363,12 +363,11 @@ def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, 
     """One choice; ``stop_reason`` (vLLM's field) is the stop string or stop token id that ended the
     output (None for EOS, the token limit, or while it runs)."""
     if chat_api:
-        key = "delta" if stream else "message"
-        body = {"content": text} if stream else {"role": "assistant", "content": text}
-        return {"index": 0, key: body, "finish_reason": finish_reason, "logprobs": logprobs,
-                "stop_reason": stop_reason}
-    return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs,
-            "stop_reason": stop_reason}
+        out = {"index": 0, "delta" if stream else "message": {"content": text} if stream
+               else {"role": "assistant", "content": text}}
+    else:
+        out = {"index": 0, "text": text}
+    return out | {"finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
 
 
 async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,

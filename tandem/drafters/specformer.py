@@ -156,7 +156,7 @@ class SpecFormerDrafter(Drafter):
         # observe of many rows at once (a prefill's prompts): replayed in (batch bucket, width
         # bucket) shapes as the target's prefill is, within the same rows x positions bound; the
         # input rows of every such shape are views of one store (observes run one at a time)
-        self._wide_rows = 2 * max(runner.config.prefill_tokens, runner.config.prefill_chunk)
+        self._wide_rows = runner.prefill_bucket_tokens
         self._wide_store: torch.Tensor | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
 
@@ -234,7 +234,8 @@ class SpecFormerDrafter(Drafter):
                 inputs[1].copy_(packed)
 
             def inputs():
-                return (self._rows_buffer(nb, M), torch.zeros((nb, 3 + M), dtype=torch.long, device=dev))
+                return (self._rows_buffer(nb, M, shared=M != rows_m),
+                        torch.zeros((nb, 3 + M), dtype=torch.long, device=dev))
 
             out = self._replay(("observe", nb, attn_len, M), lambda x, pk: self._observe_rows(x, pk, attn_len),
                                inputs, fill)
@@ -251,13 +252,14 @@ class SpecFormerDrafter(Drafter):
         self._state[index] = last.to(self._state.dtype)
         self._draft_lens[index] = 0
 
-    def _rows_buffer(self, nb: int, M: int) -> torch.Tensor:
-        """The static input rows of an observe shape, ``[nb, M, len(taps), d]`` zeros: its own
-        buffer for decode rounds' l_d + 1 rows, else a view of the store all wider shapes share."""
+    def _rows_buffer(self, nb: int, M: int, shared: bool) -> torch.Tensor:
+        """The static input rows of an observe shape, ``[nb, M, len(taps), d]``: a buffer of its
+        own (decode rounds' l_d + 1 rows), or with ``shared`` a view of the store every wider shape
+        shares (``nb * M <= _wide_rows``)."""
         cfg = self.head.config
         dev, dtype = self.k_cache.device, self.k_cache.dtype
         shape = (nb, M, len(cfg.taps), cfg.hidden_size)
-        if M == cfg.num_draft_tokens + 1:
+        if not shared:
             return torch.zeros(shape, device=dev, dtype=dtype)
         if self._wide_store is None:
             self._wide_store = torch.zeros(self._wide_rows * len(cfg.taps) * cfg.hidden_size, device=dev, dtype=dtype)

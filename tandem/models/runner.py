@@ -255,6 +255,12 @@ class ModelRunner:
         """
         return self._prefiller.prefill(prompts, taps_out)
 
+    @property
+    def prefill_bucket_tokens(self) -> int:
+        """rows x positions of the largest static prefill bucket: the bound a drafter that mirrors
+        the prefill's static shapes (a SpecFormer head observing the prompts) keeps to as well."""
+        return self._prefiller.max_bucket_tokens
+
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
              patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None,
