@@ -1,6 +1,7 @@
 """Where an admission's host time goes: the prefill launch, a SpecFormer head's observe of the
 prompts and its first drafts, and the rounds, timed on the host (no device sync added) over a
-Spec-Bench run like `tandem bench`'s; then the same run under torch.profiler, writing the
+Spec-Bench run like `tandem bench`'s; then the same run under cProfile (the host's Python
+functions by own time: where a round's host work goes) and under torch.profiler, writing the
 operator tables (by self CPU time and by CUDA time) of the admission calls only.
 
     python3 scripts/profile_admission.py MODEL OUT_DIR [--drafter specformer] [--batch-size 64] [--limit 384]
@@ -9,6 +10,9 @@ A warm-up pass over the same prompts first (every CUDA graph captured), then the
 the profiled pass. Prints one line per call site: calls, mean host ms, total s.
 """
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -63,6 +67,7 @@ def main() -> None:
     wrap(engine.target, "prime_drafts", "admission.prime_drafts")
     wrap(engine.target, "launch_chained", "round.launch_chained")
     wrap(engine.target, "collect", "round.collect")
+    wrap(engine, "_finish", "round.finish")
     if engine.drafter is not None:
         wrap(engine.drafter, "observe", "admission.observe")
     engine.generate(prompts, params)  # warm-up
@@ -77,12 +82,21 @@ def main() -> None:
     for label, ts in sorted(times.items()):
         lines.append(f"  {label:28s} calls {len(ts):5d}  mean {1e3 * sum(ts) / len(ts):7.2f} ms  total {sum(ts):6.3f} s")
     times.clear()
+    host = cProfile.Profile()
+    host.enable()
+    engine.generate(prompts, params)
+    sync()
+    host.disable()
+    buf = io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(45)
+    name = f"admission-{a.drafter}-b{a.batch_size}"
+    (out / f"{name}-host.txt").write_text(buf.getvalue())
+    times.clear()
     recording[0] = True
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, params)
         sync()
     averages = prof.key_averages(group_by_input_shape=False)
-    name = f"admission-{a.drafter}-b{a.batch_size}"
     (out / f"{name}.txt").write_text(
         "\n".join(lines) + "\n\nby self CPU time\n"
         + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
