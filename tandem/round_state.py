@@ -142,5 +142,5 @@ class RoundState:
         (a token tree verified there)."""
         self.length[slot] = start + len(tokens)
         self.last[slot] = tokens[-1]
-        self.history[slot, start + 1:start + 1 + len(tokens)] = torch.tensor(tokens, dtype=torch.int64).to(
-            self.history.device)
+        self.history[slot, start + 1:start + 1 + len(tokens)] = to_device(torch.tensor(tokens, dtype=torch.int64),
+                                                                          self.history.device)

@@ -318,10 +318,10 @@ class LocalTarget(Target):
         flat = torch.cat([it.proposal.probs.to(device=dev, dtype=torch.float32) for it in with_q])
         rows = torch.tensor([it.slot for it, m in zip(with_q, lens) for _ in range(m)], dtype=torch.int64)
         cols = torch.tensor([j for m in lens for j in range(m)], dtype=torch.int64)
-        q[rows.to(dev), cols.to(dev)] = flat
+        q[to_device(rows, dev), to_device(cols, dev)] = flat
         missing = [it.slot for it in items if it.proposal.probs is None and it.proposal.tokens]
         if missing:
-            m = torch.tensor(missing, dtype=torch.int64).to(dev)
+            m = to_device(torch.tensor(missing, dtype=torch.int64), dev)
             q[m] = torch.nn.functional.one_hot(draft_tokens[m], V).to(torch.float32)
         return q
 
@@ -387,7 +387,8 @@ class LocalTarget(Target):
             return
         n = max(slots) + 1
         keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
-        keep[to_device(torch.tensor(slots, dtype=torch.int64), keep.device)] = True
+        # a scalar fill: ``keep[index] = True`` would copy a host scalar to the device and wait for the stream
+        keep.index_fill_(0, to_device(torch.tensor(slots, dtype=torch.int64), keep.device), True)
         drafter.device_prime(keep, self.state, self.sampling.rows(n, slots),
                              max(self.cache.lengths[s] for s in slots) + 1)
 
@@ -399,7 +400,7 @@ class LocalTarget(Target):
         # stream, i.e. for the round in flight, which would undo the chaining
         chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
         if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
-            chain[torch.tensor(sorted(trees), dtype=torch.int64).to(chain.device)] = False
+            chain.index_fill_(0, to_device(torch.tensor(sorted(trees), dtype=torch.int64), chain.device), False)
         sampling = self.sampling.rows(n, [it.slot for it in items])
         q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
         packed = self._verify_device(out, chain, sampling, q, None, any(it.return_logprobs for it in items))
@@ -489,7 +490,7 @@ class LocalTarget(Target):
         width = len(prop.tokens) + 1
         if it.params.greedy:
             return verify_tree_greedy(prop.tokens, prop.parents, out.argmax[it.slot, :width].tolist())
-        index = torch.tensor([it.slot], dtype=torch.int64).to(out.logits.device)
+        index = to_device(torch.tensor([it.slot], dtype=torch.int64), out.logits.device)
         p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
 

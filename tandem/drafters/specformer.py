@@ -249,8 +249,10 @@ class SpecFormerDrafter(Drafter):
                                             else int(bonus))
         # chained rounds start from here: these slots' device drafts are stale until their next round
         index = to_device(torch.tensor([s.slot for s in states], dtype=torch.long), dev)
-        self._state[index] = last.to(self._state.dtype)
-        self._draft_lens[index] = 0
+        self._state.index_copy_(0, index, last.to(self._state.dtype))
+        # index_fill_ takes the 0 as a scalar: ``t[index] = 0`` would make it a host tensor whose
+        # copy to the device waits for the stream, i.e. for the prefill and the round in flight
+        self._draft_lens.index_fill_(0, index, 0)
 
     def _rows_buffer(self, nb: int, M: int, shared: bool) -> torch.Tensor:
         """The static input rows of an observe shape, ``[nb, M, len(taps), d]``: a buffer of its
