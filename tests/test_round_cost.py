@@ -9,7 +9,10 @@ what the same round does on a GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 
 from tandem.drafters import DraftModelDrafter, NgramDrafter
 from tandem.engine import Engine
@@ -118,3 +121,46 @@ def test_specformer_admission_reads_nothing_before_the_round_is_queued(target_di
     while engine.has_unfinished():
         engine.step()
     assert engine.stats.num_drafted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "ngram", "specformer"])
+def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter):
+    """On the GPU (CUDA graphs, chained rounds), requests admitted alone and while others run, and
+    every round, make no synchronizing CUDA call (torch's sync debug mode: a stream or device
+    synchronize, a blocking copy, ``.item()``). The one read a round makes waits on an event, which
+    is the point of it; a hidden sync (e.g. ``t[index] = 0``, which copies a host scalar to the
+    device) would drain the queued round and leave the GPU idle while the host admits."""
+    cfg = RunnerConfig(device="cuda", max_batch_size=4, max_seq_len=128, cuda_graphs=True)
+    engine = Engine(target_dir, cfg, drafter=_drafter(drafter, target_dir), num_draft_tokens=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def serve() -> None:
+        for p in PROMPTS[:2]:
+            engine.add_request(prompt_ids=p, params=params)
+        engine.step()
+        engine.step()
+        for p in PROMPTS[2:]:  # admitted while the first two run
+            engine.add_request(prompt_ids=p, params=params)
+        while engine.has_unfinished():
+            engine.step()
+
+    serve()
+    serve()  # every graph of this workload captured (a capture synchronizes)
+
+    def graphs() -> int:  # the runner's round graphs and a head's own
+        return len(engine.runner._graphs) + len(getattr(engine.drafter, "_captured", {}))
+
+    before = graphs()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            serve()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs() == before, "a graph was captured in the checked pass"
+    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message).lower()]
+    assert not syncs, syncs[:3]
+    if drafter != "none":
+        assert engine.stats.num_drafted > 0
