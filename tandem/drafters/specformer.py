@@ -212,22 +212,27 @@ class SpecFormerDrafter(Drafter):
         static = self._static and (M == rows_m or nb * M <= self._wide_rows)
         if not static:
             nb, M = n, max(lens)
-        # first position, rows, slot, each row's next token; next tokens given on the device (a
-        # prefill's: they end with its first token, not read back) are written there
-        on_host = [s.next_tokens is not None and not torch.is_tensor(s.next_tokens) for s in states]
-        rows = [[s.start, m, s.slot] + (list(s.next_tokens) if host else [0] * m) + [0] * (M - m)
-                for s, m, host in zip(states, lens, on_host)]
+        # packed rows: first position, rows, slot, then each row's next tokens. Built on the device
+        # in three ops whatever the batch (no per-row copy, no host list of nb x M zeros): the
+        # header from the host, the next tokens (on the device after a prefill: its first token
+        # is not read back; host lists on the host-drafted path) scattered to their columns
         dev, dtype = self.k_cache.device, self.k_cache.dtype
-        packed = to_device(torch.tensor(rows + [[0] * (3 + M)] * (nb - n), dtype=torch.long), dev)
-        for i, (s, m) in enumerate(zip(states, lens)):
-            if torch.is_tensor(s.next_tokens):
-                packed[i, 3:3 + m] = s.next_tokens
+        counts = torch.tensor(lens, dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(n), counts)  # each new position's row and index in it
+        where = to_device(torch.stack([row, torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]], 1), dev)
+        packed = torch.zeros((nb, 3 + M), dtype=torch.long, device=dev)
+        packed[:n, :3] = to_device(torch.tensor([[s.start, m, s.slot] for s, m in zip(states, lens)],
+                                                dtype=torch.long), dev)
+        if any(s.next_tokens is not None for s in states):
+            on_host = [not torch.is_tensor(s.next_tokens) for s in states]
+            host = [torch.tensor([0] * m if s.next_tokens is None else list(s.next_tokens), dtype=torch.long)
+                    for s, m, h in zip(states, lens, on_host) if h]
+            moved = iter(to_device(torch.cat(host), dev).split([len(t) for t in host]) if host else ())  # one copy
+            packed[where[:, 0], 3 + where[:, 1]] = torch.cat(
+                [next(moved) if h else s.next_tokens.to(torch.long) for s, h in zip(states, on_host)])
         last = None
         if static:
             flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
-            counts = torch.tensor(lens, dtype=torch.long)
-            row = torch.repeat_interleave(torch.arange(n), counts)  # each tapped position's row and index in it
-            where = to_device(torch.stack([row, torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]], 1), dev)
 
             def fill(inputs):
                 inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
