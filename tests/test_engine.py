@@ -279,8 +279,17 @@ def test_seeded_sampling_reproducible_tiny(tiny_engine):
 MULTIBYTE_TEXTS = ["héllo 世界 🚀", "naïve café — 日本語のテキスト 👍🏽🎉 ok", "Ωμέγα ∑ x² → ∞"]
 
 
+@pytest.fixture(params=["rust-stream", "python"])
+def detok_path(request, monkeypatch):
+    """Both incremental detokenizers: ``tokenizers``' DecodeStream and the Python fallback (older
+    ``tokenizers`` without it)."""
+    if request.param == "python":
+        monkeypatch.setattr("tandem.tokenizer.DecodeStream", None)
+    return request.param
+
+
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
-def test_incremental_detokenizer_multibyte(real_tokenizer, text):
+def test_incremental_detokenizer_multibyte(real_tokenizer, text, detok_path):
     tok = real_tokenizer
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids), "test needs a character split over tokens"
@@ -290,12 +299,16 @@ def test_incremental_detokenizer_multibyte(real_tokenizer, text):
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_incremental_detokenizer_long_text(real_tokenizer):
+def test_incremental_detokenizer_long_text(real_tokenizer, detok_path):
     tok = real_tokenizer
     text = "\n\n".join(_rows([0, 50, 122]))
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok)
+    assert (detok._stream is not None) == (detok_path == "rust-stream")
     assert "".join(detok.add(i) for i in ids) == tok.decode(ids)
+    # ids the vocabulary lacks (a model whose output layer is wider than its tokenizer) add nothing
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.add(i) for i in [tok.vocab_size + 7, *ids[:20]]) == tok.decode(ids[:20])
 
 
 def test_stream_random_tokens_tiny(tiny_engine):
