@@ -8,7 +8,7 @@ import torch
 
 from tandem.engine import Engine
 from tandem.models import load_checkpoint
-from tandem.models.prefill import MIN_WIDTH, width_bucket
+from tandem.models.prefill import GROUP_COST, MIN_WIDTH, width_bucket
 from tandem.models.runner import ModelRunner, RunnerConfig
 from tandem.sampling import SamplingParams
 
@@ -74,6 +74,53 @@ def test_buckets_cover_every_static_group(checkpoint, slots, chunk, tokens):
     assert {b for b in met if b[0] * b[1] <= pre.max_bucket_tokens} == buckets
     if (slots, chunk) == (8, 1024):
         assert cap == 2048 and len(buckets) == 4 * 7  # rows 1..8, positions 32..2048
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_groups_are_the_least_padded_contiguous_runs(checkpoint, static):
+    """``Prefiller.groups`` splits a prefill's prompts (sorted by length) into the contiguous runs
+    of least padded positions + ``GROUP_COST`` per group, within the row and bucket limits: equal
+    to a brute force over every split, on random lengths; a long prompt no longer widens the short
+    ones' rows (greedy filling by tokens put them all in one 8 x 2048 bucket)."""
+    import itertools
+    import random
+
+    from tandem.models.runner import batch_bucket
+
+    runner = ModelRunner(checkpoint, RunnerConfig(device="cpu", max_batch_size=8, max_seq_len=2048,
+                                                  prefill_chunk=1024, prefill_tokens=8192))
+    pre = runner._prefiller
+    pre.static = static
+    cap, chunk, budget = pre.max_width, 1024, 8192
+
+    def cost(group_lengths: list[int]) -> int | None:
+        rows, longest = len(group_lengths), max(group_lengths)
+        bucket = batch_bucket(rows, 8) * width_bucket(longest, cap)
+        if rows > 1 and (rows * min(chunk, longest) > budget or (static and bucket > pre.max_bucket_tokens)):
+            return None
+        return (bucket if static else rows * longest) + GROUP_COST
+
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = {s: rng.choice([rng.randint(1, 120), rng.randint(100, 1900)]) for s in rng.sample(range(8), 6)}
+        groups = pre.groups(lengths)
+        assert sorted(s for g in groups for s in g) == sorted(lengths) and all(g == sorted(g) for g in groups)
+        got = sum(cost([lengths[s] for s in g]) for g in groups)
+        ordered = sorted(lengths.values())
+        best = None
+        for cuts in itertools.product([False, True], repeat=len(ordered) - 1):
+            runs, run = [], [ordered[0]]
+            for n, c in zip(ordered[1:], cuts):
+                if c:
+                    runs.append(run)
+                    run = []
+                run.append(n)
+            costs = [cost(r) for r in runs + [run]]
+            if None not in costs and (best is None or sum(costs) < best):
+                best = sum(costs)
+        assert got == best, (lengths, groups)
+    groups = pre.groups({0: 1500, 1: 40, 2: 45, 3: 50, 4: 60, 5: 70})
+    assert groups == [[1, 2, 3, 4, 5], [0]]
 
 
 def test_failed_capture_falls_back_to_eager_prefills(checkpoint, monkeypatch):

@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
+# a prefill forward's fixed cost in padded positions, against which ``Prefiller.groups`` weighs
+# splitting a group: on the H200 a static prefill costs ~1.2 us of GPU per padded position
+# (docs/benchmarks.md, 2026-12-04 profile) and a forward ~0.9 ms whatever its size, plus the
+# host's launch and row copies; 2,048 positions covers both
+GROUP_COST = 2048
 
 
 def width_bucket(n: int, limit: int) -> int:
@@ -76,26 +81,57 @@ class Prefiller:
             if not ids:
                 raise ValueError(f"slot {slot} has an empty prompt")
             runner.cache.check_room(slot, len(ids))
-        chunk = runner.config.prefill_chunk
-        budget = max(runner.config.prefill_tokens, chunk)
         slots = sorted(prompts)
         last_hidden: dict[int, torch.Tensor] = {}
         pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
-        group: list[int] = []
-        for slot in sorted(slots, key=lambda s: len(prompts[s])) + [None]:  # similar lengths pad little
-            if slot is not None:
-                cand = group + [slot]
-                if not group or len(cand) * min(chunk, len(prompts[slot])) <= budget:
-                    group = cand
-                    continue
-            group = sorted(group)
+        for group in self.groups({s: len(prompts[s]) for s in slots}):
             if not self._static_group(group, prompts, last_hidden, pieces):
                 self._eager_group(group, prompts, last_hidden, pieces)
-            group = [slot] if slot is not None else []
         hidden = torch.stack([last_hidden[s] for s in slots])
         if taps_out is not None and runner.config.taps:
             taps_out.update({s: torch.cat(p) for s, p in pieces.items()})
         return runner.model.logits(hidden)
+
+    def groups(self, lengths: dict[int, int]) -> list[list[int]]:
+        """The prompts of one prefill (slot -> prompt tokens) in groups, one forward each, chosen
+        to pad little: over the prompts sorted by length, the contiguous runs that minimise the
+        padded positions every group computes (static path: its bucket, rows x positions rounded
+        up to powers of two; eager: rows x its longest prompt) plus ``GROUP_COST`` positions per
+        group for the forward's fixed cost, by dynamic programming (O(n^2), n <= the slots). A
+        group keeps within ``prefill_tokens`` (rows x min(chunk, longest)) and, static, within the
+        largest bucket. Greedy filling by tokens alone padded 2.7-5x on Spec-Bench's prompt
+        lengths (a few long prompts widen every row of their group to a power of two); these
+        groups pad ~1.6-1.8x for 1-2 more forwards an admission.
+
+        Returns:
+            Groups of slots, each in ascending slot order.
+        """
+        from .runner import batch_bucket
+
+        cfg = self.runner.config
+        chunk, budget = cfg.prefill_chunk, max(cfg.prefill_tokens, cfg.prefill_chunk)
+        slots_n, cap = self.runner.cache.num_slots, self.max_width
+        order = sorted(lengths, key=lambda s: (lengths[s], s))
+        n = len(order)
+        best, cut = [0] + [None] * n, [0] * (n + 1)
+        for j in range(1, n + 1):
+            longest = lengths[order[j - 1]]
+            for i in range(j - 1, -1, -1):
+                rows = j - i
+                if rows > 1 and rows * min(chunk, longest) > budget:
+                    break  # more rows only add
+                bucket = batch_bucket(rows, slots_n) * width_bucket(longest, cap)
+                if self.static and rows > 1 and bucket > self.max_bucket_tokens:
+                    break
+                cost = best[i] + (bucket if self.static else rows * longest) + GROUP_COST
+                if best[j] is None or cost < best[j]:
+                    best[j], cut[j] = cost, i
+        out: list[list[int]] = []
+        j = n
+        while j:
+            out.append(sorted(order[cut[j]:j]))
+            j = cut[j]
+        return out[::-1]
 
     def _eager_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                      taps_out: dict[int, list[torch.Tensor]] | None) -> None:
