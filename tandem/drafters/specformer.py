@@ -157,6 +157,7 @@ class SpecFormerDrafter(Drafter):
         # bucket) shapes as the target's prefill is, within the same rows x positions bound; the
         # input rows of every such shape are views of one store (observes run one at a time)
         self._wide_rows = runner.prefill_bucket_tokens
+        self._prefill_groups = runner.prefill_groups
         self._wide_store: torch.Tensor | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
 
@@ -205,6 +206,12 @@ class SpecFormerDrafter(Drafter):
         # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
         attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self._capacity)
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
+        if n > 1 and max(lens) > rows_m:  # a prefill's prompts: in the target prefill's groups of similar
+            groups = self._prefill_groups(dict(enumerate(lens)))  # lengths, so short rows are not padded to long ones
+            if len(groups) > 1:
+                for group in groups:
+                    self.observe([states[i] for i in group])
+                return
         # static shapes: l_d + 1 rows (decode rounds) or, for more (a prefill's prompts), a width
         # bucket as the target's static prefill uses, within its rows x positions bound
         M = rows_m if max(lens) <= rows_m else width_bucket(max(lens), self._capacity)

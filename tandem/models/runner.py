@@ -261,6 +261,11 @@ class ModelRunner:
         the prefill's static shapes (a SpecFormer head observing the prompts) keeps to as well."""
         return self._prefiller.max_bucket_tokens
 
+    def prefill_groups(self, lengths: dict[int, int]) -> list[list[int]]:
+        """How ``prefill`` groups prompts of these lengths (key -> tokens) into forwards
+        (``Prefiller.groups``): a drafter that mirrors the prefill's shapes groups the same way."""
+        return self._prefiller.groups(lengths)
+
     @torch.inference_mode()
     def step(self, tokens_per_slot: dict[int, list[int]], trees: dict[int, list[int]] | None = None,
              patch: Callable[[torch.Tensor, int], None] | None = None, patch_key: object = None,
