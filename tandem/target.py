@@ -21,7 +21,7 @@ import torch
 
 from .drafters.base import DraftProposal, VerifiedStep
 from .models.kv_cache import KVCache
-from .models.runner import ModelRunner, RunnerConfig, batch_bucket, to_device
+from .models.runner import ModelRunner, RunnerConfig, to_device
 from .models.weights import Checkpoint
 from .profiling import note_blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
@@ -385,7 +385,7 @@ class LocalTarget(Target):
         (``SpecFormerDrafter.device_prime``), so their first chained round verifies drafts."""
         if not slots or not drafter.drafts_from_verify:
             return
-        n = batch_bucket(max(slots) + 1, self.cache.num_slots)  # rows 0 .. n-1 (a few shapes: graphs)
+        n = max(slots) + 1
         keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
         # a scalar fill: ``keep[index] = True`` would copy a host scalar to the device and wait for the stream
         keep.index_fill_(0, to_device(torch.tensor(slots, dtype=torch.int64), keep.device), True)

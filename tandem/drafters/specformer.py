@@ -397,21 +397,8 @@ class SpecFormerDrafter(Drafter):
     def device_prime(self, keep: torch.Tensor, state, sampling, width: int) -> None:
         """Drafts for slots just prefilled (``keep`` ``[n]`` bool over rows ``0 .. n-1``), from the
         context states ``observe`` left, so their first chained round already verifies drafts.
-        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length. On
-        CUDA one graph per (rows, context bucket, sampling flags): eager, its few hundred kernel
-        launches left the GPU idle for ~2.5 ms an admission once the prefill ran ahead of them."""
+        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length."""
         self._ensure_q(sampling.any_sampled)
-        if self._static and not (self.k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
-            width = max(width, context_bucket(width, self._capacity))  # few shapes; past the capacity as asked
-            key = ("prime", keep.shape[0], width, sampling.any_sampled, sampling.filtered)
-
-            def fill(inputs):
-                inputs[0].copy_(keep)
-
-            self._replay(key, lambda k: self._draft_next(k, state, sampling, width),
-                         lambda: (torch.empty_like(keep),), fill)
-            if self._static:  # else the capture failed (logged): from now on the head runs eagerly
-                return
         self._draft_next(keep, state, sampling, width)
 
     def prepare_round(self, sampled: bool) -> None:
