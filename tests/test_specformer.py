@@ -378,6 +378,28 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
     assert [engine.completion(r).token_ids for r in rids] == [greedy[keys[i]][:maxes[i]] for i in rids.values()]
 
 
+def test_chained_static_path_matches_the_eager_head(tiny_ck):
+    """Chained rounds with the head's static path (forced, uncaptured, on the CPU): the prompts'
+    observe (in the prefill's groups, padded to buckets) and the in-round work run through their
+    static-shape calls, greedy and sampled, prompts admitted alone and together; the outputs and
+    the drafted / accepted counts equal those of the same head run eagerly."""
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_k=20, seed=5),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    runs = []
+    for static in (True, False):
+        drafter = SpecFormerDrafter(_random_head(tiny_ck.config, **VARIANTS["lookup"]))
+        engine = Engine(tiny_ck, cfg, drafter=drafter)
+        drafter._static = static
+        assert engine.chains_rounds
+        out = [engine.generate([p], sp)[0] for p, sp in zip(PROMPTS[:3], params)]
+        out += engine.generate(PROMPTS[3:6], params[0])  # admitted together
+        runs.append(([c.token_ids for c in out], engine.stats.num_drafted, engine.stats.num_accepted))
+        assert ("observe" in {k[0] for k in drafter._captured}) is static
+    assert runs[0] == runs[1] and runs[0][1] > 0
+
+
 def test_a_failed_graph_capture_falls_back_to_eager(tiny_ck, monkeypatch):
     """When capturing the head's graphs fails, the drafter logs it, runs eagerly from then on,
     and every request still gets the target's own output."""
