@@ -56,7 +56,7 @@ def test_ablation_rows_are_lossless_and_complete(setup):
                            predictor=str(predictor))
     report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=128), records,
                            parse_configs(",".join(ABLATION_CONFIGS)), [1, 2], options, max_tokens=10, limit=2,
-                           progress=False)
+                           progress=False, warmup="none")
     for b in (1, 2):
         rows = [r for r in report.results if r.batch_size == b]
         assert [r.config for r in rows] == list(ABLATION_CONFIGS)
@@ -74,7 +74,7 @@ def test_ablation_cli(setup, tmp_path):
     target, draft, predictor = setup
     base = ["bench", "--ablation", "--model", str(target), "--device", "cpu", "--drafter", "draft-model",
             "--draft-model", str(draft), "--num-draft-tokens", "3", "--batch-sizes", "2", "--limit", "2",
-            "--max-tokens", "6"]
+            "--max-tokens", "6", "--warmup", "none"]
     res = CliRunner().invoke(main, base + ["--predictor", str(predictor), "--out", str(tmp_path / "abl")])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "abl" / "results.json").read_text())

@@ -118,13 +118,15 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
 
 
 def test_warmup_share():
-    """full: the timed prompts themselves (every graph shape made before timing); short: max(2b, 4)."""
+    """full: the timed prompts themselves (every graph shape made before timing); short: max(2b, 4);
+    none: no warm-up pass."""
     items = list(range(10))
     assert warmup_share(items, 16) == items and warmup_share(items, 16, "full") == items
     assert warmup_share(items, 1, "short") == items[:4] and warmup_share(items, 3, "short") == items[:6]
     assert warmup_share(items, 64, "short") == items
-    with pytest.raises(ValueError, match="warm-up mode 'none'"):
-        warmup_share(items, 1, "none")
+    assert warmup_share(items, 4, "none") == []
+    with pytest.raises(ValueError, match="warm-up mode 'cold'"):
+        warmup_share(items, 1, "cold")
     # results.json written before the option existed load as the short warm-up they ran
     old = json.loads((DATA_DIR.parent / "docs/results/2026-12-01/bench-16-128/results.json").read_text())
     assert "warmup" not in old["meta"] and BenchReport.from_dict(old).meta.warmup == "short"
@@ -141,7 +143,7 @@ def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):
     configs = parse_configs("context-aware,hf-generate,hf-prompt-lookup")
     report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=256), records, configs, [1],
                            BenchOptions(num_draft_tokens=3, ca_drafter="ngram"), max_tokens=8, limit=2, hf_limit=2,
-                           progress=False)
+                           progress=False, warmup="none")
     assert [r.config for r in report.results] == ["target", "context-aware", "hf-generate", "hf-prompt-lookup"]
     ca = report.get("context-aware", 1)
     assert ca.lossless_share == 1.0 and ca.k == 3 and ca.speedup == pytest.approx(ca.tps / report.get("target", 1).tps)
@@ -243,7 +245,7 @@ def test_bench_on_the_real_model(short_prompts, tmp_path):
     output on two Spec-Bench prompts."""
     res = CliRunner().invoke(main, ["bench", "--device", "cpu", "--prompts", str(short_prompts), "--limit", "2", "--batch-sizes", "1", "--max-tokens",
                                     "12", "--configs", "target,ngram", "--no-hf-baseline", "--max-seq-len", "512",
-                                    "--out", str(tmp_path)])
+                                    "--warmup", "none", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output + str(res.exception)
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [(r["config"], r["lossless_share"]) for r in rows] == [("target", 1.0), ("ngram", 1.0)]
@@ -252,7 +254,7 @@ def test_bench_on_the_real_model(short_prompts, tmp_path):
 
 def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts, tmp_path):
     base = ["bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2", "--max-tokens", "4", "--configs",
-            "target,ngram", "--no-hf-baseline", "--max-seq-len", "256"]
+            "target,ngram", "--no-hf-baseline", "--max-seq-len", "256", "--warmup", "none"]
     for b in ("1", "2"):
         res = CliRunner().invoke(main, base + ["--batch-sizes", b, "--out", str(tmp_path / f"b{b}")])
         assert res.exit_code == 0, res.output + str(res.exception)
@@ -287,7 +289,7 @@ def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_promp
     options = BenchOptions(specformer=str(tmp_path / "head"), ca_drafter="specformer")
     for exact, names in ((False, "specformer,context-aware"), (True, "specformer")):
         report = run_benchmark(ck, tok, cfg, load_prompts(short_prompts), parse_configs(names), [2], options,
-                               max_tokens=8, limit=3, exact_kernels=exact, progress=False)
+                               max_tokens=8, limit=3, exact_kernels=exact, progress=False, warmup="none")
         assert report.meta.fixed_step_tokens == (5 if exact else 0)
         sf = report.get("specformer", 2)
         assert sf.lossless_share == 1.0 and sf.drafted > 0 and sf.k == 4, (exact, sf)
@@ -302,7 +304,7 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     res = CliRunner().invoke(main, [
         "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2",
         "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target,ngram", "--mode", "distributed",
-        "--out", str(out)])
+        "--warmup", "none", "--out", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed"

@@ -260,6 +260,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                         timeout_s=900)
     try:
         for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):
+            if not run:  # warm-up "none"
+                continue
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
@@ -270,7 +272,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     return comps, wall
 
 
-WARMUP_MODES = ("full", "short")
+WARMUP_MODES = ("full", "short", "none")
 
 
 def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
@@ -283,12 +285,16 @@ def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
     bucket, but context buckets first met later are captured inside the timed pass; about half the
     wall time, for quick runs). Measured on the H200 (2026-12-01, commit 9377310): at batch 16 with
     ``short`` a fresh engine's captures and its batch-1 compile fell inside the timed pass.
+    ``none``: no warm-up pass (a CPU run with nothing to capture or compile, or a check of outputs
+    rather than speed: timings then include first-call costs, and an online threshold starts cold).
 
     Raises:
         ValueError: an unknown mode.
     """
     if mode not in WARMUP_MODES:
         raise ValueError(f"warm-up mode {mode!r}: expected one of {', '.join(WARMUP_MODES)}")
+    if mode == "none":
+        return []
     return list(items) if mode == "full" else list(items[:max(2 * batch_size, 4)])
 
 
@@ -335,7 +341,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         cost_table: also measure T(b, q), q = 1..k+1.
         mode: "inproc" (this process) or "distributed" (``run_distributed``).
         progress: tqdm bars on stderr (shown only on a terminal).
-        warmup: "full" or "short" (``warmup_share``).
+        warmup: "full", "short" or "none" (``warmup_share``).
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -429,6 +435,8 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
     texts = [r.text for r in prompts]
     dev = engine.runner.device
     for label, run in (("warm-up", warmup_share(texts, batch_size, warmup)), ("timed", texts)):
+        if not run:  # warm-up "none"
+            continue
         with tqdm(total=len(run), desc=f"{desc} {label}", unit="prompt", leave=False, file=sys.stderr,
                   disable=None if progress else True) as bar:
             if dev.type == "cuda":
