@@ -218,6 +218,26 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
     return torch.where(ok, idx, last_positive)[:, 0]
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request for several choices (OpenAI's ``n``) with ``seed``:
+    choice 0 keeps it (so ``n = 1`` and the first of ``n`` agree), choice i > 0 takes
+    splitmix64(seed + i) mod 2**63, a stream independent of its neighbours' (``seed + i`` alone
+    would give choice i of one request the output of choice 0 of a request seeded ``seed + i``).
+
+    Raises:
+        ValueError: ``index`` < 0.
+    """
+    if index < 0:
+        raise ValueError(f"choice index must be >= 0, got {index}")
+    if index == 0:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + index + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) % 2**SEED_BITS
+
+
 def new_seed() -> int:
     """A fresh seed in ``[0, 2**63)`` from the OS (for requests that give none)."""
     import secrets

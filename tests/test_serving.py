@@ -31,7 +31,7 @@ from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.drafters import DraftModelDrafter, NgramDrafter
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
-from tandem.sampling import SamplingParams
+from tandem.sampling import SamplingParams, choice_seed
 
 openai = pytest.importorskip("openai")
 
@@ -253,6 +253,36 @@ def test_seeded_sampling_through_router(client, model_id, local_engine, prompts)
     assert reference(local_engine, prompts[:1], params.max_tokens)[0].text not in want.values()
 
 
+def test_n_choices_through_router(client, model_id, local_engine, prompts):
+    """``n`` choices: each decodes as a request of its own, choice i seeded with
+    ``choice_seed(seed, i)``: distinct samples, the same ones when the request is repeated and when
+    it is streamed (its choices' deltas interleaved, each naming its index); ``usage`` counts the
+    prompt once and sums the choices' tokens; greedy choices are the target's text n times (chat
+    and completions). (A sampled choice is compared with itself, not with an in-process run of
+    its seed alone: the choices share verify batches, and a forward over 3 rows may round a
+    logit differently from one over 1 row, which can move an inverse-CDF draw to the next token.)"""
+    ask = dict(model=model_id, messages=[{"role": "user", "content": prompts[2]}], max_tokens=MAX_TOKENS,
+               temperature=0.9, top_p=0.95, seed=11, n=3, logprobs=True)
+    r = client.chat.completions.create(**ask)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3, texts  # independent samples
+    assert [c.message.content for c in client.chat.completions.create(**ask).choices] == texts
+    assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
+    solo = local_engine.generate([prompts[2]], SamplingParams(max_tokens=1))[0]
+    assert r.usage.prompt_tokens == solo.prompt_tokens
+    streamed, usage_seen = {}, None
+    for chunk in client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        usage_seen = chunk.usage or usage_seen
+    assert [streamed[i] for i in range(3)] == texts
+    assert usage_seen.completion_tokens == r.usage.completion_tokens
+    greedy = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=8, temperature=0, n=2)
+    want = local_engine.generate([prompts[3]], SamplingParams(max_tokens=8), chat=False)[0].text
+    assert [c.text for c in greedy.choices] == [want, want] and [c.index for c in greedy.choices] == [0, 1]
+    assert choice_seed(11, 0) == 11 and len({choice_seed(11, i) for i in range(16)}) == 16
+
+
 def run_with_logprobs(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS):
     rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), logprobs=True)
     while engine.has_unfinished():
@@ -403,7 +433,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
     ({"messages": HI, "stop": 5}, "stop: Input should be", "stop"),  # a union field: no member tag in the path
     ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content: Input should be", "messages.0.content"),
-    ({"messages": HI, "n": 3}, "n = 1", "n"),
+    ({"messages": HI, "n": 17}, "less than or equal to 16", "n"),
+    ({"messages": HI, "n": 0}, "greater than or equal to 1", "n"),
     ({"messages": HI, "model": "gpt-9"}, "not served", "model"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),
     ({"messages": HI, "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias", "logit_bias"),
@@ -955,3 +986,4 @@ def test_body_over_the_limit_is_a_413_chunked_or_not():
     for body in (b"x" * (MAX_BODY_BYTES + 1), chunks):
         r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "over 4 MiB" in r.json()["error"]["message"], r.text
+

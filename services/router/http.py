@@ -32,11 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.engine import Completion
 from tandem.errors import InvalidRequestError
-from tandem.sampling import SamplingParams
+from tandem.metrics import SpecDecodeStats
+from tandem.sampling import SamplingParams, choice_seed
 
 from .core import Delta, Done, Failed, Router
 
 
+MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as a request of its own)
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
 
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
@@ -71,7 +73,7 @@ class _SamplingFields(_Base):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -85,8 +87,6 @@ class _SamplingFields(_Base):
         if bad:
             raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
                                       "send them at their no-op value or leave them out)", param=bad[0])
-        if self.n != 1:
-            raise InvalidRequestError("only n = 1 is supported", param="n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
@@ -190,17 +190,26 @@ def _nan_to_none(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def usage(c: Completion) -> dict:
-    """OpenAI usage plus this request's speculative-decoding metrics."""
+def usage(completions: list[Completion]) -> dict:
+    """OpenAI usage plus the request's speculative-decoding metrics, over its choices (``n``): the
+    prompt counted once, the completion tokens and the speculation counters summed; latency is
+    the first token of any choice (TTFT), the last choice's end (e2e) and the mean TPOT."""
+    first = completions[0]
+    spec = SpecDecodeStats()
+    for c in completions:
+        spec.merge(c.spec)
+    out_tokens = sum(c.completion_tokens for c in completions)
+    tpots = [c.tpot_s for c in completions if not math.isnan(c.tpot_s)]
     return {
-        "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-        "total_tokens": c.prompt_tokens + c.completion_tokens,
+        "prompt_tokens": first.prompt_tokens, "completion_tokens": out_tokens,
+        "total_tokens": first.prompt_tokens + out_tokens,
         "speculative_decoding": {
-            "num_draft_tokens": c.spec.num_drafted, "num_accepted_tokens": c.spec.num_accepted,
-            "num_verify_steps": c.spec.num_steps, "acceptance_rate": _nan_to_none(c.spec.acceptance_rate),
-            "mean_accepted_length": c.spec.mean_accepted_length,
+            "num_draft_tokens": spec.num_drafted, "num_accepted_tokens": spec.num_accepted,
+            "num_verify_steps": spec.num_steps, "acceptance_rate": _nan_to_none(spec.acceptance_rate),
+            "mean_accepted_length": spec.mean_accepted_length,
         },
-        "latency": {"ttft_s": c.ttft_s, "tpot_s": c.tpot_s, "e2e_s": c.latency_s},
+        "latency": {"ttft_s": min(c.ttft_s for c in completions), "tpot_s": sum(tpots) / len(tpots) if tpots else math.nan,
+                    "e2e_s": max(c.latency_s for c in completions)},
     }
 
 
@@ -306,7 +315,13 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
         # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
         engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
-                                             request_id=rid, logprobs=req.wants_logprobs())
+                                             request_id=rid if req.n == 1 else f"{rid}-0", logprobs=req.wants_logprobs())
+        # n choices: one engine request each over the same prompt ids, a seed of its own (choice_seed)
+        engine_reqs = [engine_req] + [
+            router.make_request(None, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)),
+                                prompt_ids=engine_req.prompt_ids, chat=False, request_id=f"{rid}-{i}",
+                                logprobs=engine_req.logprobs is not None)
+            for i in range(1, req.n)]
         if requested is not None:
             name, value = requested
             limit, n = router.context_limit, len(engine_req.prompt_ids)
@@ -319,9 +334,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             if not any(w.healthy for w in router.workers):  # known down: say so before the 200 of a stream
                 return _error(503, "no verifier is available; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventSourceResponse(_stream(router, engine_req, req.category, rid, created, chat_api, include_usage),
-                                       ping=15)
-        return await _complete(router, request, engine_req, req.category, rid, created, chat_api)
+            return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,
+                                               include_usage), ping=15)
+        return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -359,45 +374,59 @@ def _logprobs(logprobs: list[float] | None, tokens: list[str] | None, chat_api: 
 
 
 def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None,
-            stop_reason: str | int | None = None) -> dict:
-    """One choice; ``stop_reason`` (vLLM's field) is the stop string or stop token id that ended the
-    output (None for EOS, the token limit, or while it runs)."""
+            stop_reason: str | int | None = None, index: int = 0) -> dict:
+    """Choice ``index``; ``stop_reason`` (vLLM's field) is the stop string or stop token id that
+    ended the output (None for EOS, the token limit, or while it runs)."""
     if chat_api:
-        out = {"index": 0, "delta" if stream else "message": {"content": text} if stream
+        out = {"index": index, "delta" if stream else "message": {"content": text} if stream
                else {"role": "assistant", "content": text}}
     else:
-        out = {"index": 0, "text": text}
+        out = {"index": index, "text": text}
     return out | {"finish_reason": finish_reason, "logprobs": logprobs, "stop_reason": stop_reason}
 
 
-async def _complete(router: Router, request: Request, engine_req, category: str, rid: str, created: int,
+async def _complete(router: Router, request: Request, engine_reqs: list, category: str, rid: str, created: int,
                     chat_api: bool):
-    async def collect():
+    """The response of a non-streamed request: its choices (one engine request each) run
+    concurrently; a client that goes away cancels them all (their KV slots are freed), and a
+    failed choice fails the request (503) and cancels the others."""
+    async def collect(engine_req):
         async for event in router.generate(engine_req, category):
             if isinstance(event, (Done, Failed)):
                 return event
         raise RuntimeError("the request ended without a result")
 
-    task = asyncio.ensure_future(collect())
-    while not task.done():  # a client that goes away cancels its request and frees its KV slots
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            return Response(status_code=499)
-    event = task.result()
-    if isinstance(event, Failed):
-        return _error(503, event.message, "server_error")
-    c = event.completion
+    tasks = [asyncio.ensure_future(collect(r)) for r in engine_reqs]
+    try:
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            if any(t.done() and not t.cancelled() and isinstance(t.result(), Failed) for t in tasks):
+                break
+            if not all(t.done() for t in tasks) and await request.is_disconnected():
+                return Response(status_code=499)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    events = [t.result() for t in tasks if t.done() and not t.cancelled()]
+    failed = [e for e in events if isinstance(e, Failed)]
+    if failed:
+        return _error(503, failed[0].message, "server_error")
+    done = [e.completion for e in events]
     return {"id": rid, "object": "chat.completion" if chat_api else "text_completion", "created": created,
             "model": router.model_name,
             "system_fingerprint": router.fingerprint,
-            "choices": [_choice(c.text, c.finish_reason, chat_api, False, _logprobs(c.logprobs, c.token_texts,
-                                                                                     chat_api), c.stop_reason)],
-            "usage": usage(c)}
+            "choices": [_choice(c.text, c.finish_reason, chat_api, False,
+                                _logprobs(c.logprobs, c.token_texts, chat_api), c.stop_reason, index=i)
+                        for i, c in enumerate(done)],
+            "usage": usage(done)}
 
 
-async def _stream(router: Router, engine_req, category: str, rid: str, created: int, chat_api: bool,
+async def _stream(router: Router, engine_reqs: list, category: str, rid: str, created: int, chat_api: bool,
                   include_usage: bool):
+    """Server-sent chunks of a streamed request; with several choices (``n``) their deltas
+    interleave as they come, each chunk naming its choice's ``index``. A failed choice ends the
+    stream with an error event (the others are cancelled); usage, when asked, comes last."""
     obj = "chat.completion.chunk" if chat_api else "text_completion"
 
     def chunk(choices: list, usage_: dict | None = None) -> str:
@@ -405,19 +434,44 @@ async def _stream(router: Router, engine_req, category: str, rid: str, created: 
                            "system_fingerprint": router.fingerprint, "choices": choices, "usage": usage_})
 
     if chat_api:
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                      "logprobs": None}])
-    async for event in router.generate(engine_req, category):
-        if isinstance(event, Delta):
-            out = event.output
-            if out.text_delta or out.finished or out.logprobs:
-                lp = _logprobs(out.logprobs, out.token_texts, chat_api)
-                yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True, lp,
-                                     out.stop_reason if out.finished else None)])
-        elif isinstance(event, Failed):
-            yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
-                                        "code": 503}})
-            break
-        elif isinstance(event, Done) and include_usage:
-            yield chunk([], usage(event.completion))
-    yield "[DONE]"
+        for i in range(len(engine_reqs)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                          "logprobs": None}])
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, engine_req) -> None:
+        try:
+            async for event in router.generate(engine_req, category):
+                await merged.put((i, event))
+        finally:
+            await merged.put((i, None))  # this choice has nothing more
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(engine_reqs)]
+    completions: dict[int, Completion] = {}
+    failed = False
+    try:
+        running = len(tasks)
+        while running:
+            i, event = await merged.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, Delta):
+                out = event.output
+                if out.text_delta or out.finished or out.logprobs:
+                    lp = _logprobs(out.logprobs, out.token_texts, chat_api)
+                    yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True,
+                                         lp, out.stop_reason if out.finished else None, index=i)])
+            elif isinstance(event, Failed):
+                yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
+                                            "code": 503}})
+                failed = True
+                break
+            elif isinstance(event, Done):
+                completions[i] = event.completion
+        if include_usage and not failed and len(completions) == len(tasks):
+            yield chunk([], usage([completions[i] for i in sorted(completions)]))
+        yield "[DONE]"
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
