@@ -398,8 +398,8 @@ async def _complete(router: Router, request: Request, engine_reqs: list, categor
 
     tasks = [asyncio.ensure_future(collect(r)) for r in engine_reqs]
     try:
-        while not all(t.done() for t in tasks):
-            await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        while pending := [t for t in tasks if not t.done()]:  # (waits on the pending only: no spin)
+            await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
             if any(t.done() and not t.cancelled() and isinstance(t.result(), Failed) for t in tasks):
                 break
             if not all(t.done() for t in tasks) and await request.is_disconnected():
@@ -444,7 +444,7 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
             async for event in router.generate(engine_req, category):
                 await merged.put((i, event))
         finally:
-            await merged.put((i, None))  # this choice has nothing more
+            merged.put_nowait((i, None))  # this choice has nothing more
 
     tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(engine_reqs)]
     completions: dict[int, Completion] = {}
