@@ -28,7 +28,11 @@ class SamplingParams:
             temperature goes to 0, and a float32 division by less would overflow.
         top_k: keep the k most likely tokens (0 = off).
         top_p: nucleus sampling mass in (0, 1] (1 = off).
-        seed: per-request seed; the same seed gives the same output whatever the batch.
+        seed: per-request seed: every random number the request uses is a function of (seed,
+            position), so its draws do not depend on the batch. Its output does as far as the
+            forward's rounding does: a logit computed over a batch of 3 rows may differ in the
+            last bit from one over 1 row and move an inverse-CDF draw to the neighbouring token
+            (batch-invariant kernels are what would remove that).
         stop: strings that end generation; the matched string is not returned.
         stop_token_ids: extra ids that end generation (besides the model's EOS).
         ignore_eos: keep generating past EOS (benchmarks).
