@@ -439,7 +439,10 @@ HI = [{"role": "user", "content": "hi"}]
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),
     ({"messages": HI, "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias", "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
-     "unsupported field(s): best_of, messages[0].name", "best_of"),
+     "unsupported field(s): best_of, messages.0.name", "best_of"),
+    ({"messages": HI, "stream_options": {"include_usage": True}}, "only allowed with stream: true", "stream_options"),
+    ({"messages": HI, "stream": True, "stream_options": {"foo": 1}}, "unknown stream_options field(s): foo",
+     "stream_options.foo"),
     (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB", None),
 ])
 def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle,

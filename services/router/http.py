@@ -87,6 +87,13 @@ class _SamplingFields(_Base):
         if bad:
             raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
                                       "send them at their no-op value or leave them out)", param=bad[0])
+        if self.stream_options is not None:
+            if not self.stream:
+                raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
+            unknown = sorted(self.stream_options.model_extra or {})
+            if unknown:
+                raise InvalidRequestError(f"unknown stream_options field(s): {', '.join(unknown)} (only include_usage)",
+                                          param=f"stream_options.{unknown[0]}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
@@ -117,8 +124,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0)
 
     def unsupported_fields(self) -> list[str]:
-        return super().unsupported_fields() + [f"messages[{i}].{f}" for i, m in enumerate(self.messages)
-                                               for f in m.unsupported_fields()]
+        return super().unsupported_fields() + [f"messages.{i}.{f}" for i, m in enumerate(self.messages)
+                                               for f in m.unsupported_fields()]  # validation errors' path format
 
     def wants_logprobs(self) -> bool:
         if self.top_logprobs:
