@@ -70,8 +70,8 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
@@ -222,12 +222,12 @@ def usage(completions: list[Completion]) -> dict:
 
 def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):  # OpenAI content parts: text only
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise InvalidRequestError("only text content parts are supported", param="messages")
+                raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(texts)
         out.append({"role": m.role, "content": content or ""})
     if not any(m["content"].strip() for m in out):  # as /v1/completions and `tandem generate` refuse ""
