@@ -185,7 +185,8 @@ class IncrementalDetokenizer:
     ``detokenize_incrementally``, over a sliding window so each step costs O(1) tokens). With a
     ``tokenizers`` backend (``Tokenizer.decode``'s fast path) the same algorithm runs inside the
     Rust library (``tokenizers.decoders.DecodeStream``, tokenizers >= 0.21): one call per token
-    instead of two decodes and their list slices, ~2.4x less host time a token.
+    instead of two decodes and their list slices (on Spec-Bench's prompts, 1.24 against 1.99 us of
+    host time a token through this class).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
