@@ -550,6 +550,32 @@ def test_client_disconnect_frees_slots(stack, client, model_id, local_engine, pr
         assert text == want[i].text and usage.completion_tokens == want[i].completion_tokens, i
 
 
+def test_n_choices_stop_when_the_client_goes_away(stack, model_id, local_engine, prompts):
+    """A non-streamed request for n choices whose client goes away once every choice holds a KV
+    slot: every choice is aborted (none counts as a finished request) and its slot freed."""
+    import http.client
+    from urllib.parse import urlparse
+
+    url = urlparse(stack.http_url)
+    finished = metric_sum(stack, "tandem_request_success_total")
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": prompts[0]}], "n": SLOTS,
+                       "max_tokens": room(local_engine, prompts[0]), "temperature": 0.8, "seed": 3,
+                       "ignore_eos": True})
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"] < SLOTS:
+        time.sleep(0.02)
+    assert health(stack)["verifiers"][0]["load"] == SLOTS  # every choice is running
+    conn.close()  # the client goes away without reading the response
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"]:
+        time.sleep(0.1)
+    assert health(stack)["verifiers"][0]["load"] == 0
+    assert metric_sum(stack, "tandem_request_success_total") == finished  # aborted, not run to their end
+
+
 def test_metrics_and_health(stack, client, model_id, local_engine, prompts):
     """/metrics counts the speculative-decoding work of the requests served: one request that
     drafts moves the counters by exactly its own usage, under our names and under vLLM's (with
