@@ -48,6 +48,7 @@ class StackConfig:
         redis_url: shared state for the router (None: ``TANDEM_REDIS_URL`` or in-memory).
         grpc_front_door: also serve ``tandem.v1.Router`` on a port.
         drafter_timeout_s: router's wait for one round of drafts (s).
+        verifier_timeout_s: router's wait for one verify batch before it fails its requests (s).
         log_dir: where each process's log goes; default: a temporary directory that
             ``Stack.stop`` removes (kept only when the stack fails to start: the error names it).
         num_verifiers: verifier replicas (processes); the router runs one engine per replica.
@@ -71,6 +72,7 @@ class StackConfig:
     redis_url: str | None = None
     grpc_front_door: bool = True
     drafter_timeout_s: float = 10.0
+    verifier_timeout_s: float = 120.0
     log_dir: str | None = None
     num_verifiers: int = 1
     overlap: bool = True
@@ -253,7 +255,8 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
         if stack.drafter_address:
             wait_grpc_healthy(stack.drafter_address, timeout_s, stack.processes["drafter"], stack.logs["drafter"])
         router_args = ["--port", str(hport), "--num-draft-tokens", str(config.num_draft_tokens),
-                       "--drafter-timeout", str(config.drafter_timeout_s), *model,
+                       "--drafter-timeout", str(config.drafter_timeout_s),
+                       "--verifier-timeout", str(config.verifier_timeout_s), *model,
                        "--overlap" if config.overlap else "--no-overlap", "--policy", config.policy,
                        *(["--predictor", config.predictor] if config.predictor else [])]
         for address in stack.verifier_addresses:

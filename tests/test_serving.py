@@ -688,10 +688,12 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
 def test_health_is_live_and_a_dead_verifier_fails_requests_clearly(tiny_dir, prompts):
     """/health probes the services itself: a drafter or verifier that dies while no request runs
     shows at once, and a drafter that comes back shows as available again, still without traffic.
-    Then killing the verifier fails its requests with a clear 503 (a stream is refused up front)
-    and the standard gRPC health service follows. (One stack for both: each kills a process.)"""
+    A hung verifier (stopped, not dead) fails a request with a 503 after the router's
+    ``--verifier-timeout`` instead of holding it, and serves again once it resumes. Then killing
+    the verifier fails its requests with a clear 503 (a stream is refused up front) and the
+    standard gRPC health service follows. (One stack for all: each stops or kills a process.)"""
     s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
-                                api_key=KEY), timeout_s=180)
+                                api_key=KEY, verifier_timeout_s=3.0), timeout_s=180)
     try:
         assert health(s)["drafter"]["available"] is True
         s.processes["drafter"].send_signal(signal.SIGKILL)
@@ -706,6 +708,25 @@ def test_health_is_live_and_a_dead_verifier_fails_requests_clearly(tiny_dir, pro
         model_id = client.models.list().data[0].id
         assert client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
                                               max_tokens=2, temperature=0).choices[0].message.content  # served
+        s.processes["verifier"].send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as err:
+                client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[1]}],
+                                               max_tokens=8, temperature=0)
+            assert err.value.status_code == 503 and "verifier" in err.value.message
+            assert time.monotonic() - t0 < 20  # the 3 s timeout, not the default 120 s
+        finally:
+            s.processes["verifier"].send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        served = None
+        while served is None and time.monotonic() < deadline:
+            try:
+                served = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                                        max_tokens=2, temperature=0).choices[0].message.content
+            except openai.APIStatusError:
+                time.sleep(0.5)
+        assert served  # resumed: served again
         s.processes["verifier"].send_signal(signal.SIGKILL)
         s.processes["verifier"].wait()
         h = health(s)  # no request since the kill: the probe itself sees it

@@ -93,18 +93,22 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True,
               help="Seconds to wait for one round of drafts before decoding target-only.")
+@click.option("--verifier-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True,
+              help="Seconds to wait for one verify batch before failing its requests (a hung verifier replica): "
+                   "allow a cold replica's first batches, which capture CUDA graphs.")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Draft the next round while the verifier checks this one (used where the guess holds).")
 @key_option
 def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, host, num_draft_tokens, policy,
-                 predictor, redis_url, default_max_tokens, drafter_timeout, overlap, api_key) -> None:
+                 predictor, redis_url, default_max_tokens, drafter_timeout, verifier_timeout, overlap, api_key) -> None:
     """The router: OpenAI-compatible HTTP and tandem.v1.Router gRPC over remote drafter and verifiers."""
     from services.processes import run_router  # torch
     from services.router.core import RouterConfig, remote_speculation
 
     config = RouterConfig(list(verifiers), drafter, model, model_name,
                           speculation=remote_speculation(drafter, num_draft_tokens, policy, predictor),
-                          redis_url=redis_url, drafter_timeout_s=drafter_timeout, overlap=overlap)
+                          redis_url=redis_url, drafter_timeout_s=drafter_timeout, verifier_timeout_s=verifier_timeout,
+                          overlap=overlap)
     run_router(config, http_port, grpc_port, host, api_key, default_max_tokens)
 
 
