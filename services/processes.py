@@ -37,9 +37,15 @@ def _run(coro_factory) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        def stopping(sig: signal.Signals) -> None:
+            if not stop.is_set():
+                log.info("%s: shutting down", sig.name)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping, sig)
         await coro_factory(stop)
+        log.info("stopped")
 
     asyncio.run(main())
     force_flush()  # spans of the last rounds reach the exporter before the process exits
