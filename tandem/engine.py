@@ -22,7 +22,7 @@ from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
-from .models.kv_cache import KVCache
+from .models.kv_cache import KVCache, KVSlotsBusy
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams, new_seed, request_generator
@@ -44,6 +44,9 @@ _NO_PROPOSAL = DraftProposal.empty()
 @contextlib.contextmanager
 def _no_span():
     yield
+
+
+BUSY_RETRY_S = 0.05  # after a remote verifier refused a prefill for want of free KV slots, the wait before trying again
 
 
 class Engine(EngineConveniences):
@@ -101,6 +104,7 @@ class Engine(EngineConveniences):
         self.requests: dict[str, Request] = {}
         self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         self.admission = AdmissionPolicy()  # when waiting requests join while others run
+        self._admit_after = 0.0  # monotonic time before which no admission is tried (a remote verifier was full)
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
@@ -283,7 +287,10 @@ class Engine(EngineConveniences):
         return min(self.target.num_free(), self.max_running - len(self.running))
 
     def _admission_due(self) -> bool:
-        """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
+        """Whether waiting requests are admitted this step (``AdmissionPolicy``; not until
+        ``BUSY_RETRY_S`` after a remote verifier refused a prefill for want of free slots)."""
+        if time.monotonic() < self._admit_after:
+            return False
         if not self.running:
             return True
         return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,
@@ -298,6 +305,9 @@ class Engine(EngineConveniences):
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
+        wait = self._admit_after - time.monotonic()
+        if wait > 0 and self.waiting and not self.running and self._launched is None and self._collected is None:
+            time.sleep(wait)  # nothing to decode while a full remote verifier defers admission
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
         while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running
@@ -315,28 +325,36 @@ class Engine(EngineConveniences):
                 with span("prefill", batch_size=len(reqs)):
                     handle = self.target.launch_prefill(
                         [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
-            except BaseException:
+            except BaseException as exc:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
                     r.slot = None
-                raise
-            results = None
-            if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
-                if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
-                    nexts = [ex["next_tokens"] for ex in handle.extras]
+                if not isinstance(exc, KVSlotsBusy):
+                    raise
+                # the verifier's slots are held by other clients for now: the requests wait at the
+                # head of the queue, in their order, and the running ones decode on
+                self.waiting.extendleft(reversed(reqs))
+                self._admit_after = time.monotonic() + BUSY_RETRY_S
+                log.info("%s: %d request(s) wait", exc, len(reqs))
+                admitted, reqs = {}, []
+            if reqs:  # (none when the verifier refused them)
+                results = None
+                if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
+                    if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
+                        nexts = [ex["next_tokens"] for ex in handle.extras]
+                    else:
+                        results = self.target.collect_prefill(handle)
+                        nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
+                    self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
+                                          for r, ex, nx in zip(reqs, handle.extras, nexts)])
+                    if self.chains_rounds:  # their first drafts, on the device, before their first round
+                        self.target.prime_drafts([r.slot for r in reqs], self.drafter)
+                self.admission.note_prefill(time.perf_counter() - t_admit)
+                if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
+                    self.running.update((r.slot, r) for r in reqs)
+                    prefilled = (reqs, handle, results)
                 else:
-                    results = self.target.collect_prefill(handle)
-                    nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
-                self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
-                                      for r, ex, nx in zip(reqs, handle.extras, nexts)])
-                if self.chains_rounds:  # their first drafts, on the device, before their first round
-                    self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-            self.admission.note_prefill(time.perf_counter() - t_admit)
-            if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
-                self.running.update((r.slot, r) for r in reqs)
-                prefilled = (reqs, handle, results)
-            else:
-                outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
+                    outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
         if self.chains_rounds or self._launched is not None:
             outputs.extend(self._step_chained(prefilled))
             return outputs

@@ -576,6 +576,48 @@ def test_n_choices_stop_when_the_client_goes_away(stack, model_id, local_engine,
     assert metric_sum(stack, "tandem_request_success_total") == finished  # aborted, not run to their end
 
 
+def test_two_routers_over_one_verifier_queue_for_its_slots(stack, tiny_dir, model_id, local_engine, prompts,
+                                                           tmp_path):
+    """A second router over the same verifier (what router autoscaling makes): while the first
+    router's requests hold every KV slot, the second's request is refused a slot by the verifier
+    and waits in its router's queue (it neither fails nor harms the running ones), then runs once a
+    slot frees; every output is the in-process engine's."""
+    from services.launch import _spawn, free_port, wait_http_healthy
+
+    port = free_port()
+    proc = _spawn("router", ["--port", str(port), "--model", tiny_dir, "--verifier", stack.verifier_addresses[0],
+                              "--drafter", stack.drafter_address], tmp_path / "router2.log", KEY)
+    try:
+        wait_http_healthy(f"http://127.0.0.1:{port}", 120, proc, tmp_path / "router2.log")
+        first = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        second = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        long = {i: room(local_engine, prompts[i]) for i in range(SLOTS)}
+        streams = {}
+        for i in range(SLOTS):  # the first router's requests take every slot
+            streams[i] = first.chat.completions.create(
+                model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=long[i], temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            first_content(streams[i])
+        assert health(stack)["verifiers"][0]["load"] == SLOTS
+        result = {}
+        waiter = threading.Thread(target=lambda: result.setdefault("r", second.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": prompts[4]}], max_tokens=8, temperature=0)))
+        waiter.start()
+        time.sleep(1.0)
+        assert "r" not in result  # waiting for a slot, not failed
+        texts = {i: "".join(c.choices[0].delta.content or "" for c in s if c.choices) for i, s in streams.items()}
+        waiter.join(timeout=120)
+        assert result["r"].choices[0].message.content == reference(local_engine, prompts[4:5], 8)[0].text
+        assert "no free KV slot" in (tmp_path / "router2.log").read_text()  # it was refused, then queued
+        want = [local_engine.generate([prompts[i]], SamplingParams(max_tokens=long[i], ignore_eos=True))[0].text
+                for i in range(SLOTS)]
+        for i in range(SLOTS):  # the running requests were unharmed (their first delta was read above)
+            assert want[i].endswith(texts[i]) and len(texts[i]) > 0, i
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_metrics_and_health(stack, client, model_id, local_engine, prompts):
     """/metrics counts the speculative-decoding work of the requests served: one request that
     drafts moves the counters by exactly its own usage, under our names and under vLLM's (with

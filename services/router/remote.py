@@ -29,7 +29,7 @@ from services.common import CLIENT_OPTIONS, auth_metadata, probe_health, params_
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tandem.control import CostModel
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, common_prefix
-from tandem.models.kv_cache import CacheFullError, SlotPool
+from tandem.models.kv_cache import CacheFullError, KVSlotsBusy, SlotPool
 from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
 from tandem.telemetry import inject_metadata, span
 
@@ -169,7 +169,11 @@ class RemoteTarget(Target):
         batch = verifier_pb2.VerifyBatch(release=self._take_released(), prefill=[
             verifier_pb2.PrefillSequence(seq_id=it.slot, prompt_ids=it.prompt_ids, params=params_to_pb(it.params),
                                          return_logprobs=it.return_logprobs) for it in items])
-        return [_result(r) for r in self._send(batch).prefill]
+        result = self._send(batch)
+        if result.prefill_refused:
+            raise KVSlotsBusy(f"verifier {self.address}: no free KV slot for {len(items)} prompt(s) now "
+                              "(other routers hold them); they wait")
+        return [_result(r) for r in result.prefill]
 
     def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
         seqs = []

@@ -90,16 +90,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if sid in stream.seqs:
                     self.target.free(stream.seqs.pop(sid)[0])
             prefill: list[PrefillItem] = []
-            for p in batch.prefill:
+            # fewer free slots than the prefills need (another router holds them): refuse them all,
+            # allocating nothing, and keep the stream (its running sequences) going
+            refused = len(batch.prefill) > self.target.num_free()
+            for p in [] if refused else batch.prefill:
                 if p.seq_id in stream.seqs:
                     raise InvalidRequestError(f"sequence {p.seq_id} is already running")
                 ids = list(p.prompt_ids)
                 if not ids or min(ids) < 0 or max(ids) >= vocab:
                     raise InvalidRequestError(f"sequence {p.seq_id}: prompt ids must be non-empty and in [0, {vocab})")
                 params = params_from_pb(p.params)
-                if not self.target.num_free():
-                    raise CacheFullError(f"no free KV slot for sequence {p.seq_id} "
-                                         f"({self.target.info.num_slots} slots, all in use)")
                 slot = self.target.allocate()
                 stream.seqs[p.seq_id] = (slot, params)
                 prefill.append(PrefillItem(slot, ids, params, p.return_logprobs))
@@ -131,7 +131,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise
             ver = self.target.verify(verify) if verify else []
         return verifier_pb2.VerifyResult(
-            batch_id=batch.batch_id,
+            batch_id=batch.batch_id, prefill_refused=refused,
             prefill=[_result_pb(p.seq_id, r) for p, r in zip(batch.prefill, pre)],
             verify=[_result_pb(v.seq_id, r) for v, r in zip(batch.verify, ver)])
 

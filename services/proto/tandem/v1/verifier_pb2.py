@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"y\n\x0fPrefillSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x04 \x01(\x08\"\xb2\x01\n\x0eVerifySequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.SparseProbs\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x0f\n\x07is_tree\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\"\xfe\x01\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12+\n\x07prefill\x18\x03 \x03(\x0b\x32\x1a.tandem.v1.PrefillSequence\x12)\n\x06verify\x18\x04 \x03(\x0b\x32\x19.tandem.v1.VerifySequence\x12?\n\rtrace_context\x18\x05 \x03(\x0b\x32(.tandem.v1.VerifyBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"{\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12!\n\x06\x65xtras\x18\x05 \x03(\x0b\x32\x11.tandem.v1.Tensor\"w\n\x0cVerifyResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12*\n\x07prefill\x18\x02 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\x12)\n\x06verify\x18\x03 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\x94\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint2\x8a\x01\n\x08Verifier\x12=\n\x06Verify\x12\x16.tandem.v1.VerifyBatch\x1a\x17.tandem.v1.VerifyResult(\x01\x30\x01\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"y\n\x0fPrefillSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x04 \x01(\x08\"\xb2\x01\n\x0eVerifySequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.SparseProbs\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x0f\n\x07is_tree\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\"\xfe\x01\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12+\n\x07prefill\x18\x03 \x03(\x0b\x32\x1a.tandem.v1.PrefillSequence\x12)\n\x06verify\x18\x04 \x03(\x0b\x32\x19.tandem.v1.VerifySequence\x12?\n\rtrace_context\x18\x05 \x03(\x0b\x32(.tandem.v1.VerifyBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"{\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12!\n\x06\x65xtras\x18\x05 \x03(\x0b\x32\x11.tandem.v1.Tensor\"\x90\x01\n\x0cVerifyResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12*\n\x07prefill\x18\x02 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\x12)\n\x06verify\x18\x03 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\x12\x17\n\x0fprefill_refused\x18\x04 \x01(\x08\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\x94\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint2\x8a\x01\n\x08Verifier\x12=\n\x06Verify\x12\x16.tandem.v1.VerifyBatch\x1a\x17.tandem.v1.VerifyResult(\x01\x30\x01\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,14 +44,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYBATCH_TRACECONTEXTENTRY']._serialized_end=622
   _globals['_SEQUENCERESULT']._serialized_start=624
   _globals['_SEQUENCERESULT']._serialized_end=747
-  _globals['_VERIFYRESULT']._serialized_start=749
-  _globals['_VERIFYRESULT']._serialized_end=868
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=870
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=891
-  _globals['_COSTPOINT']._serialized_start=893
-  _globals['_COSTPOINT']._serialized_end=965
-  _globals['_VERIFIERINFO']._serialized_start=968
-  _globals['_VERIFIERINFO']._serialized_end=1116
-  _globals['_VERIFIER']._serialized_start=1119
-  _globals['_VERIFIER']._serialized_end=1257
+  _globals['_VERIFYRESULT']._serialized_start=750
+  _globals['_VERIFYRESULT']._serialized_end=894
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=896
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=917
+  _globals['_COSTPOINT']._serialized_start=919
+  _globals['_COSTPOINT']._serialized_end=991
+  _globals['_VERIFIERINFO']._serialized_start=994
+  _globals['_VERIFIERINFO']._serialized_end=1142
+  _globals['_VERIFIER']._serialized_start=1145
+  _globals['_VERIFIER']._serialized_end=1283
 # @@protoc_insertion_point(module_scope)

@@ -73,14 +73,16 @@ class SequenceResult(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., extras: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("batch_id", "prefill", "verify")
+    __slots__ = ("batch_id", "prefill", "verify", "prefill_refused")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REFUSED_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     prefill: _containers.RepeatedCompositeFieldContainer[SequenceResult]
     verify: _containers.RepeatedCompositeFieldContainer[SequenceResult]
-    def __init__(self, batch_id: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ...) -> None: ...
+    prefill_refused: bool
+    def __init__(self, batch_id: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., prefill_refused: _Optional[bool] = ...) -> None: ...
 
 class VerifierInfoRequest(_message.Message):
     __slots__ = ()
