@@ -46,9 +46,6 @@ def _no_span():
     yield
 
 
-BUSY_RETRY_S = 0.05  # after a remote verifier refused a prefill for want of free KV slots, the wait before trying again
-
-
 class Engine(EngineConveniences):
     """Continuous-batching generation over one target model.
 
@@ -104,7 +101,6 @@ class Engine(EngineConveniences):
         self.requests: dict[str, Request] = {}
         self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         self.admission = AdmissionPolicy()  # when waiting requests join while others run
-        self._admit_after = 0.0  # monotonic time before which no admission is tried (a remote verifier was full)
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.drafter = drafter
@@ -287,12 +283,9 @@ class Engine(EngineConveniences):
         return min(self.target.num_free(), self.max_running - len(self.running))
 
     def _admission_due(self) -> bool:
-        """Whether waiting requests are admitted this step (``AdmissionPolicy``; not until
-        ``BUSY_RETRY_S`` after a remote verifier refused a prefill for want of free slots)."""
-        if time.monotonic() < self._admit_after:
-            return False
+        """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
         if not self.running:
-            return True
+            return not self.admission.deferred_s()
         return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,
                                   self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
 
@@ -305,8 +298,8 @@ class Engine(EngineConveniences):
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
-        wait = self._admit_after - time.monotonic()
-        if wait > 0 and self.waiting and not self.running and self._launched is None and self._collected is None:
+        wait = self.admission.deferred_s()
+        if wait and self.waiting and not self.running and self._launched is None and self._collected is None:
             time.sleep(wait)  # nothing to decode while a full remote verifier defers admission
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
@@ -334,7 +327,7 @@ class Engine(EngineConveniences):
                 # the verifier's slots are held by other clients for now: the requests wait at the
                 # head of the queue, in their order, and the running ones decode on
                 self.waiting.extendleft(reversed(reqs))
-                self._admit_after = time.monotonic() + BUSY_RETRY_S
+                self.admission.defer()
                 log.info("%s: %d request(s) wait", exc, len(reqs))
                 admitted, reqs = {}, []
             if reqs:  # (none when the verifier refused them)
