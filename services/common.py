@@ -7,10 +7,12 @@ Conversions raise ``InvalidRequestError`` (mapped to INVALID_ARGUMENT) on malfor
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -18,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.proto.tandem.v1 import common_pb2
 from tandem.errors import InvalidRequestError
+from tandem.requests import Completion, RequestOutput
 from tandem.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,49 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 # Clients reconnect quickly to a restarted drafter / verifier (gRPC's default backoff grows to 120 s).
 CLIENT_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                                  ("grpc.max_reconnect_backoff_ms", 2000)]
+# Servers answer HTTP/2 keepalive pings as often as a client sends them: clients detect a hung peer
+# (a stopped process keeps its TCP connection but answers no ping) with ``keepalive_options``.
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0),  # a second server on a taken port must fail
+                                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 200),
+                                 ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)]
+
+
+def keepalive_options(deadline_s: float) -> list[tuple[str, int]]:
+    """Client channel options that fail the channel's calls with UNAVAILABLE when the peer stops
+    answering HTTP/2 pings for about ``deadline_s`` (a hung or stopped process): a ping every
+    ``deadline_s / 2``, each allowed ``deadline_s / 2`` for its answer (gRPC keepalive)."""
+    half = max(100, int(deadline_s * 500))
+    return [("grpc.keepalive_time_ms", half), ("grpc.keepalive_timeout_ms", half),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+
+
+# ----------------------------------------------------------------------------- request events
+
+
+@dataclass
+class Delta:
+    """Newly accepted tokens of a request (``RequestOutput``)."""
+
+    output: RequestOutput
+
+
+@dataclass
+class Done:
+    """The request finished; ``completion`` carries text, usage and speculative metrics."""
+
+    completion: Completion
+
+
+@dataclass
+class Failed:
+    """The request failed; ``message`` says why. ``invalid``: the request itself was refused (bad
+    input, a duplicate id), not the replica that served it."""
+
+    message: str
+    invalid: bool = False
+
+
+Event = Delta | Done | Failed
 
 
 # ----------------------------------------------------------------------------- sampling params
@@ -108,12 +154,20 @@ def auth_metadata(key: str | None) -> list[tuple[str, str]]:
     return [(AUTH_HEADER, f"Bearer {key}")] if key else []
 
 
+def bearer_matches(header: str | bytes | None, expected: bytes) -> bool:
+    """Whether an ``authorization`` header equals ``expected`` (``b"Bearer <key>"``), compared in
+    constant time (``hmac.compare_digest``): the comparison time tells nothing of the key."""
+    if header is None:
+        return False
+    return hmac.compare_digest(header.encode() if isinstance(header, str) else header, expected)
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <key>`` with UNAUTHENTICATED (health checks
     are exempt, so orchestrators can probe without the key)."""
 
     def __init__(self, key: str) -> None:
-        self._expected = f"Bearer {key}"
+        self._expected = f"Bearer {key}".encode()
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -123,7 +177,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
             return await continuation(details)
-        if dict(details.invocation_metadata or ()).get(AUTH_HEADER) == self._expected:
+        if bearer_matches(dict(details.invocation_metadata or ()).get(AUTH_HEADER), self._expected):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -161,8 +215,7 @@ class GrpcServer:
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", key: str | None = None) -> None:
         interceptors = [BearerAuthInterceptor(key)] if key else []
-        # so_reuseport off: a second server on a taken port must fail, not silently share it
-        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS + [("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.host = host

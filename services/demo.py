@@ -1,8 +1,8 @@
 """``tandem demo`` (``make run``): the disaggregated stack end to end on loopback.
 
-Starts verifier, drafter and router as separate processes, sends Spec-Bench prompts through
-``/v1/chat/completions`` with the official ``openai`` client (several in flight, so the router
-batches them), prints per-prompt tokens, acceptance and latency and the totals, one prompt with
+Starts a verifier replica (the engine loop and its drafter), the router and, for a draft model, a
+drafter service as separate processes, sends Spec-Bench prompts through ``/v1/chat/completions``
+with the official ``openai`` client (several in flight, so the replica batches them), prints per-prompt tokens, acceptance and latency and the totals, one prompt with
 its answer, and the temperature used, then shuts the stack down (its temporary logs go with it).
 """
 
@@ -69,7 +69,8 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
     console = console or Console()
     t_start = time.perf_counter()
     console.print(f"speculation: {describe_speculation(config.speculation)}", highlight=False)
-    console.print(f"starting verifier{'' if config.drafter == 'none' else ', drafter'} and router on loopback "
+    console.print(f"starting verifier replica{', drafter service' if config.uses_drafter_service else ''} and router "
+                  f"on loopback "
                   f"(context limit {config.max_seq_len} tokens: --max-seq-len) ...", highlight=False)
     stack: Stack = start_stack(config)
     try:
@@ -77,7 +78,8 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
         logs = (f"logs in {stack.logs['router'].parent}" if stack.temp_log_dir is None
                 else "logs removed on exit (--log-dir DIR keeps them)")
         console.print(f"stack up in {time.perf_counter() - t_start:.1f} s: router {stack.http_url}, verifier "
-                      f"{verifiers}, drafter {stack.drafter_address or 'none'}; {logs}", highlight=False)
+                      f"{verifiers}, drafter {stack.drafter_address or ('in the replica' if config.drafter != 'none' else 'none')}; "
+                      f"{logs}", highlight=False)
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=config.api_key or "none", max_retries=0,
                                timeout=600)
         model = client.models.list().data[0].id
@@ -133,7 +135,7 @@ def _print_sample(console: Console, r: DemoResult) -> None:
 
 def _print(console: Console, results: list[DemoResult], wall: float, model: str, config: StackConfig,
            concurrency: int) -> None:
-    table = Table(title=f"{model} via router -> verifier + {config.drafter} drafter (k={config.num_draft_tokens}, "
+    table = Table(title=f"{model} via router -> verifier replica + {config.drafter} drafter (k={config.num_draft_tokens}, "
                         f"policy {config.policy}, {concurrency} requests in flight)")
     for col in ("prompt id", "category", "prompt tok", "output tok", "finish", "drafted", "accepted", "accept rate",
                 "mean acc len", "TTFT ms", "latency s"):

@@ -30,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SERVICE_DRAFTERS = ("none", "ngram", "draft-model")  # SpecFormer drafts inside the verifier: no service
+REPLICA_DRAFTERS = ("none", "ngram", "specformer", "draft-model")  # drafters a verifier replica runs itself
+SERVICE_DRAFTERS = ("ngram", "draft-model")  # drafters that also run as a drafter service
 
 
 @dataclass
@@ -39,24 +40,27 @@ class StackConfig:
 
     Attributes:
         model: target model (GGUF / HF directory); None = bundled SmolLM2-135M-Instruct.
-        drafter: "ngram", "draft-model" or "none" (no drafter process).
-        draft_model: for draft-model: a path or truncate:N.
+        drafter: "none", "ngram", "specformer" or "draft-model".
+        draft_model: weights for specformer / draft-model: a path (or truncate:N for a draft model).
+        drafter_service: run the drafter as a drafter service the replicas call (``tandem serve
+            drafter``); None: for "draft-model" only (a model of its own, on a cheaper GPU), the
+            others run inside the replicas (SpecFormer in the verify pass, n-gram on the CPU).
         num_draft_tokens: k.
-        max_batch_size: verifier KV slots (requests decoding at once).
+        max_batch_size: KV slots per verifier replica (requests decoding at once).
         max_seq_len: context limit per request.
         api_key: bearer token required by every service (None: none).
-        redis_url: shared state for the router (None: ``TANDEM_REDIS_URL`` or in-memory).
+        redis_url: the replicas' shared state store (None: in-memory in each replica).
         grpc_front_door: also serve ``tandem.v1.Router`` on a port.
-        drafter_timeout_s: router's wait for one round of drafts (s).
-        verifier_timeout_s: router's wait for one verify batch before it fails its requests (s).
+        drafter_timeout_s: a replica's wait for one round from the drafter service (s).
+        verifier_timeout_s: the router's keepalive deadline for a hung replica (s).
+        failover_wait_s: how long a request waits for a replica when all have failed (s).
         log_dir: where each process's log goes; default: a temporary directory that
             ``Stack.stop`` removes (kept only when the stack fails to start: the error names it).
-        num_verifiers: verifier replicas (processes); the router runs one engine per replica.
-        overlap: the router drafts the next round while the verifier checks this one.
-        policy: router draft-length policy: "fixed", "entropy" or "predictor" (with ``predictor``).
+        num_verifiers: verifier replicas (processes).
+        overlap: replicas ask the drafter service for the next round while the target verifies.
+        policy: draft-length policy: "fixed", "entropy" or "predictor" (with ``predictor``).
         predictor: acceptance predictor file for ``policy="predictor"``.
-        measure_cost: verifiers measure T(b, q) for q <= K+1 at start-up (0: off); adaptive
-            policies allocate draft tokens with it.
+        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.
         trace_dir: each process exports its spans as OTLP JSON to ``trace_dir/<name>.jsonl``
             (``TANDEM_TRACE_FILE``; read them with ``tandem trace-report``); None: as the
             environment says.
@@ -65,6 +69,7 @@ class StackConfig:
     model: str | None = None
     drafter: str = "ngram"
     draft_model: str | None = None
+    drafter_service: bool | None = None
     num_draft_tokens: int = 4
     max_batch_size: int = 8
     max_seq_len: int = 2048
@@ -72,19 +77,21 @@ class StackConfig:
     redis_url: str | None = None
     grpc_front_door: bool = True
     drafter_timeout_s: float = 10.0
-    verifier_timeout_s: float = 120.0
+    verifier_timeout_s: float = 10.0
+    failover_wait_s: float = 30.0
     log_dir: str | None = None
     num_verifiers: int = 1
     overlap: bool = True
     policy: str = "fixed"
     predictor: str | None = None
-    measure_cost: int = 0
+    measure_cost: bool = False
     trace_dir: str | None = None
 
     @classmethod
     def serving(cls, spec: SpeculativeConfig, **settings) -> "StackConfig":
-        """The stack that serves ``spec``: its drafter as the drafter service, its k and draft
-        policy in the router; ``settings`` are the other fields.
+        """The stack that serves ``spec``: its drafter, k and draft policy in the verifier
+        replicas (the drafter behind a drafter service as ``drafter_service`` says);
+        ``settings`` are the other fields.
 
         Raises:
             ConfigError: a configuration the services cannot run (``speculation``).
@@ -92,20 +99,30 @@ class StackConfig:
         config = cls(drafter=spec.drafter, draft_model=spec.draft_model, num_draft_tokens=spec.num_draft_tokens,
                      policy=spec.policy, predictor=spec.predictor, **settings)
         if config.speculation != spec:
-            raise ConfigError("the router sets the acceptance threshold online and takes no branching or host-round settings; "
-                              f"this configuration cannot be served: {spec}")
+            raise ConfigError("verifier replicas learn the acceptance threshold online and take no branching or "
+                              f"host-round settings; this configuration cannot be served: {spec}")
         return config
 
     @property
+    def uses_drafter_service(self) -> bool:
+        """Whether the drafter runs as a service of its own (see ``drafter_service``)."""
+        if self.drafter == "none":
+            return False
+        return self.drafter == "draft-model" if self.drafter_service is None else self.drafter_service
+
+    @property
     def speculation(self) -> SpeculativeConfig:
-        """How the stack speculates: the drafter service's kind, the router's k and policy.
+        """How the stack speculates: the drafter, k and the replicas' policy.
 
         Raises:
-            ConfigError: a drafter without a service (SpecFormer drafts inside the verifier's
-                forward) or a bad policy / predictor combination.
+            ConfigError: an unknown drafter, a drafter service for a drafter that has none
+                (SpecFormer drafts inside the verify pass), or a bad policy / predictor combination.
         """
-        if self.drafter not in SERVICE_DRAFTERS:
-            raise ConfigError(f"the service stack runs drafters {', '.join(SERVICE_DRAFTERS)}, not {self.drafter!r}")
+        if self.drafter not in REPLICA_DRAFTERS:
+            raise ConfigError(f"the service stack runs drafters {', '.join(REPLICA_DRAFTERS)}, not {self.drafter!r}")
+        if self.uses_drafter_service and self.drafter not in SERVICE_DRAFTERS:
+            raise ConfigError(f"the {self.drafter} drafter has no drafter service (it drafts inside the verifier "
+                              f"replica); drafter services run {', '.join(SERVICE_DRAFTERS)}")
         return SpeculativeConfig(self.drafter, draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens,
                                  policy=self.policy, predictor=self.predictor)
 
@@ -124,9 +141,12 @@ class Stack:
     temp_log_dir: Path | None = None  # made by start_stack (no StackConfig.log_dir): removed by stop
 
     def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
-        """SIGTERM each process (router first), then SIGKILL what is still alive after
-        ``timeout_s``; then remove the temporary log directory unless ``keep_logs``."""
-        for name in ["router", "drafter", *sorted(n for n in self.processes if n.startswith("verifier"))]:
+        """SIGTERM each process (routers first, then the replicas, then the drafter), then SIGKILL
+        what is still alive after ``timeout_s``; then remove the temporary log directory unless
+        ``keep_logs``."""
+        names = sorted(self.processes)
+        for name in [*(n for n in names if n.startswith("router")), *(n for n in names if n.startswith("verifier")),
+                     "drafter"]:
             p = self.processes.get(name)
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -141,13 +161,58 @@ class Stack:
             shutil.rmtree(self.temp_log_dir, ignore_errors=True)
             self.temp_log_dir = None
 
-    def restart_drafter(self) -> None:
-        """Start the drafter again on its old port (after a crash or a kill)."""
-        self.processes["drafter"] = _spawn("drafter", self._drafter_args, self.logs["drafter"], self.config.api_key,
-                                           _trace_file(self.config, "drafter"))
-        wait_grpc_healthy(self.drafter_address, 120, self.processes["drafter"], self.logs["drafter"])
+    _args: dict[str, list[str]] = field(default_factory=dict)  # each process's `tandem serve` arguments
 
-    _drafter_args: list[str] = field(default_factory=list)
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start process ``name`` ("drafter", "verifier", "verifier1", "router", ...) again with
+        its old arguments and port (after a crash or a kill), and wait until it is healthy.
+
+        Raises:
+            RuntimeError: it died during start-up; TimeoutError: not healthy in time.
+        """
+        old = self.processes.get(name)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.pid})")
+        self.processes[name] = self.spawn(name, self._args[name])
+        self._wait(name, timeout_s)
+
+    def add_router(self, name: str, timeout_s: float = 120.0) -> str:
+        """Start one more router process over the same replicas (as router autoscaling does), on
+        ports of its own; returns its HTTP URL."""
+        hport, gport = free_port(), free_port()
+        args = _replace_flag(_replace_flag(self._args["router"], "--port", str(hport)), "--grpc-port", str(gport))
+        self._args[name] = args
+        self.logs[name] = self.logs["router"].with_name(f"{name}.log")
+        self.processes[name] = self.spawn(name, args)
+        self._wait(name, timeout_s)
+        return _flag(args, "--url")
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """``tandem serve <kind of name> args`` as process ``name``, logging to ``logs[name]``."""
+        kind = name.rstrip("0123456789")
+        return _spawn(kind, args, self.logs[name], self.config.api_key, _trace_file(self.config, name))
+
+    def _wait(self, name: str, timeout_s: float) -> None:
+        if name.startswith("router"):
+            wait_http_healthy(_flag(self._args[name], "--url"), timeout_s, self.processes[name], self.logs[name])
+        else:
+            wait_grpc_healthy(f"127.0.0.1:{_flag(self._args[name], '--port')}", timeout_s, self.processes[name],
+                              self.logs[name])
+
+
+def _flag(args: list[str], flag: str) -> str:
+    """The value after ``flag`` in ``args``; ``--url``: the HTTP URL of a router's ``--port``."""
+    if flag == "--url":
+        return f"http://127.0.0.1:{_flag(args, '--port')}"
+    return args[args.index(flag) + 1]
+
+
+def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:
+    if flag not in args:
+        return args
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
 
 
 def _spawn(name: str, args: list[str], log_path: Path, api_key: str | None,
@@ -217,15 +282,15 @@ def wait_http_healthy(url: str, timeout_s: float, proc: subprocess.Popen, log_pa
 
 
 def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
-    """Spawn verifier, drafter (unless "none") and router as ``tandem serve ...`` processes on free
-    loopback ports and wait until all are healthy.
+    """Spawn the drafter service (if the configuration has one), the verifier replicas and the
+    router as ``tandem serve ...`` processes on free loopback ports and wait until all are healthy.
 
     Raises:
         ConfigError: a configuration the services cannot run (``StackConfig.speculation``).
         RuntimeError: a process died during start-up (its log tail is in the message).
         TimeoutError: not healthy within ``timeout_s``.
     """
-    config.speculation  # a configuration the services cannot run fails before any process starts
+    spec = config.speculation  # a configuration the services cannot run fails before any process starts
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="tandem-stack-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     vports = [free_port() for _ in range(config.num_verifiers)]
@@ -233,43 +298,42 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
     model = ["--model", config.model] if config.model else []
     vnames = ["verifier"] if config.num_verifiers == 1 else [f"verifier{i}" for i in range(config.num_verifiers)]
     stack = Stack(config, [f"127.0.0.1:{p}" for p in vports],
-                  f"127.0.0.1:{dport}" if config.drafter != "none" else None,
+                  f"127.0.0.1:{dport}" if config.uses_drafter_service else None,
                   f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}" if config.grpc_front_door else None)
     stack.logs = {n: log_dir / f"{n}.log" for n in (*vnames, "drafter", "router")}
     stack.temp_log_dir = None if config.log_dir else log_dir
     try:
+        if stack.drafter_address:
+            stack._args["drafter"] = ["--port", str(dport), "--drafter", spec.drafter,
+                                      "--max-sequences", str(config.max_batch_size * config.num_verifiers),
+                                      "--max-seq-len", str(config.max_seq_len), *model,
+                                      *(["--draft-model", config.draft_model] if config.draft_model else [])]
+            stack.processes["drafter"] = stack.spawn("drafter", stack._args["drafter"])
+        replica = ["--max-batch-size", str(config.max_batch_size), "--max-seq-len", str(config.max_seq_len), *model,
+                   "--num-draft-tokens", str(config.num_draft_tokens), "--policy", config.policy,
+                   "--measure-cost" if config.measure_cost else "--no-measure-cost",
+                   "--overlap" if config.overlap else "--no-overlap",
+                   "--drafter-timeout", str(config.drafter_timeout_s),
+                   *(["--predictor", config.predictor] if config.predictor else []),
+                   *(["--redis-url", config.redis_url] if config.redis_url else [])]
+        if stack.drafter_address:
+            replica += ["--drafter-address", stack.drafter_address]
+        else:
+            replica += ["--drafter", spec.drafter, *(["--draft-model", config.draft_model] if config.draft_model else [])]
         for name, port in zip(vnames, vports):
-            stack.processes[name] = _spawn("verifier", [
-                "--port", str(port), "--max-batch-size", str(config.max_batch_size), "--max-seq-len",
-                str(config.max_seq_len), "--measure-cost", str(config.measure_cost), *model], stack.logs[name],
-                config.api_key, _trace_file(config, name))
-        if stack.drafter_address:
-            stack._drafter_args = ["--port", str(dport), "--drafter", config.drafter,
-                                   "--max-sequences", str(config.max_batch_size * config.num_verifiers),
-                                   "--max-seq-len", str(config.max_seq_len), *model,
-                                   *(["--draft-model", config.draft_model] if config.draft_model else [])]
-            stack.processes["drafter"] = _spawn("drafter", stack._drafter_args, stack.logs["drafter"], config.api_key,
-                                                _trace_file(config, "drafter"))
-        for name, address in zip(vnames, stack.verifier_addresses):
-            wait_grpc_healthy(address, timeout_s, stack.processes[name], stack.logs[name])
-        if stack.drafter_address:
-            wait_grpc_healthy(stack.drafter_address, timeout_s, stack.processes["drafter"], stack.logs["drafter"])
-        router_args = ["--port", str(hport), "--num-draft-tokens", str(config.num_draft_tokens),
-                       "--drafter-timeout", str(config.drafter_timeout_s),
-                       "--verifier-timeout", str(config.verifier_timeout_s), *model,
-                       "--overlap" if config.overlap else "--no-overlap", "--policy", config.policy,
-                       *(["--predictor", config.predictor] if config.predictor else [])]
+            stack._args[name] = ["--port", str(port), *replica]
+            stack.processes[name] = stack.spawn(name, stack._args[name])
+        for name in ([*vnames, "drafter"] if stack.drafter_address else vnames):
+            stack._wait(name, timeout_s)
+        router_args = ["--port", str(hport), "--verifier-timeout", str(config.verifier_timeout_s),
+                       "--failover-wait", str(config.failover_wait_s), *model]
         for address in stack.verifier_addresses:
             router_args += ["--verifier", address]
-        if stack.drafter_address:
-            router_args += ["--drafter", stack.drafter_address]
         if stack.grpc_address:
             router_args += ["--grpc-port", str(gport)]
-        if config.redis_url:
-            router_args += ["--redis-url", config.redis_url]
-        stack.processes["router"] = _spawn("router", router_args, stack.logs["router"], config.api_key,
-                                           _trace_file(config, "router"))
-        wait_http_healthy(stack.http_url, timeout_s, stack.processes["router"], stack.logs["router"])
+        stack._args["router"] = router_args
+        stack.processes["router"] = stack.spawn("router", router_args)
+        stack._wait("router", timeout_s)
     except BaseException:
         stack.stop(keep_logs=True)  # the error names a log: it stays
         raise

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.common import api_key as resolve_api_key
 from tandem.telemetry import force_flush, init_tracing
+
+if TYPE_CHECKING:
+    from tandem.speculation import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,39 +53,86 @@ def _run(coro_factory) -> None:
     force_flush()  # spans of the last rounds reach the exporter before the process exits
 
 
-def build_local_target(model: str | None, device: str | None, max_batch_size: int | None, max_seq_len: int,
-                       dtype: torch.dtype | None = None):
-    """(LocalTarget, eos ids) for ``model`` (None: the bundled SmolLM2).
-
-    Raises:
-        ModelLoadError / ConfigError: bad model path or device.
-    """
-    from tandem.models.runner import default_runner_config
-    from tandem.models.weights import load_checkpoint
-    from tandem.target import LocalTarget
-    from tandem.tokenizer import load_tokenizer
-
-    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=dtype)
-    checkpoint = load_checkpoint(model)
-    tokenizer = load_tokenizer(checkpoint)
-    return LocalTarget(checkpoint, cfg), list(tokenizer.eos_token_ids)
-
-
-def run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure_cost_k: int = 0,
-                 key: str | None = None) -> None:
-    """Serve ``tandem.v1.Verifier`` until signalled.
+def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: str | None = None,
+                  max_batch_size: int | None = None, max_seq_len: int = 2048, *, drafter_address: str | None = None,
+                  key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
+                  redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
+                  metrics: bool = True):
+    """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
-        measure_cost_k: measure T(b, q) for q = 1..k+1 at start-up (0: skip) and publish it.
-    """
-    from services.verifier.server import serve
-    from tandem.speculation import measure_target_cost
+        spec: how the replica speculates: a drafter that runs in the replica ("none", "ngram",
+            "specformer", "draft-model"), or with ``drafter_address`` the drafter service there
+            (``spec.drafter`` is then "remote"); k and the draft policy.
+        model, device, max_batch_size (KV slots), max_seq_len: the target and its runner.
+        drafter_address / key / drafter_timeout_s / drafter_resolver: the drafter service client
+            (``RemoteDrafter``).
+        redis_url: the state store the draft policy's θ, the acceptance counters and the
+            verification logs go to (None: in-memory).
+        overlap: request the next round's remote drafts while the target verifies this one.
+        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.
+        metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
 
-    check_port_free(host, port)
+    Returns:
+        (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
+
+    Raises:
+        ModelLoadError / ConfigError / InvalidRequestError: bad model, device or speculation.
+    """
+    from dataclasses import replace
+
+    from services.drafter.client import RemoteDrafter
+    from services.verifier.replica import ReplicaEngine, open_store
+    from tandem.models.runner import default_runner_config
+    from tandem.models.weights import load_checkpoint
+    from tandem.speculation import build_engine
+    from tandem.telemetry import Metrics
+
+    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    checkpoint = load_checkpoint(model)
+    store = open_store(redis_url)
+    drafter = None
+    if drafter_address:
+        spec = replace(spec, drafter="remote", draft_model=None)
+        drafter = RemoteDrafter(drafter_address, checkpoint.config.vocab_size, key, timeout_s=drafter_timeout_s,
+                                resolve=drafter_resolver)
+    engine = build_engine(replace(spec, cost_model=measure_cost), checkpoint, cfg, drafter=drafter, store=store)
+    engine.overlap_drafting = overlap
+    policy = engine.draft_policy
+    cost = getattr(policy, "cost", None)
+    name = engine.drafter.name if engine.drafter is not None else "none"
+    words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
+    replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name)
+    return replica, list(engine.tokenizer.eos_token_ids), cost.table if cost is not None else None, words
+
+
+def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch_size, max_seq_len, *,
+                 drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
+                 overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
+                 key: str | None = None) -> None:
+    """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
+    ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``."""
+    from services.verifier.server import serve
+
+    for p in (port, metrics_port):
+        if p:
+            check_port_free(host, p)
     init_tracing("tandem-verifier")
-    target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
-    cost = measure_target_cost(target, measure_cost_k + 1).table if measure_cost_k else None
-    _run(lambda stop: serve(target, eos, port, host, resolve_api_key(key), cost, stop=stop))
+    key = resolve_api_key(key)
+    replica, eos, cost, words = build_replica(spec, model, device, max_batch_size, max_seq_len,
+                                              drafter_address=drafter_address, key=key,
+                                              drafter_timeout_s=drafter_timeout_s, redis_url=redis_url,
+                                              overlap=overlap, measure_cost=measure_cost)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, host, registry=replica.metrics.registry)
+    log.info("verifier replica: %s", words)
+    try:
+        _run(lambda stop: serve(replica, eos, port, host, key, cost, words, stop=stop))
+    finally:
+        replica.stop()
+        replica.store.close()
 
 
 def drafter_speculation(drafter: str, draft_model: str | None) -> "SpeculativeConfig":

@@ -9,10 +9,6 @@ waiting for many free slots pays the second. ``AdmissionPolicy`` balances the tw
 
 from __future__ import annotations
 
-import time
-
-BUSY_RETRY_S = 0.05  # after a remote verifier refused a prefill for want of free KV slots, the wait before trying again
-
 
 class AdmissionPolicy:
     """Whether the waiting requests are admitted now, while others run.
@@ -24,8 +20,6 @@ class AdmissionPolicy:
       measured cost of a prefill: the rows lost to waiting then equal the rows a prefill stalls
       (the ski-rental rule: keep paying the waiting cost until it matches the one-off cost, since
       when the next slots free is unknown);
-    and never while deferred (``defer``: a remote verifier whose slots other routers hold refused the
-    last prefill), whatever the rest says;
     - a free slot has waited ``wait_rounds`` rounds for a waiting request (a bound on the time to
       first token beyond queueing). The count starts when a slot is free while requests wait, not
       when a request arrives: requests queued long before a slot frees (a burst) would otherwise
@@ -50,15 +44,6 @@ class AdmissionPolicy:
         self.idle_rounds = 0
         self.prefills = 0
         self.prefill_total_s = 0.0
-        self._defer_until = 0.0  # time.monotonic() before which nothing is admitted
-
-    def defer(self, seconds: float = BUSY_RETRY_S) -> None:
-        """Admit nothing for ``seconds`` (a remote verifier refused a prefill: its slots are busy)."""
-        self._defer_until = time.monotonic() + seconds
-
-    def deferred_s(self) -> float:
-        """Seconds left before admission may be tried again (0 when it may now)."""
-        return max(0.0, self._defer_until - time.monotonic())
 
     def note_round(self, free: int, waiting: int) -> None:
         """A round ran with ``free`` usable slots and ``waiting`` requests queued."""
@@ -82,8 +67,6 @@ class AdmissionPolicy:
             max_running: the batch limit.
             round_s: mean wall time of a round (s); 0 before any.
         """
-        if self.deferred_s():
-            return False
         if free >= min(waiting, max(1, int(max_running * self.share))):
             return True
         if free and self.idle_rounds >= self.wait_rounds:

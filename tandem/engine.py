@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 import logging
 import time
 from collections import deque
@@ -22,12 +21,12 @@ from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
-from .models.kv_cache import KVCache, KVSlotsBusy
+from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
-from .sampling import SamplingParams, new_seed, request_generator
-from .stopping import OutputState, draft_room
-from .requests import Completion, Request, RequestOutput, RoundSummary, _Round  # noqa: F401 (re-exported)
+from .sampling import SamplingParams
+from .stopping import draft_room
+from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
 from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
 from .telemetry import span
@@ -206,7 +205,8 @@ class Engine(EngineConveniences):
                      prompt_ids: Sequence[int] | None = None, chat: bool = True,
                      request_id: str | None = None, logprobs: bool = False) -> Request:
         """Validate and tokenize a request without touching the engine's queues (a server
-        thread can do this while another thread steps the engine).
+        thread can do this while another thread steps the engine): ``tandem.requests.new_request``
+        with this engine's tokenizer, vocabulary and context limit.
 
         Args:
             prompt: text or chat messages (or pass ``prompt_ids``).
@@ -224,36 +224,11 @@ class Engine(EngineConveniences):
             InvalidRequestError: empty prompt, prompt at or over the context limit, token ids
                 outside the vocabulary, duplicate request id.
         """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a tandem.sampling.SamplingParams, got {type(params).__name__}")
-        if prompt_ids is None:
-            if prompt is None:
-                raise InvalidRequestError("give a prompt or prompt_ids", param="prompt")
-            ids = self.encode_prompt(prompt, chat=chat)
-        else:
-            try:
-                ids = [operator.index(t) for t in prompt_ids]
-            except TypeError:
-                raise InvalidRequestError("prompt token ids must be integers", param="prompt") from None
-        if not ids:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = self.target.info.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if len(ids) >= self.max_seq_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context limit is {self.max_seq_len} tokens "
-                f"(prompt plus at least one generated token)", param="prompt")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
-        max_new = min(params.max_tokens, self.max_seq_len - len(ids))  # prompt + output <= context limit
-        if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
-            params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
-        gen = request_generator(params, self.target.info.device)
-        return Request(rid, ids, params, OutputState(self.tokenizer, params, max_new), gen,
-                       logprobs=[] if logprobs else None)
+        return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
+                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, device=self.target.info.device)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -285,7 +260,7 @@ class Engine(EngineConveniences):
     def _admission_due(self) -> bool:
         """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
         if not self.running:
-            return not self.admission.deferred_s()
+            return True
         return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,
                                   self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
 
@@ -298,9 +273,6 @@ class Engine(EngineConveniences):
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then one batched decode forward. Returns this step's deltas."""
         outputs: list[RequestOutput] = []
-        wait = self.admission.deferred_s()
-        if wait and self.waiting and not self.running and self._launched is None and self._collected is None:
-            time.sleep(wait)  # nothing to decode while a full remote verifier defers admission
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
         while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running
@@ -318,36 +290,28 @@ class Engine(EngineConveniences):
                 with span("prefill", batch_size=len(reqs)):
                     handle = self.target.launch_prefill(
                         [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
-            except BaseException as exc:
+            except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
                     r.slot = None
-                if not isinstance(exc, KVSlotsBusy):
-                    raise
-                # the verifier's slots are held by other clients for now: the requests wait at the
-                # head of the queue, in their order, and the running ones decode on
-                self.waiting.extendleft(reversed(reqs))
-                self.admission.defer()
-                log.info("%s: %d request(s) wait", exc, len(reqs))
-                admitted, reqs = {}, []
-            if reqs:  # (none when the verifier refused them)
-                results = None
-                if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
-                    if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
-                        nexts = [ex["next_tokens"] for ex in handle.extras]
-                    else:
-                        results = self.target.collect_prefill(handle)
-                        nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
-                    self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
-                                          for r, ex, nx in zip(reqs, handle.extras, nexts)])
-                    if self.chains_rounds:  # their first drafts, on the device, before their first round
-                        self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-                self.admission.note_prefill(time.perf_counter() - t_admit)
-                if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
-                    self.running.update((r.slot, r) for r in reqs)
-                    prefilled = (reqs, handle, results)
+                raise
+            results = None
+            if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
+                if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
+                    nexts = [ex["next_tokens"] for ex in handle.extras]
                 else:
-                    outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
+                    results = self.target.collect_prefill(handle)
+                    nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
+                self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
+                                      for r, ex, nx in zip(reqs, handle.extras, nexts)])
+                if self.chains_rounds:  # their first drafts, on the device, before their first round
+                    self.target.prime_drafts([r.slot for r in reqs], self.drafter)
+            self.admission.note_prefill(time.perf_counter() - t_admit)
+            if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
+                self.running.update((r.slot, r) for r in reqs)
+                prefilled = (reqs, handle, results)
+            else:
+                outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
         if self.chains_rounds or self._launched is not None:
             outputs.extend(self._step_chained(prefilled))
             return outputs

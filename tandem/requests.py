@@ -4,14 +4,17 @@ its finished result, one round's summary, and one round between its launch and i
 
 from __future__ import annotations
 
+import operator
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .drafters.base import DraftProposal
 from .metrics import SpecDecodeStats
-from .sampling import SamplingParams
+from .errors import InvalidRequestError
+from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
 from .target import TargetResult
 
@@ -63,6 +66,51 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
     token_texts: list[str] | None = None  # each new token's text; they join to text_delta (OutputState.token_texts)
     stop_reason: str | int | None = None  # once finished: the stop string or stop token id that ended it
+
+
+def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, prompt=None,
+                params: SamplingParams | None = None, *, prompt_ids: Sequence[int] | None = None, chat: bool = True,
+                logprobs: bool = False, device: str = "cpu") -> Request:
+    """Validate and tokenize one request (``Engine.make_request``; a router does the same with
+    the served model's tokenizer and limits, without an engine).
+
+    Args:
+        tokenizer: the model's ``tandem.tokenizer.Tokenizer``.
+        vocab_size: token ids must be in [0, vocab_size).
+        max_seq_len: the context limit (prompt + output tokens).
+        request_id: the request's id.
+        prompt / prompt_ids / params / chat / logprobs: as ``Engine.make_request``.
+        device: where the request's random draws are made.
+
+    Raises:
+        InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
+            the vocabulary, params that are not ``SamplingParams``.
+    """
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a tandem.sampling.SamplingParams, got {type(params).__name__}")
+    if prompt_ids is None:
+        if prompt is None:
+            raise InvalidRequestError("give a prompt or prompt_ids", param="prompt")
+        ids = tokenizer.encode_prompt(prompt, chat)
+    else:
+        try:
+            ids = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt token ids must be integers", param="prompt") from None
+    if not ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if len(ids) >= max_seq_len:
+        raise InvalidRequestError(
+            f"prompt has {len(ids)} tokens; the context limit is {max_seq_len} tokens "
+            f"(prompt plus at least one generated token)", param="prompt")
+    max_new = min(params.max_tokens, max_seq_len - len(ids))  # prompt + output <= context limit
+    if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
+        params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
+    return Request(request_id, ids, params, OutputState(tokenizer, params, max_new), request_generator(params, device),
+                   logprobs=[] if logprobs else None)
 
 
 @dataclass(frozen=True)

@@ -252,7 +252,7 @@ def _policy_cost(spec: SpeculativeConfig, drafter: "Drafter", target: "LocalTarg
 def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
                  runner_config: RunnerConfig | None = None, *, share: Engine | None = None,
                  tokenizer: Tokenizer | None = None, weights=None, cost: CostModel | None = None,
-                 verification_sink=None) -> Engine:
+                 verification_sink=None, drafter: Drafter | None = None, store=None) -> Engine:
     """An engine that speculates as ``spec`` says.
 
     Args:
@@ -267,6 +267,9 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         weights, cost: as ``build_speculation``; without ``cost`` a context-aware policy with
             ``spec.cost_model`` measures T(b, q) on the new engine's runner at start-up.
         verification_sink: per-draft verification records (``Engine``).
+        drafter: an already built drafter (required for ``spec.drafter == "remote"``: a verifier
+            replica's drafter-service client), as ``build_speculation``.
+        store: the draft policy's θ state shared through a state store (verifier replicas).
 
     Raises:
         ValueError: ``share`` with requests, or with a checkpoint / runner_config.
@@ -277,8 +280,8 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
     from .target import LocalTarget
     from .tokenizer import load_tokenizer
 
-    if spec.drafter == "remote":
-        raise ConfigError("build_engine runs local drafters; a remote drafter goes through build_speculation")
+    if spec.drafter == "remote" and drafter is None:
+        raise ConfigError("a remote drafter is connected by its caller: pass drafter=")
     if share is not None:
         if checkpoint is not None or runner_config is not None:
             raise ValueError("give either share or a checkpoint / runner_config, not both")
@@ -300,9 +303,10 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         runner_config = default_runner_config()
     needs_policy_cost = spec.policy in ("entropy", "predictor") and spec.cost_model and cost is None
     if not needs_policy_cost:
-        speculation = build_speculation(spec, checkpoint, runner_config, weights=weights, cost=cost)
+        speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter, weights=weights, cost=cost,
+                                        store=store)
         drafter = speculation.drafter
-    else:  # the policy's cost model is measured on the engine's runner, built after the drafter
+    elif drafter is None:  # the policy's cost model is measured on the engine's runner, built after the drafter
         from .drafters.factory import build_drafter
 
         drafter = build_drafter(spec.drafter, spec.draft_model, checkpoint, runner_config, weights=weights)
@@ -315,7 +319,7 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         if spec.policy == "predictor":
             predictor_score(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
-                                        cost=_policy_cost(spec, drafter, target))
+                                        cost=_policy_cost(spec, drafter, target), store=store)
     return Engine(tokenizer=tokenizer or load_tokenizer(checkpoint), target=target,
                   drafter=speculation.drafter, num_draft_tokens=speculation.num_draft_tokens,
                   draft_policy=speculation.draft_policy, chained_rounds=speculation.chained_rounds,

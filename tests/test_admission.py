@@ -83,16 +83,3 @@ def test_wait_cap_counts_rounds_with_a_slot_idle():
     policy.note_prefill(0.01)
     assert not policy.due(free=1, waiting=30, max_running=64, round_s=0.002)
 
-
-def test_deferred_admission_admits_nothing_until_the_wait_is_over():
-    """``defer`` (a remote verifier refused a prefill: its slots are busy) holds every admission
-    back, even one the share rule would make, for its seconds only."""
-    import time
-
-    policy = AdmissionPolicy()
-    assert policy.due(free=8, waiting=2, max_running=8, round_s=0.0) and policy.deferred_s() == 0
-    policy.defer(0.2)
-    assert 0 < policy.deferred_s() <= 0.2
-    assert not policy.due(free=8, waiting=2, max_running=8, round_s=0.0)
-    time.sleep(0.25)
-    assert policy.deferred_s() == 0 and policy.due(free=8, waiting=2, max_running=8, round_s=0.0)

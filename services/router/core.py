@@ -1,43 +1,54 @@
-"""Router core: the engine's scheduler over remote verifiers and drafters, driven from asyncio.
+"""Router core: sends each request, whole, to a verifier replica and relays its stream, from asyncio.
 
-One ``tandem.engine.Engine`` per verifier replica (its ``RemoteTarget``), each stepped by its own
-thread: continuous batching over that replica's running requests, one verify batch per replica
-per round, drafts from a ``RemoteDrafter`` stream (target-only while the drafter is down). New
-requests go to the least loaded healthy replica. Front doors (HTTP, gRPC) call ``submit`` from
-the event loop and read events from an ``asyncio.Queue``.
+The router holds no engine and no KV slot. A verifier replica (``services.verifier``) runs the whole
+engine loop for the requests it is sent; the router tokenizes and validates a request, picks the
+replica with the least load for its KV slots (each replica's ``Load`` report, polled, plus what this
+router sent since), and streams the replica's ``Generate`` answer back as ``Delta`` / ``Done`` /
+``Failed`` events. Any number of routers can run over the same replicas: a full replica queues
+requests for its slots, it never refuses them.
 
-Shared state (``tandem.state``): threshold controller state (through ``DraftPolicy``), acceptance
-counters per drafter and category, and the verification-log stream. A store that is down
-degrades to local state (``FallbackStore``) and is reported by ``health()``.
+Failover: a replica that dies, or hangs (it stops answering HTTP/2 keepalive pings for
+``RouterConfig.verifier_timeout_s``), fails its calls with UNAVAILABLE; the router resumes each
+of its requests on another healthy replica from the accepted prefix (prompt + the tokens already
+streamed, re-prefilled there; ``max_tokens`` reduced by them). The client sees no error and greedy
+output is the same token for token (a sampled request keeps its seed: its draws are keyed by
+(seed, position)). The replicas own their KV slots, so nothing leaks when a router or a replica
+goes away. Known limit of a resumed request: text held back at the failover point because it might
+begin a stop string is flushed as text, and a stop string that spans the point is not matched.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tandem.engine import Completion, Engine, Prompt, Request, RequestOutput, RoundSummary
-from tandem.errors import ConfigError, InvalidRequestError
-from tandem.predictor import VerificationRecord
-from tandem.sampling import SamplingParams
-from tandem.speculation import TARGET_ONLY, SpeculativeConfig, build_speculation
-from tandem.state import FallbackStore, InMemoryStore, RedisStore, StateStore, best_effort
-from tandem.target import TargetUnavailable
-from tandem.telemetry import Metrics, span
-from tandem.tokenizer import Tokenizer
+import grpc
 
-from .remote import RemoteDrafter, RemoteTarget
+from services.common import (CLIENT_OPTIONS, Delta, Done, Event, Failed, auth_metadata, keepalive_options,
+                             params_to_pb, probe_health)
+from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
+from services.verifier.server import spec_from_pb
+from tandem.engine import Completion, Prompt, Request, RequestOutput
+from tandem.errors import ConfigError
+from tandem.metrics import SpecDecodeStats
+from tandem.requests import new_request
+from tandem.sampling import SamplingParams
+from tandem.target import TargetUnavailable
+from tandem.telemetry import Metrics, inject_metadata, span
+from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-VERIFICATION_LOG = "vlog"  # stream prefix: vlog:<drafter>, as `tandem collect-logs` writes it
+# A replica failure the router moves a request away from (the request itself is not at fault).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclass
@@ -45,69 +56,24 @@ class RouterConfig:
     """How the router is wired.
 
     Attributes:
-        verifiers: ``host:port`` of each verifier replica (one engine each).
-        drafter: ``host:port`` of the drafter service (None: target-only decoding).
+        verifiers: ``host:port`` of each verifier replica.
         model: model path (GGUF file / HF directory) whose tokenizer to load; None = bundled.
-        model_name: the id clients see in /v1/models (default: the verifier's).
-        speculation: k and the draft policy (``remote_speculation``): "fixed" (k for everyone),
-            "entropy" (draft length from exp(-entropy) under an online threshold θ, allocated with the
-            verifier's cost model) or "predictor" (the learned acceptance predictor, same
-            control); its drafter is "remote" exactly when ``drafter`` is set.
-        redis_url: shared state store; None = in-memory (this process only).
+        model_name: the id clients see in /v1/models (default: the verifiers' model file name).
         api_key: bearer token for the internal services (None: no auth).
-        drafter_timeout_s / verifier_timeout_s: longest wait for one round's answer (s).
-        drafter_resolver: returns the drafter's current address after a failure (Ray Serve
-            replicas that were replaced); None: ``drafter`` for good.
-        overlap: draft the next round while the verifier checks this one (``Drafter.prefetch``).
+        verifier_timeout_s: a replica that answers no keepalive ping for this long (s) is taken as
+            hung: its calls fail and their requests move to another replica.
+        failover_wait_s: how long a request whose replicas all failed waits for one to be healthy
+            again before it fails (s).
+        load_period_s: how often each replica's load and health are polled (s).
     """
 
     verifiers: list[str]
-    drafter: str | None = None
     model: str | None = None
     model_name: str | None = None
-    speculation: SpeculativeConfig = TARGET_ONLY
-    redis_url: str | None = None
     api_key: str | None = None
-    drafter_timeout_s: float = 10.0
-    verifier_timeout_s: float = 120.0
-    drafter_resolver: Callable[[], str] | None = None
-    overlap: bool = True
-
-
-def remote_speculation(drafter: str | None, num_draft_tokens: int = 4, policy: str = "fixed",
-                       predictor: str | None = None) -> SpeculativeConfig:
-    """The router's ``SpeculativeConfig``: the drafter service at ``drafter`` (None: target-only),
-    k, and the draft policy with θ learned online.
-
-    Raises:
-        ConfigError: a bad policy / predictor combination, or a policy without a drafter.
-    """
-    return SpeculativeConfig("remote" if drafter else "none", num_draft_tokens=num_draft_tokens, policy=policy,
-                             predictor=predictor)
-
-
-@dataclass
-class Delta:
-    """Newly accepted tokens of a request (``RequestOutput``)."""
-
-    output: RequestOutput
-
-
-@dataclass
-class Done:
-    """The request finished; ``completion`` carries text, usage and speculative metrics."""
-
-    completion: Completion
-
-
-@dataclass
-class Failed:
-    """The request failed (its verifier went away); ``message`` says why."""
-
-    message: str
-
-
-Event = Delta | Done | Failed
+    verifier_timeout_s: float = 10.0
+    failover_wait_s: float = 30.0
+    load_period_s: float = 0.5
 
 
 def load_router_tokenizer(model: str | None, eos_token_ids: list[int]) -> Tokenizer:
@@ -132,127 +98,9 @@ def load_router_tokenizer(model: str | None, eos_token_ids: list[int]) -> Tokeni
     return Tokenizer(hf, eos)
 
 
-def open_router_store(url: str | None) -> StateStore:
-    """``FallbackStore`` over Redis at ``url``; the in-memory store without one."""
-    return FallbackStore(RedisStore(url)) if url else InMemoryStore()
-
-
-@dataclass
-class _Submission:
-    request: Request
-    sink: Callable[[Event], None]
-    category: str
-    worker: "Worker | None" = None
-
-
-class Worker:
-    """One engine (one verifier replica) stepped by a thread.
-
-    Args:
-        name: for logs (the verifier's address).
-        engine: the engine over a ``RemoteTarget``.
-        on_done: called in the worker thread with (submission, completion) for finished requests.
-    """
-
-    def __init__(self, name: str, engine: Engine, on_done) -> None:
-        self.name = name
-        self.engine = engine
-        self._on_done = on_done
-        self._inbox: queue.Queue = queue.Queue()
-        self._subs: dict[str, _Submission] = {}
-        self.load = 0  # requests assigned and not finished (read by the router to balance)
-        self.healthy = True
-        self.last_error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"engine-{name}")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    def submit(self, sub: _Submission) -> None:
-        self.load += 1
-        self._inbox.put(("add", sub))
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    # ------------------------------------------------------------------ worker thread
-
-    def _drain(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
-            kind, arg = item
-            if kind == "add":
-                self._subs[arg.request.request_id] = arg
-                try:
-                    self.engine.submit(arg.request)
-                except InvalidRequestError as exc:
-                    self._finish(arg.request.request_id, Failed(str(exc)))
-            elif kind == "abort":
-                if arg in self._subs:
-                    self.engine.abort(arg)
-                    self._subs.pop(arg)
-                    self.load -= 1
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _finish(self, rid: str, event: Event) -> None:
-        sub = self._subs.pop(rid, None)
-        if sub is not None:
-            self.load -= 1
-            sub.sink(event)
-
-    def _fail_started(self, message: str) -> None:
-        """The verifier lost its sequences: fail every request that had reached it."""
-        waiting = {id(r) for r in self.engine.waiting}
-        for rid, req in list(self.engine.requests.items()):
-            if id(req) not in waiting:
-                self.engine.abort(rid)
-                self._finish(rid, Failed(message))
-
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            self._drain(block=not engine.has_unfinished())
-            if self._stop.is_set() or not engine.has_unfinished():
-                continue
-            try:
-                outputs = engine.step()
-                self.healthy, self.last_error = True, None
-            except TargetUnavailable as exc:
-                log.error("verifier %s: %s; failing its running requests", self.name, exc)
-                self.healthy, self.last_error = False, str(exc)
-                self._fail_started(f"the verifier failed while serving this request: {exc}")
-                time.sleep(0.2)
-                continue
-            except Exception as exc:  # noqa: BLE001 - a bug must fail requests, not kill the replica's thread
-                log.exception("engine step failed on %s", self.name)
-                self._fail_started(f"internal error: {exc}")
-                continue
-            for out in outputs:
-                sub = self._subs.get(out.request_id)
-                if sub is None:
-                    continue
-                sub.sink(Delta(out))
-                if out.finished:
-                    completion = engine.completion(out.request_id)
-                    self._on_done(sub, completion)
-                    self._finish(out.request_id, Done(completion))
-
-
-def system_fingerprint(model: str, spec: SpeculativeConfig) -> str:
+def system_fingerprint(model: str, speculation: str) -> str:
     """OpenAI's ``system_fingerprint``: ``fp_`` and 12 hex digits naming the Tandem version, the
-    target model and the speculation configuration; it changes when any of them does (greedy output
+    target model and the replicas' speculation; it changes when any of them does (greedy output
     is the target's whatever the speculation: the fingerprint tells apart what served it)."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
@@ -261,127 +109,200 @@ def system_fingerprint(model: str, spec: SpeculativeConfig) -> str:
         release = version("tandem")
     except PackageNotFoundError:  # run from a source tree without an install
         release = "source"
-    return "fp_" + hashlib.sha256(f"{release}|{model}|{spec!r}".encode()).hexdigest()[:12]
+    return "fp_" + hashlib.sha256(f"{release}|{model}|{speculation}".encode()).hexdigest()[:12]
+
+
+class Replica:
+    """One verifier replica as a router sees it: its ``Info``, its last ``Load`` report and health,
+    and the calls this router has open on it.
+
+    Args:
+        address: ``host:port``.
+        key: bearer token (None: no auth).
+        deadline_s: keepalive deadline of the streaming channel (``keepalive_options``).
+
+    Raises:
+        TargetUnavailable: the replica does not answer ``Info`` at start-up.
+    """
+
+    def __init__(self, address: str, key: str | None, deadline_s: float) -> None:
+        self.address = address
+        self.metadata = auth_metadata(key)
+        self._deadline_s = deadline_s
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        try:
+            self.info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=30, metadata=self.metadata,
+                                        wait_for_ready=True)
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise TargetUnavailable(f"verifier replica {address} does not answer: {exc.code().name}: "
+                                    f"{exc.details()}") from None
+        self.healthy = True
+        self.last_error: str | None = None
+        self.report: verifier_pb2.LoadReport | None = None
+        self.sent = 0  # requests sent since the last report (not in it yet)
+        self.open_calls = 0  # this router's calls in progress here
+        self._streams: dict[int, tuple[grpc.aio.Channel, verifier_pb2_grpc.VerifierStub]] = {}
+
+    def stream_stub(self) -> verifier_pb2_grpc.VerifierStub:
+        """The ``grpc.aio`` stub for the running event loop (one channel per loop: the HTTP and
+        gRPC front doors may run on different loops), with keepalive for hang detection."""
+        loop = asyncio.get_running_loop()
+        entry = self._streams.get(id(loop))
+        if entry is None:
+            channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS
+                                                + keepalive_options(self._deadline_s))
+            entry = self._streams[id(loop)] = (channel, verifier_pb2_grpc.VerifierStub(channel))
+        return entry[1]
+
+    @property
+    def num_slots(self) -> int:
+        return max(1, int(self.info.num_slots))
+
+    def score(self) -> float:
+        """Requests per KV slot: running + waiting as last reported, plus what was sent since."""
+        held = self.open_calls if self.report is None else self.report.running + self.report.waiting + self.sent
+        return held / self.num_slots
+
+    def refresh(self, timeout_s: float = 2.0) -> bool:
+        """Poll ``Load`` (blocking): updates the report and the health; returns the health."""
+        try:
+            self.report = self._stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if self.healthy:
+                log.error("verifier replica %s does not answer: %s", self.address, exc.code().name)
+            self.healthy, self.last_error = False, f"{exc.code().name}: {exc.details()}"
+            return False
+        self.sent = 0
+        if not self.healthy:
+            log.info("verifier replica %s answers again", self.address)
+        self.healthy, self.last_error = True, None
+        return True
+
+    def mark_failed(self, message: str) -> None:
+        self.healthy, self.last_error = False, message
+
+    def probe(self) -> bool:
+        """Standard gRPC health check (1 s)."""
+        return probe_health(self._channel, self.metadata)
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        entry = self._streams.pop(id(loop), None)
+        if entry is not None:
+            await entry[0].close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class _ReplicaLost(Exception):
+    """The replica serving a request failed (UNAVAILABLE, a broken stream): move the request."""
+
+
+@dataclass
+class _Progress:
+    """What a request has streamed so far, over every replica that served it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    first_token_time: float | None = None
+    replicas: list[str] = field(default_factory=list)
 
 
 class Router:
-    """The router's scheduling core (see the module docstring).
+    """The router (see the module docstring).
 
     Args:
         config: wiring.
         metrics: Prometheus metrics to feed (a new ``Metrics`` by default).
 
     Raises:
-        TargetUnavailable: a verifier does not answer at start-up.
-        ConfigError: a bad policy / predictor combination.
+        TargetUnavailable: a verifier replica does not answer at start-up.
+        ConfigError: replicas that serve different models.
     """
 
     def __init__(self, config: RouterConfig, metrics: Metrics | None = None) -> None:
+        if not config.verifiers:
+            raise ConfigError("the router needs at least one verifier replica")
         self.config = config
-        self.store = open_router_store(config.redis_url)
         self.started = time.time()
-        self._ids = itertools.count()
-        self._subs_by_id: dict[str, _Submission] = {}
-        self._span_tasks: set[asyncio.Future] = set()
-        spec = config.speculation
-        if spec.speculates != bool(config.drafter) or spec.drafter not in ("remote", "none"):
-            raise ConfigError(f"the router's speculation must name a remote drafter exactly when a drafter service "
-                              f"is given (drafter {config.drafter!r}, speculation drafter {spec.drafter!r})")
-        targets = [RemoteTarget(a, config.api_key, timeout_s=config.verifier_timeout_s) for a in config.verifiers]
-        first = targets[0]
-        self.model_name = config.model_name or Path(first.info.model).name
+        self.replicas: list[Replica] = []
+        try:
+            for address in config.verifiers:
+                self.replicas.append(Replica(address, config.api_key, config.verifier_timeout_s))
+        except BaseException:
+            for r in self.replicas:
+                r.close()
+            raise
+        first = self.replicas[0].info
+        for r in self.replicas[1:]:
+            if (r.info.model, r.info.vocab_size) != (first.model, first.vocab_size):
+                raise ConfigError(f"verifier replicas serve different models: {first.model} at "
+                                  f"{self.replicas[0].address}, {r.info.model} at {r.address}")
+        self.model_name = config.model_name or Path(first.model).name
         self.metrics = metrics or Metrics(self.model_name)
-        self.fingerprint = system_fingerprint(first.info.model, config.speculation)
-        self.tokenizer = load_router_tokenizer(config.model, first.eos_token_ids)
-        self.workers: list[Worker] = []
-        self.drafters: list[RemoteDrafter] = []
-        for addr, target in zip(config.verifiers, targets):
-            drafter = None
-            if config.drafter:
-                drafter = RemoteDrafter(config.drafter, target.info.vocab_size, config.api_key,
-                                        timeout_s=config.drafter_timeout_s, resolve=config.drafter_resolver)
-                self.drafters.append(drafter)
-            speculation = build_speculation(spec, drafter=drafter, cost=target.cost, store=self.store)
-            engine = Engine(tokenizer=self.tokenizer, drafter=speculation.drafter,
-                            num_draft_tokens=speculation.num_draft_tokens, draft_policy=speculation.draft_policy,
-                            chained_rounds=speculation.chained_rounds, verification_sink=self._log_verification,
-                            target=target)
-            engine.on_round = self._observe_round
-            engine.overlap_drafting = config.overlap
-            self.workers.append(Worker(addr, engine, self._on_done))
-        for w in self.workers:
-            w.start()
+        self.fingerprint = system_fingerprint(first.model, first.speculation)
+        self.tokenizer = load_router_tokenizer(config.model, list(first.eos_token_ids))
+        self.vocab_size = int(first.vocab_size)
+        self.context_limit = min(int(r.info.max_seq_len) for r in self.replicas)  # prompt + output tokens
+        self._span_tasks: set[asyncio.Future] = set()
+        self._stop = threading.Event()
+        self.probe()
+        self._poller = threading.Thread(target=self._poll, daemon=True, name="replica-load")
+        self._poller.start()
 
-    # ------------------------------------------------------------------ callbacks (worker threads)
+    # ------------------------------------------------------------------ load and health
 
-    def _observe_round(self, r: RoundSummary) -> None:
-        self.metrics.observe_round(r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_pos, r.num_emitted_tokens,
-                                   r.num_drafts)
+    def _poll(self) -> None:
+        while not self._stop.wait(self.config.load_period_s):
+            self.probe()
 
-    def _log_verification(self, record: VerificationRecord) -> None:
-        x, y = record.labelled()
-        if len(y):
-            best_effort(self.store.append_log, f"{VERIFICATION_LOG}:{record.drafter}",
-                        {"features": x.tolist(), "labels": y.tolist()}, why="verification log record dropped")
+    def probe(self) -> None:
+        """Poll every replica's ``Load`` (2 s each at most): the load the router balances on, and health
+        (/health and the router's own gRPC health follow it while no request runs). Blocking."""
+        for r in self.replicas:
+            r.refresh()
 
-    def _on_done(self, sub: _Submission, c: Completion) -> None:
-        self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
-                                     c.prompt_tokens, c.completion_tokens, c.finish_reason)
-        drafter = self.drafters[0].name if self.drafters else "none"
-        best_effort(self.store.incr, f"acceptance:{drafter}:{sub.category}", {
-            "requests": 1, "num_drafted": c.spec.num_drafted, "num_accepted": c.spec.num_accepted,
-            "num_emitted": c.spec.num_emitted, "num_steps": c.spec.num_steps}, why="acceptance counters not counted")
+    def _choose(self, avoid: set[str]) -> Replica | None:
+        """The healthy replica with the fewest requests per KV slot, not in ``avoid``."""
+        healthy = [r for r in self.replicas if r.healthy and r.address not in avoid]
+        return min(healthy, key=Replica.score) if healthy else None
 
-    # ------------------------------------------------------------------ API (event loop)
+    async def _wait_for_replica(self, avoid: set[str]) -> Replica | None:
+        """A replica to run on: one not in ``avoid`` if healthy, else (all of them failed) the first
+        to be healthy again within ``failover_wait_s``; None after that."""
+        replica = self._choose(avoid) or self._choose(set())
+        deadline = time.monotonic() + self.config.failover_wait_s
+        while replica is None and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.2, self.config.load_period_s))
+            replica = self._choose(set())
+        return replica
 
-    @property
-    def context_limit(self) -> int:
-        """Tokens a request may hold in all (prompt + output): the verifiers' context."""
-        return self.workers[0].engine.max_seq_len
+    # ------------------------------------------------------------------ requests
 
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
                      chat: bool = True, request_id: str | None = None, logprobs: bool = False) -> Request:
-        """Validate and tokenize (no engine state is touched).
+        """Validate and tokenize (``tandem.requests.new_request`` with the served model's tokenizer,
+        vocabulary and context limit). A sampled request gets its seed here, so a replica that
+        resumes it draws the same numbers.
 
         Raises:
             InvalidRequestError: bad prompt or parameters.
         """
-        rid = request_id or f"req-{next(self._ids)}"
-        return self.workers[0].engine.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=rid,
-                                                   logprobs=logprobs)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        return new_request(self.tokenizer, self.vocab_size, self.context_limit, rid, prompt, params,
+                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs)
 
-    def submit(self, request: Request, category: str = "default") -> tuple[str, "asyncio.Queue[Event]"]:
-        """Queue ``request`` on the least loaded healthy replica; events arrive on the queue.
-
-        Must be called from a running event loop.
-        """
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        healthy = [w for w in self.workers if w.healthy] or self.workers
-        worker = min(healthy, key=lambda w: w.load)
-        sub = _Submission(request, sink, category or "default", worker)
-        self._subs_by_id[request.request_id] = sub
-        worker.submit(sub)
-        return request.request_id, events
-
-    def abort(self, request_id: str) -> None:
-        """Cancel a request (client went away): frees its KV slots on the verifier and drafter."""
-        sub = self._subs_by_id.pop(request_id, None)
-        if sub is not None and sub.worker is not None:
-            sub.worker.abort(request_id)
-
-    def forget(self, request_id: str) -> None:
-        """The front door is done with a finished request."""
-        self._subs_by_id.pop(request_id, None)
-
-    async def generate(self, request: Request, category: str = "default"):
-        """Async iterator of events for one request; aborts it when the consumer stops early
-        (client disconnect, cancellation). A ``request`` span covers its lifetime."""
-        rid, events = self.submit(request, category)
+    async def generate(self, request: Request, category: str = "default") -> AsyncIterator[Event]:
+        """Async iterator of events for one request: ``Delta`` per streamed step, then ``Done`` or
+        ``Failed``. Leaving it early (client disconnect, cancellation) cancels the replica's call,
+        which aborts the request there. A ``request`` span covers its lifetime."""
+        rid = request.request_id
         ended = asyncio.get_running_loop().create_future()
 
         async def request_span() -> None:  # a span may not cross the generator's yields (contexts differ)
@@ -390,8 +311,9 @@ class Router:
                       **{"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model_name,
                          "gen_ai.request.max_tokens": request.params.max_tokens,
                          "gen_ai.usage.input_tokens": len(request.prompt_ids)}) as s:
-                outcome, completion = await ended
+                outcome, completion, progress = await ended
                 s.set_attribute("outcome", outcome)
+                s.set_attribute("replicas", progress.replicas)
                 if completion is not None:
                     s.set_attribute("gen_ai.usage.output_tokens", completion.completion_tokens)
                     s.set_attribute("gen_ai.response.finish_reasons", [completion.finish_reason])
@@ -399,71 +321,159 @@ class Router:
         holder = asyncio.ensure_future(request_span())
         self._span_tasks.add(holder)
         holder.add_done_callback(self._span_tasks.discard)
+        progress = _Progress()
         outcome, completion = "aborted", None
+        failed_on: set[str] = set()
         try:
             while True:
-                event = await events.get()
-                if isinstance(event, (Done, Failed)):  # settled before the yield: a consumer may stop at it
-                    outcome = "finished" if isinstance(event, Done) else "failed"
-                    completion = event.completion if isinstance(event, Done) else None
-                    yield event
+                replica = await self._wait_for_replica(failed_on)
+                if replica is None:
+                    outcome = "failed"
+                    yield Failed("no verifier replica is available"
+                                 + (f" (the last error: {self.replicas[0].last_error})" if self.replicas else ""))
                     return
-                yield event
+                try:
+                    async with aclosing(self._run_on(replica, request, progress, category)) as attempt:
+                        async for event in attempt:
+                            if isinstance(event, Done):
+                                outcome, completion = "finished", event.completion
+                            elif isinstance(event, Failed):
+                                outcome = "failed"
+                            yield event
+                    return
+                except _ReplicaLost as exc:
+                    failed_on.add(replica.address)
+                    replica.mark_failed(str(exc))
+                    log.warning("request %s: verifier replica %s failed (%s); resuming after %d tokens", rid,
+                                replica.address, exc, len(progress.token_ids))
+                    held = self._held_text(progress)
+                    if held:
+                        yield Delta(RequestOutput(rid, [], held, False, None))
         finally:
-            ended.set_result((outcome, completion))
-            if outcome == "aborted":
-                self.abort(rid)
-            else:
-                self.forget(rid)
+            ended.set_result((outcome, completion, progress))
 
-    def probe(self) -> None:
-        """Actively health-check every verifier and the drafter (gRPC health service, 1 s each), so
-        /health and the router's own gRPC health follow them while no request runs: a verifier that
-        died is marked unhealthy, one that came back healthy again; a drafter that came back is
-        retried at the next round instead of after its back-off. Blocking: call from a thread."""
-        for w in self.workers:
-            if w.engine.target.probe():
-                if not w.healthy:
-                    log.info("verifier %s answers its health check again", w.name)
-                w.healthy, w.last_error = True, None
-            elif w.healthy:
-                log.error("verifier %s fails its health check", w.name)
-                w.healthy, w.last_error = False, "the verifier does not answer its health check"
-        for d in self.drafters:
-            d.reachable = d.probe()  # what /health reports (``available`` flips only when a round reconnects)
-            if d.reachable and not d.available:
-                d.retry_now()
+    def _held_text(self, progress: _Progress) -> str:
+        """Text of the streamed tokens that the failed replica had held back (a possible stop
+        string's start), so a resumed request loses none of it."""
+        full = self.tokenizer.decode(progress.token_ids).rstrip("\ufffd")
+        sent = "".join(progress.text)
+        if not full.startswith(sent) or len(full) == len(sent):
+            return ""
+        progress.text.append(full[len(sent):])
+        return progress.text[-1]
+
+    async def _run_on(self, replica: Replica, request: Request, progress: _Progress,
+                      category: str) -> AsyncIterator[Event]:
+        """One attempt of ``request`` on ``replica``, from what ``progress`` already holds.
+
+        Raises:
+            _ReplicaLost: the replica failed while serving it.
+        """
+        rid = request.request_id
+        done = len(progress.token_ids)
+        params = request.params
+        if done:
+            params = replace(params, max_tokens=request.output.max_new_tokens - done)
+        msg = verifier_pb2.ReplicaRequest(request_id=rid, prompt_ids=[*request.prompt_ids, *progress.token_ids],
+                                          params=params_to_pb(params), logprobs=request.logprobs is not None,
+                                          category=category or "default")
+        progress.replicas.append(replica.address)
+        replica.sent += 1
+        replica.open_calls += 1
+        with span("route", replica=replica.address, request_id=rid, resumed_tokens=done):
+            metadata = inject_metadata(replica.metadata)  # the replica's "generate" span is this one's child
+        call = replica.stream_stub().Generate(msg, metadata=metadata)
+        try:
+            async for ev in call:
+                now = time.perf_counter()
+                if ev.token_ids and progress.first_token_time is None:
+                    progress.first_token_time = now
+                progress.token_ids.extend(ev.token_ids)
+                progress.text.append(ev.text)
+                progress.logprobs.extend(ev.logprobs)
+                progress.token_texts.extend(ev.token_texts)
+                stop_reason = ev.stop_string if ev.HasField("stop_string") else (
+                    int(ev.stop_token_id) if ev.HasField("stop_token_id") else None)
+                out = RequestOutput(rid, list(ev.token_ids), ev.text, ev.finished, ev.finish_reason or None,
+                                    list(ev.logprobs) if request.logprobs is not None else None,
+                                    list(ev.token_texts) or None, stop_reason)
+                yield Delta(out)
+                if ev.finished:
+                    progress.spec.merge(spec_from_pb(ev.spec))
+                    completion = self._completion(request, progress, ev.finish_reason, stop_reason, now)
+                    self._observe(completion)
+                    yield Done(completion)
+                    return
+                if ev.HasField("spec"):
+                    progress.spec.merge(spec_from_pb(ev.spec))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRYABLE:
+                raise _ReplicaLost(f"{exc.code().name}: {exc.details()}") from None
+            yield Failed(exc.details() or exc.code().name, invalid=exc.code() == grpc.StatusCode.INVALID_ARGUMENT)
+            return
+        finally:
+            replica.open_calls -= 1
+            call.cancel()  # no-op once finished; a consumer that left aborts the request on the replica
+        raise _ReplicaLost("the replica ended the stream before the request finished")
+
+    def _completion(self, request: Request, progress: _Progress, finish_reason: str, stop_reason, now: float) -> Completion:
+        n = len(progress.token_ids)
+        first = progress.first_token_time or now
+        return Completion(request.request_id, "".join(progress.text), list(progress.token_ids), finish_reason,
+                          len(request.prompt_ids), first - request.arrival_time, now - request.arrival_time,
+                          (now - first) / (n - 1) if n > 1 else 0.0, progress.spec,
+                          list(progress.logprobs) if request.logprobs is not None else None,
+                          list(progress.token_texts) or None, stop_reason)
+
+    def _observe(self, c: Completion) -> None:
+        """Cluster-wide metrics of a finished request (its rounds ran on replicas: their counters
+        are added here when it finishes, one request at a time)."""
+        s = c.spec
+        self.metrics.observe_round(s.num_drafted, s.num_accepted, s.accepted_per_pos, s.num_emitted,
+                                   s.drafted_per_pos[0] if s.drafted_per_pos else 0)
+        self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
+                                     c.prompt_tokens, c.completion_tokens, c.finish_reason)
+
+    # ------------------------------------------------------------------ status
 
     def health(self) -> dict:
-        """Replica, drafter and state-store status (what /health reports; call ``probe`` first for
-        live status)."""
-        shared = isinstance(self.store, FallbackStore)
-        store_up = True
-        if shared:
-            self.store.ping()
-            store_up = self.store.up
-        self.metrics.set_store_up(store_up)
+        """Replica and state-store status (what /health reports), as of the last poll."""
+        store = next((r.report.state_store for r in self.replicas if r.healthy and r.report is not None
+                      and r.report.HasField("state_store")), None)
+        drafters = [r.report.drafter for r in self.replicas if r.healthy and r.report is not None
+                    and r.report.HasField("drafter") and r.report.drafter.address]
+        if store is not None:
+            self.metrics.set_store_up(store.up)
         return {
-            "verifiers": [{"address": w.name, "healthy": w.healthy, "error": w.last_error, "load": w.load}
-                          for w in self.workers],
-            "drafter": None if not self.drafters else {"address": self.config.drafter,
-                                                       "available": all(d.reachable for d in self.drafters)},
-            "state_store": {"backend": "redis" if shared else "memory",
-                            "up": store_up,
-                            "mode": ("shared" if store_up else "local: Redis unreachable, writes queued for replay")
-                                    if shared else "local (in-memory; set TANDEM_REDIS_URL to share)",
-                            "pending_writes": getattr(self.store, "pending", 0)},
+            "verifiers": [{"address": r.address, "healthy": r.healthy, "error": r.last_error,
+                           "running": r.report.running if r.report else None,
+                           "waiting": r.report.waiting if r.report else None,
+                           "num_slots": r.num_slots, "speculation": r.info.speculation}
+                          for r in self.replicas],
+            "drafter": None if not drafters else {"address": drafters[0].address,
+                                                  "available": all(d.available for d in drafters)},
+            "state_store": None if store is None else {
+                "backend": store.backend, "up": store.up, "pending_writes": int(store.pending_writes),
+                "mode": ("shared" if store.up else "local: Redis unreachable, writes queued for replay")
+                        if store.backend == "redis" else "local (in-memory; set TANDEM_REDIS_URL to share)"},
         }
 
     def update_gauges(self) -> None:
-        self.metrics.set_running(sum(len(w.engine.running) for w in self.workers))
-        self.metrics.set_waiting(sum(len(w.engine.waiting) for w in self.workers))
+        reports = [r.report for r in self.replicas if r.healthy and r.report is not None]
+        self.metrics.set_running(sum(x.running for x in reports))
+        self.metrics.set_waiting(sum(x.waiting for x in reports))
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas)
+
+    async def aclose(self) -> None:
+        """Close this event loop's streaming channels."""
+        for r in self.replicas:
+            await r.aclose()
 
     def close(self) -> None:
-        for w in self.workers:
-            w.stop()
-        for w in self.workers:
-            w.engine.target.close()
-        for d in self.drafters:
-            d.close()
-        self.store.close()
+        self._stop.set()
+        self._poller.join(timeout=5)
+        for r in self.replicas:
+            r.close()

@@ -35,7 +35,9 @@ from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams, choice_seed
 
-from .core import Delta, Done, Failed, Router
+from services.common import Delta, Done, Failed, bearer_matches
+
+from .core import Router
 
 
 MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as a request of its own)
@@ -171,7 +173,7 @@ class _BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/") \
-                and dict(scope.get("headers") or ()).get(b"authorization") != self.expected:
+                and not bearer_matches(dict(scope.get("headers") or ()).get(b"authorization"), self.expected):
             return await _error(401, "missing or wrong bearer token", "authentication_error")(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -338,7 +340,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                           f"this prompt)", param=name)
         created = int(time.time())
         if req.stream:
-            if not any(w.healthy for w in router.workers):  # known down: say so before the 200 of a stream
+            if not router.any_healthy:  # known down: say so before the 200 of a stream
                 return _error(503, "no verifier is available; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,

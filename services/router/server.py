@@ -8,12 +8,12 @@ import logging
 
 import grpc
 
-from services.common import GrpcServer, params_from_pb
+from services.common import Delta, Done, Failed, GrpcServer, params_from_pb
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.telemetry import extract_context, span
 
-from .core import Delta, Done, Failed, Router, RouterConfig
+from .core import Router, RouterConfig
 from .http import build_app
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ def _usage_pb(c) -> router_pb2.Usage:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """``Router.Generate``: bad input -> INVALID_ARGUMENT; a failed verifier -> UNAVAILABLE;
-    a cancelled call aborts the request and frees its slots."""
+    """``Router.Generate``: bad input -> INVALID_ARGUMENT; no verifier replica to serve it ->
+    UNAVAILABLE; a cancelled call aborts the request and frees its KV slot on the replica."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -59,7 +59,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                       finish_reason=event.completion.finish_reason,
                                                       usage=_usage_pb(event.completion))
                 elif isinstance(event, Failed):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.message)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
+                                        else grpc.StatusCode.UNAVAILABLE, event.message)
 
 
 async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: str | None = None,
@@ -75,12 +76,11 @@ async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: st
 
 
 async def _watch_health(router: Router, server: GrpcServer, period_s: float = 2.0) -> None:
-    """Keep the gRPC health status in step with the verifiers (NOT_SERVING when none is healthy)."""
+    """Keep the gRPC health status in step with the verifier replicas (NOT_SERVING when none is healthy)."""
     serving = True
     while True:
-        await asyncio.sleep(period_s)
-        await asyncio.to_thread(router.probe)
-        now = any(w.healthy for w in router.workers)
+        await asyncio.sleep(period_s)  # (the router polls its replicas in a thread of its own)
+        now = router.any_healthy
         if now != serving:
             serving = now
             await server.set_serving(now, [SERVICE_NAME])
@@ -109,7 +109,7 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
         await asyncio.wait({grpc_task, grpc_ready}, return_when=asyncio.FIRST_COMPLETED)
         if grpc_task.done():
             grpc_task.result()  # raises the start-up error
-    log.info("router: HTTP on %s:%d, verifiers %s, drafter %s", host, http_port, config.verifiers, config.drafter)
+    log.info("router: HTTP on %s:%d, verifier replicas %s", host, http_port, config.verifiers)
     try:
         if stop is None:
             await http.serve()
@@ -122,4 +122,5 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
         if grpc_task is not None:
             grpc_stop.set()
             await grpc_task
+        await router.aclose()
         await asyncio.to_thread(router.close)

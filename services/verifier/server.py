@@ -1,155 +1,139 @@
-"""Verifier gRPC server: ``tandem.v1.Verifier`` over a ``tandem.target.LocalTarget``.
+"""Verifier replica gRPC server: ``tandem.v1.Verifier`` over a ``ReplicaEngine``.
 
-Each ``Verify`` stream owns its sequences: the router's ``seq_id`` maps to a KV slot of this
-target, and every slot of a stream is freed when the stream ends (router gone, cancelled).
-Forwards run one at a time in a worker thread, so several streams (router replicas) share the
-model safely.
+``Generate`` takes one whole request and streams its accepted tokens; the engine loop (scheduler,
+KV slots, drafts, verification) runs here, beside the weights. A call that ends early (the router
+cancelled it, or died) aborts its request and frees its KV slot. ``Load`` reports what the replica
+holds, for routers to balance on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import grpc
-import torch
 
-from services.common import GrpcServer, params_from_pb, sparse_to_probs, tensor_to_pb
+from services.common import Delta, Done, Failed, GrpcServer, params_from_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
-from tandem.drafters.base import NUM_FEATURES, DraftProposal
 from tandem.errors import InvalidRequestError
-from tandem.models.kv_cache import CacheFullError
-from tandem.target import LocalTarget, PrefillItem, TargetResult, VerifyItem
+from tandem.metrics import SpecDecodeStats
+from tandem.requests import Completion, RequestOutput
 from tandem.telemetry import extract_context, span
+
+from .replica import ReplicaEngine, store_status
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tandem.v1.Verifier"
 
 
-class _Stream:
-    """Sequences of one Verify stream: seq_id -> (slot, params). Random numbers come from the
-    target's counter-based draws keyed by each request's seed: the verifier holds no generator."""
+def spec_to_pb(s: SpecDecodeStats) -> verifier_pb2.SpecStats:
+    return verifier_pb2.SpecStats(num_steps=s.num_steps, num_emitted=s.num_emitted, num_drafted=s.num_drafted,
+                                  num_accepted=s.num_accepted, drafted_per_pos=s.drafted_per_pos,
+                                  accepted_per_pos=s.accepted_per_pos)
 
-    def __init__(self) -> None:
-        self.seqs: dict[int, tuple[int, object]] = {}  # seq_id -> (slot, SamplingParams)
+
+def spec_from_pb(m: verifier_pb2.SpecStats) -> SpecDecodeStats:
+    return SpecDecodeStats(int(m.num_steps), int(m.num_emitted), int(m.num_drafted), int(m.num_accepted),
+                           [int(x) for x in m.drafted_per_pos], [int(x) for x in m.accepted_per_pos])
+
+
+def event_pb(out: RequestOutput, completion: Completion | None = None) -> verifier_pb2.ReplicaEvent:
+    """One streamed message: ``out``'s tokens; with ``completion`` also the end (finish and stop
+    reasons, the request's speculative-decoding counters)."""
+    msg = verifier_pb2.ReplicaEvent(token_ids=out.new_token_ids, text=out.text_delta, logprobs=out.logprobs or [],
+                                    token_texts=(out.token_texts or []) if out.logprobs else [])
+    if completion is not None:
+        msg.finished = True
+        msg.finish_reason = completion.finish_reason
+        if isinstance(completion.stop_reason, str):
+            msg.stop_string = completion.stop_reason
+        elif completion.stop_reason is not None:
+            msg.stop_token_id = int(completion.stop_reason)
+        msg.spec.CopyFrom(spec_to_pb(completion.spec))
+    return msg
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Args:
-        target: the local target model.
+        replica: the engine loop.
         eos_token_ids: the tokenizer's end-of-sequence ids (reported in ``Info``).
         cost: measured verifier cost T(b, q) as ``{b: {q: ms}}`` (reported in ``Info``).
+        speculation: how the replica speculates, in words (reported in ``Info``).
     """
 
-    def __init__(self, target: LocalTarget, eos_token_ids: list[int], cost: dict[int, dict[int, float]] | None = None):
-        self.target = target
+    def __init__(self, replica: ReplicaEngine, eos_token_ids: list[int], cost: dict[int, dict[int, float]] | None = None,
+                 speculation: str = "") -> None:
+        self.replica = replica
         self.eos_token_ids = eos_token_ids
         self.cost = cost or {}
-        self._lock = threading.Lock()  # one forward at a time, whatever the stream
+        self.speculation = speculation
 
     async def Info(self, request, context):
-        i = self.target.info
+        i = self.replica.engine.target.info
         return verifier_pb2.VerifierInfo(
-            model=i.model, vocab_size=i.vocab_size, num_slots=i.num_slots, max_seq_len=i.max_seq_len,
-            eos_token_ids=self.eos_token_ids,
+            model=i.model, vocab_size=i.vocab_size, num_slots=i.num_slots, max_seq_len=self.replica.engine.max_seq_len,
+            eos_token_ids=self.eos_token_ids, speculation=self.speculation,
             cost=[verifier_pb2.CostPoint(batch_size=b, tokens_per_sequence=q, ms=ms)
                   for b, row in sorted(self.cost.items()) for q, ms in sorted(row.items())])
 
-    async def Verify(self, request_iterator, context):
-        stream = _Stream()
-        parent = extract_context(context.invocation_metadata())
+    async def Load(self, request, context):
+        load = self.replica.load()
+        store, drafter = await asyncio.gather(asyncio.to_thread(store_status, self.replica.store),
+                                              asyncio.to_thread(self.replica.drafter_status))
+        return verifier_pb2.LoadReport(num_slots=load.num_slots, running=load.running, waiting=load.waiting,
+                                       queued_prompt_tokens=load.queued_prompt_tokens,
+                                       state_store=verifier_pb2.StateStoreStatus(**store),
+                                       drafter=verifier_pb2.DrafterStatus(**drafter))
+
+    async def Generate(self, request, context):
+        engine = self.replica.engine
         try:
-            async for batch in request_iterator:
-                try:
-                    ctx = extract_context(batch.trace_context.items()) if batch.trace_context else parent
-                    with span("rpc.server.verify", parent_context=ctx, batch_id=int(batch.batch_id),
-                              prefill=len(batch.prefill), verify=len(batch.verify)):
-                        result = await asyncio.to_thread(self._run, stream, batch)
-                except InvalidRequestError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except CacheFullError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                yield result
+            if not request.request_id:
+                raise InvalidRequestError("request_id is required")
+            req = engine.make_request(prompt_ids=list(request.prompt_ids), params=params_from_pb(request.params),
+                                      request_id=request.request_id, logprobs=request.logprobs)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        with span("generate", parent_context=extract_context(context.invocation_metadata()),
+                  request_id=req.request_id, prompt_tokens=len(req.prompt_ids)):
+            self.replica.submit(req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), request.category)
+        settled = False
+        last: RequestOutput | None = None
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Delta):
+                    if event.output.finished:  # sent with the completion that follows it
+                        last = event.output
+                    elif event.output.new_token_ids or event.output.text_delta:
+                        yield event_pb(event.output)
+                elif isinstance(event, Done):
+                    settled = True
+                    yield event_pb(last or RequestOutput(req.request_id, [], "", True, event.completion.finish_reason),
+                                   event.completion)
+                    return
+                elif isinstance(event, Failed):
+                    settled = True
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid else grpc.StatusCode.INTERNAL,
+                                        event.message)
         finally:
-            await asyncio.to_thread(self._release_all, stream)
-
-    # ------------------------------------------------------------------ blocking part (worker thread)
-
-    def _release_all(self, stream: _Stream) -> None:
-        with self._lock:
-            for slot, _ in stream.seqs.values():
-                self.target.free(slot)
-            stream.seqs.clear()
-
-    def _run(self, stream: _Stream, batch) -> verifier_pb2.VerifyResult:
-        vocab = self.target.info.vocab_size
-        with self._lock:
-            for sid in batch.release:
-                if sid in stream.seqs:
-                    self.target.free(stream.seqs.pop(sid)[0])
-            prefill: list[PrefillItem] = []
-            # fewer free slots than the prefills need (another router holds them): refuse them all,
-            # allocating nothing, and keep the stream (its running sequences) going
-            refused = len(batch.prefill) > self.target.num_free()
-            for p in [] if refused else batch.prefill:
-                if p.seq_id in stream.seqs:
-                    raise InvalidRequestError(f"sequence {p.seq_id} is already running")
-                ids = list(p.prompt_ids)
-                if not ids or min(ids) < 0 or max(ids) >= vocab:
-                    raise InvalidRequestError(f"sequence {p.seq_id}: prompt ids must be non-empty and in [0, {vocab})")
-                params = params_from_pb(p.params)
-                slot = self.target.allocate()
-                stream.seqs[p.seq_id] = (slot, params)
-                prefill.append(PrefillItem(slot, ids, params, p.return_logprobs))
-            verify: list[VerifyItem] = []
-            for v in batch.verify:
-                if v.seq_id not in stream.seqs:
-                    raise InvalidRequestError(f"sequence {v.seq_id} is not running on this stream")
-                slot, params = stream.seqs[v.seq_id]
-                drafts = list(v.draft_tokens)
-                if any(t < 0 or t >= vocab for t in drafts) or not 0 <= v.last_token < vocab:
-                    raise InvalidRequestError(f"sequence {v.seq_id}: token ids must be in [0, {vocab})")
-                probs = None
-                if v.draft_probs:
-                    if len(v.draft_probs) != len(drafts):
-                        raise InvalidRequestError(f"sequence {v.seq_id}: one q row per draft token")
-                    probs = sparse_to_probs(v.draft_probs, vocab).to(self.target.runner.device)
-                parents = list(v.parents) if v.is_tree else None
-                if parents is not None and (len(parents) != len(drafts)
-                                            or any(not -1 <= q < i for i, q in enumerate(parents))):
-                    raise InvalidRequestError(f"sequence {v.seq_id}: bad token-tree parents")
-                prop = DraftProposal(drafts, probs, torch.zeros(len(drafts), NUM_FEATURES), None, parents)
-                verify.append(VerifyItem(slot, int(v.last_token), prop, params, v.return_logprobs))
-            try:
-                pre = self.target.prefill(prefill) if prefill else []
-            except CacheFullError:
-                for p in batch.prefill:  # the prompt does not fit: undo this batch's admissions
-                    if p.seq_id in stream.seqs:
-                        self.target.free(stream.seqs.pop(p.seq_id)[0])
-                raise
-            ver = self.target.verify(verify) if verify else []
-        return verifier_pb2.VerifyResult(
-            batch_id=batch.batch_id, prefill_refused=refused,
-            prefill=[_result_pb(p.seq_id, r) for p, r in zip(batch.prefill, pre)],
-            verify=[_result_pb(v.seq_id, r) for v, r in zip(batch.verify, ver)])
+            if not settled:  # cancelled by the caller (or the server stopping): free the slot
+                self.replica.abort(req.request_id)
 
 
-def _result_pb(seq_id: int, r: TargetResult) -> verifier_pb2.SequenceResult:
-    return verifier_pb2.SequenceResult(seq_id=seq_id, tokens=r.tokens, num_accepted=r.num_accepted,
-                                       logprobs=r.logprobs or [],
-                                       extras=[tensor_to_pb(k, t) for k, t in r.extras.items()])
-
-
-async def serve(target: LocalTarget, eos_token_ids: list[int], port: int = 0, host: str = "127.0.0.1",
-                key: str | None = None, cost: dict[int, dict[int, float]] | None = None,
+async def serve(replica: ReplicaEngine, eos_token_ids: list[int], port: int = 0, host: str = "127.0.0.1",
+                key: str | None = None, cost: dict[int, dict[int, float]] | None = None, speculation: str = "",
                 ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None) -> None:
-    """Run the verifier server until ``stop`` is set (forever without one).
+    """Run the verifier replica's server until ``stop`` is set (forever without one).
 
     Args:
         ready: resolved with the bound address once serving.
     """
     server = GrpcServer(port, host, key)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(VerifierServicer(target, eos_token_ids, cost), server.server)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(
+        VerifierServicer(replica, eos_token_ids, cost, speculation), server.server)
     await server.serve_until([SERVICE_NAME], ready, stop)

@@ -213,33 +213,30 @@ def check_mode(mode: str) -> None:
                           "importable here")
 
 
-DISTRIBUTED_DRAFTERS = {"target": "none", "ngram": "ngram", "draft-model": "draft-model"}
+DISTRIBUTED_CONFIGS = ("target", "ngram", "draft-model", "specformer", "context-aware")
 
 
 def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None:
     """Fail before any run for a configuration the service stack cannot run.
 
     Raises:
-        ConfigError: SpecFormer (its drafts come out of the verifier's own forward, not from a
-            drafter service), or context-aware over a drafter without a service.
+        ConfigError: a configuration other than ``DISTRIBUTED_CONFIGS`` (the ablations, the
+            *-host round paths and Hugging Face's generate compare variants in one process).
     """
     for c in configs:
-        if c.is_reference or c.name in DISTRIBUTED_DRAFTERS:
+        if c.is_reference or c.name in DISTRIBUTED_CONFIGS:
             continue
-        if c.name == "context-aware" and options.ca_drafter in DISTRIBUTED_DRAFTERS:
-            continue
-        raise ConfigError(f"--mode distributed cannot run {c.name!r}: the service stack has drafter services for "
-                          f"ngram and draft-model only (SpecFormer drafts inside the verifier's forward; the *-host "
-                          f"configurations compare round paths in one process)")
+        raise ConfigError(f"--mode distributed runs {', '.join(DISTRIBUTED_CONFIGS)}, not {c.name!r} (the ablations, "
+                          f"the *-host round paths and hf-* compare variants in one process)")
 
 
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
                     desc: str, progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
-    speculation): ``tandem serve`` verifier, drafter and router as separate processes on loopback
-    gRPC (``services.launch``), ``batch_size`` requests in flight through ``Router.Generate``; a
-    warm-up pass (``warmup_share``), then the timed pass.
+    speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
+    service as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
+    in flight through ``Router.Generate``; a warm-up pass (``warmup_share``), then the timed pass.
 
     Returns:
         Completions (record order; TTFT / TPOT measured by the client, network included) and the
@@ -253,10 +250,9 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     from services.router.client import generate_all
 
     check_distributed([config], options)
-    # the router learns acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
+    # replicas learn acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
     stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
-                                            max_seq_len=runner_config.max_seq_len,
-                                            measure_cost=spec.num_draft_tokens if config.uses_cost_model else 0),
+                                            max_seq_len=runner_config.max_seq_len, measure_cost=config.uses_cost_model),
                         timeout_s=900)
     try:
         for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):

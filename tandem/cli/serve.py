@@ -20,8 +20,9 @@ from .common import console, device_option, fail, model_option
 def serve() -> None:
     """Run one Tandem service (drafter, verifier, router) as a standalone process.
 
-    Start order: verifier(s), then drafter, then the router (it asks the verifiers for their model
-    at start-up). Services log at INFO (a "serving on" line when ready); -v adds engine events.
+    Start order: a drafter service if any, then the verifier replica(s), then the router (it asks
+    the replicas for their model at start-up). Services log at INFO (a "serving on" line when
+    ready); -v adds engine events.
     """
     for name in ("services", "tandem"):
         logger = logging.getLogger(name)
@@ -41,14 +42,43 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
 @host_option
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="KV cache slots (default per device).")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
-@click.option("--measure-cost", "measure_cost_k", type=click.IntRange(min=0, max=16), default=0, show_default=True,
-              help="Measure the verifier cost model T(b, q) for q up to K+1 at start-up and publish it (0: off).")
+@click.option("--drafter", type=click.Choice(["none", "ngram", "specformer", "draft-model"]), default="ngram",
+              show_default=True, help="The drafter, run in this replica (SpecFormer inside the verify pass); with "
+                                      "--drafter-address the drafter service there instead.")
+@click.option("--draft-model", default=None, metavar="PATH|truncate:N",
+              help="Weights for --drafter specformer / draft-model (default with the bundled target: the shipped ones).")
+@click.option("--drafter-address", default=None, metavar="HOST:PORT",
+              help="A drafter service (tandem serve drafter) to draft with, e.g. a draft model on a cheaper GPU.")
+@click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
+@click.option("--policy", type=click.Choice(["fixed", "entropy", "predictor"]), default="fixed", show_default=True,
+              help="Draft lengths: fixed k, or adaptive (threshold controller) over exp(-entropy) or the learned "
+                   "predictor.")
+@click.option("--predictor", default=None, metavar="PATH|auto", help="Predictor for --policy predictor.")
+@click.option("--measure-cost/--no-measure-cost", default=False, show_default=True,
+              help="Adaptive policies allocate draft tokens across the batch under the verifier cost model T(b, q), "
+                   "timed at start-up.")
+@click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",
+              help="State store for the threshold, acceptance counters and verification logs (env "
+                   "TANDEM_REDIS_URL); in-memory when unset.")
+@click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True,
+              help="Seconds to wait for one round from the drafter service before decoding target-only.")
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="Ask the drafter service for the next round while the target verifies this one.")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
+              help="Serve this replica's Prometheus metrics on http://HOST:PORT/metrics.")
 @key_option
-def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, measure_cost_k, api_key) -> None:
-    """The target model: tandem.v1.Verifier (prefill, verify, KV rollback) over gRPC."""
+def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
+                   num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
+                   metrics_port, api_key) -> None:
+    """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
+    drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
 
-    run_verifier(model, device, port, host, max_batch_size, max_seq_len, measure_cost_k, api_key)
+    spec = SpeculativeConfig("none" if drafter_address else drafter, draft_model=None if drafter_address else draft_model,
+                             num_draft_tokens=num_draft_tokens, policy=policy, predictor=predictor)
+    run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
+                 drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
+                 metrics_port=metrics_port, key=api_key)
 
 
 @serve.command("drafter")
@@ -76,39 +106,28 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 
 @serve.command("router")
 @click.option("--verifier", "verifiers", multiple=True, required=True, metavar="HOST:PORT",
-              help="A verifier replica (repeatable: one engine per replica).")
-@click.option("--drafter", default=None, metavar="HOST:PORT", help="Drafter service (none: target-only decoding).")
+              help="A verifier replica (repeatable); each request goes to the least loaded healthy one.")
 @model_option
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the verifier's model file name).")
 @click.option("--port", "http_port", type=click.IntRange(min=1, max=65535), required=True, help="HTTP port.")
 @click.option("--grpc-port", type=click.IntRange(min=1, max=65535), default=None, help="gRPC Router.Generate port.")
 @host_option
-@click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
-@click.option("--policy", type=click.Choice(["fixed", "entropy", "predictor"]), default="fixed", show_default=True,
-              help="Draft lengths: fixed k, or adaptive (threshold controller + verifier cost model) over exp(-entropy) "
-                   "or the learned predictor.")
-@click.option("--predictor", default=None, metavar="PATH", help="Predictor for --policy predictor.")
-@click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",
-              help="Shared state store (env TANDEM_REDIS_URL); in-memory when unset.")
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True,
-              help="Seconds to wait for one round of drafts before decoding target-only.")
-@click.option("--verifier-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True,
-              help="Seconds to wait for one verify batch before failing its requests (a hung verifier replica): "
-                   "allow a cold replica's first batches, which capture CUDA graphs.")
-@click.option("--overlap/--no-overlap", default=True, show_default=True,
-              help="Draft the next round while the verifier checks this one (used where the guess holds).")
+@click.option("--verifier-timeout", type=click.FloatRange(min=0.2), default=10.0, show_default=True,
+              help="Seconds a verifier replica may leave keepalive pings unanswered before it counts as hung: its "
+                   "requests resume on another replica.")
+@click.option("--failover-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds a request whose replicas all failed waits for one to come back before it fails.")
 @key_option
-def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, host, num_draft_tokens, policy,
-                 predictor, redis_url, default_max_tokens, drafter_timeout, verifier_timeout, overlap, api_key) -> None:
-    """The router: OpenAI-compatible HTTP and tandem.v1.Router gRPC over remote drafter and verifiers."""
+def serve_router(verifiers, model, model_name, http_port, grpc_port, host, default_max_tokens, verifier_timeout,
+                 failover_wait, api_key) -> None:
+    """The router: OpenAI-compatible HTTP and tandem.v1.Router gRPC, sending each request to a
+    verifier replica chosen by load (no per-request state survives it)."""
     from services.processes import run_router  # torch
-    from services.router.core import RouterConfig, remote_speculation
+    from services.router.core import RouterConfig
 
-    config = RouterConfig(list(verifiers), drafter, model, model_name,
-                          speculation=remote_speculation(drafter, num_draft_tokens, policy, predictor),
-                          redis_url=redis_url, drafter_timeout_s=drafter_timeout, verifier_timeout_s=verifier_timeout,
-                          overlap=overlap)
+    config = RouterConfig(list(verifiers), model, model_name, verifier_timeout_s=verifier_timeout,
+                          failover_wait_s=failover_wait)
     run_router(config, http_port, grpc_port, host, api_key, default_max_tokens)
 
 
@@ -117,22 +136,24 @@ def serve_router(verifiers, drafter, model, model_name, http_port, grpc_port, ho
               help="JSONL of prompts (default: the bundled Spec-Bench questions).")
 @click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
 @model_option
-@click.option("--drafter", type=click.Choice(["none", "ngram", "draft-model"]), default="ngram", show_default=True)
+@click.option("--drafter", type=click.Choice(["none", "ngram", "specformer", "draft-model"]), default="ngram",
+              show_default=True, help="Runs in the verifier replica; draft-model runs as a drafter service of its own.")
 @click.option("--draft-model", default=None, metavar="PATH|truncate:N")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Requests in flight at once (the router batches them).")
+              help="Requests in flight at once (the verifier replica batches them).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Verifier KV slots.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
-              help="Router drafts the next round while the verifier checks this one.")
+              help="The replica asks the drafter service for the next round while the target verifies this one.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Keep each process's log here (default: a temporary directory, removed on exit).")
 def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max_tokens, temperature, concurrency,
          max_batch_size, max_seq_len, overlap, log_dir) -> None:
-    """Start verifier, drafter and router as separate processes on loopback, send prompts through
+    """Start a verifier replica, the router and (for draft-model) a drafter service as separate
+    processes on loopback, send prompts through
     /v1/chat/completions with the openai client, print tokens, acceptance, latency and one
     answer, stop."""
     records = load_prompts(prompts_file or bundled_spec_bench(), limit)

@@ -34,11 +34,6 @@ class CacheFullError(RuntimeError):
     """A slot would grow past the cache capacity, or no slot is free."""
 
 
-class KVSlotsBusy(CacheFullError):
-    """A remote verifier refused a prefill for want of free KV slots that other clients hold: a
-    passing state (the requests wait and are admitted again), unlike a prompt that cannot fit."""
-
-
 KV_SLACK = 16  # positions past the capacity: the scratch row, and room for the widest fused step's padding
 
 

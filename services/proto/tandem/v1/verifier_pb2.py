@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"y\n\x0fPrefillSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x04 \x01(\x08\"\xb2\x01\n\x0eVerifySequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nlast_token\x18\x02 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12+\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x16.tandem.v1.SparseProbs\x12\x0f\n\x07parents\x18\x05 \x03(\x05\x12\x0f\n\x07is_tree\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\"\xfe\x01\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12+\n\x07prefill\x18\x03 \x03(\x0b\x32\x1a.tandem.v1.PrefillSequence\x12)\n\x06verify\x18\x04 \x03(\x0b\x32\x19.tandem.v1.VerifySequence\x12?\n\rtrace_context\x18\x05 \x03(\x0b\x32(.tandem.v1.VerifyBatch.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"{\n\x0eSequenceResult\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12!\n\x06\x65xtras\x18\x05 \x03(\x0b\x32\x11.tandem.v1.Tensor\"\x90\x01\n\x0cVerifyResult\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12*\n\x07prefill\x18\x02 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\x12)\n\x06verify\x18\x03 \x03(\x0b\x32\x19.tandem.v1.SequenceResult\x12\x17\n\x0fprefill_refused\x18\x04 \x01(\x08\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\x94\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint2\x8a\x01\n\x08Verifier\x12=\n\x06Verify\x12\x16.tandem.v1.VerifyBatch\x1a\x17.tandem.v1.VerifyResult(\x01\x30\x01\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x87\x01\n\x0eReplicaRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x05 \x01(\t\"\x91\x01\n\tSpecStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x13\n\x0bnum_emitted\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x06 \x03(\r\"\xe2\x01\n\x0cReplicaEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x04 \x03(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.tandem.v1.SpecStatsB\r\n\x0bstop_reason\"\r\n\x0bLoadRequest\"\xbc\x01\n\nLoadReport\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x30\n\x0bstate_store\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StateStoreStatus\x12)\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x18.tandem.v1.DrafterStatus\"A\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tavailable\x18\x03 \x01(\x08\"G\n\x10StateStoreStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x16\n\x0epending_writes\x18\x03 \x01(\x04\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\xa9\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xc4\x01\n\x08Verifier\x12@\n\x08Generate\x12\x19.tandem.v1.ReplicaRequest\x1a\x17.tandem.v1.ReplicaEvent0\x01\x12\x35\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.LoadReport\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFYBATCH_TRACECONTEXTENTRY']._loaded_options = None
-  _globals['_VERIFYBATCH_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_PREFILLSEQUENCE']._serialized_start=63
-  _globals['_PREFILLSEQUENCE']._serialized_end=184
-  _globals['_VERIFYSEQUENCE']._serialized_start=187
-  _globals['_VERIFYSEQUENCE']._serialized_end=365
-  _globals['_VERIFYBATCH']._serialized_start=368
-  _globals['_VERIFYBATCH']._serialized_end=622
-  _globals['_VERIFYBATCH_TRACECONTEXTENTRY']._serialized_start=571
-  _globals['_VERIFYBATCH_TRACECONTEXTENTRY']._serialized_end=622
-  _globals['_SEQUENCERESULT']._serialized_start=624
-  _globals['_SEQUENCERESULT']._serialized_end=747
-  _globals['_VERIFYRESULT']._serialized_start=750
-  _globals['_VERIFYRESULT']._serialized_end=894
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=896
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=917
-  _globals['_COSTPOINT']._serialized_start=919
-  _globals['_COSTPOINT']._serialized_end=991
-  _globals['_VERIFIERINFO']._serialized_start=994
-  _globals['_VERIFIERINFO']._serialized_end=1142
-  _globals['_VERIFIER']._serialized_start=1145
-  _globals['_VERIFIER']._serialized_end=1283
+  _globals['_REPLICAREQUEST']._serialized_start=64
+  _globals['_REPLICAREQUEST']._serialized_end=199
+  _globals['_SPECSTATS']._serialized_start=202
+  _globals['_SPECSTATS']._serialized_end=347
+  _globals['_REPLICAEVENT']._serialized_start=350
+  _globals['_REPLICAEVENT']._serialized_end=576
+  _globals['_LOADREQUEST']._serialized_start=578
+  _globals['_LOADREQUEST']._serialized_end=591
+  _globals['_LOADREPORT']._serialized_start=594
+  _globals['_LOADREPORT']._serialized_end=782
+  _globals['_DRAFTERSTATUS']._serialized_start=784
+  _globals['_DRAFTERSTATUS']._serialized_end=849
+  _globals['_STATESTORESTATUS']._serialized_start=851
+  _globals['_STATESTORESTATUS']._serialized_end=922
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=924
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=945
+  _globals['_COSTPOINT']._serialized_start=947
+  _globals['_COSTPOINT']._serialized_end=1019
+  _globals['_VERIFIERINFO']._serialized_start=1022
+  _globals['_VERIFIERINFO']._serialized_end=1191
+  _globals['_VERIFIER']._serialized_start=1194
+  _globals['_VERIFIER']._serialized_end=1390
 # @@protoc_insertion_point(module_scope)

@@ -7,82 +7,97 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class PrefillSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_ids", "params", "return_logprobs")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+class ReplicaRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    return_logprobs: bool
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    logprobs: bool
+    category: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ...) -> None: ...
 
-class VerifySequence(_message.Message):
-    __slots__ = ("seq_id", "last_token", "draft_tokens", "draft_probs", "parents", "is_tree", "return_logprobs")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
-    IS_TREE_FIELD_NUMBER: _ClassVar[int]
-    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    last_token: int
-    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseProbs]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    is_tree: bool
-    return_logprobs: bool
-    def __init__(self, seq_id: _Optional[int] = ..., last_token: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[_common_pb2.SparseProbs, _Mapping]]] = ..., parents: _Optional[_Iterable[int]] = ..., is_tree: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
-
-class VerifyBatch(_message.Message):
-    __slots__ = ("batch_id", "release", "prefill", "verify", "trace_context")
-    class TraceContextEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    release: _containers.RepeatedScalarFieldContainer[int]
-    prefill: _containers.RepeatedCompositeFieldContainer[PrefillSequence]
-    verify: _containers.RepeatedCompositeFieldContainer[VerifySequence]
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, batch_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[PrefillSequence, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[VerifySequence, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
-
-class SequenceResult(_message.Message):
-    __slots__ = ("seq_id", "tokens", "num_accepted", "logprobs", "extras")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+class SpecStats(_message.Message):
+    __slots__ = ("num_steps", "num_emitted", "num_drafted", "num_accepted", "drafted_per_pos", "accepted_per_pos")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    EXTRAS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    tokens: _containers.RepeatedScalarFieldContainer[int]
+    DRAFTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    num_emitted: int
+    num_drafted: int
     num_accepted: int
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    extras: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., extras: _Optional[_Iterable[_Union[_common_pb2.Tensor, _Mapping]]] = ...) -> None: ...
+    drafted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_steps: _Optional[int] = ..., num_emitted: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class VerifyResult(_message.Message):
-    __slots__ = ("batch_id", "prefill", "verify", "prefill_refused")
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_REFUSED_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    prefill: _containers.RepeatedCompositeFieldContainer[SequenceResult]
-    verify: _containers.RepeatedCompositeFieldContainer[SequenceResult]
-    prefill_refused: bool
-    def __init__(self, batch_id: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., verify: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., prefill_refused: _Optional[bool] = ...) -> None: ...
+class ReplicaEvent(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_texts: _containers.RepeatedScalarFieldContainer[str]
+    finished: bool
+    finish_reason: str
+    stop_string: str
+    stop_token_id: int
+    spec: SpecStats
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_STORE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    running: int
+    waiting: int
+    queued_prompt_tokens: int
+    state_store: StateStoreStatus
+    drafter: DrafterStatus
+    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ...) -> None: ...
+
+class DrafterStatus(_message.Message):
+    __slots__ = ("name", "address", "available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    available: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., available: _Optional[bool] = ...) -> None: ...
+
+class StateStoreStatus(_message.Message):
+    __slots__ = ("backend", "up", "pending_writes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    up: bool
+    pending_writes: int
+    def __init__(self, backend: _Optional[str] = ..., up: _Optional[bool] = ..., pending_writes: _Optional[int] = ...) -> None: ...
 
 class VerifierInfoRequest(_message.Message):
     __slots__ = ()
@@ -99,17 +114,19 @@ class CostPoint(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., tokens_per_sequence: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "num_slots", "max_seq_len", "eos_token_ids", "cost")
+    __slots__ = ("model", "vocab_size", "num_slots", "max_seq_len", "eos_token_ids", "cost", "speculation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     num_slots: int
     max_seq_len: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cost: _containers.RepeatedCompositeFieldContainer[CostPoint]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+    speculation: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., cost: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., speculation: _Optional[str] = ...) -> None: ...

@@ -34,10 +34,15 @@ class VerifierStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Verify = channel.stream_stream(
-                '/tandem.v1.Verifier/Verify',
-                request_serializer=tandem_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_verifier__pb2.VerifyResult.FromString,
+        self.Generate = channel.unary_stream(
+                '/tandem.v1.Verifier/Generate',
+                request_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/tandem.v1.Verifier/Load',
+                request_serializer=tandem_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_verifier__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/tandem.v1.Verifier/Info',
@@ -49,9 +54,18 @@ class VerifierStub:
 class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Verify(self, request_iterator, context):
-        """One stream per router engine; sequences (and their KV slots) belong to the stream and are
-        freed when it closes. Every VerifyBatch gets exactly one VerifyResult back, in order.
+    def Generate(self, request, context):
+        """One call per request. The replica queues it for a KV slot, decodes it speculatively and
+        streams its accepted tokens; the last message has finished = true and the request's
+        speculative-decoding counters. Cancelling the call aborts the request and frees its slot:
+        slots are owned by the replica, so a router that dies cannot leak them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """What the replica holds now, for routers to balance on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,10 +80,15 @@ class VerifierServicer:
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Verify': grpc.stream_stream_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=tandem_dot_v1_dot_verifier__pb2.VerifyBatch.FromString,
-                    response_serializer=tandem_dot_v1_dot_verifier__pb2.VerifyResult.SerializeToString,
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=tandem_dot_v1_dot_verifier__pb2.LoadRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_verifier__pb2.LoadReport.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -88,7 +107,7 @@ class Verifier:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Verify(request_iterator,
+    def Generate(request,
             target,
             options=(),
             channel_credentials=None,
@@ -98,12 +117,39 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_stream(
+            request,
             target,
-            '/tandem.v1.Verifier/Verify',
-            tandem_dot_v1_dot_verifier__pb2.VerifyBatch.SerializeToString,
-            tandem_dot_v1_dot_verifier__pb2.VerifyResult.FromString,
+            '/tandem.v1.Verifier/Generate',
+            tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.SerializeToString,
+            tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Verifier/Load',
+            tandem_dot_v1_dot_verifier__pb2.LoadRequest.SerializeToString,
+            tandem_dot_v1_dot_verifier__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,

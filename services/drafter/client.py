@@ -1,17 +1,14 @@
-"""The router's clients of the drafter and verifier services, behind the core's interfaces:
-``RemoteTarget`` is a ``tandem.target.Target`` and ``RemoteDrafter`` a ``tandem.drafters.Drafter``,
-so ``tandem.engine.Engine`` schedules them exactly as it schedules local parts.
+"""The verifier replica's client of a drafter service: ``RemoteDrafter`` is a
+``tandem.drafters.Drafter``, so ``tandem.engine.Engine`` schedules it exactly as it schedules a
+local drafter.
 
-Both keep one bidirectional stream open (blocking gRPC; the engine runs in its own thread) and
-send one message per round, waiting for its answer with a timeout.
+It keeps one bidirectional stream open (blocking gRPC; the engine runs in its own thread) and
+sends one message per round, waiting for its answer with a timeout; the next round's drafts are
+requested while the target verifies this one (``prefetch``).
 
-Faults:
-- a drafter that fails or times out is marked down: the engine gets empty proposals
-  (target-only decoding, identical output under greedy) and the client reconnects with backoff;
-  a new stream starts from full sequences, since the drafter's state belonged to the old one.
-- a verifier that fails raises ``TargetUnavailable``: the sequences on that stream are lost
-  (their KV cache was there), so the router fails those requests with a clear error; the next
-  call opens a new stream.
+Faults: a drafter that fails or times out is marked down: the engine gets empty proposals
+(target-only decoding, identical output under greedy) and the client reconnects with backoff; a
+new stream starts from full sequences, since the drafter's state belonged to the old one.
 """
 
 from __future__ import annotations
@@ -25,12 +22,9 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.common import CLIENT_OPTIONS, auth_metadata, probe_health, params_to_pb, probs_to_sparse, sparse_to_probs, tensor_from_pb
-from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tandem.control import CostModel
+from services.common import CLIENT_OPTIONS, auth_metadata, params_to_pb, probe_health, sparse_to_probs
+from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, common_prefix
-from tandem.models.kv_cache import CacheFullError, KVSlotsBusy, SlotPool
-from tandem.target import PrefillItem, Target, TargetInfo, TargetResult, TargetUnavailable, VerifyItem
 from tandem.telemetry import inject_metadata, span
 
 log = logging.getLogger(__name__)
@@ -90,111 +84,6 @@ def _rpc_error_text(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc) or type(exc).__name__
-
-
-class RemoteTarget(Target):
-    """``tandem.v1.Verifier`` client as a ``Target``.
-
-    Args:
-        address: ``host:port`` of a verifier.
-        key: bearer token (None: no auth).
-        timeout_s: longest wait for one verify batch (s).
-        connect_timeout_s: longest wait for the verifier to answer ``Info`` at construction (s).
-
-    Raises:
-        TargetUnavailable: the verifier does not answer ``Info`` in time.
-    """
-
-    def __init__(self, address: str, key: str | None = None, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 30.0) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self._metadata = auth_metadata(key)
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
-        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
-        try:
-            info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=connect_timeout_s,
-                                   metadata=self._metadata, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise TargetUnavailable(f"verifier {address} did not answer: {_rpc_error_text(exc)}") from None
-        self._info = TargetInfo(info.model, info.vocab_size, info.num_slots, info.max_seq_len, "cpu")
-        self.probe = lambda timeout_s=1.0: probe_health(self._channel, self._metadata, timeout_s)
-        self.eos_token_ids = list(info.eos_token_ids)
-        table: dict[int, dict[int, float]] = {}
-        for c in info.cost:
-            table.setdefault(c.batch_size, {})[c.tokens_per_sequence] = c.ms
-        self.cost = CostModel(table) if table else None
-        self._slots = SlotPool(info.num_slots, "verifier slot")
-        self._released: list[int] = []
-        self._stream: BidiStream | None = None
-        self._batches = 0
-
-    def _slot_pool(self) -> SlotPool:
-        return self._slots
-
-    def free(self, slot: int) -> None:
-        super().free(slot)
-        if self._stream is not None:
-            self._released.append(slot)  # sent with the next batch
-
-    def _send(self, batch: verifier_pb2.VerifyBatch) -> verifier_pb2.VerifyResult:
-        if self._stream is None:
-            self._released.clear()  # the verifier dropped everything of the old stream
-            batch.ClearField("release")
-            self._stream = BidiStream(self._stub.Verify, inject_metadata(self._metadata))
-        self._batches += 1
-        batch.batch_id = self._batches
-        try:
-            with span("rpc.client.verify", address=self.address, prefill=len(batch.prefill), verify=len(batch.verify)):
-                batch.trace_context.update(dict(inject_metadata()))  # parent of this batch's server span
-                result = self._stream.call(batch, self.timeout_s)
-        except (grpc.RpcError, TimeoutError, EOFError) as exc:
-            self._stream.close()
-            self._stream = None
-            code = exc.code() if isinstance(exc, grpc.RpcError) else None
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise CacheFullError(f"verifier {self.address}: {exc.details()}") from None
-            raise TargetUnavailable(f"verifier {self.address} failed: {_rpc_error_text(exc)}") from None
-        if result.batch_id != batch.batch_id:
-            self._stream.close()
-            self._stream = None
-            raise TargetUnavailable(f"verifier {self.address} answered batch {result.batch_id}, expected {batch.batch_id}")
-        return result
-
-    def _take_released(self) -> list[int]:
-        out, self._released = self._released, []
-        return out
-
-    def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
-        batch = verifier_pb2.VerifyBatch(release=self._take_released(), prefill=[
-            verifier_pb2.PrefillSequence(seq_id=it.slot, prompt_ids=it.prompt_ids, params=params_to_pb(it.params),
-                                         return_logprobs=it.return_logprobs) for it in items])
-        result = self._send(batch)
-        if result.prefill_refused:
-            raise KVSlotsBusy(f"verifier {self.address}: no free KV slot for {len(items)} prompt(s) now "
-                              "(other routers hold them); they wait")
-        return [_result(r) for r in result.prefill]
-
-    def verify(self, items: list[VerifyItem]) -> list[TargetResult]:
-        seqs = []
-        for it in items:
-            p = it.proposal
-            seqs.append(verifier_pb2.VerifySequence(
-                seq_id=it.slot, last_token=it.last_token, draft_tokens=p.tokens,
-                draft_probs=probs_to_sparse(p.probs) if p.probs is not None else [],
-                parents=p.parents or [], is_tree=p.parents is not None, return_logprobs=it.return_logprobs))
-        return [_result(r) for r in self._send(verifier_pb2.VerifyBatch(release=self._take_released(), verify=seqs)).verify]
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        self._channel.close()
-
-
-def _result(r: verifier_pb2.SequenceResult) -> TargetResult:
-    return TargetResult(list(r.tokens), int(r.num_accepted), list(r.logprobs) or None,
-                        {t.name: tensor_from_pb(t) for t in r.extras})
 
 
 class RemoteDrafter(Drafter):
