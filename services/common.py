@@ -45,7 +45,7 @@ def keepalive_options(deadline_s: float) -> list[tuple[str, int]]:
     answering HTTP/2 pings for about ``deadline_s`` (a hung or stopped process): a ping every
     ``deadline_s / 2``, each allowed ``deadline_s / 2`` for its answer (gRPC keepalive)."""
     half = max(100, int(deadline_s * 500))
-    return [("grpc.keepalive_time_ms", half), ("grpc.keepalive_timeout_ms", half),
+    return [("grpc.keepalive_time_ms", half), ("grpc.keepalive_timeout_ms", half), ("grpc.http2.ping_timeout_ms", half),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 

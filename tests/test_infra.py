@@ -33,18 +33,36 @@ def load(path: Path):
     return yaml.safe_load(path.read_text())
 
 
-def serve_app() -> dict:
-    [app] = load(SERVE_CONFIG)["applications"]
+def serve_app(config: dict | None = None) -> dict:
+    [app] = (config or load(SERVE_CONFIG))["applications"]
     return app
 
 
-def deployments() -> dict[str, dict]:
-    return {d["name"]: d for d in serve_app()["deployments"]}
+def deployments(config: dict | None = None) -> dict[str, dict]:
+    return {d["name"]: d for d in serve_app(config)["deployments"]}
 
 
 def role_of(deployment_name: str) -> str:
     """``DrafterDeployment`` -> ``drafter``."""
     return deployment_name.removesuffix("Deployment").lower()
+
+
+DRAFTER_ENTRY = "# - name: DrafterDeployment"
+
+
+def with_drafter_service(text: str) -> dict:
+    """The Serve config ``text`` as its notes say to run a draft-model drafter service: its
+    commented ``DrafterDeployment`` entry uncommented and ``drafter: draft-model``."""
+    lines = text.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(DRAFTER_ENTRY))
+    indent = " " * (len(lines[start]) - len(lines[start].lstrip()))
+    end = start
+    while end < len(lines) and lines[end].startswith(indent + "#"):
+        lines[end] = indent + lines[end][len(indent) + 2:]  # drop "# "
+        end += 1
+    config = yaml.safe_load("".join(lines))
+    serve_app(config)["args"]["drafter"] = "draft-model"
+    return config
 
 
 # ----------------------------------------------------------------------------- Ray Serve
@@ -54,17 +72,28 @@ def test_serve_config_application_and_deployments():
     app = serve_app()
     assert app["import_path"] == "services.router.deployment:build_app"
     assert {"model", "drafter", "num_draft_tokens"} <= set(app["args"])
+    # The default drafter runs inside the verifier replicas: no drafter deployment, no GPU for one.
+    assert app["args"]["drafter"] in ("none", "ngram", "specformer") and not app["args"].get("drafter_service")
     deps = deployments()
-    assert sorted(role_of(n) for n in deps) == sorted(ROLES)
+    assert set(deps) == {"VerifierDeployment", "RouterDeployment"}
     for d in deps.values():
         assert "num_replicas" in d or "autoscaling_config" in d
-    drafter = deps["DrafterDeployment"]["ray_actor_options"]
-    verifier = deps["VerifierDeployment"]["ray_actor_options"]
+    verifier = deps["VerifierDeployment"]
     router = deps["RouterDeployment"]["ray_actor_options"]
-    assert 0 < drafter["num_gpus"] < 1 and drafter["accelerator_type"] != verifier["accelerator_type"]
-    assert verifier["num_gpus"] == 1 and verifier["accelerator_type"] == "A100"
+    assert verifier["ray_actor_options"]["num_gpus"] == 1 and verifier["ray_actor_options"]["accelerator_type"] == "A100"
+    assert app["args"]["verifier_replicas"] == verifier["num_replicas"]  # the router waits for all of them
     assert router.get("num_gpus", 0) == 0 and "accelerator_type" not in router
-    assert "CPU-only" in SERVE_CONFIG.read_text()  # the fallback is documented in the file
+    text = SERVE_CONFIG.read_text()
+    assert "CPU-only" in text  # the fallback is documented in the file
+    # The drafter service's entry, commented, is what `drafter: draft-model` needs: a fraction of a
+    # cheaper GPU than the verifier's.
+    assert "Deployment 'DrafterDeployment' does not exist" in text  # why the entry stays commented
+    with_service = with_drafter_service(text)
+    drafter = deployments(with_service)["DrafterDeployment"]
+    assert "num_replicas" in drafter or "autoscaling_config" in drafter
+    opts = drafter["ray_actor_options"]
+    assert 0 < opts["num_gpus"] < 1 and opts["accelerator_type"] not in ("A100", None)
+    assert {n: d for n, d in deployments(with_service).items() if n != "DrafterDeployment"} == deps
 
 
 def test_serve_config_passes_rays_own_schema():
@@ -72,12 +101,13 @@ def test_serve_config_passes_rays_own_schema():
     from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(load(SERVE_CONFIG))
-    assert [a.import_path for a in schema.applications] == [serve_app()["import_path"]]
-    for d in deployments().values():
-        if "autoscaling_config" in d:
-            cfg = AutoscalingConfig(**d["autoscaling_config"])
-            assert cfg.min_replicas <= cfg.max_replicas
+    for config in (load(SERVE_CONFIG), with_drafter_service(SERVE_CONFIG.read_text())):
+        schema = ServeDeploySchema.model_validate(config)
+        assert [a.import_path for a in schema.applications] == [serve_app()["import_path"]]
+        for d in deployments(config).values():
+            if "autoscaling_config" in d:
+                cfg = AutoscalingConfig(**d["autoscaling_config"])
+                assert cfg.min_replicas <= cfg.max_replicas
 
 
 # ----------------------------------------------------------------------------- KubeRay
@@ -92,8 +122,10 @@ def test_rayservice_embeds_the_serve_config_and_has_gpu_groups_for_it():
     containers = [c for spec in [cluster["headGroupSpec"], *groups] for c in spec["template"]["spec"]["containers"]]
     for c in containers:
         assert TANDEM_ENV <= {e["name"] for e in c["env"]}, c["name"]
-    # Every GPU deployment finds a worker group with its accelerator, and enough GPUs at max scale.
-    for name, d in deployments().items():
+    # Every GPU deployment (the drafter service's too, when enabled) finds a worker group with its
+    # accelerator, and enough GPUs at max scale; a group that only the drafter service uses starts empty.
+    service_only = set()
+    for name, d in deployments(with_drafter_service(SERVE_CONFIG.read_text())).items():
         opts = d["ray_actor_options"]
         if not opts.get("num_gpus"):
             continue
@@ -106,6 +138,12 @@ def test_rayservice_embeds_the_serve_config_and_has_gpu_groups_for_it():
                    for g in matching for c in g["template"]["spec"]["containers"])
         replicas = d.get("num_replicas") or d["autoscaling_config"]["max_replicas"]
         assert replicas * opts["num_gpus"] <= gpus, f"{name}: {replicas} x {opts['num_gpus']} GPU > {gpus}"
+        if name not in deployments():
+            service_only |= {g["groupName"] for g in matching}
+    assert service_only, "the drafter service's GPU group"
+    for g in groups:
+        if g["groupName"] in service_only:
+            assert g["replicas"] == g["minReplicas"] == 0, f"{g['groupName']} holds GPUs nothing uses by default"
 
 
 # ----------------------------------------------------------------------------- OpenTelemetry collector
@@ -153,7 +191,9 @@ def test_compose_services_env_healthchecks_and_wiring():
         assert ports[role] in " ".join(svc["healthcheck"]["test"])  # the check probes the served port
     router = services["router"]["command"]
     assert flag(router, "--verifier") == f"verifier:{ports['verifier']}"
-    assert flag(router, "--drafter") == f"drafter:{ports['drafter']}"
+    assert "--drafter" not in router  # the replicas draft: the router routes whole requests
+    assert flag(services["verifier"]["command"], "--drafter-address") == f"drafter:{ports['drafter']}"
+    assert flag(services["drafter"]["command"], "--drafter") == "draft-model"
     model = flag(router, "--model-name")  # the name the usage examples send
     assert f'"model": "{model}"' in COMPOSE.read_text() and f'"model": "{model}"' in (ROOT / "README.md").read_text()
     assert "16686:16686" in services["jaeger"]["ports"]
@@ -258,10 +298,33 @@ def import_path_target(path: str):
 @needs_services
 def test_every_import_path_names_a_real_attribute():
     assert callable(import_path_target(serve_app()["import_path"]))
-    for name in deployments():
+    for name in deployments(with_drafter_service(SERVE_CONFIG.read_text())):
         target = import_path_target(f"services.{role_of(name)}.deployment:{name}")
         if hasattr(target, "name"):  # a Ray Serve Deployment: its name is what the config refers to
             assert target.name == name
+
+
+def bound_deployments(app) -> set[str]:
+    """Names of the deployments a Serve ``Application`` binds (its ingress and those it is given)."""
+    from ray.serve.deployment import Application
+
+    d = app._bound_deployment
+    names = {d.name}
+    for arg in [*d.init_args, *d.init_kwargs.values()]:
+        if isinstance(arg, Application):
+            names |= bound_deployments(arg)
+    return names
+
+
+@needs_services
+def test_config_entries_are_the_deployments_the_app_binds():
+    """Ray Serve refuses options for a deployment the application does not create, so the entries of
+    the config, as written and with the drafter service enabled, are exactly what ``build_app``
+    binds for its args."""
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed")
+    for config in (load(SERVE_CONFIG), with_drafter_service(SERVE_CONFIG.read_text())):
+        build_app = import_path_target(serve_app(config)["import_path"])
+        assert bound_deployments(build_app(serve_app(config)["args"])) == set(deployments(config))
 
 
 @needs_services

@@ -255,18 +255,19 @@ def test_seeded_sampling_through_router(client, model_id, local_engine, prompts)
 
 def test_n_choices_through_router(client, model_id, local_engine, prompts):
     """``n`` choices: each decodes as a request of its own, choice i seeded with
-    ``choice_seed(seed, i)``: distinct samples, the same ones when the request is repeated and when
-    it is streamed (its choices' deltas interleaved, each naming its index); ``usage`` counts the
-    prompt once and sums the choices' tokens; greedy choices are the target's text n times (chat
-    and completions). (A sampled choice is compared with itself, not with an in-process run of
-    its seed alone: the choices share verify batches, and a forward over 3 rows may round a
-    logit differently from one over 1 row, which can move an inverse-CDF draw to the next token.)"""
+    ``choice_seed(seed, i)``: distinct samples; streamed, its choices' deltas interleave, each
+    naming its index; ``usage`` counts the prompt once and
+    sums the choices' tokens; greedy choices are the target's text n times (chat and
+    completions). (A sampled choice is compared with itself, not with an in-process run of its
+    seed alone, nor across repeats: the choices are separate requests to
+    the replica, they share verify batches as their arrival happens to group them, and a forward
+    over 3 rows may round a logit differently from one over 1 row, which can move an inverse-CDF
+    draw to the next token; the tiny random model's near-flat distributions make that frequent.)"""
     ask = dict(model=model_id, messages=[{"role": "user", "content": prompts[2]}], max_tokens=MAX_TOKENS,
                temperature=0.9, top_p=0.95, seed=11, n=3, logprobs=True)
     r = client.chat.completions.create(**ask)
     texts = [c.message.content for c in r.choices]
     assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) == 3, texts  # independent samples
-    assert [c.message.content for c in client.chat.completions.create(**ask).choices] == texts
     assert r.usage.completion_tokens == sum(len(c.logprobs.content) for c in r.choices)
     solo = local_engine.generate([prompts[2]], SamplingParams(max_tokens=1))[0]
     assert r.usage.prompt_tokens == solo.prompt_tokens
@@ -275,8 +276,8 @@ def test_n_choices_through_router(client, model_id, local_engine, prompts):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
         usage_seen = chunk.usage or usage_seen
-    assert [streamed[i] for i in range(3)] == texts
-    assert usage_seen.completion_tokens == r.usage.completion_tokens
+    assert sorted(streamed) == [0, 1, 2] and len(set(streamed.values())) == 3, streamed
+    assert usage_seen.prompt_tokens == r.usage.prompt_tokens and 3 <= usage_seen.completion_tokens <= 3 * MAX_TOKENS
     greedy = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=8, temperature=0, n=2)
     want = local_engine.generate([prompts[3]], SamplingParams(max_tokens=8), chat=False)[0].text
     assert [c.text for c in greedy.choices] == [want, want] and [c.index for c in greedy.choices] == [0, 1]
@@ -331,13 +332,13 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
 
 
 def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
-    """The router's drafter client drafts the next round while the target verifies (assuming every
+    """A replica's drafter-service client drafts the next round while the target verifies (assuming every
     draft is accepted and guessing the bonus token); where the guess holds, those drafts are used
     without another drafter round trip. Outputs stay the target's own, greedy and sampled."""
     from test_speculative import OracleDrafter
 
     from services.drafter.server import serve as serve_drafter
-    from services.router.remote import RemoteDrafter
+    from services.drafter.client import RemoteDrafter
     from tandem.target import LocalTarget
 
     cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
@@ -511,6 +512,20 @@ def test_bearer_token_required(stack, model_id):
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def held(stack, replica: int = 0) -> int:
+    """Requests a verifier replica holds (running + waiting), as the router last polled it."""
+    v = health(stack)["verifiers"][replica]
+    return (v["running"] or 0) + (v["waiting"] or 0)
+
+
+def wait_held(stack, want: int, timeout_s: float = 10.0, replica: int = 0) -> int:
+    """Poll ``held`` until it is ``want`` (the router polls replicas every 0.5 s); returns the last value."""
+    deadline = time.monotonic() + timeout_s
+    while (n := held(stack, replica)) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
 def first_content(stream) -> None:
     """Read a chat stream up to its first generated text: the request is decoding (the first chunk,
     the assistant role, is sent before the request is even admitted)."""
@@ -521,8 +536,8 @@ def first_content(stream) -> None:
 
 
 def test_client_disconnect_frees_slots(stack, client, model_id, local_engine, prompts):
-    """Closing a stream mid-generation aborts the request: the router's load drops from SLOTS to
-    zero and every KV slot can be used again."""
+    """Closing a stream mid-generation aborts the request on the replica: the requests it holds drop
+    from SLOTS to zero and every KV slot can be used again."""
     streams = []
     for i in range(SLOTS):
         s = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[i]}],
@@ -530,13 +545,10 @@ def test_client_disconnect_frees_slots(stack, client, model_id, local_engine, pr
                                            extra_body={"ignore_eos": True})
         first_content(s)  # the request is running (it runs to the context limit unless aborted)
         streams.append(s)
-    assert health(stack)["verifiers"][0]["load"] == SLOTS  # all of them hold a slot now
+    assert wait_held(stack, SLOTS) == SLOTS  # all of them hold a slot now
     for s in streams:
         s.close()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"]:
-        time.sleep(0.2)
-    assert health(stack)["verifiers"][0]["load"] == 0
+    assert wait_held(stack, 0, 30) == 0
     results = {}  # all slots free again: SLOTS new requests run at once
     threads = [threading.Thread(target=lambda i=i: results.setdefault(i, stream_text(client, model_id, prompts[i], 4)))
                for i in range(SLOTS)]
@@ -564,56 +576,38 @@ def test_n_choices_stop_when_the_client_goes_away(stack, model_id, local_engine,
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     conn.request("POST", "/v1/chat/completions", body=body,
                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"] < SLOTS:
-        time.sleep(0.02)
-    assert health(stack)["verifiers"][0]["load"] == SLOTS  # every choice is running
+    assert wait_held(stack, SLOTS) == SLOTS  # every choice is running
     conn.close()  # the client goes away without reading the response
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and health(stack)["verifiers"][0]["load"]:
-        time.sleep(0.1)
-    assert health(stack)["verifiers"][0]["load"] == 0
+    assert wait_held(stack, 0) == 0
     assert metric_sum(stack, "tandem_request_success_total") == finished  # aborted, not run to their end
 
 
-def test_two_routers_over_one_verifier_queue_for_its_slots(stack, tiny_dir, model_id, local_engine, prompts,
-                                                           tmp_path):
-    """A second router over the same verifier (what router autoscaling makes): while the first
-    router's requests hold every KV slot, the second's request is refused a slot by the verifier
-    and waits in its router's queue (it neither fails nor harms the running ones), then runs once a
-    slot frees; every output is the in-process engine's."""
-    from services.launch import _spawn, free_port, wait_http_healthy
-
-    port = free_port()
-    proc = _spawn("router", ["--port", str(port), "--model", tiny_dir, "--verifier", stack.verifier_addresses[0],
-                              "--drafter", stack.drafter_address], tmp_path / "router2.log", KEY)
+def test_two_routers_over_one_verifier_queue_for_its_slots(stack, model_id, local_engine, prompts):
+    """Two routers over the same verifier replica (what router autoscaling makes), 8 concurrent
+    requests each, 16 in all over its 4 KV slots: the replica queues what does not fit, every
+    request completes with the in-process engine's greedy output, and nothing is left held."""
+    url2 = stack.add_router("router2")
     try:
-        wait_http_healthy(f"http://127.0.0.1:{port}", 120, proc, tmp_path / "router2.log")
-        first = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        second = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
-        long = {i: room(local_engine, prompts[i]) for i in range(SLOTS)}
-        streams = {}
-        for i in range(SLOTS):  # the first router's requests take every slot
-            streams[i] = first.chat.completions.create(
-                model=model_id, messages=[{"role": "user", "content": prompts[i]}], max_tokens=long[i], temperature=0,
-                stream=True, extra_body={"ignore_eos": True})
-            first_content(streams[i])
-        assert health(stack)["verifiers"][0]["load"] == SLOTS
-        result = {}
-        waiter = threading.Thread(target=lambda: result.setdefault("r", second.chat.completions.create(
-            model=model_id, messages=[{"role": "user", "content": prompts[4]}], max_tokens=8, temperature=0)))
-        waiter.start()
-        time.sleep(1.0)
-        assert "r" not in result  # waiting for a slot, not failed
-        texts = {i: "".join(c.choices[0].delta.content or "" for c in s if c.choices) for i, s in streams.items()}
-        waiter.join(timeout=120)
-        assert result["r"].choices[0].message.content == reference(local_engine, prompts[4:5], 8)[0].text
-        assert "no free KV slot" in (tmp_path / "router2.log").read_text()  # it was refused, then queued
-        want = [local_engine.generate([prompts[i]], SamplingParams(max_tokens=long[i], ignore_eos=True))[0].text
-                for i in range(SLOTS)]
-        for i in range(SLOTS):  # the running requests were unharmed (their first delta was read above)
-            assert want[i].endswith(texts[i]) and len(texts[i]) > 0, i
+        want = reference(local_engine, prompts, 8)
+
+        async def main():
+            clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key=KEY, max_retries=0, timeout=120)
+                       for u in (stack.http_url, url2)]
+
+            async def one(c, i: int):
+                r = await c.chat.completions.create(model=model_id, max_tokens=8, temperature=0,
+                                                    messages=[{"role": "user", "content": prompts[i % len(prompts)]}])
+                return i, r
+
+            return await asyncio.gather(*[one(c, i) for c in clients for i in range(8)])
+
+        results = asyncio.run(main())
+        assert len(results) == 16
+        for i, r in results:
+            assert r.choices[0].message.content == want[i % len(prompts)].text, i
+        assert wait_held(stack, 0) == 0
     finally:
+        proc = stack.processes.pop("router2")
         proc.terminate()
         proc.wait(timeout=30)
 
@@ -647,16 +641,18 @@ def test_metrics_and_health(stack, client, model_id, local_engine, prompts):
     assert after["generated"] - before["generated"] == r.usage.completion_tokens
     assert after["prompt"] - before["prompt"] == r.usage.prompt_tokens
     h = health(stack)
-    assert h["status"] == "ok" and h["drafter"]["available"] and h["state_store"]["backend"] == "memory"
+    assert h["status"] == "ok" and h["drafter"] is None and h["state_store"]["backend"] == "memory"  # n-gram: in the replica
+    assert h["verifiers"][0]["speculation"] == "drafter=ngram k=4 policy=fixed" and h["verifiers"][0]["num_slots"] == SLOTS
 
 
 # ----------------------------------------------------------------------------- faults (each on a stack of its own)
 
 
 def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, prompts):
-    """SIGKILL the drafter while requests are speculating (they have streamed several rounds, each
-    with drafts): every request completes with the engine's exact greedy output (target-only once
-    the drafter is gone); a restarted drafter is used again.
+    """SIGKILL the drafter service while requests are speculating (they have streamed several
+    rounds, each with drafts): every request completes with the engine's exact greedy output
+    (target-only once the drafter is gone), /health shows it down, and a restarted drafter is
+    used again.
 
     The drafter is a draft model with the target's own weights: it drafts k tokens in every round
     and greedy verification accepts them all, so the requests are surely speculating when it dies,
@@ -689,11 +685,10 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
         threads = [threading.Thread(target=run, args=(i,)) for i in range(SLOTS)]
         for t in threads:
             t.start()
-        # speculation under way: every stream past its prefill token and two more rounds, and the
-        # router has counted verified drafts (on this fresh stack, only these requests' drafts)
+        # speculation under way: every stream past its prefill token and two more rounds (the draft
+        # model is the target: every round drafts k and has them all accepted)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (min(chunks) >= 3
-                                                   and metric(s, "tandem_spec_decode_num_draft_tokens_total") > 0):
+        while time.monotonic() < deadline and min(chunks) < 3:
             time.sleep(0.02)
         at_kill = list(chunks)
         assert min(at_kill) >= 3 and not results, at_kill  # all still running
@@ -711,10 +706,10 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
             # drafted, and had drafts accepted, before the kill (the drafter stayed dead until every
             # request finished), and not after it: later rounds ran without drafts
             assert 0 < sd["num_accepted_tokens"] <= sd["num_draft_tokens"] < k * sd["num_verify_steps"], (i, sd)
-        assert health(s)["drafter"]["available"] is False
+        assert health(s)["drafter"] == {"address": s.drafter_address, "available": False}  # the replica probes it
         usage = stream_text(client, model_id, prompts[0], 8)[1]  # target-only meanwhile
         assert usage.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
-        s.restart_drafter()
+        s.restart("drafter")
         want = reference(local_engine, prompts[:1], MAX_TOKENS, ignore_eos=True)[0]
         deadline = time.monotonic() + 30
         drafted = 0
@@ -727,65 +722,162 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
         s.stop()
 
 
-def test_health_is_live_and_a_dead_verifier_fails_requests_clearly(tiny_dir, prompts):
-    """/health probes the services itself: a drafter or verifier that dies while no request runs
-    shows at once, and a drafter that comes back shows as available again, still without traffic.
-    A hung verifier (stopped, not dead) fails a request with a 503 after the router's
-    ``--verifier-timeout`` instead of holding it, and serves again once it resumes. Then killing
-    the verifier fails its requests with a clear 503 (a stream is refused up front) and the
-    standard gRPC health service follows. (One stack for all: each stops or kills a process.)"""
-    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
-                                api_key=KEY, verifier_timeout_s=3.0), timeout_s=180)
+class Streams:
+    """Greedy chat streams run in threads, to their full length (ignore_eos): what each received,
+    how many text chunks so far, and the error of those that failed."""
+
+    def __init__(self, client, model_id: str, prompts: list[str], max_tokens: int) -> None:
+        self.texts: dict[int, str] = {}
+        self.errors: dict[int, Exception] = {}
+        self.chunks = [0] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(client, model_id, i, p, max_tokens))
+                        for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client, model_id: str, i: int, prompt: str, max_tokens: int) -> None:
+        parts = []
+        try:
+            for chunk in client.chat.completions.create(
+                    model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                    self.chunks[i] += 1
+            self.texts[i] = "".join(parts)
+        except openai.APIError as exc:
+            self.errors[i] = exc
+
+    def wait_running(self, chunks: int = 3, timeout_s: float = 120) -> None:
+        """Until every stream has received ``chunks`` text chunks (all decoding, none finished)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and min(self.chunks) < chunks:
+            time.sleep(0.02)
+        assert min(self.chunks) >= chunks and not self.texts and not self.errors, self.chunks
+
+    def join(self, timeout_s: float = 180) -> None:
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+
+
+def test_a_dead_or_hung_replica_loses_no_request(tiny_dir, local_engine, prompts):
+    """Two verifier replicas, 2 x SLOTS long greedy streams spread over them. SIGKILL one mid-stream:
+    its requests resume on the other from their accepted prefix, and every stream completes with
+    exactly the no-fault output, no error. Restarted, the replica serves again. SIGSTOP one (hung,
+    not dead) mid-stream: its requests move within the router's keepalive deadline and again
+    complete unchanged. The replicas own their slots: none is left held."""
+    deadline_s = 2.0
+    stack = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                    num_verifiers=2, verifier_timeout_s=deadline_s, grpc_front_door=False),
+                        timeout_s=180)
     try:
-        assert health(s)["drafter"]["available"] is True
-        s.processes["drafter"].send_signal(signal.SIGKILL)
-        s.processes["drafter"].wait()
-        assert health(s)["drafter"]["available"] is False
-        s.restart_drafter()
-        deadline = time.monotonic() + 15  # the router's channel reconnects within its back-off (<= 2 s)
-        while not health(s)["drafter"]["available"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert health(s)["drafter"]["available"] is True
-        client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
-        assert client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
-                                              max_tokens=2, temperature=0).choices[0].message.content  # served
-        s.processes["verifier"].send_signal(signal.SIGSTOP)
+        work = [prompts[i % len(prompts)] for i in range(2 * SLOTS)]
+        n = 64
+        want = [r.text for r in reference(local_engine, work, n, ignore_eos=True)]
+
+        runs = Streams(client, model_id, work, n)
+        runs.wait_running()
+        assert wait_held(stack, SLOTS, replica=0) == SLOTS and wait_held(stack, SLOTS, replica=1) == SLOTS
+        stack.processes["verifier0"].send_signal(signal.SIGKILL)
+        stack.processes["verifier0"].wait()
+        runs.join()
+        assert not runs.errors and [runs.texts[i] for i in range(len(work))] == want
+        assert [v["healthy"] for v in health(stack)["verifiers"]] == [False, True]
+        assert "resuming after" in stack.logs["router"].read_text()
+
+        stack.restart("verifier0")
+        deadline = time.monotonic() + 15
+        while not all(v["healthy"] for v in health(stack)["verifiers"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(v["healthy"] for v in health(stack)["verifiers"])
+
+        runs = Streams(client, model_id, work, n)
+        runs.wait_running()
+        assert wait_held(stack, SLOTS, replica=1) == SLOTS
+        stack.processes["verifier1"].send_signal(signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            with pytest.raises(openai.APIStatusError) as err:
-                client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[1]}],
-                                               max_tokens=8, temperature=0)
-            assert err.value.status_code == 503 and "verifier" in err.value.message
-            assert time.monotonic() - t0 < 20  # the 3 s timeout, not the default 120 s
+            runs.join()
+            moved_s = time.monotonic() - t0
         finally:
-            s.processes["verifier"].send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 20
-        served = None
-        while served is None and time.monotonic() < deadline:
+            stack.processes["verifier1"].send_signal(signal.SIGCONT)
+        assert not runs.errors and [runs.texts[i] for i in range(len(work))] == want
+        assert moved_s < 4 * deadline_s + 20, moved_s  # the keepalive deadline, then the rest of the decode
+        assert wait_held(stack, 0, replica=0) == 0 and wait_held(stack, 0, replica=1) == 0
+    finally:
+        stack.stop()
+
+
+def test_replica_crash_then_router_restart_leaks_no_slot(tiny_dir, local_engine, prompts):
+    """One verifier replica. Killed with SLOTS streams in flight, a request arriving during the
+    outage, then restarted: every request resumes (or starts) there, complete and unchanged.
+    The router killed mid-stream, then restarted: the replica freed the dead router's slots (a
+    later SLOTS-wide batch runs at once). With no replica for ``failover_wait_s`` a request gets
+    a clear 503 (a stream is refused up front) and the router's gRPC health says NOT_SERVING."""
+    stack = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
+                                    api_key=KEY, verifier_timeout_s=2.0, failover_wait_s=20.0), timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        n = 48
+        want = [r.text for r in reference(local_engine, prompts[:SLOTS + 1], n, ignore_eos=True)]
+        runs = Streams(client, model_id, prompts[:SLOTS], n)
+        runs.wait_running()
+        stack.processes["verifier"].send_signal(signal.SIGKILL)
+        stack.processes["verifier"].wait()
+        late = Streams(client, model_id, prompts[SLOTS:SLOTS + 1], n)  # arrives during the outage
+        stack.restart("verifier")
+        runs.join()
+        late.join()
+        assert not runs.errors and not late.errors, (runs.errors, late.errors)
+        assert [runs.texts[i] for i in range(SLOTS)] + [late.texts[0]] == want
+
+        runs = Streams(client, model_id, prompts[:SLOTS], CONTEXT // 2)
+        runs.wait_running()
+        stack.processes["router"].send_signal(signal.SIGKILL)
+        stack.processes["router"].wait()
+        runs.join()
+        assert len(runs.errors) == SLOTS  # their router died
+        stack.restart("router")
+        assert wait_held(stack, 0) == 0  # the replica freed them when the router's calls broke
+        runs = Streams(client, model_id, prompts[:SLOTS], 8)
+        runs.join()
+        assert not runs.errors and [runs.texts[i] for i in range(SLOTS)] == [
+            r.text for r in reference(local_engine, prompts[:SLOTS], 8, ignore_eos=True)]
+
+        stack.processes["verifier"].send_signal(signal.SIGKILL)
+        stack.processes["verifier"].wait()
+        deadline = time.monotonic() + 10
+        while health(stack)["status"] != "unavailable" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        h = health(stack)
+        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+        t0 = time.monotonic()
+        refused = {}
+
+        def ask(stream: bool) -> None:
             try:
-                served = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
-                                                        max_tokens=2, temperature=0).choices[0].message.content
-            except openai.APIStatusError:
-                time.sleep(0.5)
-        assert served  # resumed: served again
-        s.processes["verifier"].send_signal(signal.SIGKILL)
-        s.processes["verifier"].wait()
-        h = health(s)  # no request since the kill: the probe itself sees it
-        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
-        with pytest.raises(openai.APIStatusError) as err:
-            client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
-                                           max_tokens=8, temperature=0)
-        assert err.value.status_code == 503 and "verifier" in err.value.message
-        with pytest.raises(openai.APIStatusError) as err:  # a stream is refused up front too, not a 200 then an error
-            client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
-                                           max_tokens=8, temperature=0, stream=True)
-        assert err.value.status_code == 503
-        h = health(s)
-        assert h["status"] == "unavailable" and not h["verifiers"][0]["healthy"]
+                client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
+                                               max_tokens=8, temperature=0, stream=stream)
+            except openai.APIStatusError as exc:
+                refused[stream] = (exc, time.monotonic() - t0)
+
+        asking = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+        for t in asking:
+            t.start()
+        for t in asking:
+            t.join(timeout=120)
+        # both waited failover_wait_s for a replica to come back, then a 503; the stream is refused
+        # up front, not a 200 then an error
+        assert sorted(refused) == [False, True]
+        for exc, waited in refused.values():
+            assert exc.status_code == 503 and "no verifier replica is available" in exc.message
+            assert 15 < waited < 60, waited
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(s.grpc_address) as ch:  # the standard health service follows
+        with grpc.insecure_channel(stack.grpc_address) as ch:  # the standard health service follows
             stub = health_pb2_grpc.HealthStub(ch)
             deadline = time.monotonic() + 10
             status = None
@@ -793,56 +885,6 @@ def test_health_is_live_and_a_dead_verifier_fails_requests_clearly(tiny_dir, pro
                 status = stub.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Router"), timeout=5).status
                 time.sleep(0.2)
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    finally:
-        s.stop()
-
-
-def test_verifier_failure_spares_other_replicas(tiny_dir, local_engine, prompts):
-    """Two verifier replicas: killing one mid-run fails only its requests (with a clear error);
-    the other replica's requests finish with the engine's exact output, and new requests go to it."""
-    stack = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
-                                    num_verifiers=2, grpc_front_door=False), timeout_s=180)
-    try:
-        client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
-        model_id = client.models.list().data[0].id
-        params = SamplingParams(max_tokens=CONTEXT, ignore_eos=True)  # as long as the context allows
-        expected = [local_engine.generate([p], params)[0] for p in prompts[:4]]
-        results: dict[int, object] = {}
-        started = [threading.Event() for _ in range(4)]
-
-        def run(i: int) -> None:
-            parts = []
-            try:
-                for chunk in client.chat.completions.create(
-                        model=model_id, messages=[{"role": "user", "content": prompts[i]}],
-                        max_tokens=room(local_engine, prompts[i]),
-                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
-                    started[i].set()
-                    if chunk.choices:
-                        parts.append(chunk.choices[0].delta.content or "")
-                results[i] = "".join(parts)
-            except openai.APIError as exc:
-                results[i] = exc
-            finally:
-                started[i].set()
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(60) for e in started)
-        stack.processes["verifier0"].send_signal(signal.SIGKILL)
-        for t in threads:
-            t.join(timeout=180)
-        failed = [i for i, r in results.items() if isinstance(r, Exception)]
-        done = [i for i, r in results.items() if not isinstance(r, Exception)]
-        assert len(results) == 4 and failed and done, results
-        assert all("verifier" in str(results[i]) for i in failed)
-        assert all(results[i] == expected[i].text for i in done)
-        h = health(stack)
-        assert h["status"] == "ok" and [v["healthy"] for v in h["verifiers"]] == [False, True]
-        r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[0]}],
-                                           max_tokens=MAX_TOKENS, temperature=0)
-        assert r.choices[0].message.content == reference(local_engine, prompts[:1])[0].text
     finally:
         stack.stop()
 
@@ -852,27 +894,24 @@ def test_verifier_failure_spares_other_replicas(tiny_dir, local_engine, prompts)
 
 def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
     """Draft-model drafts with sparse top-K q (K < vocabulary, so the truncation matters) go through
-    the drafter service, the router's clients and the verifier service; sampled tokens still follow
+    the drafter service and a verifier replica's client of it; sampled tokens still follow
     target-only sampling exactly (chi-square on marginals and a joint, as in test_speculative)."""
     from test_speculative import SAMPLING_CONFIGS, SAMPLING_DEPTH, check_distributions, exact_distributions
 
     from services.drafter.server import serve as serve_drafter
-    from services.router.remote import RemoteDrafter, RemoteTarget
-    from services.verifier.server import serve as serve_verifier
+    from services.drafter.client import RemoteDrafter
     from tandem.target import LocalTarget
 
     target, draft_ck, prompt, logits = sampling_setup
     n = 1200
     cfg = RunnerConfig(device="cpu", max_batch_size=64, max_seq_len=64)
     local = LocalTarget(target.checkpoint, cfg)
-    verifier = BackgroundServer(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
     draft_model = DraftModelDrafter(draft_ck, cfg)
     drafter = BackgroundServer(lambda ready, stop: serve_drafter(draft_model, 64, 0, max_probs_per_token=8,
                                                               ready=ready, stop=stop))
     try:
-        remote_target = RemoteTarget(verifier.address)
-        eng = Engine(tokenizer=target.tokenizer, drafter=RemoteDrafter(drafter.address, SMALL_VOCAB),
-                     num_draft_tokens=SAMPLING_DEPTH - 2, target=remote_target)
+        remote = RemoteDrafter(drafter.address, SMALL_VOCAB)
+        eng = Engine(tokenizer=target.tokenizer, drafter=remote, num_draft_tokens=SAMPLING_DEPTH - 2, target=local)
         params = SAMPLING_CONFIGS["T1.0"]
         ids = [eng.add_request(prompt_ids=prompt, params=replace(params, max_tokens=SAMPLING_DEPTH, seed=s,
                                                                    ignore_eos=True)) for s in range(n)]
@@ -885,10 +924,9 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
         marginals, pair = exact_distributions(logits, params)
         check_distributions(samples, marginals, pair, "draft model over gRPC, top-8 q")
         assert eng.stats.num_drafted > n and 0.05 < eng.stats.acceptance_rate < 0.95, eng.stats
-        remote_target.close()
+        remote.close()
     finally:
         drafter.stop()
-        verifier.stop()
 
 
 # ----------------------------------------------------------------------------- the real model (slow)
@@ -947,16 +985,18 @@ def _disconnect_aborts_a_non_streamed_request(stack, model_id: str, prompt: str)
 
 
 def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
-    """Each process writes its spans (TANDEM_TRACE_FILE); the router's rpc.client.* spans parent the
-    verifier's and drafter's rpc.server.* spans through the trace context each stream message
-    carries, so trace-report pairs them into network samples inside rounds."""
+    """Each process writes its spans (TANDEM_TRACE_FILE): the router's ``route`` span parents the
+    replica's ``generate`` span of the same request (trace context in the call's metadata), and the
+    replica's rpc.client.draft spans parent the drafter service's rpc.server.draft spans through
+    the trace context each stream message carries, so trace-report pairs them into network samples
+    inside rounds."""
     from click.testing import CliRunner
 
     from tandem.cli import main
 
     traces = tmp_path / "traces"
-    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", max_batch_size=SLOTS, max_seq_len=CONTEXT,
-                                trace_dir=str(traces), overlap=False), timeout_s=180)
+    s = start_stack(StackConfig(model=tiny_dir, drafter="ngram", drafter_service=True, max_batch_size=SLOTS,
+                                max_seq_len=CONTEXT, trace_dir=str(traces), overlap=False), timeout_s=180)
     try:
         client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="x", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
@@ -972,12 +1012,13 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     report = json.loads(res.stdout)
     ph = report["phases"]
     assert ph["request"]["count"] == 3 and ph["round"]["count"] >= 3
-    # every verify batch and draft round crossed the wire once: one network sample per client RPC
-    assert ph["network"]["count"] >= ph["round"]["count"]
-    assert 0 < report["network_share"] < 1
     from tandem.trace_report import read_spans
 
     spans = [sp for f in files for sp in read_spans(f)]
+    # every draft round crossed the wire once, inside a round: one network sample per client RPC
+    draft_rpcs = [sp for sp in spans if sp.name == "rpc.client.draft"]
+    assert ph["network"]["count"] == len(draft_rpcs) > 0
+    assert 0 < report["network_share"] < 1
     requests = [sp for sp in spans if sp.name == "request"]  # OpenTelemetry's GenAI conventions on each
     assert len(requests) == 3
     for sp in requests:
@@ -988,6 +1029,10 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
     servers = [sp for sp in spans if sp.name.startswith("rpc.server.")]
     assert servers and all(sp.trace_id in client_traces for sp in servers)  # joined their callers' traces
+    routes = {sp.span_id: sp for sp in spans if sp.name == "route"}
+    generates = [sp for sp in spans if sp.name == "generate"]
+    assert len(routes) == len(generates) == 3
+    assert all(g.parent_span_id in routes and routes[g.parent_span_id].trace_id == g.trace_id for g in generates)
 
 
 def test_port_in_use_is_a_one_line_error():
@@ -1015,7 +1060,7 @@ def test_drafter_service_sends_predictor_scores(tiny_dir, tmp_path):
     import sys
 
     from services.launch import free_port, wait_grpc_healthy
-    from services.router.remote import RemoteDrafter
+    from services.drafter.client import RemoteDrafter
     from tandem.drafters.base import DraftRequest
     from tandem.predictor import AcceptancePredictor
 

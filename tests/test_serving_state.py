@@ -85,7 +85,7 @@ def _health(url: str) -> dict:
         return json.loads(exc.read())
 
 
-def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
+def test_stack_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     # adaptive draft lengths: threshold controller over exp(-entropy) scores. No cost model here: T(b, q)
     # timed on a loaded 2-core CI machine can be noisy enough for the allocator to draft nothing,
@@ -104,7 +104,7 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
         first = ask(prompts[0], "coding")
         h = _health(stack.http_url)["state_store"]
         assert h["backend"] == "redis" and h["up"]
-        for p in prompts:  # enough rounds for the router to publish its threshold controller state (every 32)
+        for p in prompts:  # enough rounds for the replica to publish its threshold controller state (every 32)
             client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": p}], max_tokens=48,
                                            temperature=0)
         # writes that met a slow Redis (0.5 s timeout; a loaded CI machine) are queued and replayed:
@@ -127,7 +127,7 @@ def test_router_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
         h = _health(stack.http_url)
         assert h["status"] == "ok" and not h["state_store"]["up"] and "local" in h["state_store"]["mode"]
         assert h["state_store"]["pending_writes"] >= 1
-        with open(stack.logs["router"]) as f:
+        with open(stack.logs["verifier"]) as f:  # the replica holds the state and says so
             assert "state store down, serving on local state" in f.read()
         redis_proc.start()
         deadline = time.monotonic() + 15

@@ -170,52 +170,47 @@ def test_inject_extract_round_trips_the_trace(tmp_path):
 
 
 def test_network_time_from_a_real_grpc_hop(product_spans, tiny_engine):
-    """The engine over a real verifier service on loopback (``RemoteTarget`` -> gRPC ->
-    ``tandem.v1.Verifier``): the client's ``rpc.client.verify`` spans (inside the engine's
-    ``prefill`` / ``verify``) parent the server's ``rpc.server.verify`` spans through the trace
-    context each stream message carries, and trace-report derives one network sample per call,
-    no larger than the call."""
+    """The engine over a real drafter service on loopback (a verifier replica's ``RemoteDrafter``
+    -> gRPC -> ``tandem.v1.Drafter``): the client's ``rpc.client.draft`` spans (inside the round's
+    ``draft`` phase) parent the server's ``rpc.server.draft`` spans through the trace context each
+    stream message carries, and trace-report derives one network sample per call, no larger than
+    the call."""
     pytest.importorskip("grpc")
     from services.common import BackgroundServer
-    from services.router.remote import RemoteTarget
-    from services.verifier.server import serve as serve_verifier
+    from services.drafter.client import RemoteDrafter
+    from services.drafter.server import serve as serve_drafter
     from tandem.drafters import NgramDrafter
     from tandem.engine import Engine
     from tandem.sampling import SamplingParams
     from tandem.target import LocalTarget
 
     local = LocalTarget(tiny_engine.checkpoint, tiny_engine.runner_config)
-    server = BackgroundServer(lambda ready, stop: serve_verifier(local, [0], 0, ready=ready, stop=stop))
+    server = BackgroundServer(lambda ready, stop: serve_drafter(NgramDrafter(), 8, 0, ready=ready, stop=stop))
     try:
-        remote = RemoteTarget(server.address)
-        engine = Engine(tokenizer=tiny_engine.tokenizer, drafter=NgramDrafter(), num_draft_tokens=3, target=remote)
+        remote = RemoteDrafter(server.address, local.info.vocab_size)
+        engine = Engine(tokenizer=tiny_engine.tokenizer, drafter=remote, num_draft_tokens=3, target=local)
+        engine.overlap_drafting = False  # every call inside its round's draft phase
         got = engine.generate(["a b c a b c a b", "one two one two one", "x y z"], SamplingParams(max_tokens=10))
         remote.close()
     finally:
         server.stop()
     assert all(c.completion_tokens for c in got)
     spans = product_spans.finished()
-    clients, servers = by_name(spans, "rpc.client.verify"), by_name(spans, "rpc.server.verify")
-    assert len(clients) == len(servers) >= 3  # a prefill and at least two verify rounds, each one RPC
+    clients, servers = by_name(spans, "rpc.client.draft"), by_name(spans, "rpc.server.draft")
+    assert len(clients) == len(servers) >= 2  # at least two draft rounds, each one RPC
     assert {s.kind for s in clients} == {trace.SpanKind.CLIENT} and {s.kind for s in servers} == {trace.SpanKind.SERVER}
     client_of = {}
     for srv in servers:  # each server span is the child of exactly one client span, in its trace
         cl = parent_of(srv, spans)
-        assert cl is not None and cl.name == "rpc.client.verify", srv.name
+        assert cl is not None and cl.name == "rpc.client.draft", srv.name
         assert cl.context.trace_id == srv.context.trace_id and cl.context.span_id not in client_of
         client_of[cl.context.span_id] = cl
-        # both sides describe the same batch, and the server's work lies inside the client's call
-        assert (cl.attributes["prefill"], cl.attributes["verify"]) == (srv.attributes["prefill"],
-                                                                       srv.attributes["verify"])
         assert cl.attributes["address"] == server.address
-        assert cl.start_time <= srv.start_time <= srv.end_time <= cl.end_time
-    assert sorted(s.attributes["batch_id"] for s in servers) == list(range(1, len(servers) + 1))
-    for cl in clients:  # the engine's phase around each call: prefill, or a round's verify
+        assert cl.start_time <= srv.start_time <= srv.end_time <= cl.end_time  # the server's work inside the call
+    for cl in clients:  # the engine's phase around each call: a round's draft
         phase = parent_of(cl, spans)
-        assert phase is not None and phase.name in ("prefill", "verify"), phase
-        assert (cl.attributes["prefill"] > 0) == (phase.name == "prefill")
-        if phase.name == "verify":
-            assert parent_of(phase, spans).name == "round"
+        assert phase is not None and phase.name == "draft", phase
+        assert parent_of(phase, spans).name == "round"
 
     report = build_report(read_spans(product_spans.path))
     network = report.phase("network")
@@ -223,7 +218,7 @@ def test_network_time_from_a_real_grpc_hop(product_spans, tiny_engine):
     durations = [(s.end_time - s.start_time) / 1e6 for s in clients]
     assert 0 <= network.p50_ms <= network.p99_ms <= max(durations)
     assert network.total_ms <= sum(durations)
-    assert 0 < report.network_share <= report.phase("verify").share_of_round <= 1
+    assert 0 < report.network_share <= report.phase("draft").share_of_round <= 1
 
 
 # ----------------------------------------------------------------------------- a real engine run

@@ -283,6 +283,11 @@ class Router:
             replica = self._choose(set())
         return replica
 
+    async def wait_available(self) -> bool:
+        """Whether a replica is healthy, waiting up to ``failover_wait_s`` for one to come back
+        (a front door that must answer before the first token, e.g. a stream's 200)."""
+        return await self._wait_for_replica(set()) is not None
+
     # ------------------------------------------------------------------ requests
 
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
@@ -329,8 +334,9 @@ class Router:
                 replica = await self._wait_for_replica(failed_on)
                 if replica is None:
                     outcome = "failed"
-                    yield Failed("no verifier replica is available"
-                                 + (f" (the last error: {self.replicas[0].last_error})" if self.replicas else ""))
+                    errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas if r.last_error)
+                    yield Failed(f"no verifier replica is available after {self.config.failover_wait_s:g} s"
+                                 + (f" ({errors})" if errors else ""))
                     return
                 try:
                     async with aclosing(self._run_on(replica, request, progress, category)) as attempt:

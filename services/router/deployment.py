@@ -1,22 +1,25 @@
 """Ray Serve application: ``RouterDeployment`` (HTTP ingress: the OpenAI-compatible API, and
-optionally ``tandem.v1.Router`` on its own gRPC port) over ``VerifierDeployment`` and
-``DrafterDeployment`` replicas, whose ``grpc.aio`` servers the router reaches directly.
+optionally ``tandem.v1.Router`` on its own gRPC port) over ``VerifierDeployment`` replicas, each
+of which runs the whole engine loop (scheduler, KV slots, drafts, verification) behind its own
+``grpc.aio`` server; with a drafter service, over ``DrafterDeployment`` replicas too, which only
+the verifier replicas call.
 
 ``build_app(args)`` is the application builder named in the Serve config
 (``import_path: services.router.deployment:build_app``); replicas, autoscaling and placement
 (``ray_actor_options``: GPUs, ``accelerator_type``) are set per deployment in that config.
 
-Data path: Serve's proxy carries client HTTP to the router replica; the router's per-round
-bidirectional streams go straight to the verifier and drafter replicas' own gRPC servers
-(addresses published by their ``address()`` methods), so nothing depends on which streaming
-modes the installed Ray's gRPC proxy supports.
+Data path: Serve's proxy carries client HTTP to a router replica; the router tokenizes each
+request, picks the least loaded healthy verifier replica (each replica's ``Load``, polled) and
+relays that replica's ``Generate`` stream, moving the request to another replica if it fails.
+The streams go straight to the verifier replicas' own gRPC servers (addresses published by their
+``address()`` methods), and a verifier replica's rounds straight to its drafter replica's, so
+nothing depends on which streaming modes the installed Ray's gRPC proxy supports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -25,93 +28,51 @@ from ray.serve.handle import DeploymentHandle
 
 from services.common import BackgroundServer, api_key as resolve_api_key
 from services.drafter.deployment import DrafterDeployment
-from services.verifier.deployment import VerifierDeployment
+from services.verifier.deployment import VerifierDeployment, replica_addresses, replica_count
 
 log = logging.getLogger(__name__)
-
-
-def _replica_count(handle: DeploymentHandle, default: int) -> int:
-    """Replicas of the deployment behind ``handle`` that are running or starting (Serve's status),
-    at least ``default``."""
-    try:
-        app = serve.get_replica_context().app_name
-        states = serve.status().applications[app].deployments[handle.deployment_name].replica_states
-        return max(default, int(states.get("RUNNING", 0)) + int(states.get("STARTING", 0)))
-    except Exception:  # noqa: BLE001 - status is advisory; fall back to the configured count
-        return default
-
-
-def _dialable(address: str) -> str:
-    """A replica on this router's own node is dialled on loopback; others on their node's IP."""
-    import ray
-
-    host, port = address.rsplit(":", 1)
-    return f"127.0.0.1:{port}" if host == ray.util.get_node_ip_address() else address
-
-
-async def _replica_addresses(handle: DeploymentHandle, expected: int, timeout_s: float = 300.0) -> list[str]:
-    """Addresses published by the replicas behind ``handle``: asks until ``expected`` distinct ones
-    answered (replicas still starting join when they are up) or ``timeout_s`` passed; order of
-    first answer kept."""
-    import time
-
-    found: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = [_dialable(a) for a in await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))]
-        found = list(dict.fromkeys([*found, *batch]))
-        if len(found) >= expected or time.monotonic() > deadline:
-            if len(found) < expected:
-                log.warning("found %d of %d replicas of %s", len(found), expected, handle.deployment_name)
-            return found
-        await asyncio.sleep(0.5)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5})
 @serve.ingress()
 class RouterDeployment:
-    """The router replica.
+    """A router replica: no engine and no KV slot; requests go whole to the verifier replicas.
 
     Args:
         verifier: handle to ``VerifierDeployment``.
-        drafter: handle to ``DrafterDeployment`` (None: target-only decoding).
-        verifier_replicas: verifier replicas to wait for at least (one engine each); more are used
-            when Serve's status shows more running or starting at start-up.
+        verifier_replicas: verifier replicas to wait for at least; more are used when Serve's
+            status shows more running or starting at start-up (the router keeps the replicas it
+            found then).
         model: the model path whose tokenizer to load (None = bundled SmolLM2).
-        num_draft_tokens, policy, predictor, redis_url, default_max_tokens: as ``tandem serve router``.
-        api_key: bearer token for clients and the internal services (None: ``TANDEM_API_KEY``).
+        default_max_tokens: ``max_tokens`` of a request that gives none.
+        api_key: bearer token for clients and the verifier replicas (None: ``TANDEM_API_KEY``).
         grpc_port: also serve ``tandem.v1.Router`` here (None: HTTP only).
         host: bind address of that gRPC server.
+
+    Raises:
+        TargetUnavailable: a verifier replica does not answer; ConfigError: replicas that serve
+            different models.
     """
 
-    async def __init__(self, verifier: DeploymentHandle, drafter: DeploymentHandle | None = None,
-                       verifier_replicas: int = 1, model: str | None = None, num_draft_tokens: int = 4,
-                       policy: str = "fixed", predictor: str | None = None, redis_url: str | None = None,
+    async def __init__(self, verifier: DeploymentHandle, verifier_replicas: int = 1, model: str | None = None,
                        default_max_tokens: int = 256, api_key: str | None = None, grpc_port: int | None = None,
                        host: str = "127.0.0.1") -> None:
-        from services.router.core import Router, RouterConfig, remote_speculation
+        from services.router.core import Router, RouterConfig
         from tandem.telemetry import init_tracing
 
         init_tracing("tandem-router")
         self.api_key = resolve_api_key(api_key)
         self.default_max_tokens = default_max_tokens
-        verifiers = await _replica_addresses(verifier, _replica_count(verifier, verifier_replicas))
-        drafter_address = (await _replica_addresses(drafter, 1))[0] if drafter is not None else None
-        def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask its handle again
-            return _dialable(drafter.address.remote().result(timeout_s=5))
-
-        config = RouterConfig(verifiers, drafter_address, model,
-                              speculation=remote_speculation(drafter_address, num_draft_tokens, policy, predictor),
-                              redis_url=redis_url or os.environ.get("TANDEM_REDIS_URL"), api_key=self.api_key,
-                              drafter_resolver=resolver if drafter is not None else None)
-        self.router = await asyncio.to_thread(Router, config)
+        verifiers = await replica_addresses(verifier, replica_count(verifier, verifier_replicas))
+        self.router = await asyncio.to_thread(Router, RouterConfig(verifiers, model, api_key=self.api_key))
         self._grpc = None
         if grpc_port is not None:
             from services.router.server import serve_grpc
 
-            self._grpc = BackgroundServer(lambda ready, stop: serve_grpc(self.router, grpc_port, host, self.api_key,
-                                                                        ready=ready, stop=stop))
-        log.info("router replica over verifiers %s, drafter %s", verifiers, drafter_address)
+            self._grpc = await asyncio.to_thread(
+                BackgroundServer, lambda ready, stop: serve_grpc(self.router, grpc_port, host, self.api_key,
+                                                                 ready=ready, stop=stop))
+        log.info("router replica over verifier replicas %s", verifiers)
 
     def __serve_build_asgi_app__(self):
         from services.router.http import build_app as build_http_app
@@ -119,54 +80,122 @@ class RouterDeployment:
         return build_http_app(self.router, self.api_key, self.default_max_tokens)
 
     def check_health(self) -> None:
-        if not any(w.healthy for w in self.router.workers):
-            raise RuntimeError("no healthy verifier")
+        """Ray Serve's health check. Raises RuntimeError when no verifier replica is healthy."""
+        if not self.router.any_healthy:
+            raise RuntimeError("no healthy verifier replica")
 
     def __del__(self) -> None:
         if getattr(self, "_grpc", None) is not None:
             self._grpc.stop(timeout_s=5)
+            self._grpc = None
         if getattr(self, "router", None) is not None:
             self.router.close()
+            self.router = None
 
 
 class AppArgs(BaseModel):
     """Arguments of ``build_app`` (``serve run services.router.deployment:build_app k=v ...`` or
-    the ``args:`` of the Serve config)."""
+    the ``args:`` of the Serve config).
+
+    Attributes:
+        model: the target, a GGUF file or Hugging Face directory on every node (None = bundled
+            SmolLM2-135M-Instruct).
+        device: the verifier (and drafter service) replicas' torch device (None = cuda when
+            present, else cpu).
+        drafter: "none" (target-only), "ngram", "specformer" or "draft-model".
+        draft_model: weights of a specformer / draft-model drafter (a path, or truncate:N for a
+            draft model; None = the ones shipped for the bundled target).
+        drafter_service: run the drafter as ``DrafterDeployment`` replicas the verifier replicas
+            call; None: for "draft-model" only (a model of its own, on a cheaper GPU), the others
+            run inside the verifier replicas (SpecFormer in the verify pass, n-gram on the CPU).
+        num_draft_tokens: k, draft tokens per sequence per round at most.
+        max_batch_size: KV slots per verifier replica (None = the device's default).
+        max_seq_len: context limit per request.
+        verifier_replicas: verifier replicas (one engine each) the router waits for at start-up;
+            the Serve config's ``num_replicas`` of ``VerifierDeployment`` overrides the count
+            started, and the router then uses every replica Serve shows running or starting.
+        policy: draft lengths: "fixed" (k), "entropy" or "predictor" (adaptive).
+        predictor: acceptance predictor for ``policy="predictor"`` (a path, or "auto").
+        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.
+        redis_url: the verifier replicas' shared state store (None: ``TANDEM_REDIS_URL``, else
+            in-memory in each replica).
+        drafter_timeout_s: a verifier replica's longest wait for one round from the drafter
+            service (s).
+        overlap: verifier replicas ask the drafter service for the next round while the target
+            verifies this one.
+        drafter_max_sequences: sequences one drafter service replica holds (None:
+            ``max_batch_size`` (or 64) times ``verifier_replicas``).
+        api_key: bearer token for clients and between the services (None: ``TANDEM_API_KEY``).
+        default_max_tokens: ``max_tokens`` of a request that gives none.
+        grpc_port: the router also serves ``tandem.v1.Router`` on this port (None: HTTP only).
+        host: bind address of the verifier / drafter gRPC servers (the router's gRPC server binds
+            loopback when this is loopback, else all interfaces).
+        advertise_host: the host the verifier / drafter replicas publish (None: the Ray node's IP
+            when ``host`` is all interfaces).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     device: str | None = None
-    drafter: Literal["ngram", "draft-model", "none"] = "ngram"
+    drafter: Literal["none", "ngram", "specformer", "draft-model"] = "ngram"
     draft_model: str | None = None
+    drafter_service: bool | None = None
     num_draft_tokens: int = 4
     max_batch_size: int | None = None
     max_seq_len: int = 2048
     verifier_replicas: int = 1
     policy: Literal["fixed", "entropy", "predictor"] = "fixed"
     predictor: str | None = None
-    measure_cost: int = 0
+    measure_cost: bool = False
     redis_url: str | None = None
+    drafter_timeout_s: float = 10.0
+    overlap: bool = True
+    drafter_max_sequences: int | None = None
     api_key: str | None = None
     default_max_tokens: int = 256
     grpc_port: int | None = None
     host: str = "0.0.0.0"  # verifier / drafter gRPC bind address; replicas publish their node's IP
     advertise_host: str | None = None
 
+    def stack(self):
+        """The same speculation as a ``services.launch.StackConfig`` (its rules decide whether a
+        drafter service is used and which combinations are valid)."""
+        from services.launch import StackConfig
+
+        return StackConfig(model=self.model, drafter=self.drafter, draft_model=self.draft_model,
+                           drafter_service=self.drafter_service, num_draft_tokens=self.num_draft_tokens,
+                           max_seq_len=self.max_seq_len, policy=self.policy, predictor=self.predictor,
+                           measure_cost=self.measure_cost)
+
 
 def build_app(args: dict):
-    """Bound Serve application: router -> verifier (+ drafter) deployments.
+    """Bound Serve application: router -> verifier replicas (-> drafter service, when used).
+
+    Args:
+        args: ``AppArgs`` fields.
 
     Raises:
         pydantic.ValidationError: an unknown or malformed argument.
+        ConfigError: a speculation the verifier replicas cannot run (e.g. a drafter service for
+            SpecFormer, which drafts inside the verify pass; a policy without a drafter).
     """
     a = AppArgs(**(args or {}))
-    verifier = VerifierDeployment.options(num_replicas=a.verifier_replicas).bind(
-        a.model, a.device, a.max_batch_size, a.max_seq_len, 0, a.host, a.advertise_host, a.measure_cost, a.api_key)
+    stack = a.stack()
+    spec = stack.speculation  # an invalid combination fails here, before any replica starts
     drafter = None
-    if a.drafter != "none":
-        drafter = DrafterDeployment.bind(a.drafter, a.draft_model, a.model, a.device, a.max_batch_size or 64,
-                                         a.max_seq_len, 0, a.host, a.advertise_host, a.api_key)
+    if stack.uses_drafter_service:
+        drafter = DrafterDeployment.bind(
+            drafter=spec.drafter, draft_model=spec.draft_model, model=a.model, device=a.device,
+            max_sequences=a.drafter_max_sequences or (a.max_batch_size or 64) * a.verifier_replicas,
+            max_seq_len=a.max_seq_len, port=0, host=a.host, advertise_host=a.advertise_host, api_key=a.api_key)
+    verifier = VerifierDeployment.options(num_replicas=a.verifier_replicas).bind(
+        model=a.model, device=a.device, max_batch_size=a.max_batch_size, max_seq_len=a.max_seq_len,
+        drafter=spec.drafter, draft_model=spec.draft_model, num_draft_tokens=spec.num_draft_tokens,
+        policy=spec.policy, predictor=spec.predictor, measure_cost=a.measure_cost, redis_url=a.redis_url,
+        drafter_service=drafter, drafter_timeout_s=a.drafter_timeout_s, overlap=a.overlap, port=0, host=a.host,
+        advertise_host=a.advertise_host, api_key=a.api_key)
     router_host = "127.0.0.1" if a.host in ("127.0.0.1", "localhost") else "0.0.0.0"
-    return RouterDeployment.bind(verifier, drafter, a.verifier_replicas, a.model, a.num_draft_tokens, a.policy,
-                                 a.predictor, a.redis_url, a.default_max_tokens, a.api_key, a.grpc_port, router_host)
+    return RouterDeployment.bind(verifier, verifier_replicas=a.verifier_replicas, model=a.model,
+                                 default_max_tokens=a.default_max_tokens, api_key=a.api_key, grpc_port=a.grpc_port,
+                                 host=router_host)

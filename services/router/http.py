@@ -340,8 +340,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                           f"this prompt)", param=name)
         created = int(time.time())
         if req.stream:
-            if not router.any_healthy:  # known down: say so before the 200 of a stream
-                return _error(503, "no verifier is available; retry later", "server_error")
+            if not await router.wait_available():  # none comes back in time: say so before the 200 of a stream
+                return _error(503, "no verifier replica is available; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,
                                                include_usage), ping=15)

@@ -1,17 +1,29 @@
-"""Ray Serve deployment of the verifier: each replica loads the target and runs its own
-``grpc.aio`` ``tandem.v1.Verifier`` server on a port, and publishes the address through
-``address()`` (the router opens its streams there; Serve's proxy is not on the data path).
+"""Ray Serve deployment of a verifier replica: each replica loads the target and runs the whole
+engine loop over it (scheduler, KV slots, drafts, verification), serves whole requests on its own
+``grpc.aio`` ``tandem.v1.Verifier`` server, and publishes the address through ``address()`` (the
+router relays each request's ``Generate`` stream from there; Serve's proxy is not on the data path).
+
+A drafter that lives in the replica (SpecFormer in the verify pass, n-gram on the CPU) runs here;
+a draft model of its own runs as ``DrafterDeployment`` replicas, which a verifier replica reaches
+through the handle it is given (``drafter_service``).
+
+Also here: what the deployments that host their own gRPC server share (``GrpcReplica``) and how
+one deployment finds the gRPC addresses of another's replicas (``replica_addresses``).
 
 Placement lives in the Serve config (``infra/serve_config.yaml``): e.g.
 ``ray_actor_options: {num_gpus: 1, accelerator_type: A100}``; the defaults here ask for half a
-CPU so the whole application fits a 2-CPU machine.
+CPU so a whole application fits a 2-CPU machine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from services.common import BackgroundServer, api_key as resolve_api_key
 
@@ -30,15 +42,71 @@ def advertised(host: str, advertise_host: str | None, port: int) -> str:
     return f"{host}:{port}"
 
 
+def dialable(address: str) -> str:
+    """``address`` as this node dials it: loopback when the replica behind it is on this node,
+    else unchanged (its node's IP)."""
+    import ray
+
+    host, port = address.rsplit(":", 1)
+    return f"127.0.0.1:{port}" if host == ray.util.get_node_ip_address() else address
+
+
+def replica_count(handle: DeploymentHandle, default: int) -> int:
+    """Replicas of the deployment behind ``handle`` that are running or starting (Serve's status of
+    the calling replica's application), at least ``default``.
+
+    Args:
+        handle: a deployment of the caller's application.
+        default: the count to use when the status is smaller or cannot be read.
+    """
+    try:
+        app = serve.get_replica_context().app_name
+        states = serve.status().applications[app].deployments[handle.deployment_name].replica_states
+        return max(default, int(states.get("RUNNING", 0)) + int(states.get("STARTING", 0)))
+    except Exception:  # noqa: BLE001 - status is advisory; fall back to the configured count
+        return default
+
+
+async def replica_addresses(handle: DeploymentHandle, expected: int, timeout_s: float = 300.0) -> list[str]:
+    """The gRPC addresses the replicas behind ``handle`` publish (``address()``), as this node dials
+    them (``dialable``).
+
+    Args:
+        handle: a deployment whose replicas are ``GrpcReplica``s.
+        expected: how many distinct addresses to collect: asks again until that many answered
+            (replicas still starting join when they are up) or ``timeout_s`` passed.
+        timeout_s: how long to keep asking (s); fewer addresses (a warning logged) after it.
+
+    Returns:
+        The distinct addresses, in order of first answer.
+    """
+    found: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = [dialable(a) for a in await asyncio.gather(*(handle.address.remote() for _ in range(2 * expected)))]
+        found = list(dict.fromkeys([*found, *batch]))
+        if len(found) >= expected or time.monotonic() > deadline:
+            if len(found) < expected:
+                log.warning("found %d of %d replicas of %s", len(found), expected, handle.deployment_name)
+            return found
+        await asyncio.sleep(0.5)
+
+
 class GrpcReplica:
     """What a Ray Serve replica that hosts its own ``grpc.aio`` server shares: the server on a
     background loop (``BackgroundServer``), the address it publishes, its health check and its
-    shutdown. ``role`` names the service in logs and errors."""
+    shutdown. ``role`` names the service in logs and errors; ``_close`` (after the server stopped)
+    releases what the subclass holds."""
 
     role = "service"
 
     def _start(self, serve_factory, host: str, advertise_host: str | None) -> None:
-        """Start ``serve_factory`` (``BackgroundServer``'s argument) and note the address to publish.
+        """Start the server and note the address to publish.
+
+        Args:
+            serve_factory: ``BackgroundServer``'s argument: ``(ready, stop) -> coroutine``.
+            host: the address the server binds (its port is read from what it bound).
+            advertise_host: the host to publish instead (see ``advertised``).
 
         Raises:
             RuntimeError: the server failed to start.
@@ -52,36 +120,106 @@ class GrpcReplica:
 
     def check_health(self) -> None:
         """Ray Serve's health check. Raises RuntimeError when the gRPC server stopped."""
-        if not self._server.alive:
+        server = getattr(self, "_server", None)
+        if server is None or not server.alive:
             raise RuntimeError(f"the {self.role}'s gRPC server stopped")
+
+    def _close(self) -> None:
+        """Release what the replica holds besides its server (nothing here)."""
 
     def __del__(self) -> None:
         server = getattr(self, "_server", None)
         if server is not None:
             server.stop(timeout_s=5)
+            self._server = None
+        self._close()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, health_check_period_s=5)
 class VerifierDeployment(GrpcReplica):
-    """Args: as ``tandem serve verifier``: model (None = bundled SmolLM2), device (None = cuda if
-    present), max_batch_size (KV slots), max_seq_len, port (0 = any free), host (bind address),
-    advertise_host, measure_cost (K: publish T(b, q) for q <= K+1; 0 = off), api_key.
-    ``address()`` is where its ``tandem.v1.Verifier`` listens."""
+    """A verifier replica: the target model, its KV slots and the engine loop over them (as
+    ``tandem serve verifier``). ``address()`` is where its ``tandem.v1.Verifier`` listens.
+
+    Args:
+        model: the target, a GGUF file or Hugging Face directory on every node (None = the bundled
+            SmolLM2-135M-Instruct).
+        device: torch device (None = cuda when present, else cpu).
+        max_batch_size: KV slots, i.e. requests decoding at once (None = the device's default).
+        max_seq_len: context limit per request (prompt + output tokens).
+        drafter: the drafter that runs in this replica: "none", "ngram", "specformer" (a head in
+            the verify pass) or "draft-model"; ignored with ``drafter_service``.
+        draft_model: weights of a specformer / draft-model drafter (a path, or truncate:N for a
+            draft model; None = the ones shipped for the bundled target).
+        num_draft_tokens: k, draft tokens per sequence per round at most.
+        policy: draft lengths: "fixed" (k), "entropy" or "predictor" (adaptive, with a threshold
+            learned online).
+        predictor: acceptance predictor for ``policy="predictor"`` (a path, or "auto").
+        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up
+            (also reported in ``Info``).
+        redis_url: state store for the threshold, acceptance counters and verification logs
+            (None: ``TANDEM_REDIS_URL``, else in-memory in each replica).
+        drafter_service: handle to ``DrafterDeployment``: draft with one of its replicas (its
+            address asked again when it stops answering) instead of ``drafter``; None: in-replica.
+        drafter_timeout_s: longest wait for one round from the drafter service (s), past which
+            the replica decodes target-only until the drafter answers again.
+        overlap: ask the drafter service for the next round while the target verifies this one.
+        port: gRPC port (0 = any free one).
+        host: bind address of the gRPC server.
+        advertise_host: the host to publish in ``address()`` (None: the Ray node's IP when bound
+            to all interfaces, else ``host``).
+        api_key: bearer token required on this replica's gRPC and sent to the drafter service
+            (None: ``TANDEM_API_KEY``, else none).
+
+    Raises:
+        ConfigError / ModelLoadError / InvalidRequestError: bad model, device or speculation.
+        RuntimeError: the drafter service has no replica that answers, or the server failed to start.
+    """
 
     role = "verifier"
 
-    def __init__(self, model: str | None = None, device: str | None = None, max_batch_size: int | None = None,
-                 max_seq_len: int = 2048, port: int = 0, host: str = "127.0.0.1", advertise_host: str | None = None,
-                 measure_cost: int = 0, api_key: str | None = None) -> None:
-        from services.processes import build_local_target
+    async def __init__(self, model: str | None = None, device: str | None = None, max_batch_size: int | None = None,
+                       max_seq_len: int = 2048, drafter: str = "ngram", draft_model: str | None = None,
+                       num_draft_tokens: int = 4, policy: str = "fixed", predictor: str | None = None,
+                       measure_cost: bool = False, redis_url: str | None = None,
+                       drafter_service: DeploymentHandle | None = None, drafter_timeout_s: float = 10.0,
+                       overlap: bool = True, port: int = 0, host: str = "127.0.0.1",
+                       advertise_host: str | None = None, api_key: str | None = None) -> None:
+        from services.processes import build_replica
         from services.verifier.server import serve as serve_verifier
-        from tandem.speculation import measure_target_cost
+        from tandem.speculation import SpeculativeConfig
         from tandem.telemetry import init_tracing
 
         init_tracing("tandem-verifier")
-        target, eos = build_local_target(model, device, max_batch_size, max_seq_len)
-        cost = measure_target_cost(target, measure_cost + 1).table if measure_cost else None
         key = resolve_api_key(api_key)
-        self._start(lambda ready, stop: serve_verifier(target, eos, port, host, key, cost, ready=ready, stop=stop),
-                    host, advertise_host)
-        log.info("verifier replica serving gRPC on %s", self._address)
+        spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens, policy=policy,
+                                 predictor=predictor)
+        drafter_address = None
+        if drafter_service is not None:
+            found = await replica_addresses(drafter_service, 1)
+            if not found:
+                raise RuntimeError(f"no replica of {drafter_service.deployment_name} answered")
+            drafter_address = found[0]
+
+        def resolver() -> str:  # a replaced drafter replica listens elsewhere: ask the handle again
+            return dialable(drafter_service.address.remote().result(timeout_s=5))
+
+        self.replica, eos, cost, words = await asyncio.to_thread(
+            build_replica, spec, model, device, max_batch_size, max_seq_len, drafter_address=drafter_address, key=key,
+            drafter_timeout_s=drafter_timeout_s, drafter_resolver=resolver if drafter_service is not None else None,
+            redis_url=redis_url or os.environ.get("TANDEM_REDIS_URL"), overlap=overlap, measure_cost=measure_cost)
+        try:
+            await asyncio.to_thread(
+                self._start, lambda ready, stop: serve_verifier(self.replica, eos, port, host, key, cost, words,
+                                                                ready=ready, stop=stop), host, advertise_host)
+        except BaseException:
+            self._close()
+            raise
+        log.info("verifier replica (%s) serving gRPC on %s", words, self._address)
+
+    def _close(self) -> None:
+        """Stop the engine loop (its KV slots go with it) and close the state store."""
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            self.replica = None
+            replica.stop()
+            replica.store.close()
