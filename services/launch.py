@@ -64,6 +64,8 @@ class StackConfig:
         trace_dir: each process exports its spans as OTLP JSON to ``trace_dir/<name>.jsonl``
             (``TANDEM_TRACE_FILE``; read them with ``tandem trace-report``); None: as the
             environment says.
+        replica_options: more ``tandem serve verifier`` options, e.g. runner settings
+            (``--device cuda``, ``--kernels fused``, ``--no-compile``).
     """
 
     model: str | None = None
@@ -86,6 +88,7 @@ class StackConfig:
     predictor: str | None = None
     measure_cost: bool = False
     trace_dir: str | None = None
+    replica_options: tuple[str, ...] = ()
 
     @classmethod
     def serving(cls, spec: SpeculativeConfig, **settings) -> "StackConfig":
@@ -315,7 +318,7 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
                    "--overlap" if config.overlap else "--no-overlap",
                    "--drafter-timeout", str(config.drafter_timeout_s),
                    *(["--predictor", config.predictor] if config.predictor else []),
-                   *(["--redis-url", config.redis_url] if config.redis_url else [])]
+                   *(["--redis-url", config.redis_url] if config.redis_url else []), *config.replica_options]
         if stack.drafter_address:
             replica += ["--drafter-address", stack.drafter_address]
         else:

@@ -57,7 +57,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                   max_batch_size: int | None = None, max_seq_len: int = 2048, *, drafter_address: str | None = None,
                   key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
                   redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
-                  metrics: bool = True):
+                  metrics: bool = True, runner: dict | None = None):
     """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
@@ -72,6 +72,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         overlap: request the next round's remote drafts while the target verifies this one.
         measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.
         metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
+        runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
+            prefill_graphs); None values keep the device's defaults.
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -88,7 +90,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     from tandem.speculation import build_engine
     from tandem.telemetry import Metrics
 
-    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **(runner or {}))
     checkpoint = load_checkpoint(model)
     store = open_store(redis_url)
     drafter = None
@@ -109,7 +111,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
 def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch_size, max_seq_len, *,
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
-                 key: str | None = None) -> None:
+                 key: str | None = None, runner: dict | None = None) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
     ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``."""
     from services.verifier.server import serve
@@ -122,7 +124,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
     replica, eos, cost, words = build_replica(spec, model, device, max_batch_size, max_seq_len,
                                               drafter_address=drafter_address, key=key,
                                               drafter_timeout_s=drafter_timeout_s, redis_url=redis_url,
-                                              overlap=overlap, measure_cost=measure_cost)
+                                              overlap=overlap, measure_cost=measure_cost, runner=runner)
     if metrics_port:
         from prometheus_client import start_http_server
 

@@ -81,7 +81,13 @@ def test_serve_config_application_and_deployments():
     verifier = deps["VerifierDeployment"]
     router = deps["RouterDeployment"]["ray_actor_options"]
     assert verifier["ray_actor_options"]["num_gpus"] == 1 and verifier["ray_actor_options"]["accelerator_type"] == "A100"
-    assert app["args"]["verifier_replicas"] == verifier["num_replicas"]  # the router waits for all of them
+    # The verifier scales on the load its replicas report (Serve's request counts never see it):
+    # a policy that reads the replicas' requests per KV slot; the routers wait for the minimum.
+    scaling = verifier["autoscaling_config"]
+    assert 1 <= scaling["min_replicas"] < scaling["max_replicas"] and "num_replicas" not in verifier
+    assert scaling["policy"]["policy_function"] == "services.verifier.deployment:RequestsPerSlotPolicy"
+    assert scaling["policy"]["policy_kwargs"]["target_requests_per_slot"] > 0
+    assert app["args"]["verifier_replicas"] == scaling["min_replicas"]  # the routers wait for these
     assert router.get("num_gpus", 0) == 0 and "accelerator_type" not in router
     text = SERVE_CONFIG.read_text()
     assert "CPU-only" in text  # the fallback is documented in the file
@@ -106,8 +112,10 @@ def test_serve_config_passes_rays_own_schema():
         assert [a.import_path for a in schema.applications] == [serve_app()["import_path"]]
         for d in deployments(config).values():
             if "autoscaling_config" in d:
-                cfg = AutoscalingConfig(**d["autoscaling_config"])
+                cfg = AutoscalingConfig(**d["autoscaling_config"])  # a custom policy is imported here
                 assert cfg.min_replicas <= cfg.max_replicas
+                if not cfg.policy.is_default_policy_function():
+                    assert cfg.policy.get_serialized_policy_def()
 
 
 # ----------------------------------------------------------------------------- KubeRay

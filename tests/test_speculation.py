@@ -123,41 +123,47 @@ def test_collect_logs_builds_from_the_same_options(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("policy, predictor", [("fixed", None), ("entropy", None), ("predictor", "p.safetensors")])
-def test_router_and_stack_speak_the_same_config(monkeypatch, policy, predictor):
-    """tandem serve router builds its SpeculativeConfig from its options: the bench's over the
-    drafter service ("remote" in the router); the local stack serves exactly that config."""
+def test_verifier_replica_and_stack_speak_the_same_config(monkeypatch, policy, predictor):
+    """tandem serve verifier builds its SpeculativeConfig from its options: the bench's, with the
+    drafter in the replica or, with --drafter-address, behind a drafter service ("remote"); the
+    local stack serves exactly that config."""
     import services.processes
     from services.launch import StackConfig
 
     seen = []
-    monkeypatch.setattr(services.processes, "run_router", lambda config, *a: seen.append(config))
-    args = ["serve", "router", "--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:2", "--port", "8000",
-            "--num-draft-tokens", "3", "--policy", policy] + (["--predictor", predictor] if predictor else [])
-    res = CliRunner().invoke(main, args)
-    assert res.exit_code == 0, res.output
+    monkeypatch.setattr(services.processes, "run_verifier", lambda spec, *a, **k: seen.append((spec, k)))
+    common = ["--port", "50051", "--num-draft-tokens", "3", "--policy", policy] + (
+        ["--predictor", predictor] if predictor else [])
+    for extra in (["--drafter", "ngram"], ["--drafter-address", "127.0.0.1:2"]):
+        res = CliRunner().invoke(main, ["serve", "verifier", *common, *extra])
+        assert res.exit_code == 0, res.output
     options = BenchOptions(num_draft_tokens=3, ca_drafter="ngram", predictor=predictor)
     bench = CONFIGS["fixed-k" if policy == "fixed" else "context-aware"].speculation(BuildContext(None, options))
-    assert seen[0].speculation == replace(bench, drafter="remote")
+    (in_replica, _), (remote, kwargs) = seen
+    assert in_replica == bench and remote == replace(bench, drafter="remote")
+    assert kwargs["drafter_address"] == "127.0.0.1:2"
     assert StackConfig.serving(bench).speculation == bench
     assert StackConfig(drafter="ngram", num_draft_tokens=3, policy=policy, predictor=predictor).speculation == bench
 
 
-def test_router_refuses_a_policy_without_a_drafter(monkeypatch):
+def test_verifier_refuses_a_policy_without_a_drafter(monkeypatch):
     import services.processes
 
-    monkeypatch.setattr(services.processes, "run_router", lambda config, *a: None)
-    res = CliRunner().invoke(main, ["serve", "router", "--verifier", "127.0.0.1:1", "--port", "8000", "--policy",
-                                    "entropy"])
+    monkeypatch.setattr(services.processes, "run_verifier", lambda *a, **k: None)
+    res = CliRunner().invoke(main, ["serve", "verifier", "--port", "50051", "--drafter", "none", "--policy", "entropy"])
     assert res.exit_code == 2 and "needs a --drafter" in res.stderr
 
 
 def test_stack_refuses_what_the_services_cannot_run():
     from services.launch import StackConfig
 
-    with pytest.raises(ConfigError, match="runs drafters none, ngram, draft-model"):
-        StackConfig(drafter="specformer").speculation
+    with pytest.raises(ConfigError, match="runs drafters none, ngram, specformer, draft-model"):
+        StackConfig(drafter="eagle").speculation
+    with pytest.raises(ConfigError, match="specformer drafter has no drafter service"):
+        StackConfig(drafter="specformer", drafter_service=True).speculation
     with pytest.raises(ConfigError, match="cannot be served"):
         StackConfig.serving(SpeculativeConfig("ngram", policy="entropy", branch_top_m=2))
+    assert not StackConfig(drafter="specformer").uses_drafter_service and StackConfig(drafter="draft-model").uses_drafter_service
 
 
 def test_build_speculation(tiny_dir, predictor_file):

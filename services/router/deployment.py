@@ -14,6 +14,12 @@ relays that replica's ``Generate`` stream, moving the request to another replica
 The streams go straight to the verifier replicas' own gRPC servers (addresses published by their
 ``address()`` methods), and a verifier replica's rounds straight to its drafter replica's, so
 nothing depends on which streaming modes the installed Ray's gRPC proxy supports.
+
+Because of that, Serve's own request counts never see the verifier replicas' load: they report it
+themselves (``VerifierDeployment.record_autoscaling_stats``, requests per KV slot) and the
+verifier's ``autoscaling_config`` scales on it (``RequestsPerSlotPolicy``). Each router replica
+follows the verifier replicas Serve runs (``follow_s``): it starts sending to a replica added by the
+autoscaler (or one that replaced a failed replica) within a few seconds, and drops a stopped one.
 """
 
 from __future__ import annotations
@@ -40,14 +46,16 @@ class RouterDeployment:
 
     Args:
         verifier: handle to ``VerifierDeployment``.
-        verifier_replicas: verifier replicas to wait for at least; more are used when Serve's
-            status shows more running or starting at start-up (the router keeps the replicas it
-            found then).
+        verifier_replicas: verifier replicas to wait for at start-up, at least; more when Serve's
+            status shows more running or starting then.
         model: the model path whose tokenizer to load (None = bundled SmolLM2).
         default_max_tokens: ``max_tokens`` of a request that gives none.
         api_key: bearer token for clients and the verifier replicas (None: ``TANDEM_API_KEY``).
         grpc_port: also serve ``tandem.v1.Router`` here (None: HTTP only).
         host: bind address of that gRPC server.
+        follow_s: how often to compare the verifier replicas Serve shows running with those the
+            router sends to (s): replicas the autoscaler added (or that replaced failed ones) are
+            taken in, stopped ones that no longer answer dropped. 0: keep the start-up set.
 
     Raises:
         TargetUnavailable: a verifier replica does not answer; ConfigError: replicas that serve
@@ -56,7 +64,7 @@ class RouterDeployment:
 
     async def __init__(self, verifier: DeploymentHandle, verifier_replicas: int = 1, model: str | None = None,
                        default_max_tokens: int = 256, api_key: str | None = None, grpc_port: int | None = None,
-                       host: str = "127.0.0.1") -> None:
+                       host: str = "127.0.0.1", follow_s: float = 2.0) -> None:
         from services.router.core import Router, RouterConfig
         from tandem.telemetry import init_tracing
 
@@ -72,7 +80,65 @@ class RouterDeployment:
             self._grpc = await asyncio.to_thread(
                 BackgroundServer, lambda ready, stop: serve_grpc(self.router, grpc_port, host, self.api_key,
                                                                  ready=ready, stop=stop))
+        self._verifier = verifier
+        self._follow = asyncio.create_task(self._follow_verifiers(follow_s)) if follow_s > 0 else None
         log.info("router replica over verifier replicas %s", verifiers)
+
+    async def _follow_verifiers(self, period_s: float) -> None:
+        """Every ``period_s`` seconds, ``sync_verifiers`` when Serve shows a different number of
+        running verifier replicas than the router has healthy ones."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                running = await asyncio.to_thread(replica_count, self._verifier, 0, False)
+                if running and running != sum(r.healthy for r in self.router.replicas):
+                    await self.sync_verifiers(running)
+            except Exception:  # noqa: BLE001 - the next period tries again
+                log.exception("following the verifier replicas failed")
+
+    async def sync_verifiers(self, expected: int, timeout_s: float = 10.0) -> list[str]:
+        """Make the router's verifier replicas those the deployment publishes: take in the new
+        ones, drop the ones that no longer answer and are no longer published (a replica that
+        is still published stays, healthy or not: the router's poll tells when it answers again).
+
+        Args:
+            expected: running verifier replicas to look for.
+            timeout_s: how long to keep asking for their addresses (s).
+
+        Returns:
+            The addresses the router now sends to.
+        """
+        from services.router.core import Replica
+
+        published = await replica_addresses(self._verifier, expected, timeout_s=timeout_s)
+        current = self.router.replicas
+        known = {r.address for r in current}
+        first = current[0].info if current else None
+        added = []
+        for address in published:
+            if address in known:
+                continue
+            try:
+                replica = await asyncio.to_thread(Replica, address, self.api_key, self.router.config.verifier_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - not up yet (or gone): the next sync tries again
+                log.warning("verifier replica %s not taken in: %s", address, exc)
+                continue
+            if first is not None and (replica.info.model, replica.info.vocab_size) != (first.model, first.vocab_size):
+                log.error("verifier replica %s serves %s, not %s: not used", address, replica.info.model, first.model)
+                replica.close()
+                continue
+            await asyncio.to_thread(replica.refresh)
+            added.append(replica)
+        gone = [r for r in current if not r.healthy and r.address not in published] \
+            if len(published) >= expected else []
+        if added or gone:
+            # a new list, not the old one changed: the load poller's thread iterates the old one
+            self.router.replicas = [r for r in current if r not in gone] + added
+            for r in gone:
+                await r.aclose()
+                r.close()
+            log.info("verifier replicas: added %s, dropped %s", [r.address for r in added], [r.address for r in gone])
+        return [r.address for r in self.router.replicas]
 
     def __serve_build_asgi_app__(self):
         from services.router.http import build_app as build_http_app
@@ -85,6 +151,9 @@ class RouterDeployment:
             raise RuntimeError("no healthy verifier replica")
 
     def __del__(self) -> None:
+        if getattr(self, "_follow", None) is not None:
+            self._follow.cancel()
+            self._follow = None
         if getattr(self, "_grpc", None) is not None:
             self._grpc.stop(timeout_s=5)
             self._grpc = None
@@ -112,8 +181,9 @@ class AppArgs(BaseModel):
         max_batch_size: KV slots per verifier replica (None = the device's default).
         max_seq_len: context limit per request.
         verifier_replicas: verifier replicas (one engine each) the router waits for at start-up;
-            the Serve config's ``num_replicas`` of ``VerifierDeployment`` overrides the count
-            started, and the router then uses every replica Serve shows running or starting.
+            the Serve config's ``num_replicas`` (or ``autoscaling_config``) of
+            ``VerifierDeployment`` overrides the count started, and the routers use every replica
+            Serve shows running (keep it at most ``min_replicas`` when autoscaling).
         policy: draft lengths: "fixed" (k), "entropy" or "predictor" (adaptive).
         predictor: acceptance predictor for ``policy="predictor"`` (a path, or "auto").
         measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.

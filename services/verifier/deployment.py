@@ -13,6 +13,17 @@ one deployment finds the gRPC addresses of another's replicas (``replica_address
 Placement lives in the Serve config (``infra/serve_config.yaml``): e.g.
 ``ray_actor_options: {num_gpus: 1, accelerator_type: A100}``; the defaults here ask for half a
 CPU so a whole application fits a 2-CPU machine.
+
+Autoscaling: requests reach a verifier replica over its own gRPC server, so Serve's built-in
+autoscaling signal (ongoing requests counted at handles and replicas) never sees them. Instead each
+replica reports its load as a custom autoscaling metric (``record_autoscaling_stats``, which Ray
+Serve calls on every replica of a deployment that has an ``autoscaling_config``: the result is
+recorded every ``look_back_period_s * 0.2`` s and pushed to the controller every
+``metrics_interval_s``), and ``RequestsPerSlotPolicy``, the deployment's autoscaling policy (named in
+the config's ``autoscaling_config.policy``), turns the reported requests per KV slot into a replica
+count. Serve applies ``min_replicas`` / ``max_replicas``, ``upscale_delay_s`` /
+``downscale_delay_s`` and the scaling factors to what the policy returns. Routers pick up replicas
+added or replaced later (``RouterDeployment`` follows the running replicas).
 """
 
 from __future__ import annotations
@@ -51,18 +62,20 @@ def dialable(address: str) -> str:
     return f"127.0.0.1:{port}" if host == ray.util.get_node_ip_address() else address
 
 
-def replica_count(handle: DeploymentHandle, default: int) -> int:
-    """Replicas of the deployment behind ``handle`` that are running or starting (Serve's status of
-    the calling replica's application), at least ``default``.
+def replica_count(handle: DeploymentHandle, default: int, starting: bool = True) -> int:
+    """Replicas of the deployment behind ``handle`` that are running (and, with ``starting``,
+    starting) as Serve's status of the calling replica's application shows them, at least
+    ``default``. Blocking (asks the Serve controller).
 
     Args:
         handle: a deployment of the caller's application.
         default: the count to use when the status is smaller or cannot be read.
+        starting: count replicas still starting too.
     """
     try:
         app = serve.get_replica_context().app_name
         states = serve.status().applications[app].deployments[handle.deployment_name].replica_states
-        return max(default, int(states.get("RUNNING", 0)) + int(states.get("STARTING", 0)))
+        return max(default, int(states.get("RUNNING", 0)) + (int(states.get("STARTING", 0)) if starting else 0))
     except Exception:  # noqa: BLE001 - status is advisory; fall back to the configured count
         return default
 
@@ -90,6 +103,53 @@ async def replica_addresses(handle: DeploymentHandle, expected: int, timeout_s: 
                 log.warning("found %d of %d replicas of %s", len(found), expected, handle.deployment_name)
             return found
         await asyncio.sleep(0.5)
+
+
+LOAD_METRIC = "requests_per_slot"  # the custom autoscaling metric of a verifier replica
+
+
+class RequestsPerSlotPolicy:
+    """Ray Serve autoscaling policy of ``VerifierDeployment``: as many replicas as keep each one's
+    requests per KV slot (running + waiting, over its slots: ``LOAD_METRIC``, which every replica
+    reports through ``record_autoscaling_stats``) at ``target_requests_per_slot``.
+
+    Named in the deployment's ``autoscaling_config`` (``policy: {policy_function:
+    services.verifier.deployment:RequestsPerSlotPolicy, policy_kwargs: {...}}``); Serve makes one
+    instance with ``policy_kwargs`` and calls it with an ``AutoscalingContext`` every control-loop
+    tick (0.1 s). The desired count is the sum over the running replicas of each one's load (its
+    mean over ``look_back_period_s``) divided by the target, the queue-length rule of Serve's
+    default policy applied to KV slots instead of handle requests: replicas at the target keep the
+    count, requests waiting for a slot raise it, idle slots lower it. A replica that reported
+    nothing yet counts as idle; with no report at all the count stays. Serve then applies the
+    scaling factors, ``upscale_delay_s`` / ``downscale_delay_s`` and ``min_replicas`` /
+    ``max_replicas``.
+
+    The class is serialized by value into the Serve controller (Serve pickles the policy's module
+    by value), so it uses nothing of this module but ``LOAD_METRIC`` and the standard library.
+
+    Args:
+        target_requests_per_slot: requests per KV slot to keep each replica at (> 0): 1.0 fills
+            every slot with nothing waiting; less keeps slots free for bursts.
+        metric: the replica metric to read.
+
+    Raises:
+        ValueError: a target that is not positive.
+    """
+
+    def __init__(self, target_requests_per_slot: float = 1.0, metric: str = LOAD_METRIC) -> None:
+        if not target_requests_per_slot > 0:
+            raise ValueError(f"target_requests_per_slot must be > 0, not {target_requests_per_slot}")
+        self.target = float(target_requests_per_slot)
+        self.metric = metric
+
+    def __call__(self, ctx) -> tuple[float, dict]:
+        """``(desired replicas, policy state)`` for ``ctx`` (a ``ray.serve.config.AutoscalingContext``)."""
+        loads = (ctx.aggregated_metrics or {}).get(self.metric) or {}
+        if ctx.current_num_replicas == 0 or not loads:
+            return ctx.target_num_replicas, {}
+        running = set(ctx.running_replicas)
+        total = sum(v for r, v in loads.items() if r in running)
+        return total / self.target, {}
 
 
 class GrpcReplica:
@@ -215,6 +275,23 @@ class VerifierDeployment(GrpcReplica):
             self._close()
             raise
         log.info("verifier replica (%s) serving gRPC on %s", words, self._address)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load for Serve's autoscaler (Serve calls it on the replica's event loop
+        when the deployment has an ``autoscaling_config``; ``RequestsPerSlotPolicy`` reads it).
+
+        Returns:
+            ``LOAD_METRIC``: (running + waiting requests) / KV slots; ``running`` and ``waiting``:
+            requests decoding and queued for a slot; ``num_slots``: KV slots. Empty once the
+            replica is closed.
+        """
+        replica = getattr(self, "replica", None)
+        if replica is None:
+            return {}
+        load = replica.load()
+        slots = max(1, int(load.num_slots))
+        return {LOAD_METRIC: (load.running + load.waiting) / slots, "running": float(load.running),
+                "waiting": float(load.waiting), "num_slots": float(slots)}
 
     def _close(self) -> None:
         """Stop the engine loop (its KV slots go with it) and close the state store."""

@@ -54,6 +54,15 @@ def event_pb(out: RequestOutput, completion: Completion | None = None) -> verifi
     return msg
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (``b`` after ``a``)."""
+    lp = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
+    texts = (a.token_texts or []) + (b.token_texts or []) if a.token_texts is not None or b.token_texts is not None \
+        else None
+    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta, b.finished,
+                         b.finish_reason, lp, texts, b.stop_reason)
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     """Args:
         replica: the engine loop.
@@ -102,24 +111,31 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                   request_id=req.request_id, prompt_tokens=len(req.prompt_ids)):
             self.replica.submit(req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), request.category)
         settled = False
-        last: RequestOutput | None = None
+        held: RequestOutput | None = None  # the last delta, held until its completion arrives
         try:
             while True:
-                event = await events.get()
-                if isinstance(event, Delta):
-                    if event.output.finished:  # sent with the completion that follows it
-                        last = event.output
-                    elif event.output.new_token_ids or event.output.text_delta:
-                        yield event_pb(event.output)
-                elif isinstance(event, Done):
-                    settled = True
-                    yield event_pb(last or RequestOutput(req.request_id, [], "", True, event.completion.finish_reason),
-                                   event.completion)
-                    return
-                elif isinstance(event, Failed):
-                    settled = True
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid else grpc.StatusCode.INTERNAL,
-                                        event.message)
+                # every event queued by now goes out in one message: when the loop falls behind the
+                # engine's steps, a request's deltas coalesce instead of costing a message each
+                events_now = [await events.get()]
+                while not events.empty():
+                    events_now.append(events.get_nowait())
+                pending, held = held, None
+                for event in events_now:
+                    if isinstance(event, Delta):
+                        pending = event.output if pending is None else merge_outputs(pending, event.output)
+                    elif isinstance(event, Done):
+                        settled = True
+                        yield event_pb(pending or RequestOutput(req.request_id, [], "", True,
+                                                                event.completion.finish_reason), event.completion)
+                        return
+                    elif isinstance(event, Failed):
+                        settled = True
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
+                                            else grpc.StatusCode.INTERNAL, event.message)
+                if pending is not None and not pending.finished and (pending.new_token_ids or pending.text_delta):
+                    yield event_pb(pending)
+                elif pending is not None and pending.finished:  # sent with the completion that follows it
+                    held = pending
         finally:
             if not settled:  # cancelled by the caller (or the server stopping): free the slot
                 self.replica.abort(req.request_id)

@@ -230,6 +230,15 @@ def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None
                           f"the *-host round paths and hf-* compare variants in one process)")
 
 
+def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
+    """``tandem serve verifier`` options that give a replica the bench's own runner settings, so
+    the distributed run differs from the in-process one only by the processes and the network."""
+    on = {True: "--", False: "--no-"}
+    return ("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
+            f"{on[bool(cfg.cuda_graphs)]}cuda-graphs", f"{on[bool(cfg.compile)]}compile",
+            f"{on[bool(cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs)]}prefill-graphs")
+
+
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
                     desc: str, progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
@@ -252,7 +261,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     check_distributed([config], options)
     # replicas learn acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
     stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
-                                            max_seq_len=runner_config.max_seq_len, measure_cost=config.uses_cost_model),
+                                            max_seq_len=runner_config.max_seq_len, measure_cost=config.uses_cost_model,
+                                            replica_options=replica_runner_options(runner_config)),
                         timeout_s=900)
     try:
         for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from ..data import bundled_spec_bench, load_prompts
 from ..errors import InvalidRequestError
-from .common import (console, device_option, dtype_option, err_console, fail, init_tracing, kernels_option, model_option,
+from .common import (console, device_option, dtype_option, err_console, fail, graph_options, init_tracing, kernels_option,
+                     model_option,
                      torch_dtype, with_drafter_options)
 
 
@@ -48,11 +49,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, in
               help="inproc: one process; distributed: through the gRPC services (tandem serve).")
 @model_option
 @device_option
-@click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")
-@click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")
-@click.option("--prefill-graphs/--no-prefill-graphs", default=None,
-              help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
-                   "Default: as --cuda-graphs.")
+@graph_options
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
 @kernels_option

@@ -90,6 +90,16 @@ kernels_option = click.option(
          "what invariance costs).")
 
 
+
+def graph_options(fn):
+    """``--cuda-graphs``, ``--compile`` and ``--prefill-graphs`` (runner settings; None = the device's default)."""
+    fn = click.option("--prefill-graphs/--no-prefill-graphs", default=None,
+                      help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
+                           "Default: as --cuda-graphs.")(fn)
+    fn = click.option("--compile/--no-compile", "compile_", default=None, help="Default: on for CUDA.")(fn)
+    return click.option("--cuda-graphs/--no-cuda-graphs", default=None, help="Default: on for CUDA.")(fn)
+
+
 TAU_DEPRECATED = "--tau is deprecated (τ is the mean accepted length); use --acceptance-threshold"
 
 

@@ -13,7 +13,8 @@ from services.launch import StackConfig
 
 from ..data import bundled_spec_bench, load_prompts
 from ..speculation import SpeculativeConfig
-from .common import console, device_option, fail, model_option
+from .common import (console, device_option, dtype_option, fail, graph_options, kernels_option, model_option,
+                     torch_dtype)
 
 
 @click.group()
@@ -66,19 +67,24 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
               help="Ask the drafter service for the next round while the target verifies this one.")
 @click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
               help="Serve this replica's Prometheus metrics on http://HOST:PORT/metrics.")
+@dtype_option
+@kernels_option
+@graph_options
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   metrics_port, api_key) -> None:
+                   metrics_port, dtype, kernels, cuda_graphs, compile_, prefill_graphs, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
 
-    spec = SpeculativeConfig("none" if drafter_address else drafter, draft_model=None if drafter_address else draft_model,
+    spec = SpeculativeConfig("remote" if drafter_address else drafter, draft_model=None if drafter_address else draft_model,
                              num_draft_tokens=num_draft_tokens, policy=policy, predictor=predictor)
+    runner = dict(dtype=torch_dtype(dtype), kernels=kernels, cuda_graphs=cuda_graphs, compile=compile_,
+                  prefill_graphs=prefill_graphs)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
-                 metrics_port=metrics_port, key=api_key)
+                 metrics_port=metrics_port, key=api_key, runner=runner)
 
 
 @serve.command("drafter")
