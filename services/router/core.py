@@ -2,8 +2,8 @@
 
 The router holds no engine and no KV slot. A verifier replica (``services.verifier``) runs the whole
 engine loop for the requests it is sent; the router tokenizes and validates a request, picks the
-replica with the least load for its KV slots (each replica's ``Load`` report, polled, plus what this
-router sent since), and streams the replica's ``Generate`` answer back as ``Delta`` / ``Done`` /
+replica with the least load for its KV slots (this router's calls open there, plus the other
+routers' requests as each replica's polled ``Load`` report implies), and streams the replica's ``Generate`` answer back as ``Delta`` / ``Done`` /
 ``Failed`` events. Any number of routers can run over the same replicas: a full replica queues
 requests for its slots, it never refuses them.
 
@@ -141,8 +141,8 @@ class Replica:
         self.healthy = True
         self.last_error: str | None = None
         self.report: verifier_pb2.LoadReport | None = None
-        self.sent = 0  # requests sent since the last report (not in it yet)
         self.open_calls = 0  # this router's calls in progress here
+        self.others = 0  # requests here that other routers sent, as of the last report
         self._streams: dict[int, tuple[grpc.aio.Channel, verifier_pb2_grpc.VerifierStub]] = {}
 
     def stream_stub(self) -> verifier_pb2_grpc.VerifierStub:
@@ -161,9 +161,9 @@ class Replica:
         return max(1, int(self.info.num_slots))
 
     def score(self) -> float:
-        """Requests per KV slot: running + waiting as last reported, plus what was sent since."""
-        held = self.open_calls if self.report is None else self.report.running + self.report.waiting + self.sent
-        return held / self.num_slots
+        """Requests per KV slot: this router's open calls here (exact) plus the other routers'
+        requests as the last report implied (its running + waiting less this router's calls then)."""
+        return (self.others + self.open_calls) / self.num_slots
 
     def refresh(self, timeout_s: float = 2.0) -> bool:
         """Poll ``Load`` (blocking): updates the report and the health; returns the health."""
@@ -174,7 +174,7 @@ class Replica:
                 log.error("verifier replica %s does not answer: %s", self.address, exc.code().name)
             self.healthy, self.last_error = False, f"{exc.code().name}: {exc.details()}"
             return False
-        self.sent = 0
+        self.others = max(0, self.report.running + self.report.waiting - self.open_calls)
         if not self.healthy:
             log.info("verifier replica %s answers again", self.address)
         self.healthy, self.last_error = True, None
@@ -269,7 +269,7 @@ class Router:
             r.refresh()
 
     def _choose(self, avoid: set[str]) -> Replica | None:
-        """The healthy replica with the fewest requests per KV slot, not in ``avoid``."""
+        """The healthy replica with the fewest requests per KV slot (``Replica.score``), not in ``avoid``."""
         healthy = [r for r in self.replicas if r.healthy and r.address not in avoid]
         return min(healthy, key=Replica.score) if healthy else None
 
@@ -384,7 +384,6 @@ class Router:
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
                                           category=category or "default")
         progress.replicas.append(replica.address)
-        replica.sent += 1
         replica.open_calls += 1
         with span("route", replica=replica.address, request_id=rid, resumed_tokens=done):
             metadata = inject_metadata(replica.metadata)  # the replica's "generate" span is this one's child
