@@ -86,13 +86,14 @@ class RouterDeployment:
 
     async def _follow_verifiers(self, period_s: float) -> None:
         """Every ``period_s`` seconds, ``sync_verifiers`` when Serve shows a different number of
-        running verifier replicas than the router has healthy ones."""
+        running verifier replicas than the router has healthy ones (a sync that takes over 30 s,
+        e.g. a replica that answers no ``address()``, is given up till the next period)."""
         while True:
             await asyncio.sleep(period_s)
             try:
                 running = await asyncio.to_thread(replica_count, self._verifier, 0, False)
                 if running and running != sum(r.healthy for r in self.router.replicas):
-                    await self.sync_verifiers(running)
+                    await asyncio.wait_for(self.sync_verifiers(running), timeout=30)
             except Exception:  # noqa: BLE001 - the next period tries again
                 log.exception("following the verifier replicas failed")
 
