@@ -143,17 +143,20 @@ class Replica:
         self.report: verifier_pb2.LoadReport | None = None
         self.open_calls = 0  # this router's calls in progress here
         self.others = 0  # requests here that other routers sent, as of the last report
-        self._streams: dict[int, tuple[grpc.aio.Channel, verifier_pb2_grpc.VerifierStub]] = {}
+        self._streams: dict[int, list] = {}  # event loop id -> [grpc.aio channel, its _Link or None]
 
-    def stream_stub(self) -> verifier_pb2_grpc.VerifierStub:
-        """The ``grpc.aio`` stub for the running event loop (one channel per loop: the HTTP and
-        gRPC front doors may run on different loops), with keepalive for hang detection."""
+    def link(self) -> "_Link":
+        """This router's multiplexed ``Generate`` stream to the replica for the running event loop
+        (one per loop: the HTTP and gRPC front doors may run on different loops), opened anew after
+        a failure, over a channel with keepalive for hang detection."""
         loop = asyncio.get_running_loop()
         entry = self._streams.get(id(loop))
         if entry is None:
             channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS
                                                 + keepalive_options(self._deadline_s))
-            entry = self._streams[id(loop)] = (channel, verifier_pb2_grpc.VerifierStub(channel))
+            entry = self._streams[id(loop)] = [channel, None]
+        if entry[1] is None or entry[1].closed:
+            entry[1] = _Link(verifier_pb2_grpc.VerifierStub(entry[0]), self.metadata)
         return entry[1]
 
     @property
@@ -191,6 +194,8 @@ class Replica:
         loop = asyncio.get_running_loop()
         entry = self._streams.pop(id(loop), None)
         if entry is not None:
+            if entry[1] is not None:
+                entry[1].close()
             await entry[0].close()
 
     def close(self) -> None:
@@ -199,6 +204,76 @@ class Replica:
 
 class _ReplicaLost(Exception):
     """The replica serving a request failed (UNAVAILABLE, a broken stream): move the request."""
+
+
+_LOST = object()  # put on every open request's queue when its link's stream ends
+
+
+class _Link:
+    """One router's ``Verifier/Generate`` stream to one replica: commands out (a queue the call
+    reads), events in, dispatched to each open request's queue by request id. When the stream
+    fails, every open request gets ``_LOST`` and the link is ``closed``.
+
+    Args:
+        stub: the replica's ``grpc.aio`` stub.
+        metadata: call metadata (the bearer token).
+    """
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, metadata: list[tuple[str, str]]) -> None:
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._waiters: dict[str, asyncio.Queue] = {}
+        self.closed = False
+        self.error = "the replica ended the stream"
+        self._call = stub.Generate(self._commands(), metadata=metadata)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _commands(self):
+        while True:
+            first = await self._outbox.get()
+            if first is None:
+                return
+            cmds = verifier_pb2.ReplicaCommands()
+            cmds.MergeFrom(first)
+            while not self._outbox.empty():  # whatever queued meanwhile goes in the same message
+                more = self._outbox.get_nowait()
+                if more is None:
+                    yield cmds
+                    return
+                cmds.MergeFrom(more)
+            yield cmds
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                for ev in msg.events:
+                    q = self._waiters.get(ev.request_id)
+                    if q is not None:
+                        q.put_nowait(ev)
+        except grpc.aio.AioRpcError as exc:
+            self.error = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            self.error = "the router closed the stream"
+        finally:
+            self.closed = True
+            for q in self._waiters.values():
+                q.put_nowait(_LOST)
+
+    def submit(self, request: verifier_pb2.ReplicaRequest) -> asyncio.Queue:
+        """Send ``request``; its ``ReplicaEvent``s (then ``_LOST`` if the stream fails) arrive on
+        the returned queue."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[request.request_id] = q
+        self._outbox.put_nowait(verifier_pb2.ReplicaCommands(submit=[request]))
+        return q
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Stop dispatching ``request_id``; ``abort``: also tell the replica to drop it."""
+        if self._waiters.pop(request_id, None) is not None and abort and not self.closed:
+            self._outbox.put_nowait(verifier_pb2.ReplicaCommands(abort=[request_id]))
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
 
 
 @dataclass
@@ -212,6 +287,18 @@ class _Progress:
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     first_token_time: float | None = None
     replicas: list[str] = field(default_factory=list)
+
+
+def _merge_events(a: verifier_pb2.ReplicaEvent, b: verifier_pb2.ReplicaEvent) -> verifier_pb2.ReplicaEvent:
+    """Two consecutive events of one request as one (``b`` after ``a``; ``a`` not final)."""
+    merged = verifier_pb2.ReplicaEvent()
+    merged.CopyFrom(b)
+    del merged.token_ids[:], merged.logprobs[:], merged.token_texts[:]
+    merged.token_ids.extend([*a.token_ids, *b.token_ids])
+    merged.logprobs.extend([*a.logprobs, *b.logprobs])
+    merged.token_texts.extend([*a.token_texts, *b.token_texts])
+    merged.text = a.text + b.text
+    return merged
 
 
 class Router:
@@ -380,16 +467,31 @@ class Router:
         params = request.params
         if done:
             params = replace(params, max_tokens=request.output.max_new_tokens - done)
+        progress.replicas.append(replica.address)
+        with span("route", replica=replica.address, request_id=rid, resumed_tokens=done):
+            trace = dict(inject_metadata())  # the replica's "generate" span is this one's child
         msg = verifier_pb2.ReplicaRequest(request_id=rid, prompt_ids=[*request.prompt_ids, *progress.token_ids],
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
-                                          category=category or "default")
-        progress.replicas.append(replica.address)
+                                          category=category or "default", trace_context=trace)
+        link = replica.link()
+        events = link.submit(msg)
         replica.open_calls += 1
-        with span("route", replica=replica.address, request_id=rid, resumed_tokens=done):
-            metadata = inject_metadata(replica.metadata)  # the replica's "generate" span is this one's child
-        call = replica.stream_stub().Generate(msg, metadata=metadata)
+        settled = False
         try:
-            async for ev in call:
+            while True:
+                ev = await events.get()
+                while ev is not _LOST and not events.empty() and not ev.finished and not ev.error:
+                    nxt = events.get_nowait()  # the front door fell behind: coalesce what queued
+                    if nxt is _LOST or nxt.error:
+                        events.put_nowait(nxt)  # (handled next time round)
+                        break
+                    ev = _merge_events(ev, nxt)
+                if ev is _LOST:
+                    raise _ReplicaLost(link.error)
+                if ev.error:
+                    settled = True
+                    yield Failed(ev.error, invalid=ev.invalid)
+                    return
                 now = time.perf_counter()
                 if ev.token_ids and progress.first_token_time is None:
                     progress.first_token_time = now
@@ -402,24 +504,18 @@ class Router:
                 out = RequestOutput(rid, list(ev.token_ids), ev.text, ev.finished, ev.finish_reason or None,
                                     list(ev.logprobs) if request.logprobs is not None else None,
                                     list(ev.token_texts) or None, stop_reason)
-                yield Delta(out)
                 if ev.finished:
+                    settled = True
                     progress.spec.merge(spec_from_pb(ev.spec))
                     completion = self._completion(request, progress, ev.finish_reason, stop_reason, now)
                     self._observe(completion)
+                    yield Delta(out)
                     yield Done(completion)
                     return
-                if ev.HasField("spec"):
-                    progress.spec.merge(spec_from_pb(ev.spec))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in RETRYABLE:
-                raise _ReplicaLost(f"{exc.code().name}: {exc.details()}") from None
-            yield Failed(exc.details() or exc.code().name, invalid=exc.code() == grpc.StatusCode.INVALID_ARGUMENT)
-            return
+                yield Delta(out)
         finally:
             replica.open_calls -= 1
-            call.cancel()  # no-op once finished; a consumer that left aborts the request on the replica
-        raise _ReplicaLost("the replica ended the stream before the request finished")
+            link.release(rid, abort=not settled)  # a consumer that left aborts the request on the replica
 
     def _completion(self, request: Request, progress: _Progress, finish_reason: str, stop_reason, now: float) -> Completion:
         n = len(progress.token_ids)

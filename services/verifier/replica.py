@@ -54,7 +54,7 @@ class Load:
 @dataclass
 class _Submission:
     request: Request
-    sink: Callable[[Event], None]
+    sink: Callable[[list[tuple[str, Event]]], None]
     category: str
 
 
@@ -90,9 +90,12 @@ class ReplicaEngine:
 
     # ------------------------------------------------------------------ API (any thread)
 
-    def submit(self, request: Request, sink: Callable[[Event], None], category: str = "default") -> None:
+    def submit(self, request: Request, sink: Callable[[list[tuple[str, Event]]], None],
+               category: str = "default") -> None:
         """Queue ``request`` (built by ``engine.make_request``); its events go to ``sink``, called
-        from the engine thread: ``Delta`` per step that emitted tokens, then ``Done`` or ``Failed``."""
+        from the engine thread once per step with (request id, event) for every event of that step
+        of the requests that share the sink (a router's stream): ``Delta`` per step that emitted
+        tokens, then ``Done`` or ``Failed``."""
         with self._lock:
             self._submitted += 1
         self._inbox.put(("add", _Submission(request, sink, category or "default")))
@@ -165,7 +168,7 @@ class ReplicaEngine:
                     self.engine.submit(arg.request)
                     self._subs[rid] = arg
                 except InvalidRequestError as exc:  # a duplicate id: refuse this one, keep the running one
-                    arg.sink(Failed(str(exc), invalid=True))
+                    arg.sink([(rid, Failed(str(exc), invalid=True))])
             elif kind == "abort" and arg in self._subs:
                 self.engine.abort(arg)
                 self._subs.pop(arg)
@@ -181,11 +184,13 @@ class ReplicaEngine:
 
     def _fail_all(self, message: str) -> None:
         """A step failed: the engine's state for its requests is not to be trusted; fail them all."""
+        batches = _Batches()
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
             sub = self._subs.pop(rid, None)
             if sub is not None:
-                sub.sink(Failed(message))
+                batches.add(sub, rid, Failed(message))
+        batches.deliver()
 
     def _run(self) -> None:
         engine = self.engine
@@ -200,18 +205,34 @@ class ReplicaEngine:
                 log.exception("engine step failed")
                 self._fail_all(f"internal error on the verifier replica: {exc}")
                 continue
+            batches = _Batches()
             for out in outputs:
                 sub = self._subs.get(out.request_id)
                 if sub is None:
                     continue
-                sub.sink(Delta(out))
+                batches.add(sub, out.request_id, Delta(out))
                 if out.finished:
                     completion = engine.completion(out.request_id)
                     self._subs.pop(out.request_id)
                     self._on_done(sub, completion)
-                    sub.sink(Done(completion))
+                    batches.add(sub, out.request_id, Done(completion))
+            batches.deliver()
         for rid in list(self._subs):  # stopping: what is left is aborted (its callers see the stream end)
             self.engine.abort(rid)
+
+
+class _Batches:
+    """One step's events grouped by sink: each sink is called once, with (request id, event) pairs."""
+
+    def __init__(self) -> None:
+        self._by_sink: dict[int, tuple[Callable, list]] = {}
+
+    def add(self, sub: _Submission, request_id: str, event: Event) -> None:
+        self._by_sink.setdefault(id(sub.sink), (sub.sink, []))[1].append((request_id, event))
+
+    def deliver(self) -> None:
+        for sink, events in self._by_sink.values():
+            sink(events)
 
 
 def open_store(url: str | None) -> StateStore:

@@ -1,17 +1,19 @@
 """Verifier replica gRPC server: ``tandem.v1.Verifier`` over a ``ReplicaEngine``.
 
-``Generate`` takes one whole request and streams its accepted tokens; the engine loop (scheduler,
-KV slots, drafts, verification) runs here, beside the weights. A call that ends early (the router
-cancelled it, or died) aborts its request and frees its KV slot. ``Load`` reports what the replica
-holds, for routers to balance on.
+``Generate`` is one stream per router: whole requests in, their accepted tokens out, one message
+per engine step for all the stream's requests that step touched (a request per message would
+cost the replica's event loop, and with it the engine thread's share of the interpreter, a
+message per request per step). The engine loop (scheduler, KV slots, drafts, verification) runs
+here, beside the weights. A stream that ends (the router went away) aborts its requests and frees
+their KV slots. ``Load`` reports what the replica holds, for routers to balance on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 
-import grpc
 
 from services.common import Delta, Done, Failed, GrpcServer, params_from_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
@@ -77,6 +79,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.eos_token_ids = eos_token_ids
         self.cost = cost or {}
         self.speculation = speculation
+        self._streams = itertools.count()
 
     async def Info(self, request, context):
         i = self.replica.engine.target.info
@@ -95,50 +98,83 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                        state_store=verifier_pb2.StateStoreStatus(**store),
                                        drafter=verifier_pb2.DrafterStatus(**drafter))
 
-    async def Generate(self, request, context):
-        engine = self.replica.engine
-        try:
-            if not request.request_id:
-                raise InvalidRequestError("request_id is required")
-            req = engine.make_request(prompt_ids=list(request.prompt_ids), params=params_from_pb(request.params),
-                                      request_id=request.request_id, logprobs=request.logprobs)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
+    async def Generate(self, request_iterator, context):
+        """One router's stream: ``ReplicaCommands`` in, ``ReplicaEvents`` out (see the proto)."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        with span("generate", parent_context=extract_context(context.invocation_metadata()),
-                  request_id=req.request_id, prompt_tokens=len(req.prompt_ids)):
-            self.replica.submit(req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), request.category)
-        settled = False
-        held: RequestOutput | None = None  # the last delta, held until its completion arrives
+        batches: asyncio.Queue = asyncio.Queue()  # lists of (request id, event), one per engine step
+        prefix = f"s{next(self._streams)}/"  # engine ids unique across streams; the router's id goes back out
+        live: set[str] = set()  # this stream's requests not settled yet (router ids)
+
+        def sink(events: list) -> None:  # engine thread
+            loop.call_soon_threadsafe(batches.put_nowait, events)
+
+        def submit(r: verifier_pb2.ReplicaRequest) -> None:
+            rid = r.request_id
+            try:
+                if not rid:
+                    raise InvalidRequestError("request_id is required")
+                if rid in live:
+                    raise InvalidRequestError(f"request {rid!r} is already running on this stream")
+                req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
+                                                       request_id=prefix + rid, logprobs=r.logprobs)
+            except InvalidRequestError as exc:
+                batches.put_nowait([(prefix + rid, Failed(str(exc), invalid=True))])
+                return
+            live.add(rid)
+            with span("generate", parent_context=extract_context(r.trace_context.items()), request_id=rid,
+                      prompt_tokens=len(req.prompt_ids)):
+                self.replica.submit(req, sink, r.category)
+
+        async def read_commands() -> None:
+            async for cmds in request_iterator:
+                for r in cmds.submit:
+                    submit(r)
+                for rid in cmds.abort:
+                    if rid in live:
+                        live.discard(rid)
+                        self.replica.abort(prefix + rid)
+
+        reader = asyncio.ensure_future(read_commands())
         try:
             while True:
-                # every event queued by now goes out in one message: when the loop falls behind the
-                # engine's steps, a request's deltas coalesce instead of costing a message each
-                events_now = [await events.get()]
-                while not events.empty():
-                    events_now.append(events.get_nowait())
-                pending, held = held, None
-                for event in events_now:
-                    if isinstance(event, Delta):
-                        pending = event.output if pending is None else merge_outputs(pending, event.output)
-                    elif isinstance(event, Done):
-                        settled = True
-                        yield event_pb(pending or RequestOutput(req.request_id, [], "", True,
-                                                                event.completion.finish_reason), event.completion)
-                        return
-                    elif isinstance(event, Failed):
-                        settled = True
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
-                                            else grpc.StatusCode.INTERNAL, event.message)
-                if pending is not None and not pending.finished and (pending.new_token_ids or pending.text_delta):
-                    yield event_pb(pending)
-                elif pending is not None and pending.finished:  # sent with the completion that follows it
-                    held = pending
+                # every step queued by now goes out in one message; a request's deltas in it coalesce
+                got = [await batches.get()]
+                while not batches.empty():
+                    got.append(batches.get_nowait())
+                yield self._events([e for events in got for e in events], prefix, live)
         finally:
-            if not settled:  # cancelled by the caller (or the server stopping): free the slot
-                self.replica.abort(req.request_id)
+            reader.cancel()
+            for rid in live:  # the stream ended (router gone, cancelled, server stopping): free their slots
+                self.replica.abort(prefix + rid)
+
+    @staticmethod
+    def _events(events: list, prefix: str, live: set[str]) -> verifier_pb2.ReplicaEvents:
+        """(engine id, event) pairs as one message: consecutive deltas of a request merged, a
+        request's last delta sent with its completion."""
+        merged: dict[str, list] = {}  # router id -> [RequestOutput | None, Done | Failed | None]
+        for eid, event in events:
+            rid = eid[len(prefix):]
+            slot = merged.setdefault(rid, [None, None])
+            if isinstance(event, Delta):
+                slot[0] = event.output if slot[0] is None else merge_outputs(slot[0], event.output)
+            else:
+                slot[1] = event
+        out = verifier_pb2.ReplicaEvents()
+        for rid, (delta, end) in merged.items():
+            if isinstance(end, Failed):
+                live.discard(rid)
+                out.events.append(verifier_pb2.ReplicaEvent(request_id=rid, error=end.message or "failed",
+                                                            invalid=end.invalid))
+            elif isinstance(end, Done):
+                live.discard(rid)
+                ev = event_pb(delta or RequestOutput(rid, [], "", True, end.completion.finish_reason), end.completion)
+                ev.request_id = rid
+                out.events.append(ev)
+            elif delta is not None and (delta.new_token_ids or delta.text_delta):
+                ev = event_pb(delta)
+                ev.request_id = rid
+                out.events.append(ev)
+        return out
 
 
 async def serve(replica: ReplicaEngine, eos_token_ids: list[int], port: int = 0, host: str = "127.0.0.1",

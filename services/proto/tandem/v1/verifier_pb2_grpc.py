@@ -34,10 +34,10 @@ class VerifierStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
+        self.Generate = channel.stream_stream(
                 '/tandem.v1.Verifier/Generate',
-                request_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.FromString,
+                request_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaCommands.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvents.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/tandem.v1.Verifier/Load',
@@ -54,11 +54,14 @@ class VerifierStub:
 class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Generate(self, request, context):
-        """One call per request. The replica queues it for a KV slot, decodes it speculatively and
-        streams its accepted tokens; the last message has finished = true and the request's
-        speculative-decoding counters. Cancelling the call aborts the request and frees its slot:
-        slots are owned by the replica, so a router that dies cannot leak them.
+    def Generate(self, request_iterator, context):
+        """One stream per router (per event loop), multiplexing its requests: commands in (requests to
+        run, requests to abort), events out, one message per engine step with every request of the
+        stream that step touched. The replica queues each request for a KV slot, decodes it
+        speculatively and streams its accepted tokens; a request's last event has finished = true and
+        its speculative-decoding counters (or an error). A stream that ends, for any reason, aborts
+        its requests and frees their slots: slots are owned by the replica, so a router that dies
+        cannot leak them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,10 +83,10 @@ class VerifierServicer:
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
+            'Generate': grpc.stream_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_verifier__pb2.ReplicaCommands.FromString,
+                    response_serializer=tandem_dot_v1_dot_verifier__pb2.ReplicaEvents.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -107,7 +110,7 @@ class Verifier:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Generate(request,
+    def Generate(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -117,12 +120,12 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/tandem.v1.Verifier/Generate',
-            tandem_dot_v1_dot_verifier__pb2.ReplicaRequest.SerializeToString,
-            tandem_dot_v1_dot_verifier__pb2.ReplicaEvent.FromString,
+            tandem_dot_v1_dot_verifier__pb2.ReplicaCommands.SerializeToString,
+            tandem_dot_v1_dot_verifier__pb2.ReplicaEvents.FromString,
             options,
             channel_credentials,
             insecure,
