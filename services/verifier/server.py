@@ -40,11 +40,15 @@ def spec_from_pb(m: verifier_pb2.SpecStats) -> SpecDecodeStats:
                            [int(x) for x in m.drafted_per_pos], [int(x) for x in m.accepted_per_pos])
 
 
-def event_pb(out: RequestOutput, completion: Completion | None = None) -> verifier_pb2.ReplicaEvent:
-    """One streamed message: ``out``'s tokens; with ``completion`` also the end (finish and stop
-    reasons, the request's speculative-decoding counters)."""
-    msg = verifier_pb2.ReplicaEvent(token_ids=out.new_token_ids, text=out.text_delta, logprobs=out.logprobs or [],
-                                    token_texts=(out.token_texts or []) if out.logprobs else [])
+def fill_event(msg: verifier_pb2.ReplicaEvent, out: RequestOutput,
+               completion: Completion | None = None) -> verifier_pb2.ReplicaEvent:
+    """Write ``out``'s tokens into ``msg``; with ``completion`` also the end (finish and stop
+    reasons, the request's speculative-decoding counters). Returns ``msg``."""
+    msg.token_ids.extend(out.new_token_ids)
+    msg.text = out.text_delta
+    if out.logprobs:
+        msg.logprobs.extend(out.logprobs)
+        msg.token_texts.extend(out.token_texts or [])
     if completion is not None:
         msg.finished = True
         msg.finish_reason = completion.finish_reason
@@ -101,12 +105,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Generate(self, request_iterator, context):
         """One router's stream: ``ReplicaCommands`` in, ``ReplicaEvents`` out (see the proto)."""
         loop = asyncio.get_running_loop()
-        batches: asyncio.Queue = asyncio.Queue()  # lists of (request id, event), one per engine step
+        batches: asyncio.Queue = asyncio.Queue()  # (ReplicaEvents, settled router ids), one per engine step
         prefix = f"s{next(self._streams)}/"  # engine ids unique across streams; the router's id goes back out
         live: set[str] = set()  # this stream's requests not settled yet (router ids)
 
-        def sink(events: list) -> None:  # engine thread
-            loop.call_soon_threadsafe(batches.put_nowait, events)
+        def sink(events: list) -> None:
+            # engine thread: the step's message is built here, so the event loop's share of the
+            # interpreter per step is one queue hand-off and one write, not a conversion per request
+            loop.call_soon_threadsafe(batches.put_nowait, self._events(events, prefix))
 
         def submit(r: verifier_pb2.ReplicaRequest) -> None:
             rid = r.request_id
@@ -118,7 +124,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
                                                        request_id=prefix + rid, logprobs=r.logprobs)
             except InvalidRequestError as exc:
-                batches.put_nowait([(prefix + rid, Failed(str(exc), invalid=True))])
+                batches.put_nowait(self._events([(prefix + rid, Failed(str(exc), invalid=True))], prefix))
                 return
             live.add(rid)
             with span("generate", parent_context=extract_context(r.trace_context.items()), request_id=rid,
@@ -137,20 +143,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         reader = asyncio.ensure_future(read_commands())
         try:
             while True:
-                # every step queued by now goes out in one message; a request's deltas in it coalesce
-                got = [await batches.get()]
-                while not batches.empty():
-                    got.append(batches.get_nowait())
-                yield self._events([e for events in got for e in events], prefix, live)
+                msg, settled = await batches.get()
+                live.difference_update(settled)
+                while not batches.empty():  # every step queued by now goes out in the same message
+                    more, settled = batches.get_nowait()
+                    msg.events.extend(more.events)
+                    live.difference_update(settled)
+                if msg.events:
+                    yield msg
         finally:
             reader.cancel()
             for rid in live:  # the stream ended (router gone, cancelled, server stopping): free their slots
                 self.replica.abort(prefix + rid)
 
     @staticmethod
-    def _events(events: list, prefix: str, live: set[str]) -> verifier_pb2.ReplicaEvents:
-        """(engine id, event) pairs as one message: consecutive deltas of a request merged, a
-        request's last delta sent with its completion."""
+    def _events(events: list, prefix: str) -> tuple[verifier_pb2.ReplicaEvents, list[str]]:
+        """(engine id, event) pairs as one message, and the router ids it settles (finished or
+        failed): consecutive deltas of a request merged, a request's last delta sent with its
+        completion."""
         merged: dict[str, list] = {}  # router id -> [RequestOutput | None, Done | Failed | None]
         for eid, event in events:
             rid = eid[len(prefix):]
@@ -160,21 +170,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             else:
                 slot[1] = event
         out = verifier_pb2.ReplicaEvents()
+        settled = []
         for rid, (delta, end) in merged.items():
             if isinstance(end, Failed):
-                live.discard(rid)
+                settled.append(rid)
                 out.events.append(verifier_pb2.ReplicaEvent(request_id=rid, error=end.message or "failed",
                                                             invalid=end.invalid))
             elif isinstance(end, Done):
-                live.discard(rid)
-                ev = event_pb(delta or RequestOutput(rid, [], "", True, end.completion.finish_reason), end.completion)
-                ev.request_id = rid
-                out.events.append(ev)
+                settled.append(rid)
+                fill_event(out.events.add(request_id=rid),
+                           delta or RequestOutput(rid, [], "", True, end.completion.finish_reason), end.completion)
             elif delta is not None and (delta.new_token_ids or delta.text_delta):
-                ev = event_pb(delta)
-                ev.request_id = rid
-                out.events.append(ev)
-        return out
+                fill_event(out.events.add(request_id=rid), delta)
+        return out, settled
 
 
 async def serve(replica: ReplicaEngine, eos_token_ids: list[int], port: int = 0, host: str = "127.0.0.1",
