@@ -244,8 +244,9 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                     desc: str, progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
-    service as separate processes on loopback gRPC (``services.launch``), ``batch_size`` requests
-    in flight through ``Router.Generate``; a warm-up pass (``warmup_share``), then the timed pass.
+    service as separate processes on loopback gRPC (``services.launch``), every request in flight
+    at once through ``Router.Generate`` with the replica's KV slots (``batch_size``) bounding the
+    batch, as in process; a warm-up pass (``warmup_share``), then the timed pass.
 
     Returns:
         Completions (record order; TTFT / TPOT measured by the client, network included) and the
@@ -271,7 +272,9 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
-                comps = generate_all(stack.grpc_address, run, params, batch_size, on_finish=lambda _: bar.update())
+                # every request in flight at once, as the in-process engine holds them all queued: the
+                # replica's batch_size KV slots bound the batch, and its admission policy fills them
+                comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update())
                 wall = time.perf_counter() - t0
     finally:
         stack.stop()
