@@ -502,6 +502,27 @@ def test_grpc_invalid_argument(stack):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
 
 
+def test_a_client_request_id_used_twice_at_once(stack, local_engine, prompts):
+    """gRPC clients choose their request ids: two requests with the same id at the same time both
+    run, each with its own output (the router keys its stream to the replica by ids of its own)."""
+    want = [local_engine.generate([p], SamplingParams(max_tokens=8), chat=False)[0].token_ids for p in prompts[:2]]
+    got = {}
+
+    def run(i: int) -> None:
+        req = router_pb2.GenerateRequest(request_id="mine", prompt=prompts[i], raw_prompt=True,
+                                         params=params_to_pb(SamplingParams(max_tokens=8)))
+        with grpc.insecure_channel(stack.grpc_address) as ch:
+            msgs = list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=60))
+        got[i] = [t for m in msgs for t in m.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [got.get(0), got.get(1)] == want
+
+
 def test_bearer_token_required(stack, model_id):
     status, payload = _post(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
     assert status == 401 and "bearer" in payload["error"]["message"]

@@ -20,6 +20,7 @@ begin a stop string is flushed as text, and a stop string that spans the point i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -222,6 +223,7 @@ class _Link:
     def __init__(self, stub: verifier_pb2_grpc.VerifierStub, metadata: list[tuple[str, str]]) -> None:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._waiters: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
         self.closed = False
         self.error = "the replica ended the stream"
         self._call = stub.Generate(self._commands(), metadata=metadata)
@@ -258,13 +260,15 @@ class _Link:
             for q in self._waiters.values():
                 q.put_nowait(_LOST)
 
-    def submit(self, request: verifier_pb2.ReplicaRequest) -> asyncio.Queue:
-        """Send ``request``; its ``ReplicaEvent``s (then ``_LOST`` if the stream fails) arrive on
-        the returned queue."""
+    def submit(self, request: verifier_pb2.ReplicaRequest) -> tuple[str, asyncio.Queue]:
+        """Send ``request`` under an id unique on this stream (``<n>:<request id>``: clients may
+        reuse their own ids); returns that id and the queue its ``ReplicaEvent``s (then ``_LOST``
+        if the stream fails) arrive on."""
+        request.request_id = f"{next(self._ids)}:{request.request_id}"
         q: asyncio.Queue = asyncio.Queue()
         self._waiters[request.request_id] = q
         self._outbox.put_nowait(verifier_pb2.ReplicaCommands(submit=[request]))
-        return q
+        return request.request_id, q
 
     def release(self, request_id: str, abort: bool) -> None:
         """Stop dispatching ``request_id``; ``abort``: also tell the replica to drop it."""
@@ -474,7 +478,7 @@ class Router:
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
                                           category=category or "default", trace_context=trace)
         link = replica.link()
-        events = link.submit(msg)
+        wire_id, events = link.submit(msg)
         replica.open_calls += 1
         settled = False
         try:
@@ -515,7 +519,7 @@ class Router:
                 yield Delta(out)
         finally:
             replica.open_calls -= 1
-            link.release(rid, abort=not settled)  # a consumer that left aborts the request on the replica
+            link.release(wire_id, abort=not settled)  # a consumer that left aborts the request on the replica
 
     def _completion(self, request: Request, progress: _Progress, finish_reason: str, stop_reason, now: float) -> Completion:
         n = len(progress.token_ids)
