@@ -396,8 +396,8 @@ class Router:
 
     async def generate(self, request: Request, category: str = "default") -> AsyncIterator[Event]:
         """Async iterator of events for one request: ``Delta`` per streamed step, then ``Done`` or
-        ``Failed``. Leaving it early (client disconnect, cancellation) cancels the replica's call,
-        which aborts the request there. A ``request`` span covers its lifetime."""
+        ``Failed``. Leaving it early (client disconnect, cancellation) sends an abort on the
+        replica stream, which drops the request there. A ``request`` span covers its lifetime."""
         rid = request.request_id
         ended = asyncio.get_running_loop().create_future()
 
