@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The disaggregated stack on loopback: verifier, drafter and router as separate processes; 20 Spec-Bench
+# The disaggregated stack on loopback: a verifier replica (n-gram drafter inside) and the router as separate processes; 20 Spec-Bench
 # prompts through /v1/chat/completions with the openai client; then everything is shut down.
 run: $(STAMP)
 	$(VENV)/bin/tandem demo --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 64 --drafter ngram --num-draft-tokens 4

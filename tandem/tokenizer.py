@@ -29,7 +29,8 @@ def check_utf8(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"prompt is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
+        raise InvalidRequestError(f"prompt is not valid UTF-8 text ({exc.reason} at position {exc.start})",
+                                  param="prompt") from None
 
 
 class Tokenizer:
@@ -75,10 +76,10 @@ class Tokenizer:
             try:
                 prompt = prompt.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise InvalidRequestError(f"prompt is not valid UTF-8: {exc}") from None
+                raise InvalidRequestError(f"prompt is not valid UTF-8: {exc}", param="prompt") from None
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", param="prompt")
             if chat and self.has_chat_template:
                 return self.apply_chat_template([{"role": "user", "content": prompt}])
             return self.encode(prompt)

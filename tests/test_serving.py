@@ -429,6 +429,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": [{"role": "user", "content": "hi " * 400}]}, "context limit", "messages"),
     ({"messages": HI, "max_tokens": 10**9}, "past the context limit of 256 tokens", "max_tokens"),
     ({"messages": HI, "max_completion_tokens": 250}, "at most", "max_completion_tokens"),
+    ({"messages": HI, "max_tokens": 4, "max_completion_tokens": 6}, "disagree", "max_completion_tokens"),
     ({"messages": HI, "max_tokens": "4"}, "max_tokens", "max_tokens"),
     ({"messages": HI, "max_tokens": True}, "max_tokens", "max_tokens"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
@@ -491,15 +492,21 @@ def test_http_protocol_errors_use_the_openai_shape(stack):
         assert needle in payload["error"]["message"] and payload["error"]["code"] == want
 
 
-def test_grpc_invalid_argument(stack):
+def test_grpc_invalid_argument(stack, local_engine, prompts):
+    """Bad input over gRPC: INVALID_ARGUMENT with a message (a max_tokens past the context as over
+    HTTP); a request without max_tokens gets the router's default and stops at the context."""
     for req in (router_pb2.GenerateRequest(prompt="", params=common_pb2.SamplingParams(max_tokens=4)),
-                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=0)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=CONTEXT)),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0)),
                 router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="wizard", content="hi")],
                                            params=common_pb2.SamplingParams(max_tokens=4))):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    req = router_pb2.GenerateRequest(prompt=prompts[0], params=common_pb2.SamplingParams(ignore_eos=True))
+    with grpc.insecure_channel(stack.grpc_address) as ch:  # no max_tokens: the default, cut at the context
+        last = list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=120))[-1]
+    assert last.finish_reason == "length" and last.usage.completion_tokens == CONTEXT - last.usage.prompt_tokens
 
 
 def test_a_client_request_id_used_twice_at_once(stack, local_engine, prompts):
@@ -1148,3 +1155,18 @@ def test_body_over_the_limit_is_a_413_chunked_or_not():
         r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 413 and "over 4 MiB" in r.json()["error"]["message"], r.text
 
+
+
+def test_router_reads_the_replicas_tokenizer(tiny_dir):
+    """The router's tokenizer: ``--model`` when given; else the replicas' model path when it is
+    readable on the router's host; else the bundled model only if that is what they serve; a model
+    elsewhere is a one-line ConfigError asking for --model."""
+    from services.router.core import router_model
+    from tandem.errors import ConfigError
+    from tandem.models.weights import default_model_path
+
+    assert router_model("/my/copy", "/elsewhere/model.gguf") == "/my/copy"
+    assert router_model(None, tiny_dir) == tiny_dir
+    assert router_model(None, f"/on/another/host/{default_model_path().name}") is None
+    with pytest.raises(ConfigError, match="pass --model"):
+        router_model(None, "/on/another/host/other-model.gguf")

@@ -37,7 +37,7 @@ from services.common import (CLIENT_OPTIONS, Delta, Done, Event, Failed, auth_me
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from services.verifier.server import spec_from_pb
 from tandem.engine import Completion, Prompt, Request, RequestOutput
-from tandem.errors import ConfigError
+from tandem.errors import ConfigError, InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.requests import new_request
 from tandem.sampling import SamplingParams
@@ -58,7 +58,8 @@ class RouterConfig:
 
     Attributes:
         verifiers: ``host:port`` of each verifier replica.
-        model: model path (GGUF file / HF directory) whose tokenizer to load; None = bundled.
+        model: model path (GGUF file / HF directory) whose tokenizer to load; None = the replicas'
+            model when its path is readable here (``router_model``).
         model_name: the id clients see in /v1/models (default: the verifiers' model file name).
         api_key: bearer token for the internal services (None: no auth).
         verifier_timeout_s: a replica that answers no keepalive ping for this long (s) is taken as
@@ -99,9 +100,29 @@ def load_router_tokenizer(model: str | None, eos_token_ids: list[int]) -> Tokeni
     return Tokenizer(hf, eos)
 
 
+def router_model(model: str | None, served: str) -> str | None:
+    """Where the router reads its tokenizer: ``model`` when given; else the replicas' model
+    ``served`` when that path is readable here; else the bundled model, if that is what they serve.
+
+    Raises:
+        ConfigError: the replicas serve another model that is not on this host.
+    """
+    from tandem.models.weights import default_model_path
+
+    if model is not None:
+        return model
+    if Path(served).exists():
+        return served
+    if Path(served).name == default_model_path().name:
+        return None
+    raise ConfigError(f"the verifier replicas serve {served}, which is not on this host: pass --model with a copy "
+                      f"of it (the GGUF file or the Hugging Face directory: the router reads its tokenizer)")
+
+
 def system_fingerprint(model: str, speculation: str) -> str:
     """OpenAI's ``system_fingerprint``: ``fp_`` and 12 hex digits naming the Tandem version, the
-    target model and the replicas' speculation; it changes when any of them does (greedy output
+    target model and the replicas' speculation (all of them, when they differ); it changes when
+    any of them does (greedy output
     is the target's whatever the speculation: the fingerprint tells apart what served it)."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
@@ -337,8 +358,13 @@ class Router:
                                   f"{self.replicas[0].address}, {r.info.model} at {r.address}")
         self.model_name = config.model_name or Path(first.model).name
         self.metrics = metrics or Metrics(self.model_name)
-        self.fingerprint = system_fingerprint(first.model, first.speculation)
-        self.tokenizer = load_router_tokenizer(config.model, list(first.eos_token_ids))
+        # the replicas may speculate differently (a rolling change): the fingerprint names them all
+        self.fingerprint = system_fingerprint(first.model, " + ".join(sorted({r.info.speculation for r in self.replicas})))
+        self.tokenizer = load_router_tokenizer(router_model(config.model, first.model), list(first.eos_token_ids))
+        if len(self.tokenizer.hf) > int(first.vocab_size):
+            raise ConfigError(f"the router's tokenizer ({config.model or 'the bundled model'}: {len(self.tokenizer.hf)} "
+                              f"tokens) is not the replicas' model's ({first.model}: vocabulary {first.vocab_size}); "
+                              f"pass --model with the replicas' model")
         self.vocab_size = int(first.vocab_size)
         self.context_limit = min(int(r.info.max_seq_len) for r in self.replicas)  # prompt + output tokens
         self._span_tasks: set[asyncio.Future] = set()
@@ -393,6 +419,19 @@ class Router:
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return new_request(self.tokenizer, self.vocab_size, self.context_limit, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs)
+
+    def check_room(self, prompt_tokens: int, name: str, value: int) -> None:
+        """Refuse an explicit output limit that with the prompt passes the context limit (without
+        one, the output stops at the context).
+
+        Raises:
+            InvalidRequestError: ``prompt_tokens + value`` over ``context_limit``, naming ``name``.
+        """
+        limit = self.context_limit
+        if prompt_tokens + value > limit:
+            raise InvalidRequestError(f"{name} is {value} and the prompt has {prompt_tokens} tokens: past the context "
+                                      f"limit of {limit} tokens (prompt + {name} <= {limit}; at most "
+                                      f"{limit - prompt_tokens} for this prompt)", param=name)
 
     async def generate(self, request: Request, category: str = "default") -> AsyncIterator[Event]:
         """Async iterator of events for one request: ``Delta`` per streamed step, then ``Done`` or
@@ -551,8 +590,8 @@ class Router:
             self.metrics.set_store_up(store.up)
         return {
             "verifiers": [{"address": r.address, "healthy": r.healthy, "error": r.last_error,
-                           "running": r.report.running if r.report else None,
-                           "waiting": r.report.waiting if r.report else None,
+                           "running": r.report.running if r.report and r.healthy else None,
+                           "waiting": r.report.waiting if r.report and r.healthy else None,
                            "num_slots": r.num_slots, "speculation": r.info.speculation}
                           for r in self.replicas],
             "drafter": None if not drafters else {"address": drafters[0].address,

@@ -79,7 +79,8 @@ class RouterDeployment:
 
             self._grpc = await asyncio.to_thread(
                 BackgroundServer, lambda ready, stop: serve_grpc(self.router, grpc_port, host, self.api_key,
-                                                                 ready=ready, stop=stop))
+                                                                 ready=ready, stop=stop,
+                                                                 default_max_tokens=default_max_tokens))
         self._verifier = verifier
         self._follow = asyncio.create_task(self._follow_verifiers(follow_s)) if follow_s > 0 else None
         log.info("router replica over verifier replicas %s", verifiers)

@@ -332,12 +332,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                 logprobs=engine_req.logprobs is not None)
             for i in range(1, req.n)]
         if requested is not None:
-            name, value = requested
-            limit, n = router.context_limit, len(engine_req.prompt_ids)
-            if n + value > limit:
-                raise InvalidRequestError(f"{name} is {value} and the prompt has {n} tokens: past the context limit "
-                                          f"of {limit} tokens (prompt + {name} <= {limit}; at most {limit - n} for "
-                                          f"this prompt)", param=name)
+            router.check_room(len(engine_req.prompt_ids), *requested)
         created = int(time.time())
         if req.stream:
             if not await router.wait_available():  # none comes back in time: say so before the 200 of a stream
@@ -358,6 +353,10 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
         requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)
+        if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
+            raise InvalidRequestError(f"max_tokens ({body.max_tokens}) and max_completion_tokens "
+                                      f"({body.max_completion_tokens}) disagree; send one of them",
+                                      param="max_completion_tokens")
         if body.max_completion_tokens is not None and body.max_tokens is None:
             params = replace(params, max_tokens=body.max_completion_tokens)
             requested = ("max_completion_tokens", body.max_completion_tokens)

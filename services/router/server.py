@@ -28,21 +28,34 @@ def _usage_pb(c) -> router_pb2.Usage:
                             mean_accepted_length=c.spec.mean_accepted_length, ttft_s=c.ttft_s, e2e_s=c.latency_s)
 
 
-class RouterServicer(router_pb2_grpc.RouterServicer):
-    """``Router.Generate``: bad input -> INVALID_ARGUMENT; no verifier replica to serve it ->
-    UNAVAILABLE; a cancelled call aborts the request and frees its KV slot on the replica."""
+def _with_max_tokens(params, max_tokens: int):
+    out = type(params)()
+    out.CopyFrom(params)
+    out.max_tokens = max_tokens
+    return out
 
-    def __init__(self, router: Router) -> None:
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``Router.Generate``: bad input (a ``max_tokens`` past the context included) ->
+    INVALID_ARGUMENT; ``max_tokens`` unset (0) -> ``default_max_tokens``; no verifier replica to
+    serve it -> UNAVAILABLE; a cancelled call aborts the request and frees its KV slot on the replica."""
+
+    def __init__(self, router: Router, default_max_tokens: int = 256) -> None:
         self.router = router
+        self.default_max_tokens = default_max_tokens
 
     async def Generate(self, request, context):
         try:
             if bool(request.prompt) == bool(request.messages):
                 raise InvalidRequestError("give exactly one of prompt or messages")
-            params = params_from_pb(request.params)
+            explicit = request.params.max_tokens  # 0 (unset): the default, and the output stops at the context
+            pb = request.params if explicit else _with_max_tokens(request.params, self.default_max_tokens)
+            params = params_from_pb(pb)
             prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
             req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
                                            request_id=request.request_id or None, logprobs=request.logprobs)
+            if explicit:
+                self.router.check_room(len(req.prompt_ids), "max_tokens", explicit)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -64,10 +77,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: str | None = None,
-                     ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None) -> None:
+                     ready: "asyncio.Future | None" = None, stop: "asyncio.Event | None" = None,
+                     default_max_tokens: int = 256) -> None:
     """Serve ``tandem.v1.Router`` (and health) for an existing ``Router`` until ``stop`` is set."""
     server = GrpcServer(port, host, key)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server.server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, default_max_tokens), server.server)
     watcher = asyncio.ensure_future(_watch_health(router, server))
     try:
         await server.serve_until([SERVICE_NAME], ready, stop)
@@ -105,7 +119,8 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
     if grpc_port is not None:
         grpc_stop = asyncio.Event()
         grpc_ready = asyncio.get_running_loop().create_future()
-        grpc_task = asyncio.ensure_future(serve_grpc(router, grpc_port, host, api_key, grpc_ready, grpc_stop))
+        grpc_task = asyncio.ensure_future(serve_grpc(router, grpc_port, host, api_key, grpc_ready, grpc_stop,
+                                                     default_max_tokens))
         await asyncio.wait({grpc_task, grpc_ready}, return_when=asyncio.FIRST_COMPLETED)
         if grpc_task.done():
             grpc_task.result()  # raises the start-up error

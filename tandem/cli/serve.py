@@ -113,7 +113,9 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 @serve.command("router")
 @click.option("--verifier", "verifiers", multiple=True, required=True, metavar="HOST:PORT",
               help="A verifier replica (repeatable); each request goes to the least loaded healthy one.")
-@model_option
+@click.option("--model", "model", default=None, metavar="PATH",
+              help="The replicas' model (GGUF file or HF directory), for its tokenizer (default: the replicas' model "
+                   "path when it is readable here, else the bundled SmolLM2 if that is what they serve).")
 @click.option("--model-name", default=None, help="Model id in /v1/models (default: the verifier's model file name).")
 @click.option("--port", "http_port", type=click.IntRange(min=1, max=65535), required=True, help="HTTP port.")
 @click.option("--grpc-port", type=click.IntRange(min=1, max=65535), default=None, help="gRPC Router.Generate port.")
