@@ -43,9 +43,9 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
 @host_option
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="KV cache slots (default per device).")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
-@click.option("--drafter", type=click.Choice(["none", "ngram", "specformer", "draft-model"]), default="ngram",
-              show_default=True, help="The drafter, run in this replica (SpecFormer inside the verify pass); with "
-                                      "--drafter-address the drafter service there instead.")
+@click.option("--drafter", type=click.Choice(["none", "ngram", "specformer", "draft-model"]), default=None,
+              help="The drafter, run in this replica (SpecFormer inside the verify pass) [default: ngram]; "
+                   "--drafter-address drafts through a drafter service instead.")
 @click.option("--draft-model", default=None, metavar="PATH|truncate:N",
               help="Weights for --drafter specformer / draft-model (default with the bundled target: the shipped ones).")
 @click.option("--drafter-address", default=None, metavar="HOST:PORT",
@@ -78,7 +78,10 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
 
-    spec = SpeculativeConfig("remote" if drafter_address else drafter, draft_model=None if drafter_address else draft_model,
+    if drafter_address and (drafter or draft_model):
+        raise click.UsageError("--drafter-address drafts through the drafter service there: give it without "
+                               "--drafter / --draft-model (the service's own options choose its drafter)")
+    spec = SpeculativeConfig("remote" if drafter_address else drafter or "ngram", draft_model=draft_model,
                              num_draft_tokens=num_draft_tokens, policy=policy, predictor=predictor)
     runner = dict(dtype=torch_dtype(dtype), kernels=kernels, cuda_graphs=cuda_graphs, compile=compile_,
                   prefill_graphs=prefill_graphs)
