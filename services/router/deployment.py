@@ -182,7 +182,7 @@ class AppArgs(BaseModel):
         num_draft_tokens: k, draft tokens per sequence per round at most.
         max_batch_size: KV slots per verifier replica (None = the device's default).
         max_seq_len: context limit per request.
-        verifier_replicas: verifier replicas (one engine each) the router waits for at start-up;
+        verifier_replicas: verifier replicas the router waits for at start-up;
             the Serve config's ``num_replicas`` (or ``autoscaling_config``) of
             ``VerifierDeployment`` overrides the count started, and the routers use every replica
             Serve shows running (keep it at most ``min_replicas`` when autoscaling).
