@@ -15,6 +15,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TOKENIZERS_PARALLELISM=false
 
+# KubeRay's default liveness / readiness probes run `bash -c "wget -T 2 -q -O- http://localhost:52365/
+# api/local_raylet_healthz | grep success ..."` inside the Ray containers: the slim image has bash
+# but neither wget nor curl, and without wget a pod never becomes ready.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends wget \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 # torch first, from the index that matches the hardware: the project's `torch>=...` is then satisfied.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"

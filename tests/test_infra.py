@@ -275,6 +275,10 @@ def test_dockerfile_builds_the_services_image():
     assert re.search(r"^ARG TORCH_INDEX_URL=\S*/cpu$", text, re.M)  # CPU torch unless told otherwise
     assert 'ENTRYPOINT ["tandem"]' in text
     assert compose()["services"]["router"]["build"] == "."
+    # KubeRay's default probes are `bash -c "wget ... | grep success"` in the Ray containers (the image
+    # of infra/k8s/rayservice.yaml): the slim base has bash but not wget
+    assert re.search(r"apt-get install -y --no-install-recommends wget", text)
+    assert "tandem:0.1.0" in (ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()
 
 
 def compose_cli() -> list[str] | None:
