@@ -40,6 +40,20 @@ SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0),  # a second server on
                                  ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)]
 
 
+def retry_options(service: str, methods: Sequence[str], attempts: int = 3) -> list[tuple[str, object]]:
+    """Client channel options under which gRPC itself retries ``service``'s unary ``methods`` on
+    UNAVAILABLE (a peer restarting, a connection reset): up to ``attempts`` tries, exponential
+    back-off from 0.1 s (gRPC service config ``retryPolicy``; each call's deadline still bounds
+    the whole)."""
+    import json
+
+    config = {"methodConfig": [{
+        "name": [{"service": service, "method": m} for m in methods],
+        "retryPolicy": {"maxAttempts": attempts, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]}
+    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+
+
 def keepalive_options(deadline_s: float) -> list[tuple[str, int]]:
     """Client channel options that fail the channel's calls with UNAVAILABLE when the peer stops
     answering HTTP/2 pings for about ``deadline_s`` (a hung or stopped process): a ping every

@@ -1170,3 +1170,42 @@ def test_router_reads_the_replicas_tokenizer(tiny_dir):
     assert router_model(None, f"/on/another/host/{default_model_path().name}") is None
     with pytest.raises(ConfigError, match="pass --model"):
         router_model(None, "/on/another/host/other-model.gguf")
+
+
+def test_unary_calls_are_retried_by_grpc_on_unavailable():
+    """``retry_options``: gRPC's own retryPolicy retries a unary call that failed with UNAVAILABLE
+    (the router's Info / Load polls), with no retry loop of ours; other codes are not retried."""
+
+    from services.common import CLIENT_OPTIONS, GrpcServer, retry_options
+    from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
+
+    calls = []
+
+    class Flaky(verifier_pb2_grpc.VerifierServicer):
+        async def Load(self, request, context):
+            calls.append("load")
+            if len(calls) < 3:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+            return verifier_pb2.LoadReport(num_slots=4)
+
+        async def Info(self, request, context):
+            calls.append("info")
+            await context.abort(grpc.StatusCode.INTERNAL, "broken")
+
+    async def serve(ready, stop):
+        server = GrpcServer()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(Flaky(), server.server)
+        await server.serve_until(["tandem.v1.Verifier"], ready, stop)
+
+    server = BackgroundServer(serve)
+    try:
+        with grpc.insecure_channel(server.address, options=CLIENT_OPTIONS + retry_options(
+                "tandem.v1.Verifier", ["Info", "Load"])) as ch:
+            stub = verifier_pb2_grpc.VerifierStub(ch)
+            assert stub.Load(verifier_pb2.LoadRequest(), timeout=10).num_slots == 4
+            assert calls == ["load"] * 3  # two UNAVAILABLE answers retried by gRPC
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INTERNAL and calls.count("info") == 1
+    finally:
+        server.stop()

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from services.common import (CLIENT_OPTIONS, Delta, Done, Event, Failed, auth_metadata, keepalive_options,
-                             params_to_pb, probe_health)
+                             params_to_pb, probe_health, retry_options)
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from services.verifier.server import spec_from_pb
 from tandem.engine import Completion, Prompt, Request, RequestOutput
@@ -151,7 +151,9 @@ class Replica:
         self.address = address
         self.metadata = auth_metadata(key)
         self._deadline_s = deadline_s
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        # Info and Load polls: a transient UNAVAILABLE is retried by gRPC (service config retryPolicy)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS
+                                              + retry_options("tandem.v1.Verifier", ["Info", "Load"]))
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         try:
             self.info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=30, metadata=self.metadata,
