@@ -1209,3 +1209,39 @@ def test_unary_calls_are_retried_by_grpc_on_unavailable():
             assert err.value.code() == grpc.StatusCode.INTERNAL and calls.count("info") == 1
     finally:
         server.stop()
+
+
+def test_a_replica_steps_events_become_one_message_per_stream():
+    """``VerifierServicer._events``: one engine step's events of a stream as one message: a
+    request's consecutive deltas merged, its last delta sent with its completion (finish reason,
+    stop reason, counters), a failure as an error event; engine ids carry the stream's prefix, the
+    message the router's ids. The router merges what queued for a request the same way."""
+    from services.common import Delta, Done, Failed
+    from services.router.core import _merge_events
+    from services.verifier.server import VerifierServicer, merge_outputs
+    from tandem.metrics import SpecDecodeStats
+    from tandem.requests import Completion, RequestOutput
+
+    spec = SpecDecodeStats(3, 5, 8, 2, [3, 3, 2], [1, 1, 0])
+    done = Completion("s0/b", "xyz", [7, 8, 9], "stop", 4, 0.1, 0.2, 0.05, spec, stop_reason="\n")
+    events = [("s0/a", Delta(RequestOutput("s0/a", [1, 2], "ab", False, None))),
+              ("s0/b", Delta(RequestOutput("s0/b", [7, 8], "xy", False, None))),
+              ("s0/a", Delta(RequestOutput("s0/a", [3], "c", False, None))),
+              ("s0/b", Delta(RequestOutput("s0/b", [9], "z", True, "stop"))),
+              ("s0/b", Done(done)),
+              ("s0/c", Failed("bad prompt", invalid=True))]
+    msg, settled = VerifierServicer._events(events, "s0/")
+    by_id = {e.request_id: e for e in msg.events}
+    assert list(by_id) == ["a", "b", "c"] and settled == ["b", "c"]
+    assert list(by_id["a"].token_ids) == [1, 2, 3] and by_id["a"].text == "abc" and not by_id["a"].finished
+    b = by_id["b"]
+    assert list(b.token_ids) == [7, 8, 9] and b.text == "xyz" and b.finished and b.finish_reason == "stop"
+    assert b.stop_string == "\n" and (b.spec.num_drafted, b.spec.num_accepted) == (8, 2)
+    assert list(b.spec.accepted_per_pos) == [1, 1, 0]
+    assert by_id["c"].error == "bad prompt" and by_id["c"].invalid
+    lp = merge_outputs(RequestOutput("r", [1], "a", False, None, [-0.5], ["a"]),
+                       RequestOutput("r", [2], "b", True, "length", [-1.5], ["b"]))
+    assert (lp.new_token_ids, lp.text_delta, lp.logprobs, lp.token_texts, lp.finished) == (
+        [1, 2], "ab", [-0.5, -1.5], ["a", "b"], True)
+    merged = _merge_events(by_id["a"], b)
+    assert list(merged.token_ids) == [1, 2, 3, 7, 8, 9] and merged.text == "abcxyz" and merged.finished
