@@ -1217,7 +1217,7 @@ def test_a_replica_steps_events_become_one_message_per_stream():
     stop reason, counters), a failure as an error event; engine ids carry the stream's prefix, the
     message the router's ids. The router merges what queued for a request the same way."""
     from services.common import Delta, Done, Failed
-    from services.router.core import _merge_events
+    from services.router.replicas import merge_events
     from services.verifier.server import VerifierServicer, merge_outputs
     from tandem.metrics import SpecDecodeStats
     from tandem.requests import Completion, RequestOutput
@@ -1243,5 +1243,5 @@ def test_a_replica_steps_events_become_one_message_per_stream():
                        RequestOutput("r", [2], "b", True, "length", [-1.5], ["b"]))
     assert (lp.new_token_ids, lp.text_delta, lp.logprobs, lp.token_texts, lp.finished) == (
         [1, 2], "ab", [-0.5, -1.5], ["a", "b"], True)
-    merged = _merge_events(by_id["a"], b)
+    merged = merge_events(by_id["a"], b)
     assert list(merged.token_ids) == [1, 2, 3, 7, 8, 9] and merged.text == "abcxyz" and merged.finished

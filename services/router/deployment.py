@@ -110,7 +110,7 @@ class RouterDeployment:
         Returns:
             The addresses the router now sends to.
         """
-        from services.router.core import Replica
+        from services.router.replicas import Replica
 
         published = await replica_addresses(self._verifier, expected, timeout_s=timeout_s)
         current = self.router.replicas

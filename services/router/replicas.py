@@ -1,0 +1,195 @@
+"""A router's view of its verifier replicas: each replica's ``Info``, polled ``Load`` and health
+(``Replica``), and the one multiplexed ``Verifier/Generate`` stream a router keeps to it per event
+loop (``ReplicaLink``): requests out as commands, their events dispatched back by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+
+from services.common import CLIENT_OPTIONS, auth_metadata, keepalive_options, probe_health, retry_options
+from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
+from tandem.target import TargetUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    """One verifier replica as a router sees it: its ``Info``, its last ``Load`` report and health,
+    and the calls this router has open on it.
+
+    Args:
+        address: ``host:port``.
+        key: bearer token (None: no auth).
+        deadline_s: keepalive deadline of the streaming channel (``keepalive_options``).
+
+    Raises:
+        TargetUnavailable: the replica does not answer ``Info`` at start-up.
+    """
+
+    def __init__(self, address: str, key: str | None, deadline_s: float) -> None:
+        self.address = address
+        self.metadata = auth_metadata(key)
+        self._deadline_s = deadline_s
+        # Info and Load polls: a transient UNAVAILABLE is retried by gRPC (service config retryPolicy)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS
+                                              + retry_options("tandem.v1.Verifier", ["Info", "Load"]))
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        try:
+            self.info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=30, metadata=self.metadata,
+                                        wait_for_ready=True)
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise TargetUnavailable(f"verifier replica {address} does not answer: {exc.code().name}: "
+                                    f"{exc.details()}") from None
+        self.healthy = True
+        self.last_error: str | None = None
+        self.report: verifier_pb2.LoadReport | None = None
+        self.open_calls = 0  # this router's calls in progress here
+        self.others = 0  # requests here that other routers sent, as of the last report
+        self._streams: dict[int, list] = {}  # event loop id -> [grpc.aio channel, its ReplicaLink or None]
+
+    def link(self) -> "ReplicaLink":
+        """This router's multiplexed ``Generate`` stream to the replica for the running event loop
+        (one per loop: the HTTP and gRPC front doors may run on different loops), opened anew after
+        a failure, over a channel with keepalive for hang detection."""
+        loop = asyncio.get_running_loop()
+        entry = self._streams.get(id(loop))
+        if entry is None:
+            channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS
+                                                + keepalive_options(self._deadline_s))
+            entry = self._streams[id(loop)] = [channel, None]
+        if entry[1] is None or entry[1].closed:
+            entry[1] = ReplicaLink(verifier_pb2_grpc.VerifierStub(entry[0]), self.metadata)
+        return entry[1]
+
+    @property
+    def num_slots(self) -> int:
+        return max(1, int(self.info.num_slots))
+
+    def score(self) -> float:
+        """Requests per KV slot: this router's open calls here (exact) plus the other routers'
+        requests as the last report implied (its running + waiting less this router's calls then)."""
+        return (self.others + self.open_calls) / self.num_slots
+
+    def refresh(self, timeout_s: float = 2.0) -> bool:
+        """Poll ``Load`` (blocking): updates the report and the health; returns the health."""
+        try:
+            self.report = self._stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            if self.healthy:
+                log.error("verifier replica %s does not answer: %s", self.address, exc.code().name)
+            self.healthy, self.last_error = False, f"{exc.code().name}: {exc.details()}"
+            return False
+        self.others = max(0, self.report.running + self.report.waiting - self.open_calls)
+        if not self.healthy:
+            log.info("verifier replica %s answers again", self.address)
+        self.healthy, self.last_error = True, None
+        return True
+
+    def mark_failed(self, message: str) -> None:
+        self.healthy, self.last_error = False, message
+
+    def probe(self) -> bool:
+        """Standard gRPC health check (1 s)."""
+        return probe_health(self._channel, self.metadata)
+
+    async def aclose(self) -> None:
+        loop = asyncio.get_running_loop()
+        entry = self._streams.pop(id(loop), None)
+        if entry is not None:
+            if entry[1] is not None:
+                entry[1].close()
+            await entry[0].close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+STREAM_LOST = object()  # put on every open request's queue when its link's stream ends
+
+
+class ReplicaLink:
+    """One router's ``Verifier/Generate`` stream to one replica: commands out (a queue the call
+    reads), events in, dispatched to each open request's queue by request id. When the stream
+    fails, every open request gets ``STREAM_LOST`` and the link is ``closed``.
+
+    Args:
+        stub: the replica's ``grpc.aio`` stub.
+        metadata: call metadata (the bearer token).
+    """
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierStub, metadata: list[tuple[str, str]]) -> None:
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._waiters: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self.closed = False
+        self.error = "the replica ended the stream"
+        self._call = stub.Generate(self._commands(), metadata=metadata)
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _commands(self):
+        while True:
+            first = await self._outbox.get()
+            if first is None:
+                return
+            cmds = verifier_pb2.ReplicaCommands()
+            cmds.MergeFrom(first)
+            while not self._outbox.empty():  # whatever queued meanwhile goes in the same message
+                more = self._outbox.get_nowait()
+                if more is None:
+                    yield cmds
+                    return
+                cmds.MergeFrom(more)
+            yield cmds
+
+    async def _read(self) -> None:
+        try:
+            async for msg in self._call:
+                for ev in msg.events:
+                    q = self._waiters.get(ev.request_id)
+                    if q is not None:
+                        q.put_nowait(ev)
+        except grpc.aio.AioRpcError as exc:
+            self.error = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            self.error = "the router closed the stream"
+        finally:
+            self.closed = True
+            for q in self._waiters.values():
+                q.put_nowait(STREAM_LOST)
+
+    def submit(self, request: verifier_pb2.ReplicaRequest) -> tuple[str, asyncio.Queue]:
+        """Send ``request`` under an id unique on this stream (``<n>:<request id>``: clients may
+        reuse their own ids); returns that id and the queue its ``ReplicaEvent``s (then ``STREAM_LOST``
+        if the stream fails) arrive on."""
+        request.request_id = f"{next(self._ids)}:{request.request_id}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._waiters[request.request_id] = q
+        self._outbox.put_nowait(verifier_pb2.ReplicaCommands(submit=[request]))
+        return request.request_id, q
+
+    def release(self, request_id: str, abort: bool) -> None:
+        """Stop dispatching ``request_id``; ``abort``: also tell the replica to drop it."""
+        if self._waiters.pop(request_id, None) is not None and abort and not self.closed:
+            self._outbox.put_nowait(verifier_pb2.ReplicaCommands(abort=[request_id]))
+
+    def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+
+
+def merge_events(a: verifier_pb2.ReplicaEvent, b: verifier_pb2.ReplicaEvent) -> verifier_pb2.ReplicaEvent:
+    """Two consecutive events of one request as one (``b`` after ``a``; ``a`` not final)."""
+    merged = verifier_pb2.ReplicaEvent()
+    merged.CopyFrom(b)
+    del merged.token_ids[:], merged.logprobs[:], merged.token_texts[:]
+    merged.token_ids.extend([*a.token_ids, *b.token_ids])
+    merged.logprobs.extend([*a.logprobs, *b.logprobs])
+    merged.token_texts.extend([*a.token_texts, *b.token_texts])
+    merged.text = a.text + b.text
+    return merged
