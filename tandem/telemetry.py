@@ -248,6 +248,8 @@ class Metrics:
         self.vllm_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by 0-based draft position.",
                                              label + ["position"], registry=r)
+        for counter in (self.vllm_drafts, self.vllm_draft_tokens, self.vllm_accepted_tokens):
+            counter.labels(model_name=model_name)  # exported at 0 from the start, as Prometheus advises
         self.draft_tokens = Counter("tandem_spec_decode_num_draft_tokens", "Draft tokens proposed for verification.",
                                     registry=r)
         self.accepted_tokens = Counter("tandem_spec_decode_num_accepted_tokens",
