@@ -61,8 +61,8 @@ class Engine(EngineConveniences):
         verification_sink: called with a ``VerificationRecord`` per verified draft (logs that
             train the difficulty predictor).
         target: run prefill and verification here instead of building a local model: a
-            ``LocalTarget`` already built (``tandem.speculation.build_engine``), or the router's
-            client of a remote verifier (``services.router.remote.RemoteTarget``); then
+            ``tandem.target.Target`` already built (a ``LocalTarget``, as
+            ``tandem.speculation.build_engine`` and verifier replicas make); then
             ``checkpoint`` and ``runner_config`` must be None and ``tokenizer`` is required.
 
     Raises:
