@@ -188,7 +188,7 @@ class Stack:
         self.logs[name] = self.logs["router"].with_name(f"{name}.log")
         self.processes[name] = self.spawn(name, args)
         self._wait(name, timeout_s)
-        return _flag(args, "--url")
+        return _router_url(args)
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         """``tandem serve <kind of name> args`` as process ``name``, logging to ``logs[name]``."""
@@ -197,17 +197,20 @@ class Stack:
 
     def _wait(self, name: str, timeout_s: float) -> None:
         if name.startswith("router"):
-            wait_http_healthy(_flag(self._args[name], "--url"), timeout_s, self.processes[name], self.logs[name])
+            wait_http_healthy(_router_url(self._args[name]), timeout_s, self.processes[name], self.logs[name])
         else:
             wait_grpc_healthy(f"127.0.0.1:{_flag(self._args[name], '--port')}", timeout_s, self.processes[name],
                               self.logs[name])
 
 
 def _flag(args: list[str], flag: str) -> str:
-    """The value after ``flag`` in ``args``; ``--url``: the HTTP URL of a router's ``--port``."""
-    if flag == "--url":
-        return f"http://127.0.0.1:{_flag(args, '--port')}"
+    """The value after ``flag`` in ``args``."""
     return args[args.index(flag) + 1]
+
+
+def _router_url(args: list[str]) -> str:
+    """The HTTP URL of a router started with ``args`` (its ``--port`` on loopback)."""
+    return f"http://127.0.0.1:{_flag(args, '--port')}"
 
 
 def _replace_flag(args: list[str], flag: str, value: str) -> list[str]:

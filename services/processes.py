@@ -84,15 +84,16 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     from dataclasses import replace
 
     from services.drafter.client import RemoteDrafter
-    from services.verifier.replica import ReplicaEngine, open_store
+    from services.verifier.replica import ReplicaEngine
     from tandem.models.runner import default_runner_config
     from tandem.models.weights import load_checkpoint
     from tandem.speculation import build_engine
+    from tandem.state import open_store
     from tandem.telemetry import Metrics
 
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **(runner or {}))
     checkpoint = load_checkpoint(model)
-    store = open_store(redis_url)
+    store = open_store(redis_url, fallback=True)
     drafter = None
     if drafter_address:
         spec = replace(spec, drafter="remote", draft_model=None)

@@ -185,10 +185,14 @@ class RedisStore(StateStore):
         self._r.close()
 
 
-def open_store(url: str | None = None) -> StateStore:
-    """Redis when ``url`` or ``TANDEM_REDIS_URL`` is given, else the in-memory store."""
+def open_store(url: str | None = None, fallback: bool = False) -> StateStore:
+    """Redis when ``url`` or ``TANDEM_REDIS_URL`` is given, else the in-memory store; with
+    ``fallback``, Redis behind a ``FallbackStore`` (serving: a Redis outage degrades to local
+    state instead of failing requests)."""
     url = url or os.environ.get("TANDEM_REDIS_URL")
-    return RedisStore(url) if url else InMemoryStore()
+    if not url:
+        return InMemoryStore()
+    return FallbackStore(RedisStore(url)) if fallback else RedisStore(url)
 
 
 class FallbackStore(StateStore):

@@ -80,8 +80,14 @@ def test_redis_down_raises_unavailable_fast():
 def test_open_store_picks_backend(monkeypatch):
     monkeypatch.delenv("TANDEM_REDIS_URL", raising=False)
     assert isinstance(open_store(), InMemoryStore)
+    assert isinstance(open_store(fallback=True), InMemoryStore)
     monkeypatch.setenv("TANDEM_REDIS_URL", REDIS_URL)
     assert isinstance(open_store(), RedisStore)
+    from tandem.state import FallbackStore
+
+    served = open_store(fallback=True)  # a verifier replica's: Redis that degrades to local state
+    assert isinstance(served, FallbackStore) and served.up
+    served.close()
 
 
 def test_draft_policy_shares_tau_state_through_the_store(store):

@@ -11,7 +11,7 @@ import logging
 
 import grpc
 
-from services.common import CLIENT_OPTIONS, auth_metadata, keepalive_options, probe_health, retry_options
+from services.common import CLIENT_OPTIONS, auth_metadata, keepalive_options, retry_options
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.target import TargetUnavailable
 
@@ -93,10 +93,6 @@ class Replica:
 
     def mark_failed(self, message: str) -> None:
         self.healthy, self.last_error = False, message
-
-    def probe(self) -> bool:
-        """Standard gRPC health check (1 s)."""
-        return probe_health(self._channel, self.metadata)
 
     async def aclose(self) -> None:
         loop = asyncio.get_running_loop()

@@ -235,13 +235,6 @@ class _Batches:
             sink(events)
 
 
-def open_store(url: str | None) -> StateStore:
-    """``FallbackStore`` over Redis at ``url``; the in-memory store without one."""
-    from tandem.state import RedisStore
-
-    return FallbackStore(RedisStore(url)) if url else InMemoryStore()
-
-
 def store_status(store: StateStore) -> dict:
     """The store's backend, whether it is up, and writes queued while it was not."""
     shared = isinstance(store, FallbackStore)
