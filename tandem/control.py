@@ -21,6 +21,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .state import best_effort
 
 log = logging.getLogger(__name__)
@@ -192,6 +194,59 @@ def _budgeted(probs: Sequence[Sequence[float]], limits: list[int], budget: int) 
     return lengths
 
 
+@dataclass(frozen=True)
+class WidthPlan:
+    """A chained round's draft width, chosen by ``DraftPolicy.plan_width`` from the predicted
+    acceptance of the drafts the device made (one round behind: the round that needs the width is
+    queued before the scores of the drafts it verifies are back).
+
+    Attributes:
+        width: draft tokens every row of the round may verify (0 .. the drafter's l_d).
+        acceptance_threshold: θ the choice was made under (the controller learns it from that round).
+        modelled_ms: the cost model's time for the round without the fitted per-round cost (None
+            without a cost model).
+    """
+
+    width: int
+    acceptance_threshold: float
+    modelled_ms: float | None = None
+
+
+def best_width(probs: np.ndarray, cost: CostModel | None, acceptance_threshold: float = 0.0,
+               cumulative: bool = False) -> tuple[int, float | None]:
+    """The longest row of ``allocate_draft_lengths``'s choice, vectorised over the batch: the
+    width m of a padded verify round (every row pays for m drafts, so every row verifies
+    ``min(m, L_i)``, L_i its θ-cut length) that maximises expected emitted tokens per predicted ms
+    (``cost.round_ms(b, m)``); without a cost model, the longest θ-cut length.
+
+    Args:
+        probs: ``[b, L]`` predicted acceptance probability of each row's L draft positions.
+        cost: the cost model (its ``overhead_ms`` included), or None.
+        acceptance_threshold, cumulative: θ and whether it applies to the survival product.
+
+    Returns:
+        ``(m, modelled_ms)``: the width and its predicted round time without ``cost.overhead_ms``
+        (None without a cost model). An empty batch gives ``(0, None)``.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or probs.shape[0] == 0 or probs.shape[1] == 0:
+        return 0, None
+    b, L = probs.shape
+    survive = np.cumprod(probs, axis=1)
+    below = (survive if cumulative else probs) < acceptance_threshold
+    caps = np.where(below.any(axis=1), below.argmax(axis=1), L)
+    top = int(caps.max())
+    if cost is None:
+        return top, None
+    gained = np.concatenate([np.zeros((b, 1)), np.cumsum(survive, axis=1)], axis=1)  # [b, L + 1]
+    widths = np.arange(top + 1)
+    lens = np.minimum(widths[None, :], caps[:, None])  # [b, top + 1]
+    tokens = b + gained[np.arange(b)[:, None], lens].sum(axis=0)
+    ms = np.array([cost.round_ms(b, m) for m in widths])
+    m = int(np.argmax(tokens / np.maximum(ms, 1e-9)))  # ties: the narrower width (the first)
+    return m, float(ms[m] - cost.overhead_ms)
+
+
 class ThresholdController:
     """Online θ: a discounted-UCB bandit (Garivier & Moulines 2011) over a grid of thresholds,
     rewarded by measured goodput (emitted tokens per ms of draft + verify time).
@@ -294,6 +349,19 @@ class DraftPolicy:
             replicas): loaded at start, saved every ``sync_every`` rounds. A store that is down
             is logged and skipped; θ keeps learning locally.
         overhead_rate: weight of each round in the online fit of the fixed per-round cost.
+        device_score: ``score`` as device work (``features [n, F]`` on any device -> ``[n]``
+            probabilities there, no host transfer), for chained rounds: a drafter that drafts
+            from the verify pass scores its drafts inside the round with it
+            (``SpecFormerDrafter.set_acceptance_scorer``) and the policy then picks each round's
+            width from those scores (``plan_width``). None: host-drafted rounds only.
+
+    Two ways to apply it. In host-drafted rounds the drafts' features reach the host, every
+    sequence's drafts are cut to its own length (``apply``) and the round verifies each row as
+    long as it was cut. In chained rounds (``Engine.chains_rounds``; the drafter scores on the
+    device) the host never waits for the drafts: the round's one copy brings back the predicted
+    acceptance of the drafts the device made for the next round, and ``plan_width`` picks the
+    width of the round after that (one round behind) with the same θ cut and cost model: a
+    padded verify round costs its widest row, so the width is the decision that saves time.
 
     Round-cost calibration. T(b, q) is measured at start-up, but a round also carries host work
     (drafting, packing, verification, rollback) that does not depend on how many drafts are
@@ -308,7 +376,7 @@ class DraftPolicy:
     def __init__(self, score, controller: ThresholdController | None = None, cost: CostModel | None = None,
                  acceptance_threshold: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
                  branch_top_m: int = 0, store=None, store_key: str = "acceptance_threshold", sync_every: int = 32,
-                 overhead_rate: float = 0.1) -> None:
+                 overhead_rate: float = 0.1, device_score=None) -> None:
         if not 0.0 < overhead_rate <= 1.0:
             raise ValueError(f"overhead_rate must be in (0, 1], got {overhead_rate}")
         self.branch_top_m = branch_top_m
@@ -325,6 +393,7 @@ class DraftPolicy:
                 except (KeyError, ValueError) as exc:
                     log.warning("ignoring θ state in the store (%s)", exc)
         self.score = score
+        self.device_score = device_score
         self.controller = controller
         self.cost = cost
         self.fixed_threshold = acceptance_threshold
@@ -412,15 +481,42 @@ class DraftPolicy:
                         spare -= len(out[i].tokens) - n
         return out
 
-    def observe(self, emitted_tokens: int, round_ms: float) -> None:
+    @property
+    def chains(self) -> bool:
+        """The policy can run in chained rounds (``plan_width``): not with hard-position
+        branching, whose token trees are verified on the host."""
+        return self.branch_top_m <= 1
+
+    @property
+    def needs_scores(self) -> bool:
+        """``plan_width`` reads the drafts' predicted acceptance (the drafter must score them)."""
+        return True
+
+    def plan_width(self, scores, limit: int) -> WidthPlan:
+        """The width of a chained round, at most ``limit``, from the predicted acceptance
+        ``scores`` ``[b, L]`` of the drafts the device made for its b rows: ``best_width`` under
+        this round's θ (the controller's next candidate, or the fixed θ) and the cost model with
+        the fitted per-round cost. No scores (no row drafted yet): ``limit``."""
+        acceptance_threshold = self.controller.current() if self.controller is not None else self.fixed_threshold
+        if scores is None or len(scores) == 0:
+            return WidthPlan(limit, acceptance_threshold)
+        cost = None if self.cost is None else replace(self.cost, overhead_ms=self.overhead_ms)
+        width, modelled = best_width(np.asarray(scores)[:, :limit], cost, acceptance_threshold, self.cumulative)
+        return WidthPlan(width, acceptance_threshold, modelled)
+
+    def observe(self, emitted_tokens: int, round_ms: float, plan: WidthPlan | None = None) -> None:
         """Feed one round's outcome (tokens emitted, measured round time in ms) to the θ
-        controller and to the fit of the fixed per-round cost."""
-        if self._modelled_ms is not None and round_ms > 0:
-            residual = max(0.0, round_ms - self._modelled_ms)
+        controller and to the fit of the fixed per-round cost; ``plan`` is the chained round's
+        ``plan_width`` (None: the host-drafted round ``lengths`` last allocated)."""
+        modelled = self._modelled_ms if plan is None else plan.modelled_ms
+        threshold = self._threshold_used if plan is None else plan.acceptance_threshold
+        if modelled is not None and round_ms > 0:
+            residual = max(0.0, round_ms - modelled)
             self.overhead_ms += self.overhead_rate * (residual - self.overhead_ms)
+        if plan is None:
             self._modelled_ms = None
         if self.controller is not None:
-            self.controller.observe(emitted_tokens, round_ms, acceptance_threshold=self._threshold_used)
+            self.controller.observe(emitted_tokens, round_ms, acceptance_threshold=threshold)
             self._rounds += 1
             if self.store is not None and self._rounds % self.sync_every == 0:
                 best_effort(self.store.set_json, self.store_key, self.controller.state_dict(), why="θ stays local")
@@ -439,6 +535,14 @@ class RandomLengthPolicy(DraftPolicy):
 
     def lengths(self, features, scores=None) -> list[int]:
         return [self._rng.randint(0, f.shape[0]) for f in features]
+
+    @property
+    def needs_scores(self) -> bool:
+        return False
+
+    def plan_width(self, scores, limit: int) -> WidthPlan:
+        """Chained rounds: the round's width drawn uniformly from 0..``limit`` (scores unread)."""
+        return WidthPlan(self._rng.randint(0, limit), self.fixed_threshold)
 
 
 def entropy_score(features):

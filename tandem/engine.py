@@ -109,6 +109,7 @@ class Engine(EngineConveniences):
             drafter.bind(self.runner)
         self.num_draft_tokens = num_draft_tokens
         self.draft_policy = draft_policy
+        self._width_plan = None  # the next chained round's WidthPlan under a draft policy (None: draft_limit)
         self.verification_sink = verification_sink
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
@@ -129,8 +130,9 @@ class Engine(EngineConveniences):
     def chains_rounds(self) -> bool:
         """Rounds are queued one ahead from the target's device state (``Target.launch_chained``):
         target-only decoding, or a drafter that drafts on the device (n-gram from the token
-        history, SpecFormer from the verify pass), without a draft policy or verification logs, on
-        a target that keeps its round state on the device. The host then never waits between
+        history, SpecFormer from the verify pass), without verification logs, on a target that
+        keeps its round state on the device, and without a draft policy unless it chains too
+        (``_policy_chains``: it then sets each round's width). The host then never waits between
         rounds: it runs round n's stop rules while the device runs n + 1."""
         # (verification logs need the host drafter's per-draft features: they keep the host path)
         drafts_ok = self.drafter is None or (self.drafter.drafts_on_device and self.verification_sink is None)
@@ -138,7 +140,17 @@ class Engine(EngineConveniences):
         # (without a drafter nobody reads them: a tapping engine run target-only, e.g. --compare)
         taps_ok = not (self.runner_config is not None and self.runner_config.taps) or (
             self.drafter is None or self.drafter.drafts_from_verify)
-        return self.chained_rounds and drafts_ok and taps_ok and self.draft_policy is None and self.target.chains_rounds
+        return self.chained_rounds and drafts_ok and taps_ok and self._policy_chains and self.target.chains_rounds
+
+    @property
+    def _policy_chains(self) -> bool:
+        """No draft policy, or one that picks chained rounds' widths (``DraftPolicy.plan_width``)
+        from what the drafter leaves on the device: its drafts' predicted acceptance
+        (``Drafter.scores_on_device``: SpecFormer with the policy's device scorer), or nothing at
+        all (the random-length baseline)."""
+        policy = self.draft_policy
+        return policy is None or (policy.chains and self.drafter is not None and self.drafter.drafts_on_device
+                                  and (not policy.needs_scores or self.drafter.scores_on_device))
 
     @property
     def draft_limit(self) -> int:
@@ -370,15 +382,17 @@ class Engine(EngineConveniences):
                 t0 = time.perf_counter()
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
+                plan = self._width_plan
                 try:
-                    k = self.draft_limit
-                    with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none"):
+                    k = self.draft_limit if plan is None else min(plan.width, self.draft_limit)
+                    with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none",
+                              draft_width=k):
                         handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
                                                              for s, r in zip(slots, reqs)], self.drafter)
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
                     raise
-                launched = _Round(reqs, [_NO_PROPOSAL] * len(reqs), [], handle, t0, chained=True)
+                launched = _Round(reqs, [_NO_PROPOSAL] * len(reqs), [], handle, t0, chained=True, plan=plan)
                 self._in_flight |= launched.slots
             if prefilled is not None:  # the admitted requests' first tokens, read after the round was queued
                 reqs_in, handle_in, results = prefilled
@@ -473,7 +487,12 @@ class Engine(EngineConveniences):
                 per_pos[i] += 1
         round_ms = rnd.wall_s * 1e3
         if self.draft_policy is not None:
-            self.draft_policy.observe(emitted, round_ms)
+            if not rnd.chained or rnd.plan is not None:  # (a chained round before any plan: nothing to learn)
+                self.draft_policy.observe(emitted, round_ms, rnd.plan)
+            if rnd.chained:  # the width of the round after the one in flight, from the drafts this one made
+                scores = [res.draft_scores for req, res in zip(rnd.reqs, rnd.results)
+                          if res.draft_scores is not None and not req.finished and req.slot is not None]
+                self._width_plan = self.draft_policy.plan_width(scores or None, self.draft_limit)
         if self.on_round is not None:
             self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms,
                                        drafts))

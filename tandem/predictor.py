@@ -66,6 +66,23 @@ class AcceptancePredictor(nn.Module):
         return self.net((features - self.mean) / self.std).squeeze(-1)
 
     @torch.no_grad()
+    def probabilities(self, features: torch.Tensor) -> torch.Tensor:
+        """Acceptance probabilities ``[n]`` for features ``[n, F]``, computed on the features'
+        device with a copy of the weights kept there (made on the first call for a device, which
+        must not be inside a CUDA-graph capture): no host transfer, so a chained round's graph can
+        score its drafts (``SpecFormerDrafter.set_acceptance_scorer``)."""
+        model = self if self.mean.device == features.device else self._device_copy(features.device)
+        return torch.sigmoid(model(features.float()))
+
+    def _device_copy(self, device: torch.device) -> "AcceptancePredictor":
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            clone = AcceptancePredictor(self.mean.numel(), self.hidden)
+            clone.load_state_dict(self.state_dict())
+            copies[device] = clone.to(device).eval()
+        return copies[device]
+
+    @torch.no_grad()
     def predict(self, features: torch.Tensor) -> torch.Tensor:
         """Acceptance probabilities ``[n]`` for features ``[n, F]`` (any device; returns CPU float32)."""
         if features.numel() == 0:

@@ -177,6 +177,7 @@ class _Round:
     results: list[TargetResult] | None = None
     wall_s: float = 0.0  # launch (or the previous round's collect, if later) to collect
     chained: bool = False  # queued from the device round state (Target.launch_chained)
+    plan: object = None  # a chained round's WidthPlan under a draft policy (DraftPolicy.plan_width)
 
     def __post_init__(self) -> None:
         self.slots = frozenset(r.slot for r in self.reqs)  # the KV slots it runs on

@@ -154,9 +154,10 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
     return path
 
 
-def predictor_score(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None) -> Callable:
-    """The ``predict`` of the acceptance predictor ``spec.predictor`` names ("auto": the one
-    beside the drafter's weights for ``checkpoint``).
+def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None):
+    """The ``AcceptancePredictor`` ``spec.predictor`` names ("auto": the one beside the drafter's
+    weights for ``checkpoint``); its ``predict`` scores on the host, its ``probabilities`` on the
+    drafts' device.
 
     Raises:
         ConfigError: an unreadable predictor, or "auto" without one.
@@ -165,7 +166,7 @@ def predictor_score(spec: SpeculativeConfig, checkpoint: Checkpoint | None = Non
 
     path = resolve_predictor(spec, checkpoint)
     try:
-        return AcceptancePredictor.load(path).predict
+        return AcceptancePredictor.load(path)
     except Exception as exc:  # missing file, not safetensors, not a predictor
         raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
 
@@ -188,13 +189,16 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
         return None
     if spec.policy == "random":
         return RandomLengthPolicy(seed=0)
-    score: Callable = predictor_score(spec, checkpoint) if spec.policy == "predictor" else entropy_score
+    if spec.policy == "predictor":
+        predictor = load_predictor(spec, checkpoint)
+        score, device_score = predictor.predict, predictor.probabilities
+    else:
+        score = device_score = entropy_score
     acceptance_threshold = parse_acceptance_threshold(spec.acceptance_threshold)
-    cost = cost if spec.cost_model else None
-    if acceptance_threshold is None:
-        return DraftPolicy(score, controller=ThresholdController(), cost=cost, branch_top_m=spec.branch_top_m,
-                           store=store, store_key=store_key)
-    return DraftPolicy(score, acceptance_threshold=acceptance_threshold, cost=cost, branch_top_m=spec.branch_top_m, store=store, store_key=store_key)
+    controller = ThresholdController() if acceptance_threshold is None else None
+    return DraftPolicy(score, controller=controller, cost=cost if spec.cost_model else None,
+                       acceptance_threshold=0.5 if acceptance_threshold is None else acceptance_threshold,
+                       branch_top_m=spec.branch_top_m, store=store, store_key=store_key, device_score=device_score)
 
 
 def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
@@ -231,6 +235,10 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
     elif spec.drafter != "remote" and drafter.name != spec.drafter:
         raise ConfigError(f"a {drafter.name} drafter given for drafter {spec.drafter!r}")
     policy = build_draft_policy(spec, checkpoint, cost, store)
+    if policy is not None and policy.device_score is not None and spec.chained_rounds and policy.chains \
+            and hasattr(drafter, "set_acceptance_scorer"):
+        # chained rounds: the drafter scores its drafts inside the round, the policy sets widths from them
+        drafter.set_acceptance_scorer(policy.device_score)
     return Speculation(drafter, spec.num_draft_tokens, policy, spec.chained_rounds)
 
 
@@ -317,7 +325,7 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         target = LocalTarget(checkpoint, replace(runner_config, taps=taps) if taps else runner_config)
     if needs_policy_cost:
         if spec.policy == "predictor":
-            predictor_score(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
+            load_predictor(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
                                         cost=_policy_cost(spec, drafter, target), store=store)
     return Engine(tokenizer=tokenizer or load_tokenizer(checkpoint), target=target,

@@ -105,6 +105,9 @@ class TargetResult:
             vectors), keyed by name; empty by default.
         num_drafts: drafts verified, when the target drafted them itself (chained rounds); None
             when they came with the item.
+        draft_scores: predicted acceptance of the drafts the round left on the device for this
+            sequence's next round (chained rounds of a drafter that scores its drafts,
+            ``Drafter.scores_on_device``); None otherwise.
     """
 
     tokens: list[int]
@@ -112,6 +115,7 @@ class TargetResult:
     logprobs: list[float] | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     num_drafts: int | None = None
+    draft_scores: list[float] | None = None
 
 
 @dataclass
@@ -414,8 +418,10 @@ class LocalTarget(Target):
         round captures it in the step's graph): ``verify_chains`` over the chain rows (``chain``
         ``[n]`` bool; other rows verify no drafts), the round state's update, a verify-pass
         drafter's next drafts (``Drafter.device_after_verify``), and the results packed for the
-        host: ``[n, 3 + Q (+ Q)]`` float64 rows of start, q_len, accepted, the Q emitted-token
-        slots, then (``logprobs``) their log-probabilities."""
+        host: ``[n, 3 + Q (+ Q) (+ L)]`` float64 rows of start, q_len, accepted, the Q emitted-token
+        slots, then (``logprobs``) their log-probabilities, then (a drafter that scores its device
+        drafts, ``Drafter.device_draft_scores``) the predicted acceptance of the L drafts it made
+        for the next round."""
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
@@ -429,6 +435,9 @@ class LocalTarget(Target):
         if logprobs:  # row j of the forward predicts the token after the j-th input
             lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
             packed = torch.cat([packed, lp.double()], dim=1)
+        scores = drafter.device_draft_scores(n) if drafter is not None else None
+        if scores is not None:  # the next round's drafts' predicted acceptance (a chained draft policy)
+            packed = torch.cat([packed, scores.double()], dim=1)
         return packed
 
     def _launched(self, items: list, out, trees: dict[int, list[int]], sampling) -> "_LaunchedVerify":
@@ -436,7 +445,9 @@ class LocalTarget(Target):
         for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
             self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
         copy = _HostCopy(out.epilogue, self._pinned)
-        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, out.argmax.shape[1])
+        Q = out.argmax.shape[1]
+        scored = out.epilogue.shape[1] - 3 - Q * (2 if any(it.return_logprobs for it in items) else 1)
+        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, num_scores=scored)
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
         """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's
@@ -481,7 +492,8 @@ class LocalTarget(Target):
                 else:
                     lp = host[it.slot][Q + 3:Q + 3 + len(r.tokens)]
             drafts = int(host[it.slot][1]) - 1 if isinstance(it, ChainedItem) else None
-            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts))
+            scores = host[it.slot][-handle.num_scores:] if handle.num_scores else None
+            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts, scores))
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
@@ -541,3 +553,4 @@ class _LaunchedVerify:
     sampling: RowSampling
     copy: _HostCopy
     width: int
+    num_scores: int = 0  # trailing columns of predicted acceptance of the next drafts (a scoring drafter)

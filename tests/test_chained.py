@@ -322,3 +322,108 @@ def test_device_lookup_at_full_width_in_a_padded_batch():
         cont, lens, match = lookup_drafts(history, last, torch.full_like(last, 6), 6)
         got = [(cont[b, :lens[b]].tolist(), int(match[b])) for b in range(B)]
         assert got == want
+
+
+# ------------------------------------------------- context-aware widths over SpecFormer, chained
+
+
+def _context_aware_engine(target_dir: str, policy, slots: int = 4) -> Engine:
+    """A chained SpecFormer engine under ``policy``, its drafter scoring drafts on the device
+    (what ``build_speculation`` sets up for a policy with a device scorer)."""
+    from test_specformer import VARIANTS, _random_head
+
+    from tandem.drafters.specformer import SpecFormerDrafter
+    from tandem.models.weights import load_checkpoint
+
+    ck = load_checkpoint(target_dir)
+    drafter = SpecFormerDrafter(_random_head(ck.config, **VARIANTS["lookup"]))
+    if policy.device_score is not None:
+        drafter.set_acceptance_scorer(policy.device_score)
+    engine = Engine(ck, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=128), drafter=drafter,
+                    num_draft_tokens=4, draft_policy=policy)
+    assert engine.chains_rounds
+    return engine
+
+
+def _widths(engine: Engine) -> list[int]:
+    """Record the draft width of every chained round the engine queues."""
+    seen: list[int] = []
+    launch = engine.target.launch_chained
+
+    def spy(items, drafter=None):
+        seen.append(max(it.max_draft for it in items))
+        return launch(items, drafter)
+
+    engine.target.launch_chained = spy
+    return seen
+
+
+@pytest.mark.parametrize("theta", [0.0, 1.0, "auto"])
+def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_dir, theta):
+    """A context-aware policy over SpecFormer chains (no host-drafted rounds): the head scores its
+    drafts inside the round, the round's one copy brings the scores back and the policy picks the
+    width of a later round from them. θ = 0 drafts every position (the same drafts as fixed k),
+    θ = 1 none (no score reaches 1), the online θ several widths; greedy output is always the
+    target's, and every round still makes one blocking read."""
+    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+    from tandem.profiling import HostSyncCounter
+
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 30, 20)]
+    want = [c.token_ids for c in _specformer_engine(target_dir, chained=True).generate(PROMPTS[:4], params)]
+    fixed_k = _specformer_engine(target_dir, chained=True)
+    with HostSyncCounter("cpu") as fixed_reads:
+        fixed_k.generate(PROMPTS[:4], params)
+    controller = ThresholdController(grid=[0.0, 0.3, 1.0], c=0.5) if theta == "auto" else None
+    policy = DraftPolicy(entropy_score, controller=controller, acceptance_threshold=0.5 if theta == "auto" else theta,
+                         device_score=entropy_score)
+    engine = _context_aware_engine(target_dir, policy)
+    widths = _widths(engine)
+    with HostSyncCounter("cpu") as counter:
+        got = [c.token_ids for c in engine.generate(PROMPTS[:4], params)]
+    assert got == want
+    assert engine.drafter._draft_scores is not None
+    if theta == 0.0:
+        assert set(widths[1:]) == {4}
+        assert (engine.stats.num_drafted, engine.stats.num_accepted) == (fixed_k.stats.num_drafted,
+                                                                         fixed_k.stats.num_accepted)
+    elif theta == 1.0:
+        # the first two rounds are queued before any score is back (the width lags one round)
+        assert widths[:2] == [4, 4] and set(widths[2:]) == {0}
+        assert engine.stats.num_drafted <= fixed_k.stats.num_drafted / 4
+    else:
+        assert len(set(widths)) >= 2 and sum(controller.counts) > 0
+    # the policy adds no host read: as many reads a round as fixed-k chained rounds (one, + admissions)
+    assert counter.count / engine.num_rounds <= fixed_reads.count / fixed_k.num_rounds + 1e-9, counter.sites
+    assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
+
+
+def test_chained_predictor_scores_on_the_device_as_on_the_host(target_dir):
+    """The learned predictor scores a chained round's drafts on the device with the features the
+    host path computes for the same drafts (``draft_rows``): the scores the round brings back are
+    ``AcceptancePredictor.predict`` of those features."""
+    from tandem.control import DraftPolicy
+    from tandem.drafters.base import draft_rows
+    from tandem.predictor import AcceptancePredictor
+
+    torch.manual_seed(0)
+    predictor = AcceptancePredictor(hidden=8)
+    policy = DraftPolicy(predictor.predict, acceptance_threshold=0.0, device_score=predictor.probabilities)
+    engine = _context_aware_engine(target_dir, policy, slots=2)
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()  # admission: the prompt's first drafts and their scores
+    drafter = engine.drafter
+    slot = engine.requests[rid].slot
+    ld = drafter.head.config.num_draft_tokens
+    scores = drafter.device_draft_scores(slot + 1)[slot]
+    ctx = drafter._state[slot:slot + 1]
+    history, length = engine.target.state.history, engine.target.state.length
+    from tandem.drafters.lookup import lookup_drafts
+
+    last = length[slot:slot + 1]
+    cont, _, match = lookup_drafts(history[slot:slot + 1, :int(last) + 1], last, torch.full_like(last, ld), ld)
+    ids = torch.cat([cont, match[:, None], engine.target.state.last[slot:slot + 1, None]], dim=1)
+    logits = drafter._draft_rows(ctx, ids)[0]
+    rows = draft_rows(logits, [SamplingParams()] * ld, [None] * ld, list(range(1, ld + 1)))
+    assert torch.allclose(scores, predictor.predict(rows.features), atol=1e-5)
+    while engine.has_unfinished():
+        engine.step()

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tandem.control import (CostModel, ThresholdController, allocate_draft_lengths, expected_emitted, threshold_cut)
+from tandem.control import (CostModel, DraftPolicy, RandomLengthPolicy, ThresholdController, WidthPlan,
+                            allocate_draft_lengths, best_width, entropy_score, expected_emitted, threshold_cut)
 
 
 def linear_cost(base=1.0, per_token=0.25, per_row=0.01, draft_step_ms=0.0):
@@ -65,6 +66,60 @@ def test_allocation_is_optimal_on_small_random_batches(seed):
     assert all(0 <= n <= len(p) for n, p in zip(alloc.lengths, probs))
     if budget is not None:
         assert sum(alloc.lengths) <= budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_best_width_is_the_allocations_longest_row(seed, cumulative):
+    """``best_width`` (vectorised, chained rounds) picks the width of ``allocate_draft_lengths``'s
+    choice and its predicted time, on batches of up to 64 rows with equal-length drafts; without
+    a cost model, the longest θ-cut length."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    b, L = rng.randint(1, 64), rng.randint(1, 6)
+    probs = [[rng.random() ** rng.choice([0.3, 1.0, 3.0]) for _ in range(L)] for _ in range(b)]
+    cost = linear_cost(per_token=rng.choice([0.001, 0.01, 0.1, 0.4]), draft_step_ms=rng.choice([0.0, 0.05]))
+    cost.overhead_ms = rng.choice([0.0, 0.5])
+    theta = rng.choice([0.0, 0.3, 0.6, 0.95])
+    alloc = allocate_draft_lengths(probs, cost, acceptance_threshold=theta, cumulative=cumulative)
+    width, modelled = best_width(np.array(probs), cost, theta, cumulative)
+    assert width == max(alloc.lengths)
+    assert modelled == pytest.approx(alloc.predicted_ms - cost.overhead_ms)
+    caps = [threshold_cut(p, theta, cumulative) for p in probs]
+    assert best_width(np.array(probs), None, theta, cumulative) == (max(caps), None)
+
+
+def test_chained_policy_plans_widths_and_learns_from_their_rounds():
+    """``DraftPolicy.plan_width``: the controller's θ for that round, the width under it, clamped to
+    the draft limit; ``observe`` with the plan credits that θ (not the last one chosen) and fits
+    the per-round cost against the plan's modelled time. The random-length baseline draws widths
+    in 0..limit without scores."""
+    import numpy as np
+
+    policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 0.5, 0.9]),
+                         cost=linear_cost(per_token=0.01), device_score=entropy_score)
+    assert policy.chains and policy.needs_scores
+    scores = np.array([[0.95, 0.9, 0.4, 0.1], [0.7, 0.6, 0.55, 0.2]])
+    plans = [policy.plan_width(scores, limit=3) for _ in range(3)]
+    assert [p.acceptance_threshold for p in plans] == [0.0, 0.0, 0.0]  # untried candidates come first only once observed
+    assert all(p.width <= 3 for p in plans)
+    assert policy.plan_width(None, limit=4) == WidthPlan(4, 0.0)
+    first = policy.plan_width(scores, limit=4)
+    policy.observe(10, 2.0, first)
+    second = policy.plan_width(scores, limit=4)
+    assert second.acceptance_threshold == 0.5  # the next untried candidate
+    policy.observe(1, 2.0, second)
+    assert policy.controller.counts[0] > 0.99 and policy.controller.counts[1] > 0.99
+    assert policy.controller.tokens[0] > policy.controller.tokens[1]
+    assert policy.overhead_ms > 0  # 2 ms measured against a modelled linear cost below it
+    fixed = DraftPolicy(entropy_score, acceptance_threshold=0.5, device_score=entropy_score)
+    assert fixed.plan_width(scores, limit=4).width == 3  # the longest per-token cut at θ = 0.5
+    assert not DraftPolicy(entropy_score, branch_top_m=3).chains
+    rnd = RandomLengthPolicy(seed=1)
+    assert not rnd.needs_scores
+    widths = {rnd.plan_width(None, limit=4).width for _ in range(200)}
+    assert widths == {0, 1, 2, 3, 4}
 
 
 def test_allocation_hand_made_cases():

@@ -116,8 +116,8 @@ class DraftProposal:
         return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops)
 
 
-def _features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
-    """``distribution_features`` on ``probs``' device."""
+def device_features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:
+    """``distribution_features`` on ``probs``' device (no host transfer: CUDA graphs can capture it)."""
     n = probs.shape[0]
     p = probs.float()
     entropy = -(p * p.clamp_min(1e-20).log()).sum(-1)
@@ -143,7 +143,7 @@ def distribution_features(probs: torch.Tensor, start_position: int | torch.Tenso
         ``[n, NUM_FEATURES]`` on the CPU: entropy (nats), top-1 probability, top-1 minus top-2,
         position.
     """
-    return _features(probs, start_position).cpu()
+    return device_features(probs, start_position).cpu()
 
 
 @dataclass
@@ -203,7 +203,7 @@ def draft_rows(logits: torch.Tensor, params: Sequence[SamplingParams], generator
         for j, i in enumerate(sampled):
             tokens_dev[i] = torch.multinomial(qs[j], 1, generator=generators[i])[0]
             probs[i] = qs[j]
-    feats = _features(q, torch.tensor(positions, dtype=torch.float32, device=q.device))
+    feats = device_features(q, torch.tensor(positions, dtype=torch.float32, device=q.device))
     tops = q.topk(min(top_m, q.shape[-1]), dim=-1).indices
     # one copy to the host for all three (ids are exact in float64)
     host = torch.cat([tokens_dev[:, None].double(), feats.double(), tops.double()], dim=1).cpu()
@@ -332,6 +332,17 @@ class Drafter(ABC):
     def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
         """``[n, k, V]`` float32 q that rows ``0 .. n-1``'s device drafts were drawn from (for
         speculative sampling), or None when they are deterministic (q one-hot: the default)."""
+        return None
+
+    @property
+    def scores_on_device(self) -> bool:
+        """Chained rounds leave the predicted acceptance of the drafts they make on the device
+        (``device_draft_scores``); False by default."""
+        return False
+
+    def device_draft_scores(self, n: int) -> torch.Tensor | None:
+        """``[n, L]`` float32 predicted acceptance of rows ``0 .. n-1``'s next device drafts, made
+        by the chained round just queued (``scores_on_device`` drafters), or None."""
         return None
 
     def prepare_round(self, sampled: bool) -> None:

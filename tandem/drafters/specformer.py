@@ -30,7 +30,8 @@ from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_devic
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
                                  lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep, draft_rows, synced_index
+from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep, device_features,
+                   draft_rows, synced_index)
 from .lookup import LookupIndex, lookup_drafts
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -105,6 +106,8 @@ class SpecFormerDrafter(Drafter):
         self._lookups: dict[int, LookupIndex] = {}
         self._target = None
         self._fused = False  # the head runs the fused kernels (set by bind)
+        self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
+        self._draft_scores: torch.Tensor | None = None
 
     @classmethod
     def load(cls, path: str | Path | None = None, top_m: int = 4) -> "SpecFormerDrafter":
@@ -148,6 +151,8 @@ class SpecFormerDrafter(Drafter):
         self._draft_tokens = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.long, device=dev)
         self._draft_lens = torch.zeros(self._num_slots, dtype=torch.long, device=dev)
         self._draft_q: torch.Tensor | None = None
+        self._draft_scores = (torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.float32, device=dev)
+                              if self._scorer is not None else None)
         # with the runner's CUDA graphs, the head's decode-round observe and draft replay graphs too
         # (static buffers per batch bucket and context bucket): at batch 1 a round is otherwise
         # hundreds of kernel launches around one graph replay (docs/benchmarks.md, history row a0fd552)
@@ -340,6 +345,28 @@ class SpecFormerDrafter(Drafter):
             tokens = torch.cat([tokens, tokens.new_zeros(n, k - ld)], dim=1)
         return tokens, lens
 
+    def set_acceptance_scorer(self, score) -> None:
+        """Score the drafts of chained rounds on the device: ``score`` maps predictor features
+        ``[N, NUM_FEATURES]`` (``tandem.drafters.base.distribution_features`` of each draft's q:
+        softmax of the draft logits for greedy requests, the sampling transform for sampled ones;
+        position 1..l_d) to acceptance probabilities ``[N]`` on their device
+        (``DraftPolicy.device_score``: ``AcceptancePredictor.probabilities`` or the entropy rule).
+        Each round then leaves ``[slots, l_d]`` scores beside its drafts (``device_draft_scores``).
+        Call before ``bind``."""
+        if self._target is not None:
+            raise RuntimeError("set_acceptance_scorer after bind()")
+        self._scorer = score
+
+    @property
+    def scores_on_device(self) -> bool:
+        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
+        return self._scorer is not None
+
+    def device_draft_scores(self, n: int) -> torch.Tensor | None:
+        """``[n, l_d]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
+        without a scorer."""
+        return None if self._draft_scores is None else self._draft_scores[:n]
+
     def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
         """``[n, k, V]`` q of the device drafts of rows ``0 .. n-1`` (rows of greedy requests are
         not read); None before any sampled request drafted (every draft so far is an argmax)."""
@@ -429,8 +456,9 @@ class SpecFormerDrafter(Drafter):
         ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
         logits = self._draft_rows(ctx, ids, float32=False)  # [n, ld, V]; sampling_probs upcasts
         drafts = logits.argmax(-1)
+        V = logits.shape[-1]
+        q = None
         if sampling.any_sampled:
-            V = logits.shape[-1]
             rep = lambda t: t[:, None].expand(n, ld).reshape(-1)  # noqa: E731
             q = sampling_probs(logits.reshape(n * ld, V), rep(sampling.temperature), rep(sampling.top_k),
                                rep(sampling.top_p), sampling.filtered)
@@ -438,6 +466,13 @@ class SpecFormerDrafter(Drafter):
             drawn = sample_inverse_cdf(q, u.reshape(-1)).view(n, ld)
             drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
             self._draft_q[:n] = torch.where(keep[:, None, None], q.view(n, ld, V), self._draft_q[:n])
+        if self._scorer is not None:  # the predictor's features of each draft's q, as draft_rows makes them
+            dist = logits.float().softmax(-1)
+            if q is not None:
+                dist = torch.where(sampling.greedy[:, None, None], dist, q.view(n, ld, V))
+            pos = torch.arange(1, ld + 1, dtype=torch.float32, device=dev).repeat(n)
+            scores = self._scorer(device_features(dist.reshape(n * ld, V), pos)).view(n, ld)
+            self._draft_scores[:n] = torch.where(keep[:, None], scores.float(), self._draft_scores[:n])
         self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
         self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
 
