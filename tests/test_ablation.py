@@ -1,6 +1,6 @@
 """CPU quick run of the context-aware ablation (the full run is on the GPU, docs/benchmarks.md).
 
-The ablation rows are `tandem bench` configurations (tandem.bench.configs.ABLATION_CONFIGS): they
+The ablation rows are `tandem bench` configurations (tandem.bench.configs.ablation_configs): they
 share each batch size's target engine and warm-up, and report like every other configuration.
 """
 
@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from tandem.bench import replay as replay_mod
-from tandem.bench.configs import ABLATION_CONFIGS, BenchOptions, parse_configs
+from tandem.bench.configs import BenchOptions, ablation_configs, parse_configs
 from tandem.bench.spec_bench import run_benchmark
 from tandem.cli import main
 from tandem.data import PromptRecord
@@ -55,19 +55,20 @@ def test_ablation_rows_are_lossless_and_complete(setup):
     options = BenchOptions(num_draft_tokens=3, draft_model=str(draft), ca_drafter="draft-model",
                            predictor=str(predictor))
     report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=128), records,
-                           parse_configs(",".join(ABLATION_CONFIGS)), [1, 2], options, max_tokens=10, limit=2,
+                           parse_configs(",".join(ablation_configs(3))), [1, 2], options, max_tokens=10, limit=2,
                            progress=False, warmup="none")
     for b in (1, 2):
         rows = [r for r in report.results if r.batch_size == b]
-        assert [r.config for r in rows] == list(ABLATION_CONFIGS)
+        assert [r.config for r in rows] == list(ablation_configs(3))
         for r in rows:
             assert r.lossless_share == 1.0, r  # greedy: every row is lossless
             assert r.output_tokens == rows[0].output_tokens
             assert r.speedup == pytest.approx(r.tps / rows[0].tps)  # rows[0]: target-only
             check_acceptance_figures(r.drafted, r.accepted, r.acceptance_rate, r.mean_accepted_length,
                                      r.output_tokens, r.prompts, r.k)
-        assert all(r.k == 3 for r in rows[1:])
-        assert report.get("fixed-k", b).drafted > 0
+        assert [r.k for r in rows[1:4]] == [1, 2, 3]  # the fixed-length sweep
+        assert all(r.k == 3 for r in rows[4:])
+        assert report.get("fixed-k=3", b).drafted > 0
 
 
 def test_ablation_cli(setup, tmp_path):
@@ -78,7 +79,7 @@ def test_ablation_cli(setup, tmp_path):
     res = CliRunner().invoke(main, base + ["--predictor", str(predictor), "--out", str(tmp_path / "abl")])
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "abl" / "results.json").read_text())
-    assert [r["config"] for r in data["results"]] == list(ABLATION_CONFIGS)
+    assert [r["config"] for r in data["results"]] == list(ablation_configs(3))
     assert data["meta"]["options"]["ca_drafter"] == "draft-model"
     # no predictor given and none next to the draft model's weights: refused before anything runs
     res = CliRunner().invoke(main, base + ["--predictor", "auto"])

@@ -297,6 +297,34 @@ def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_promp
             assert report.get("context-aware", 2).lossless_share == 1.0
 
 
+def test_ablation_over_specformer_chains_every_policy_row(tiny_dir, short_prompts, tmp_path):
+    """``tandem bench --ablation --ca-drafter specformer``: every row is lossless, and every row
+    but ``full-system`` (token trees) runs chained rounds, the policy rows setting widths from the
+    scores the head makes inside the round."""
+    import numpy as np
+
+    from tandem.bench.configs import ablation_configs
+    from tandem.models.specformer import SpecFormerConfig, SpecFormerHead, save_specformer
+    from tandem.predictor import train_predictor
+
+    ck = load_checkpoint(tiny_dir)
+    save_specformer(SpecFormerHead(SpecFormerConfig.for_target(ck.config)), tmp_path / "head", dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 1, (300, 4)).astype(np.float32)
+    predictor, report = train_predictor(x, (rng.uniform(size=300) < x[:, 1]).astype(np.float32), epochs=2)
+    predictor.save(tmp_path / "p.safetensors", report)
+    options = BenchOptions(specformer=str(tmp_path / "head"), ca_drafter="specformer", num_draft_tokens=2,
+                           predictor=str(tmp_path / "p.safetensors"))
+    names = ablation_configs(2)
+    report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=256),
+                           load_prompts(short_prompts), parse_configs(",".join(names)), [2], options,
+                           max_tokens=6, limit=2, progress=False, warmup="none")
+    rows = {r.config: r for r in report.results}
+    assert list(rows) == list(names)
+    assert all(r.lossless_share == 1.0 for r in rows.values()), rows
+    assert {n for n, r in rows.items() if not r.chained} == {"full-system"}
+
+
 def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     """--mode distributed runs each configuration through real verifier / drafter / router
     processes over loopback gRPC: same greedy output as target-only, acceptance reported."""

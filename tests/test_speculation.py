@@ -96,7 +96,7 @@ def _cli_spec(monkeypatch, module: str, args: list[str]) -> SpeculativeConfig:
      BenchOptions(num_draft_tokens=5, ca_drafter="ngram", predictor="PRED")),
     (["--drafter", "draft-model", "--draft-model", "truncate:1", "--num-draft-tokens", "3"], "fixed-k",
      BenchOptions(num_draft_tokens=3, draft_model="truncate:1")),
-    (["--drafter", "ngram", "--predictor", "PRED", "--num-draft-tokens", "2"], "predictor",
+    (["--drafter", "ngram", "--predictor", "PRED", "--num-draft-tokens", "2"], "budget",
      BenchOptions(num_draft_tokens=2, ca_drafter="ngram", predictor="PRED")),
 ])
 def test_generate_and_bench_build_the_same_config(monkeypatch, tmp_path, cli_args, config, options):

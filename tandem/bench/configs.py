@@ -5,10 +5,13 @@ are ``SpeculativeConfig`` values; the runner builds each one's engine with
 ``tandem.speculation.build_engine`` over the target of the batch size (built once per batch size;
 a drafter that reads the target's hidden states, SpecFormer, gets a target of its own). Outside references
 (``hf-generate``, ``hf-prompt-lookup``) run Hugging Face ``generate`` on the same checkpoint, at
-batch 1. The ablation rows of the context-aware paper (``fixed-k``, ``random-length``,
-``entropy-threshold``, ``predictor``, ``full-system``; ``ABLATION_CONFIGS``, what ``tandem bench
---ablation`` runs) are configurations too, over ``--ca-drafter`` at k = ``--num-draft-tokens``, so
-they share the target engine, its warm-up and the report.
+batch 1. The ablation rows of the context-aware paper (``fixed-k=1`` .. ``fixed-k=<k>``,
+``random-length``, ``entropy-threshold``, ``predictor-fixed-tau``, ``predictor-online-tau``,
+``budget``, ``full-system``; ``ablation_configs``, what ``tandem bench --ablation`` runs) are
+configurations too, over ``--ca-drafter`` at k = ``--num-draft-tokens``, so they share the target
+engine, its warm-up and the report. Over a drafter that drafts on the device (SpecFormer) every
+row but ``full-system`` (token trees) runs in chained rounds: the policy picks each round's width
+from the drafts' scores made inside the round (``tandem.control.DraftPolicy.plan_width``).
 
 Every check a configuration needs (a draft model, a SpecFormer head, a predictor) runs in
 ``prepare_configs`` before anything is timed, so a bad option fails in a second, not after the
@@ -23,9 +26,10 @@ from dataclasses import dataclass, field, replace
 from ..control import CostModel
 from ..errors import ConfigError
 from ..models.weights import Checkpoint
-from ..speculation import SpeculativeConfig, Speculation, build_draft_policy, build_speculation
+from ..speculation import MAX_DRAFT_TOKENS, SpeculativeConfig, Speculation, build_draft_policy, build_speculation
 
 DRAFT_MODEL_K = 4  # the draft-model configuration's fixed k (the papers' baseline setting)
+ABLATION_FIXED_THRESHOLD = 0.5  # θ of the ablation's predictor-fixed-tau row
 SPECFORMER_K = 4  # SpecFormer paper: k = 4 at every batch size
 
 
@@ -216,8 +220,9 @@ def _full_system_m(o: BenchOptions) -> int:
     return max(o.branch_top_m, 2)
 
 
-def _ablation_predictor_row(ctx: BuildContext, branch_top_m: int = 0) -> SpeculativeConfig:
-    return _over_ca_drafter(ctx, policy="predictor", predictor=_ablation_predictor(ctx), branch_top_m=branch_top_m)
+def _ablation_predictor_row(ctx: BuildContext, branch_top_m: int = 0, **policy) -> SpeculativeConfig:
+    return _over_ca_drafter(ctx, policy="predictor", predictor=_ablation_predictor(ctx), branch_top_m=branch_top_m,
+                            **policy)
 
 
 def _prepare_ablation(uses_predictor: bool) -> Callable[[BuildContext], None]:
@@ -261,7 +266,16 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("entropy-threshold", "ablation: entropy score exp(-H(q)) with the online acceptance threshold, no learned predictor",
                 _k, _k1, speculation=lambda ctx: _over_ca_drafter(ctx, policy="entropy", cost_model=False),
                 prepare=_prepare_ablation(False)),
-    BenchConfig("predictor", "ablation: learned predictor + online acceptance threshold + batch allocation, no enhancement",
+    BenchConfig("predictor-fixed-tau", f"ablation: learned predictor under a fixed acceptance threshold "
+                f"{ABLATION_FIXED_THRESHOLD}, no cost model",
+                _k, _k1, speculation=lambda ctx: _ablation_predictor_row(
+                    ctx, acceptance_threshold=ABLATION_FIXED_THRESHOLD, cost_model=False),
+                prepare=_prepare_ablation(True)),
+    BenchConfig("predictor-online-tau", "ablation: learned predictor + online acceptance threshold, no cost model",
+                _k, _k1, speculation=lambda ctx: _ablation_predictor_row(ctx, cost_model=False),
+                prepare=_prepare_ablation(True)),
+    BenchConfig("budget", "ablation: learned predictor + online acceptance threshold + batch budget under the "
+                "verifier cost model T(b, q), no enhancement",
                 _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True),
     BenchConfig("full-system", "ablation: predictor + online acceptance threshold + batch allocation + top-m hard-position branching "
                 "(m = max(--branch-top-m, 2))", _k, lambda o: o.num_draft_tokens + _full_system_m(o),
@@ -283,7 +297,36 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 ]}
 
 CA_DRAFTERS = ("ngram", "draft-model", "specformer")
-ABLATION_CONFIGS = ("target", "fixed-k", "random-length", "entropy-threshold", "predictor", "full-system")
+ABLATION_POLICIES = ("random-length", "entropy-threshold", "predictor-fixed-tau", "predictor-online-tau", "budget",
+                     "full-system")
+
+
+def ablation_configs(k: int) -> tuple[str, ...]:
+    """What ``tandem bench --ablation`` runs at k = ``--num-draft-tokens``: target, the fixed
+    lengths ``fixed-k=1`` .. ``fixed-k=<k>`` (a sweep), then the policies of ``ABLATION_POLICIES``."""
+    return ("target", *(f"fixed-k={n}" for n in range(1, k + 1)), *ABLATION_POLICIES)
+
+
+def _fixed_k(n: int) -> BenchConfig:
+    """``fixed-k=<n>``: the ``--ca-drafter`` at a fixed k = n (the ablation's length sweep)."""
+    return BenchConfig(f"fixed-k={n}", f"ablation: fixed k = {n} over --ca-drafter", lambda o: n, lambda o: n + 1,
+                       speculation=lambda ctx: replace(_over_ca_drafter(ctx), num_draft_tokens=n),
+                       prepare=_prepare_ablation(False))
+
+
+def config(name: str) -> BenchConfig:
+    """The configuration called ``name`` (``CONFIGS``, or ``fixed-k=<n>`` for n in 1..16).
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name in CONFIGS:
+        return CONFIGS[name]
+    prefix = "fixed-k="
+    if name.startswith(prefix) and name[len(prefix):].isdigit() and 1 <= int(name[len(prefix):]) <= MAX_DRAFT_TOKENS:
+        return _fixed_k(int(name[len(prefix):]))
+    raise ConfigError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)} "
+                      f"or fixed-k=<n> (n in 1..{MAX_DRAFT_TOKENS})")
 
 
 def parse_configs(spec: str) -> list[BenchConfig]:
@@ -298,11 +341,8 @@ def parse_configs(spec: str) -> list[BenchConfig]:
         raise ConfigError("--configs is empty")
     if not all(names):
         raise ConfigError(f"--configs {spec!r} has an empty item")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise ConfigError(f"unknown configuration {', '.join(map(repr, unknown))}; choose from {', '.join(CONFIGS)}")
     ordered = ["target"] + [n for n in dict.fromkeys(names) if n != "target"]
-    return [CONFIGS[n] for n in ordered]
+    return [config(n) for n in ordered]
 
 
 def prepare_configs(configs: list[BenchConfig], ctx: BuildContext) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .configs import CONFIGS
+from ..errors import ConfigError
+from .configs import config
 from .spec_bench import BenchReport, RunResult
 
 
@@ -179,10 +180,18 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
             f"submission (all prompts are queued at once).\n\n")
-    described = "".join(f"- `{name}`: {CONFIGS[name].description}\n" for name in m.configs if name in CONFIGS)
+    described = "".join(f"- `{name}`: {_description(name)}\n" for name in m.configs if _description(name))
     described += "\nOptions: " + ", ".join(f"{k}={v}" for k, v in m.options.items()) + ".\n"
     written[1].write_text(head + described + "\n" + "\n".join(t.to_markdown() for t in tables(report)))
     plot_speedup(report, written[2])
     if plot_categories(report, out / "acceptance_by_task.png"):
         written.append(out / "acceptance_by_task.png")
     return written
+
+
+def _description(name: str) -> str | None:
+    """A configuration's one-line description (None for a name this version does not know)."""
+    try:
+        return config(name).description
+    except ConfigError:
+        return None

@@ -93,6 +93,8 @@ class RunResult:
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
+    # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
+    chained: bool | None = None
 
     @property
     def round_overhead(self) -> float:
@@ -418,7 +420,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     comps, wall, peak, cost, admitted = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}",
                                                                      progress, warmup)
                     res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),
-                                  **asdict(cost), **admitted)
+                                  **asdict(cost), **admitted, chained=run_on.chains_rounds)
                     run_on = None
                     _free_memory()
                     if c.name == "target":

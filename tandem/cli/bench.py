@@ -54,9 +54,10 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 @dtype_option
 @kernels_option
 @click.option("--ablation", is_flag=True,
-              help="The context-aware ablation as the configuration set: target, fixed-k, random-length, "
-                   "entropy-threshold, predictor, full-system over --drafter (or --ca-drafter) at k = "
-                   "--num-draft-tokens; the predictor rows use --predictor PATH|auto.")
+              help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
+                   "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, budget, "
+                   "full-system over --drafter (or --ca-drafter) at k = --num-draft-tokens; the predictor rows "
+                   "use --predictor PATH|auto.")
 @with_drafter_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write results.json, results.md and the PNG plots here.")
@@ -88,13 +89,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     if not records:
         fail("the prompts file has no prompts")
     if ablation:  # the paper's ablation rows are configurations on the same engines (tandem.bench.configs)
-        from ..bench.configs import ABLATION_CONFIGS  # torch
+        from ..bench.configs import ablation_configs  # torch
 
         if configs_spec:
             fail("--ablation runs its own configuration set; drop --configs")
         if acceptance_threshold != "auto":
             fail("--ablation rows set θ themselves (the online controller, or none); drop --acceptance-threshold")
-        configs_spec, hf_baseline = ",".join(ABLATION_CONFIGS), False
+        configs_spec, hf_baseline = ",".join(ablation_configs(num_draft_tokens)), False
         if drafter != "none":
             ca_drafter, drafter = drafter, "none"
         if predictor == "auto":  # the predictor saved next to the drafter's weights
