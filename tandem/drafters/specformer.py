@@ -30,8 +30,8 @@ from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_devic
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
                                  lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep, device_features,
-                   draft_rows, synced_index)
+from .base import (NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, VerifiedStep,
+                   device_features, draft_rows, synced_index)
 from .lookup import LookupIndex, lookup_drafts
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -151,8 +151,11 @@ class SpecFormerDrafter(Drafter):
         self._draft_tokens = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.long, device=dev)
         self._draft_lens = torch.zeros(self._num_slots, dtype=torch.long, device=dev)
         self._draft_q: torch.Tensor | None = None
-        self._draft_scores = (torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.float32, device=dev)
-                              if self._scorer is not None else None)
+        self._draft_scores = None
+        if self._scorer is not None:
+            self._draft_scores = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.float32, device=dev)
+            with torch.inference_mode():  # once outside any capture: a scorer may place its weights on first use
+                self._scorer(torch.zeros((1, NUM_FEATURES), dtype=torch.float32, device=dev))
         # with the runner's CUDA graphs, the head's decode-round observe and draft replay graphs too
         # (static buffers per batch bucket and context bucket): at batch 1 a round is otherwise
         # hundreds of kernel launches around one graph replay (docs/benchmarks.md, history row a0fd552)
