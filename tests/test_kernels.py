@@ -173,3 +173,31 @@ def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kerne
             else:
                 assert torch.equal(logits, reference[:width]), (batch, width, slot)
     assert reference.shape[0] == 8 <= MAX_FUSED_TOKENS
+
+
+@pytest.mark.gpu
+@needs_fused
+@pytest.mark.parametrize("probs", [False, True])
+def test_draft_features_kernel_matches_the_plain_definition(probs):
+    """``draft_features`` (one pass over the vocabulary per row: entropy, top-1, top-1 - top-2,
+    position) gives ``device_features`` of the same distribution: peaked, flat, tied and masked
+    rows, bf16 logits or float32 probabilities, a vocabulary that is not a multiple of the block."""
+    from tandem.drafters.base import device_features
+    from tandem.models.kernels import draft_features
+
+    torch.manual_seed(0)
+    R, V = 67, 49152 + 13
+    logits = torch.randn(R, V, device="cuda") * torch.linspace(0.1, 12.0, R, device="cuda")[:, None]
+    logits[3] = 0.0  # flat
+    logits[4, :2] = 30.0  # a tie at the top
+    logits[5, 100:] = float("-inf")  # a filtered row
+    pos = torch.arange(R, device="cuda", dtype=torch.float32) % 6 + 1
+    if probs:
+        x = logits.float().softmax(-1)
+        want = device_features(x, pos)
+    else:
+        x = logits.to(torch.bfloat16)
+        want = device_features(x.float().softmax(-1), pos)
+    got = draft_features(x, pos, probs=probs)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert got[4, 2].abs() < 1e-6  # tied top candidates: margin 0

@@ -470,14 +470,23 @@ class SpecFormerDrafter(Drafter):
             drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
             self._draft_q[:n] = torch.where(keep[:, None, None], q.view(n, ld, V), self._draft_q[:n])
         if self._scorer is not None:  # the predictor's features of each draft's q, as draft_rows makes them
-            dist = logits.float().softmax(-1)
-            if q is not None:
-                dist = torch.where(sampling.greedy[:, None, None], dist, q.view(n, ld, V))
             pos = torch.arange(1, ld + 1, dtype=torch.float32, device=dev).repeat(n)
-            scores = self._scorer(device_features(dist.reshape(n * ld, V), pos)).view(n, ld)
+            feats = self._features(logits.reshape(n * ld, V), pos, probs=False)  # greedy rows: softmax(logits)
+            if q is not None:  # sampled rows: their sampling transform q
+                feats = torch.where(sampling.greedy[:, None].expand(n, ld).reshape(-1, 1), feats,
+                                    self._features(q, pos, probs=True))
+            scores = self._scorer(feats).view(n, ld)
             self._draft_scores[:n] = torch.where(keep[:, None], scores.float(), self._draft_scores[:n])
         self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
         self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
+
+    def _features(self, x: torch.Tensor, pos: torch.Tensor, probs: bool) -> torch.Tensor:
+        """Predictor features ``[R, 4]`` of draft logits ``x`` ``[R, V]`` (or probabilities, with
+        ``probs``): one fused kernel a round on the fused path (``kernels.draft_features``), the
+        same definition in plain ops elsewhere (``device_features``)."""
+        if self._fused:
+            return kernels.draft_features(x, pos, probs=probs)
+        return device_features(x if probs else x.float().softmax(-1), pos)
 
     def _lookup(self, req: DraftRequest) -> tuple[list[int], int]:
         """The context lookup continuation of ``req.token_ids`` (at most l_d ids, none when nothing

@@ -346,6 +346,87 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     num_splits=ATTN_SPLITS if backend == "flash" else 0)
 
 
+@functools.lru_cache(maxsize=1)
+def _draft_features_kernel():
+    triton, tl = _modules()
+
+    @triton.jit
+    def draft_features_kernel(x_ptr, pos_ptr, out_ptr, n_cols, x_stride,
+                              IS_PROBS: tl.constexpr, BLOCK: tl.constexpr):
+        # one row per program, one pass over the vocabulary: entropy, top-1 probability and top-1 -
+        # top-2 margin of softmax(x) (logits, online max with rescaled sums) or of x itself (IS_PROBS)
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * x_stride
+        cols = tl.arange(0, BLOCK)
+        neg = float("-inf")
+        m = tl.full([], neg, tl.float32)  # running max (logits) ...
+        z = tl.full([], 0.0, tl.float32)  # ... sum exp(x - m)
+        s = tl.full([], 0.0, tl.float32)  # ... sum exp(x - m) * (x - m); probabilities: sum -p log p
+        t1 = tl.full([], neg, tl.float32)
+        t2 = tl.full([], neg, tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            idx = start + cols
+            valid = idx < n_cols
+            x = tl.load(base + idx, mask=valid, other=neg).to(tl.float32)
+            b1 = tl.max(x, axis=0)
+            i1 = tl.argmax(x, axis=0)
+            b2 = tl.max(tl.where(cols == i1, neg, x), axis=0)
+            t2 = tl.maximum(tl.maximum(tl.minimum(t1, b1), t2), b2)
+            t1 = tl.maximum(t1, b1)
+            if IS_PROBS:
+                p = tl.where(valid, x, 0.0)
+                s += tl.sum(tl.where(p > 0, -p * tl.log(tl.maximum(p, 1e-20)), 0.0), axis=0)
+            else:
+                m_new = tl.maximum(m, b1)
+                scale = tl.exp(m - m_new)
+                e = tl.where(valid, tl.exp(x - m_new), 0.0)
+                shift = tl.where(z > 0, z * (m - m_new), 0.0)  # (no -inf * 0 before the first block)
+                s = scale * (s + shift) + tl.sum(tl.where(e > 0, e * (x - m_new), 0.0), axis=0)  # masked: 0
+                z = z * scale + tl.sum(e, axis=0)
+                m = m_new
+        if IS_PROBS:
+            entropy = s
+            p1 = t1
+            p2 = tl.maximum(t2, 0.0)
+        else:
+            entropy = tl.log(z) - s / z
+            p1 = tl.exp(t1 - m) / z
+            p2 = tl.exp(t2 - m) / z
+        o = out_ptr + row * 4
+        tl.store(o, entropy)
+        tl.store(o + 1, p1)
+        tl.store(o + 2, p1 - p2)
+        tl.store(o + 3, tl.load(pos_ptr + row).to(tl.float32))
+
+    return draft_features_kernel
+
+
+def draft_features(x: torch.Tensor, positions: torch.Tensor, probs: bool = False) -> torch.Tensor:
+    """Acceptance-predictor features of draft distributions in one pass over the vocabulary per
+    row (``tandem.drafters.base.device_features``'s definition: entropy in nats, top-1
+    probability, top-1 minus top-2 probability, 1-based draft position), for a chained round's
+    draft scoring: one kernel instead of a softmax, a log, a product, a sum and a top-k over
+    ``[rows, vocab]`` float32 copies.
+
+    Args:
+        x: ``[R, V]`` draft logits (any float dtype; the distribution is their softmax), or with
+            ``probs`` the probabilities themselves (float32, rows summing to 1, e.g. a sampling
+            transform's q). Rows must be contiguous in the last dimension. CUDA only.
+        positions: ``[R]`` draft positions (any numeric dtype).
+
+    Returns:
+        ``[R, 4]`` float32 features on ``x``'s device.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, V = x.shape
+    out = torch.empty((R, 4), dtype=torch.float32, device=x.device)
+    if R:
+        _draft_features_kernel()[(R,)](x, positions.contiguous(), out, V, x.stride(0), IS_PROBS=probs,
+                                       BLOCK=min(_pow2(V), 4096))
+    return out
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
