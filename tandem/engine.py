@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 # what a chained round's requests carry (their drafts never reach the host); shared, read-only
 _NO_PROPOSAL = DraftProposal.empty()
+# Chained rounds under a draft policy: a round's graph is as wide as the widest width planned over
+# this many rounds, so the policy's per-round choice (a device-side cap) rarely needs a graph of a
+# new shape (capturing one mid-run costs tens of ms: docs/benchmarks.md, "Context-aware ablation").
+WIDTH_WINDOW = 64
 
 
 @contextlib.contextmanager
@@ -110,6 +114,9 @@ class Engine(EngineConveniences):
         self.num_draft_tokens = num_draft_tokens
         self.draft_policy = draft_policy
         self._width_plan = None  # the next chained round's WidthPlan under a draft policy (None: draft_limit)
+        # the last WIDTH_WINDOW planned widths: a chained round's graph is as wide as the widest of them,
+        # and each round's own plan caps its drafts on the device, so widths change without new graphs
+        self._recent_widths: deque[int] = deque(maxlen=WIDTH_WINDOW)
         self.verification_sink = verification_sink
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
@@ -382,13 +389,16 @@ class Engine(EngineConveniences):
                 t0 = time.perf_counter()
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
-                plan = self._width_plan
+                plan, k, cap = self._width_plan, self.draft_limit, None
+                if self.draft_policy is not None:  # the graph: the widest recent width; this plan's as a cap
+                    cap = None if plan is None else min(plan.width, k)
+                    self._recent_widths.append(k if cap is None else cap)
+                    k = max(self._recent_widths)
                 try:
-                    k = self.draft_limit if plan is None else min(plan.width, self.draft_limit)
                     with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none",
-                              draft_width=k):
+                              draft_width=k, draft_cap=k if cap is None else cap):
                         handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
-                                                             for s, r in zip(slots, reqs)], self.drafter)
+                                                             for s, r in zip(slots, reqs)], self.drafter, cap)
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
                     raise

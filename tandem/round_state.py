@@ -97,13 +97,15 @@ class RoundState:
         self.prompt_len.index_copy_(0, index, lengths)
         self.max_new.index_copy_(0, index, to_device(torch.tensor(max_new, dtype=torch.int64), dev))
 
-    def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0) -> None:
+    def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0,
+             cap: torch.Tensor | None = None) -> None:
         """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
         ``patch``; ``attn_len`` bounds every row's length + 1, so the drafter reads only that much
         of the history): every row with tokens starts at its slot's device length with its last token;
         with a device ``drafter``, its drafts follow, as many as the row's placeholder count
         allows and the draft-room rule (``tandem.stopping.draft_room``) gives on the device: no draft past
-        the context (``capacity``) or the token limit."""
+        the context (``capacity``) or the token limit, and none past ``cap`` (a 0-d int64 device
+        tensor: a draft policy's width for this round, written without recapturing the graph)."""
         n = inputs.shape[0]
         active = inputs[:, 1] > 0
         length = self.length[:n]
@@ -114,6 +116,8 @@ class RoundState:
         num_tokens = length - self.prompt_len[:n] + 1
         room = draft_room(inputs[:, 1] - 1, self.capacity, self.prompt_len[:n], num_tokens, self.max_new[:n])
         room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
+        if cap is not None:
+            room = torch.minimum(room, cap)
         # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
         last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)
         tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k)

@@ -199,13 +199,15 @@ class Target(ABC):
 
     chains_rounds = False  # the target keeps round state on its device (``launch_chained``)
 
-    def launch_chained(self, items: list["ChainedItem"], drafter=None) -> object:
+    def launch_chained(self, items: list["ChainedItem"], drafter=None, draft_cap: int | None = None) -> object:
         """Queue a round whose inputs are the target's own device state: each slot's last token
         (the one its prefill or its previous round emitted, whether that round has been collected
         or not) at its device-side length, and, with a ``drafter`` that drafts on the device
         (``Drafter.drafts_on_device``), up to ``max_draft`` drafts it computes there from the
-        slot's token history. Lets the scheduler queue round n + 1 before it reads round n (the
-        host never waits between rounds). Only targets with ``chains_rounds`` implement it.
+        slot's token history (and at most ``draft_cap``, a draft policy's width for this round,
+        which changes what is verified but not the round's shape). Lets the scheduler queue round
+        n + 1 before it reads round n (the host never waits between rounds). Only targets with
+        ``chains_rounds`` implement it.
 
         Raises:
             NotImplementedError: this target does not keep device round state.
@@ -240,6 +242,7 @@ class LocalTarget(Target):
                                 self.cache.capacity, str(self.runner.device))
         self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
         self.state = RoundState(self.cache.num_slots, self.cache.capacity, self.runner.device)
+        self._draft_cap = torch.zeros((), dtype=torch.int64, device=self.runner.device)  # launch_chained's draft_cap
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
         self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
 
@@ -344,7 +347,7 @@ class LocalTarget(Target):
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
         return self._verify_step(items, out, trees)
 
-    def launch_chained(self, items: list[ChainedItem], drafter=None) -> "_LaunchedVerify":
+    def launch_chained(self, items: list[ChainedItem], drafter=None, draft_cap: int | None = None) -> "_LaunchedVerify":
         """See ``Target.launch_chained``: one step whose start positions, tokens and drafts the
         device fills from ``RoundState`` (``ModelRunner.step``'s ``patch``), then verification and
         the results' copy, as ``launch_verify``. Any number of chained rounds may be in flight;
@@ -369,6 +372,10 @@ class LocalTarget(Target):
         logprobs = any(it.return_logprobs for it in items)
         if drafter is not None:
             drafter.prepare_round(flags[0])  # its buffers exist before any graph is captured
+        capped = draft_cap is not None and k > 0
+        if capped:  # a device scalar the round's graph reads: a new cap needs no new graph
+            cap = torch.tensor(min(max(draft_cap, 0), k), dtype=torch.int64)
+            self._draft_cap.copy_(cap.pin_memory() if self._draft_cap.is_cuda else cap, non_blocking=True)
 
         def verify(out) -> torch.Tensor:  # captured with the forward: the round is one graph launch
             n, Q = out.argmax.shape
@@ -378,8 +385,10 @@ class LocalTarget(Target):
             return self._verify_device(out, chain, sampling, q, drafter, logprobs)
 
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
-                               patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k),
-                               patch_key=("chained", id(drafter) if drafter is not None else None, k, flags, logprobs),
+                               patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k,
+                                                                              self._draft_cap if capped else None),
+                               patch_key=("chained", id(drafter) if drafter is not None else None, k, flags, logprobs,
+                                          capped),
                                epilogue=verify)
         return self._launched(items, out, {}, None)
 

@@ -345,14 +345,14 @@ def _context_aware_engine(target_dir: str, policy, slots: int = 4) -> Engine:
     return engine
 
 
-def _widths(engine: Engine) -> list[int]:
-    """Record the draft width of every chained round the engine queues."""
-    seen: list[int] = []
+def _widths(engine: Engine) -> list[tuple[int, int | None]]:
+    """Record (graph width, draft cap) of every chained round the engine queues."""
+    seen: list[tuple[int, int | None]] = []
     launch = engine.target.launch_chained
 
-    def spy(items, drafter=None):
-        seen.append(max(it.max_draft for it in items))
-        return launch(items, drafter)
+    def spy(items, drafter=None, draft_cap=None):
+        seen.append((max(it.max_draft for it in items), draft_cap))
+        return launch(items, drafter, draft_cap)
 
     engine.target.launch_chained = spy
     return seen
@@ -362,9 +362,12 @@ def _widths(engine: Engine) -> list[int]:
 def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_dir, theta):
     """A context-aware policy over SpecFormer chains (no host-drafted rounds): the head scores its
     drafts inside the round, the round's one copy brings the scores back and the policy picks the
-    width of a later round from them. θ = 0 drafts every position (the same drafts as fixed k),
-    θ = 1 none (no score reaches 1), the online θ several widths; greedy output is always the
-    target's, and every round still makes one blocking read."""
+    width of a later round from them: a device-side cap on the drafts, inside a graph as wide as
+    the widest recent plan. θ = 0 drafts every position (the same drafts as fixed k), θ = 1 none
+    (no score reaches 1; the graph narrows once a window of plans wanted nothing), the online θ
+    several widths; greedy output is always the target's, and every round still makes one
+    blocking read."""
+    import tandem.engine as engine_mod
     from tandem.control import DraftPolicy, ThresholdController, entropy_score
     from tandem.profiling import HostSyncCounter
 
@@ -377,21 +380,27 @@ def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_
     policy = DraftPolicy(entropy_score, controller=controller, acceptance_threshold=0.5 if theta == "auto" else theta,
                          device_score=entropy_score)
     engine = _context_aware_engine(target_dir, policy)
-    widths = _widths(engine)
+    engine._recent_widths = engine_mod.deque(maxlen=8)  # a short window, so this short run narrows its graph
+    launched = _widths(engine)
     with HostSyncCounter("cpu") as counter:
         got = [c.token_ids for c in engine.generate(PROMPTS[:4], params)]
     assert got == want
     assert engine.drafter._draft_scores is not None
+    graphs, caps = [g for g, _ in launched], [c for _, c in launched]
+    # the first two rounds are queued before any score is back (the width lags one round)
+    assert caps[:2] == [None, None] and graphs[:2] == [4, 4]
     if theta == 0.0:
-        assert set(widths[1:]) == {4}
+        assert set(graphs) == {4} and set(caps[2:]) == {4}
         assert (engine.stats.num_drafted, engine.stats.num_accepted) == (fixed_k.stats.num_drafted,
                                                                          fixed_k.stats.num_accepted)
     elif theta == 1.0:
-        # the first two rounds are queued before any score is back (the width lags one round)
-        assert widths[:2] == [4, 4] and set(widths[2:]) == {0}
+        assert set(caps[2:]) == {0}
+        # the window of 8 widths (the two unplanned rounds' full width first) forgets the full width
+        assert graphs[2:9] == [4] * 7 and set(graphs[9:]) == {0}
         assert engine.stats.num_drafted <= fixed_k.stats.num_drafted / 4
     else:
-        assert len(set(widths)) >= 2 and sum(controller.counts) > 0
+        assert len(set(caps[2:])) >= 2 and sum(controller.counts) > 0
+        assert all(c <= g for g, c in launched[2:])
     # the policy adds no host read: as many reads a round as fixed-k chained rounds (one, + admissions)
     assert counter.count / engine.num_rounds <= fixed_reads.count / fixed_k.num_rounds + 1e-9, counter.sites
     assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
