@@ -494,10 +494,20 @@ class DraftPolicy:
 
     def plan_width(self, scores, limit: int) -> WidthPlan:
         """The width of a chained round, at most ``limit``, from the predicted acceptance
-        ``scores`` ``[b, L]`` of the drafts the device made for its b rows: ``best_width`` under
-        this round's θ (the controller's next candidate, or the fixed θ) and the cost model with
-        the fitted per-round cost. No scores (no row drafted yet): ``limit``."""
-        acceptance_threshold = self.controller.current() if self.controller is not None else self.fixed_threshold
+        ``scores`` ``[b, L]`` of the drafts the device made for its b rows: with a cost model, the
+        width that maximises expected emitted tokens per predicted ms (``best_width`` with the
+        fitted per-round cost, θ = 0); without one, the longest θ-cut length under this round's θ
+        (the controller's next candidate, or the fixed θ). No scores (no row drafted yet): ``limit``.
+
+        Why θ does not cut under a cost model here: a chained round's width is one decision for
+        the whole batch, so a θ the controller explores (0.9, say) cuts every row's drafts at
+        once; measured on the H200 at batch 64 that exploration cost a quarter of the throughput
+        (docs/benchmarks.md, "Context-aware ablation over SpecFormer"), while the cost model
+        already prices each extra position against what the batch expects to gain from it."""
+        if self.cost is not None:
+            acceptance_threshold = 0.0
+        else:
+            acceptance_threshold = self.controller.current() if self.controller is not None else self.fixed_threshold
         if scores is None or len(scores) == 0:
             return WidthPlan(limit, acceptance_threshold)
         cost = None if self.cost is None else replace(self.cost, overhead_ms=self.overhead_ms)

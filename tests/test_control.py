@@ -91,28 +91,38 @@ def test_best_width_is_the_allocations_longest_row(seed, cumulative):
 
 
 def test_chained_policy_plans_widths_and_learns_from_their_rounds():
-    """``DraftPolicy.plan_width``: the controller's θ for that round, the width under it, clamped to
-    the draft limit; ``observe`` with the plan credits that θ (not the last one chosen) and fits
-    the per-round cost against the plan's modelled time. The random-length baseline draws widths
-    in 0..limit without scores."""
+    """``DraftPolicy.plan_width``: without a cost model, the controller's θ for that round and the
+    longest θ-cut length, clamped to the draft limit, and ``observe`` with the plan credits that θ
+    (not the last one chosen); with a cost model, the width the cost model prefers (no θ cut: one
+    width for the whole batch) and the per-round cost fitted against the plan's modelled time. The
+    random-length baseline draws widths in 0..limit without scores."""
     import numpy as np
 
     policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 0.5, 0.9]),
-                         cost=linear_cost(per_token=0.01), device_score=entropy_score)
+                         device_score=entropy_score)
     assert policy.chains and policy.needs_scores
     scores = np.array([[0.95, 0.9, 0.4, 0.1], [0.7, 0.6, 0.55, 0.2]])
     plans = [policy.plan_width(scores, limit=3) for _ in range(3)]
-    assert [p.acceptance_threshold for p in plans] == [0.0, 0.0, 0.0]  # untried candidates come first only once observed
-    assert all(p.width <= 3 for p in plans)
+    assert [p.acceptance_threshold for p in plans] == [0.0, 0.0, 0.0]  # an untried candidate until observed
+    assert [p.width for p in plans] == [3, 3, 3]
     assert policy.plan_width(None, limit=4) == WidthPlan(4, 0.0)
     first = policy.plan_width(scores, limit=4)
     policy.observe(10, 2.0, first)
     second = policy.plan_width(scores, limit=4)
-    assert second.acceptance_threshold == 0.5  # the next untried candidate
+    assert (second.acceptance_threshold, second.width) == (0.5, 3)  # the next untried candidate
     policy.observe(1, 2.0, second)
     assert policy.controller.counts[0] > 0.99 and policy.controller.counts[1] > 0.99
     assert policy.controller.tokens[0] > policy.controller.tokens[1]
-    assert policy.overhead_ms > 0  # 2 ms measured against a modelled linear cost below it
+    third = policy.plan_width(scores, limit=4)
+    assert (third.acceptance_threshold, third.width) == (0.9, 2)
+    budget = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.9]),
+                         cost=linear_cost(per_token=0.0001), device_score=entropy_score)  # width almost free
+    plan = budget.plan_width(scores, limit=4)
+    assert plan.acceptance_threshold == 0.0 and plan.width == best_width(scores, budget.cost)[0] == 4
+    budget.observe(10, 2.0, plan)
+    assert budget.overhead_ms > 0  # 2 ms measured against a modelled linear cost below it
+    expensive = DraftPolicy(entropy_score, cost=linear_cost(per_token=5.0), device_score=entropy_score)
+    assert expensive.plan_width(scores, limit=4).width < 4  # a costly width is not worth its last positions
     fixed = DraftPolicy(entropy_score, acceptance_threshold=0.5, device_score=entropy_score)
     assert fixed.plan_width(scores, limit=4).width == 3  # the longest per-token cut at θ = 0.5
     assert not DraftPolicy(entropy_score, branch_top_m=3).chains
