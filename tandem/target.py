@@ -242,7 +242,12 @@ class LocalTarget(Target):
                                 self.cache.capacity, str(self.runner.device))
         self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
         self.state = RoundState(self.cache.num_slots, self.cache.capacity, self.runner.device)
-        self._draft_cap = torch.zeros((), dtype=torch.int64, device=self.runner.device)  # launch_chained's draft_cap
+        # launch_chained's draft_cap: a device scalar, written from a ring of pinned host scalars (at
+        # most two rounds are in flight, so an entry's copy has run before the entry is written again)
+        self._draft_cap = torch.zeros((), dtype=torch.int64, device=self.runner.device)
+        pin = self.runner.device.type == "cuda"
+        self._cap_host = [torch.zeros((), dtype=torch.int64, pin_memory=pin) for _ in range(_HostCopy.RING)]
+        self._cap_turn = 0
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
         self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
 
@@ -374,8 +379,10 @@ class LocalTarget(Target):
             drafter.prepare_round(flags[0])  # its buffers exist before any graph is captured
         capped = draft_cap is not None and k > 0
         if capped:  # a device scalar the round's graph reads: a new cap needs no new graph
-            cap = torch.tensor(min(max(draft_cap, 0), k), dtype=torch.int64)
-            self._draft_cap.copy_(cap.pin_memory() if self._draft_cap.is_cuda else cap, non_blocking=True)
+            self._cap_turn = (self._cap_turn + 1) % len(self._cap_host)
+            src = self._cap_host[self._cap_turn]  # pinned, reused in turn: no allocation a round
+            src.fill_(min(max(draft_cap, 0), k))
+            self._draft_cap.copy_(src, non_blocking=True)
 
         def verify(out) -> torch.Tensor:  # captured with the forward: the round is one graph launch
             n, Q = out.argmax.shape
