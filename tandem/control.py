@@ -360,8 +360,9 @@ class DraftPolicy:
     long as it was cut. In chained rounds (``Engine.chains_rounds``; the drafter scores on the
     device) the host never waits for the drafts: the round's one copy brings back the predicted
     acceptance of the drafts the device made for the next round, and ``plan_width`` picks the
-    width of the round after that (one round behind) with the same θ cut and cost model: a
-    padded verify round costs its widest row, so the width is the decision that saves time.
+    width of the round after that (one round behind): a padded verify round costs its widest row,
+    so the width is the decision that can save time, made by the cost model where there is one and
+    by the θ cut otherwise.
 
     Round-cost calibration. T(b, q) is measured at start-up, but a round also carries host work
     (drafting, packing, verification, rollback) that does not depend on how many drafts are

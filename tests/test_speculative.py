@@ -14,7 +14,7 @@ import torch
 from conftest import SMALL_VOCAB, SPEC_BENCH, reset_engine
 from helpers import chi_square_pvalue, total_variation
 
-from tandem.control import DraftPolicy
+from tandem.control import DraftPolicy, ThresholdController, entropy_score
 from tandem.drafters import (NUM_FEATURES, DraftModelDrafter, DraftProposal, DraftRequest, Drafter, NgramDrafter,
                              distribution_features, load_draft_checkpoint, truncated_checkpoint)
 from tandem.drafters.base import one_hot_features
@@ -815,27 +815,42 @@ def _specformer_for(checkpoint, k: int):
 
 
 @pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
-@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree", "specformer"])
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree", "specformer", "specformer-widths"])
 def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     target, draft_ck, prompt, logits = sampling_setup
     params = SAMPLING_CONFIGS[config]
     k = SAMPLING_DEPTH - 2  # the first decode round verifies k drafts + a bonus: positions 1 .. 3
-    if drafter == "specformer":
+    policy = None
+    if drafter.startswith("specformer"):
         d = _specformer_for(target.checkpoint, k)
     else:
         d = DraftModelDrafter(draft_ck, target.runner_config) if drafter.startswith("draft-model") else NgramDrafter()
-    policy = None
+    if drafter == "specformer-widths":
+        # a context-aware policy in chained rounds: the head scores its drafts on the device and the
+        # online θ (0: every draft; 1: none) sets each round's width for the whole batch, so a request
+        # is verified with different draft lengths depending on the rounds it shares
+        policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 1.0], c=1.0),
+                             device_score=entropy_score)
+        d.set_acceptance_scorer(policy.device_score)
     if drafter == "draft-model-tree":
         # keep draft 1, call position 2 hard and branch it into its top-3 candidates: a token tree
         # [d1 -> {c1, c2, c3}] verified in one pass (hard-position enhancement)
         policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
     eng = Engine(target.checkpoint, target.runner_config, tokenizer=target.tokenizer, drafter=d, num_draft_tokens=k,
                  draft_policy=policy)
+    widths = []
+    if drafter == "specformer-widths":
+        assert eng.chains_rounds
+        launch = eng.target.launch_chained
+        eng.target.launch_chained = lambda items, dr=None, cap=None: widths.append(cap) or launch(items, dr, cap)
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)
     marginals, pair = exact_distributions(logits, params)
     check_distributions(samples, marginals, pair, f"{drafter}, {config}")
     # speculation really happened, with both accepted and rejected drafts at every position
     st = eng.stats
+    if drafter == "specformer-widths":  # rounds of both widths ran, and drafts were verified
+        assert {0, k} <= set(widths) and st.num_drafted > SAMPLING_N / 4, (set(widths), st.num_drafted)
+        return
     if drafter == "draft-model-tree":  # 1 chain draft + 3 leaves per tree; positions count tree tokens
         assert st.num_drafted > 3 * SAMPLING_N and 0.05 < st.acceptance_per_pos[0] < 0.95, st
         assert 0.05 < sum(st.accepted_per_pos[1:]) / SAMPLING_N < 0.95, st  # a leaf is accepted often, not always
