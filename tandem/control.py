@@ -361,8 +361,8 @@ class DraftPolicy:
     device) the host never waits for the drafts: the round's one copy brings back the predicted
     acceptance of the drafts the device made for the next round, and ``plan_width`` picks the
     width of the round after that (one round behind): a padded verify round costs its widest row,
-    so the width is the decision that can save time, made by the cost model where there is one and
-    by the θ cut otherwise.
+    so the width is the decision that can save time: the θ cut, then the cost model where there is
+    one (a θ learned online does not cut then; ``plan_width``).
 
     Round-cost calibration. T(b, q) is measured at start-up, but a round also carries host work
     (drafting, packing, verification, rollback) that does not depend on how many drafts are
@@ -495,20 +495,21 @@ class DraftPolicy:
 
     def plan_width(self, scores, limit: int) -> WidthPlan:
         """The width of a chained round, at most ``limit``, from the predicted acceptance
-        ``scores`` ``[b, L]`` of the drafts the device made for its b rows: with a cost model, the
-        width that maximises expected emitted tokens per predicted ms (``best_width`` with the
-        fitted per-round cost, θ = 0); without one, the longest θ-cut length under this round's θ
-        (the controller's next candidate, or the fixed θ). No scores (no row drafted yet): ``limit``.
+        ``scores`` ``[b, L]`` of the drafts the device made for its b rows: ``best_width``, the θ
+        cut and then, with a cost model, the width that maximises expected emitted tokens per
+        predicted ms (with the fitted per-round cost). θ is the fixed θ, or the controller's next
+        candidate when θ is learned online and there is no cost model; a learned θ under a cost
+        model is 0 (no cut: the cost model alone decides). No scores (no row drafted yet): ``limit``.
 
-        Why θ does not cut under a cost model here: a chained round's width is one decision for
-        the whole batch, so a θ the controller explores (0.9, say) cuts every row's drafts at
-        once; measured on the H200 at batch 64 that exploration cost a quarter of the throughput
-        (docs/benchmarks.md, "Context-aware ablation over SpecFormer"), while the cost model
-        already prices each extra position against what the batch expects to gain from it."""
-        if self.cost is not None:
-            acceptance_threshold = 0.0
+        Why a learned θ does not cut under a cost model here: a chained round's width is one
+        decision for the whole batch, so a θ the controller explores (0.9, say) cuts every row's
+        drafts at once; measured on the H200 at batch 64 that exploration cost a quarter of the
+        throughput (docs/benchmarks.md, "Context-aware ablation over SpecFormer"), while the cost
+        model already prices each extra position against what the batch expects to gain from it."""
+        if self.controller is None:
+            acceptance_threshold = self.fixed_threshold
         else:
-            acceptance_threshold = self.controller.current() if self.controller is not None else self.fixed_threshold
+            acceptance_threshold = 0.0 if self.cost is not None else self.controller.current()
         if scores is None or len(scores) == 0:
             return WidthPlan(limit, acceptance_threshold)
         cost = None if self.cost is None else replace(self.cost, overhead_ms=self.overhead_ms)

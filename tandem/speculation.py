@@ -11,12 +11,15 @@ combination fails before any model loads; what needs files (weights, a predictor
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .control import CostModel, DraftPolicy, RandomLengthPolicy, ThresholdController, entropy_score, parse_acceptance_threshold
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the builders import torch-backed modules when called: the config itself stays light
     from .drafters.base import Drafter
@@ -246,6 +249,8 @@ def measure_target_cost(target: "LocalTarget", max_tokens_per_row: int) -> CostM
     """The verifier cost model a context-aware policy allocates with: T(b, q) on the target's own
     runner for b in {1, its slots} and q = 1..``max_tokens_per_row`` (3 steps a timing), measured
     at start-up (``build_engine``, ``tandem serve verifier --measure-cost``)."""
+    log.info("measuring the verifier cost model T(b, q) for b in %s, q = 1..%d (a context-aware policy "
+             "allocates with it)", sorted({1, target.info.num_slots}), max_tokens_per_row)
     return CostModel.measure(target.runner, sorted({1, target.info.num_slots}), max_tokens_per_row, iters=3)
 
 

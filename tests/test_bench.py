@@ -164,6 +164,10 @@ def test_config_registry_errors(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="empty"):
         parse_configs(" , ")
     assert [c.name for c in parse_configs("ngram,target,ngram")] == ["target", "ngram"]  # target first, no repeats
+    assert [c.name for c in parse_configs("fixed-k=2,fixed-k=16")] == ["target", "fixed-k=2", "fixed-k=16"]
+    for bad in ("fixed-k=0", "fixed-k=17", "fixed-k=abc", "fixed-k=", "fixed-k=-1"):
+        with pytest.raises(ConfigError, match=r"fixed-k=<n> takes an integer n in 1\.\.16"):
+            parse_configs(bad)
     ctx = BuildContext(load_checkpoint(tiny_dir), BenchOptions())  # not the bundled target: nothing shipped for it
     with pytest.raises(InvalidRequestError, match="draft-model needs --draft-model PATH"):
         prepare_configs(parse_configs("draft-model"), ctx)

@@ -93,9 +93,9 @@ def test_best_width_is_the_allocations_longest_row(seed, cumulative):
 def test_chained_policy_plans_widths_and_learns_from_their_rounds():
     """``DraftPolicy.plan_width``: without a cost model, the controller's θ for that round and the
     longest θ-cut length, clamped to the draft limit, and ``observe`` with the plan credits that θ
-    (not the last one chosen); with a cost model, the width the cost model prefers (no θ cut: one
-    width for the whole batch) and the per-round cost fitted against the plan's modelled time. The
-    random-length baseline draws widths in 0..limit without scores."""
+    (not the last one chosen); with a cost model, the width the cost model prefers (a learned θ
+    does not cut: it would cut the whole batch; a fixed θ does) and the per-round cost fitted
+    against the plan's modelled time. The random-length baseline draws widths in 0..limit."""
     import numpy as np
 
     policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 0.5, 0.9]),
@@ -121,7 +121,10 @@ def test_chained_policy_plans_widths_and_learns_from_their_rounds():
     assert plan.acceptance_threshold == 0.0 and plan.width == best_width(scores, budget.cost)[0] == 4
     budget.observe(10, 2.0, plan)
     assert budget.overhead_ms > 0  # 2 ms measured against a modelled linear cost below it
-    expensive = DraftPolicy(entropy_score, cost=linear_cost(per_token=5.0), device_score=entropy_score)
+    fixed = DraftPolicy(entropy_score, acceptance_threshold=0.96, cost=linear_cost(per_token=0.0001))
+    assert fixed.plan_width(scores, limit=4).width == 0  # a θ the user fixed still cuts under a cost model
+    expensive = DraftPolicy(entropy_score, acceptance_threshold=0.0, cost=linear_cost(per_token=5.0),
+                            device_score=entropy_score)
     assert expensive.plan_width(scores, limit=4).width < 4  # a costly width is not worth its last positions
     fixed = DraftPolicy(entropy_score, acceptance_threshold=0.5, device_score=entropy_score)
     assert fixed.plan_width(scores, limit=4).width == 3  # the longest per-token cut at θ = 0.5

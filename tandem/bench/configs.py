@@ -323,8 +323,11 @@ def config(name: str) -> BenchConfig:
     if name in CONFIGS:
         return CONFIGS[name]
     prefix = "fixed-k="
-    if name.startswith(prefix) and name[len(prefix):].isdigit() and 1 <= int(name[len(prefix):]) <= MAX_DRAFT_TOKENS:
-        return _fixed_k(int(name[len(prefix):]))
+    if name.startswith(prefix):
+        n = name[len(prefix):]
+        if not (n.isdigit() and 1 <= int(n) <= MAX_DRAFT_TOKENS):
+            raise ConfigError(f"{name!r}: fixed-k=<n> takes an integer n in 1..{MAX_DRAFT_TOKENS}")
+        return _fixed_k(int(n))
     raise ConfigError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)} "
                       f"or fixed-k=<n> (n in 1..{MAX_DRAFT_TOKENS})")
 

@@ -519,7 +519,8 @@ def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], 
 def _summary(r: RunResult) -> str:
     acc = "" if math.isnan(r.acceptance_rate) else f", acceptance {r.acceptance_rate:.2f}, τ_acc {r.mean_accepted_length:.2f}"
     rounds = "" if math.isnan(r.round_wall_ms) else (
-        f"; round {r.round_wall_ms:.2f} ms wall / {r.round_gpu_ms:.2f} ms GPU, "
+        f"; round {r.round_wall_ms:.2f} ms wall"
+        + ("" if math.isnan(r.round_gpu_ms) else f" / {r.round_gpu_ms:.2f} ms GPU") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")
