@@ -504,8 +504,10 @@ class Engine(EngineConveniences):
                           if res.draft_scores is not None and not req.finished and req.slot is not None]
                 self._width_plan = self.draft_policy.plan_width(scores or None, self.draft_limit)
         if self.on_round is not None:
+            plan = rnd.plan
             self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms,
-                                       drafts))
+                                       drafts, None if plan is None else plan.width,
+                                       None if plan is None else plan.acceptance_threshold))
         self.num_rounds += 1
         self.round_wall_s += rnd.wall_s
         return outputs

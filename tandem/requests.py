@@ -123,6 +123,9 @@ class RoundSummary:
         num_emitted_tokens: tokens the round emitted (accepted drafts + bonus tokens).
         batch_size: sequences verified; round_ms: draft + verify time (ms).
         num_drafts: sequences that verified at least one draft token.
+        draft_width / acceptance_threshold: a context-aware policy's plan for this chained round
+            (``tandem.control.WidthPlan``: drafts a row may verify, θ it was made under); None
+            without one.
     """
 
     num_draft_tokens: int
@@ -132,6 +135,8 @@ class RoundSummary:
     batch_size: int
     round_ms: float
     num_drafts: int = 0
+    draft_width: int | None = None
+    acceptance_threshold: float | None = None
 
 
 @dataclass(frozen=True)

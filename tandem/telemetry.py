@@ -218,7 +218,9 @@ class Metrics:
     ``tandem_prompt_tokens_total``, ``tandem_generation_tokens_total``. Histograms (seconds):
     ``tandem_time_to_first_token_seconds``, ``tandem_time_per_output_token_seconds``,
     ``tandem_e2e_request_latency_seconds``. Gauges: ``tandem_num_requests_running``,
-    ``tandem_num_requests_waiting``, ``tandem_state_store_up`` (1 up, 0 down).
+    ``tandem_num_requests_waiting``, ``tandem_state_store_up`` (1 up, 0 down), and under a
+    context-aware policy in chained rounds its last plan: ``tandem_draft_width`` (drafts a row may
+    verify) and ``tandem_acceptance_threshold`` (θ the plan was made under).
 
     From these, acceptance rate α = accepted / draft tokens and, with ``num_emitted_tokens`` counted
     per verification step, the mean accepted length (docs/architecture.md ("Metrics")).
@@ -273,9 +275,14 @@ class Metrics:
         self.running = Gauge("tandem_num_requests_running", "Requests decoding now.", registry=r)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued, not yet admitted.", registry=r)
         self.store_up = Gauge("tandem_state_store_up", "1 when the state store (Redis) answers, else 0.", registry=r)
+        self.draft_width = Gauge("tandem_draft_width", "Draft tokens a row may verify in the last round a "
+                                 "context-aware policy planned (chained rounds).", registry=r)
+        self.acceptance_threshold = Gauge("tandem_acceptance_threshold", "Acceptance threshold θ of the last "
+                                          "round a context-aware policy planned.", registry=r)
 
     def observe_round(self, num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: list[int],
-                      num_emitted_tokens: int = 0, num_drafts: int = 0) -> None:
+                      num_emitted_tokens: int = 0, num_drafts: int = 0, draft_width: int | None = None,
+                      acceptance_threshold: float | None = None) -> None:
         """Count one verification round (summed over the requests in it).
 
         Args:
@@ -285,6 +292,8 @@ class Metrics:
                 position i was accepted; sums to ``num_accepted_tokens``.
             num_emitted_tokens: tokens the round emitted (accepted + bonus, cut by stop rules).
             num_drafts: requests that verified at least one draft token this round.
+            draft_width, acceptance_threshold: the round's plan under a context-aware policy
+                (``RoundSummary``); None leaves the gauges as they are.
 
         Raises:
             ValueError: a negative count, more accepted than drafted tokens, drafts without draft
@@ -307,6 +316,10 @@ class Metrics:
         self.vllm_drafts.labels(model_name=self.model_name).inc(num_drafts)
         self.vllm_draft_tokens.labels(model_name=self.model_name).inc(num_draft_tokens)
         self.vllm_accepted_tokens.labels(model_name=self.model_name).inc(num_accepted_tokens)
+        if draft_width is not None:
+            self.draft_width.set(draft_width)
+        if acceptance_threshold is not None:
+            self.acceptance_threshold.set(acceptance_threshold)
 
     def observe_request(self, ttft_s: float, tpot_s: float | None, e2e_s: float, prompt_tokens: int,
                         completion_tokens: int, finished_reason: str = "stop") -> None:

@@ -382,6 +382,8 @@ def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_
     engine = _context_aware_engine(target_dir, policy)
     engine._recent_widths = engine_mod.deque(maxlen=8)  # a short window, so this short run narrows its graph
     launched = _widths(engine)
+    summaries = []
+    engine.on_round = summaries.append  # what the metrics exporters see (tandem_draft_width, ...)
     with HostSyncCounter("cpu") as counter:
         got = [c.token_ids for c in engine.generate(PROMPTS[:4], params)]
     assert got == want
@@ -389,6 +391,8 @@ def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_
     graphs, caps = [g for g, _ in launched], [c for _, c in launched]
     # the first two rounds are queued before any score is back (the width lags one round)
     assert caps[:2] == [None, None] and graphs[:2] == [4, 4]
+    reported = [r.draft_width for r in summaries if r.draft_width is not None]  # in launch order
+    assert len(reported) >= 5 and reported == [c for c in caps if c is not None][:len(reported)]
     if theta == 0.0:
         assert set(graphs) == {4} and set(caps[2:]) == {4}
         assert (engine.stats.num_drafted, engine.stats.num_accepted) == (fixed_k.stats.num_drafted,

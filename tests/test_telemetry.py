@@ -95,6 +95,8 @@ def test_metrics_exposition_names_labels_values():
     rounds = [(8, 5, [3, 2], 7, 3), (4, 1, [1], 3, 2), (6, 0, [], 2, 2)]
     for draft, accepted, per_pos, emitted, drafts in rounds:
         m.observe_round(draft, accepted, per_pos, emitted, drafts)
+    m.observe_round(0, 0, [], 1, 0, draft_width=3, acceptance_threshold=0.4)  # a policy's plan
+    m.observe_round(0, 0, [], 1, 0)  # a round without a plan leaves the gauges
     m.observe_request(0.05, 0.01, 1.2, prompt_tokens=11, completion_tokens=40)
     m.observe_request(0.3, None, 0.3, prompt_tokens=7, completion_tokens=1, finished_reason="length")
     m.set_running(3)
@@ -103,7 +105,8 @@ def test_metrics_exposition_names_labels_values():
     got = samples(m)
     assert got[("tandem_spec_decode_num_draft_tokens_total", ())] == sum(r[0] for r in rounds)
     assert got[("tandem_spec_decode_num_accepted_tokens_total", ())] == sum(r[1] for r in rounds)
-    assert got[("tandem_spec_decode_num_emitted_tokens_total", ())] == sum(r[3] for r in rounds)
+    assert got[("tandem_spec_decode_num_emitted_tokens_total", ())] == sum(r[3] for r in rounds) + 2
+    assert got[("tandem_draft_width", ())] == 3 and got[("tandem_acceptance_threshold", ())] == 0.4
     per_pos = {}
     for r in rounds:
         for i, n in enumerate(r[2]):

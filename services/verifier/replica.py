@@ -135,7 +135,7 @@ class ReplicaEngine:
     def _observe_round(self, r: RoundSummary) -> None:
         if self.metrics is not None:
             self.metrics.observe_round(r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_pos,
-                                       r.num_emitted_tokens, r.num_drafts)
+                                       r.num_emitted_tokens, r.num_drafts, r.draft_width, r.acceptance_threshold)
 
     def _log_verification(self, record: VerificationRecord) -> None:
         x, y = record.labelled()
