@@ -391,12 +391,12 @@ class Engine(EngineConveniences):
                 reqs = [decoding[s] for s in slots]
                 plan, k, cap = self._width_plan, self.draft_limit, None
                 if self.draft_policy is not None:  # the graph: the widest recent width; this plan's as a cap
-                    cap = None if plan is None else min(plan.width, k)
-                    self._recent_widths.append(k if cap is None else cap)
+                    cap = k if plan is None else min(plan.width, k)  # (every round capped: one graph a shape)
+                    self._recent_widths.append(cap)
                     k = max(self._recent_widths)
                 try:
                     with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none",
-                              draft_width=k, draft_cap=k if cap is None else cap):
+                              draft_width=k, draft_cap=k if cap is None else min(cap, k)):
                         handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
                                                              for s, r in zip(slots, reqs)], self.drafter, cap)
                 except BaseException:

@@ -389,10 +389,10 @@ def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_
     assert got == want
     assert engine.drafter._draft_scores is not None
     graphs, caps = [g for g, _ in launched], [c for _, c in launched]
-    # the first two rounds are queued before any score is back (the width lags one round)
-    assert caps[:2] == [None, None] and graphs[:2] == [4, 4]
-    reported = [r.draft_width for r in summaries if r.draft_width is not None]  # in launch order
-    assert len(reported) >= 5 and reported == [c for c in caps if c is not None][:len(reported)]
+    # the first two rounds are queued before any score is back (the width lags one round): full width
+    assert caps[:2] == [4, 4] and graphs[:2] == [4, 4]
+    reported = [r.draft_width for r in summaries if r.draft_width is not None]  # planned rounds, in launch order
+    assert len(reported) >= 5 and reported == caps[2:2 + len(reported)]
     if theta == 0.0:
         assert set(graphs) == {4} and set(caps[2:]) == {4}
         assert (engine.stats.num_drafted, engine.stats.num_accepted) == (fixed_k.stats.num_drafted,
@@ -440,3 +440,32 @@ def test_chained_predictor_scores_on_the_device_as_on_the_host(target_dir):
     assert torch.allclose(scores, predictor.predict(rows.features), atol=1e-5)
     while engine.has_unfinished():
         engine.step()
+
+
+def test_chained_policy_widths_reuse_one_graph_per_shape(target_dir, monkeypatch):
+    """Through the CUDA-graph path (capture stood in by eager calls, so it runs on the CPU) a
+    chained context-aware round reads its draft cap from a device scalar: the policy's widths
+    change from round to round (θ 0: all drafts, θ 1: none) while every captured round keeps one
+    width per batch shape, and the output is still the target's."""
+    import tandem.drafters.specformer as sf
+    import tandem.models.runner as runner_mod
+    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [c.token_ids for c in _specformer_engine(target_dir, chained=True).generate(PROMPTS[:3], params)]
+    policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 1.0], c=1.0),
+                         device_score=entropy_score)
+    engine = _context_aware_engine(target_dir, policy)
+    object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
+    engine.drafter._static = True
+    for mod in (runner_mod, sf):
+        real = mod.CapturedCall
+        monkeypatch.setattr(mod, "CapturedCall", lambda fn, inputs, capture=True, pool=None, warmup=2, real=real:
+                            real(fn, inputs, capture=False))
+    launched = _widths(engine)
+    assert [c.token_ids for c in engine.generate(PROMPTS[:3], params)] == want
+    caps = {c for _, c in launched if c is not None}
+    assert {0, 4} <= caps  # the plans moved between widths ...
+    chained = [key for key in engine.runner._graphs if key[4] is not None and key[4][0] == "chained"]
+    assert chained and {key[1] for key in chained} == {5}  # ... inside graphs of one width (k + 1 tokens a row)
+    assert all(key[4][-1] for key in chained)  # every one of them reads the cap
