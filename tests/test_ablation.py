@@ -81,6 +81,15 @@ def test_ablation_cli(setup, tmp_path):
     data = json.loads((tmp_path / "abl" / "results.json").read_text())
     assert [r["config"] for r in data["results"]] == list(ablation_configs(3))
     assert data["meta"]["options"]["ca_drafter"] == "draft-model"
+    assert data["meta"]["options"]["predictor"] == str(predictor)
+    # a predictor row picked with --configs records the predictor it ran too
+    res = CliRunner().invoke(main, ["bench", "--configs", "target,budget", "--ca-drafter", "draft-model",
+                                    "--model", str(target), "--device", "cpu", "--draft-model", str(draft),
+                                    "--predictor", str(predictor), "--batch-sizes", "1", "--limit", "1",
+                                    "--max-tokens", "4", "--warmup", "none", "--out", str(tmp_path / "one")])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "one" / "results.json").read_text())["meta"]
+    assert meta["configs"] == ["target", "budget"] and meta["options"]["predictor"] == str(predictor)
     # no predictor given and none next to the draft model's weights: refused before anything runs
     res = CliRunner().invoke(main, base + ["--predictor", "auto"])
     assert res.exit_code == 2 and "predictor rows need --predictor" in res.output

@@ -125,6 +125,8 @@ class BenchConfig:
         hf_prompt_lookup: outside references: ``prompt_lookup_num_tokens`` for HF generate (0: plain).
         prepare: checks (and loads) what the configuration needs; raises ConfigError / ModelLoadError.
         uses_cost_model: needs the verifier cost model T(b, q).
+        uses_predictor: runs the learned acceptance predictor (``--predictor``, else the one saved
+            beside the ``--ca-drafter``'s weights), which the results then record.
     """
 
     name: str
@@ -135,6 +137,7 @@ class BenchConfig:
     hf_prompt_lookup: Callable[[BenchOptions], int] | None = None
     prepare: Callable[[BuildContext], object] = lambda ctx: None
     uses_cost_model: bool = False
+    uses_predictor: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -257,7 +260,7 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("context-aware", "adaptive length + cost-model batch budget + online acceptance threshold over --ca-drafter "
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
                 _k, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
-                speculation=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True),
+                speculation=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True, uses_predictor=True),
     # The context-aware paper's ablation table, over --ca-drafter (tandem bench --ablation runs these).
     BenchConfig("fixed-k", "ablation: fixed k = --num-draft-tokens over --ca-drafter", _k, _k1,
                 speculation=_over_ca_drafter, prepare=_prepare_ablation(False)),
@@ -270,17 +273,18 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 f"{ABLATION_FIXED_THRESHOLD}, no cost model",
                 _k, _k1, speculation=lambda ctx: _ablation_predictor_row(
                     ctx, acceptance_threshold=ABLATION_FIXED_THRESHOLD, cost_model=False),
-                prepare=_prepare_ablation(True)),
+                prepare=_prepare_ablation(True), uses_predictor=True),
     BenchConfig("predictor-online-tau", "ablation: learned predictor + online acceptance threshold, no cost model",
                 _k, _k1, speculation=lambda ctx: _ablation_predictor_row(ctx, cost_model=False),
-                prepare=_prepare_ablation(True)),
+                prepare=_prepare_ablation(True), uses_predictor=True),
     BenchConfig("budget", "ablation: learned predictor + online acceptance threshold + batch budget under the "
                 "verifier cost model T(b, q), no enhancement",
-                _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True),
+                _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True,
+                uses_predictor=True),
     BenchConfig("full-system", "ablation: predictor + online acceptance threshold + batch allocation + top-m hard-position branching "
                 "(m = max(--branch-top-m, 2))", _k, lambda o: o.num_draft_tokens + _full_system_m(o),
                 speculation=lambda ctx: _ablation_predictor_row(ctx, _full_system_m(ctx.options)),
-                prepare=_prepare_ablation(True), uses_cost_model=True),
+                prepare=_prepare_ablation(True), uses_cost_model=True, uses_predictor=True),
     # The same decodings with host-drafted rounds (each round launched once the previous one is
     # back, drafts proposed on the host): the chained device rounds measured against them.
     BenchConfig("target-host", "target-only with host-driven rounds (no chaining)", lambda o: 0, lambda o: 1,

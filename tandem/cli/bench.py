@@ -139,7 +139,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
                                 prefill_graphs=prefill_graphs)
     checkpoint = load_checkpoint(model)
-    uses_predictor = any(c.name in ("context-aware", "predictor", "full-system") for c in configs)
+    uses_predictor = any(c.uses_predictor for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
                       predictor=predictor_path(options, checkpoint) if uses_predictor else None)
     err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
