@@ -163,6 +163,15 @@ def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, ac
     b = len(probs)
     if b == 0:
         return Allocation([], 0.0, 0.0, 0.0)
+    if max_total_tokens is None:  # the width sweep of best_width over the ragged rows
+        width = max(len(p) for p in probs)
+        padded = np.full((b, width), -1.0)  # past a row's end: below any θ, so its cut
+        for i, p in enumerate(probs):
+            padded[i, :len(p)] = p
+        caps, tokens, ms = _width_sweep(padded, cost, acceptance_threshold, cumulative)
+        m = _best(tokens, ms)
+        return Allocation([min(m, int(c)) for c in caps], float(tokens[m]), float(ms[m]),
+                          float(tokens[m] / ms[m]) if ms[m] > 0 else math.inf)
     caps = [threshold_cut(p, acceptance_threshold, cumulative) for p in probs]
     best: Allocation | None = None
     for m in range(0, max(caps) + 1):
@@ -231,20 +240,37 @@ def best_width(probs: np.ndarray, cost: CostModel | None, acceptance_threshold: 
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or probs.shape[0] == 0 or probs.shape[1] == 0:
         return 0, None
-    b, L = probs.shape
+    if cost is None:
+        return int(_cuts(probs, acceptance_threshold, cumulative)[0].max()), None
+    _, tokens, ms = _width_sweep(probs, cost, acceptance_threshold, cumulative)
+    m = _best(tokens, ms)
+    return m, float(ms[m] - cost.overhead_ms)
+
+
+def _cuts(probs: np.ndarray, acceptance_threshold: float, cumulative: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``threshold_cut`` of every row of ``probs`` ``[b, L]`` and the rows' survival products."""
     survive = np.cumprod(probs, axis=1)
     below = (survive if cumulative else probs) < acceptance_threshold
-    caps = np.where(below.any(axis=1), below.argmax(axis=1), L)
-    top = int(caps.max())
-    if cost is None:
-        return top, None
+    return np.where(below.any(axis=1), below.argmax(axis=1), probs.shape[1]), survive
+
+
+def _width_sweep(probs: np.ndarray, cost: CostModel, acceptance_threshold: float,
+                 cumulative: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every width m = 0 .. the longest θ-cut length of ``probs`` ``[b, L]``: the rows' cut
+    lengths ``[b]``, expected emitted tokens when every row verifies ``min(m, its cut)`` drafts,
+    and ``cost.round_ms(b, m)`` (the last two ``[top + 1]``)."""
+    b = probs.shape[0]
+    caps, survive = _cuts(probs, acceptance_threshold, cumulative)
     gained = np.concatenate([np.zeros((b, 1)), np.cumsum(survive, axis=1)], axis=1)  # [b, L + 1]
-    widths = np.arange(top + 1)
+    widths = np.arange(int(caps.max()) + 1)
     lens = np.minimum(widths[None, :], caps[:, None])  # [b, top + 1]
     tokens = b + gained[np.arange(b)[:, None], lens].sum(axis=0)
-    ms = np.array([cost.round_ms(b, m) for m in widths])
-    m = int(np.argmax(tokens / np.maximum(ms, 1e-9)))  # ties: the narrower width (the first)
-    return m, float(ms[m] - cost.overhead_ms)
+    return caps, tokens, np.array([cost.round_ms(b, int(m)) for m in widths])
+
+
+def _best(tokens: np.ndarray, ms: np.ndarray) -> int:
+    """The width of most expected tokens per ms (ties: the narrower, the first)."""
+    return int(np.argmax(tokens / np.maximum(ms, 1e-9)))
 
 
 class ThresholdController:

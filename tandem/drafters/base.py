@@ -334,6 +334,12 @@ class Drafter(ABC):
         speculative sampling), or None when they are deterministic (q one-hot: the default)."""
         return None
 
+    def set_acceptance_scorer(self, score) -> None:
+        """Score the drafts chained rounds make, on the device, with ``score`` (features ->
+        acceptance probabilities; ``DraftPolicy.device_score``). A drafter that cannot (the
+        default) ignores it: ``scores_on_device`` stays False, and the engine keeps a policy that
+        needs scores on host-drafted rounds."""
+
     @property
     def scores_on_device(self) -> bool:
         """Chained rounds leave the predicted acceptance of the drafts they make on the device
