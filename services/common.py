@@ -109,6 +109,15 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
                           ignore_eos=bool(m.ignore_eos))
 
 
+def top_to_pb(alternatives: Sequence[tuple[int, float]]) -> common_pb2.TopLogprobs:
+    """One token's top alternatives ``[(token id, log-probability), ...]`` as a message."""
+    return common_pb2.TopLogprobs(token_ids=[t for t, _ in alternatives], logprobs=[v for _, v in alternatives])
+
+
+def top_from_pb(m: common_pb2.TopLogprobs) -> list[tuple[int, float]]:
+    return list(zip((int(t) for t in m.token_ids), (float(v) for v in m.logprobs)))
+
+
 # ----------------------------------------------------------------------------- tensors
 
 

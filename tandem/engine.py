@@ -200,13 +200,13 @@ class Engine(EngineConveniences):
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                    request_id: str | None = None, logprobs: bool = False) -> str:
+                    request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0) -> str:
         """Queue a request; it joins the running batch at the next step with a free slot.
 
         Same arguments and errors as ``make_request``; returns the request id.
         """
         return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id,
-                                             logprobs=logprobs))
+                                             logprobs=logprobs, top_logprobs=top_logprobs))
 
     def submit(self, req: Request) -> str:
         """Queue a request built by ``make_request``.
@@ -222,7 +222,7 @@ class Engine(EngineConveniences):
 
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                      prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                     request_id: str | None = None, logprobs: bool = False) -> Request:
+                     request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0) -> Request:
         """Validate and tokenize a request without touching the engine's queues (a server
         thread can do this while another thread steps the engine): ``tandem.requests.new_request``
         with this engine's tokenizer, vocabulary and context limit.
@@ -235,19 +235,23 @@ class Engine(EngineConveniences):
             request_id: caller's id (default: a counter).
             logprobs: also return the target's log-probability of each output token (raw
                 logits, before the sampling transform).
+            top_logprobs: also return, per output token, this many most likely tokens at its
+                position with their log-probabilities (0 .. ``MAX_TOP_LOGPROBS`` = 20; > 0
+                implies ``logprobs``).
 
         Returns:
             The request, ready for ``submit``.
 
         Raises:
             InvalidRequestError: empty prompt, prompt at or over the context limit, token ids
-                outside the vocabulary, duplicate request id.
+                outside the vocabulary, duplicate request id, ``top_logprobs`` out of range.
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
-                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, device=self.target.info.device)
+                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
+                           device=self.target.info.device)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -308,7 +312,8 @@ class Engine(EngineConveniences):
             try:
                 with span("prefill", batch_size=len(reqs)):
                     handle = self.target.launch_prefill(
-                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None) for r in reqs])
+                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs)
+                         for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
@@ -360,7 +365,7 @@ class Engine(EngineConveniences):
         ones it does not finish run."""
         outputs = []
         for req, res in zip(reqs, results):
-            outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs))
+            outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs))
             if not req.finished:
                 self.running[req.slot] = req
         return outputs
@@ -397,7 +402,7 @@ class Engine(EngineConveniences):
                 try:
                     with span("verify", batch_size=len(reqs), drafter=self.drafter.name if k else "none",
                               draft_width=k, draft_cap=k if cap is None else min(cap, k)):
-                        handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k)
+                        handle = self.target.launch_chained([ChainedItem(s, r.logprobs is not None, k, r.top_logprobs)
                                                              for s, r in zip(slots, reqs)], self.drafter, cap)
                 except BaseException:
                     self._launched = previous  # still in flight: collected by the next step
@@ -439,7 +444,7 @@ class Engine(EngineConveniences):
         held = [len(r.prompt_ids) + r.num_tokens - 1 for r in reqs]  # tokens each slot holds before the round
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
             handle = self.target.launch_verify(
-                [VerifyItem(s, r.last_token, p, r.params, r.logprobs is not None)
+                [VerifyItem(s, r.last_token, p, r.params, r.logprobs is not None, r.top_logprobs)
                  for s, r, p in zip(slots, reqs, proposals)])
         self._in_flight = set(slots)
         return _Round(reqs, proposals, held, handle, t0)
@@ -486,7 +491,7 @@ class Engine(EngineConveniences):
             before = (req.spec.num_drafted, req.spec.num_accepted, req.spec.num_emitted)
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
             outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
-                                        logprobs=res.logprobs))
+                                        logprobs=res.logprobs, top=res.top_logprobs))
             emitted += req.spec.num_emitted - before[2]  # kept by the stop rules (a stream may hold some back)
             drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
             drafts += drafted > 0
@@ -568,14 +573,18 @@ class Engine(EngineConveniences):
         return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,
-                logprobs: list[float] | None = None) -> RequestOutput:
+                logprobs: list[float] | None = None, top: list | None = None) -> RequestOutput:
         """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token.
-        ``logprobs`` (one per token) are kept for requests that asked for them, cut with the tokens."""
+        ``logprobs`` (one per token) and ``top`` (each token's alternatives) are kept for requests
+        that asked for them, cut with the tokens."""
         out = req.output
         kept = out.append(tokens)
         if req.logprobs is not None:
             req.logprobs.extend(list(logprobs[:kept]) if logprobs is not None else [float("nan")] * kept)
             del req.logprobs[len(out.token_ids):]  # a stop string also cuts tokens of earlier runs
+        if req.top is not None:
+            req.top.extend(list(top[:kept]) if top is not None else [[] for _ in range(kept)])
+            del req.top[len(out.token_ids):]
         text, lo, hi = out.take_delta()
         if drafted is not None:  # metrics are cut at the stop boundary too
             req.spec.record_run(drafted, accepted, len(tokens), kept)
@@ -589,4 +598,4 @@ class Engine(EngineConveniences):
                 self._release(req)
         return RequestOutput(req.request_id, out.token_ids[lo:hi], text, req.finished, out.finish_reason,
                              None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi),
-                             out.stop_reason)
+                             out.stop_reason, None if req.top is None else req.top[lo:hi])

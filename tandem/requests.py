@@ -16,7 +16,7 @@ from .metrics import SpecDecodeStats
 from .errors import InvalidRequestError
 from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
-from .target import TargetResult
+from .target import MAX_TOP_LOGPROBS, TargetResult
 
 
 @dataclass
@@ -34,6 +34,8 @@ class Request:
     slot: int | None = None
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
+    top_logprobs: int = 0  # alternatives asked per token (0 .. MAX_TOP_LOGPROBS)
+    top: list[list[tuple[int, float]]] | None = None  # per output token, its top_logprobs alternatives
     pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
 
     @property
@@ -66,11 +68,12 @@ class RequestOutput:
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
     token_texts: list[str] | None = None  # each new token's text; they join to text_delta (OutputState.token_texts)
     stop_reason: str | int | None = None  # once finished: the stop string or stop token id that ended it
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, log-probability), best first
 
 
 def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, prompt=None,
                 params: SamplingParams | None = None, *, prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                logprobs: bool = False, device: str = "cpu") -> Request:
+                logprobs: bool = False, top_logprobs: int = 0, device: str = "cpu") -> Request:
     """Validate and tokenize one request (``Engine.make_request``; a router does the same with
     the served model's tokenizer and limits, without an engine).
 
@@ -79,14 +82,19 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         vocab_size: token ids must be in [0, vocab_size).
         max_seq_len: the context limit (prompt + output tokens).
         request_id: the request's id.
-        prompt / prompt_ids / params / chat / logprobs: as ``Engine.make_request``.
+        prompt / prompt_ids / params / chat / logprobs / top_logprobs: as ``Engine.make_request``.
         device: where the request's random draws are made.
 
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
-            the vocabulary, params that are not ``SamplingParams``.
+            the vocabulary, params that are not ``SamplingParams``, ``top_logprobs`` outside
+            [0, MAX_TOP_LOGPROBS].
     """
     params = params or SamplingParams()
+    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+            or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
+                                  param="top_logprobs")
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a tandem.sampling.SamplingParams, got {type(params).__name__}")
     if prompt_ids is None:
@@ -110,7 +118,8 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
         params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
     return Request(request_id, ids, params, OutputState(tokenizer, params, max_new), request_generator(params, device),
-                   logprobs=[] if logprobs else None)
+                   logprobs=[] if logprobs or top_logprobs else None, top_logprobs=top_logprobs,
+                   top=[] if top_logprobs else None)
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,7 @@ class Completion:
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
     token_texts: list[str] | None = None  # each token's text; they join to ``text``
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, log-probability), best first
 
     @property
     def completion_tokens(self) -> int:

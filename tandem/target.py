@@ -30,6 +30,42 @@ from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, ver
                      verify_tree_sampling)
 
 
+MAX_TOP_LOGPROBS = 20  # most likely alternatives returned per token at most (OpenAI's top_logprobs limit)
+
+
+def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, top: bool) -> torch.Tensor:
+    """The log-probability columns of a round's packed results, on the device: the target's
+    log-probability (raw logits) of each emitted token, then, with ``top``, the
+    ``MAX_TOP_LOGPROBS`` most likely tokens at each position (ids, then their log-probabilities).
+
+    Args:
+        logits: ``[n, Q, V]``; row j predicts the token after the j-th input.
+        tokens: ``[n, Q]`` int64 tokens emitted at those positions.
+
+    Returns:
+        ``[n, Q]`` float64, or ``[n, Q * (1 + 2 * MAX_TOP_LOGPROBS)]`` with ``top``.
+    """
+    logp = logits.float().log_softmax(-1)
+    cols = [logp.gather(-1, tokens[..., None])[..., 0].double()]
+    if top:
+        values, ids = logp.topk(MAX_TOP_LOGPROBS, dim=-1)  # [n, Q, N], most likely first
+        cols += [ids.flatten(1).double(), values.flatten(1).double()]
+    return torch.cat(cols, dim=1)
+
+
+def _read_logprob_columns(row: list[float], start: int, width: int, count: int, top: int
+                          ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """The host side of ``logprob_columns``: the first ``count`` positions' log-probabilities and
+    (``top`` > 0) their ``top`` most likely tokens, from one packed row whose log-probability
+    columns start at ``start`` for a round of ``width`` positions."""
+    lp = row[start:start + count]
+    if not top:
+        return lp, None
+    n = MAX_TOP_LOGPROBS
+    ids, values = start + width, start + width + width * n
+    return lp, [[(int(row[ids + j * n + i]), row[values + j * n + i]) for i in range(top)] for j in range(count)]
+
+
 class TargetUnavailable(RuntimeError):
     """The target (a remote verifier) cannot serve: its requests fail, others are unaffected."""
 
@@ -67,6 +103,7 @@ class PrefillItem:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprobs: bool = False
+    top_logprobs: int = 0  # also the top_logprobs most likely tokens at each position (<= MAX_TOP_LOGPROBS)
 
 
 @dataclass
@@ -79,6 +116,7 @@ class VerifyItem:
     proposal: DraftProposal
     params: SamplingParams
     return_logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -89,6 +127,7 @@ class ChainedItem:
     slot: int
     return_logprobs: bool = False
     max_draft: int = 0  # drafts allowed at most (the device also applies the token and context limits)
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -101,6 +140,9 @@ class TargetResult:
         num_accepted: accepted draft tokens (0 after prefill).
         logprobs: the target's log-probability (raw logits, before the sampling transform) of
             each token, when the item asked for them; else None.
+        top_logprobs: per token, the item's ``top_logprobs`` most likely tokens at its position
+            as ``(token id, log-probability)`` pairs, most likely first (raw logits, as
+            ``logprobs``), when the item asked for them; else None.
         extras: optional tensors a drafter needs from the target (e.g. SpecFormer's context
             vectors), keyed by name; empty by default.
         num_drafts: drafts verified, when the target drafted them itself (chained rounds); None
@@ -116,6 +158,7 @@ class TargetResult:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     num_drafts: int | None = None
     draft_scores: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -285,9 +328,9 @@ class LocalTarget(Target):
         self.state.admit(index, firsts, [prompts[s] for s in slots],
                          [min(items[i].params.max_tokens, self.cache.capacity - len(items[i].prompt_ids)) for i in order])
         out = firsts[:, None].double()
-        if any(it.return_logprobs for it in items):
-            lp = logits.float().log_softmax(-1).gather(-1, firsts[:, None])
-            out = torch.cat([out, lp.double()], dim=1)
+        if any(_wants_logprobs(it) for it in items):
+            out = torch.cat([out, logprob_columns(logits[:, None], firsts[:, None],
+                                                  any(it.top_logprobs for it in items))], dim=1)
         extras = [{} for _ in items]
         if taps:  # what a SpecFormer head's observe needs, all on the device: no wait for the first tokens
             nexts = self._next_tokens(slots, prompts, firsts)
@@ -312,8 +355,10 @@ class LocalTarget(Target):
         host = copy.wait()
         results: list[TargetResult | None] = [None] * len(items)
         for row, i in enumerate(order):
-            lp = [host[row][1]] if items[i].return_logprobs else None
-            results[i] = TargetResult([int(host[row][0])], logprobs=lp, extras=extras[i])
+            lp = top = None
+            if _wants_logprobs(items[i]):
+                lp, top = _read_logprob_columns(host[row], 1, 1, 1, items[i].top_logprobs)
+            results[i] = TargetResult([int(host[row][0])], logprobs=lp, extras=extras[i], top_logprobs=top)
         return results  # type: ignore[return-value]
 
     def _draft_probs(self, items: list[VerifyItem], n: int, K: int, draft_tokens: torch.Tensor) -> torch.Tensor | None:
@@ -374,7 +419,7 @@ class LocalTarget(Target):
         if k and (drafter is None or not drafter.drafts_on_device):
             raise ValueError("chained drafts need a drafter that drafts on the device")
         flags = self.sampling.flags([it.slot for it in items])
-        logprobs = any(it.return_logprobs for it in items)
+        logprobs = _logprob_mode(items)
         if drafter is not None:
             drafter.prepare_round(flags[0])  # its buffers exist before any graph is captured
         capped = draft_cap is not None and k > 0
@@ -423,19 +468,20 @@ class LocalTarget(Target):
             chain.index_fill_(0, to_device(torch.tensor(sorted(trees), dtype=torch.int64), chain.device), False)
         sampling = self.sampling.rows(n, [it.slot for it in items])
         q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
-        packed = self._verify_device(out, chain, sampling, q, None, any(it.return_logprobs for it in items))
+        packed = self._verify_device(out, chain, sampling, q, None, _logprob_mode(items))
         if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
             out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
         return self._launched(items, out._replace(epilogue=packed), trees, sampling)
 
     def _verify_device(self, out, chain: torch.Tensor, sampling: RowSampling, q: torch.Tensor | None, drafter,
-                       logprobs: bool) -> torch.Tensor:
+                       logprobs: int) -> torch.Tensor:
         """A verify round's device work after its forward, with no host synchronisation (a chained
         round captures it in the step's graph): ``verify_chains`` over the chain rows (``chain``
         ``[n]`` bool; other rows verify no drafts), the round state's update, a verify-pass
         drafter's next drafts (``Drafter.device_after_verify``), and the results packed for the
         host: ``[n, 3 + Q (+ Q) (+ L)]`` float64 rows of start, q_len, accepted, the Q emitted-token
-        slots, then (``logprobs``) their log-probabilities, then (a drafter that scores its device
+        slots, then (``logprobs``: ``_logprob_mode``) their log-probabilities and, for mode 2,
+        the top alternatives at each position (``logprob_columns``), then (a drafter that scores its device
         drafts, ``Drafter.device_draft_scores``) the predicted acceptance of the L drafts it made
         for the next round."""
         n, Q = out.argmax.shape
@@ -449,8 +495,7 @@ class LocalTarget(Target):
                                                      chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
         packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1).double()
         if logprobs:  # row j of the forward predicts the token after the j-th input
-            lp = out.logits.float().log_softmax(-1).gather(-1, res.tokens[..., None])[..., 0]
-            packed = torch.cat([packed, lp.double()], dim=1)
+            packed = torch.cat([packed, logprob_columns(out.logits, res.tokens, logprobs == 2)], dim=1)
         scores = drafter.device_draft_scores(n) if drafter is not None else None
         if scores is not None:  # the next round's drafts' predicted acceptance (a chained draft policy)
             packed = torch.cat([packed, scores.double()], dim=1)
@@ -462,7 +507,8 @@ class LocalTarget(Target):
             self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
         copy = _HostCopy(out.epilogue, self._pinned)
         Q = out.argmax.shape[1]
-        scored = out.epilogue.shape[1] - 3 - Q * (2 if any(it.return_logprobs for it in items) else 1)
+        mode = _logprob_mode(items)
+        scored = out.epilogue.shape[1] - 3 - Q - (Q if mode else 0) - (2 * Q * MAX_TOP_LOGPROBS if mode == 2 else 0)
         return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, num_scores=scored)
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
@@ -500,16 +546,17 @@ class LocalTarget(Target):
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
         outs = []
         for it, r, extras, rows in zip(items, results, taps, kept):
-            lp = None
-            if it.return_logprobs:
+            lp = top = None
+            if _wants_logprobs(it):
                 if it.slot in trees:
-                    logp = out.logits[it.slot, rows].float().log_softmax(-1)
-                    lp = logp.gather(-1, torch.tensor(r.tokens, device=logp.device)[:, None])[:, 0].tolist()
+                    cols = logprob_columns(out.logits[it.slot, rows][None], torch.tensor(
+                        r.tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
+                    lp, top = _read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
                 else:
-                    lp = host[it.slot][Q + 3:Q + 3 + len(r.tokens)]
+                    lp, top = _read_logprob_columns(host[it.slot], Q + 3, Q, len(r.tokens), it.top_logprobs)
             drafts = int(host[it.slot][1]) - 1 if isinstance(it, ChainedItem) else None
             scores = host[it.slot][-handle.num_scores:] if handle.num_scores else None
-            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts, scores))
+            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts, scores, top))
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
@@ -521,6 +568,19 @@ class LocalTarget(Target):
         index = to_device(torch.tensor([it.slot], dtype=torch.int64), out.logits.device)
         p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
+
+
+def _wants_logprobs(it) -> bool:
+    """The item asked for log-probabilities (``top_logprobs`` implies them)."""
+    return it.return_logprobs or it.top_logprobs > 0
+
+
+def _logprob_mode(items: list) -> int:
+    """Which log-probability columns a round packs: 0 none, 1 the emitted tokens', 2 those and the
+    top alternatives (``logprob_columns``); one value per round, part of a chained graph's key."""
+    if any(it.top_logprobs for it in items):
+        return 2
+    return 1 if any(it.return_logprobs for it in items) else 0
 
 
 def _step_tokens(it) -> int:

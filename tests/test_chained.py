@@ -71,7 +71,8 @@ def _engine(target_dir: str, chained: bool, drafter: str = "none", slots: int = 
 def _run(engine: Engine, prompts: list[str], params: list[SamplingParams], abort_at: dict[int, int] | None = None):
     """Every request's (tokens, text, finish reason, logprobs, streamed tokens); ``abort_at`` maps a
     request index to the step at which it is aborted (its entry is then what it had streamed)."""
-    ids = [engine.add_request(p, sp, logprobs=True) for p, sp in zip(prompts, params)]
+    ids = [engine.add_request(p, sp, logprobs=True, top_logprobs=3 * (i % 2)) for i, (p, sp) in
+           enumerate(zip(prompts, params))]
     streamed: dict[str, list[int]] = {i: [] for i in ids}
     done: dict[str, tuple] = {}
     step, overlapped = 0, 0
@@ -80,7 +81,8 @@ def _run(engine: Engine, prompts: list[str], params: list[SamplingParams], abort
             streamed[out.request_id] += out.new_token_ids
             if out.finished:
                 c = engine.completion(out.request_id)
-                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.logprobs, c.completion_tokens)
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason, c.logprobs, c.completion_tokens,
+                                        c.top_logprobs)
         step += 1
         overlapped += engine._launched is not None and bool(engine._in_flight)
         for i, at in (abort_at or {}).items():
@@ -107,6 +109,9 @@ def test_chained_rounds_change_nothing_a_user_sees(target_dir, word_dir, real_to
         assert g[:3] == w[:3], p  # tokens, text, finish reason
         assert g[4] == w[4] == len(g[0])  # usage counts what was kept
         assert g[3] == pytest.approx(w[3], abs=1e-5)  # logprobs cut at the same boundary
+        if g[5] is not None:  # so are the top alternatives (every other request asks for 3)
+            assert [[t for t, _ in a] for a in g[5]] == [[t for t, _ in a] for a in w[5]]
+            assert len(g[5]) == len(g[0]) and all(len(a) == 3 for a in g[5])
         assert gs == g[0]  # the stream carried exactly the kept tokens
     reasons = {w[0][2] for w in want}
     assert reasons == {"stop", "length"}

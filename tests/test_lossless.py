@@ -469,10 +469,10 @@ def test_powered_on_gpu(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ngram-sampled", "tree-greedy", "stop-cut"])
 def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, real_engine, on_real_target, hf_model, mode):
-    """The returned log-probabilities equal log_softmax of Hugging Face transformers' float32
-    logits (an independent implementation of the same GGUF) at every emitted token: sampled with
-    n-gram speculation, greedy through token trees, and target-only cut with the text at a stop
-    string."""
+    """The returned log-probabilities and top-5 alternatives equal log_softmax of Hugging Face
+    transformers' float32 logits (an independent implementation of the same GGUF) at every emitted
+    token: sampled with n-gram speculation, greedy through token trees, and target-only cut with
+    the text at a stop string."""
     from tandem.control import DraftPolicy
     from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
     from tandem.sampling import SamplingParams
@@ -489,7 +489,8 @@ def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, real_engine,
     sampled = mode == "ngram-sampled"
     params = SamplingParams(max_tokens=16, temperature=0.8 if sampled else 0.0, top_p=0.9, seed=11,
                             stop=("5",) if mode == "stop-cut" else ())
-    ids = [engine.add_request(p, params, logprobs=True) for p in prompts]
+    top = 5
+    ids = [engine.add_request(p, params, logprobs=True, top_logprobs=top) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     outs = [engine.completion(i) for i in ids]
@@ -503,5 +504,18 @@ def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, real_engine,
         with torch.no_grad():
             logits = hf_model(torch.tensor([seq])).logits[0].float()
         n = len(engine.encode_prompt(prompt))
-        ref = logits[n - 1:-1].log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        logp = logits[n - 1:-1].log_softmax(-1)
+        ref = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=2e-3, rtol=0)
+        assert len(out.top_logprobs) == len(out.token_ids)
+        ref_values, ref_ids = logp.topk(top + 1, dim=-1)
+        for j, alternatives in enumerate(out.top_logprobs):
+            assert len(alternatives) == top
+            got_ids, got_values = [t for t, _ in alternatives], [v for _, v in alternatives]
+            torch.testing.assert_close(torch.tensor(got_values), ref_values[j, :top], atol=2e-3, rtol=0)
+            gaps = ref_values[j, :-1] - ref_values[j, 1:]  # an id is compared where no near-tie can swap it
+            for i in range(top):
+                if gaps[i] > 5e-3 and (i == 0 or gaps[i - 1] > 5e-3):
+                    assert got_ids[i] == int(ref_ids[j, i]), (j, i)
+            if out.token_ids[j] in got_ids:  # the emitted token's own entry agrees with its logprob
+                assert got_values[got_ids.index(out.token_ids[j])] == pytest.approx(out.logprobs[j], abs=1e-6)

@@ -284,8 +284,8 @@ def test_n_choices_through_router(client, model_id, local_engine, prompts):
     assert choice_seed(11, 0) == 11 and len({choice_seed(11, i) for i in range(16)}) == 16
 
 
-def run_with_logprobs(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS):
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), logprobs=True)
+def run_with_logprobs(engine: Engine, prompt: str, max_tokens: int = MAX_TOKENS, top: int = 0, chat: bool = True):
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), logprobs=True, top_logprobs=top, chat=chat)
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished and out.request_id == rid:
@@ -329,6 +329,44 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
             router_pb2.GenerateRequest(prompt=prompts[0], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
                                        logprobs=True), metadata=auth_metadata(KEY), timeout=60))
     assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_top_logprobs_through_router(stack, client, model_id, local_engine, prompts):
+    """``top_logprobs`` (chat, streamed and not), completions' ``logprobs`` = N and the gRPC
+    ``top_logprobs`` return the in-process engine's alternatives in OpenAI's shapes."""
+    top = 3
+    ref = run_with_logprobs(local_engine, prompts[0], top=top)
+    assert len(ref.top_logprobs) == len(ref.token_ids) and all(len(a) == top for a in ref.top_logprobs)
+    text = local_engine.tokenizer.decode
+    want = [[(text([t]), v) for t, v in alts] for alts in ref.top_logprobs]
+    msgs = [{"role": "user", "content": prompts[0]}]
+    r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                       logprobs=True, top_logprobs=top)
+    content = r.choices[0].logprobs.content
+    assert [[a.token for a in c.top_logprobs] for c in content] == [[t for t, _ in w] for w in want]
+    assert [a.logprob for c in content for a in c.top_logprobs] == pytest.approx(
+        [v for w in want for _, v in w], abs=1e-5)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the token is the best
+    assert all(a.bytes == list(a.token.encode()) for c in content for a in c.top_logprobs)
+    streamed = []
+    for chunk in client.chat.completions.create(model=model_id, messages=msgs, max_tokens=MAX_TOKENS, temperature=0,
+                                                logprobs=True, top_logprobs=top, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += [[a.token for a in c.top_logprobs] for c in chunk.choices[0].logprobs.content]
+    assert streamed == [[t for t, _ in w] for w in want]
+    plain = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=4, temperature=0, logprobs=True)
+    assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)  # logprobs alone: no alternatives
+    ref_raw = run_with_logprobs(local_engine, prompts[1], top=top, chat=False)
+    c = client.completions.create(model=model_id, prompt=prompts[1], max_tokens=MAX_TOKENS, temperature=0,
+                                  logprobs=top).choices[0]
+    assert len(c.logprobs.top_logprobs) == len(ref_raw.token_ids)
+    for got, alts in zip(c.logprobs.top_logprobs, ref_raw.top_logprobs):
+        assert got == pytest.approx({text([t]): v for t, v in reversed(alts)}, abs=1e-5)  # (a repeated text keeps the best)
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        out = list(router_pb2_grpc.RouterStub(ch).Generate(
+            router_pb2.GenerateRequest(prompt=prompts[0], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
+                                       top_logprobs=top), metadata=auth_metadata(KEY), timeout=60))
+    assert [list(a.token_ids) for m in out for a in m.top_logprobs] == [[t for t, _ in a] for a in ref.top_logprobs]
 
 
 def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
@@ -440,6 +478,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "model": "gpt-9"}, "not served", "model"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),
     ({"messages": HI, "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias", "logit_bias"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "less than or equal to 20", "top_logprobs"),
+    ({"messages": HI, "top_logprobs": 2}, "needs logprobs: true", "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
      "unsupported field(s): best_of, messages.0.name", "best_of"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, "only allowed with stream: true", "stream_options"),

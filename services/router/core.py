@@ -30,7 +30,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.common import Delta, Done, Event, Failed, params_to_pb
+from services.common import Delta, Done, Event, Failed, params_to_pb, top_from_pb
 from services.proto.tandem.v1 import verifier_pb2
 from services.verifier.server import spec_from_pb
 from tandem.engine import Completion, Prompt, Request, RequestOutput
@@ -140,6 +140,7 @@ class _Progress:
     text: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     first_token_time: float | None = None
     replicas: list[str] = field(default_factory=list)
@@ -180,6 +181,7 @@ class Router:
         # the replicas may speculate differently (a rolling change): the fingerprint names them all
         self.fingerprint = system_fingerprint(first.model, " + ".join(sorted({r.info.speculation for r in self.replicas})))
         self.tokenizer = load_router_tokenizer(router_model(config.model, first.model), list(first.eos_token_ids))
+        self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         if len(self.tokenizer.hf) > int(first.vocab_size):
             raise ConfigError(f"the router's tokenizer ({config.model or 'the bundled model'}: {len(self.tokenizer.hf)} "
                               f"tokens) is not the replicas' model's ({first.model}: vocabulary {first.vocab_size}); "
@@ -227,7 +229,8 @@ class Router:
     # ------------------------------------------------------------------ requests
 
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
-                     chat: bool = True, request_id: str | None = None, logprobs: bool = False) -> Request:
+                     chat: bool = True, request_id: str | None = None, logprobs: bool = False,
+                     top_logprobs: int = 0) -> Request:
         """Validate and tokenize (``tandem.requests.new_request`` with the served model's tokenizer,
         vocabulary and context limit). A sampled request gets its seed here, so a replica that
         resumes it draws the same numbers.
@@ -237,7 +240,14 @@ class Router:
         """
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return new_request(self.tokenizer, self.vocab_size, self.context_limit, rid, prompt, params,
-                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs)
+                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (top-logprobs alternatives); cached per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def check_room(self, prompt_tokens: int, name: str, value: int) -> None:
         """Refuse an explicit output limit that with the prompt passes the context limit (without
@@ -334,6 +344,7 @@ class Router:
             trace = dict(inject_metadata())  # the replica's "generate" span is this one's child
         msg = verifier_pb2.ReplicaRequest(request_id=rid, prompt_ids=[*request.prompt_ids, *progress.token_ids],
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
+                                          top_logprobs=request.top_logprobs,
                                           category=category or "default", trace_context=trace)
         link = replica.link()
         wire_id, events = link.submit(msg)
@@ -361,11 +372,13 @@ class Router:
                 progress.text.append(ev.text)
                 progress.logprobs.extend(ev.logprobs)
                 progress.token_texts.extend(ev.token_texts)
+                top = [top_from_pb(m) for m in ev.top_logprobs] if request.top is not None else None
+                progress.top_logprobs.extend(top or ())
                 stop_reason = ev.stop_string if ev.HasField("stop_string") else (
                     int(ev.stop_token_id) if ev.HasField("stop_token_id") else None)
                 out = RequestOutput(rid, list(ev.token_ids), ev.text, ev.finished, ev.finish_reason or None,
                                     list(ev.logprobs) if request.logprobs is not None else None,
-                                    list(ev.token_texts) or None, stop_reason)
+                                    list(ev.token_texts) or None, stop_reason, top)
                 if ev.finished:
                     settled = True
                     progress.spec.merge(spec_from_pb(ev.spec))
@@ -386,7 +399,8 @@ class Router:
                           len(request.prompt_ids), first - request.arrival_time, now - request.arrival_time,
                           (now - first) / (n - 1) if n > 1 else 0.0, progress.spec,
                           list(progress.logprobs) if request.logprobs is not None else None,
-                          list(progress.token_texts) or None, stop_reason)
+                          list(progress.token_texts) or None, stop_reason,
+                          list(progress.top_logprobs) if request.top is not None else None)
 
     def _observe(self, c: Completion) -> None:
         """Cluster-wide metrics of a finished request (its rounds ran on replicas: their counters

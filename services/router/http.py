@@ -34,6 +34,7 @@ from tandem.engine import Completion
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams, choice_seed
+from tandem.target import MAX_TOP_LOGPROBS
 
 from services.common import Delta, Done, Failed, bearer_matches
 
@@ -105,13 +106,11 @@ class _SamplingFields(_Base):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
 
-    def wants_logprobs(self) -> bool:
-        if self.logprobs:
-            raise InvalidRequestError("top alternatives are not returned; use logprobs=0 for the tokens' own",
-                                      param="logprobs")
-        return self.logprobs is not None
+    def wants_logprobs(self) -> tuple[bool, int]:
+        """(return the tokens' log-probabilities, top alternatives per token)."""
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class ChatMessage(_Base):
@@ -123,17 +122,17 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def unsupported_fields(self) -> list[str]:
         return super().unsupported_fields() + [f"messages.{i}.{f}" for i, m in enumerate(self.messages)
                                                for f in m.unsupported_fields()]  # validation errors' path format
 
-    def wants_logprobs(self) -> bool:
-        if self.top_logprobs:
-            raise InvalidRequestError("top_logprobs > 0 is not supported; logprobs=true returns the tokens' own",
-                                      param="top_logprobs")
-        return self.logprobs
+    def wants_logprobs(self) -> tuple[bool, int]:
+        """(return the tokens' log-probabilities, top alternatives per token)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self.logprobs, self.top_logprobs or 0
 
 
 class _BodyLimit:
@@ -323,13 +322,15 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             prompt = prompt[0]
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
         # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
+        logprobs, top = req.wants_logprobs()
         engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
-                                             request_id=rid if req.n == 1 else f"{rid}-0", logprobs=req.wants_logprobs())
+                                             request_id=rid if req.n == 1 else f"{rid}-0", logprobs=logprobs,
+                                             top_logprobs=top)
         # n choices: one engine request each over the same prompt ids, a seed of its own (choice_seed)
         engine_reqs = [engine_req] + [
             router.make_request(None, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)),
                                 prompt_ids=engine_req.prompt_ids, chat=False, request_id=f"{rid}-{i}",
-                                logprobs=engine_req.logprobs is not None)
+                                logprobs=logprobs, top_logprobs=top)
             for i in range(1, req.n)]
         if requested is not None:
             router.check_room(len(engine_req.prompt_ids), *requested)
@@ -366,19 +367,34 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     return app
 
 
-def _logprobs(logprobs: list[float] | None, tokens: list[str] | None, chat_api: bool) -> dict | None:
+def _logprobs(router: Router, logprobs: list[float] | None, tokens: list[str] | None,
+              top: list[list[tuple[int, float]]] | None, chat_api: bool) -> dict | None:
     """OpenAI logprobs object of the output tokens whose texts are ``tokens`` (joined, the returned
-    text: a token cut by a stop string counts up to the cut); None when the request did not ask."""
+    text: a token cut by a stop string counts up to the cut), with each token's ``top``
+    alternatives ``(id, log-probability)`` when asked; None when the request did not ask. An
+    alternative's text is its token decoded alone (``Router.token_text``)."""
     if logprobs is None:
         return None
+    tops = top if top is not None else [[] for _ in logprobs]
     if chat_api:
-        return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-                            for tok, lp in zip(tokens, logprobs)]}
+        def entry(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [entry(tok, lp) | {"top_logprobs": [entry(router.token_text(t), v) for t, v in alts]}
+                            for tok, lp, alts in zip(tokens, logprobs, tops)]}
     offsets, pos = [], 0
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    alternatives = None  # completions: {text: log-probability}; tokens with the same text keep the best
+    if top is not None:
+        alternatives = []
+        for alts in tops:
+            best: dict[str, float] = {}
+            for t, v in alts:
+                best.setdefault(router.token_text(t), v)
+            alternatives.append(best)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives, "text_offset": offsets}
 
 
 def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None,
@@ -425,7 +441,8 @@ async def _complete(router: Router, request: Request, engine_reqs: list, categor
             "model": router.model_name,
             "system_fingerprint": router.fingerprint,
             "choices": [_choice(c.text, c.finish_reason, chat_api, False,
-                                _logprobs(c.logprobs, c.token_texts, chat_api), c.stop_reason, index=i)
+                                _logprobs(router, c.logprobs, c.token_texts, c.top_logprobs, chat_api), c.stop_reason,
+                                index=i)
                         for i, c in enumerate(done)],
             "usage": usage(done)}
 
@@ -466,7 +483,7 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
             elif isinstance(event, Delta):
                 out = event.output
                 if out.text_delta or out.finished or out.logprobs:
-                    lp = _logprobs(out.logprobs, out.token_texts, chat_api)
+                    lp = _logprobs(router, out.logprobs, out.token_texts, out.top_logprobs, chat_api)
                     yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True,
                                          lp, out.stop_reason if out.finished else None, index=i)])
             elif isinstance(event, Failed):

@@ -183,8 +183,9 @@ def merge_events(a: verifier_pb2.ReplicaEvent, b: verifier_pb2.ReplicaEvent) -> 
     """Two consecutive events of one request as one (``b`` after ``a``; ``a`` not final)."""
     merged = verifier_pb2.ReplicaEvent()
     merged.CopyFrom(b)
-    del merged.token_ids[:], merged.logprobs[:], merged.token_texts[:]
+    del merged.token_ids[:], merged.logprobs[:], merged.token_texts[:], merged.top_logprobs[:]
     merged.token_ids.extend([*a.token_ids, *b.token_ids])
+    merged.top_logprobs.extend([*a.top_logprobs, *b.top_logprobs])
     merged.logprobs.extend([*a.logprobs, *b.logprobs])
     merged.token_texts.extend([*a.token_texts, *b.token_texts])
     merged.text = a.text + b.text

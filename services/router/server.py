@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from services.common import Delta, Done, Failed, GrpcServer, params_from_pb
+from services.common import Delta, Done, Failed, GrpcServer, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.telemetry import extract_context, span
@@ -53,7 +53,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params = params_from_pb(pb)
             prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
             req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
-                                           request_id=request.request_id or None, logprobs=request.logprobs)
+                                           request_id=request.request_id or None, logprobs=request.logprobs,
+                                           top_logprobs=request.top_logprobs)
             if explicit:
                 self.router.check_room(len(req.prompt_ids), "max_tokens", explicit)
         except InvalidRequestError as exc:
@@ -66,7 +67,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     out = event.output
                     if out.new_token_ids or out.text_delta:
                         yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
-                                                          text=out.text_delta, logprobs=out.logprobs or [])
+                                                          text=out.text_delta, logprobs=out.logprobs or [],
+                                                          top_logprobs=[top_to_pb(a) for a in out.top_logprobs or ()])
                 elif isinstance(event, Done):
                     yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
                                                       finish_reason=event.completion.finish_reason,

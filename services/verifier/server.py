@@ -15,7 +15,7 @@ import itertools
 import logging
 
 
-from services.common import Delta, Done, Failed, GrpcServer, params_from_pb
+from services.common import Delta, Done, Failed, GrpcServer, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
@@ -49,6 +49,8 @@ def fill_event(msg: verifier_pb2.ReplicaEvent, out: RequestOutput,
     if out.logprobs:
         msg.logprobs.extend(out.logprobs)
         msg.token_texts.extend(out.token_texts or [])
+    for alternatives in out.top_logprobs or ():
+        msg.top_logprobs.append(top_to_pb(alternatives))
     if completion is not None:
         msg.finished = True
         msg.finish_reason = completion.finish_reason
@@ -65,8 +67,10 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     lp = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
     texts = (a.token_texts or []) + (b.token_texts or []) if a.token_texts is not None or b.token_texts is not None \
         else None
+    top = (a.top_logprobs or []) + (b.top_logprobs or []) \
+        if a.top_logprobs is not None or b.top_logprobs is not None else None
     return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta, b.finished,
-                         b.finish_reason, lp, texts, b.stop_reason)
+                         b.finish_reason, lp, texts, b.stop_reason, top)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -122,7 +126,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if rid in live:
                     raise InvalidRequestError(f"request {rid!r} is already running on this stream")
                 req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
-                                                       request_id=prefix + rid, logprobs=r.logprobs)
+                                                       request_id=prefix + rid, logprobs=r.logprobs,
+                                                       top_logprobs=r.top_logprobs)
             except InvalidRequestError as exc:
                 batches.put_nowait(self._events([(prefix + rid, Failed(str(exc), invalid=True))], prefix))
                 return

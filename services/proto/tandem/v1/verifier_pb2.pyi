@@ -16,7 +16,7 @@ class ReplicaCommands(_message.Message):
     def __init__(self, submit: _Optional[_Iterable[_Union[ReplicaRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context")
+    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context", "top_logprobs")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,13 +30,15 @@ class ReplicaRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     logprobs: bool
     category: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("num_steps", "num_emitted", "num_drafted", "num_accepted", "drafted_per_pos", "accepted_per_pos")
@@ -61,7 +63,7 @@ class ReplicaEvents(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec", "error", "invalid")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec", "error", "invalid", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class ReplicaEvent(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -86,7 +89,8 @@ class ReplicaEvent(_message.Message):
     spec: SpecStats
     error: str
     invalid: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
