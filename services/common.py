@@ -98,7 +98,9 @@ Event = Delta | Done | Failed
 def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                      seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                                     ignore_eos=p.ignore_eos)
+                                     ignore_eos=p.ignore_eos, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
+                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                                     repetition_penalty=p.repetition_penalty)
 
 
 def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -106,7 +108,10 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(max_tokens=int(m.max_tokens), temperature=float(m.temperature), top_k=int(m.top_k),
                           top_p=float(m.top_p) if m.top_p else 1.0, seed=int(m.seed) if m.HasField("seed") else None,
                           stop=tuple(m.stop), stop_token_ids=tuple(int(t) for t in m.stop_token_ids),
-                          ignore_eos=bool(m.ignore_eos))
+                          ignore_eos=bool(m.ignore_eos), logit_bias={int(t): float(b) for t, b in m.logit_bias.items()},
+                          min_tokens=int(m.min_tokens), presence_penalty=float(m.presence_penalty),
+                          frequency_penalty=float(m.frequency_penalty),
+                          repetition_penalty=float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0)
 
 
 def top_to_pb(alternatives: Sequence[tuple[int, float]]) -> common_pb2.TopLogprobs:

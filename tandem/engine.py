@@ -312,7 +312,8 @@ class Engine(EngineConveniences):
             try:
                 with span("prefill", batch_size=len(reqs)):
                     handle = self.target.launch_prefill(
-                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs)
+                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs,
+                                     tuple(sorted(r.output.stop_ids)))
                          for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests

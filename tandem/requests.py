@@ -88,7 +88,7 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
             the vocabulary, params that are not ``SamplingParams``, ``top_logprobs`` outside
-            [0, MAX_TOP_LOGPROBS].
+            [0, MAX_TOP_LOGPROBS], a ``logit_bias`` token id outside the vocabulary.
     """
     params = params or SamplingParams()
     if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
@@ -110,6 +110,10 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         raise InvalidRequestError("prompt is empty", param="prompt")
     if any(t < 0 or t >= vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if outside:
+        raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                                  param="logit_bias")
     if len(ids) >= max_seq_len:
         raise InvalidRequestError(
             f"prompt has {len(ids)} tokens; the context limit is {max_seq_len} tokens "

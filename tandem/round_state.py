@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .models.runner import to_device
-from .sampling import SamplingParams, new_seed
+from .sampling import LogitAdjustments, SamplingParams, new_seed
 from .stopping import draft_room
 from .verify import RowSampling
 
@@ -16,12 +16,20 @@ class SlotSampling:
     """Per-slot sampling settings on the target's device, written once when a sequence is
     admitted, so a verify round sends no sampling parameters to the device.
 
+    The logit adjustments (``SamplingParams.logit_bias``, ``min_tokens`` and the penalties) keep
+    ``[num_slots, vocab]`` state (the bias, the output's token counts, the prompt's tokens, the ids
+    masked before ``min_tokens``): allocated when the first request that adjusts is admitted, then
+    kept; the counts grow on the device with every emitted token (``record``).
+
     Args:
-        num_slots: KV cache slots; device: the target's device.
+        num_slots: KV cache slots; device: the target's device; vocab_size: the target's vocabulary.
     """
 
-    def __init__(self, num_slots: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, device: torch.device, vocab_size: int) -> None:
         self.device = device
+        self.num_slots = num_slots
+        self.vocab_size = vocab_size
+        self.adjust: LogitAdjustments | None = None  # every slot's, once a request has adjusted
         self.greedy = torch.ones(num_slots, dtype=torch.bool, device=device)
         self.temperature = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -30,8 +38,12 @@ class SlotSampling:
         self.params: list[SamplingParams | None] = [None] * num_slots  # host mirror
         self.seeds: list[int] = [0] * num_slots
 
-    def admit(self, slots: list[int], params: list[SamplingParams]) -> None:
-        """Record the settings of newly admitted sequences (a request without a seed gets one)."""
+    def admit(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]] | None = None,
+              stop_ids: list[tuple[int, ...]] | None = None) -> None:
+        """Record the settings of newly admitted sequences (a request without a seed gets one):
+        their ``prompts`` and ``stop_ids`` (the ids masked before ``min_tokens``) are read when a
+        request adjusts its logits (``logit_bias`` ids are in the vocabulary: ``new_request``
+        checks them)."""
         seeds = [p.seed if p.seed is not None else new_seed() for p in params]
         for s, p, seed in zip(slots, params, seeds):
             self.params[s], self.seeds[s] = p, seed
@@ -45,19 +57,89 @@ class SlotSampling:
         self.seed.index_copy_(0, idx, ints[:, 2])
         self.temperature.index_copy_(0, idx, floats[:, 0])
         self.top_p.index_copy_(0, idx, floats[:, 1])
+        if self.adjust is None and any(p.adjusts_logits for p in params):
+            self.adjust = self._allocate_adjustments()
+        if self.adjust is not None:
+            self._admit_adjustments(idx, slots, params, prompts or [[] for _ in slots],
+                                    stop_ids or [() for _ in slots])
 
-    def flags(self, slots: list[int]) -> tuple[bool, bool]:
-        """``(any_sampled, filtered)`` of a step over ``slots`` (``RowSampling``'s host flags)."""
-        ps = [self.params[s] for s in slots]
-        sampled = [p for p in ps if p is not None and not p.greedy]
-        return bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled)
+    def _allocate_adjustments(self) -> LogitAdjustments:
+        S, V, dev = self.num_slots, self.vocab_size, self.device
+        return LogitAdjustments(
+            bias=torch.zeros(S, V, dtype=torch.float32, device=dev),
+            counts=torch.zeros(S, V, dtype=torch.float32, device=dev),
+            prompt_seen=torch.zeros(S, V, dtype=torch.bool, device=dev),
+            suppress=torch.zeros(S, V, dtype=torch.bool, device=dev),
+            prompt_len=torch.zeros(S, dtype=torch.int64, device=dev),
+            min_tokens=torch.zeros(S, dtype=torch.int64, device=dev),
+            presence=torch.zeros(S, dtype=torch.float32, device=dev),
+            frequency=torch.zeros(S, dtype=torch.float32, device=dev),
+            repetition=torch.ones(S, dtype=torch.float32, device=dev))
 
-    def rows(self, n: int, slots: list[int] | None = None, flags: tuple[bool, bool] | None = None) -> RowSampling:
+    def _admit_adjustments(self, idx: torch.Tensor, slot_of: list[int], params: list[SamplingParams],
+                           prompts: list[list[int]], stop_ids: list[tuple[int, ...]]) -> None:
+        """Write the adjustment rows of admitted slots ``idx`` (neutral for requests without any)."""
+        adj, dev = self.adjust, self.device
+        for name in ("bias", "counts", "prompt_seen", "suppress"):
+            getattr(adj, name).index_fill_(0, idx, 0)
+
+        def scatter(target: torch.Tensor, pairs: list[tuple[int, int]], values: list | None = None) -> None:
+            if pairs:
+                rows, cols = zip(*pairs)
+                at = (to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                      to_device(torch.tensor(cols, dtype=torch.int64), dev))
+                # a device tensor of values: ``target[at] = True`` would copy a host scalar and wait for the stream
+                target.index_put_(at, torch.ones(len(pairs), dtype=target.dtype, device=dev) if values is None
+                                  else to_device(torch.tensor(values, dtype=target.dtype), dev))
+
+        bias = [((s, t), b) for s, p in zip(slot_of, params) for t, b in p.logit_bias]
+        scatter(adj.bias, [k for k, _ in bias], [b for _, b in bias])
+        scatter(adj.prompt_seen, sorted({(s, t) for s, p, pr in zip(slot_of, params, prompts)
+                                         if p.repetition_penalty != 1.0 for t in pr}))
+        scatter(adj.suppress, sorted({(s, t) for s, p, ids in zip(slot_of, params, stop_ids) if p.min_tokens
+                                      for t in ids if 0 <= t < self.vocab_size}))
+        ints = to_device(torch.tensor([[len(pr), p.min_tokens] for p, pr in zip(params, prompts)], dtype=torch.int64),
+                         dev)
+        floats = to_device(torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+                                         for p in params], dtype=torch.float32), dev)
+        adj.prompt_len.index_copy_(0, idx, ints[:, 0])
+        adj.min_tokens.index_copy_(0, idx, ints[:, 1])
+        adj.presence.index_copy_(0, idx, floats[:, 0])
+        adj.frequency.index_copy_(0, idx, floats[:, 1])
+        adj.repetition.index_copy_(0, idx, floats[:, 2])
+
+    def record(self, tokens: torch.Tensor, keep: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Count emitted tokens in the output token counts (when adjustments exist), on the device.
+
+        Args:
+            tokens: ``[n, Q]`` int64 tokens of rows ``0 .. n-1`` (or of ``rows``).
+            keep: ``[n, Q]`` bool, which of them were emitted.
+            rows: ``[n]`` int64 slots of the rows (default: row i is slot i).
+        """
+        if self.adjust is None:
+            return
+        counts = self.adjust.counts
+        if rows is None:
+            counts[:tokens.shape[0]].scatter_add_(1, tokens, keep.to(torch.float32))
+        else:
+            counts.index_put_((rows[:, None].expand_as(tokens), tokens), keep.to(torch.float32), accumulate=True)
+
+    def flags(self, slots: list[int]) -> tuple[bool, bool, bool]:
+        """``(any_sampled, filtered, adjusted)`` of a step over ``slots`` (``RowSampling``'s host
+        flags; ``adjusted``: some request adjusts its logits)."""
+        ps = [p for p in (self.params[s] for s in slots) if p is not None]
+        sampled = [p for p in ps if not p.greedy]
+        return (bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
+                any(p.adjusts_logits for p in ps))
+
+    def rows(self, n: int, slots: list[int] | None = None, flags: tuple[bool, bool, bool] | None = None
+             ) -> RowSampling:
         """Settings of rows ``0 .. n-1`` (row = slot) for a step over ``slots``, whose parameters
         give the host flags (or pass ``flags`` from ``flags(slots)``)."""
-        any_sampled, filtered = flags if flags is not None else self.flags(slots or [])
+        any_sampled, filtered, adjusted = flags if flags is not None else self.flags(slots or [])
         return RowSampling(self.greedy[:n], self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
-                           any_sampled=any_sampled, filtered=filtered)
+                           any_sampled=any_sampled, filtered=filtered,
+                           adjust=self.adjust.rows(slice(0, n)) if adjusted and self.adjust is not None else None)
 
 
 class RoundState:

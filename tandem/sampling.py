@@ -15,6 +15,7 @@ from .errors import InvalidRequestError
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
+MAX_LOGIT_BIAS = 100  # OpenAI's logit_bias range: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,21 @@ class SamplingParams:
         stop: strings that end generation; the matched string is not returned.
         stop_token_ids: extra ids that end generation (besides the model's EOS).
         ignore_eos: keep generating past EOS (benchmarks).
+        logit_bias: ``(token id, bias)`` pairs added to the target's logits before anything else
+            (OpenAI's ``logit_bias``; bias in [-100, 100]). A dict is accepted and stored sorted.
+        min_tokens: output tokens before EOS or a stop token id may be generated (vLLM's
+            ``min_tokens``): they are masked out of the distribution until then, and stop
+            strings are not matched before then either.
+        presence_penalty / frequency_penalty: subtracted from the logit of every token the output
+            holds, once / once per occurrence (OpenAI's, in [-2, 2]).
+        repetition_penalty: a token the prompt or the output holds has its logit divided by it
+            when positive, multiplied by it otherwise (CTRL, Keskar et al. 2019; vLLM's); 1 = off.
+
+    The five adjustments apply to the target's distribution at every position, including every
+    verified draft position (each position sees the drafts before it as output); drafters draft
+    from their own distribution, and speculative sampling makes the output the adjusted target's
+    (``tandem.verify``). Order, as vLLM's: min_tokens and logit_bias, then the repetition,
+    frequency and presence penalties, then temperature, top-k, top-p.
     """
 
     max_tokens: int = 256
@@ -46,10 +62,22 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                      param="logit_bias") from None
+        object.__setattr__(self, "logit_bias", bias)
         self.validate()
 
     def validate(self) -> None:
@@ -77,11 +105,123 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}",
                                           param="stop_token_ids")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
+                raise InvalidRequestError(f"logit_bias keys must be token ids in [0, 2**31), got {t!r}",
+                                          param="logit_bias")
+            if (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
+                    or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+                raise InvalidRequestError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                                          f"got {b!r} for token {t}", param="logit_bias")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequestError("logit_bias names a token twice", param="logit_bias")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                                      f"got {self.min_tokens!r}", param="min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}", param=name)
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 10.0:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 = off), got {r!r}",
+                                      param="repetition_penalty")
 
     @property
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0, or below ``SAMPLING_EPS``."""
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some logit adjustment is on (logit_bias, min_tokens or a penalty)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """Per-row logit adjustments of a batch (``SamplingParams``' logit_bias, min_tokens and
+    penalties), as device tensors; rows without adjustments hold neutral values.
+
+    Attributes:
+        bias: ``[B, V]`` float32 logit_bias.
+        counts: ``[B, V]`` float32, occurrences of each token in the row's output so far.
+        prompt_seen: ``[B, V]`` bool, the token occurs in the row's prompt.
+        suppress: ``[B, V]`` bool, the tokens masked before ``min_tokens`` (EOS and stop token ids).
+        prompt_len: ``[B]`` int64 (a position minus it is the output index of the token there).
+        min_tokens: ``[B]`` int64.
+        presence / frequency / repetition: ``[B]`` float32 penalties (0, 0, 1 = off).
+    """
+
+    bias: torch.Tensor
+    counts: torch.Tensor
+    prompt_seen: torch.Tensor
+    suppress: torch.Tensor
+    prompt_len: torch.Tensor
+    min_tokens: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+    def rows(self, index: torch.Tensor | slice) -> "LogitAdjustments":
+        """The adjustments of rows ``index``."""
+        return LogitAdjustments(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+def adjust_logits(logits: torch.Tensor, adj: LogitAdjustments, positions: torch.Tensor,
+                  prefix: torch.Tensor | None = None, prefix_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's logits after ``SamplingParams``' adjustments, in vLLM's order: min_tokens (EOS
+    and stop ids at -inf while the output is shorter), logit_bias, the repetition penalty (tokens
+    of the prompt or output: a positive logit divided by it, a negative one multiplied), then the
+    frequency and presence penalties over the output's token counts.
+
+    Position j of a row predicts the token at sequence position ``positions + j``; the output
+    before it is the row's output so far (``adj.counts``) followed by its ``prefix`` tokens at j
+    (the drafts before j in a chain, the ancestors in a token tree).
+
+    Args:
+        logits: ``[B, Q, V]``.
+        adj: the rows' adjustments.
+        positions: ``[B]`` int64 sequence position of the token position 0 predicts (position j
+            predicts ``positions + j``), or ``[B, Q]`` each position's own (token trees).
+        prefix: ``[B, Q, P]`` int64 output tokens before each position beyond ``adj.counts``, or None.
+        prefix_valid: ``[B, Q, P]`` bool, which of ``prefix`` count.
+
+    Returns:
+        ``[B, Q, V]`` float32.
+    """
+    B, Q, V = logits.shape
+    x = logits.float() + adj.bias[:, None]
+    if positions.dim() == 1:
+        positions = positions[:, None] + torch.arange(Q, device=logits.device)[None, :]
+    index = positions - adj.prompt_len[:, None]  # [B, Q] output index of the token each position predicts
+    early = (index < adj.min_tokens[:, None])[..., None] & adj.suppress[:, None]
+    counts = adj.counts[:, None].expand(B, Q, V)
+    if prefix is not None and prefix.shape[-1]:
+        counts = counts.clone().scatter_add_(-1, prefix, prefix_valid.to(torch.float32))
+    present = counts > 0
+    r = adj.repetition[:, None, None]
+    x = torch.where(present | adj.prompt_seen[:, None], torch.where(x > 0, x / r, x * r), x)
+    x = x - adj.frequency[:, None, None] * counts - adj.presence[:, None, None] * present.to(torch.float32)
+    return x.masked_fill(early, float("-inf"))
+
+
+def chain_prefix(draft_tokens: torch.Tensor, draft_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``adjust_logits``' prefix of chains: position j of a row sees its drafts before j.
+
+    Args:
+        draft_tokens: ``[B, K]`` int64; draft_lens: ``[B]`` int64.
+
+    Returns:
+        ``([B, K + 1, K]`` int64 tokens, ``[B, K + 1, K]`` bool valid).
+    """
+    B, K = draft_tokens.shape
+    i = torch.arange(K, device=draft_tokens.device)
+    j = torch.arange(K + 1, device=draft_tokens.device)
+    valid = (i[None, None, :] < j[None, :, None]) & (i[None, None, :] < draft_lens[:, None, None])
+    return draft_tokens[:, None, :].expand(B, K + 1, K), valid
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -94,7 +94,7 @@ class OutputState:
             prev_len = len(self.text)
             self.text += delta
             self._ends.append(len(self.text))
-            if delta and self._cut_at_stop_string(prev_len):
+            if delta and len(self.token_ids) >= self.params.min_tokens and self._cut_at_stop_string(prev_len):
                 self.finish_reason = "stop"
                 break
             if len(self.token_ids) >= self.max_new_tokens:

@@ -25,7 +25,7 @@ from .models.runner import ModelRunner, RunnerConfig, to_device
 from .models.weights import Checkpoint
 from .profiling import note_blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
-from .sampling import SamplingParams
+from .sampling import SamplingParams, adjust_logits
 from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
                      verify_tree_sampling)
 
@@ -104,6 +104,7 @@ class PrefillItem:
     params: SamplingParams
     return_logprobs: bool = False
     top_logprobs: int = 0  # also the top_logprobs most likely tokens at each position (<= MAX_TOP_LOGPROBS)
+    stop_ids: tuple[int, ...] = ()  # the ids that end it (EOS, stop token ids): masked before params.min_tokens
 
 
 @dataclass
@@ -283,7 +284,7 @@ class LocalTarget(Target):
         self.runner = ModelRunner(checkpoint, config)
         self._info = TargetInfo(name or str(checkpoint.path), checkpoint.config.vocab_size, self.cache.num_slots,
                                 self.cache.capacity, str(self.runner.device))
-        self.sampling = SlotSampling(self.cache.num_slots, self.runner.device)
+        self.sampling = SlotSampling(self.cache.num_slots, self.runner.device, checkpoint.config.vocab_size)
         self.state = RoundState(self.cache.num_slots, self.cache.capacity, self.runner.device)
         # launch_chained's draft_cap: a device scalar, written from a ring of pinned host scalars (at
         # most two rounds are in flight, so an entry's copy has run before the entry is written again)
@@ -313,7 +314,8 @@ class LocalTarget(Target):
         memory, so nothing here waits for a round in flight."""
         order = sorted(range(len(items)), key=lambda i: items[i].slot)
         slots = [items[i].slot for i in order]
-        self.sampling.admit(slots, [items[i].params for i in order])
+        self.sampling.admit(slots, [items[i].params for i in order], [items[i].prompt_ids for i in order],
+                            [items[i].stop_ids for i in order])
         taps: dict[int, torch.Tensor] | None = {} if self.runner.config.taps else None
         prompts = {it.slot: it.prompt_ids for it in items}
         if self.runner.config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
@@ -325,6 +327,7 @@ class LocalTarget(Target):
         positions = to_device(torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64), dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
         firsts = sample_tokens(logits, positions, sampling)
+        self.sampling.record(firsts[:, None], torch.ones_like(firsts[:, None], dtype=torch.bool), index)
         self.state.admit(index, firsts, [prompts[s] for s in slots],
                          [min(items[i].params.max_tokens, self.cache.capacity - len(items[i].prompt_ids)) for i in order])
         out = firsts[:, None].double()
@@ -490,6 +493,9 @@ class LocalTarget(Target):
         draft_lens = (inputs[:, 1] - 1).clamp_min(0) * chain
         res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling, q)
         self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        if sampling.adjust is not None:  # the output's token counts, for the penalties of later rounds
+            emitted = torch.arange(Q, device=inputs.device)[None, :] <= res.num_accepted[:, None]
+            self.sampling.record(res.tokens, emitted & (chain & (inputs[:, 1] > 0))[:, None])
         if drafter is not None and drafter.drafts_from_verify:
             drafter.device_after_verify(VerifiedStep(inputs[:, 0], out.taps, res.num_accepted, res.tokens,
                                                      chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
@@ -531,6 +537,11 @@ class LocalTarget(Target):
                 moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
                 self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
                 self.state.set(slot, length, r.tokens)
+            if slot in trees:  # (a chain row's tokens were counted on the device)
+                dev = self.runner.device
+                self.sampling.record(to_device(torch.tensor([r.tokens]), dev),
+                                     torch.ones(1, len(r.tokens), dtype=torch.bool, device=dev),
+                                     to_device(torch.tensor([slot]), dev))
             # drop rejected drafts' KV; a later round still in flight keeps its share of the length
             self._queued[slot] -= _step_tokens(it)
             self.cache.truncate(slot, length + 1 + r.num_accepted + self._queued[slot])
@@ -563,10 +574,23 @@ class LocalTarget(Target):
         """One token tree, walked on the host (``verify_tree_greedy`` / ``verify_tree_sampling``)."""
         prop = it.proposal
         width = len(prop.tokens) + 1
-        if it.params.greedy:
-            return verify_tree_greedy(prop.tokens, prop.parents, out.argmax[it.slot, :width].tolist())
         index = to_device(torch.tensor([it.slot], dtype=torch.int64), out.logits.device)
-        p = target_probs(out.logits[index, :width], sampling.rows(index))[0]
+        rows = sampling.rows(index)
+        logits, argmax = out.logits[index, :width], out.argmax[it.slot, :width]
+        if rows.adjust is not None:  # each node sees its ancestors (and itself) as output
+            paths = [[]]
+            for tok, parent in zip(prop.tokens, prop.parents):
+                paths.append(paths[parent + 1] + [tok])
+            depth = max(len(path) for path in paths)
+            prefix = torch.tensor([[path + [0] * (depth - len(path)) for path in paths]], dtype=torch.int64)
+            valid = torch.tensor([[[i < len(path) for i in range(depth)] for path in paths]])
+            positions = torch.tensor([[start + 1 + len(path) for path in paths]], dtype=torch.int64)
+            dev = logits.device
+            logits = adjust_logits(logits, rows.adjust, positions.to(dev), prefix.to(dev), valid.to(dev))
+            argmax = logits[0].argmax(-1)
+        if it.params.greedy:
+            return verify_tree_greedy(prop.tokens, prop.parents, argmax.tolist())
+        p = target_probs(logits, rows)[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
 
 

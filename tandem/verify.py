@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, sample_inverse_cdf, sampling_probs
+from .sampling import (STREAM_ACCEPT, STREAM_SAMPLE, LogitAdjustments, adjust_logits, chain_prefix, counter_uniform,
+                       sample_inverse_cdf, sampling_probs)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class RowSampling:
         seed: ``[B]`` int64 request seeds in [0, 2**63).
         any_sampled: some row is not greedy (host-side flag: all-greedy batches skip sampling).
         filtered: some sampled row uses top-k or top-p (host-side flag: else no sort is needed).
+        adjust: the rows' logit adjustments (logit_bias, min_tokens, penalties), or None when no
+            row has any (``tandem.sampling.adjust_logits``).
     """
 
     greedy: torch.Tensor
@@ -62,11 +65,13 @@ class RowSampling:
     seed: torch.Tensor
     any_sampled: bool = True
     filtered: bool = True
+    adjust: LogitAdjustments | None = None
 
     def rows(self, index: torch.Tensor) -> "RowSampling":
         """The settings of rows ``index`` (``[R]`` int64)."""
         return RowSampling(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index],
-                           self.seed[index], self.any_sampled, self.filtered)
+                           self.seed[index], self.any_sampled, self.filtered,
+                           None if self.adjust is None else self.adjust.rows(index))
 
 
 def target_probs(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
@@ -162,6 +167,8 @@ def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torc
                   ) -> ChainVerification:
     """Verify every row's chain of drafts at once, on the device, with no host synchronisation.
 
+    With ``sampling.adjust``, the logits are first adjusted (``adjust_logits``: each position
+    sees the drafts before it as output) and the argmax is taken over them.
     Greedy rows accept the longest prefix equal to the target argmax and emit the argmax after it.
     Sampled rows run speculative sampling (module docstring), with uniforms
     ``counter_uniform(seed, position, STREAM_ACCEPT)`` for the accept test of the draft at a
@@ -191,6 +198,9 @@ def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torc
     if draft_tokens.shape != (B, K) or tuple(logits.shape[:2]) != (B, Q):
         raise ValueError(f"verify_chains: logits {tuple(logits.shape)} / argmax {tuple(argmax.shape)} need "
                          f"draft_tokens [B, Q - 1], got {tuple(draft_tokens.shape)}")
+    if sampling.adjust is not None:
+        logits = adjust_logits(logits, sampling.adjust, positions, *chain_prefix(draft_tokens, draft_lens))
+        argmax = logits.argmax(-1)
     cols = torch.arange(K, device=argmax.device)
     valid = cols[None, :] < draft_lens[:, None]  # [B, K]
     match = (draft_tokens == argmax[:, :K]) & valid
@@ -227,6 +237,8 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: RowSa
     Returns:
         ``[B]`` int64.
     """
+    if sampling.adjust is not None:
+        logits = adjust_logits(logits[:, None], sampling.adjust, positions)[:, 0]
     out = logits.argmax(-1)
     if not sampling.any_sampled:
         return out

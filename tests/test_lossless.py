@@ -39,7 +39,7 @@ import torch
 from helpers import chi_square_pvalue, total_variation
 
 import tandem.verify as verify_mod
-from tandem.sampling import STREAM_ACCEPT, sampling_probs
+from tandem.sampling import STREAM_ACCEPT, LogitAdjustments, sampling_probs
 from tandem.verify import RowSampling, rejection_weights, verify_chains
 
 V = 5  # vocabulary of the synthetic language
@@ -63,6 +63,9 @@ class Group:
         deterministic: drafts are a fixed function of the previous token with q one-hot
             (n-gram-like); else drawn from the draft chain's q.
         n: requests.
+        adjusted: the target's logits carry ``ADJUSTMENTS`` (logit_bias, penalties, min_tokens):
+            the output is no longer a Markov chain (each token depends on the counts before it),
+            and each verified position must see the drafts before it as output.
     """
 
     temperature: float = 1.0
@@ -71,6 +74,14 @@ class Group:
     k: int = 3
     deterministic: bool = False
     n: int = POWER_N
+    adjusted: bool = False
+
+
+# The adjusted groups' settings: penalties that favour repeats (so a position that did not see the
+# drafts before it would be far off), a bias, the prompt's tokens under the repetition penalty,
+# and token SUPPRESSED masked until the output holds MIN_TOKENS tokens.
+ADJUSTMENTS = {"bias": [0.5, 0.0, -0.7, 0.0, 0.3], "presence": -0.9, "frequency": -0.4, "repetition": 1.4,
+               "prompt": [X0, 0], "min_tokens": 3, "suppressed": 4}
 
 
 @dataclass(frozen=True)
@@ -107,9 +118,40 @@ def transform(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
                           torch.full((R,), float(top_p))).double()
 
 
+def adjusted_logits_reference(outputs: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` target logits after each output ``outputs`` ``[R, t]`` (whose last token is the
+    one before: X0 when t = 0) with ``ADJUSTMENTS``, from their definitions."""
+    a = ADJUSTMENTS
+    R, t = outputs.shape
+    last = outputs[:, -1] if t else torch.full((R,), X0)
+    counts = torch.zeros(R, V, dtype=torch.float64)
+    for j in range(t):
+        counts[torch.arange(R), outputs[:, j]] += 1
+    x = LP[last].double() + torch.tensor(a["bias"], dtype=torch.float64)
+    seen = (counts > 0) | torch.isin(torch.arange(V), torch.tensor(a["prompt"]))
+    x = torch.where(seen, torch.where(x > 0, x / a["repetition"], x * a["repetition"]), x)
+    x = x - a["frequency"] * counts - a["presence"] * (counts > 0).double()
+    if t < a["min_tokens"]:
+        x[:, a["suppressed"]] = float("-inf")
+    return x
+
+
+def exact_adjusted_paths(g: Group) -> torch.Tensor:
+    """``[V] * T_OUT`` exact probabilities of the whole output of an adjusted group."""
+    joint = torch.ones(())
+    for t in range(T_OUT):
+        outputs = (torch.cartesian_prod(*[torch.arange(V)] * t) if t > 1 else torch.arange(V)[:, None] if t
+                   else torch.zeros(1, 0, dtype=torch.int64))
+        P = transform(adjusted_logits_reference(outputs).float(), g.temperature, g.top_k, g.top_p)
+        joint = joint[..., None] * P.view(*([V] * t), V)
+    return joint
+
+
 def exact_joint(g: Group) -> torch.Tensor:
     """``[V] * JOINT_T`` exact probabilities of the first ``JOINT_T`` output tokens under
     target-only decoding with the group's settings."""
+    if g.adjusted:
+        return exact_adjusted_paths(g).sum(dim=tuple(range(JOINT_T, T_OUT)))
     P = transform(LP, g.temperature, g.top_k, g.top_p)
     joint = P[X0]
     for _ in range(JOINT_T - 1):  # P(x_{t+1} | x_t) = P[x_t, x_{t+1}]
@@ -119,6 +161,8 @@ def exact_joint(g: Group) -> torch.Tensor:
 
 def exact_pair(g: Group, t: int) -> torch.Tensor:
     """``[V, V]`` exact probabilities of output tokens t and t + 1 (0-based)."""
+    if g.adjusted:
+        return exact_adjusted_paths(g).sum(dim=tuple(d for d in range(T_OUT) if d not in (t, t + 1)))
     P = transform(LP, g.temperature, g.top_k, g.top_p)
     marginal = P[X0]
     for _ in range(t):
@@ -158,6 +202,18 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
     last = torch.full((N,), X0, dtype=torch.int64)
     active = torch.arange(N)
     cols = torch.arange(K + 1)
+    adjust = None
+    if any(g.adjusted for g in groups):  # every row's adjustments; neutral on the other groups' rows
+        a, on_rows = ADJUSTMENTS, per_row(lambda g: g.adjusted, torch.bool)
+        neutral = lambda value, off, dt: torch.where(on_rows, torch.tensor(value, dtype=dt),  # noqa: E731
+                                                     torch.tensor(off, dtype=dt))
+        adjust = LogitAdjustments(
+            bias=torch.tensor(a["bias"])[None, :] * on_rows[:, None], counts=torch.zeros(N, V),
+            prompt_seen=torch.isin(torch.arange(V), torch.tensor(a["prompt"]))[None, :] & on_rows[:, None],
+            suppress=(torch.arange(V) == a["suppressed"])[None, :] & on_rows[:, None],
+            prompt_len=torch.full((N,), PROMPT_LEN), min_tokens=neutral(a["min_tokens"], 0, torch.int64),
+            presence=neutral(a["presence"], 0.0, torch.float32), frequency=neutral(a["frequency"], 0.0, torch.float32),
+            repetition=neutral(a["repetition"], 1.0, torch.float32))
     while active.numel():
         n = active.numel()
         a_gid, a_det = gid[active], det[active]
@@ -178,8 +234,10 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
         inputs = torch.cat([last[active, None], drafts], dim=1)
         logits = LP[inputs]  # [n, K + 1, V]
         on = lambda t: t.to(device)  # noqa: E731
+        rows_adjust = None if adjust is None else LogitAdjustments(*(on(t) for t in adjust.rows(active).__dict__.values()))
         sampling = RowSampling(on(greedy[active]), on(temperature[active]), on(top_k[active]), on(top_p[active]),
-                               on(seed[active]), any_sampled=bool((~greedy[active]).any()), filtered=any_filter)
+                               on(seed[active]), any_sampled=bool((~greedy[active]).any()), filtered=any_filter,
+                               adjust=rows_adjust)
         res = verify_chains(on(logits), on(logits.argmax(-1)), on(drafts), on(lens), on(PROMPT_LEN + count[active]),
                             sampling, None if use_none_q else on(qs))
         res = type(res)(res.num_accepted.cpu(), res.tokens.cpu())
@@ -189,6 +247,9 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
         rows = active[:, None].expand(-1, K + 1)
         keep = emitted & (dest < T_OUT)
         out[rows[keep], dest[keep]] = res.tokens[keep]
+        if adjust is not None:  # the output's counts, as the target records them after each round
+            adjust.counts.index_put_((rows[emitted], res.tokens[emitted]), torch.ones(int(emitted.sum())),
+                                     accumulate=True)
         last[active] = res.tokens.gather(1, m[:, None])[:, 0]
         count[active] += m + 1
         active = active[count[active] < T_OUT]
@@ -263,10 +324,11 @@ POWERED = {
     "T0.8-top_p0.95-deterministic-k4": [Group(temperature=0.8, top_p=0.95, k=4, deterministic=True)],
     "T1.5-top_k3-sampled-k2": [Group(temperature=1.5, top_k=3, k=2)],
     "T0.6-top_k4-top_p0.95-sampled-k5": [Group(temperature=0.6, top_k=4, top_p=0.95, k=5)],
+    "T0.9-top_p0.95-adjusted-sampled-k4": [Group(temperature=0.9, top_p=0.95, k=4, adjusted=True)],
 }
 
 
-CPU_POWERED = ["T1.0-sampled-k3", "T0.6-top_k4-top_p0.95-sampled-k5"]  # the rest run on the GPU (test_powered_on_gpu)
+CPU_POWERED = ["T1.0-sampled-k3", "T0.6-top_k4-top_p0.95-sampled-k5", "T0.9-top_p0.95-adjusted-sampled-k4"]  # the rest run on the GPU (test_powered_on_gpu)
 
 
 @pytest.mark.parametrize("name", CPU_POWERED)
@@ -519,3 +581,73 @@ def test_logprobs_equal_an_independent_log_softmax(real_checkpoint, real_engine,
                     assert got_ids[i] == int(ref_ids[j, i]), (j, i)
             if out.token_ids[j] in got_ids:  # the emitted token's own entry agrees with its logprob
                 assert got_values[got_ids.index(out.token_ids[j])] == pytest.approx(out.logprobs[j], abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- logit adjustments against a reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["target", "ngram", "tree-greedy", "specformer"])
+def test_logit_adjustments_equal_an_independent_reference(real_checkpoint, real_engine, on_real_target, hf_model,
+                                                          mode):
+    """Greedy output with logit_bias, min_tokens and the three penalties equals a step-by-step
+    reference over Hugging Face transformers' float32 logits with its own logits processors
+    (``RepetitionPenaltyLogitsProcessor``, ``MinNewTokensLengthLogitsProcessor``) and OpenAI's
+    bias and presence / frequency formulas: target-only, and speculative with n-gram drafts in
+    chained rounds, draft-model token trees on the host and the shipped SpecFormer head."""
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    from tandem.control import DraftPolicy
+    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from tandem.sampling import SamplingParams
+
+    cfg = real_engine.runner_config
+    drafter, policy = None, None
+    if mode == "ngram":
+        drafter = NgramDrafter()
+    if mode == "tree-greedy":
+        drafter = DraftModelDrafter(load_draft_checkpoint("truncate:4", real_checkpoint), cfg)
+        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
+    if mode == "specformer":  # (the head reads the target's hidden states: a tapping target of its own)
+        from tandem.speculation import SpeculativeConfig, build_engine
+
+        engine = build_engine(SpeculativeConfig(drafter="specformer", num_draft_tokens=3), share=real_engine)
+        drafter = engine.drafter
+    else:
+        engine = on_real_target(drafter, num_draft_tokens=3, draft_policy=policy)
+    eos = engine.tokenizer.eos_token_ids
+    cases = [  # (prompt, params): the penalties break the counting; min_tokens holds EOS off a one-word answer
+        ("Write the numbers 1 to 12 separated by spaces.",
+         SamplingParams(max_tokens=20, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.15,
+                        logit_bias={28: 2.5, 33: -100})),
+        ("Answer with one word: is the sky blue?", SamplingParams(max_tokens=12, min_tokens=8, logit_bias={2: 1.0})),
+    ]
+    ids = [engine.add_request(p, sp) for p, sp in cases]
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.completion(i) for i in ids]
+    if drafter is not None:
+        assert engine.stats.num_drafted > 0
+    for (prompt, params), out in zip(cases, outs):
+        seq = engine.encode_prompt(prompt)
+        n = len(seq)
+        repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+        min_new = MinNewTokensLengthLogitsProcessor(n, params.min_tokens, list(eos))
+        want = []
+        for _ in range(params.max_tokens):
+            ids_t = torch.tensor([seq])
+            with torch.no_grad():
+                x = hf_model(ids_t).logits[0, -1].float()[None]
+            x = min_new(ids_t, x)
+            for tok, b in params.logit_bias:
+                x[0, tok] += b
+            x = repetition(ids_t, x)
+            counts = torch.bincount(torch.tensor(seq[n:], dtype=torch.int64), minlength=x.shape[-1]).float()
+            x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+            tok = int(x.argmax())
+            want.append(tok)
+            seq.append(tok)
+            if tok in eos:
+                break
+        assert out.token_ids == want, (prompt, engine.tokenizer.decode(out.token_ids), engine.tokenizer.decode(want))
+    assert outs[1].completion_tokens >= 8

@@ -331,6 +331,27 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
     assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
 
 
+def test_logit_adjustments_through_router(stack, client, model_id, local_engine, prompts):
+    """logit_bias, presence / frequency / repetition penalties and min_tokens reach the replica
+    (HTTP and gRPC) and give the in-process engine's output; each changes the output."""
+    plain = local_engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    banned = plain.token_ids[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, logit_bias={5: 3.0, banned: -100}, presence_penalty=0.5,
+                            frequency_penalty=1.0, repetition_penalty=1.2, min_tokens=MAX_TOKENS - 2)
+    want = local_engine.generate([prompts[2]], params)[0]
+    assert banned not in want.token_ids
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompts[2]}],
+                                       max_tokens=MAX_TOKENS, temperature=0, logit_bias={"5": 3.0, str(banned): -100},
+                                       presence_penalty=0.5, frequency_penalty=1.0,
+                                       extra_body={"repetition_penalty": 1.2, "min_tokens": MAX_TOKENS - 2})
+    assert r.choices[0].message.content == want.text and r.usage.completion_tokens == want.completion_tokens
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        msgs = list(router_pb2_grpc.RouterStub(ch).Generate(
+            router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=prompts[2])],
+                                       params=params_to_pb(params)), metadata=auth_metadata(KEY), timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == want.token_ids
+
+
 def test_top_logprobs_through_router(stack, client, model_id, local_engine, prompts):
     """``top_logprobs`` (chat, streamed and not), completions' ``logprobs`` = N and the gRPC
     ``top_logprobs`` return the in-process engine's alternatives in OpenAI's shapes."""
@@ -477,7 +498,14 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "n": 0}, "greater than or equal to 1", "n"),
     ({"messages": HI, "model": "gpt-9"}, "not served", "model"),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', "could not be decoded", None),
-    ({"messages": HI, "logit_bias": {"42": 5}}, "unsupported field(s): logit_bias", "logit_bias"),
+    ({"messages": HI, "logit_bias": {"x": 5}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"messages": HI, "logit_bias": {"42": 500}}, "[-100, 100]", "logit_bias"),
+    ({"messages": HI, "logit_bias": {"99999999": 1}}, "outside the vocabulary", "logit_bias"),
+    ({"messages": HI, "frequency_penalty": 2.5}, "less than or equal to 2", "frequency_penalty"),
+    ({"messages": HI, "repetition_penalty": 0}, "greater than 0", "repetition_penalty"),
+    ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens must be", "min_tokens"),
+    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported field(s): tools",
+     "tools"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "less than or equal to 20", "top_logprobs"),
     ({"messages": HI, "top_logprobs": 2}, "needs logprobs: true", "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
@@ -1159,10 +1187,9 @@ def test_fields_at_their_no_op_value_are_accepted():
     from tandem.errors import InvalidRequestError
 
     hi = [{"role": "user", "content": "hi"}]
-    ok = ChatCompletionRequest(messages=hi, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[],
-                               user="user-1", response_format={"type": "text"}, max_tokens=8)
+    ok = ChatCompletionRequest(messages=hi, tools=[], user="user-1", response_format={"type": "text"}, max_tokens=8)
     assert ok.sampling(16).max_tokens == 8
-    for extra, name in [({"frequency_penalty": 0.3}, "frequency_penalty"), ({"tools": [{"type": "function"}]}, "tools"),
+    for extra, name in [({"tool_choice": "auto"}, "tool_choice"), ({"tools": [{"type": "function"}]}, "tools"),
                         ({"response_format": {"type": "json_object"}}, "response_format"), ({"colour": 1}, "colour")]:
         with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}"):
             ChatCompletionRequest(messages=hi, **extra).sampling(16)

@@ -726,6 +726,12 @@ SAMPLING_CONFIGS = {
     "T1.0": SamplingParams(temperature=1.0),
     "T0.7": SamplingParams(temperature=0.7),
     "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    # every logit adjustment at once: a bias, the three penalties (the prompt holds every token, so
+    # the repetition penalty touches all; the output's counts change from token to token), and
+    # min_tokens over the whole output with stop id 11 (never emitted, even when drafted)
+    "T0.8-adjusted": SamplingParams(temperature=0.8, logit_bias={3: 2.0, 7: -1.5, 20: 1.0}, presence_penalty=-1.2,
+                                    frequency_penalty=-0.6, repetition_penalty=1.3, stop_token_ids=(11,),
+                                    min_tokens=SAMPLING_DEPTH, max_tokens=SAMPLING_DEPTH),
 }
 
 
@@ -763,12 +769,35 @@ def sampling_setup(small_vocab_checkpoint):
     return target, load_checkpoint(draft_dir), prompt, logits
 
 
-def exact_distributions(logits: list[torch.Tensor], params: SamplingParams):
+def adjusted_reference(lg: torch.Tensor, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """``lg`` (``[V] * t + [V]``: next-token logits after each t-token output) under ``params``'
+    logit adjustments, restated from their definitions (OpenAI's logit_bias and presence /
+    frequency penalties, CTRL's repetition penalty, vLLM's min_tokens) over each output."""
+    t, V = lg.dim() - 1, lg.shape[-1]
+    outputs = (torch.cartesian_prod(*[torch.arange(V)] * t) if t > 1 else torch.arange(V)[:, None] if t
+               else torch.zeros(1, 0, dtype=torch.int64))
+    counts = torch.zeros(outputs.shape[0], V, dtype=torch.float64).scatter_add_(
+        1, outputs, torch.ones(outputs.shape, dtype=torch.float64))
+    x = lg.reshape(-1, V).double().clone()
+    for tok, b in params.logit_bias:
+        x[:, tok] += b
+    seen = (counts > 0) | torch.isin(torch.arange(V), torch.tensor(prompt))[None, :]
+    r = params.repetition_penalty
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    x = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).double()
+    if t < params.min_tokens:
+        x[:, list(params.stop_token_ids)] = float("-inf")
+    return x.view(lg.shape)
+
+
+def exact_distributions(logits: list[torch.Tensor], params: SamplingParams, prompt: list[int] | None = None):
     """Marginal distribution of each generated position and the joint of positions 1 and 2,
-    under target-only sampling with ``params``."""
+    under target-only sampling with ``params`` (its logit adjustments over ``prompt``)."""
     joint = None
     marginals = []
     for t, lg in enumerate(logits):
+        if params.adjusts_logits:
+            lg = adjusted_reference(lg, prompt, params).float()
         flat = lg.reshape(-1, lg.shape[-1])
         n = flat.shape[0]
         p = sampling_probs(flat, torch.full((n,), float(params.temperature)), torch.full((n,), params.top_k),
@@ -844,7 +873,7 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
         launch = eng.target.launch_chained
         eng.target.launch_chained = lambda items, dr=None, cap=None: widths.append(cap) or launch(items, dr, cap)
     samples = sample_first_tokens(eng, prompt, params, SAMPLING_N)
-    marginals, pair = exact_distributions(logits, params)
+    marginals, pair = exact_distributions(logits, params, prompt)
     check_distributions(samples, marginals, pair, f"{drafter}, {config}")
     # speculation really happened, with both accepted and rejected drafts at every position
     st = eng.stats

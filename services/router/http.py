@@ -45,8 +45,7 @@ MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
 
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
-NO_OP_VALUES = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "logit_bias": ({}, None),
-                "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
+NO_OP_VALUES = {"tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
                 "response_format": ({"type": "text"}, None), "parallel_tool_calls": (None, False, True),
                 "store": (False, None), "metadata": (None,), "user": None}  # user: an end-user id, no effect
 
@@ -83,6 +82,11 @@ class _SamplingFields(_Base):
     seed: int | None = None
     ignore_eos: bool = False  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, allow_inf_nan=False)  # extension (vLLM)
+    min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
     category: str = "default"  # extension: acceptance statistics per category
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
@@ -98,9 +102,18 @@ class _SamplingFields(_Base):
                 raise InvalidRequestError(f"unknown stream_options field(s): {', '.join(unknown)} (only include_usage)",
                                           param=f"stream_options.{unknown[0]}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
-                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              logit_bias=bias, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
 
 
 class CompletionRequest(_SamplingFields):
