@@ -8,6 +8,7 @@ request. Stop rules live in ``tandem.stopping``; the sampling transform in ``tan
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -25,6 +26,7 @@ from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
+from .structured import GrammarCompiler
 from .stopping import draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
@@ -129,6 +131,7 @@ class Engine(EngineConveniences):
         self._in_flight: set[int] = set()  # slots of launched rounds (between launch and collect)
         self._last_collect = 0.0  # perf_counter at the end of the last collect (round wall times)
         self._deferred_release: list[Request] = []  # finished while their slot was in flight
+        self._structured: set[str] = set()  # live structured requests (their rounds are host-driven)
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
@@ -147,7 +150,14 @@ class Engine(EngineConveniences):
         # (without a drafter nobody reads them: a tapping engine run target-only, e.g. --compare)
         taps_ok = not (self.runner_config is not None and self.runner_config.taps) or (
             self.drafter is None or self.drafter.drafts_from_verify)
-        return self.chained_rounds and drafts_ok and taps_ok and self._policy_chains and self.target.chains_rounds
+        # a structured request's grammar lives on the host: its rounds need the host between them
+        return (self.chained_rounds and drafts_ok and taps_ok and self._policy_chains and self.target.chains_rounds
+                and not self._structured)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured requests' grammars against this engine's tokenizer and vocabulary."""
+        return GrammarCompiler(self.tokenizer.hf, self.target.info.vocab_size, list(self.tokenizer.eos_token_ids))
 
     @property
     def _policy_chains(self) -> bool:
@@ -218,6 +228,8 @@ class Engine(EngineConveniences):
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if req.grammar is not None:
+            self._structured.add(req.request_id)
         return req.request_id
 
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
@@ -251,13 +263,15 @@ class Engine(EngineConveniences):
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
-                           device=self.target.info.device)
+                           device=self.target.info.device,
+                           grammars=self.grammars if params is not None and params.structure is not None else None)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._structured.discard(request_id)
         if req in self.waiting:
             self.waiting.remove(req)
         req.pending = None  # a collected round's tokens for it are void
@@ -313,7 +327,8 @@ class Engine(EngineConveniences):
                 with span("prefill", batch_size=len(reqs)):
                     handle = self.target.launch_prefill(
                         [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs,
-                                     tuple(sorted(r.output.stop_ids)))
+                                     tuple(sorted(r.output.stop_ids)),
+                                     r.grammar.masks([])[0] if r.grammar is not None else None)
                          for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
@@ -366,6 +381,8 @@ class Engine(EngineConveniences):
         ones it does not finish run."""
         outputs = []
         for req, res in zip(reqs, results):
+            if req.grammar is not None:
+                req.grammar.advance(res.tokens[:1])
             outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs))
             if not req.finished:
                 self.running[req.slot] = req
@@ -440,12 +457,22 @@ class Engine(EngineConveniences):
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
+        masks = {}
+        for i, r in enumerate(reqs):  # structured output: drafts up to the first the grammar forbids, and masks
+            if r.grammar is not None:
+                p = proposals[i]
+                chain = p.tokens[:p.chain_length]  # (a token tree keeps its chain: no branching under a grammar)
+                masks[r.slot], m = r.grammar.masks(chain)
+                if p.parents is not None:
+                    p = DraftProposal(chain, None if p.probs is None else p.probs[:len(chain)],
+                                      p.features[:len(chain)], scores=None if p.scores is None else p.scores[:len(chain)])
+                proposals[i] = p.truncated(m)
         if self.drafter is not None and self.overlap_drafting and self.drafter.prefetches:
             self._prefetch(reqs, proposals)
         held = [len(r.prompt_ids) + r.num_tokens - 1 for r in reqs]  # tokens each slot holds before the round
         with span("verify", batch_size=len(reqs), draft_tokens=sum(len(p.tokens) for p in proposals)):
             handle = self.target.launch_verify(
-                [VerifyItem(s, r.last_token, p, r.params, r.logprobs is not None, r.top_logprobs)
+                [VerifyItem(s, r.last_token, p, r.params, r.logprobs is not None, r.top_logprobs, masks.get(s))
                  for s, r, p in zip(slots, reqs, proposals)])
         self._in_flight = set(slots)
         return _Round(reqs, proposals, held, handle, t0)
@@ -464,6 +491,8 @@ class Engine(EngineConveniences):
         live = [i for i, r in enumerate(rnd.reqs) if r.slot is not None and not r.finished]
         for i in live:
             rnd.reqs[i].pending = rnd.results[i].tokens
+            if rnd.reqs[i].grammar is not None:  # the next round's masks start after these
+                rnd.reqs[i].grammar.advance(rnd.results[i].tokens)
         # (a chained round's drafter read the verify pass on the device: nothing to observe here)
         observed = [TargetStates(rnd.reqs[i].slot, rnd.held[i], rnd.results[i].extras["taps"], rnd.results[i].tokens)
                     for i in live] if self._observes and not rnd.chained else []
@@ -593,6 +622,7 @@ class Engine(EngineConveniences):
         if req.first_token_time is None:
             req.first_token_time = now
         if req.finished:
+            self._structured.discard(req.request_id)
             req.finish_time = now
             self.stats.merge(req.spec)
             if req.slot is not None:

@@ -16,6 +16,7 @@ from .metrics import SpecDecodeStats
 from .errors import InvalidRequestError
 from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
+from .structured import Grammar, GrammarCompiler  # noqa: F401 (annotations)
 from .target import MAX_TOP_LOGPROBS, TargetResult
 
 
@@ -36,6 +37,7 @@ class Request:
     logprobs: list[float] | None = None  # the target's log-probability of each output token, when asked
     top_logprobs: int = 0  # alternatives asked per token (0 .. MAX_TOP_LOGPROBS)
     top: list[list[tuple[int, float]]] | None = None  # per output token, its top_logprobs alternatives
+    grammar: "Grammar | None" = None  # structured output: the output's grammar state (params.structure)
     pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
 
     @property
@@ -73,7 +75,8 @@ class RequestOutput:
 
 def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, prompt=None,
                 params: SamplingParams | None = None, *, prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                logprobs: bool = False, top_logprobs: int = 0, device: str = "cpu") -> Request:
+                logprobs: bool = False, top_logprobs: int = 0, device: str = "cpu",
+                grammars: "GrammarCompiler | None" = None) -> Request:
     """Validate and tokenize one request (``Engine.make_request``; a router does the same with
     the served model's tokenizer and limits, without an engine).
 
@@ -84,11 +87,14 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         request_id: the request's id.
         prompt / prompt_ids / params / chat / logprobs / top_logprobs: as ``Engine.make_request``.
         device: where the request's random draws are made.
+        grammars: compiles ``params.structure`` into the request's grammar state (an engine's
+            or a router's ``tandem.structured.GrammarCompiler``); required for structured requests.
 
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
             the vocabulary, params that are not ``SamplingParams``, ``top_logprobs`` outside
-            [0, MAX_TOP_LOGPROBS], a ``logit_bias`` token id outside the vocabulary.
+            [0, MAX_TOP_LOGPROBS], a ``logit_bias`` token id outside the vocabulary, a malformed
+            structure (schema or grammar).
     """
     params = params or SamplingParams()
     if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
@@ -121,9 +127,14 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     max_new = min(params.max_tokens, max_seq_len - len(ids))  # prompt + output <= context limit
     if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
         params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
+    grammar = None
+    if params.structure is not None:
+        if grammars is None:
+            raise InvalidRequestError("structured output is not available here", param=params.structure.param)
+        grammar = grammars.compile(params.structure)
     return Request(request_id, ids, params, OutputState(tokenizer, params, max_new), request_generator(params, device),
                    logprobs=[] if logprobs or top_logprobs else None, top_logprobs=top_logprobs,
-                   top=[] if top_logprobs else None)
+                   top=[] if top_logprobs else None, grammar=grammar)
 
 
 @dataclass(frozen=True)

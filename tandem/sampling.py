@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidRequestError
+from .structured import Structure
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily
@@ -46,6 +47,8 @@ class SamplingParams:
             holds, once / once per occurrence (OpenAI's, in [-2, 2]).
         repetition_penalty: a token the prompt or the output holds has its logit divided by it
             when positive, multiplied by it otherwise (CTRL, Keskar et al. 2019; vLLM's); 1 = off.
+        structure: a grammar the output must match (``tandem.structured.Structure``: a JSON
+            object, a JSON schema, a Lark grammar or a regex), or None.
 
     The five adjustments apply to the target's distribution at every position, including every
     verified draft position (each position sees the drafts before it as output); drafters draft
@@ -67,6 +70,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structure: "Structure | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -123,6 +127,9 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}", param=name)
+        if self.structure is not None and not isinstance(self.structure, Structure):
+            raise InvalidRequestError(f"structure must be a tandem.structured.Structure, got {self.structure!r}",
+                                      param="response_format")
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 10.0:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 = off), got {r!r}",

@@ -14,6 +14,7 @@ it when the request finishes or is aborted.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from .models.weights import Checkpoint
 from .profiling import note_blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
 from .sampling import SamplingParams, adjust_logits
+from .structured import unpack_bitmask
 from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
                      verify_tree_sampling)
 
@@ -105,6 +107,7 @@ class PrefillItem:
     return_logprobs: bool = False
     top_logprobs: int = 0  # also the top_logprobs most likely tokens at each position (<= MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = ()  # the ids that end it (EOS, stop token ids): masked before params.min_tokens
+    allowed: torch.Tensor | None = None  # [1, words] int32 grammar bitmask of the first token (structured output)
 
 
 @dataclass
@@ -118,6 +121,8 @@ class VerifyItem:
     params: SamplingParams
     return_logprobs: bool = False
     top_logprobs: int = 0
+    # [len(proposal.tokens) + 1, words] int32 grammar bitmask of each verified position (structured output)
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -326,6 +331,9 @@ class LocalTarget(Target):
         index = to_device(torch.tensor(slots, dtype=torch.int64), dev)
         positions = to_device(torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64), dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
+        allowed = _allowed([items[i] for i in order], 1, self._info.vocab_size, dev)
+        if allowed is not None:
+            sampling = dataclasses.replace(sampling, allowed=allowed)
         firsts = sample_tokens(logits, positions, sampling)
         self.sampling.record(firsts[:, None], torch.ones_like(firsts[:, None], dtype=torch.bool), index)
         self.state.admit(index, firsts, [prompts[s] for s in slots],
@@ -470,6 +478,12 @@ class LocalTarget(Target):
         if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
             chain.index_fill_(0, to_device(torch.tensor(sorted(trees), dtype=torch.int64), chain.device), False)
         sampling = self.sampling.rows(n, [it.slot for it in items])
+        by_slot = [None] * n
+        for it in items:
+            by_slot[it.slot] = it
+        allowed = _allowed(by_slot, Q, self._info.vocab_size, out.inputs.device)
+        if allowed is not None:
+            sampling = dataclasses.replace(sampling, allowed=allowed)
         q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
         packed = self._verify_device(out, chain, sampling, q, None, _logprob_mode(items))
         if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
@@ -592,6 +606,19 @@ class LocalTarget(Target):
             return verify_tree_greedy(prop.tokens, prop.parents, argmax.tolist())
         p = target_probs(logits, rows)[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
+
+
+def _allowed(items: list, Q: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``[len(items), Q, vocab_size]`` bool grammar masks of a step's rows (row i: ``items[i]``,
+    None or without ``allowed``: every token), on ``device``; None when no item has one."""
+    if not any(it is not None and it.allowed is not None for it in items):
+        return None
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(items), Q, words), -1, dtype=torch.int32)
+    for i, it in enumerate(items):
+        if it is not None and it.allowed is not None:
+            bits[i, :it.allowed.shape[0]] = it.allowed
+    return unpack_bitmask(to_device(bits, device), vocab_size)
 
 
 def _wants_logprobs(it) -> bool:

@@ -56,6 +56,9 @@ class RowSampling:
         filtered: some sampled row uses top-k or top-p (host-side flag: else no sort is needed).
         adjust: the rows' logit adjustments (logit_bias, min_tokens, penalties), or None when no
             row has any (``tandem.sampling.adjust_logits``).
+        allowed: ``[B, Q, V]`` bool, the tokens a grammar allows at each verified position
+            (structured output, ``tandem.structured``; rows without a grammar allow all), or None.
+            Applied after the adjustments: the rest are -inf.
     """
 
     greedy: torch.Tensor
@@ -66,12 +69,26 @@ class RowSampling:
     any_sampled: bool = True
     filtered: bool = True
     adjust: LogitAdjustments | None = None
+    allowed: torch.Tensor | None = None
 
     def rows(self, index: torch.Tensor) -> "RowSampling":
         """The settings of rows ``index`` (``[R]`` int64)."""
         return RowSampling(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index],
                            self.seed[index], self.any_sampled, self.filtered,
-                           None if self.adjust is None else self.adjust.rows(index))
+                           None if self.adjust is None else self.adjust.rows(index),
+                           None if self.allowed is None else self.allowed[index])
+
+    def constrain(self, logits: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor | None = None,
+                  prefix_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` ``[B, Q, V]`` after the rows' adjustments (``adjust_logits``, same arguments)
+        and grammar masks (``allowed``): what argmax and the sampling transform read. Unchanged
+        when the rows have neither."""
+        if self.adjust is not None:
+            logits = adjust_logits(logits, self.adjust, positions, prefix, prefix_valid)
+        if self.allowed is not None:
+            Q = logits.shape[1]
+            logits = logits.float().masked_fill(~self.allowed[:, :Q], float("-inf"))
+        return logits
 
 
 def target_probs(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
@@ -167,8 +184,9 @@ def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torc
                   ) -> ChainVerification:
     """Verify every row's chain of drafts at once, on the device, with no host synchronisation.
 
-    With ``sampling.adjust``, the logits are first adjusted (``adjust_logits``: each position
-    sees the drafts before it as output) and the argmax is taken over them.
+    With ``sampling.adjust`` or ``sampling.allowed``, the logits are first adjusted and masked
+    (``RowSampling.constrain``: each position sees the drafts before it as output) and the
+    argmax is taken over them.
     Greedy rows accept the longest prefix equal to the target argmax and emit the argmax after it.
     Sampled rows run speculative sampling (module docstring), with uniforms
     ``counter_uniform(seed, position, STREAM_ACCEPT)`` for the accept test of the draft at a
@@ -198,8 +216,8 @@ def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torc
     if draft_tokens.shape != (B, K) or tuple(logits.shape[:2]) != (B, Q):
         raise ValueError(f"verify_chains: logits {tuple(logits.shape)} / argmax {tuple(argmax.shape)} need "
                          f"draft_tokens [B, Q - 1], got {tuple(draft_tokens.shape)}")
-    if sampling.adjust is not None:
-        logits = adjust_logits(logits, sampling.adjust, positions, *chain_prefix(draft_tokens, draft_lens))
+    if sampling.adjust is not None or sampling.allowed is not None:
+        logits = sampling.constrain(logits, positions, *chain_prefix(draft_tokens, draft_lens))
         argmax = logits.argmax(-1)
     cols = torch.arange(K, device=argmax.device)
     valid = cols[None, :] < draft_lens[:, None]  # [B, K]
@@ -237,8 +255,8 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: RowSa
     Returns:
         ``[B]`` int64.
     """
-    if sampling.adjust is not None:
-        logits = adjust_logits(logits[:, None], sampling.adjust, positions)[:, 0]
+    if sampling.adjust is not None or sampling.allowed is not None:
+        logits = sampling.constrain(logits[:, None], positions)[:, 0]
     out = logits.argmax(-1)
     if not sampling.any_sampled:
         return out

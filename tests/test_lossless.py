@@ -66,6 +66,8 @@ class Group:
         adjusted: the target's logits carry ``ADJUSTMENTS`` (logit_bias, penalties, min_tokens):
             the output is no longer a Markov chain (each token depends on the counts before it),
             and each verified position must see the drafts before it as output.
+        masked: a grammar-like mask (``RowSampling.allowed``) forbids token ``masked_token(t)``
+            at output index t (structured output's masks, as the verifier sees them).
     """
 
     temperature: float = 1.0
@@ -75,6 +77,12 @@ class Group:
     deterministic: bool = False
     n: int = POWER_N
     adjusted: bool = False
+    masked: bool = False
+
+
+def masked_token(t):
+    """The token a masked group may not emit at output index ``t`` (an int or a tensor)."""
+    return (2 * t + 1) % V
 
 
 # The adjusted groups' settings: penalties that favour repeats (so a position that did not see the
@@ -118,31 +126,35 @@ def transform(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
                           torch.full((R,), float(top_p))).double()
 
 
-def adjusted_logits_reference(outputs: torch.Tensor) -> torch.Tensor:
+def reference_logits(outputs: torch.Tensor, g: Group) -> torch.Tensor:
     """``[R, V]`` target logits after each output ``outputs`` ``[R, t]`` (whose last token is the
-    one before: X0 when t = 0) with ``ADJUSTMENTS``, from their definitions."""
+    one before: X0 when t = 0) with the group's ``ADJUSTMENTS`` and mask, from their definitions."""
     a = ADJUSTMENTS
     R, t = outputs.shape
     last = outputs[:, -1] if t else torch.full((R,), X0)
-    counts = torch.zeros(R, V, dtype=torch.float64)
-    for j in range(t):
-        counts[torch.arange(R), outputs[:, j]] += 1
-    x = LP[last].double() + torch.tensor(a["bias"], dtype=torch.float64)
-    seen = (counts > 0) | torch.isin(torch.arange(V), torch.tensor(a["prompt"]))
-    x = torch.where(seen, torch.where(x > 0, x / a["repetition"], x * a["repetition"]), x)
-    x = x - a["frequency"] * counts - a["presence"] * (counts > 0).double()
-    if t < a["min_tokens"]:
-        x[:, a["suppressed"]] = float("-inf")
+    x = LP[last].double()
+    if g.adjusted:
+        counts = torch.zeros(R, V, dtype=torch.float64)
+        for j in range(t):
+            counts[torch.arange(R), outputs[:, j]] += 1
+        x = x + torch.tensor(a["bias"], dtype=torch.float64)
+        seen = (counts > 0) | torch.isin(torch.arange(V), torch.tensor(a["prompt"]))
+        x = torch.where(seen, torch.where(x > 0, x / a["repetition"], x * a["repetition"]), x)
+        x = x - a["frequency"] * counts - a["presence"] * (counts > 0).double()
+        if t < a["min_tokens"]:
+            x[:, a["suppressed"]] = float("-inf")
+    if g.masked:
+        x[:, masked_token(t)] = float("-inf")
     return x
 
 
-def exact_adjusted_paths(g: Group) -> torch.Tensor:
-    """``[V] * T_OUT`` exact probabilities of the whole output of an adjusted group."""
+def exact_paths(g: Group) -> torch.Tensor:
+    """``[V] * T_OUT`` exact probabilities of the whole output of an adjusted or masked group."""
     joint = torch.ones(())
     for t in range(T_OUT):
         outputs = (torch.cartesian_prod(*[torch.arange(V)] * t) if t > 1 else torch.arange(V)[:, None] if t
                    else torch.zeros(1, 0, dtype=torch.int64))
-        P = transform(adjusted_logits_reference(outputs).float(), g.temperature, g.top_k, g.top_p)
+        P = transform(reference_logits(outputs, g).float(), g.temperature, g.top_k, g.top_p)
         joint = joint[..., None] * P.view(*([V] * t), V)
     return joint
 
@@ -150,8 +162,8 @@ def exact_adjusted_paths(g: Group) -> torch.Tensor:
 def exact_joint(g: Group) -> torch.Tensor:
     """``[V] * JOINT_T`` exact probabilities of the first ``JOINT_T`` output tokens under
     target-only decoding with the group's settings."""
-    if g.adjusted:
-        return exact_adjusted_paths(g).sum(dim=tuple(range(JOINT_T, T_OUT)))
+    if g.adjusted or g.masked:
+        return exact_paths(g).sum(dim=tuple(range(JOINT_T, T_OUT)))
     P = transform(LP, g.temperature, g.top_k, g.top_p)
     joint = P[X0]
     for _ in range(JOINT_T - 1):  # P(x_{t+1} | x_t) = P[x_t, x_{t+1}]
@@ -161,8 +173,8 @@ def exact_joint(g: Group) -> torch.Tensor:
 
 def exact_pair(g: Group, t: int) -> torch.Tensor:
     """``[V, V]`` exact probabilities of output tokens t and t + 1 (0-based)."""
-    if g.adjusted:
-        return exact_adjusted_paths(g).sum(dim=tuple(d for d in range(T_OUT) if d not in (t, t + 1)))
+    if g.adjusted or g.masked:
+        return exact_paths(g).sum(dim=tuple(d for d in range(T_OUT) if d not in (t, t + 1)))
     P = transform(LP, g.temperature, g.top_k, g.top_p)
     marginal = P[X0]
     for _ in range(t):
@@ -202,6 +214,7 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
     last = torch.full((N,), X0, dtype=torch.int64)
     active = torch.arange(N)
     cols = torch.arange(K + 1)
+    masked = per_row(lambda g: g.masked, torch.bool)
     adjust = None
     if any(g.adjusted for g in groups):  # every row's adjustments; neutral on the other groups' rows
         a, on_rows = ADJUSTMENTS, per_row(lambda g: g.adjusted, torch.bool)
@@ -235,9 +248,15 @@ def simulate(groups: list[Group], faults: Faults = Faults(), use_none_q: bool = 
         logits = LP[inputs]  # [n, K + 1, V]
         on = lambda t: t.to(device)  # noqa: E731
         rows_adjust = None if adjust is None else LogitAdjustments(*(on(t) for t in adjust.rows(active).__dict__.values()))
+        allowed = None
+        if any(g.masked for g in groups):  # the masked rows' forbidden token at each verified position
+            index = count[active, None] + cols[None, :]  # output index of the token position j verifies
+            allowed = torch.ones(n, K + 1, V, dtype=torch.bool)
+            allowed.scatter_(-1, masked_token(index)[..., None], ~masked[active, None, None].expand(n, K + 1, 1))
+            allowed = on(allowed)
         sampling = RowSampling(on(greedy[active]), on(temperature[active]), on(top_k[active]), on(top_p[active]),
                                on(seed[active]), any_sampled=bool((~greedy[active]).any()), filtered=any_filter,
-                               adjust=rows_adjust)
+                               adjust=rows_adjust, allowed=allowed)
         res = verify_chains(on(logits), on(logits.argmax(-1)), on(drafts), on(lens), on(PROMPT_LEN + count[active]),
                             sampling, None if use_none_q else on(qs))
         res = type(res)(res.num_accepted.cpu(), res.tokens.cpu())
@@ -325,10 +344,13 @@ POWERED = {
     "T1.5-top_k3-sampled-k2": [Group(temperature=1.5, top_k=3, k=2)],
     "T0.6-top_k4-top_p0.95-sampled-k5": [Group(temperature=0.6, top_k=4, top_p=0.95, k=5)],
     "T0.9-top_p0.95-adjusted-sampled-k4": [Group(temperature=0.9, top_p=0.95, k=4, adjusted=True)],
+    "T1.0-masked-sampled-k4+deterministic": [Group(temperature=1.0, k=4, masked=True),
+                                             Group(temperature=0.8, k=3, deterministic=True)],
 }
 
 
-CPU_POWERED = ["T1.0-sampled-k3", "T0.6-top_k4-top_p0.95-sampled-k5", "T0.9-top_p0.95-adjusted-sampled-k4"]  # the rest run on the GPU (test_powered_on_gpu)
+CPU_POWERED = ["T1.0-sampled-k3", "T0.6-top_k4-top_p0.95-sampled-k5", "T0.9-top_p0.95-adjusted-sampled-k4",
+               "T1.0-masked-sampled-k4+deterministic"]  # the rest run on the GPU (test_powered_on_gpu)
 
 
 @pytest.mark.parametrize("name", CPU_POWERED)

@@ -1,0 +1,210 @@
+"""Structured output: a request's output constrained by a grammar (any JSON object, a JSON
+schema, a Lark grammar or a regular expression), losslessly under speculation.
+
+The grammar engine is llguidance (Microsoft's, the Rust engine vLLM and SGLang use): it compiles
+a JSON schema or a grammar against the tokenizer and gives, for a parser state, the set of allowed
+next tokens as a bitmask (one bit per token id), in tens of microseconds, and it rolls back.
+
+How a structured request is verified (``Grammar.masks`` then ``Grammar.advance``):
+
+1. Before a round, the host walks the request's drafts through its grammar: the mask at the
+   position after the last emitted token, then after each draft the grammar allows, up to the
+   first draft it forbids. Drafts from there on are dropped: the target's masked distribution gives
+   a forbidden token probability 0, so verification would reject it (and everything after it)
+   anyway; dropping them changes nothing but the wasted work. The drafts walked are rolled back.
+2. Verification masks the target's logits at every position (``-inf`` where the bitmask is 0,
+   after the logit adjustments) before the argmax and the sampling transform, so greedy and
+   speculative sampling emit exactly what target-only decoding under the grammar would.
+3. After the round, the grammar consumes the emitted tokens (accepted drafts and the bonus token).
+
+A request's grammar lives on the host, so its rounds are host-driven (``Engine.chains_rounds``
+is off while a structured request runs); drafters draft as they do in any host round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from .errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+STRUCTURE_KINDS = ("json_object", "json_schema", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What a structured request's output must match.
+
+    Attributes:
+        kind: ``json_object`` (any JSON object), ``json_schema`` (``spec`` is a JSON schema, as
+            text), ``lark`` (``spec`` is a Lark grammar, llguidance's dialect) or ``regex``.
+        spec: the schema or grammar text ("" for ``json_object``).
+        param: the request field it came from, named in errors (``response_format``, ``tools``).
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURE_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURE_KINDS)}, "
+                                      f"got {self.kind!r}", param=self.param)
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"a {self.kind} structure needs its schema or grammar", param=self.param)
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this structure.
+
+        Raises:
+            InvalidRequestError: a JSON schema that is not a JSON object.
+        """
+        from llguidance import LLMatcher
+
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", param=self.param) from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError("the JSON schema must be a JSON object", param=self.param)
+            try:
+                return LLMatcher.grammar_from_json_schema(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"bad JSON schema: {exc}", param=self.param) from None
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.spec)
+        return LLMatcher.grammar_from_regex(self.spec)
+
+
+class GrammarCompiler:
+    """Compiles structures against one tokenizer (an engine's or a router's).
+
+    Args:
+        hf_tokenizer: the model's Hugging Face (fast) tokenizer.
+        vocab_size: the target's vocabulary (its logits' width; may exceed the tokenizer's).
+        eos_token_ids: the ids that end a sequence (allowed where the grammar is complete).
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+
+    @cached_property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (built once, on first use: ~0.1 s)."""
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                            eos_token=self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def check(self, structure: Structure) -> None:
+        """Compile ``structure`` once to validate it (a router does this at the boundary).
+
+        Raises:
+            InvalidRequestError: a malformed schema or grammar, naming ``structure.param``.
+        """
+        self.compile(structure)
+
+    def compile(self, structure: Structure) -> "Grammar":
+        """A fresh grammar state for one request.
+
+        Raises:
+            InvalidRequestError: a malformed schema or grammar.
+        """
+        from llguidance import LLMatcher
+
+        text = structure.grammar()
+        error = LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: {error}", param=structure.param)
+        matcher = LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: {matcher.get_error()}",
+                                      param=structure.param)
+        return Grammar(matcher, self.vocab_size, self.eos_token_ids)
+
+
+class Grammar:
+    """One request's grammar state (an llguidance matcher) and its token masks.
+
+    Args:
+        matcher: the request's ``llguidance.LLMatcher``.
+        vocab_size: the target's vocabulary.
+        eos_token_ids: ids allowed when the grammar is complete.
+    """
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
+        self.failed = False  # the matcher entered an error state: masks stop (logged once)
+
+    def _fill(self, row: torch.Tensor) -> None:
+        if self.failed:
+            row.fill_(-1)
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if not bool(row.any()):  # nothing allowed (a complete grammar): end the sequence
+            for t in self.eos_token_ids:
+                row[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
+
+    def masks(self, drafts: list[int]) -> tuple[torch.Tensor, int]:
+        """Token bitmasks of the positions a round verifies, and how many drafts to keep.
+
+        Args:
+            drafts: the request's draft tokens for the round.
+
+        Returns:
+            ``([m + 1, words]`` int32 bitmask (bit ``t % 32`` of word ``t // 32`` is token t; row j
+            is the position after the j-th kept draft), m``): the drafts the grammar allows, in
+            order, up to the first it forbids. The grammar is left where it was.
+        """
+        out = torch.zeros(len(drafts) + 1, self.words, dtype=torch.int32)
+        self._fill(out[0])
+        m = 0
+        if not self.failed and drafts:
+            # (consuming a forbidden token would break the matcher for good: validate first)
+            ok = self.matcher.validate_tokens(list(drafts))
+            for tok in drafts[:ok]:
+                if tok in self.eos_token_ids or not self.matcher.consume_token(tok):
+                    break
+                m += 1
+                self._fill(out[m])
+            if m:
+                self.matcher.rollback(m)
+            if self.matcher.is_error():
+                self._fail("walking the drafts")
+        return out[:m + 1], m
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume the tokens a round emitted (EOS ends the sequence: not consumed)."""
+        if self.failed:
+            return
+        for tok in tokens:
+            if tok in self.eos_token_ids:
+                return
+            if not self.matcher.consume_token(tok):
+                self._fail(f"token {tok}")
+                return
+
+    def _fail(self, where: str) -> None:
+        self.failed = True
+        log.error("grammar matcher failed at %s: %s; the request continues unconstrained", where,
+                  self.matcher.get_error())
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[..., words]`` int32 bitmasks -> ``[..., vocab_size]`` bool (True: allowed), on their device."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]

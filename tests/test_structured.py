@@ -1,0 +1,138 @@
+"""Structured output (``tandem.structured``): outputs match their JSON schema or grammar at
+temperature 0 and 0.8 for every drafter, greedy structured output equals target-only structured
+output token for token, structured requests leave the others in their batch untouched, bad
+schemas are refused at the boundary, and the grammar's masks are exact (drafts cut at the first
+forbidden one, the matcher rolled back)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tandem.errors import InvalidRequestError
+from tandem.sampling import SamplingParams
+from tandem.structured import Structure, unpack_bitmask
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colours"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
+                         "colours": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
+PROMPTS = ["Give me a JSON object describing a person named Ann, aged 30, who likes red and blue.",
+           "Describe a made-up person as JSON."]
+MAX_TOKENS = 72
+
+
+def _drafted_engine(mode: str, real_checkpoint, real_engine, on_real_target):
+    """An engine on the real model's target with ``mode``'s drafter."""
+    from tandem.control import DraftPolicy
+    from tandem.drafters import DraftModelDrafter, NgramDrafter, load_draft_checkpoint
+    from tandem.speculation import SpeculativeConfig, build_engine
+
+    cfg = real_engine.runner_config
+    if mode == "target":
+        return on_real_target(None)
+    if mode == "ngram":  # a chained engine: structured requests make its rounds host-driven
+        return on_real_target(NgramDrafter(), num_draft_tokens=4)
+    if mode == "draft-model-tree":  # trees become chains under a grammar
+        policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
+        return on_real_target(DraftModelDrafter(load_draft_checkpoint("truncate:4", real_checkpoint), cfg),
+                              num_draft_tokens=3, draft_policy=policy)
+    assert mode == "specformer"  # the shipped head, on a tapping target of its own
+    return build_engine(SpeculativeConfig(drafter="specformer", num_draft_tokens=4), share=real_engine)
+
+
+def _run(engine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.completion(i) for i in ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ngram", "draft-model-tree", "specformer"])
+def test_structured_output_is_lossless_and_valid(real_checkpoint, real_engine, on_real_target, mode):
+    """For each drafter: greedy JSON-schema output equals target-only's token for token, every
+    output (greedy and sampled at 0.8) parses and validates, drafts were verified, and a plain
+    request decoding beside the structured ones gets its own target-only output."""
+    structure = Structure("json_schema", json.dumps(PERSON))
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, structure=structure)
+    want = _run(on_real_target(None), PROMPTS, [greedy] * 2)
+    plain_prompt = "Write the numbers 1 to 12 separated by spaces."
+    plain_want = _run(on_real_target(None), [plain_prompt], [SamplingParams(max_tokens=24)])[0]
+    engine = _drafted_engine(mode, real_checkpoint, real_engine, on_real_target)
+    got = _run(engine, PROMPTS + [plain_prompt], [greedy] * 2 + [SamplingParams(max_tokens=24)])
+    assert engine.stats.num_drafted > 0 and engine.stats.num_accepted > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids, (g.text, w.text)
+        assert g.finish_reason == "stop"
+        jsonschema.validate(json.loads(g.text), PERSON)
+    assert got[2].token_ids == plain_want.token_ids  # the batch's plain request is untouched
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=s, structure=structure) for s in (1, 2)]
+    sampled += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=3, structure=Structure("json_object"))]
+    outs = _run(engine, PROMPTS + PROMPTS[:1], sampled)
+    for out in outs[:2]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert outs[2].text.startswith("{")  # any JSON object: complete when it stopped, else cut by max_tokens
+    if outs[2].finish_reason == "stop":
+        assert isinstance(json.loads(outs[2].text), dict)
+    assert engine.chains_rounds == (mode in ("ngram", "specformer"))  # chained again once they finished
+
+
+@pytest.mark.slow
+def test_lark_and_regex_structures(real_engine):
+    """Other grammar kinds: a regex and a Lark grammar hold the output to their language."""
+    out = real_engine.generate(["What is 6 times 7? Answer with a number."],
+                               SamplingParams(max_tokens=8, structure=Structure("regex", r"[0-9]{1,3}")))[0]
+    assert out.text.isdigit() and 1 <= len(out.text) <= 3 and out.finish_reason == "stop"
+    lark = 'start: "yes" | "no"'
+    out = real_engine.generate(["Is the sky blue?"], SamplingParams(max_tokens=8, temperature=0.9, seed=5,
+                                                                   structure=Structure("lark", lark)))[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("structure, needle", [
+    (Structure("json_schema", "{not json"), "not valid JSON"),
+    (Structure("json_schema", "[1, 2]"), "must be a JSON object"),
+    (Structure("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}})), "bad"),
+    (Structure("lark", "start: ("), "bad lark"),
+    (Structure("regex", "(unclosed"), "bad regex"),
+])
+def test_bad_structures_are_refused_at_the_boundary(real_engine, structure, needle):
+    with pytest.raises(InvalidRequestError, match=needle) as info:
+        real_engine.add_request("hi", SamplingParams(max_tokens=4, structure=structure))
+    assert info.value.param == "response_format"
+    assert not real_engine.requests and not real_engine._structured
+
+
+def test_structure_kinds_are_checked():
+    with pytest.raises(InvalidRequestError, match="kind"):
+        Structure("xml")
+    with pytest.raises(InvalidRequestError, match="needs its schema"):
+        Structure("json_schema")
+
+
+@pytest.mark.slow
+def test_masks_cut_drafts_at_the_first_forbidden_one(real_engine):
+    """``Grammar.masks`` allows exactly the grammar's next tokens at each kept draft, cuts the
+    drafts at the first forbidden one, and leaves the matcher where it was."""
+    tok = real_engine.tokenizer
+    grammar = real_engine.grammars.compile(Structure("json_schema", json.dumps(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})))
+    V = real_engine.target.info.vocab_size
+    good = tok.encode('{"a": 12}')
+    bad = good[:3] + tok.encode(" x")  # a letter where an integer must come
+    masks, m = grammar.masks(bad)
+    assert m == 3 and masks.shape[0] == 4
+    allowed = unpack_bitmask(masks, V)
+    assert all(bool(allowed[j, t]) for j, t in enumerate(bad[:3]))  # each kept draft was allowed where it stood
+    assert not bool(allowed[3, bad[3]])  # the cut draft is not
+    again, m2 = grammar.masks(good)  # the matcher was rolled back: the good drafts all pass from the start
+    assert m2 == len(good) and torch.equal(again[:4], masks)
+    grammar.advance(good)
+    end = unpack_bitmask(grammar.masks([])[0], V)[0]
+    assert end.nonzero().flatten().tolist() == [tok.eos_token_ids[0]]  # complete: only EOS
