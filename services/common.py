@@ -22,6 +22,7 @@ from services.proto.tandem.v1 import common_pb2
 from tandem.errors import InvalidRequestError
 from tandem.requests import Completion, RequestOutput
 from tandem.sampling import SamplingParams
+from tandem.structured import Structure
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ def params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
                                      seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                                      ignore_eos=p.ignore_eos, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
                                      presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                     repetition_penalty=p.repetition_penalty)
+                                     repetition_penalty=p.repetition_penalty,
+                                     structure=None if p.structure is None else common_pb2.Structure(
+                                         kind=p.structure.kind, spec=p.structure.spec, param=p.structure.param))
 
 
 def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
@@ -111,7 +114,20 @@ def params_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
                           ignore_eos=bool(m.ignore_eos), logit_bias={int(t): float(b) for t, b in m.logit_bias.items()},
                           min_tokens=int(m.min_tokens), presence_penalty=float(m.presence_penalty),
                           frequency_penalty=float(m.frequency_penalty),
-                          repetition_penalty=float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0)
+                          repetition_penalty=float(m.repetition_penalty) if m.HasField("repetition_penalty") else 1.0,
+                          structure=Structure(m.structure.kind, m.structure.spec, m.structure.param or "response_format")
+                          if m.HasField("structure") else None)
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (``b`` after ``a``)."""
+    lp = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
+    texts = (a.token_texts or []) + (b.token_texts or []) if a.token_texts is not None or b.token_texts is not None \
+        else None
+    top = (a.top_logprobs or []) + (b.top_logprobs or []) \
+        if a.top_logprobs is not None or b.top_logprobs is not None else None
+    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta, b.finished,
+                         b.finish_reason, lp, texts, b.stop_reason, top)
 
 
 def top_to_pb(alternatives: Sequence[tuple[int, float]]) -> common_pb2.TopLogprobs:

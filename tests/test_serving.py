@@ -352,6 +352,103 @@ def test_logit_adjustments_through_router(stack, client, model_id, local_engine,
     assert [t for m in msgs for t in m.token_ids] == want.token_ids
 
 
+COMPACT = {"whitespace_flexible": False}  # (llguidance's option: a random model could emit whitespace for ever)
+SMALL_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "n"], "x-guidance": COMPACT,
+                "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                               "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_structured_output_through_router(stack, client, model_id, local_engine, prompts):
+    """response_format json_schema (greedy: the in-process engine's output; sampled at 0.8:
+    valid) and json_object, through the router, non-streamed and streamed."""
+    import jsonschema
+
+    from tandem.structured import Structure
+
+    msgs = [{"role": "user", "content": prompts[0]}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SMALL_SCHEMA, "strict": True}}
+    want = local_engine.generate([msgs], SamplingParams(max_tokens=40, structure=Structure(
+        "json_schema", json.dumps(SMALL_SCHEMA))))[0]
+    r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=40, temperature=0, response_format=fmt)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), SMALL_SCHEMA)
+    for seed in range(3):
+        r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=40, temperature=0.8, seed=seed,
+                                           response_format=fmt)
+        jsonschema.validate(json.loads(r.choices[0].message.content), SMALL_SCHEMA)
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model_id, messages=msgs, max_tokens=40, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert text == want.text
+    r = client.completions.create(model=model_id, prompt=prompts[1], max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].text.startswith("{")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"], "x-guidance": COMPACT,
+                   "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False, "x-guidance": COMPACT}}}
+
+
+def test_tool_call_round_trip_through_router(stack, client, model_id):
+    """tool_choice required / a named function give a tool call in OpenAI's shape (streamed as a
+    tool_calls delta too); the call and its result go back as messages, and the model answers."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=40, temperature=0,
+                                       tools=[WEATHER, CLOCK], tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo", "Lima")
+    named = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=40, temperature=0.7, seed=1,
+                                           tools=[WEATHER, CLOCK],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model=model_id, messages=msgs, max_tokens=40, temperature=0, tools=[WEATHER], tool_choice="required",
+        stream=True) if c.choices]
+    streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
+    assert json.loads(streamed[0].function.arguments)["city"] in ("Paris", "Oslo", "Lima")
+    for seed in range(4):  # auto: a call in OpenAI's shape, or plain text (not a malformed call)
+        m = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=24, temperature=1.0, seed=seed,
+                                           tools=[WEATHER]).choices[0]
+        if m.message.tool_calls:
+            assert m.finish_reason == "tool_calls" and m.message.tool_calls[0].function.name == "get_weather"
+        else:
+            assert isinstance(m.message.content, str) and not m.message.content.lstrip().startswith("{")
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}]
+    answer = client.chat.completions.create(model=model_id, messages=follow, max_tokens=12, temperature=0,
+                                            tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
+    alone = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=1, tools=[WEATHER],
+                                           tool_choice="none")
+    assert answer.usage.prompt_tokens > alone.usage.prompt_tokens + 10  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize("body, needle, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "bad", "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format type", "response_format.type"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools",
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function name", "tools.0.function.name"),
+    ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "both constrain", "response_format"),
+])
+def test_bad_structured_requests_get_400(stack, body, needle, param):
+    status, payload = _post(stack, "/v1/chat/completions", {"messages": HI, "max_tokens": 4} | body)
+    assert status == 400 and needle in payload["error"]["message"], payload
+    assert payload["error"]["param"] == param
+
+
 def test_top_logprobs_through_router(stack, client, model_id, local_engine, prompts):
     """``top_logprobs`` (chat, streamed and not), completions' ``logprobs`` = N and the gRPC
     ``top_logprobs`` return the in-process engine's alternatives in OpenAI's shapes."""
@@ -504,8 +601,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "frequency_penalty": 2.5}, "less than or equal to 2", "frequency_penalty"),
     ({"messages": HI, "repetition_penalty": 0}, "greater than 0", "repetition_penalty"),
     ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens must be", "min_tokens"),
-    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported field(s): tools",
-     "tools"),
+    ({"messages": HI, "functions": [{"name": "f"}]}, "unsupported field(s): functions", "functions"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "less than or equal to 20", "top_logprobs"),
     ({"messages": HI, "top_logprobs": 2}, "needs logprobs: true", "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}], "best_of": 2},
@@ -1187,10 +1283,10 @@ def test_fields_at_their_no_op_value_are_accepted():
     from tandem.errors import InvalidRequestError
 
     hi = [{"role": "user", "content": "hi"}]
-    ok = ChatCompletionRequest(messages=hi, tools=[], user="user-1", response_format={"type": "text"}, max_tokens=8)
+    ok = ChatCompletionRequest(messages=hi, functions=[], user="user-1", store=False, max_tokens=8)
     assert ok.sampling(16).max_tokens == 8
-    for extra, name in [({"tool_choice": "auto"}, "tool_choice"), ({"tools": [{"type": "function"}]}, "tools"),
-                        ({"response_format": {"type": "json_object"}}, "response_format"), ({"colour": 1}, "colour")]:
+    for extra, name in [({"functions": [{"name": "f"}]}, "functions"), ({"store": True}, "store"),
+                        ({"colour": 1}, "colour")]:
         with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}"):
             ChatCompletionRequest(messages=hi, **extra).sampling(16)
     with pytest.raises(InvalidRequestError, match="suffix"):

@@ -21,6 +21,7 @@ begin a stop string is flushed as text, and a stop string that spans the point i
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from tandem.errors import ConfigError, InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.requests import new_request
 from tandem.sampling import SamplingParams
+from tandem.structured import GrammarCompiler
 from tandem.telemetry import Metrics, inject_metadata, span
 from tandem.tokenizer import Tokenizer
 
@@ -236,11 +238,17 @@ class Router:
         resumes it draws the same numbers.
 
         Raises:
-            InvalidRequestError: bad prompt or parameters.
+            InvalidRequestError: bad prompt or parameters (a malformed schema or grammar included).
         """
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return new_request(self.tokenizer, self.vocab_size, self.context_limit, rid, prompt, params,
-                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs)
+                           prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
+                           grammars=self.grammars if params.structure is not None else None)
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Validates structured requests' grammars at the boundary (the replica compiles its own)."""
+        return GrammarCompiler(self.tokenizer.hf, self.vocab_size, list(self.tokenizer.eos_token_ids))
 
     def token_text(self, token_id: int) -> str:
         """One token's text, decoded alone (top-logprobs alternatives); cached per id."""

@@ -34,19 +34,20 @@ from tandem.engine import Completion
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams, choice_seed
+from tandem.structured import Structure
 from tandem.target import MAX_TOP_LOGPROBS
 
-from services.common import Delta, Done, Failed, bearer_matches
+from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
+from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 
 MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as a request of its own)
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
 
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
-NO_OP_VALUES = {"tools": ([], None), "tool_choice": ("none", None), "functions": ([], None),
-                "response_format": ({"type": "text"}, None), "parallel_tool_calls": (None, False, True),
+NO_OP_VALUES = {"functions": ([], None), "function_call": ("none", None),
                 "store": (False, None), "metadata": (None,), "user": None}  # user: an end-user id, no effect
 
 
@@ -87,6 +88,7 @@ class _SamplingFields(_Base):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0, allow_inf_nan=False)  # extension (vLLM)
     min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     category: str = "default"  # extension: acceptance statistics per category
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
@@ -109,11 +111,34 @@ class _SamplingFields(_Base):
             except ValueError:
                 raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
+                              structure=self.structure(),
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               logit_bias=bias, min_tokens=self.min_tokens, presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+
+
+    def structure(self) -> Structure | None:
+        """``response_format`` as a grammar: None for text, any JSON object, or a JSON schema
+        (enforced whether ``strict`` or not).
+
+        Raises:
+            InvalidRequestError: an unknown type or a json_schema without its schema.
+        """
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return Structure("json_object")
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise InvalidRequestError('json_schema needs {"name": ..., "schema": {...}}',
+                                          param="response_format.json_schema")
+            return Structure("json_schema", json.dumps(js.get("schema", {})))
+        raise InvalidRequestError('response_format type must be "text", "json_object" or "json_schema"',
+                                  param="response_format.type")
 
 
 class CompletionRequest(_SamplingFields):
@@ -129,6 +154,8 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls (OpenAI's shape)
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -136,6 +163,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # a response holds at most one call either way
 
     def unsupported_fields(self) -> list[str]:
         return super().unsupported_fields() + [f"messages.{i}.{f}" for i, m in enumerate(self.messages)
@@ -234,7 +264,9 @@ def usage(completions: list[Completion]) -> dict:
     }
 
 
-def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _chat_content(messages: list[ChatMessage], tools: list[Tool], choice: str | None) -> list[dict[str, str]]:
+    """The prompt's messages: text content, tool calls and results rendered as text
+    (``tools.render_messages``), and the tools' system message first when there are tools."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -243,10 +275,17 @@ def _chat_content(messages: list[ChatMessage]) -> list[dict[str, str]]:
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError("only text content parts are supported", param=f"messages.{i}.content")
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
-    if not any(m["content"].strip() for m in out):  # as /v1/completions and `tandem generate` refuse ""
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidRequestError("only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequestError("only tool messages carry tool_call_id", param=f"messages.{i}.tool_call_id")
+        out.append({"role": m.role, "content": content or "",
+                    "tool_calls": check_tool_calls(m.tool_calls, i) if m.tool_calls else None,
+                    "tool_call_id": m.tool_call_id})
+    if not any(m["content"].strip() or m["tool_calls"] for m in out):  # as /v1/completions refuses ""
         raise InvalidRequestError("prompt is empty: every message's content is empty", param="messages")
-    return out
+    rendered = render_messages(out)
+    return ([tools_message(tools, choice)] if tools else []) + rendered
 
 
 def build_app(router: Router, api_key: str | None = None, default_max_tokens: int = 256) -> FastAPI:
@@ -321,9 +360,10 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                             "owned_by": "tandem"}]}
 
     async def run(request: Request, req, prompt, chat: bool, params: SamplingParams, chat_api: bool,
-                  requested: tuple[str, int] | None = None):
+                  requested: tuple[str, int] | None = None, tools: list[Tool] | None = None):
         """Serve one request; ``requested`` = (field, value) of an explicit output limit, refused
-        when prompt + it is past the served context (without one, the output stops at the context)."""
+        when prompt + it is past the served context (without one, the output stops at the context);
+        ``tools``: a call in the output becomes the message's ``tool_calls``."""
         if req.model is not None and req.model != router.model_name:
             return _error(404, f"model {req.model!r} is not served here; use {router.model_name!r}", param="model")
         prompt_ids = None
@@ -353,8 +393,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                 return _error(503, "no verifier replica is available; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,
-                                               include_usage), ping=15)
-        return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api)
+                                               include_usage, tools), ping=15)
+        return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api, tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -374,8 +414,15 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         if body.max_completion_tokens is not None and body.max_tokens is None:
             params = replace(params, max_tokens=body.max_completion_tokens)
             requested = ("max_completion_tokens", body.max_completion_tokens)
-        return await run(request, body, _chat_content(body.messages), True, params, chat_api=True,
-                         requested=requested)
+        tools, choice = parse_tools(body.tools, body.tool_choice)
+        structure = tool_structure(tools, choice) if tools else None
+        if structure is not None:  # the call grammar
+            if params.structure is not None:
+                raise InvalidRequestError("response_format and tools both constrain the output; send one of them",
+                                          param="response_format")
+            params = replace(params, structure=structure)
+        return await run(request, body, _chat_content(body.messages, tools, choice), True, params, chat_api=True,
+                         requested=requested, tools=tools if choice not in (None, "none") else None)
 
     return app
 
@@ -411,9 +458,16 @@ def _logprobs(router: Router, logprobs: list[float] | None, tokens: list[str] | 
 
 
 def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, logprobs: dict | None = None,
-            stop_reason: str | int | None = None, index: int = 0) -> dict:
+            stop_reason: str | int | None = None, index: int = 0, tool_call: dict | None = None) -> dict:
     """Choice ``index``; ``stop_reason`` (vLLM's field) is the stop string or stop token id that
-    ended the output (None for EOS, the token limit, or while it runs)."""
+    ended the output (None for EOS, the token limit, or while it runs); ``tool_call``: the output
+    was a call (``tools.parse_tool_call``): it is the message's ``tool_calls``, not its content."""
+    if tool_call is not None:
+        calls = [{"index": 0} | tool_call] if stream else [tool_call]
+        message = {"content": None, "tool_calls": calls}
+        return {"index": index, "delta" if stream else "message": message if stream else {"role": "assistant"} | message,
+                "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason, "logprobs": logprobs,
+                "stop_reason": stop_reason}
     if chat_api:
         out = {"index": index, "delta" if stream else "message": {"content": text} if stream
                else {"role": "assistant", "content": text}}
@@ -423,7 +477,7 @@ def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, 
 
 
 async def _complete(router: Router, request: Request, engine_reqs: list, category: str, rid: str, created: int,
-                    chat_api: bool):
+                    chat_api: bool, tools: list[Tool] | None = None):
     """The response of a non-streamed request: its choices (one engine request each) run
     concurrently; a client that goes away cancels them all (their KV slots are freed), and a
     failed choice fails the request (503) and cancels the others."""
@@ -455,16 +509,18 @@ async def _complete(router: Router, request: Request, engine_reqs: list, categor
             "system_fingerprint": router.fingerprint,
             "choices": [_choice(c.text, c.finish_reason, chat_api, False,
                                 _logprobs(router, c.logprobs, c.token_texts, c.top_logprobs, chat_api), c.stop_reason,
-                                index=i)
+                                index=i, tool_call=parse_tool_call(c.text, tools) if tools else None)
                         for i, c in enumerate(done)],
             "usage": usage(done)}
 
 
 async def _stream(router: Router, engine_reqs: list, category: str, rid: str, created: int, chat_api: bool,
-                  include_usage: bool):
+                  include_usage: bool, tools: list[Tool] | None = None):
     """Server-sent chunks of a streamed request; with several choices (``n``) their deltas
     interleave as they come, each chunk naming its choice's ``index``. A failed choice ends the
-    stream with an error event (the others are cancelled); usage, when asked, comes last."""
+    stream with an error event (the others are cancelled); usage, when asked, comes last. With
+    ``tools`` a choice's output is held until it ends, then sent as one delta: its ``tool_calls``
+    when it is a call, else its text."""
     obj = "chat.completion.chunk" if chat_api else "text_completion"
 
     def chunk(choices: list, usage_: dict | None = None) -> str:
@@ -486,6 +542,7 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
 
     tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(engine_reqs)]
     completions: dict[int, Completion] = {}
+    held: dict[int, object] = {}  # with tools: each choice's deltas so far, merged
     failed = False
     try:
         running = len(tasks)
@@ -495,10 +552,15 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
                 running -= 1
             elif isinstance(event, Delta):
                 out = event.output
+                if tools:  # held: a call is only known as one once it is complete
+                    out = held[i] = out if i not in held else merge_outputs(held[i], out)
+                    if not out.finished:
+                        continue
                 if out.text_delta or out.finished or out.logprobs:
                     lp = _logprobs(router, out.logprobs, out.token_texts, out.top_logprobs, chat_api)
                     yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True,
-                                         lp, out.stop_reason if out.finished else None, index=i)])
+                                         lp, out.stop_reason if out.finished else None, index=i,
+                                         tool_call=parse_tool_call(out.text_delta, tools) if tools else None)])
             elif isinstance(event, Failed):
                 yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
                                             "code": 503}})

@@ -15,7 +15,7 @@ import itertools
 import logging
 
 
-from services.common import Delta, Done, Failed, GrpcServer, params_from_pb, top_to_pb
+from services.common import Delta, Done, Failed, GrpcServer, merge_outputs, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
@@ -60,17 +60,6 @@ def fill_event(msg: verifier_pb2.ReplicaEvent, out: RequestOutput,
             msg.stop_token_id = int(completion.stop_reason)
         msg.spec.CopyFrom(spec_to_pb(completion.spec))
     return msg
-
-
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one (``b`` after ``a``)."""
-    lp = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
-    texts = (a.token_texts or []) + (b.token_texts or []) if a.token_texts is not None or b.token_texts is not None \
-        else None
-    top = (a.top_logprobs or []) + (b.top_logprobs or []) \
-        if a.top_logprobs is not None or b.top_logprobs is not None else None
-    return RequestOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta, b.finished,
-                         b.finish_reason, lp, texts, b.stop_reason, top)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):

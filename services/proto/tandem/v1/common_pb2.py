@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x9e\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\".\n\x0bSparseProbs\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xc7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12<\n\nlogit_bias\x18\t \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x01\x88\x01\x01\x12\'\n\tstructure\x18\x0e \x01(\x0b\x32\x14.tandem.v1.Structure\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"6\n\tStructure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\".\n\x0bSparseProbs\x12\x0f\n\x07indices\x18\x01 \x03(\x05\x12\x0e\n\x06values\x18\x02 \x03(\x02\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=452
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=372
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=420
-  _globals['_SPARSEPROBS']._serialized_start=454
-  _globals['_SPARSEPROBS']._serialized_end=500
-  _globals['_TENSOR']._serialized_start=502
-  _globals['_TENSOR']._serialized_end=568
-  _globals['_TOPLOGPROBS']._serialized_start=570
-  _globals['_TOPLOGPROBS']._serialized_end=620
+  _globals['_SAMPLINGPARAMS']._serialized_end=493
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=413
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=461
+  _globals['_STRUCTURE']._serialized_start=495
+  _globals['_STRUCTURE']._serialized_end=549
+  _globals['_SPARSEPROBS']._serialized_start=551
+  _globals['_SPARSEPROBS']._serialized_end=597
+  _globals['_TENSOR']._serialized_start=599
+  _globals['_TENSOR']._serialized_end=665
+  _globals['_TOPLOGPROBS']._serialized_start=667
+  _globals['_TOPLOGPROBS']._serialized_end=717
 # @@protoc_insertion_point(module_scope)
