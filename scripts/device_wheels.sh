@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, into the ignored folder .whl/, the wheels the GPU machine lacks: it has torch, numpy,
 # transformers, grpcio and protobuf, but not gguf, prometheus_client, the fastapi stack or
-# OpenTelemetry (with the OTLP JSON-file exporter that `TANDEM_TRACE_FILE` writes through).
+# OpenTelemetry (with the OTLP JSON-file exporter that `TANDEM_TRACE_FILE` writes through), llguidance.
 # The device call that runs scripts/device_pass.sh carries .whl/ and installs them first.
 #   scripts/device_wheels.sh
 set -euo pipefail
@@ -17,4 +17,7 @@ mkdir -p "$top/.whl"
   sniffio==1.3.1 h11==0.16.0 annotated-types annotated-doc typing-inspection
 "$pip" download -q --no-deps -d "$top/.whl" --platform manylinux2014_x86_64 --python-version 3.12 \
   --only-binary=:all: pydantic_core==2.50.5
+# structured output's grammar engine (one abi3 wheel, no dependencies)
+"$pip" download -q --no-deps -d "$top/.whl" --platform manylinux_2_31_x86_64 --python-version 3.12 \
+  --only-binary=:all: llguidance==1.9.1
 echo "$(ls "$top/.whl" | wc -l) wheels, $(du -sh "$top/.whl" | cut -f1) in .whl/"

@@ -124,8 +124,9 @@ def test_specformer_admission_reads_nothing_before_the_round_is_queued(target_di
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("requests", ["plain", "adjusted"])
 @pytest.mark.parametrize("drafter", ["none", "ngram", "specformer"])
-def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter):
+def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter, requests):
     """On the GPU (CUDA graphs, chained rounds), requests admitted alone and while others run, and
     every round, make no synchronizing CUDA call (torch's sync debug mode: a stream or device
     synchronize, a blocking copy, ``.item()``). The one read a round makes waits on an event, which
@@ -134,14 +135,19 @@ def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter
     cfg = RunnerConfig(device="cuda", max_batch_size=4, max_seq_len=128, cuda_graphs=True)
     engine = Engine(target_dir, cfg, drafter=_drafter(drafter, target_dir), num_draft_tokens=4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
+    top = 0
+    if requests == "adjusted":  # logit adjustments (device state, counts grown in the round) and top_logprobs
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7, seed=3, logit_bias={5: 1.5},
+                                presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=4)
+        top = 5
 
     def serve() -> None:
         for p in PROMPTS[:2]:
-            engine.add_request(prompt_ids=p, params=params)
+            engine.add_request(prompt_ids=p, params=params, top_logprobs=top)
         engine.step()
         engine.step()
         for p in PROMPTS[2:]:  # admitted while the first two run
-            engine.add_request(prompt_ids=p, params=params)
+            engine.add_request(prompt_ids=p, params=params, top_logprobs=top)
         while engine.has_unfinished():
             engine.step()
 

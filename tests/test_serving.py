@@ -1300,9 +1300,17 @@ def test_chat_with_only_empty_messages_is_an_empty_prompt():
     from tandem.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
-        _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="  ")])
-    assert _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="hi")])[1] == \
-        {"role": "user", "content": "hi"}
+        _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="  ")], [], None)
+    assert _chat_content([ChatMessage(role="system", content=""), ChatMessage(role="user", content="hi")],
+                         [], None)[1] == {"role": "user", "content": "hi"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    rendered = _chat_content([ChatMessage(role="user", content="hi"),
+                              ChatMessage(role="assistant", content=None, tool_calls=[call]),
+                              ChatMessage(role="tool", content="42", tool_call_id="call_1")], [], None)
+    assert rendered[1] == {"role": "assistant", "content": '{"name": "f", "arguments": {}}'}
+    assert rendered[2] == {"role": "tool", "content": "Result of tool call call_1: 42"}
+    with pytest.raises(InvalidRequestError, match="arguments"):
+        _chat_content([ChatMessage(role="assistant", content=None, tool_calls=[{"function": {"name": "f"}}])], [], None)
 
 
 def test_body_over_the_limit_is_a_413_chunked_or_not():

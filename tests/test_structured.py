@@ -15,8 +15,6 @@ from tandem.errors import InvalidRequestError
 from tandem.sampling import SamplingParams
 from tandem.structured import Structure, unpack_bitmask
 
-jsonschema = pytest.importorskip("jsonschema")
-
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colours"],
           "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
                          "colours": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
@@ -57,6 +55,7 @@ def test_structured_output_is_lossless_and_valid(real_checkpoint, real_engine, o
     """For each drafter: greedy JSON-schema output equals target-only's token for token, every
     output (greedy and sampled at 0.8) parses and validates, drafts were verified, and a plain
     request decoding beside the structured ones gets its own target-only output."""
+    jsonschema = pytest.importorskip("jsonschema")
     structure = Structure("json_schema", json.dumps(PERSON))
     greedy = SamplingParams(max_tokens=MAX_TOKENS, structure=structure)
     want = _run(on_real_target(None), PROMPTS, [greedy] * 2)
@@ -136,3 +135,44 @@ def test_masks_cut_drafts_at_the_first_forbidden_one(real_engine):
     grammar.advance(good)
     end = unpack_bitmask(grammar.masks([])[0], V)[0]
     assert end.nonzero().flatten().tolist() == [tok.eos_token_ids[0]]  # complete: only EOS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "ngram", "specformer"])
+def test_cuda_graph_rounds_with_adjustments_top_logprobs_and_grammars(real_checkpoint, drafter):
+    """On the GPU (float32, CUDA graphs): logit adjustments and top_logprobs inside chained
+    rounds' graphs, and a structured request (host-driven rounds with grammar masks) beside them,
+    give target-only's greedy tokens and alternatives; rounds chain again once the structured
+    request is done."""
+    from tandem.engine import Engine
+    from tandem.models.runner import RunnerConfig
+    from tandem.speculation import SpeculativeConfig, build_engine
+
+    cfg = RunnerConfig(device="cuda", dtype=torch.float32, max_batch_size=4, max_seq_len=512, cuda_graphs=True)
+    ref = Engine(real_checkpoint, cfg)
+    engine = ref if drafter == "none" else build_engine(SpeculativeConfig(drafter=drafter, num_draft_tokens=4),
+                                                        share=ref)
+    adjusted = SamplingParams(max_tokens=40, frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.1,
+                              min_tokens=12, logit_bias={28: 2.0})
+    structured = SamplingParams(max_tokens=MAX_TOKENS, structure=Structure("json_schema", json.dumps(PERSON)))
+    prompts = ["Write the numbers 1 to 12 separated by spaces.", "Answer with one word: is the sky blue?"]
+
+    def run(e, with_structure: bool):
+        ids = [e.add_request(p, adjusted, top_logprobs=3) for p in prompts]
+        if with_structure:
+            ids.append(e.add_request(PROMPTS[0], structured))
+        while e.has_unfinished():
+            e.step()
+        return [e.completion(i) for i in ids]
+
+    want = [run(ref, False), run(ref, True)]
+    got = [run(engine, False), run(engine, True)]
+    for w_run, g_run in zip(want, got):
+        for w, g in zip(w_run, g_run):
+            assert g.token_ids == w.token_ids, (g.text, w.text)
+            if w.top_logprobs is not None:
+                assert [[t for t, _ in a] for a in g.top_logprobs] == [[t for t, _ in a] for a in w.top_logprobs]
+    json.loads(got[1][2].text)
+    if drafter != "none":
+        assert engine.stats.num_accepted > 0
+    assert engine.chains_rounds
