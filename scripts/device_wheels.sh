@@ -14,10 +14,15 @@ mkdir -p "$top/.whl"
   opentelemetry-exporter-otlp-json-common==0.66b1 opentelemetry-proto-json==0.66b1 \
   opentelemetry-exporter-otlp-common==0.66b1 prometheus_client==0.26.0 grpcio-health-checking==1.84.0 \
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 sse-starlette==3.7.0 pydantic==2.14.4 anyio==4.16.0 \
-  sniffio==1.3.1 h11==0.16.0 annotated-types annotated-doc typing-inspection
+  sniffio==1.3.1 h11==0.16.0 annotated-types annotated-doc typing-inspection \
+  opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 \
+  opentelemetry-instrumentation-fastapi==0.66b2 opentelemetry-instrumentation-asgi==0.66b2 \
+  opentelemetry-util-http==0.66b2 asgiref
 "$pip" download -q --no-deps -d "$top/.whl" --platform manylinux2014_x86_64 --python-version 3.12 \
   --only-binary=:all: pydantic_core==2.50.5
-# structured output's grammar engine (one abi3 wheel, no dependencies)
+# wrapt (the instrumentations' dependency) and structured output's grammar engine (one abi3 wheel)
+"$pip" download -q --no-deps -d "$top/.whl" --platform manylinux2014_x86_64 --python-version 3.12 \
+  --only-binary=:all: wrapt==2.5.2
 "$pip" download -q --no-deps -d "$top/.whl" --platform manylinux_2_31_x86_64 --python-version 3.12 \
   --only-binary=:all: llguidance==1.9.1
 echo "$(ls "$top/.whl" | wc -l) wheels, $(du -sh "$top/.whl" | cut -f1) in .whl/"

@@ -248,8 +248,26 @@ def _drop_cancelled_rpc_logs(record: logging.LogRecord) -> bool:
     return not (isinstance(exc, asyncio.CancelledError) and "_handle_exceptions" in record.getMessage())
 
 
+def traced_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
+    """A blocking gRPC client channel whose calls make OpenTelemetry CLIENT spans with the RPC
+    semantic conventions (``rpc.system``, ``rpc.service``, ``rpc.method``; opentelemetry-
+    instrumentation-grpc) and carry the trace context to the server."""
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+    return intercept_channel(grpc.insecure_channel(address, options=options), client_interceptor())
+
+
+def traced_aio_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    """``traced_channel`` for asyncio (``grpc.aio``)."""
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return grpc.aio.insecure_channel(address, options=options, interceptors=aio_client_interceptors())
+
+
 class GrpcServer:
-    """A ``grpc.aio`` server with the standard health service (``grpc.health.v1.Health``).
+    """A ``grpc.aio`` server with the standard health service (``grpc.health.v1.Health``), its
+    calls traced (OpenTelemetry SERVER spans with ``rpc.system`` / ``rpc.service`` / ``rpc.method``).
 
     Args:
         port: TCP port (0: pick a free one; read ``port`` after ``start``).
@@ -258,7 +276,10 @@ class GrpcServer:
     """
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1", key: str | None = None) -> None:
-        interceptors = [BearerAuthInterceptor(key)] if key else []
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        # SERVER spans with the RPC semantic conventions for every call (opentelemetry-instrumentation-grpc)
+        interceptors = [aio_server_interceptor()] + ([BearerAuthInterceptor(key)] if key else [])
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

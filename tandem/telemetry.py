@@ -19,10 +19,15 @@ configuration code (the one ``opentelemetry-instrument`` uses):
   exporter, which ``tandem trace-report`` reads.
 
 Span names used across the services (``tandem trace-report`` groups by them): ``request``
-(attribute ``request_id``), ``prefill``, ``round`` (one decode round) and its children ``draft``,
-``allocate``, ``verify``, ``observe`` (a drafter reading the verify pass's states); RPCs as
-``rpc.client.<method>`` on the caller and ``rpc.server.<method>`` on the callee (e.g.
-``rpc.client.verify`` / ``rpc.server.verify``), linked by W3C ``traceparent`` in the gRPC metadata (``inject_metadata`` / ``extract_context``).
+(attribute ``request_id`` and the GenAI semantic conventions' ``gen_ai.*``), ``prefill``, ``round``
+(one decode round) and its children ``draft``, ``allocate``, ``verify``, ``observe`` (a drafter
+reading the verify pass's states); a message of a long-lived stream as ``rpc.client.<method>`` on
+the caller and ``rpc.server.<method>`` on the callee (e.g. ``rpc.client.draft`` /
+``rpc.server.draft``), linked by W3C ``traceparent`` carried in the message
+(``inject_metadata`` / ``extract_context``). Whole RPCs are traced by opentelemetry-instrumentation-grpc
+(interceptors on every server and client channel: ``services.common``) and HTTP requests by the
+FastAPI instrumentation, both with their semantic conventions (``rpc.system``, ``rpc.service``,
+``rpc.method``; ``http.*``).
 
 Metrics. ``Metrics`` holds Prometheus counters, histograms and gauges named as vLLM's
 (``vllm:spec_decode_num_accepted_tokens_total`` ...) with the ``tandem_`` prefix, in its own
@@ -53,23 +58,39 @@ _provider = None  # the SDK TracerProvider this module installed (None before in
 
 
 def _span_exporter_classes() -> dict:
-    """Span exporter classes named by ``OTEL_TRACES_EXPORTER`` (name -> class), resolved by the
-    SDK's configurator: entry points ``opentelemetry_traces_exporter``, ``otlp`` mapped to gRPC or
-    HTTP by ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``.
+    """Span exporter classes named by ``OTEL_TRACES_EXPORTER`` (name -> class), from the
+    ``opentelemetry_traces_exporter`` entry points the exporter packages register (the lookup the
+    SDK's auto-configuration makes): ``otlp`` is ``otlp_proto_grpc`` or ``otlp_proto_http`` by
+    ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``; unset with an OTLP endpoint set means ``otlp``.
 
     Raises:
         RuntimeError: an unknown exporter name or OTLP protocol.
     """
-    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
-    from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
-    from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    from importlib.metadata import entry_points
 
-    names = _get_exporter_names("traces")
-    if OTEL_TRACES_EXPORTER not in os.environ and (os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
-                                                   or os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
-        names = [_get_exporter_entry_point("otlp", "traces")]  # an endpoint alone means "send it there"
-    traces, _, _ = _import_exporters(names, [], [])
-    return traces
+    from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+    from opentelemetry.sdk.environment_variables import (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL,
+                                                         OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+                                                         OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
+
+    env = os.environ
+    if OTEL_TRACES_EXPORTER in env:
+        names = [n.strip() for n in env[OTEL_TRACES_EXPORTER].split(",") if n.strip() and n.strip() != "none"]
+    else:
+        names = ["otlp"] if env.get(OTEL_EXPORTER_OTLP_ENDPOINT) or env.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) else []
+    found = {}
+    for name in names:
+        entry = name
+        if name == "otlp":
+            protocol = env.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) or env.get(OTEL_EXPORTER_OTLP_PROTOCOL) or "grpc"
+            entry = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}.get(protocol)
+            if entry is None:
+                raise RuntimeError(f"unsupported OTLP protocol {protocol!r} (grpc or http/protobuf)")
+        points = entry_points(group="opentelemetry_traces_exporter", name=entry)
+        if not points:
+            raise RuntimeError(f"trace exporter {name!r} is not installed (OTEL_TRACES_EXPORTER)")
+        found[name] = next(iter(points)).load()
+    return found
 
 
 def tracing_configured() -> bool:
@@ -139,8 +160,10 @@ def span(name: str, parent_context: Context | None = None, **attributes) -> Iter
     """Start a span called ``name`` as the current span for the ``with`` body and end it after.
 
     ``rpc.client.*`` names make CLIENT spans and ``rpc.server.*`` names SERVER spans (how Jaeger
-    draws the hop); other names are INTERNAL. An exception leaving the body is recorded on the
-    span (status ERROR) and re-raised.
+    draws the hop), with ``rpc.system`` = ``grpc`` and ``rpc.method`` (the name's last part,
+    capitalised: a message of a stream whose RPC the gRPC instrumentation traces as a whole);
+    other names are INTERNAL. An exception leaving the body is recorded on the span (status
+    ERROR) and re-raised.
 
     Args:
         name: span name (see the module docstring for the names the services share).
@@ -160,6 +183,8 @@ def span(name: str, parent_context: Context | None = None, **attributes) -> Iter
         kind = trace.SpanKind.SERVER
     else:
         kind = trace.SpanKind.INTERNAL
+    if kind is not trace.SpanKind.INTERNAL:  # one message of a stream: the RPC semantic conventions' attributes
+        attributes = {"rpc.system": "grpc", "rpc.method": name.rsplit(".", 1)[-1].capitalize()} | attributes
     with _tracer.start_as_current_span(name, context=parent_context, kind=kind, attributes=attributes or None) as s:
         yield s
 

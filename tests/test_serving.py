@@ -1215,7 +1215,7 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     assert len(requests) == 3
     for sp in requests:
         a = sp.attributes
-        assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == model
+        assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == model
         assert a["gen_ai.usage.input_tokens"] > 0 and 0 < a["gen_ai.usage.output_tokens"] <= MAX_TOKENS
         assert a["gen_ai.request.max_tokens"] == MAX_TOKENS and a["outcome"] == "finished"
     client_traces = {sp.trace_id for sp in spans if sp.name.startswith("rpc.client.")}
@@ -1225,6 +1225,13 @@ def test_trace_report_of_a_distributed_run(tiny_dir, prompts, tmp_path):
     generates = [sp for sp in spans if sp.name == "generate"]
     assert len(routes) == len(generates) == 3
     assert all(g.parent_span_id in routes and routes[g.parent_span_id].trace_id == g.trace_id for g in generates)
+    # the instrumentations' spans: HTTP requests (FastAPI) and whole RPCs (gRPC), with their conventions
+    http = [sp for sp in spans if (sp.attributes.get("http.request.method") or sp.attributes.get("http.method")) == "POST"
+            and "/v1/chat/completions" in str(sp.attributes.get("http.route", ""))]
+    assert http and {sp.trace_id for sp in requests} <= {sp.trace_id for sp in http}  # each request under its POST
+    rpcs = {(sp.attributes.get("rpc.service"), sp.attributes.get("rpc.method")) for sp in spans
+            if sp.attributes.get("rpc.system") == "grpc"}
+    assert {("tandem.v1.Verifier", "Generate"), ("tandem.v1.Verifier", "Info"), ("tandem.v1.Drafter", "Draft")} <= rpcs
 
 
 def test_port_in_use_is_a_one_line_error():

@@ -22,7 +22,8 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from services.common import CLIENT_OPTIONS, auth_metadata, params_to_pb, probe_health, sparse_to_probs
+from services.common import (CLIENT_OPTIONS, auth_metadata, params_to_pb, probe_health, sparse_to_probs,
+                             traced_channel)
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, common_prefix
 from tandem.telemetry import inject_metadata, span
@@ -110,7 +111,7 @@ class RemoteDrafter(Drafter):
         self.timeout_s = timeout_s
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
         self._metadata = auth_metadata(key)
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = traced_channel(address, CLIENT_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self.probe = lambda timeout_s=1.0: probe_health(self._channel, self._metadata, timeout_s)
         self._stream: BidiStream | None = None
@@ -135,7 +136,7 @@ class RemoteDrafter(Drafter):
                 log.warning("drafter moved from %s to %s", self.address, address)
                 self._channel.close()
                 self.address = address
-                self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+                self._channel = traced_channel(address, CLIENT_OPTIONS)
                 self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=min(self.timeout_s, 2.0),
                                metadata=self._metadata)

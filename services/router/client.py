@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from services.common import params_to_pb
+from services.common import params_to_pb, traced_aio_channel
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.data import PromptRecord
 from tandem.engine import Completion
@@ -57,7 +57,7 @@ def generate_all(address: str, records: list[PromptRecord], params: SamplingPara
 
     async def main() -> list[Completion]:
         sem = asyncio.Semaphore(max(1, concurrency))
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with traced_aio_channel(address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
 
             async def run(r: PromptRecord) -> Completion:

@@ -270,18 +270,23 @@ class Router:
                                       f"limit of {limit} tokens (prompt + {name} <= {limit}; at most "
                                       f"{limit - prompt_tokens} for this prompt)", param=name)
 
-    async def generate(self, request: Request, category: str = "default") -> AsyncIterator[Event]:
+    async def generate(self, request: Request, category: str = "default",
+                       operation: str = "text_completion") -> AsyncIterator[Event]:
         """Async iterator of events for one request: ``Delta`` per streamed step, then ``Done`` or
         ``Failed``. Leaving it early (client disconnect, cancellation) sends an abort on the
-        replica stream, which drops the request there. A ``request`` span covers its lifetime."""
+        replica stream, which drops the request there. A ``request`` span covers its lifetime,
+        with the GenAI semantic conventions' attributes (``operation``: ``chat`` or
+        ``text_completion``, its ``gen_ai.operation.name``)."""
         rid = request.request_id
         ended = asyncio.get_running_loop().create_future()
 
         async def request_span() -> None:  # a span may not cross the generator's yields (contexts differ)
             # OpenTelemetry's GenAI semantic conventions beside our own attributes
             with span("request", request_id=rid, category=category or "default",
-                      **{"gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.model_name,
-                         "gen_ai.request.max_tokens": request.params.max_tokens,
+                      **{"gen_ai.operation.name": operation, "gen_ai.request.model": self.model_name,
+                         "gen_ai.provider.name": "tandem", "gen_ai.request.max_tokens": request.params.max_tokens,
+                         "gen_ai.request.temperature": request.params.temperature,
+                         "gen_ai.request.top_p": request.params.top_p,
                          "gen_ai.usage.input_tokens": len(request.prompt_ids)}) as s:
                 outcome, completion, progress = await ended
                 s.set_attribute("outcome", outcome)

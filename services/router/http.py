@@ -26,6 +26,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -297,6 +298,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     """
     app = FastAPI(title="Tandem", version="0.1.0")
     app.add_middleware(_BodyLimit)
+    # HTTP SERVER spans with the HTTP semantic conventions, parents of the router's request spans
+    FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -482,7 +485,7 @@ async def _complete(router: Router, request: Request, engine_reqs: list, categor
     concurrently; a client that goes away cancels them all (their KV slots are freed), and a
     failed choice fails the request (503) and cancels the others."""
     async def collect(engine_req):
-        async for event in router.generate(engine_req, category):
+        async for event in router.generate(engine_req, category, "chat" if chat_api else "text_completion"):
             if isinstance(event, (Done, Failed)):
                 return event
         raise RuntimeError("the request ended without a result")
@@ -535,7 +538,7 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
 
     async def pump(i: int, engine_req) -> None:
         try:
-            async for event in router.generate(engine_req, category):
+            async for event in router.generate(engine_req, category, "chat" if chat_api else "text_completion"):
                 await merged.put((i, event))
         finally:
             merged.put_nowait((i, None))  # this choice has nothing more

@@ -11,7 +11,8 @@ import logging
 
 import grpc
 
-from services.common import CLIENT_OPTIONS, auth_metadata, keepalive_options, retry_options
+from services.common import (CLIENT_OPTIONS, auth_metadata, keepalive_options, retry_options, traced_aio_channel,
+                             traced_channel)
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.target import TargetUnavailable
 
@@ -36,8 +37,7 @@ class Replica:
         self.metadata = auth_metadata(key)
         self._deadline_s = deadline_s
         # Info and Load polls: a transient UNAVAILABLE is retried by gRPC (service config retryPolicy)
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS
-                                              + retry_options("tandem.v1.Verifier", ["Info", "Load"]))
+        self._channel = traced_channel(address, CLIENT_OPTIONS + retry_options("tandem.v1.Verifier", ["Info", "Load"]))
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         try:
             self.info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=30, metadata=self.metadata,
@@ -60,8 +60,7 @@ class Replica:
         loop = asyncio.get_running_loop()
         entry = self._streams.get(id(loop))
         if entry is None:
-            channel = grpc.aio.insecure_channel(self.address, options=CLIENT_OPTIONS
-                                                + keepalive_options(self._deadline_s))
+            channel = traced_aio_channel(self.address, CLIENT_OPTIONS + keepalive_options(self._deadline_s))
             entry = self._streams[id(loop)] = [channel, None]
         if entry[1] is None or entry[1].closed:
             entry[1] = ReplicaLink(verifier_pb2_grpc.VerifierStub(entry[0]), self.metadata)

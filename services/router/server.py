@@ -11,7 +11,7 @@ import grpc
 from services.common import Delta, Done, Failed, GrpcServer, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.errors import InvalidRequestError
-from tandem.telemetry import extract_context, span
+
 
 from .core import Router, RouterConfig
 from .http import build_app
@@ -60,22 +60,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        with span("rpc.server.generate", parent_context=extract_context(context.invocation_metadata()),
-                  request_id=req.request_id):
-            async for event in self.router.generate(req, request.category or "default"):
-                if isinstance(event, Delta):
-                    out = event.output
-                    if out.new_token_ids or out.text_delta:
-                        yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
-                                                          text=out.text_delta, logprobs=out.logprobs or [],
-                                                          top_logprobs=[top_to_pb(a) for a in out.top_logprobs or ()])
-                elif isinstance(event, Done):
-                    yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
-                                                      finish_reason=event.completion.finish_reason,
-                                                      usage=_usage_pb(event.completion))
-                elif isinstance(event, Failed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
-                                        else grpc.StatusCode.UNAVAILABLE, event.message)
+        # (the call's SERVER span comes from the gRPC instrumentation: the request span is its child)
+        async for event in self.router.generate(req, request.category or "default",
+                                                "chat" if request.messages else "text_completion"):
+            if isinstance(event, Delta):
+                out = event.output
+                if out.new_token_ids or out.text_delta:
+                    yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
+                                                      text=out.text_delta, logprobs=out.logprobs or [],
+                                                      top_logprobs=[top_to_pb(a) for a in out.top_logprobs or ()])
+            elif isinstance(event, Done):
+                yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
+                                                  finish_reason=event.completion.finish_reason,
+                                                  usage=_usage_pb(event.completion))
+            elif isinstance(event, Failed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
+                                    else grpc.StatusCode.UNAVAILABLE, event.message)
 
 
 async def serve_grpc(router: Router, port: int, host: str = "127.0.0.1", key: str | None = None,
