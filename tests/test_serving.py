@@ -1423,3 +1423,28 @@ def test_a_replica_steps_events_become_one_message_per_stream():
         [1, 2], "ab", [-0.5, -1.5], ["a", "b"], True)
     merged = merge_events(by_id["a"], b)
     assert list(merged.token_ids) == [1, 2, 3, 7, 8, 9] and merged.text == "abcxyz" and merged.finished
+
+
+def test_readme_lists_every_request_field():
+    """The README's field table names every field the request models define and every field
+    NO_OP_VALUES knows; a field it does not list is refused."""
+    import re
+    from pathlib import Path
+
+    from services.router.http import NO_OP_VALUES, ChatCompletionRequest, CompletionRequest
+    from tandem.errors import InvalidRequestError
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    table = readme[readme.index("Every OpenAI request field"):readme.index("Routing: each request goes")]
+    listed = set(re.findall(r"`([a-z_]+)`", table))
+    defined = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | set(NO_OP_VALUES)
+    assert defined <= listed, sorted(defined - listed)
+    with pytest.raises(InvalidRequestError, match="unsupported field\\(s\\): frobnicate"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], frobnicate=1).sampling(16)
+    for name, value in [("audio", {"voice": "x"}), ("reasoning_effort", "high"), ("service_tier", "flex"),
+                        ("modalities", ["text", "audio"]), ("best_of", 2)]:
+        with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}"):
+            ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{name: value}).sampling(16)
+    ok = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], safety_identifier="u1",
+                               prompt_cache_key="k", service_tier="auto", modalities=["text"], best_of=1)
+    assert ok.sampling(16).max_tokens == 16

@@ -48,8 +48,12 @@ MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
 
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
-NO_OP_VALUES = {"functions": ([], None), "function_call": ("none", None),
-                "store": (False, None), "metadata": (None,), "user": None}  # user: an end-user id, no effect
+# (None: any value is accepted and has no effect: ids for the caller's own bookkeeping and cache hints)
+NO_OP_VALUES = {"functions": ([], None), "function_call": ("none", None), "best_of": (1, None),
+                "store": (False, None), "metadata": (None,), "user": None, "safety_identifier": None,
+                "prompt_cache_key": None, "service_tier": ("auto", "default", None), "modalities": (["text"], None),
+                "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+                "web_search_options": (None,), "suffix": (None, "")}
 
 
 class _Base(BaseModel):
