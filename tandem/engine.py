@@ -26,7 +26,7 @@ from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
-from .structured import GrammarCompiler
+from .structured import GrammarCompiler, batch_masks
 from .stopping import draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
@@ -458,14 +458,16 @@ class Engine(EngineConveniences):
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
         masks = {}
-        for i, r in enumerate(reqs):  # structured output: drafts up to the first the grammar forbids, and masks
-            if r.grammar is not None:
+        structured = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if structured:  # structured output: drafts up to the first the grammar forbids, and the masks
+            chains = [proposals[i].tokens[:proposals[i].chain_length] for i in structured]  # (trees keep their chain)
+            for i, chain, (mask, m) in zip(structured, chains, batch_masks(
+                    [(reqs[i].grammar, chain) for i, chain in zip(structured, chains)])):
                 p = proposals[i]
-                chain = p.tokens[:p.chain_length]  # (a token tree keeps its chain: no branching under a grammar)
-                masks[r.slot], m = r.grammar.masks(chain)
                 if p.parents is not None:
                     p = DraftProposal(chain, None if p.probs is None else p.probs[:len(chain)],
                                       p.features[:len(chain)], scores=None if p.scores is None else p.scores[:len(chain)])
+                masks[reqs[i].slot] = mask
                 proposals[i] = p.truncated(m)
         if self.drafter is not None and self.overlap_drafting and self.drafter.prefetches:
             self._prefetch(reqs, proposals)

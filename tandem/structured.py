@@ -150,15 +150,6 @@ class Grammar:
         self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.failed = False  # the matcher entered an error state: masks stop (logged once)
 
-    def _fill(self, row: torch.Tensor) -> None:
-        if self.failed:
-            row.fill_(-1)
-            return
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        if not bool(row.any()):  # nothing allowed (a complete grammar): end the sequence
-            for t in self.eos_token_ids:
-                row[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
-
     def masks(self, drafts: list[int]) -> tuple[torch.Tensor, int]:
         """Token bitmasks of the positions a round verifies, and how many drafts to keep.
 
@@ -168,24 +159,28 @@ class Grammar:
         Returns:
             ``([m + 1, words]`` int32 bitmask (bit ``t % 32`` of word ``t // 32`` is token t; row j
             is the position after the j-th kept draft), m``): the drafts the grammar allows, in
-            order, up to the first it forbids. The grammar is left where it was.
+            order, up to the first it forbids. The grammar is left where it was. (A round's
+            requests are done together: ``batch_masks``.)
         """
-        out = torch.zeros(len(drafts) + 1, self.words, dtype=torch.int32)
-        self._fill(out[0])
-        m = 0
-        if not self.failed and drafts:
-            # (consuming a forbidden token would break the matcher for good: validate first)
-            ok = self.matcher.validate_tokens(list(drafts))
-            for tok in drafts[:ok]:
-                if tok in self.eos_token_ids or not self.matcher.consume_token(tok):
-                    break
-                m += 1
-                self._fill(out[m])
-            if m:
-                self.matcher.rollback(m)
-            if self.matcher.is_error():
-                self._fail("walking the drafts")
-        return out[:m + 1], m
+        return batch_masks([(self, drafts)])[0]
+
+    def _allowed_drafts(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` the grammar allows in a row (EOS ends the run: not a draft to walk)."""
+        if self.failed or not drafts:
+            return 0
+        ok = self.matcher.validate_tokens(list(drafts))
+        return next((i for i, t in enumerate(drafts[:ok]) if t in self.eos_token_ids), ok)
+
+    def _finish_masks(self, out: torch.Tensor) -> None:
+        """A failed grammar allows everything; a position with nothing allowed (the grammar is
+        complete) allows EOS."""
+        if self.failed:
+            out.fill_(-1)
+            return
+        for row in out:
+            if not bool(row.any()):
+                for t in self.eos_token_ids:
+                    row[t // 32] |= 1 << (t % 32) if t % 32 < 31 else -(1 << 31)
 
     def advance(self, tokens: list[int]) -> None:
         """Consume the tokens a round emitted (EOS ends the sequence: not consumed)."""
@@ -202,6 +197,51 @@ class Grammar:
         self.failed = True
         log.error("grammar matcher failed at %s: %s; the request continues unconstrained", where,
                   self.matcher.get_error())
+
+
+_EXECUTOR = None  # llguidance's thread pool for the masks of a whole batch (made on first use)
+
+
+def batch_masks(work: list[tuple["Grammar", list[int]]]) -> list[tuple[torch.Tensor, int]]:
+    """``Grammar.masks`` of many requests at once: each request's drafts are cut at the first its
+    grammar forbids, then every mask of every request is computed in one call to llguidance's
+    executor (Rust threads, without the GIL), walking and rolling back the kept drafts.
+
+    Args:
+        work: ``(grammar, drafts)`` per structured request of a round.
+
+    Returns:
+        Per request, as ``Grammar.masks``: ``([m + 1, words]`` int32 bitmask, m``).
+    """
+    global _EXECUTOR
+    if not work:
+        return []
+    if _EXECUTOR is None:
+        from llguidance import LLExecutor
+
+        _EXECUTOR = LLExecutor()
+    kept = [g._allowed_drafts(d) for g, d in work]
+    words = work[0][0].words
+    rows = sum(m + 1 for m in kept)
+    bits = torch.zeros(rows, words, dtype=torch.int32)
+    walks, plain, starts, at = [], [], [], 0  # (the executor takes a request without drafts separately)
+    for (g, drafts), m in zip(work, kept):
+        starts.append(at)
+        if not g.failed:
+            (walks if m else plain).append((g.matcher, at, list(drafts[:m])) if m else (g.matcher, at))
+        at += m + 1
+    if walks:
+        _EXECUTOR.unsafe_compute_mask_ptr_with_draft_token(walks, bits.data_ptr(), words * 4, rows)
+    if plain:
+        _EXECUTOR.unsafe_compute_mask_ptr(plain, bits.data_ptr(), words * 4, rows)
+    out = []
+    for (g, _), m, start in zip(work, kept, starts):
+        if g.matcher.is_error():
+            g._fail("walking the drafts")
+        masks = bits[start:start + m + 1].clone()
+        g._finish_masks(masks)
+        out.append((masks, m))
+    return out
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
