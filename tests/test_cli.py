@@ -32,6 +32,11 @@ def run():
     (["generate", "--prompt", "hi", "--specformer", "x", "--drafter", "ngram"], "--specformer needs --drafter specformer"),
     (["generate", "--prompt", "hi", "--specformer", "x", "--draft-model", "y"], "give the SpecFormer head once"),
     (["generate", "--prompt", "hi", "--specformer", " "], "--specformer is empty"),
+    (["generate", "--prompt", "hi", "--logit-bias", "x=1"], "--logit-bias takes ID=BIAS"),
+    (["generate", "--prompt", "hi", "--logit-bias", "5=500"], "logit_bias values must be numbers in [-100, 100]"),
+    (["generate", "--prompt", "hi", "--presence-penalty", "5"], "presence_penalty must be a number in [-2, 2]"),
+    (["generate", "--prompt", "hi", "--max-tokens", "8", "--min-tokens", "9"], "min_tokens must be"),
+    (["generate", "--prompt", "hi", "--json", "--regex", "a"], "give at most one of --json"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -117,3 +122,17 @@ def test_out_of_memory_is_one_line(run, monkeypatch, exc, message):
     monkeypatch.setattr(cli, "_engine", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("a bug")))
     res = run("generate", "--prompt", "hi")
     assert res.exit_code == 1 and isinstance(res.exception, RuntimeError)
+
+
+@pytest.mark.slow
+def test_generate_with_structured_output_and_adjustments(run, tmp_path):
+    """The sampling and structured-output options reach the request: a regex holds the output to
+    digits; a broken JSON schema is a one-line error naming its option."""
+    res = run("generate", "--prompt", "What is 6 times 7?", "--regex", "[0-9]{1,3}", "--max-tokens", "8",
+              "--frequency-penalty", "0.5", "--logit-bias", "28=1.5", "--drafter", "ngram")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().isdigit()
+    schema = tmp_path / "s.json"
+    schema.write_text("{broken")
+    res = run("generate", "--prompt", "hi", "--json-schema", str(schema), "--max-tokens", "8")
+    assert res.exit_code == 2 and "the JSON schema is not valid JSON" in res.stderr

@@ -29,6 +29,19 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped.")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="[-2, 2] (OpenAI's).")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="[-2, 2] (OpenAI's).")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="(0, 10]; 1 = off (vLLM's).")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Output tokens before EOS or a stop may end the output.")
+@click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+              help="Add BIAS in [-100, 100] to token ID's logit (repeatable).")
+@click.option("--json", "json_object", is_flag=True, help="Structured output: any JSON object.")
+@click.option("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Structured output: a JSON schema file the output must match.")
+@click.option("--regex", default=None, help="Structured output: a regular expression the output must match.")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Structured output: a Lark grammar file (llguidance's dialect).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Running requests at most.")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
@@ -42,7 +55,8 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 @dtype_option
 @kernels_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
-             batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
+             presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logit_bias, json_object, json_schema,
+             regex, grammar, batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
              specformer_path, compare, dtype, kernels) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from ..sampling import SamplingParams  # torch
@@ -67,7 +81,10 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
     spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop=tuple(_unescape(x) for x in stop))
+                                seed=seed, stop=tuple(_unescape(x) for x in stop), presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                                min_tokens=min_tokens, logit_bias=_logit_bias(logit_bias),
+                                structure=_structure(json_object, json_schema, regex, grammar))
         records = load_prompts(prompts_file, limit) if prompts_file else None
         if records is not None and not records:
             fail("the prompts file has no prompts")
@@ -98,6 +115,40 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         baseline = build_engine(TARGET_ONLY, share=engine)
         base, base_wall = _run_file(baseline, records, params, not no_chat, desc="target-only")
         _print_comparison(engine, results, wall, base, base_wall, sampled=not params.greedy)
+
+
+def _logit_bias(pairs: tuple[str, ...]) -> dict[int, float]:
+    """``--logit-bias ID=BIAS`` options as a dict (range checks: ``SamplingParams``)."""
+    out = {}
+    for pair in pairs:
+        tok, sep, bias = pair.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            fail(f"--logit-bias takes ID=BIAS (an integer token id and a number), got {pair!r}")
+        if not sep:
+            fail(f"--logit-bias takes ID=BIAS, got {pair!r}")
+    return out
+
+
+def _structure(json_object: bool, json_schema: str | None, regex: str | None, grammar: str | None):
+    """The structured-output options as a ``Structure`` (None without one; at most one)."""
+    from pathlib import Path
+
+    from ..structured import Structure
+
+    given = [x for x in (json_object or None, json_schema, regex, grammar) if x is not None]
+    if len(given) > 1:
+        fail("give at most one of --json, --json-schema, --regex and --grammar")
+    if json_object:
+        return Structure("json_object", param="--json")
+    if json_schema is not None:
+        return Structure("json_schema", Path(json_schema).read_text(), param="--json-schema")
+    if regex is not None:
+        return Structure("regex", regex, param="--regex")
+    if grammar is not None:
+        return Structure("lark", Path(grammar).read_text(), param="--grammar")
+    return None
 
 
 def _print_results(engine, records, results, wall: float) -> None:
