@@ -130,6 +130,11 @@ class SamplingParams:
         if self.structure is not None and not isinstance(self.structure, Structure):
             raise InvalidRequestError(f"structure must be a tandem.structured.Structure, got {self.structure!r}",
                                       param="response_format")
+        if self.structure is not None and (self.min_tokens or self.ignore_eos):
+            # a complete grammar allows only EOS: holding EOS off would leave no token to emit
+            name = "min_tokens" if self.min_tokens else "ignore_eos"
+            raise InvalidRequestError(f"{name} cannot be combined with structured output ({self.structure.param}): "
+                                      "the output ends where the grammar is complete", param=name)
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0.0 < r <= 10.0:
             raise InvalidRequestError(f"repetition_penalty must be in (0, 10] (1 = off), got {r!r}",

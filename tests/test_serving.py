@@ -415,6 +415,7 @@ def test_tool_call_round_trip_through_router(stack, client, model_id):
     streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
     assert json.loads(streamed[0].function.arguments)["city"] in ("Paris", "Oslo", "Lima")
+    assert " " not in streamed[0].function.arguments  # compact, as the grammar wrote it
     for seed in range(4):  # auto: a call in OpenAI's shape, or plain text (not a malformed call)
         m = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=24, temperature=1.0, seed=seed,
                                            tools=[WEATHER]).choices[0]
@@ -422,6 +423,16 @@ def test_tool_call_round_trip_through_router(stack, client, model_id):
             assert m.finish_reason == "tool_calls" and m.message.tool_calls[0].function.name == "get_weather"
         else:
             assert isinstance(m.message.content, str) and not m.message.content.lstrip().startswith("{")
+    cut = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=8, temperature=0,
+                                         tools=[WEATHER], tool_choice="required").choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None  # a cut call is still a call
+    assert cut.message.tool_calls[0].function.name == "get_weather"  # (the name fits in 8 tokens)
+    assert '{"city":"Paris"}'.startswith(cut.message.tool_calls[0].function.arguments[:3]) or \
+        cut.message.tool_calls[0].function.arguments == ""
+    none = client.chat.completions.create(model=model_id, messages=msgs, max_tokens=24, temperature=0,
+                                          tools=[{"type": "function", "function": {"name": "now"}}],
+                                          tool_choice="required").choices[0]
+    assert none.finish_reason == "tool_calls" and none.message.tool_calls[0].function.arguments == "{}"
     follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18}'}]
     answer = client.chat.completions.create(model=model_id, messages=follow, max_tokens=12, temperature=0,
@@ -440,6 +451,17 @@ def test_tool_call_round_trip_through_router(stack, client, model_id):
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "function name", "tools.0.function.name"),
     ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, "bad json schema",
+     "tools.0.function.parameters"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "unknown response_format field", "response_format.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "needs", "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "must be a boolean", "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}}},
+     "unknown json_schema field", "response_format.json_schema.foo"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "cannot be combined with structured", "min_tokens"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "needs the tool_call_id", "messages.0.tool_call_id"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "both constrain", "response_format"),
 ])

@@ -113,6 +113,10 @@ def test_structure_kinds_are_checked():
         Structure("xml")
     with pytest.raises(InvalidRequestError, match="needs its schema"):
         Structure("json_schema")
+    for clash in ({"min_tokens": 3}, {"ignore_eos": True}):  # a complete grammar allows only EOS
+        with pytest.raises(InvalidRequestError, match="cannot be combined with structured output") as info:
+            SamplingParams(max_tokens=8, structure=Structure("json_object"), **clash)
+        assert info.value.param == next(iter(clash))
 
 
 @pytest.mark.slow

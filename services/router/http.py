@@ -111,10 +111,9 @@ class _SamplingFields(_Base):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not key.isascii() or not key.isdigit():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               structure=self.structure(),
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
@@ -132,18 +131,31 @@ class _SamplingFields(_Base):
             InvalidRequestError: an unknown type or a json_schema without its schema.
         """
         rf = self.response_format
-        if rf is None or rf.get("type") == "text":
+        if rf is None:
             return None
-        if rf.get("type") == "json_object":
+        kind = rf.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise InvalidRequestError('response_format type must be "text", "json_object" or "json_schema"',
+                                      param="response_format.type")
+        extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+        if extra:
+            raise InvalidRequestError(f"unknown response_format field(s) for type {kind}: {', '.join(extra)}",
+                                      param=f"response_format.{extra[0]}")
+        if kind == "text":
+            return None
+        if kind == "json_object":
             return Structure("json_object")
-        if rf.get("type") == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-                raise InvalidRequestError('json_schema needs {"name": ..., "schema": {...}}',
-                                          param="response_format.json_schema")
-            return Structure("json_schema", json.dumps(js.get("schema", {})))
-        raise InvalidRequestError('response_format type must be "text", "json_object" or "json_schema"',
-                                  param="response_format.type")
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not isinstance(js.get("schema"), dict):
+            raise InvalidRequestError('json_schema needs {"name": "<a name>", "schema": {<a JSON schema>}}',
+                                      param="response_format.json_schema")
+        unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise InvalidRequestError(f"unknown json_schema field(s): {', '.join(unknown)}",
+                                      param=f"response_format.json_schema.{unknown[0]}")
+        if "strict" in js and not isinstance(js["strict"], (bool, type(None))):
+            raise InvalidRequestError("json_schema.strict must be a boolean", param="response_format.json_schema.strict")
+        return Structure("json_schema", json.dumps(js["schema"]))
 
 
 class CompletionRequest(_SamplingFields):
@@ -284,6 +296,9 @@ def _chat_content(messages: list[ChatMessage], tools: list[Tool], choice: str | 
             raise InvalidRequestError("only assistant messages carry tool_calls", param=f"messages.{i}.tool_calls")
         if m.tool_call_id is not None and m.role != "tool":
             raise InvalidRequestError("only tool messages carry tool_call_id", param=f"messages.{i}.tool_call_id")
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequestError("a tool message needs the tool_call_id of the call it answers",
+                                      param=f"messages.{i}.tool_call_id")
         out.append({"role": m.role, "content": content or "",
                     "tool_calls": check_tool_calls(m.tool_calls, i) if m.tool_calls else None,
                     "tool_call_id": m.tool_call_id})
@@ -422,6 +437,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
             params = replace(params, max_tokens=body.max_completion_tokens)
             requested = ("max_completion_tokens", body.max_completion_tokens)
         tools, choice = parse_tools(body.tools, body.tool_choice)
+        for i, tool in enumerate(tools):  # each function's parameters must make a schema: said per tool
+            await asyncio.to_thread(router.grammars.check, Structure(
+                "json_schema", json.dumps(tool.parameters), param=f"tools.{i}.function.parameters"))
         structure = tool_structure(tools, choice) if tools else None
         if structure is not None:  # the call grammar
             if params.structure is not None:
@@ -473,7 +491,9 @@ def _choice(text: str, finish_reason: str | None, chat_api: bool, stream: bool, 
         calls = [{"index": 0} | tool_call] if stream else [tool_call]
         message = {"content": None, "tool_calls": calls}
         return {"index": index, "delta" if stream else "message": message if stream else {"role": "assistant"} | message,
-                "finish_reason": "tool_calls" if finish_reason == "stop" else finish_reason, "logprobs": logprobs,
+                # a complete call ended by EOS; a call cut by max_tokens or a stop string keeps its reason
+                "finish_reason": "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason,
+                "logprobs": logprobs,
                 "stop_reason": stop_reason}
     if chat_api:
         out = {"index": index, "delta" if stream else "message": {"content": text} if stream

@@ -13,6 +13,7 @@ results as ``tool`` messages; both are rendered into the prompt as text.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -57,7 +58,9 @@ def parse_tools(tools: list | None, tool_choice) -> tuple[list[Tool], str | None
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise InvalidRequestError('each tool must be {"type": "function", "function": {...}}', param=f"tools.{i}")
-        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        # no parameters: a function that takes none (OpenAI's reading), i.e. arguments {}
+        name = fn.get("name")
+        params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})
         if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
             raise InvalidRequestError("a function name must be 1-64 letters, digits, '_' or '-'",
                                       param=f"tools.{i}.function.name")
@@ -117,20 +120,35 @@ def tool_structure(tools: list[Tool], choice: str) -> Structure | None:
     return Structure("lark", lark, param="tools")
 
 
+_NAME = re.compile(r'^\{\s*"name"\s*:\s*"([^"]*)"')
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+
+
 def parse_tool_call(text: str, tools: list[Tool]) -> dict | None:
-    """The OpenAI ``tool_calls`` entry of an output that is a call to one of ``tools``, else None."""
+    """The OpenAI ``tool_calls`` entry of an output that is a call, else None (plain text).
+
+    Under a tools grammar an output that starts with ``{`` is a call (``auto``'s text cannot
+    start so). A complete call gives its name and its arguments as compact JSON text; a call cut
+    short (``max_tokens``, a stop string) keeps what was written: the name if it is complete (else
+    ""), and the arguments' text so far, as OpenAI returns a call cut by the token limit.
+    """
     stripped = text.strip()
     if not stripped.startswith("{"):
         return None
     try:
         call = json.loads(stripped)
     except json.JSONDecodeError:
-        return None
-    if (not isinstance(call, dict) or call.get("name") not in {t.name for t in tools}
-            or not isinstance(call.get("arguments"), dict)):
-        return None
+        call = None
+    if isinstance(call, dict) and call.get("name") in {t.name for t in tools} and isinstance(call.get("arguments"),
+                                                                                              dict):
+        name, arguments = call["name"], json.dumps(call["arguments"], separators=(",", ":"), ensure_ascii=False)
+    else:  # cut short: what was written
+        m = _NAME.match(stripped)
+        name = m.group(1) if m else ""
+        a = _ARGUMENTS.search(stripped)
+        arguments = stripped[a.end():] if a else ""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+            "function": {"name": name, "arguments": arguments}}
 
 
 def render_messages(messages: list[dict]) -> list[dict[str, str]]:
