@@ -234,7 +234,8 @@ class Engine(EngineConveniences):
 
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                      prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                     request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0) -> Request:
+                     request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                     resumed: int = 0) -> Request:
         """Validate and tokenize a request without touching the engine's queues (a server
         thread can do this while another thread steps the engine): ``tandem.requests.new_request``
         with this engine's tokenizer, vocabulary and context limit.
@@ -250,6 +251,9 @@ class Engine(EngineConveniences):
             top_logprobs: also return, per output token, this many most likely tokens at its
                 position with their log-probabilities (0 .. ``MAX_TOP_LOGPROBS`` = 20; > 0
                 implies ``logprobs``).
+            resumed: the last ``resumed`` prompt tokens are output the request already emitted
+                elsewhere (a request resumed after a replica failure): its grammar and penalties
+                count them as output.
 
         Returns:
             The request, ready for ``submit``.
@@ -263,7 +267,7 @@ class Engine(EngineConveniences):
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
-                           device=self.target.info.device,
+                           device=self.target.info.device, resumed=resumed,
                            grammars=self.grammars if params is not None and params.structure is not None else None)
 
     def abort(self, request_id: str) -> None:
@@ -328,7 +332,7 @@ class Engine(EngineConveniences):
                     handle = self.target.launch_prefill(
                         [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs,
                                      tuple(sorted(r.output.stop_ids)),
-                                     r.grammar.masks([])[0] if r.grammar is not None else None)
+                                     r.grammar.masks([])[0] if r.grammar is not None else None, r.resumed)
                          for r in reqs])
             except BaseException:
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests

@@ -38,6 +38,7 @@ class Request:
     top_logprobs: int = 0  # alternatives asked per token (0 .. MAX_TOP_LOGPROBS)
     top: list[list[tuple[int, float]]] | None = None  # per output token, its top_logprobs alternatives
     grammar: "Grammar | None" = None  # structured output: the output's grammar state (params.structure)
+    resumed: int = 0  # the prompt's last tokens that are output emitted elsewhere (a resumed request)
     pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
 
     @property
@@ -76,7 +77,7 @@ class RequestOutput:
 def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, prompt=None,
                 params: SamplingParams | None = None, *, prompt_ids: Sequence[int] | None = None, chat: bool = True,
                 logprobs: bool = False, top_logprobs: int = 0, device: str = "cpu",
-                grammars: "GrammarCompiler | None" = None) -> Request:
+                grammars: "GrammarCompiler | None" = None, resumed: int = 0) -> Request:
     """Validate and tokenize one request (``Engine.make_request``; a router does the same with
     the served model's tokenizer and limits, without an engine).
 
@@ -89,6 +90,7 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         device: where the request's random draws are made.
         grammars: compiles ``params.structure`` into the request's grammar state (an engine's
             or a router's ``tandem.structured.GrammarCompiler``); required for structured requests.
+        resumed: as ``Engine.make_request``.
 
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
@@ -127,14 +129,19 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     max_new = min(params.max_tokens, max_seq_len - len(ids))  # prompt + output <= context limit
     if not params.greedy and params.seed is None:  # every sampled request has a seed: its random numbers
         params = replace(params, seed=new_seed())  # are keyed by (seed, position) wherever it runs
+    if isinstance(resumed, bool) or not isinstance(resumed, int) or not 0 <= resumed < len(ids):
+        raise InvalidRequestError(f"resumed output must be 0 .. {len(ids) - 1} prompt tokens, got {resumed!r}",
+                                  param="output_tokens")
     grammar = None
     if params.structure is not None:
         if grammars is None:
             raise InvalidRequestError("structured output is not available here", param=params.structure.param)
         grammar = grammars.compile(params.structure)
+        if resumed:  # the grammar continues after what was emitted
+            grammar.advance(ids[len(ids) - resumed:])
     return Request(request_id, ids, params, OutputState(tokenizer, params, max_new), request_generator(params, device),
                    logprobs=[] if logprobs or top_logprobs else None, top_logprobs=top_logprobs,
-                   top=[] if top_logprobs else None, grammar=grammar)
+                   top=[] if top_logprobs else None, grammar=grammar, resumed=resumed)
 
 
 @dataclass(frozen=True)

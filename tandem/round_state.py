@@ -39,11 +39,12 @@ class SlotSampling:
         self.seeds: list[int] = [0] * num_slots
 
     def admit(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]] | None = None,
-              stop_ids: list[tuple[int, ...]] | None = None) -> None:
+              stop_ids: list[tuple[int, ...]] | None = None, resumed: list[int] | None = None) -> None:
         """Record the settings of newly admitted sequences (a request without a seed gets one):
         their ``prompts`` and ``stop_ids`` (the ids masked before ``min_tokens``) are read when a
         request adjusts its logits (``logit_bias`` ids are in the vocabulary: ``new_request``
-        checks them)."""
+        checks them); ``resumed``: how many of each prompt's last tokens are output emitted
+        elsewhere (a resumed request): the output's token counts start with them."""
         seeds = [p.seed if p.seed is not None else new_seed() for p in params]
         for s, p, seed in zip(slots, params, seeds):
             self.params[s], self.seeds[s] = p, seed
@@ -61,7 +62,7 @@ class SlotSampling:
             self.adjust = self._allocate_adjustments()
         if self.adjust is not None:
             self._admit_adjustments(idx, slots, params, prompts or [[] for _ in slots],
-                                    stop_ids or [() for _ in slots])
+                                    stop_ids or [() for _ in slots], resumed or [0 for _ in slots])
 
     def _allocate_adjustments(self) -> LogitAdjustments:
         S, V, dev = self.num_slots, self.vocab_size, self.device
@@ -77,7 +78,7 @@ class SlotSampling:
             repetition=torch.ones(S, dtype=torch.float32, device=dev))
 
     def _admit_adjustments(self, idx: torch.Tensor, slot_of: list[int], params: list[SamplingParams],
-                           prompts: list[list[int]], stop_ids: list[tuple[int, ...]]) -> None:
+                           prompts: list[list[int]], stop_ids: list[tuple[int, ...]], resumed: list[int]) -> None:
         """Write the adjustment rows of admitted slots ``idx`` (neutral for requests without any)."""
         adj, dev = self.adjust, self.device
         for name in ("bias", "counts", "prompt_seen", "suppress"):
@@ -96,6 +97,12 @@ class SlotSampling:
         scatter(adj.bias, [k for k, _ in bias], [b for _, b in bias])
         scatter(adj.prompt_seen, sorted({(s, t) for s, p, pr in zip(slot_of, params, prompts)
                                          if p.repetition_penalty != 1.0 for t in pr}))
+        counted = [(s, t) for s, pr, n in zip(slot_of, prompts, resumed) if n for t in pr[len(pr) - n:]]
+        if counted:  # a resumed request's output so far
+            rows, cols = zip(*counted)
+            adj.counts.index_put_((to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                                   to_device(torch.tensor(cols, dtype=torch.int64), dev)),
+                                  torch.ones(len(counted), dtype=torch.float32, device=dev), accumulate=True)
         scatter(adj.suppress, sorted({(s, t) for s, p, ids in zip(slot_of, params, stop_ids) if p.min_tokens
                                       for t in ids if 0 <= t < self.vocab_size}))
         ints = to_device(torch.tensor([[len(pr), p.min_tokens] for p, pr in zip(params, prompts)], dtype=torch.int64),

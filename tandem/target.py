@@ -108,6 +108,7 @@ class PrefillItem:
     top_logprobs: int = 0  # also the top_logprobs most likely tokens at each position (<= MAX_TOP_LOGPROBS)
     stop_ids: tuple[int, ...] = ()  # the ids that end it (EOS, stop token ids): masked before params.min_tokens
     allowed: torch.Tensor | None = None  # [1, words] int32 grammar bitmask of the first token (structured output)
+    resumed: int = 0  # the prompt's last tokens are output emitted elsewhere (they count for the penalties)
 
 
 @dataclass
@@ -320,7 +321,7 @@ class LocalTarget(Target):
         order = sorted(range(len(items)), key=lambda i: items[i].slot)
         slots = [items[i].slot for i in order]
         self.sampling.admit(slots, [items[i].params for i in order], [items[i].prompt_ids for i in order],
-                            [items[i].stop_ids for i in order])
+                            [items[i].stop_ids for i in order], [items[i].resumed for i in order])
         taps: dict[int, torch.Tensor] | None = {} if self.runner.config.taps else None
         prompts = {it.slot: it.prompt_ids for it in items}
         if self.runner.config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)

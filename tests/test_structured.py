@@ -180,3 +180,30 @@ def test_cuda_graph_rounds_with_adjustments_top_logprobs_and_grammars(real_check
     if drafter != "none":
         assert engine.stats.num_accepted > 0
     assert engine.chains_rounds
+
+
+@pytest.mark.slow
+def test_a_resumed_request_continues_its_grammar_and_penalties(real_engine):
+    """A request resumed elsewhere (a replica failure: its prompt then holds the output already
+    streamed, ``resumed`` of its tokens) continues exactly where it stopped: its grammar and its
+    penalty counts start after that output."""
+    from dataclasses import replace
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=2.0, presence_penalty=1.5,
+                            structure=Structure("json_schema", json.dumps(PERSON)))
+    prompt_ids = real_engine.encode_prompt(PROMPTS[0])
+    whole = _run_ids(real_engine, prompt_ids, params, 0)
+    assert len(whole) > 12
+    for done in (1, 12, 20):
+        rest = _run_ids(real_engine, prompt_ids + whole[:done], replace(params, max_tokens=MAX_TOKENS - done), done)
+        assert rest == whole[done:], done
+    with pytest.raises(InvalidRequestError, match="resumed output"):
+        real_engine.make_request(prompt_ids=[1, 2], params=params, resumed=2)
+
+
+def _run_ids(engine, prompt_ids, params, resumed):
+    req = engine.make_request(prompt_ids=prompt_ids, params=params, resumed=resumed)
+    engine.submit(req)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.completion(req.request_id).token_ids

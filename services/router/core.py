@@ -350,14 +350,15 @@ class Router:
         rid = request.request_id
         done = len(progress.token_ids)
         params = request.params
-        if done:
-            params = replace(params, max_tokens=request.output.max_new_tokens - done)
+        if done:  # (min_tokens too: what was emitted counts)
+            params = replace(params, max_tokens=request.output.max_new_tokens - done,
+                             min_tokens=max(0, params.min_tokens - done))
         progress.replicas.append(replica.address)
         with span("route", replica=replica.address, request_id=rid, resumed_tokens=done):
             trace = dict(inject_metadata())  # the replica's "generate" span is this one's child
         msg = verifier_pb2.ReplicaRequest(request_id=rid, prompt_ids=[*request.prompt_ids, *progress.token_ids],
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
-                                          top_logprobs=request.top_logprobs,
+                                          top_logprobs=request.top_logprobs, output_tokens=done,
                                           category=category or "default", trace_context=trace)
         link = replica.link()
         wire_id, events = link.submit(msg)

@@ -116,7 +116,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise InvalidRequestError(f"request {rid!r} is already running on this stream")
                 req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
                                                        request_id=prefix + rid, logprobs=r.logprobs,
-                                                       top_logprobs=r.top_logprobs)
+                                                       top_logprobs=r.top_logprobs, resumed=r.output_tokens)
             except InvalidRequestError as exc:
                 batches.put_nowait(self._events([(prefix + rid, Failed(str(exc), invalid=True))], prefix))
                 return

@@ -16,7 +16,7 @@ class ReplicaCommands(_message.Message):
     def __init__(self, submit: _Optional[_Iterable[_Union[ReplicaRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context", "top_logprobs")
+    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context", "top_logprobs", "output_tokens")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class ReplicaRequest(_message.Message):
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -38,7 +39,8 @@ class ReplicaRequest(_message.Message):
     category: str
     trace_context: _containers.ScalarMap[str, str]
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_logprobs: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("num_steps", "num_emitted", "num_drafted", "num_accepted", "drafted_per_pos", "accepted_per_pos")
