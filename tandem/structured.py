@@ -7,11 +7,12 @@ next tokens as a bitmask (one bit per token id), in tens of microseconds, and it
 
 How a structured request is verified (``Grammar.masks`` then ``Grammar.advance``):
 
-1. Before a round, the host walks the request's drafts through its grammar: the mask at the
-   position after the last emitted token, then after each draft the grammar allows, up to the
-   first draft it forbids. Drafts from there on are dropped: the target's masked distribution gives
-   a forbidden token probability 0, so verification would reject it (and everything after it)
-   anyway; dropping them changes nothing but the wasted work. The drafts walked are rolled back.
+1. Before a round, the host cuts the request's drafts at the first its grammar forbids
+   (``cut_drafts``): the target's masked distribution gives a forbidden token probability 0, so
+   verification would reject it (and everything after it) anyway; dropping them changes nothing
+   but the wasted work. While the round's forward runs, a thread walks the kept drafts through the
+   grammar (``MaskWalk``): the mask at the position after the last emitted token, then after each
+   kept draft; the walk is rolled back.
 2. Verification masks the target's logits at every position (``-inf`` where the bitmask is 0,
    after the logit adjustments) before the argmax and the sampling transform, so greedy and
    speculative sampling emit exactly what target-only decoding under the grammar would.
@@ -202,13 +203,22 @@ class Grammar:
 _EXECUTOR = None  # llguidance's thread pool for the masks of a whole batch (made on first use)
 
 
-def batch_masks(work: list[tuple["Grammar", list[int]]]) -> list[tuple[torch.Tensor, int]]:
+def cut_drafts(work: list[tuple["Grammar", list[int]]]) -> list[int]:
+    """How many of each request's drafts its grammar allows in a row (``(grammar, drafts)`` per
+    request): the drafts a round verifies. Cheap (no mask is computed)."""
+    return [g._allowed_drafts(d) for g, d in work]
+
+
+def batch_masks(work: list[tuple["Grammar", list[int]]], kept: list[int] | None = None
+                ) -> list[tuple[torch.Tensor, int]]:
     """``Grammar.masks`` of many requests at once: each request's drafts are cut at the first its
-    grammar forbids, then every mask of every request is computed in one call to llguidance's
-    executor (Rust threads, without the GIL), walking and rolling back the kept drafts.
+    grammar forbids (``cut_drafts``, or ``kept`` when already cut), then every mask of every
+    request is computed in one call to llguidance's executor (Rust threads, without the GIL),
+    walking and rolling back the kept drafts.
 
     Args:
         work: ``(grammar, drafts)`` per structured request of a round.
+        kept: ``cut_drafts(work)``, when the caller has it.
 
     Returns:
         Per request, as ``Grammar.masks``: ``([m + 1, words]`` int32 bitmask, m``).
@@ -220,7 +230,7 @@ def batch_masks(work: list[tuple["Grammar", list[int]]]) -> list[tuple[torch.Ten
         from llguidance import LLExecutor
 
         _EXECUTOR = LLExecutor()
-    kept = [g._allowed_drafts(d) for g, d in work]
+    kept = cut_drafts(work) if kept is None else kept
     words = work[0][0].words
     rows = sum(m + 1 for m in kept)
     bits = torch.zeros(rows, words, dtype=torch.int32)
@@ -242,6 +252,31 @@ def batch_masks(work: list[tuple["Grammar", list[int]]]) -> list[tuple[torch.Ten
         g._finish_masks(masks)
         out.append((masks, m))
     return out
+
+
+class MaskWalk:
+    """A round's grammar masks computed on a background thread (``batch_masks``), so the host
+    walks the grammars while the device runs the round's forward; ``result()`` waits for them.
+    The grammars are not to be touched until then.
+
+    Args:
+        work: ``(grammar, drafts)`` per structured request, the drafts already cut (``cut_drafts``).
+        keys: each request's key in ``result`` (its KV slot).
+    """
+
+    _pool = None
+
+    def __init__(self, work: list[tuple["Grammar", list[int]]], keys: list) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if MaskWalk._pool is None:
+            MaskWalk._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-masks")
+        self.keys = list(keys)
+        self._future = MaskWalk._pool.submit(batch_masks, work, [len(d) for _, d in work])
+
+    def result(self) -> dict:
+        """Key -> the request's ``[len(drafts) + 1, words]`` int32 bitmask."""
+        return {key: mask for key, (mask, _) in zip(self.keys, self._future.result())}
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -236,12 +236,17 @@ class Target(ABC):
             TargetUnavailable: remote failure.
         """
 
-    def launch_verify(self, items: list[VerifyItem]) -> object:
+    def launch_verify(self, items: list[VerifyItem], masks=None) -> object:
         """Start ``verify(items)`` and return a handle for ``collect``; a target that can queue
         the work (the GPU) returns before it is done, so the caller's host work overlaps it. The
         items' slots must not be touched until ``collect``. The default runs ``verify`` at once.
+
+        Args:
+            masks: structured requests' grammar masks still being computed
+                (``tandem.structured.MaskWalk``: ``result()`` maps a slot to its item's
+                ``allowed``); a target that can queue the forward waits for them only after.
         """
-        return self.verify(items)
+        return self.verify(_with_masks(items, masks))
 
     def collect(self, handle: object) -> list[TargetResult]:
         """The results of a ``launch_verify`` or ``launch_chained`` (blocks until they are ready)."""
@@ -402,12 +407,14 @@ class LocalTarget(Target):
 
     chains_rounds = True
 
-    def launch_verify(self, items: list[VerifyItem]) -> "_LaunchedVerify":
+    def launch_verify(self, items: list[VerifyItem], masks=None) -> "_LaunchedVerify":
         """Queue the forward, the verification and one non-blocking device-to-host copy of the
-        results (into pinned memory, on CUDA); ``collect`` waits for that copy only."""
+        results (into pinned memory, on CUDA); ``collect`` waits for that copy only. Grammar
+        ``masks`` still being computed (see ``Target.launch_verify``) are waited for after the
+        forward is queued, so their host work overlaps the device's."""
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
-        return self._verify_step(items, out, trees)
+        return self._verify_step(_with_masks(items, masks), out, trees)
 
     def launch_chained(self, items: list[ChainedItem], drafter=None, draft_cap: int | None = None) -> "_LaunchedVerify":
         """See ``Target.launch_chained``: one step whose start positions, tokens and drafts the
@@ -607,6 +614,14 @@ class LocalTarget(Target):
             return verify_tree_greedy(prop.tokens, prop.parents, argmax.tolist())
         p = target_probs(logits, rows)[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
+
+
+def _with_masks(items: list[VerifyItem], masks) -> list[VerifyItem]:
+    """``items`` with the grammar masks of ``masks`` (a ``MaskWalk``, waited for) as ``allowed``."""
+    if masks is None:
+        return items
+    ready = masks.result()
+    return [dataclasses.replace(it, allowed=ready[it.slot]) if it.slot in ready else it for it in items]
 
 
 def _allowed(items: list, Q: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:

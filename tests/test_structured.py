@@ -207,3 +207,45 @@ def _run_ids(engine, prompt_ids, params, resumed):
     while engine.has_unfinished():
         engine.step()
     return engine.completion(req.request_id).token_ids
+
+
+@pytest.mark.slow
+def test_the_mask_walk_overlaps_the_forward(real_engine, on_real_target, monkeypatch):
+    """A round's grammar masks are walked on a thread while the forward is queued: every round's
+    forward is queued while its walk is still running (the walk made slow here to show it), and
+    the output is still target-only's."""
+    import threading
+    import time
+
+    import tandem.structured as structured
+    from tandem.drafters import NgramDrafter
+
+    pending = threading.Event()  # a round's walk was started and has not ended
+    during: list[bool] = []  # per forward: was a walk pending
+    walk, start = structured.batch_masks, structured.MaskWalk.__init__
+
+    def slow_walk(*args, **kwargs):
+        time.sleep(0.05)
+        out = walk(*args, **kwargs)
+        pending.clear()
+        return out
+
+    def started(self, *args, **kwargs):
+        pending.set()
+        start(self, *args, **kwargs)
+
+    params = SamplingParams(max_tokens=24, structure=Structure("json_schema", json.dumps(PERSON)))
+    want = _run(on_real_target(None), PROMPTS[:1], [params])[0]
+    engine = on_real_target(NgramDrafter(), num_draft_tokens=4)
+    step = engine.runner.step
+
+    def traced_step(*args, **kwargs):
+        during.append(pending.is_set())
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "batch_masks", slow_walk)
+    monkeypatch.setattr(structured.MaskWalk, "__init__", started)
+    monkeypatch.setattr(engine.runner, "step", traced_step)
+    got = _run(engine, PROMPTS[:1], [params])[0]
+    assert got.token_ids == want.token_ids
+    assert len(during) > 3 and all(during), during
