@@ -70,7 +70,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         redis_url: the state store the draft policy's θ, the acceptance counters and the
             verification logs go to (None: in-memory).
         overlap: request the next round's remote drafts while the target verifies this one.
-        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up.
+        measure_cost: time T(b, q) at start-up: adaptive policies allocate draft tokens under it,
+            and routers budget the replica's draft width with it (``VerifierInfo.cost``).
         metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs); None values keep the device's defaults.
@@ -87,8 +88,9 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     from services.verifier.replica import ReplicaEngine
     from tandem.models.runner import default_runner_config
     from tandem.models.weights import load_checkpoint
-    from tandem.speculation import build_engine
+    from tandem.speculation import build_engine, measure_target_cost
     from tandem.state import open_store
+    from tandem.target import LocalTarget
     from tandem.telemetry import Metrics
 
     cfg = default_runner_config(device, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **(runner or {}))
@@ -103,6 +105,9 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     engine.overlap_drafting = overlap
     policy = engine.draft_policy
     cost = getattr(policy, "cost", None)
+    if cost is None and measure_cost and engine.drafter is not None and isinstance(engine.target, LocalTarget):
+        # a fixed-k replica measures T(b, q) too: its router budgets its draft width with it (Info.cost)
+        cost = measure_target_cost(engine.target, engine.configured_draft_limit + 1)
     name = engine.drafter.name if engine.drafter is not None else "none"
     words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
     replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name)

@@ -114,6 +114,10 @@ class Engine(EngineConveniences):
                 raise ValueError(f"the {drafter.name} drafter reads the target's hidden states; it needs a local target")
             drafter.bind(self.runner)
         self.num_draft_tokens = num_draft_tokens
+        # drafts per sequence per round at most, set from outside (a verifier replica applies its
+        # router's draft-token budget here; read at each round, so a plain int assignment from
+        # another thread is safe); None: the configuration's limit alone
+        self.width_cap: int | None = None
         self.draft_policy = draft_policy
         self._width_plan = None  # the next chained round's WidthPlan under a draft policy (None: draft_limit)
         # the last WIDTH_WINDOW planned widths: a chained round's graph is as wide as the widest of them,
@@ -170,13 +174,21 @@ class Engine(EngineConveniences):
                                   and (not policy.needs_scores or self.drafter.scores_on_device))
 
     @property
-    def draft_limit(self) -> int:
-        """Draft tokens per sequence per round at most: ``num_draft_tokens`` capped by the
-        drafter's own limit (``Drafter.max_draft_tokens``; 0 without a drafter)."""
+    def configured_draft_limit(self) -> int:
+        """Draft tokens per sequence per round the configuration allows: ``num_draft_tokens``
+        capped by the drafter's own limit (``Drafter.max_draft_tokens``; 0 without a drafter)."""
         if self.drafter is None:
             return 0
         cap = self.drafter.max_draft_tokens
         return self.num_draft_tokens if cap is None else min(self.num_draft_tokens, cap)
+
+    @property
+    def draft_limit(self) -> int:
+        """Draft tokens per sequence per round at most: ``configured_draft_limit``, capped by
+        ``width_cap`` when one is set (a router's draft-token budget). A chained round's graph is
+        as wide as this (one graph per width), so a lower cap also makes the verify pass narrower."""
+        limit = self.configured_draft_limit
+        return limit if self.width_cap is None else min(limit, max(0, self.width_cap))
 
     @property
     def _observes(self) -> bool:

@@ -48,7 +48,7 @@ class SpeculativeConfig:
             HF checkpoint or ``truncate:N``; for "specformer" a head directory; None = the ones
             shipped for the bundled target.
         num_draft_tokens: k, draft tokens per sequence per round at most (1..16); a drafter with
-            its own limit (a SpecFormer head's l_d) caps it (``Engine.draft_limit``).
+            its own limit (a SpecFormer head's l_d) caps it (``Engine.configured_draft_limit``).
         policy: draft lengths: "fixed" (k for everyone), "entropy" (exp(-entropy of q) under θ),
             "predictor" (the learned acceptance predictor under θ), or "random" (uniform in
             0..k per sequence: the ablation's baseline).

@@ -300,6 +300,11 @@ class Metrics:
         self.running = Gauge("tandem_num_requests_running", "Requests decoding now.", registry=r)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued, not yet admitted.", registry=r)
         self.store_up = Gauge("tandem_state_store_up", "1 when the state store (Redis) answers, else 0.", registry=r)
+        self.router_draft_width = Gauge("tandem_router_draft_width", "Drafts per sequence the router's budget "
+                                        "gives a verifier replica's rounds.", ["replica"], registry=r)
+        self.router_draft_budget = Gauge("tandem_router_draft_budget_tokens", "Draft tokens a round the router's "
+                                         "budget gives a verifier replica (width x its requests).", ["replica"],
+                                         registry=r)
         self.draft_width = Gauge("tandem_draft_width", "Draft tokens a row may verify in the last round a "
                                  "context-aware policy planned (chained rounds).", registry=r)
         self.acceptance_threshold = Gauge("tandem_acceptance_threshold", "Acceptance threshold θ of the last "
@@ -383,6 +388,12 @@ class Metrics:
     def set_store_up(self, up: bool) -> None:
         """Whether the state store answers (``StateStore.ping()``)."""
         self.store_up.set(1 if up else 0)
+
+    def set_replica_budget(self, replica: str, draft_width: int, draft_tokens: int) -> None:
+        """A router's draft budget for one verifier replica: drafts per sequence and draft tokens a
+        round (``services.router.budget``)."""
+        self.router_draft_width.labels(replica=replica).set(draft_width)
+        self.router_draft_budget.labels(replica=replica).set(draft_tokens)
 
     def exposition(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text format, for a ``/metrics`` endpoint."""

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common import Delta, Done, Event, Failed, params_to_pb, top_from_pb
+
+from .budget import DraftBudget
 from services.proto.tandem.v1 import verifier_pb2
 from services.verifier.server import spec_from_pb
 from tandem.engine import Completion, Prompt, Request, RequestOutput
@@ -191,6 +193,7 @@ class Router:
         self.vocab_size = int(first.vocab_size)
         self.context_limit = min(int(r.info.max_seq_len) for r in self.replicas)  # prompt + output tokens
         self._span_tasks: set[asyncio.Future] = set()
+        self.budget = DraftBudget()  # the replicas' draft widths, from the acceptance every request shows
         self._stop = threading.Event()
         self.probe()
         self._poller = threading.Thread(target=self._poll, daemon=True, name="replica-load")
@@ -204,9 +207,10 @@ class Router:
 
     def probe(self) -> None:
         """Poll every replica's ``Load`` (2 s each at most): the load the router balances on, and health
-        (/health and the router's own gRPC health follow it while no request runs). Blocking."""
+        (/health and the router's own gRPC health follow it while no request runs); each poll
+        carries the replica's draft width from the cluster-level budget (``DraftBudget``). Blocking."""
         for r in self.replicas:
-            r.refresh()
+            r.refresh(draft_width=self.budget.decide(r, self.metrics) if r.healthy else None)
 
     def _choose(self, avoid: set[str]) -> Replica | None:
         """The healthy replica with the fewest requests per KV slot (``Replica.score``), not in ``avoid``."""
@@ -420,6 +424,7 @@ class Router:
         """Cluster-wide metrics of a finished request (its rounds ran on replicas: their counters
         are added here when it finishes, one request at a time)."""
         s = c.spec
+        self.budget.observe(s)
         self.metrics.observe_round(s.num_drafted, s.num_accepted, s.accepted_per_pos, s.num_emitted,
                                    s.drafted_per_pos[0] if s.drafted_per_pos else 0)
         self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
@@ -439,7 +444,10 @@ class Router:
             "verifiers": [{"address": r.address, "healthy": r.healthy, "error": r.last_error,
                            "running": r.report.running if r.report and r.healthy else None,
                            "waiting": r.report.waiting if r.report and r.healthy else None,
-                           "num_slots": r.num_slots, "speculation": r.info.speculation}
+                           "num_slots": r.num_slots, "speculation": r.info.speculation,
+                           "draft_limit": r.report.draft_limit if r.report and r.healthy else None,
+                           "draft_width": r.report.draft_width if r.report and r.healthy
+                           and r.report.HasField("draft_width") else None}
                           for r in self.replicas],
             "drafter": None if not drafters else {"address": drafters[0].address,
                                                   "available": all(d.available for d in drafters)},

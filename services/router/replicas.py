@@ -6,6 +6,7 @@ loop (``ReplicaLink``): requests out as commands, their events dispatched back b
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 
@@ -75,10 +76,19 @@ class Replica:
         requests as the last report implied (its running + waiting less this router's calls then)."""
         return (self.others + self.open_calls) / self.num_slots
 
-    def refresh(self, timeout_s: float = 2.0) -> bool:
-        """Poll ``Load`` (blocking): updates the report and the health; returns the health."""
+    @functools.cached_property
+    def cost_model(self):
+        """The replica's measured verify cost T(b, q) as a ``CostModel`` (None when it measured none)."""
+        from .budget import cost_model
+
+        return cost_model(self.info.cost)
+
+    def refresh(self, timeout_s: float = 2.0, draft_width: int | None = None) -> bool:
+        """Poll ``Load`` (blocking), sending the router's ``draft_width`` for the replica when
+        given: updates the report and the health; returns the health."""
         try:
-            self.report = self._stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=self.metadata)
+            self.report = self._stub.Load(verifier_pb2.LoadRequest(draft_width=draft_width), timeout=timeout_s,
+                                          metadata=self.metadata)
         except grpc.RpcError as exc:
             if self.healthy:
                 log.error("verifier replica %s does not answer: %s", self.address, exc.code().name)

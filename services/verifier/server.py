@@ -87,13 +87,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                   for b, row in sorted(self.cost.items()) for q, ms in sorted(row.items())])
 
     async def Load(self, request, context):
+        engine = self.replica.engine
+        if request.HasField("draft_width"):  # a router's budget: the engine caps its next rounds at it
+            engine.width_cap = int(request.draft_width)
         load = self.replica.load()
         store, drafter = await asyncio.gather(asyncio.to_thread(store_status, self.replica.store),
                                               asyncio.to_thread(self.replica.drafter_status))
         return verifier_pb2.LoadReport(num_slots=load.num_slots, running=load.running, waiting=load.waiting,
                                        queued_prompt_tokens=load.queued_prompt_tokens,
                                        state_store=verifier_pb2.StateStoreStatus(**store),
-                                       drafter=verifier_pb2.DrafterStatus(**drafter))
+                                       drafter=verifier_pb2.DrafterStatus(**drafter),
+                                       draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap)
 
     async def Generate(self, request_iterator, context):
         """One router's stream: ``ReplicaCommands`` in, ``ReplicaEvents`` out (see the proto)."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"K\n\x0fReplicaCommands\x12)\n\x06submit\x18\x01 \x03(\x0b\x32\x19.tandem.v1.ReplicaRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xad\x02\n\x0eReplicaRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x05 \x01(\t\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.tandem.v1.ReplicaRequest.TraceContextEntry\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\tSpecStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x13\n\x0bnum_emitted\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x06 \x03(\r\"8\n\rReplicaEvents\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tandem.v1.ReplicaEvent\"\xc4\x02\n\x0cReplicaEvent\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x04 \x03(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07invalid\x18\x0c \x01(\x08\x12,\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobsB\r\n\x0bstop_reason\"\r\n\x0bLoadRequest\"\xbc\x01\n\nLoadReport\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x30\n\x0bstate_store\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StateStoreStatus\x12)\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x18.tandem.v1.DrafterStatus\"A\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tavailable\x18\x03 \x01(\x08\"G\n\x10StateStoreStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x16\n\x0epending_writes\x18\x03 \x01(\x04\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\xa9\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xc8\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1a.tandem.v1.ReplicaCommands\x1a\x18.tandem.v1.ReplicaEvents(\x01\x30\x01\x12\x35\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.LoadReport\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"K\n\x0fReplicaCommands\x12)\n\x06submit\x18\x01 \x03(\x0b\x32\x19.tandem.v1.ReplicaRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xad\x02\n\x0eReplicaRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x05 \x01(\t\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.tandem.v1.ReplicaRequest.TraceContextEntry\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\tSpecStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x13\n\x0bnum_emitted\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x06 \x03(\r\"8\n\rReplicaEvents\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tandem.v1.ReplicaEvent\"\xc4\x02\n\x0cReplicaEvent\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x04 \x03(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07invalid\x18\x0c \x01(\x08\x12,\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobsB\r\n\x0bstop_reason\"7\n\x0bLoadRequest\x12\x18\n\x0b\x64raft_width\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_draft_width\"\xfb\x01\n\nLoadReport\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x30\n\x0bstate_store\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StateStoreStatus\x12)\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x18.tandem.v1.DrafterStatus\x12\x13\n\x0b\x64raft_limit\x18\x07 \x01(\r\x12\x18\n\x0b\x64raft_width\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_draft_width\"A\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tavailable\x18\x03 \x01(\x08\"G\n\x10StateStoreStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x16\n\x0epending_writes\x18\x03 \x01(\x04\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\xa9\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xc8\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1a.tandem.v1.ReplicaCommands\x1a\x18.tandem.v1.ReplicaEvents(\x01\x30\x01\x12\x35\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.LoadReport\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,19 +47,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICAEVENT']._serialized_start=651
   _globals['_REPLICAEVENT']._serialized_end=975
   _globals['_LOADREQUEST']._serialized_start=977
-  _globals['_LOADREQUEST']._serialized_end=990
-  _globals['_LOADREPORT']._serialized_start=993
-  _globals['_LOADREPORT']._serialized_end=1181
-  _globals['_DRAFTERSTATUS']._serialized_start=1183
-  _globals['_DRAFTERSTATUS']._serialized_end=1248
-  _globals['_STATESTORESTATUS']._serialized_start=1250
-  _globals['_STATESTORESTATUS']._serialized_end=1321
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=1323
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=1344
-  _globals['_COSTPOINT']._serialized_start=1346
-  _globals['_COSTPOINT']._serialized_end=1418
-  _globals['_VERIFIERINFO']._serialized_start=1421
-  _globals['_VERIFIERINFO']._serialized_end=1590
-  _globals['_VERIFIER']._serialized_start=1593
-  _globals['_VERIFIER']._serialized_end=1793
+  _globals['_LOADREQUEST']._serialized_end=1032
+  _globals['_LOADREPORT']._serialized_start=1035
+  _globals['_LOADREPORT']._serialized_end=1286
+  _globals['_DRAFTERSTATUS']._serialized_start=1288
+  _globals['_DRAFTERSTATUS']._serialized_end=1353
+  _globals['_STATESTORESTATUS']._serialized_start=1355
+  _globals['_STATESTORESTATUS']._serialized_end=1426
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=1428
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=1449
+  _globals['_COSTPOINT']._serialized_start=1451
+  _globals['_COSTPOINT']._serialized_end=1523
+  _globals['_VERIFIERINFO']._serialized_start=1526
+  _globals['_VERIFIERINFO']._serialized_end=1695
+  _globals['_VERIFIER']._serialized_start=1698
+  _globals['_VERIFIER']._serialized_end=1898
 # @@protoc_insertion_point(module_scope)

@@ -95,24 +95,30 @@ class ReplicaEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("draft_width",)
+    DRAFT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    draft_width: int
+    def __init__(self, draft_width: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter")
+    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATE_STORE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WIDTH_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     running: int
     waiting: int
     queued_prompt_tokens: int
     state_store: StateStoreStatus
     drafter: DrafterStatus
-    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ...) -> None: ...
+    draft_limit: int
+    draft_width: int
+    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("name", "address", "available")

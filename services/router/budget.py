@@ -1,0 +1,114 @@
+"""The router's cluster-level draft-token budget: how many drafts per sequence each verifier
+replica's rounds may verify, from the acceptance the whole cluster sees and each replica's load
+and cost model.
+
+Why at the router: a replica's scheduler only sees its own rounds, while the router sees every
+request that finishes on any replica (their per-position acceptance, ``SpecDecodeStats``) and every
+replica's load (``Load`` polls). SpecFormer's result is that at large batch, verifying k drafts
+per sequence costs more than it saves unless the batch's draft tokens are budgeted; the budget
+here is the width m (drafts per sequence) that maximises a replica's modelled goodput,
+
+    running x E[tokens | m] / T(running, m + 1),
+
+with E from the cluster's per-position acceptance over the last ``WINDOW`` finished requests
+(``tandem.control.best_width``: the same sweep a replica's context-aware policy runs per round)
+and T(b, q) the replica's measured verify cost (``VerifierInfo.cost``). The replica's draft-token
+budget is m x its running requests; its engine caps every round at m (``Engine.width_cap``; a
+chained round's graph narrows with it), and its own policy, if any, allocates within. A replica
+without a measured cost model, or a cluster with too few drafts seen, gets no budget (its
+configuration's k stands). Decisions are sent with the next ``Load`` poll, counted in the router's
+metrics (``tandem_router_draft_width{replica}``, ``tandem_router_draft_budget_tokens{replica}``)
+and traced (a ``budget`` span per change).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import numpy as np
+
+from tandem.control import CostModel, best_width
+from tandem.metrics import SpecDecodeStats
+from tandem.telemetry import span
+
+log = logging.getLogger(__name__)
+
+WINDOW = 256  # finished requests whose acceptance the budget reads (the most recent)
+MIN_DRAFTS = 64  # draft tokens seen at position 0 before the budget trusts the acceptance
+
+
+class DraftBudget:
+    """Per-replica draft widths from the cluster's acceptance and each replica's load (see the
+    module docstring). Thread-safe: requests finish on the event loop, decisions are made on the
+    router's polling thread."""
+
+    def __init__(self, window: int = WINDOW, min_drafts: int = MIN_DRAFTS) -> None:
+        self._recent: deque[tuple[list[int], list[int]]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.min_drafts = min_drafts
+        self.widths: dict[str, int] = {}  # replica address -> the width last decided
+
+    def observe(self, spec: SpecDecodeStats) -> None:
+        """Count a finished request's drafted / accepted tokens per draft position."""
+        if spec.drafted_per_pos:
+            with self._lock:
+                self._recent.append((list(spec.drafted_per_pos), list(spec.accepted_per_pos)))
+
+    def acceptance(self) -> list[float] | None:
+        """Per-position conditional acceptance over the window: position i's accepted drafts over
+        the drafts examined there (drafted at i with every earlier one accepted); None with fewer
+        than ``min_drafts`` drafts at position 0."""
+        with self._lock:
+            recent = list(self._recent)
+        L = max((len(d) for d, _ in recent), default=0)
+        drafted, accepted = np.zeros(L), np.zeros(L)
+        for d, a in recent:
+            drafted[:len(d)] += d
+            accepted[:len(a)] += a
+        if L == 0 or drafted[0] < self.min_drafts:
+            return None
+        examined = np.minimum(drafted, np.concatenate([[drafted[0]], accepted[:-1]]))
+        return [float(a / e) if e > 0 else 0.0 for a, e in zip(accepted, examined)]
+
+    def width(self, replica) -> int | None:
+        """The width for ``replica`` (a ``services.router.replicas.Replica`` with a recent report
+        and its ``VerifierInfo``), or None when there is nothing to decide on (no cost model, no
+        drafter, no report, too little acceptance seen)."""
+        report, cost = replica.report, replica.cost_model
+        if report is None or cost is None or not report.draft_limit:
+            return None
+        acc = self.acceptance()
+        if acc is None:
+            return None
+        limit = int(report.draft_limit)
+        acc = (acc + [acc[-1]] * limit)[:limit]  # positions never drafted yet: as the last one seen
+        batch = max(1, min(int(report.num_slots), int(report.running) + int(report.waiting)))
+        m, _ = best_width(np.tile(np.asarray(acc, dtype=np.float64), (batch, 1)), cost)
+        return int(m)
+
+    def decide(self, replica, metrics=None) -> int | None:
+        """``width`` for ``replica``, recorded (gauges, and a ``budget`` span and a log line when it
+        changes)."""
+        m = self.width(replica)
+        if m is None:
+            return None
+        batch = max(1, int(replica.report.running) + int(replica.report.waiting))
+        if metrics is not None:
+            metrics.set_replica_budget(replica.address, m, m * batch)
+        if self.widths.get(replica.address) != m:
+            with span("budget", replica=replica.address, draft_width=m, batch_size=batch,
+                      draft_limit=int(replica.report.draft_limit)):
+                log.info("replica %s: draft width %d (budget %d draft tokens a round for %d requests)",
+                         replica.address, m, m * batch, batch)
+            self.widths[replica.address] = m
+        return m
+
+
+def cost_model(points) -> CostModel | None:
+    """A ``CostModel`` from a replica's ``VerifierInfo.cost`` points (None when it measured none)."""
+    table: dict[int, dict[int, float]] = {}
+    for p in points:
+        table.setdefault(int(p.batch_size), {})[int(p.tokens_per_sequence)] = float(p.ms)
+    return CostModel(table) if table else None

@@ -1,0 +1,141 @@
+"""The router's cluster-level draft budget (``services.router.budget``): the acceptance it reads
+from finished requests, the width it picks under a replica's cost model and load, the replica
+applying it (``Engine.width_cap``: rounds capped, output unchanged), and the decision reaching a
+real replica process over ``Load``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.router.budget import DraftBudget, cost_model
+from services.proto.tandem.v1 import verifier_pb2
+from tandem.control import CostModel
+from tandem.metrics import SpecDecodeStats
+from tandem.sampling import SamplingParams
+
+
+def _spec(drafted: list[int], accepted: list[int]) -> SpecDecodeStats:
+    s = SpecDecodeStats()
+    s.drafted_per_pos, s.accepted_per_pos = list(drafted), list(accepted)
+    return s
+
+
+def _replica(running: int, cost: CostModel | None, k: int = 4, slots: int = 64):
+    report = verifier_pb2.LoadReport(num_slots=slots, running=running, waiting=0, draft_limit=k)
+    return SimpleNamespace(address="r0", report=report, cost_model=cost)
+
+
+# T(b, q): a verify pass whose cost grows with the tokens it verifies, much more at batch 64
+COST = CostModel({1: {1: 1.0, 2: 1.01, 3: 1.02, 4: 1.03, 5: 1.04},
+                  64: {1: 4.0, 2: 6.0, 3: 8.0, 4: 10.0, 5: 12.0}})
+
+
+def test_acceptance_is_conditional_per_position():
+    b = DraftBudget(min_drafts=10)
+    assert b.acceptance() is None  # nothing seen
+    b.observe(_spec([10, 10, 10], [8, 4, 1]))  # 10 rounds: position 0 accepted 8 times, 1 then 4, 2 then 1
+    b.observe(_spec([10, 10, 10], [8, 4, 1]))
+    assert b.acceptance() == pytest.approx([0.8, 0.5, 0.25])
+    assert DraftBudget(min_drafts=100).acceptance() is None
+
+
+def test_width_follows_acceptance_load_and_cost():
+    easy, hard = DraftBudget(min_drafts=1), DraftBudget(min_drafts=1)
+    easy.observe(_spec([100] * 4, [95, 90, 86, 81]))
+    hard.observe(_spec([100] * 4, [30, 9, 3, 1]))
+    assert easy.width(_replica(1, COST)) == 4  # verifying more is nearly free at batch 1
+    assert hard.width(_replica(1, COST)) >= 1
+    assert hard.width(_replica(64, COST)) == 0  # at batch 64 a rejected draft costs more than it saves
+    assert easy.width(_replica(64, COST)) >= 1
+    assert easy.width(_replica(64, None)) is None  # no cost model: no budget
+    assert easy.width(_replica(64, COST, k=0)) is None  # no drafter
+    m = easy.width(_replica(64, COST))
+    assert easy.decide(_replica(64, COST)) == m and easy.widths["r0"] == m
+
+
+def test_cost_model_from_info_points():
+    pts = [verifier_pb2.CostPoint(batch_size=1, tokens_per_sequence=q, ms=1.0 + q) for q in (1, 2)]
+    assert cost_model(pts).verify_ms(1, 2) == 3.0
+    assert cost_model([]) is None
+
+
+def _run(engine, prompts, params) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        rid = engine.add_request(prompt_ids=p, params=params)
+        while engine.has_unfinished():
+            engine.step()
+        out.append(engine.completion(rid).token_ids)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["oracle-host", "specformer-chained"])
+def test_engine_width_cap_caps_rounds_and_keeps_the_output(tiny_engine, drafter):
+    """``Engine.width_cap`` limits every round's drafts, for a host drafter that always proposes
+    k = 4 (the target's own continuation, every third token wrong) and in chained rounds (a
+    SpecFormer head drafting on the device: the round's graph narrows to the cap); greedy output
+    is unchanged, and 0 turns drafting off."""
+    from test_speculative import OracleDrafter, _specformer_for
+
+    from tandem.engine import Engine
+    from tandem.models.runner import RunnerConfig
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = Engine(target=tiny_engine.target, tokenizer=tiny_engine.tokenizer)
+    want = _run(base, prompts, params)
+    for cap in (4, 2, 0):
+        if drafter == "oracle-host":
+            engine = Engine(target=tiny_engine.target, tokenizer=tiny_engine.tokenizer, num_draft_tokens=4,
+                            drafter=OracleDrafter([p + w for p, w in zip(prompts, want)], mode="noisy",
+                                                  vocab=tiny_engine.target.info.vocab_size))
+        else:
+            engine = Engine(tiny_engine.checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128),
+                            tokenizer=tiny_engine.tokenizer, drafter=_specformer_for(tiny_engine.checkpoint, 4),
+                            num_draft_tokens=4)
+            assert engine.chains_rounds
+        engine.width_cap = cap
+        assert engine.draft_limit == cap and engine.configured_draft_limit == 4
+        assert _run(engine, prompts, params) == want
+        assert len(engine.stats.drafted_per_pos) == cap  # every round drafted exactly up to the cap
+        assert (engine.stats.num_drafted > 0) == (cap > 0)
+
+
+def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
+    """A verifier replica process with a measured cost model (``--measure-cost``) reports its k
+    and applies the width a router sends with its ``Load`` poll; the router's metrics and
+    /health show the decision, and requests decode within it."""
+    import openai
+
+    from services.launch import StackConfig, start_stack
+    from services.router.core import Router, RouterConfig
+
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    s = start_stack(StackConfig(model=model, drafter="ngram", num_draft_tokens=4, max_batch_size=4, max_seq_len=256,
+                                measure_cost=True), timeout_s=180)
+    router = None
+    try:
+        router = Router(RouterConfig(verifiers=list(s.verifier_addresses), model=model))
+        replica = router.replicas[0]
+        assert replica.cost_model is not None and replica.report.draft_limit == 4
+        assert not replica.report.HasField("draft_width")  # nothing decided yet: too little seen
+        router.budget.min_drafts = 1
+        router.budget.observe(_spec([400] * 4, [20, 1, 0, 0]))  # drafts nearly never accepted
+        router.probe()  # the decision goes out with this poll ...
+        router.probe()  # ... and the replica's report shows it applied
+        low = router.budget.widths[replica.address]
+        assert replica.report.draft_width == low < 4
+        body, _ = router.metrics.exposition()
+        assert f'tandem_router_draft_width{{replica="{replica.address}"}} {float(low)}' in body.decode()
+        assert router.health()["verifiers"][0]["draft_width"] == low
+        if low == 0:  # the replica decodes without drafts now (a router process of the stack sends no width)
+            client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="x", max_retries=0, timeout=60)
+            r = client.completions.create(model=client.models.list().data[0].id, prompt="1 2 3 1 2 3 1 2 3",
+                                          max_tokens=16, temperature=0)
+            assert r.usage.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+    finally:
+        if router is not None:
+            router.close()
+        s.stop()
