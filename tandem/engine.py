@@ -135,7 +135,9 @@ class Engine(EngineConveniences):
         self._in_flight: set[int] = set()  # slots of launched rounds (between launch and collect)
         self._last_collect = 0.0  # perf_counter at the end of the last collect (round wall times)
         self._deferred_release: list[Request] = []  # finished while their slot was in flight
-        self._structured: set[str] = set()  # live structured requests (their rounds are host-driven)
+        # structured requests holding a KV slot: while there are any, rounds are host-driven (one
+        # waiting for a slot leaves the batch's rounds chained until it is admitted)
+        self._structured: set[str] = set()
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
@@ -240,8 +242,6 @@ class Engine(EngineConveniences):
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
-        if req.grammar is not None:
-            self._structured.add(req.request_id)
         return req.request_id
 
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
@@ -333,6 +333,8 @@ class Engine(EngineConveniences):
             req = self.waiting.popleft()
             req.slot = self.target.allocate()
             admitted[req.slot] = req
+            if req.grammar is not None:  # from now on its rounds need the host between them
+                self._structured.add(req.request_id)
         prefilled = None
         if self.waiting and self.running and not admitted:
             self.admission.note_round(self._free_slots(), len(self.waiting))
@@ -350,6 +352,7 @@ class Engine(EngineConveniences):
                 for r in reqs:  # give the slots back; the caller decides what happens to the requests
                     self.target.free(r.slot)
                     r.slot = None
+                    self._structured.discard(r.request_id)
                 raise
             results = None
             if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context

@@ -249,3 +249,25 @@ def test_the_mask_walk_overlaps_the_forward(real_engine, on_real_target, monkeyp
     got = _run(engine, PROMPTS[:1], [params])[0]
     assert got.token_ids == want.token_ids
     assert len(during) > 3 and all(during), during
+
+
+@pytest.mark.slow
+def test_a_waiting_structured_request_leaves_rounds_chained(real_engine, on_real_target):
+    """Rounds turn host-driven when a structured request takes a KV slot, not while it waits for
+    one, and chain again once it is done."""
+    from tandem.drafters import NgramDrafter
+
+    engine = on_real_target(NgramDrafter(), num_draft_tokens=4)
+    engine.max_running = 1  # the plain request holds the only slot; the structured one waits
+    plain = engine.add_request("Write the numbers 1 to 12 separated by spaces.", SamplingParams(max_tokens=16))
+    structured = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, structure=Structure(
+        "json_schema", json.dumps(PERSON))))
+    seen = []  # (chained, structured request admitted) per step
+    while engine.has_unfinished():
+        engine.step()
+        seen.append((engine.chains_rounds, engine.requests[structured].slot is not None
+                     if structured in engine.requests else None))
+    assert (True, False) in seen  # the plain request decoded in chained rounds while the other waited
+    assert all(not chained for chained, admitted in seen if admitted)  # host-driven while it held a slot
+    assert engine.chains_rounds
+    assert engine.completion(plain).token_ids and json.loads(engine.completion(structured).text)
