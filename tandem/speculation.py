@@ -248,8 +248,9 @@ def measure_target_cost(target: "LocalTarget", max_tokens_per_row: int) -> CostM
     """The verifier cost model a context-aware policy allocates with: T(b, q) on the target's own
     runner for b in {1, its slots} and q = 1..``max_tokens_per_row`` (3 steps a timing), measured
     at start-up (``build_engine``, ``tandem serve verifier --measure-cost``)."""
-    log.info("measuring the verifier cost model T(b, q) for b in %s, q = 1..%d (a context-aware policy "
-             "allocates with it)", sorted({1, target.info.num_slots}), max_tokens_per_row)
+    log.info("measuring the verifier cost model T(b, q) for b in %s, q = 1..%d (context-aware policies "
+             "allocate with it, routers budget draft widths with it)", sorted({1, target.info.num_slots}),
+             max_tokens_per_row)
     return CostModel.measure(target.runner, sorted({1, target.info.num_slots}), max_tokens_per_row, iters=3)
 
 

@@ -395,6 +395,14 @@ class Metrics:
         self.router_draft_width.labels(replica=replica).set(draft_width)
         self.router_draft_budget.labels(replica=replica).set(draft_tokens)
 
+    def clear_replica_budget(self, replica: str) -> None:
+        """No budget for the replica now (unhealthy, or nothing to decide on): its series go away."""
+        for gauge in (self.router_draft_width, self.router_draft_budget):
+            try:
+                gauge.remove(replica)
+            except KeyError:
+                pass
+
     def exposition(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text format, for a ``/metrics`` endpoint."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -24,7 +24,7 @@ def _spec(drafted: list[int], accepted: list[int]) -> SpecDecodeStats:
 
 def _replica(running: int, cost: CostModel | None, k: int = 4, slots: int = 64):
     report = verifier_pb2.LoadReport(num_slots=slots, running=running, waiting=0, draft_limit=k)
-    return SimpleNamespace(address="r0", report=report, cost_model=cost)
+    return SimpleNamespace(address="r0", report=report, cost_model=cost, healthy=True)
 
 
 # T(b, q): a verify pass whose cost grows with the tokens it verifies, much more at batch 64
@@ -53,12 +53,18 @@ def test_width_follows_acceptance_load_and_cost():
     assert easy.width(_replica(64, COST, k=0)) is None  # no drafter
     m = easy.width(_replica(64, COST))
     assert easy.decide(_replica(64, COST)) == m and easy.widths["r0"] == m
+    sick = _replica(64, COST)
+    sick.healthy = False
+    assert easy.decide(sick) is None and "r0" not in easy.widths  # an unhealthy replica: no decision
 
 
 def test_cost_model_from_info_points():
     pts = [verifier_pb2.CostPoint(batch_size=1, tokens_per_sequence=q, ms=1.0 + q) for q in (1, 2)]
     assert cost_model(pts).verify_ms(1, 2) == 3.0
     assert cost_model([]) is None
+    noisy = [verifier_pb2.CostPoint(batch_size=1, tokens_per_sequence=q, ms=ms) for q, ms in ((1, 5.0), (2, 7.0),
+                                                                                             (3, 6.0))]
+    assert cost_model(noisy).verify_ms(1, 3) == 7.0  # more tokens never verify faster: timing noise evened out
 
 
 def _run(engine, prompts, params) -> list[list[int]]:
@@ -109,8 +115,12 @@ def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
     /health show the decision, and requests decode within it."""
     import openai
 
+    import time
+
     from services.launch import StackConfig, start_stack
     from services.router.core import Router, RouterConfig
+    from services.router.replicas import Replica
+    from services.verifier.server import WIDTH_LEASE_S
 
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     s = start_stack(StackConfig(model=model, drafter="ngram", num_draft_tokens=4, max_batch_size=4, max_seq_len=256,
@@ -135,6 +145,18 @@ def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
             r = client.completions.create(model=client.models.list().data[0].id, prompt="1 2 3 1 2 3 1 2 3",
                                           max_tokens=16, temperature=0)
             assert r.usage.model_extra["speculative_decoding"]["num_draft_tokens"] == 0
+        router.close()  # the router that set the width goes away: its lease lapses
+        router = None
+        other = Replica(s.verifier_addresses[0], None, 10.0)  # a router that sends no width
+        try:
+            other.refresh()
+            assert other.report.draft_width == low  # still within the lease
+            time.sleep(WIDTH_LEASE_S + 0.3)
+            other.refresh()
+            other.refresh()
+            assert not other.report.HasField("draft_width")  # the replica's own k stands again
+        finally:
+            other.close()
     finally:
         if router is not None:
             router.close()

@@ -84,26 +84,34 @@ class DraftBudget:
             return None
         limit = int(report.draft_limit)
         acc = (acc + [acc[-1]] * limit)[:limit]  # positions never drafted yet: as the last one seen
-        batch = max(1, min(int(report.num_slots), int(report.running) + int(report.waiting)))
-        m, _ = best_width(np.tile(np.asarray(acc, dtype=np.float64), (batch, 1)), cost)
+        m, _ = best_width(np.tile(np.asarray(acc, dtype=np.float64), (round_batch(report), 1)), cost)
         return int(m)
 
     def decide(self, replica, metrics=None) -> int | None:
-        """``width`` for ``replica``, recorded (gauges, and a ``budget`` span and a log line when it
-        changes)."""
-        m = self.width(replica)
+        """``width`` for a healthy ``replica``, recorded (gauges, and a ``budget`` span and a log
+        line when it changes); an unhealthy one, or one without a decision, has its gauges removed."""
+        m = self.width(replica) if replica.healthy else None
         if m is None:
+            if metrics is not None:
+                metrics.clear_replica_budget(replica.address)
+            self.widths.pop(replica.address, None)
             return None
-        batch = max(1, int(replica.report.running) + int(replica.report.waiting))
+        batch = round_batch(replica.report)
         if metrics is not None:
             metrics.set_replica_budget(replica.address, m, m * batch)
         if self.widths.get(replica.address) != m:
             with span("budget", replica=replica.address, draft_width=m, batch_size=batch,
                       draft_limit=int(replica.report.draft_limit)):
-                log.info("replica %s: draft width %d (budget %d draft tokens a round for %d requests)",
-                         replica.address, m, m * batch, batch)
+                log.info("replica %s: draft width %d (budget %d draft tokens a round, %d sequence%s a round)",
+                         replica.address, m, m * batch, batch, "" if batch == 1 else "s")
             self.widths[replica.address] = m
         return m
+
+
+def round_batch(report) -> int:
+    """Sequences a replica's round verifies as its report implies: its running and waiting
+    requests, at most its KV slots (and at least 1: an idle replica's next round)."""
+    return max(1, min(int(report.num_slots), int(report.running) + int(report.waiting)))
 
 
 def cost_model(points) -> CostModel | None:
@@ -111,4 +119,8 @@ def cost_model(points) -> CostModel | None:
     table: dict[int, dict[int, float]] = {}
     for p in points:
         table.setdefault(int(p.batch_size), {})[int(p.tokens_per_sequence)] = float(p.ms)
+    for row in table.values():  # verifying more tokens never takes less time: timing noise is evened out
+        longest = 0.0
+        for q in sorted(row):
+            longest = row[q] = max(row[q], longest)
     return CostModel(table) if table else None

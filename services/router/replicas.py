@@ -97,6 +97,13 @@ class Replica:
         self.others = max(0, self.report.running + self.report.waiting - self.open_calls)
         if not self.healthy:
             log.info("verifier replica %s answers again", self.address)
+            try:  # it may have restarted with other settings: slots, speculation, cost model
+                self.info = self._stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=timeout_s,
+                                            metadata=self.metadata)
+                self.__dict__.pop("cost_model", None)
+            except grpc.RpcError as exc:
+                log.warning("verifier replica %s: Info failed (%s); keeping what it said before", self.address,
+                            exc.code().name)
         self.healthy, self.last_error = True, None
         return True
 

@@ -214,7 +214,8 @@ class VerifierDeployment(GrpcReplica):
         policy: draft lengths: "fixed" (k), "entropy" or "predictor" (adaptive, with a threshold
             learned online).
         predictor: acceptance predictor for ``policy="predictor"`` (a path, or "auto").
-        measure_cost: adaptive policies allocate draft tokens under T(b, q) timed at start-up
+        measure_cost: time T(b, q) at start-up: adaptive policies allocate draft tokens under it and
+            routers budget the replica's draft width with it
             (also reported in ``Info``).
         redis_url: state store for the threshold, acceptance counters and verification logs
             (None: ``TANDEM_REDIS_URL``, else in-memory in each replica).

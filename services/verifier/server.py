@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 
 
 from services.common import Delta, Done, Failed, GrpcServer, merge_outputs, params_from_pb, top_to_pb
@@ -25,6 +26,10 @@ from tandem.telemetry import extract_context, span
 from .replica import ReplicaEngine, store_status
 
 log = logging.getLogger(__name__)
+
+# A router's draft width is a lease: it lapses this long (s) after the last poll that carried one
+# (a router that died or stopped budgeting leaves the replica's own k to stand again).
+WIDTH_LEASE_S = 3.0
 
 SERVICE_NAME = "tandem.v1.Verifier"
 
@@ -75,6 +80,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.replica = replica
         self.eos_token_ids = eos_token_ids
         self.cost = cost or {}
+        self._width_until = 0.0  # when the draft width a router last sent lapses (time.monotonic)
         self.speculation = speculation
         self._streams = itertools.count()
 
@@ -88,8 +94,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Load(self, request, context):
         engine = self.replica.engine
-        if request.HasField("draft_width"):  # a router's budget: the engine caps its next rounds at it
+        now = time.monotonic()
+        if request.HasField("draft_width"):  # a router's budget: the engine caps its next rounds at it ...
             engine.width_cap = int(request.draft_width)
+            self._width_until = now + WIDTH_LEASE_S
+        elif engine.width_cap is not None and now > self._width_until:  # ... while some router renews it
+            engine.width_cap = None
         load = self.replica.load()
         store, drafter = await asyncio.gather(asyncio.to_thread(store_status, self.replica.store),
                                               asyncio.to_thread(self.replica.drafter_status))

@@ -56,8 +56,9 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
                    "predictor.")
 @click.option("--predictor", default=None, metavar="PATH|auto", help="Predictor for --policy predictor.")
 @click.option("--measure-cost/--no-measure-cost", default=False, show_default=True,
-              help="Adaptive policies allocate draft tokens across the batch under the verifier cost model T(b, q), "
-                   "timed at start-up.")
+              help="Time the verifier cost model T(b, q) at start-up: adaptive policies allocate draft tokens "
+                   "across the batch under it, and routers budget this replica's draft width with it (a fixed-k "
+                   "replica needs it for that).")
 @click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",
               help="State store for the threshold, acceptance counters and verification logs (env "
                    "TANDEM_REDIS_URL); in-memory when unset.")
