@@ -119,7 +119,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         def sink(events: list) -> None:
             # engine thread: the step's message is built here, so the event loop's share of the
             # interpreter per step is one queue hand-off and one write, not a conversion per request
-            loop.call_soon_threadsafe(batches.put_nowait, self._events(events, prefix))
+            if loop.is_closed():  # the server is shutting down: nobody reads this stream any more
+                return
+            try:
+                loop.call_soon_threadsafe(batches.put_nowait, self._events(events, prefix))
+            except RuntimeError:  # (closed between the check and the call)
+                pass
 
         def submit(r: verifier_pb2.ReplicaRequest) -> None:
             rid = r.request_id
