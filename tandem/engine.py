@@ -26,7 +26,7 @@ from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
-from .structured import GrammarCompiler, MaskWalk, cut_drafts
+from .structured import GrammarCompiler, constrain_drafts
 from .stopping import draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
@@ -476,20 +476,8 @@ class Engine(EngineConveniences):
         slots = sorted(decoding)
         reqs = [decoding[s] for s in slots]
         proposals = self._propose(reqs)
-        masks = None
-        structured = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if structured:  # structured output: drafts up to the first the grammar forbids (a cheap check) ...
-            chains = [proposals[i].tokens[:proposals[i].chain_length] for i in structured]  # (trees keep their chain)
-            for i, chain, m in zip(structured, chains, cut_drafts(
-                    [(reqs[i].grammar, chain) for i, chain in zip(structured, chains)])):
-                p = proposals[i]
-                if p.parents is not None:
-                    p = DraftProposal(chain, None if p.probs is None else p.probs[:len(chain)],
-                                      p.features[:len(chain)], scores=None if p.scores is None else p.scores[:len(chain)])
-                proposals[i] = p.truncated(m)
-            # ... and their masks, walked on a thread while the device runs the forward (Target.launch_verify)
-            masks = MaskWalk([(reqs[i].grammar, proposals[i].tokens) for i in structured],
-                             [reqs[i].slot for i in structured])
+        # structured requests: drafts cut by their grammars, whose masks are walked while the forward runs
+        masks = constrain_drafts(reqs, proposals)
         if self.drafter is not None and self.overlap_drafting and self.drafter.prefetches:
             self._prefetch(reqs, proposals)
         held = [len(r.prompt_ids) + r.num_tokens - 1 for r in reqs]  # tokens each slot holds before the round

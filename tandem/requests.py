@@ -17,7 +17,8 @@ from .errors import InvalidRequestError
 from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
 from .structured import Grammar, GrammarCompiler  # noqa: F401 (annotations)
-from .target import MAX_TOP_LOGPROBS, TargetResult
+from .logprobs import MAX_TOP_LOGPROBS
+from .target import TargetResult
 
 
 @dataclass

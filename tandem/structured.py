@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 
 from .errors import InvalidRequestError
+from .models.kv_cache import to_device
 
 log = logging.getLogger(__name__)
 
@@ -283,3 +284,44 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[..., words]`` int32 bitmasks -> ``[..., vocab_size]`` bool (True: allowed), on their device."""
     shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
     return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]
+
+
+def with_masks(items: list, masks) -> list:
+    """``items`` with the grammar masks of ``masks`` (a ``MaskWalk``, waited for) as ``allowed``."""
+    if masks is None:
+        return items
+    ready = masks.result()
+    return [replace(it, allowed=ready[it.slot]) if it.slot in ready else it for it in items]
+
+
+def step_masks(items: list, Q: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """``[len(items), Q, vocab_size]`` bool grammar masks of a step's rows (row i: ``items[i]``,
+    None or without ``allowed``: every token), on ``device``; None when no item has one."""
+    if not any(it is not None and it.allowed is not None for it in items):
+        return None
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(items), Q, words), -1, dtype=torch.int32)
+    for i, it in enumerate(items):
+        if it is not None and it.allowed is not None:
+            bits[i, :it.allowed.shape[0]] = it.allowed
+    return unpack_bitmask(to_device(bits, device), vocab_size)
+
+
+def constrain_drafts(reqs: list, proposals: list) -> "MaskWalk | None":
+    """A round's drafts under its structured requests' grammars: each such request's proposal
+    (``proposals[i]`` of ``reqs[i]``, replaced in place) keeps its drafts up to the first its
+    grammar forbids (a token tree keeps its chain: no branching under a grammar), and their masks
+    start being walked (``MaskWalk``, keyed by slot). None when no request has a grammar."""
+    from .drafters.base import DraftProposal
+
+    structured = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not structured:
+        return None
+    chains = [proposals[i].tokens[:proposals[i].chain_length] for i in structured]
+    for i, chain, m in zip(structured, chains, cut_drafts([(reqs[i].grammar, c) for i, c in zip(structured, chains)])):
+        p = proposals[i]
+        if p.parents is not None:
+            p = DraftProposal(chain, None if p.probs is None else p.probs[:len(chain)], p.features[:len(chain)],
+                              scores=None if p.scores is None else p.scores[:len(chain)])
+        proposals[i] = p.truncated(m)
+    return MaskWalk([(reqs[i].grammar, proposals[i].tokens) for i in structured], [reqs[i].slot for i in structured])

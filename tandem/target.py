@@ -27,45 +27,10 @@ from .models.weights import Checkpoint
 from .profiling import note_blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
 from .sampling import SamplingParams, adjust_logits
-from .structured import unpack_bitmask
+from .logprobs import MAX_TOP_LOGPROBS, logprob_columns, logprob_mode, read_logprob_columns, wants_logprobs
+from .structured import with_masks, step_masks
 from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
                      verify_tree_sampling)
-
-
-MAX_TOP_LOGPROBS = 20  # most likely alternatives returned per token at most (OpenAI's top_logprobs limit)
-
-
-def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, top: bool) -> torch.Tensor:
-    """The log-probability columns of a round's packed results, on the device: the target's
-    log-probability (raw logits) of each emitted token, then, with ``top``, the
-    ``MAX_TOP_LOGPROBS`` most likely tokens at each position (ids, then their log-probabilities).
-
-    Args:
-        logits: ``[n, Q, V]``; row j predicts the token after the j-th input.
-        tokens: ``[n, Q]`` int64 tokens emitted at those positions.
-
-    Returns:
-        ``[n, Q]`` float64, or ``[n, Q * (1 + 2 * MAX_TOP_LOGPROBS)]`` with ``top``.
-    """
-    logp = logits.float().log_softmax(-1)
-    cols = [logp.gather(-1, tokens[..., None])[..., 0].double()]
-    if top:
-        values, ids = logp.topk(MAX_TOP_LOGPROBS, dim=-1)  # [n, Q, N], most likely first
-        cols += [ids.flatten(1).double(), values.flatten(1).double()]
-    return torch.cat(cols, dim=1)
-
-
-def _read_logprob_columns(row: list[float], start: int, width: int, count: int, top: int
-                          ) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
-    """The host side of ``logprob_columns``: the first ``count`` positions' log-probabilities and
-    (``top`` > 0) their ``top`` most likely tokens, from one packed row whose log-probability
-    columns start at ``start`` for a round of ``width`` positions."""
-    lp = row[start:start + count]
-    if not top:
-        return lp, None
-    n = MAX_TOP_LOGPROBS
-    ids, values = start + width, start + width + width * n
-    return lp, [[(int(row[ids + j * n + i]), row[values + j * n + i]) for i in range(top)] for j in range(count)]
 
 
 class TargetUnavailable(RuntimeError):
@@ -246,7 +211,7 @@ class Target(ABC):
                 (``tandem.structured.MaskWalk``: ``result()`` maps a slot to its item's
                 ``allowed``); a target that can queue the forward waits for them only after.
         """
-        return self.verify(_with_masks(items, masks))
+        return self.verify(with_masks(items, masks))
 
     def collect(self, handle: object) -> list[TargetResult]:
         """The results of a ``launch_verify`` or ``launch_chained`` (blocks until they are ready)."""
@@ -337,7 +302,7 @@ class LocalTarget(Target):
         index = to_device(torch.tensor(slots, dtype=torch.int64), dev)
         positions = to_device(torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64), dev)
         sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
-        allowed = _allowed([items[i] for i in order], 1, self._info.vocab_size, dev)
+        allowed = step_masks([items[i] for i in order], 1, self._info.vocab_size, dev)
         if allowed is not None:
             sampling = dataclasses.replace(sampling, allowed=allowed)
         firsts = sample_tokens(logits, positions, sampling)
@@ -345,7 +310,7 @@ class LocalTarget(Target):
         self.state.admit(index, firsts, [prompts[s] for s in slots],
                          [min(items[i].params.max_tokens, self.cache.capacity - len(items[i].prompt_ids)) for i in order])
         out = firsts[:, None].double()
-        if any(_wants_logprobs(it) for it in items):
+        if any(wants_logprobs(it) for it in items):
             out = torch.cat([out, logprob_columns(logits[:, None], firsts[:, None],
                                                   any(it.top_logprobs for it in items))], dim=1)
         extras = [{} for _ in items]
@@ -373,8 +338,8 @@ class LocalTarget(Target):
         results: list[TargetResult | None] = [None] * len(items)
         for row, i in enumerate(order):
             lp = top = None
-            if _wants_logprobs(items[i]):
-                lp, top = _read_logprob_columns(host[row], 1, 1, 1, items[i].top_logprobs)
+            if wants_logprobs(items[i]):
+                lp, top = read_logprob_columns(host[row], 1, 1, 1, items[i].top_logprobs)
             results[i] = TargetResult([int(host[row][0])], logprobs=lp, extras=extras[i], top_logprobs=top)
         return results  # type: ignore[return-value]
 
@@ -414,7 +379,7 @@ class LocalTarget(Target):
         forward is queued, so their host work overlaps the device's."""
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
         out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
-        return self._verify_step(_with_masks(items, masks), out, trees)
+        return self._verify_step(with_masks(items, masks), out, trees)
 
     def launch_chained(self, items: list[ChainedItem], drafter=None, draft_cap: int | None = None) -> "_LaunchedVerify":
         """See ``Target.launch_chained``: one step whose start positions, tokens and drafts the
@@ -438,7 +403,7 @@ class LocalTarget(Target):
         if k and (drafter is None or not drafter.drafts_on_device):
             raise ValueError("chained drafts need a drafter that drafts on the device")
         flags = self.sampling.flags([it.slot for it in items])
-        logprobs = _logprob_mode(items)
+        logprobs = logprob_mode(items)
         if drafter is not None:
             drafter.prepare_round(flags[0])  # its buffers exist before any graph is captured
         capped = draft_cap is not None and k > 0
@@ -489,11 +454,11 @@ class LocalTarget(Target):
         by_slot = [None] * n
         for it in items:
             by_slot[it.slot] = it
-        allowed = _allowed(by_slot, Q, self._info.vocab_size, out.inputs.device)
+        allowed = step_masks(by_slot, Q, self._info.vocab_size, out.inputs.device)
         if allowed is not None:
             sampling = dataclasses.replace(sampling, allowed=allowed)
         q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
-        packed = self._verify_device(out, chain, sampling, q, None, _logprob_mode(items))
+        packed = self._verify_device(out, chain, sampling, q, None, logprob_mode(items))
         if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
             out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
         return self._launched(items, out._replace(epilogue=packed), trees, sampling)
@@ -535,7 +500,7 @@ class LocalTarget(Target):
             self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
         copy = _HostCopy(out.epilogue, self._pinned)
         Q = out.argmax.shape[1]
-        mode = _logprob_mode(items)
+        mode = logprob_mode(items)
         scored = out.epilogue.shape[1] - 3 - Q - (Q if mode else 0) - (2 * Q * MAX_TOP_LOGPROBS if mode == 2 else 0)
         return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, num_scores=scored)
 
@@ -580,13 +545,13 @@ class LocalTarget(Target):
         outs = []
         for it, r, extras, rows in zip(items, results, taps, kept):
             lp = top = None
-            if _wants_logprobs(it):
+            if wants_logprobs(it):
                 if it.slot in trees:
                     cols = logprob_columns(out.logits[it.slot, rows][None], torch.tensor(
                         r.tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
-                    lp, top = _read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
+                    lp, top = read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
                 else:
-                    lp, top = _read_logprob_columns(host[it.slot], Q + 3, Q, len(r.tokens), it.top_logprobs)
+                    lp, top = read_logprob_columns(host[it.slot], Q + 3, Q, len(r.tokens), it.top_logprobs)
             drafts = int(host[it.slot][1]) - 1 if isinstance(it, ChainedItem) else None
             scores = host[it.slot][-handle.num_scores:] if handle.num_scores else None
             outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts, scores, top))
@@ -614,40 +579,6 @@ class LocalTarget(Target):
             return verify_tree_greedy(prop.tokens, prop.parents, argmax.tolist())
         p = target_probs(logits, rows)[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
-
-
-def _with_masks(items: list[VerifyItem], masks) -> list[VerifyItem]:
-    """``items`` with the grammar masks of ``masks`` (a ``MaskWalk``, waited for) as ``allowed``."""
-    if masks is None:
-        return items
-    ready = masks.result()
-    return [dataclasses.replace(it, allowed=ready[it.slot]) if it.slot in ready else it for it in items]
-
-
-def _allowed(items: list, Q: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """``[len(items), Q, vocab_size]`` bool grammar masks of a step's rows (row i: ``items[i]``,
-    None or without ``allowed``: every token), on ``device``; None when no item has one."""
-    if not any(it is not None and it.allowed is not None for it in items):
-        return None
-    words = (vocab_size + 31) // 32
-    bits = torch.full((len(items), Q, words), -1, dtype=torch.int32)
-    for i, it in enumerate(items):
-        if it is not None and it.allowed is not None:
-            bits[i, :it.allowed.shape[0]] = it.allowed
-    return unpack_bitmask(to_device(bits, device), vocab_size)
-
-
-def _wants_logprobs(it) -> bool:
-    """The item asked for log-probabilities (``top_logprobs`` implies them)."""
-    return it.return_logprobs or it.top_logprobs > 0
-
-
-def _logprob_mode(items: list) -> int:
-    """Which log-probability columns a round packs: 0 none, 1 the emitted tokens', 2 those and the
-    top alternatives (``logprob_columns``); one value per round, part of a chained graph's key."""
-    if any(it.top_logprobs for it in items):
-        return 2
-    return 1 if any(it.return_logprobs for it in items) else 0
 
 
 def _step_tokens(it) -> int:

@@ -36,12 +36,13 @@ from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams, choice_seed
 from tandem.structured import Structure
-from tandem.target import MAX_TOP_LOGPROBS
+from tandem.logprobs import MAX_TOP_LOGPROBS
 
 from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
-from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
+from .tools import (Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, response_format_structure,
+                    tool_structure, tools_message)
 
 
 MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as a request of its own)
@@ -124,38 +125,8 @@ class _SamplingFields(_Base):
 
 
     def structure(self) -> Structure | None:
-        """``response_format`` as a grammar: None for text, any JSON object, or a JSON schema
-        (enforced whether ``strict`` or not).
-
-        Raises:
-            InvalidRequestError: an unknown type or a json_schema without its schema.
-        """
-        rf = self.response_format
-        if rf is None:
-            return None
-        kind = rf.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise InvalidRequestError('response_format type must be "text", "json_object" or "json_schema"',
-                                      param="response_format.type")
-        extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
-        if extra:
-            raise InvalidRequestError(f"unknown response_format field(s) for type {kind}: {', '.join(extra)}",
-                                      param=f"response_format.{extra[0]}")
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Structure("json_object")
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not isinstance(js.get("schema"), dict):
-            raise InvalidRequestError('json_schema needs {"name": "<a name>", "schema": {<a JSON schema>}}',
-                                      param="response_format.json_schema")
-        unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
-        if unknown:
-            raise InvalidRequestError(f"unknown json_schema field(s): {', '.join(unknown)}",
-                                      param=f"response_format.json_schema.{unknown[0]}")
-        if "strict" in js and not isinstance(js["strict"], (bool, type(None))):
-            raise InvalidRequestError("json_schema.strict must be a boolean", param="response_format.json_schema.strict")
-        return Structure("json_schema", json.dumps(js["schema"]))
+        """``response_format`` as a grammar (``tools.response_format_structure``)."""
+        return response_format_structure(self.response_format)
 
 
 class CompletionRequest(_SamplingFields):

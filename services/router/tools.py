@@ -1,4 +1,5 @@
-"""Tool calling (OpenAI's ``tools`` / ``tool_choice``) over structured output.
+"""Structured output at the HTTP boundary: OpenAI's ``response_format``, and tool calling
+(``tools`` / ``tool_choice``) over structured output.
 
 The model is told about the tools in a system message, and its output is held by a grammar
 (``tandem.structured``) to what ``tool_choice`` allows: ``required`` or a named function make the
@@ -26,6 +27,40 @@ TOOLS_PROMPT = ("You can call these functions:\n{tools}\n"
 COMPACT = {"whitespace_flexible": False}  # llguidance's JSON option: calls are written without free whitespace
 RULES = {"auto": " Otherwise, answer in plain text.", "required": " You must call one of them.",
          "none": " Do not call any now; answer in plain text."}
+
+
+def response_format_structure(rf: dict | None) -> Structure | None:
+    """OpenAI's ``response_format`` as a grammar: None for text, any JSON object, or a JSON schema
+    (enforced whether ``strict`` or not).
+
+    Raises:
+        InvalidRequestError: an unknown type or a json_schema without its schema.
+    """
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequestError('response_format type must be "text", "json_object" or "json_schema"',
+                                  param="response_format.type")
+    extra = sorted(set(rf) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if extra:
+        raise InvalidRequestError(f"unknown response_format field(s) for type {kind}: {', '.join(extra)}",
+                                  param=f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not isinstance(js.get("schema"), dict):
+        raise InvalidRequestError('json_schema needs {"name": "<a name>", "schema": {<a JSON schema>}}',
+                                  param="response_format.json_schema")
+    unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise InvalidRequestError(f"unknown json_schema field(s): {', '.join(unknown)}",
+                                  param=f"response_format.json_schema.{unknown[0]}")
+    if "strict" in js and not isinstance(js["strict"], (bool, type(None))):
+        raise InvalidRequestError("json_schema.strict must be a boolean", param="response_format.json_schema.strict")
+    return Structure("json_schema", json.dumps(js["schema"]))
 
 
 @dataclass(frozen=True)
