@@ -288,8 +288,9 @@ class ThresholdController:
     discounted sums forget the old regime and θ moves to the new optimum; a hill climb would
     stall on a plateau (e.g. θ above every prediction drafts nothing and measures no slope).
 
-    The state is a small dict (``state_dict`` / ``load_state_dict``) so router replicas can share
-    it through the state store.
+    The state is a small dict (``state_dict`` / ``load_state_dict``): a verifier replica keeps it
+    in the state store and reports it with every ``Load`` poll, and a router sums its replicas'
+    states (``merged``) to choose θ for the whole cluster (``services.router.budget``).
 
     Args:
         grid: candidate thresholds (default 0.0, 0.1, ..., 0.9).
@@ -351,9 +352,32 @@ class ThresholdController:
     def load_state_dict(self, state: dict) -> None:
         if [round(x, 4) for x in state["grid"]] != self.grid:
             raise ValueError("threshold controller state was saved with another grid")
+        if not len(state["counts"]) == len(state["tokens"]) == len(state["ms"]) == len(self.grid):
+            raise ValueError("threshold controller state does not match its grid's length")
         self.counts = [float(x) for x in state["counts"]]
         self.tokens = [float(x) for x in state["tokens"]]
         self.ms = [float(x) for x in state["ms"]]
+
+    @classmethod
+    def merged(cls, states: Sequence[dict], gamma: float = 0.995, c: float = 0.1) -> "ThresholdController":
+        """One controller over the rounds of several (a cluster's verifier replicas): per candidate,
+        the sums of their discounted round counts, tokens and ms (each replica's own discounting
+        kept), so goodput is the cluster's tokens over its ms and the exploration bonus counts
+        every replica's trials. All states must share one grid.
+
+        Raises:
+            ValueError: no states, or states of different grids or malformed ones.
+        """
+        if not states:
+            raise ValueError("no threshold controller states to merge")
+        out = cls(grid=states[0]["grid"], gamma=gamma, c=c)
+        for state in states:
+            part = cls(grid=out.grid)
+            part.load_state_dict(state)
+            for mine, theirs in ((out.counts, part.counts), (out.tokens, part.tokens), (out.ms, part.ms)):
+                for j, x in enumerate(theirs):
+                    mine[j] += x
+        return out
 
 
 class DraftPolicy:
@@ -371,9 +395,9 @@ class DraftPolicy:
         branch_top_m: hard-position enhancement: where θ cut a draft, verify the m most likely
             tokens of that position together as leaves of a small token tree (0/1: off). The
             extra tokens count against ``max_total_tokens``.
-        store, store_key: share the threshold controller's state through a ``tandem.state`` store (router
-            replicas): loaded at start, saved every ``sync_every`` rounds. A store that is down
-            is logged and skipped; θ keeps learning locally.
+        store, store_key: keep the threshold controller's state in a ``tandem.state`` store (Redis:
+            it outlives the replica): loaded at start, saved every ``sync_every`` rounds. A store
+            that is down is logged and skipped; θ keeps learning locally.
         overhead_rate: weight of each round in the online fit of the fixed per-round cost.
         device_score: ``score`` as device work (``features [n, F]`` on any device -> ``[n]``
             probabilities there, no host transfer), for chained rounds: a drafter that drafts
@@ -389,6 +413,11 @@ class DraftPolicy:
     width of the round after that (one round behind): a padded verify round costs its widest row,
     so the width is the decision that can save time: the θ cut, then the cost model where there is
     one (a θ learned online does not cut then; ``plan_width``).
+
+    θ from outside. While ``threshold_override`` is set (a router's cluster-wide choice, renewed
+    with every ``Load`` poll) it replaces the controller's next candidate; the controller goes on
+    learning from the rounds run under it, so when the override lapses the replica's own θ picks
+    up with everything the cluster's choice taught it.
 
     Round-cost calibration. T(b, q) is measured at start-up, but a round also carries host work
     (drafting, packing, verification, rollback) that does not depend on how many drafts are
@@ -427,6 +456,9 @@ class DraftPolicy:
         self.cumulative = cumulative
         self.max_total_tokens = max_total_tokens
         self._threshold_used = acceptance_threshold
+        # θ set from outside (a router's cluster-wide choice, ``services.router.budget``): used in place
+        # of the controller's next candidate while set; the controller still learns from those rounds
+        self.threshold_override: float | None = None
         self._round_open = False  # begin_round chose θ for a round that lengths() has not closed
         self._scored: dict[int, list[float]] = {}  # slot -> keep_drafting's p per position this round
 
@@ -436,7 +468,7 @@ class DraftPolicy:
         last position's predicted acceptance (or, with ``cumulative``, its survival product) is at
         least θ. The first position below θ is still drafted, so ``lengths`` can cut there and
         branch on its top candidates; ``lengths`` then uses the same θ."""
-        self._threshold_used = self.controller.current() if self.controller is not None else self.fixed_threshold
+        self._threshold_used = self._learned_threshold() if self.controller is not None else self.fixed_threshold
         self._round_open = True
         self._scored = {}
         return self.keep_drafting
@@ -535,12 +567,22 @@ class DraftPolicy:
         if self.controller is None:
             acceptance_threshold = self.fixed_threshold
         else:
-            acceptance_threshold = 0.0 if self.cost is not None else self.controller.current()
+            acceptance_threshold = 0.0 if self.cost is not None else self._learned_threshold()
         if scores is None or len(scores) == 0:
             return WidthPlan(limit, acceptance_threshold)
         cost = None if self.cost is None else replace(self.cost, overhead_ms=self.overhead_ms)
         width, modelled = best_width(np.asarray(scores)[:, :limit], cost, acceptance_threshold, self.cumulative)
         return WidthPlan(width, acceptance_threshold, modelled)
+
+    def _learned_threshold(self) -> float:
+        """θ for a round when θ is learned: the outside choice while one is set, else the
+        controller's next candidate."""
+        return self.threshold_override if self.threshold_override is not None else self.controller.current()
+
+    @property
+    def learns_threshold(self) -> bool:
+        """θ is learned online (a controller), so an outside θ (``threshold_override``) applies."""
+        return self.controller is not None
 
     def observe(self, emitted_tokens: int, round_ms: float, plan: WidthPlan | None = None) -> None:
         """Feed one round's outcome (tokens emitted, measured round time in ms) to the θ

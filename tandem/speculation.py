@@ -219,7 +219,7 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
         weights: the drafter's weights already loaded (a draft model's ``Checkpoint`` or a
             SpecFormer head), so several engines share one load (the bench).
         cost: the verifier cost model for a context-aware policy (``spec.cost_model``).
-        store: θ state shared through a state store (router replicas).
+        store: θ state kept in a state store (verifier replicas).
 
     Raises:
         ConfigError: a remote drafter not given, a drafter given for another kind, a bad predictor.

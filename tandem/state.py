@@ -1,6 +1,6 @@
 """Shared state: one interface, an in-memory default and a Redis implementation.
 
-What lives here: the threshold controller's state (shared by router replicas), acceptance statistics per
+What lives here: the threshold controller's state (kept by each verifier replica), acceptance statistics per
 drafter and Spec-Bench-style category (counters), and the verification-log stream that retrains
 the difficulty predictor (a capped stream: Redis ``XADD ... MAXLEN ~``).
 

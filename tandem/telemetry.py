@@ -305,6 +305,9 @@ class Metrics:
         self.router_draft_budget = Gauge("tandem_router_draft_budget_tokens", "Draft tokens a round the router's "
                                          "budget gives a verifier replica (width x its requests).", ["replica"],
                                          registry=r)
+        self.router_acceptance_threshold = Gauge("tandem_router_acceptance_threshold", "Acceptance threshold θ "
+                                                 "the router sets for a verifier replica's rounds (chosen over "
+                                                 "every replica's θ controller).", ["replica"], registry=r)
         self.draft_width = Gauge("tandem_draft_width", "Draft tokens a row may verify in the last round a "
                                  "context-aware policy planned (chained rounds).", registry=r)
         self.acceptance_threshold = Gauge("tandem_acceptance_threshold", "Acceptance threshold θ of the last "
@@ -397,12 +400,25 @@ class Metrics:
 
     def clear_replica_budget(self, replica: str) -> None:
         """No budget for the replica now (unhealthy, or nothing to decide on): its series go away."""
-        for gauge in (self.router_draft_width, self.router_draft_budget):
-            try:
-                gauge.remove(replica)
-            except KeyError:
-                pass
+        _remove(replica, self.router_draft_width, self.router_draft_budget)
+
+    def set_replica_threshold(self, replica: str, acceptance_threshold: float) -> None:
+        """The θ a router sets for one verifier replica (``services.router.budget``)."""
+        self.router_acceptance_threshold.labels(replica=replica).set(acceptance_threshold)
+
+    def clear_replica_threshold(self, replica: str) -> None:
+        """No θ set for the replica now: its series goes away."""
+        _remove(replica, self.router_acceptance_threshold)
 
     def exposition(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text format, for a ``/metrics`` endpoint."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _remove(replica: str, *gauges) -> None:
+    """Remove one replica's series from labelled gauges (absent ones are fine)."""
+    for gauge in gauges:
+        try:
+            gauge.remove(replica)
+        except KeyError:
+            pass

@@ -1,7 +1,8 @@
 """The router's cluster-level draft budget (``services.router.budget``): the acceptance it reads
 from finished requests, the width it picks under a replica's cost model and load, the replica
 applying it (``Engine.width_cap``: rounds capped, output unchanged), and the decision reaching a
-real replica process over ``Load``."""
+real replica process over ``Load``; and the cluster's acceptance threshold θ: replicas' θ
+controllers merged at the router, its choice sent back and used by the replicas' policies."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.router.budget import DraftBudget, cost_model
+from services.router.budget import DraftBudget, cost_model, threshold_state
 from services.proto.tandem.v1 import verifier_pb2
-from tandem.control import CostModel
+from tandem.control import CostModel, DraftPolicy, ThresholdController
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams
 
@@ -67,6 +68,95 @@ def test_cost_model_from_info_points():
     assert cost_model(noisy).verify_ms(1, 3) == 7.0  # more tokens never verify faster: timing noise evened out
 
 
+def _controller(grid, rounds) -> ThresholdController:
+    """A θ controller that observed ``rounds``: (θ, emitted tokens, ms) each."""
+    c = ThresholdController(grid=grid)
+    for theta, tokens, ms in rounds:
+        c.observe(tokens, ms, acceptance_threshold=theta)
+    return c
+
+
+def test_threshold_controllers_merge_into_the_clusters_goodput():
+    """``ThresholdController.merged`` sums each candidate's discounted rounds, tokens and ms, so
+    the cluster's goodput for a θ is all replicas' tokens over all their time; malformed or
+    mismatched states are refused."""
+    a = _controller([0.0, 0.5], [(0.0, 10, 10.0), (0.5, 30, 10.0)])  # replica a: θ 0.5 pays (3 tok/ms against 1)
+    b = _controller([0.0, 0.5], [(0.0, 40, 10.0), (0.5, 5, 30.0)] * 3)  # replica b, busier: θ 0.0 pays
+    m = ThresholdController.merged([a.state_dict(), b.state_dict()])
+    assert m.grid == [0.0, 0.5]
+    for j in range(2):
+        assert m.counts[j] == pytest.approx(a.counts[j] + b.counts[j])
+        assert m.goodput()[j] == pytest.approx((a.tokens[j] + b.tokens[j]) / (a.ms[j] + b.ms[j]))
+    assert a.acceptance_threshold == 0.5 and b.acceptance_threshold == 0.0
+    assert m.acceptance_threshold == 0.0  # the cluster's best: b's rounds outweigh a's
+    with pytest.raises(ValueError, match="another grid"):
+        ThresholdController.merged([a.state_dict(), ThresholdController(grid=[0.1, 0.2]).state_dict()])
+    with pytest.raises(ValueError, match="no threshold"):
+        ThresholdController.merged([])
+    with pytest.raises(ValueError, match="length"):
+        ThresholdController.merged([{**a.state_dict(), "ms": [1.0]}])
+
+
+def _learning_replica(address: str, controller: ThresholdController | None, healthy: bool = True):
+    report = verifier_pb2.LoadReport(num_slots=8, running=2, draft_limit=4)
+    if controller is not None:
+        st = controller.state_dict()
+        report.threshold.CopyFrom(verifier_pb2.ThresholdState(grid=st["grid"], rounds=st["counts"],
+                                                              tokens=st["tokens"], ms=st["ms"]))
+    return SimpleNamespace(address=address, report=report, cost_model=None, healthy=healthy)
+
+
+def test_router_chooses_theta_over_every_replicas_rounds():
+    """The router sends every replica that learns θ the next candidate of the merged controller:
+    untried candidates first (the cluster explores each θ once, not once per replica), then the
+    discounted-UCB choice; a replica of another grid is its own group; a replica with a fixed θ or
+    an unhealthy one gets none, and its gauge goes away."""
+    from tandem.telemetry import Metrics
+
+    grid = [0.0, 0.5, 0.9]
+    a = _controller(grid, [(0.0, 20, 10.0), (0.5, 35, 10.0)])
+    b = _controller(grid, [(0.0, 20, 10.0)])
+    budget, metrics = DraftBudget(), Metrics()
+    replicas = [_learning_replica("a", a), _learning_replica("b", b), _learning_replica("fixed", None),
+                _learning_replica("down", a, healthy=False)]
+    assert budget.decide_thresholds(replicas, metrics) == {"a": 0.9, "b": 0.9}  # the one θ nobody has tried
+    body = metrics.exposition()[0].decode()
+    assert 'tandem_router_acceptance_threshold{replica="a"} 0.9' in body and 'replica="fixed"' not in body
+    a.observe(12, 10.0, acceptance_threshold=0.9)  # tried now, and poor
+    replicas[0] = _learning_replica("a", a)
+    merged = ThresholdController.merged([a.state_dict(), b.state_dict()])
+    assert budget.decide_thresholds(replicas, metrics) == {"a": merged.current(), "b": merged.current()}
+    assert merged.current() == 0.5  # the cluster's best goodput; the exploration bonus does not outweigh it
+    other = _learning_replica("c", _controller([0.2, 0.4], [(0.2, 10, 10.0)]))
+    assert budget.decide_thresholds([*replicas, other], metrics)["c"] == 0.4
+    replicas[0].healthy = False
+    assert "a" not in budget.decide_thresholds(replicas, metrics) and "a" not in budget.thresholds
+    assert 'tandem_router_acceptance_threshold{replica="a"}' not in metrics.exposition()[0].decode()
+    assert threshold_state(replicas[1].report.threshold)["counts"] == pytest.approx(b.counts)
+
+
+def test_policy_uses_an_outside_threshold_and_keeps_learning():
+    """``DraftPolicy.threshold_override`` (the router's θ) replaces the controller's candidate in
+    host-drafted rounds (``begin_round``/``lengths``) and chained ones without a cost model
+    (``plan_width``); the controller learns from those rounds under that θ."""
+    import numpy as np
+    import torch
+
+    ctl = ThresholdController(grid=[0.0, 0.5, 0.9])
+    policy = DraftPolicy(lambda f: f[:, 0], controller=ctl)
+    assert policy.learns_threshold and not DraftPolicy(lambda f: f[:, 0]).learns_threshold
+    policy.threshold_override = 0.9
+    keep = policy.begin_round()
+    assert keep([0], torch.tensor([[0.95]])) == [True] and keep([0], torch.tensor([[0.6]])) == [False]
+    assert policy.lengths([torch.tensor([[0.95], [0.6], [0.99]])]) == [1]  # cut where p < 0.9
+    policy.observe(2, 1.0)
+    assert ctl.counts == [0.0, 0.0, 1.0]  # the round counted for the θ it ran under
+    plan = policy.plan_width(np.array([[0.95, 0.6, 0.99]]), limit=3)
+    assert (plan.width, plan.acceptance_threshold) == (1, 0.9)
+    policy.threshold_override = None
+    assert policy.begin_round() and policy._threshold_used == 0.0  # its own controller again: an untried θ
+
+
 def _run(engine, prompts, params) -> list[list[int]]:
     out = []
     for p in prompts:
@@ -120,7 +210,7 @@ def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
     from services.launch import StackConfig, start_stack
     from services.router.core import Router, RouterConfig
     from services.router.replicas import Replica
-    from services.verifier.server import WIDTH_LEASE_S
+    from services.verifier.server import BUDGET_LEASE_S
 
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     s = start_stack(StackConfig(model=model, drafter="ngram", num_draft_tokens=4, max_batch_size=4, max_seq_len=256,
@@ -151,7 +241,7 @@ def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
         try:
             other.refresh()
             assert other.report.draft_width == low  # still within the lease
-            time.sleep(WIDTH_LEASE_S + 0.3)
+            time.sleep(BUDGET_LEASE_S + 0.3)
             other.refresh()
             other.refresh()
             assert not other.report.HasField("draft_width")  # the replica's own k stands again
@@ -160,4 +250,63 @@ def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
     finally:
         if router is not None:
             router.close()
+        s.stop()
+
+
+def test_router_sets_one_theta_for_two_replica_processes(tiny_checkpoint):
+    """Two verifier replica processes whose policy learns θ (entropy scores, θ auto) under one
+    router process: each reports its θ controller with ``Load``; the router merges them and every
+    replica runs the merged controller's choice (``acceptance_threshold_set`` in /health); once
+    the router is gone, each replica's own controller takes over after the lease."""
+    import concurrent.futures
+    import json
+    import time
+    import urllib.request
+
+    import grpc
+    import openai
+
+    from conftest import spec_bench_prompts
+    from services.launch import StackConfig, start_stack
+    from services.router.replicas import Replica
+    from services.verifier.server import BUDGET_LEASE_S
+
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    s = start_stack(StackConfig(model=model, drafter="ngram", policy="entropy", num_verifiers=2, max_batch_size=4,
+                                max_seq_len=256), timeout_s=180)
+    passive = []
+    try:
+        client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="x", max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 at once over 2 x 4 slots: both replicas decode
+            list(pool.map(lambda p: client.completions.create(model=model_id, prompt=p, max_tokens=32, temperature=0),
+                          spec_bench_prompts(8)))
+        time.sleep(1.5)  # idle: the states stop moving and the router's polls settle on one choice
+        passive = [Replica(a, None, 10.0) for a in s.verifier_addresses]  # polls that send nothing
+        for r in passive:
+            r.refresh()
+        states = [threshold_state(r.report.threshold) for r in passive]
+        assert all(sum(st["counts"]) > 0 for st in states)  # both ran rounds under the policy
+        want = ThresholdController.merged(states).current()
+        for r in passive:
+            assert r.report.acceptance_threshold_set and r.report.acceptance_threshold == pytest.approx(want)
+        with urllib.request.urlopen(f"{s.http_url}/health", timeout=10) as resp:
+            health = json.loads(resp.read())
+        assert [v["acceptance_threshold"] for v in health["verifiers"]] == [pytest.approx(want)] * 2
+        with pytest.raises(grpc.RpcError) as bad:  # a θ outside [0, 1] is refused at the boundary
+            passive[0]._stub.Load(verifier_pb2.LoadRequest(acceptance_threshold=2.0), timeout=5)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        router = s.processes["router"]
+        router.terminate()
+        router.wait(timeout=15)
+        time.sleep(BUDGET_LEASE_S + 0.3)
+        for r, st in zip(passive, states):
+            r.refresh()
+            assert not r.report.acceptance_threshold_set  # the replica's own controller again
+            own = ThresholdController(grid=st["grid"])
+            own.load_state_dict(threshold_state(r.report.threshold))
+            assert r.report.acceptance_threshold == pytest.approx(own.acceptance_threshold)
+    finally:
+        for r in passive:
+            r.close()
         s.stop()

@@ -19,6 +19,16 @@ without a measured cost model, or a cluster with too few drafts seen, gets no bu
 configuration's k stands). Decisions are sent with the next ``Load`` poll, counted in the router's
 metrics (``tandem_router_draft_width{replica}``, ``tandem_router_draft_budget_tokens{replica}``)
 and traced (a ``budget`` span per change).
+
+The acceptance threshold θ is the cluster's too. A replica whose policy learns θ online reports its
+controller's state with every ``Load`` poll (per candidate θ: discounted rounds, emitted tokens
+and ms, ``ThresholdState``); the router sums the states of every healthy replica
+(``ThresholdController.merged``) and sends each of them the merged controller's next candidate
+(``ThresholdController.current``: the discounted-UCB choice over the cluster's goodput per θ), so
+one replica's exploration of a θ informs all of them and a new replica starts from what the
+cluster measured. A replica uses the router's θ in place of its own controller's while polls renew
+it; its controller still learns from those rounds. Decisions show as
+``tandem_router_acceptance_threshold{replica}`` and in the ``budget`` span.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from collections import deque
 
 import numpy as np
 
-from tandem.control import CostModel, best_width
+from tandem.control import CostModel, ThresholdController, best_width
 from tandem.metrics import SpecDecodeStats
 from tandem.telemetry import span
 
@@ -49,6 +59,7 @@ class DraftBudget:
         self._lock = threading.Lock()
         self.min_drafts = min_drafts
         self.widths: dict[str, int] = {}  # replica address -> the width last decided
+        self.thresholds: dict[str, float] = {}  # replica address -> the θ last decided
 
     def observe(self, spec: SpecDecodeStats) -> None:
         """Count a finished request's drafted / accepted tokens per draft position."""
@@ -106,6 +117,48 @@ class DraftBudget:
                          replica.address, m, m * batch, batch, "" if batch == 1 else "s")
             self.widths[replica.address] = m
         return m
+
+
+    def decide_thresholds(self, replicas, metrics=None) -> dict[str, float]:
+        """θ for every healthy replica that learns θ (its report carries ``threshold``): the next
+        candidate of the controller merged from all of them (replicas of another grid form their
+        own group). Recorded like widths (gauge; a ``budget`` span and a log line on a change)."""
+        groups: dict[tuple, list] = {}
+        for r in replicas:
+            if r.healthy and r.report is not None and r.report.HasField("threshold"):
+                groups.setdefault(tuple(round(x, 4) for x in r.report.threshold.grid), []).append(r)
+        decided: dict[str, float] = {}
+        merged_over: dict[str, int] = {}  # replica -> how many replicas' rounds its θ was chosen over
+        for members in groups.values():
+            try:
+                cluster = ThresholdController.merged([threshold_state(r.report.threshold) for r in members])
+            except ValueError as exc:  # a malformed report: those replicas keep their own θ
+                log.warning("cannot merge θ controller states of %s: %s", [r.address for r in members], exc)
+                continue
+            theta = float(cluster.current())
+            for r in members:
+                decided[r.address], merged_over[r.address] = theta, len(members)
+        for r in replicas:
+            theta = decided.get(r.address)
+            if theta is None:
+                self.thresholds.pop(r.address, None)
+                if metrics is not None:
+                    metrics.clear_replica_threshold(r.address)
+                continue
+            if metrics is not None:
+                metrics.set_replica_threshold(r.address, theta)
+            if self.thresholds.get(r.address) != theta:
+                n = merged_over[r.address]
+                with span("budget", replica=r.address, acceptance_threshold=theta, replicas_merged=n):
+                    log.info("replica %s: acceptance threshold %.2f (chosen over the rounds of %d replica%s)",
+                             r.address, theta, n, "" if n == 1 else "s")
+                self.thresholds[r.address] = theta
+        return decided
+
+
+def threshold_state(m) -> dict:
+    """A ``ThresholdState`` message as ``ThresholdController.state_dict`` writes it."""
+    return {"grid": [float(x) for x in m.grid], "counts": list(m.rounds), "tokens": list(m.tokens), "ms": list(m.ms)}
 
 
 def round_batch(report) -> int:

@@ -208,9 +208,12 @@ class Router:
     def probe(self) -> None:
         """Poll every replica's ``Load`` (2 s each at most): the load the router balances on, and health
         (/health and the router's own gRPC health follow it while no request runs); each poll
-        carries the replica's draft width from the cluster-level budget (``DraftBudget``). Blocking."""
+        carries the replica's draft width and θ from the cluster-level budget (``DraftBudget``), decided
+        on the previous poll's reports. Blocking."""
+        thresholds = self.budget.decide_thresholds(self.replicas, self.metrics)
         for r in self.replicas:
-            r.refresh(draft_width=self.budget.decide(r, self.metrics) if r.healthy else None)
+            r.refresh(draft_width=self.budget.decide(r, self.metrics) if r.healthy else None,
+                      acceptance_threshold=thresholds.get(r.address))
 
     def _choose(self, avoid: set[str]) -> Replica | None:
         """The healthy replica with the fewest requests per KV slot (``Replica.score``), not in ``avoid``."""
@@ -447,7 +450,11 @@ class Router:
                            "num_slots": r.num_slots, "speculation": r.info.speculation,
                            "draft_limit": r.report.draft_limit if r.report and r.healthy else None,
                            "draft_width": r.report.draft_width if r.report and r.healthy
-                           and r.report.HasField("draft_width") else None}
+                           and r.report.HasField("draft_width") else None,
+                           "acceptance_threshold": round(r.report.acceptance_threshold, 4) if r.report and r.healthy
+                           and r.report.HasField("acceptance_threshold") else None,
+                           "acceptance_threshold_set": bool(r.report.acceptance_threshold_set) if r.report
+                           and r.healthy else None}
                           for r in self.replicas],
             "drafter": None if not drafters else {"address": drafters[0].address,
                                                   "available": all(d.available for d in drafters)},

@@ -83,12 +83,14 @@ class Replica:
 
         return cost_model(self.info.cost)
 
-    def refresh(self, timeout_s: float = 2.0, draft_width: int | None = None) -> bool:
-        """Poll ``Load`` (blocking), sending the router's ``draft_width`` for the replica when
-        given: updates the report and the health; returns the health."""
+    def refresh(self, timeout_s: float = 2.0, draft_width: int | None = None,
+                acceptance_threshold: float | None = None) -> bool:
+        """Poll ``Load`` (blocking), sending the router's ``draft_width`` and ``acceptance_threshold``
+        for the replica when given: updates the report and the health; returns the health."""
         try:
-            self.report = self._stub.Load(verifier_pb2.LoadRequest(draft_width=draft_width), timeout=timeout_s,
-                                          metadata=self.metadata)
+            self.report = self._stub.Load(verifier_pb2.LoadRequest(draft_width=draft_width,
+                                                                    acceptance_threshold=acceptance_threshold),
+                                          timeout=timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             if self.healthy:
                 log.error("verifier replica %s does not answer: %s", self.address, exc.code().name)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 
+import grpc
 
 from services.common import Delta, Done, Failed, GrpcServer, merge_outputs, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
@@ -27,11 +28,22 @@ from .replica import ReplicaEngine, store_status
 
 log = logging.getLogger(__name__)
 
-# A router's draft width is a lease: it lapses this long (s) after the last poll that carried one
-# (a router that died or stopped budgeting leaves the replica's own k to stand again).
-WIDTH_LEASE_S = 3.0
+# What a router sets with its Load polls (the draft width, θ) is a lease: each lapses this long (s)
+# after the last poll that carried it (a router that died or stopped budgeting leaves the replica's
+# own k and θ to stand again).
+BUDGET_LEASE_S = 3.0
 
 SERVICE_NAME = "tandem.v1.Verifier"
+
+
+def threshold_report(policy) -> float:
+    """θ a draft policy's next rounds use, as a replica reports it: a router's while one is set,
+    else the best its own controller has measured, else its fixed θ."""
+    if not policy.learns_threshold:
+        return float(policy.fixed_threshold)
+    if policy.threshold_override is not None:
+        return float(policy.threshold_override)
+    return float(policy.controller.acceptance_threshold)
 
 
 def spec_to_pb(s: SpecDecodeStats) -> verifier_pb2.SpecStats:
@@ -81,6 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.eos_token_ids = eos_token_ids
         self.cost = cost or {}
         self._width_until = 0.0  # when the draft width a router last sent lapses (time.monotonic)
+        self._threshold_until = 0.0  # when the θ a router last sent lapses
         self.speculation = speculation
         self._streams = itertools.count()
 
@@ -94,20 +107,39 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Load(self, request, context):
         engine = self.replica.engine
+        policy = engine.draft_policy
         now = time.monotonic()
+        if request.HasField("acceptance_threshold") and not 0.0 <= request.acceptance_threshold <= 1.0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"acceptance_threshold must be in [0, 1], got {request.acceptance_threshold}")
         if request.HasField("draft_width"):  # a router's budget: the engine caps its next rounds at it ...
             engine.width_cap = int(request.draft_width)
-            self._width_until = now + WIDTH_LEASE_S
+            self._width_until = now + BUDGET_LEASE_S
         elif engine.width_cap is not None and now > self._width_until:  # ... while some router renews it
             engine.width_cap = None
+        learns = policy is not None and policy.learns_threshold
+        if learns and request.HasField("acceptance_threshold"):  # the cluster's θ, likewise a lease
+            policy.threshold_override = round(float(request.acceptance_threshold), 4)  # float32 on the wire
+            self._threshold_until = now + BUDGET_LEASE_S
+        elif learns and policy.threshold_override is not None and now > self._threshold_until:
+            policy.threshold_override = None
         load = self.replica.load()
         store, drafter = await asyncio.gather(asyncio.to_thread(store_status, self.replica.store),
                                               asyncio.to_thread(self.replica.drafter_status))
-        return verifier_pb2.LoadReport(num_slots=load.num_slots, running=load.running, waiting=load.waiting,
-                                       queued_prompt_tokens=load.queued_prompt_tokens,
-                                       state_store=verifier_pb2.StateStoreStatus(**store),
-                                       drafter=verifier_pb2.DrafterStatus(**drafter),
-                                       draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap)
+        report = verifier_pb2.LoadReport(num_slots=load.num_slots, running=load.running, waiting=load.waiting,
+                                         queued_prompt_tokens=load.queued_prompt_tokens,
+                                         state_store=verifier_pb2.StateStoreStatus(**store),
+                                         drafter=verifier_pb2.DrafterStatus(**drafter),
+                                         draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap)
+        if policy is not None:
+            threshold = threshold_report(policy)
+            report.acceptance_threshold = threshold
+            report.acceptance_threshold_set = learns and policy.threshold_override is not None
+            if learns:
+                state = policy.controller.state_dict()
+                report.threshold.CopyFrom(verifier_pb2.ThresholdState(grid=state["grid"], rounds=state["counts"],
+                                                                      tokens=state["tokens"], ms=state["ms"]))
+        return report
 
     async def Generate(self, request_iterator, context):
         """One router's stream: ``ReplicaCommands`` in, ``ReplicaEvents`` out (see the proto)."""

@@ -95,13 +95,15 @@ class ReplicaEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("draft_width",)
+    __slots__ = ("draft_width", "acceptance_threshold")
     DRAFT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     draft_width: int
-    def __init__(self, draft_width: _Optional[int] = ...) -> None: ...
+    acceptance_threshold: float
+    def __init__(self, draft_width: _Optional[int] = ..., acceptance_threshold: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width")
+    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width", "threshold", "acceptance_threshold", "acceptance_threshold_set")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,9 @@ class LoadReport(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_THRESHOLD_SET_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     running: int
     waiting: int
@@ -118,7 +123,22 @@ class LoadReport(_message.Message):
     drafter: DrafterStatus
     draft_limit: int
     draft_width: int
-    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ...) -> None: ...
+    threshold: ThresholdState
+    acceptance_threshold: float
+    acceptance_threshold_set: bool
+    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ..., threshold: _Optional[_Union[ThresholdState, _Mapping]] = ..., acceptance_threshold: _Optional[float] = ..., acceptance_threshold_set: _Optional[bool] = ...) -> None: ...
+
+class ThresholdState(_message.Message):
+    __slots__ = ("grid", "rounds", "tokens", "ms")
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    grid: _containers.RepeatedScalarFieldContainer[float]
+    rounds: _containers.RepeatedScalarFieldContainer[float]
+    tokens: _containers.RepeatedScalarFieldContainer[float]
+    ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, grid: _Optional[_Iterable[float]] = ..., rounds: _Optional[_Iterable[float]] = ..., tokens: _Optional[_Iterable[float]] = ..., ms: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("name", "address", "available")
