@@ -304,26 +304,50 @@ class GrpcServer:
         for name in ["", *service_names]:
             await _maybe_await(self.health.set(name, status))
 
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Graceful shutdown: health NOT_SERVING, then ``grace_s`` for in-flight RPCs. Long-lived
-        streams (a router's Verify / Draft stream) are still open then and grpc cancels them; that
+    async def stop(self, grace_s: float = 2.0, close_streams=None) -> None:
+        """Graceful shutdown: health NOT_SERVING, then ``close_streams()`` (a servicer's way to end
+        its long-lived streams with a status of their own, e.g. a router's ``Generate`` stream with
+        UNAVAILABLE, so each call finishes instead of being cancelled under its task), then
+        ``grace_s`` for in-flight RPCs. A stream still open after that is cancelled by grpc; that
         cancellation is the shutdown itself, so its "Exception not handled" log is dropped."""
         await _maybe_await(self.health.enter_graceful_shutdown())
+        if close_streams is not None:
+            close_streams()
         logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_rpc_logs)
         await self.server.stop(grace_s)
 
-
     async def serve_until(self, service_names: Sequence[str], ready: "asyncio.Future | None" = None,
-                          stop: "asyncio.Event | None" = None) -> None:
+                          stop: "asyncio.Event | None" = None, close_streams=None) -> None:
         """Start, resolve ``ready`` with the bound address, serve until ``stop`` is set (forever
-        without one), then shut down gracefully."""
+        without one), then shut down gracefully (``stop``; ``close_streams`` as there)."""
         await self.start(service_names)
         if ready is not None:
             ready.set_result(self.address)
         try:
             await (stop.wait() if stop is not None else self.server.wait_for_termination())
         finally:
-            await self.stop()
+            await self.stop(close_streams=close_streams)
+
+
+async def messages_until(request_iterator, closing: asyncio.Event):
+    """The messages of a streaming call's ``request_iterator`` until ``closing`` is set (the
+    server is stopping: a servicer's ``close_streams``), so a handler waiting for its client's
+    next message can end the call with a status of its own instead of being cancelled by grpc."""
+    it = request_iterator.__aiter__()
+    closed = asyncio.ensure_future(closing.wait())
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({nxt, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                return
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        closed.cancel()
 
 
 async def _maybe_await(x):

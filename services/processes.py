@@ -47,6 +47,12 @@ def _run(coro_factory) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping, sig)
         await coro_factory(stop)
+        # grpc leaves the tasks of calls it cancelled at its stop pending; cancelled here and
+        # awaited, they end quietly instead of in tracebacks when asyncio.run tears the loop down
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
         log.info("stopped")
 
     asyncio.run(main())

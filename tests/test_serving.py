@@ -932,6 +932,12 @@ def test_killed_drafter_loses_nothing_and_recovers(tiny_dir, local_engine, promp
             drafted = usage.model_extra["speculative_decoding"]["num_draft_tokens"]
             assert text == want.text
         assert drafted > 0 and health(s)["drafter"]["available"] is True
+        s.processes["drafter"].send_signal(signal.SIGTERM)  # a graceful stop ends the replica's open stream
+        assert s.processes["drafter"].wait(timeout=30) == 0
+        text, usage, _ = stream_text(client, model_id, prompts[0], MAX_TOKENS, ignore_eos=True)
+        assert text == want.text
+        assert "the drafter service is shutting down" in s.logs["verifier"].read_text()
+        assert_quiet_logs(s)
     finally:
         s.stop()
 
@@ -1020,8 +1026,33 @@ def test_a_dead_or_hung_replica_loses_no_request(tiny_dir, local_engine, prompts
         assert not runs.errors and [runs.texts[i] for i in range(len(work))] == want
         assert moved_s < 4 * deadline_s + 20, moved_s  # the keepalive deadline, then the rest of the decode
         assert wait_held(stack, 0, replica=0) == 0 and wait_held(stack, 0, replica=1) == 0
+
+        # shut down gracefully (SIGTERM: a rolling update) mid-stream, a replica ends its streams with
+        # UNAVAILABLE and exits 0; its requests resume on the other, unchanged
+        deadline = time.monotonic() + 15
+        while not all(v["healthy"] for v in health(stack)["verifiers"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runs = Streams(client, model_id, work, n)
+        runs.wait_running()
+        assert wait_held(stack, SLOTS, replica=0) == SLOTS
+        stack.processes["verifier0"].send_signal(signal.SIGTERM)
+        assert stack.processes["verifier0"].wait(timeout=30) == 0
+        runs.join()
+        assert not runs.errors and [runs.texts[i] for i in range(len(work))] == want
+        assert "the verifier replica is shutting down" in stack.logs["router"].read_text()
+        assert_quiet_logs(stack)  # killed, hung and stopped replicas: no process logged a traceback
     finally:
         stack.stop()
+
+
+def assert_quiet_logs(stack) -> None:
+    """No process of ``stack`` logged a traceback or an asyncio complaint (a task left pending, an
+    exception never retrieved): failures and shutdowns are reported in one line each."""
+    for name, path in stack.logs.items():
+        if path.exists():
+            text = path.read_text()
+            for needle in ("Traceback", "Task was destroyed", "never retrieved", "already running"):
+                assert needle not in text, f"{name} logged {needle!r}:\n{text[-3000:]}"
 
 
 def test_replica_crash_then_router_restart_leaks_no_slot(tiny_dir, local_engine, prompts):

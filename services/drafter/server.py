@@ -20,7 +20,7 @@ from dataclasses import replace
 import grpc
 import torch
 
-from services.common import GrpcServer, params_from_pb, probs_to_sparse
+from services.common import GrpcServer, messages_until, params_from_pb, probs_to_sparse
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
 from tandem.errors import InvalidRequestError
@@ -59,6 +59,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.device = device
         self._slots = SlotPool(max_sequences, "drafter sequence slot")
         self._lock = threading.Lock()  # one propose at a time, whatever the stream
+        self._closing = asyncio.Event()  # set by close_streams: the server is stopping
+
+    def close_streams(self) -> None:
+        """The server is stopping: every open ``Draft`` stream ends with UNAVAILABLE (its
+        sequences released; the replica decodes target-only until a drafter is back)."""
+        self._closing.set()
 
     async def Info(self, request, context):
         return drafter_pb2.DrafterInfo(name=self.drafter.name, num_features=NUM_FEATURES,
@@ -68,7 +74,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         seqs: dict[int, _Sequence] = {}
         parent = extract_context(context.invocation_metadata())
         try:
-            async for msg in request_iterator:
+            async for msg in messages_until(request_iterator, self._closing):
                 if msg.HasField("release"):
                     await asyncio.to_thread(self._release, seqs, list(msg.release.seq_ids))
                     continue
@@ -80,6 +86,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 except InvalidRequestError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield out
+            if self._closing.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter service is shutting down")
         finally:
             await asyncio.to_thread(self._release, seqs, list(seqs))
 
@@ -144,6 +152,6 @@ async def serve(drafter: Drafter, max_sequences: int, port: int = 0, host: str =
         ready: resolved with the bound address once serving.
     """
     server = GrpcServer(port, host, key)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(
-        DrafterServicer(drafter, max_sequences, max_probs_per_token, device, predictor), server.server)
-    await server.serve_until([SERVICE_NAME], ready, stop)
+    servicer = DrafterServicer(drafter, max_sequences, max_probs_per_token, device, predictor)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
+    await server.serve_until([SERVICE_NAME], ready, stop, close_streams=servicer.close_streams)

@@ -174,6 +174,7 @@ class ReplicaLink:
             self.error = "the router closed the stream"
         finally:
             self.closed = True
+            self._outbox.put_nowait(None)  # the command generator ends, and grpc's task that reads it with it
             for q in self._waiters.values():
                 q.put_nowait(STREAM_LOST)
 

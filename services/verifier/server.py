@@ -96,6 +96,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._threshold_until = 0.0  # when the θ a router last sent lapses
         self.speculation = speculation
         self._streams = itertools.count()
+        self._open: set[asyncio.Queue] = set()  # each open Generate stream's queue of engine steps
+
+    def close_streams(self) -> None:
+        """The server is stopping: every open ``Generate`` stream ends with UNAVAILABLE (its
+        requests aborted, their slots freed; the router resumes them elsewhere)."""
+        for batches in self._open:
+            batches.put_nowait(None)
 
     async def Info(self, request, context):
         i = self.replica.engine.target.info
@@ -186,17 +193,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         self.replica.abort(prefix + rid)
 
         reader = asyncio.ensure_future(read_commands())
+        self._open.add(batches)
         try:
             while True:
-                msg, settled = await batches.get()
+                step = await batches.get()
+                if step is None:  # close_streams: the server is stopping
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier replica is shutting down")
+                msg, settled = step
                 live.difference_update(settled)
                 while not batches.empty():  # every step queued by now goes out in the same message
-                    more, settled = batches.get_nowait()
-                    msg.events.extend(more.events)
-                    live.difference_update(settled)
+                    more = batches.get_nowait()
+                    if more is None:
+                        batches.put_nowait(None)  # this message first, then the end
+                        break
+                    msg.events.extend(more[0].events)
+                    live.difference_update(more[1])
                 if msg.events:
                     yield msg
         finally:
+            self._open.discard(batches)
             reader.cancel()
             for rid in live:  # the stream ended (router gone, cancelled, server stopping): free their slots
                 self.replica.abort(prefix + rid)
@@ -239,6 +254,6 @@ async def serve(replica: ReplicaEngine, eos_token_ids: list[int], port: int = 0,
         ready: resolved with the bound address once serving.
     """
     server = GrpcServer(port, host, key)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(
-        VerifierServicer(replica, eos_token_ids, cost, speculation), server.server)
-    await server.serve_until([SERVICE_NAME], ready, stop)
+    servicer = VerifierServicer(replica, eos_token_ids, cost, speculation)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
+    await server.serve_until([SERVICE_NAME], ready, stop, close_streams=servicer.close_streams)
