@@ -844,7 +844,8 @@ def _specformer_for(checkpoint, k: int):
 
 
 @pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
-@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree", "specformer", "specformer-widths"])
+@pytest.mark.parametrize("drafter", ["draft-model", "ngram", "draft-model-tree", "specformer", "specformer-widths",
+                                     "specformer-tree"])
 def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     target, draft_ck, prompt, logits = sampling_setup
     params = SAMPLING_CONFIGS[config]
@@ -861,9 +862,10 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
         policy = DraftPolicy(entropy_score, controller=ThresholdController(grid=[0.0, 1.0], c=1.0),
                              device_score=entropy_score)
         d.set_acceptance_scorer(policy.device_score)
-    if drafter == "draft-model-tree":
+    if drafter.endswith("-tree"):
         # keep draft 1, call position 2 hard and branch it into its top-3 candidates: a token tree
-        # [d1 -> {c1, c2, c3}] verified in one pass (hard-position enhancement)
+        # [d1 -> {c1, c2, c3}] verified in one pass (hard-position enhancement); for SpecFormer the
+        # candidates are the top-3 of the head's slot distribution at that position
         policy = DraftPolicy(lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05), acceptance_threshold=0.5, branch_top_m=3)
     eng = Engine(target.checkpoint, target.runner_config, tokenizer=target.tokenizer, drafter=d, num_draft_tokens=k,
                  draft_policy=policy)
@@ -880,9 +882,12 @@ def test_speculative_sampling_is_lossless(sampling_setup, drafter, config):
     if drafter == "specformer-widths":  # rounds of both widths ran, and drafts were verified
         assert {0, k} <= set(widths) and st.num_drafted > SAMPLING_N / 4, (set(widths), st.num_drafted)
         return
-    if drafter == "draft-model-tree":  # 1 chain draft + 3 leaves per tree; positions count tree tokens
+    if drafter.endswith("-tree"):  # 1 chain draft + 3 leaves per tree; positions count tree tokens
+        assert not eng.chains_rounds  # trees are verified in host-driven rounds
         assert st.num_drafted > 3 * SAMPLING_N and 0.05 < st.acceptance_per_pos[0] < 0.95, st
-        assert 0.05 < sum(st.accepted_per_pos[1:]) / SAMPLING_N < 0.95, st  # a leaf is accepted often, not always
+        # a leaf is accepted, not always (the random head's q is far from p: its leaves rarely pass)
+        low = 0.05 if drafter == "draft-model-tree" else 0.003
+        assert low < sum(st.accepted_per_pos[1:]) / SAMPLING_N < 0.95, st
         return
     assert st.num_drafted > SAMPLING_N and len(st.acceptance_per_pos) == k
     assert 0.05 < st.acceptance_per_pos[0] < 0.95, st.acceptance_per_pos

@@ -90,11 +90,13 @@ def test_branched_proposal_shape():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_checkpoint, temperature):
-    """Token trees in the engine. Greedy: exactly target-only output. Sampled (top_k = 3): every
-    token is one of the target's 3 most likely at its position, though most tree nodes are the
-    draft model's candidates (the distribution-level test of trees is test_speculative.py's
-    draft-model-tree)."""
+@pytest.mark.parametrize("drafter", ["draft-model", "specformer"])
+def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_checkpoint, temperature, drafter):
+    """Token trees in the engine, from a draft model's candidates or from a SpecFormer head's slot
+    distributions. Greedy: exactly target-only output. Sampled (top_k = 3): every token is one of
+    the target's 3 most likely at its position, though most tree nodes are the drafter's
+    candidates (the distribution-level test of trees is test_speculative.py's draft-model-tree and
+    specformer-tree)."""
     target_dir = str(tiny_checkpoint("llama", with_tokenizer=True))
     draft = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, seed=1))
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
@@ -104,7 +106,13 @@ def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_chec
                             seed=3)
     # position 1 looks easy, later ones hard: keep one draft, branch position 2 into 3 leaves
     score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)
-    eng = Engine(target_dir, cfg, tokenizer=base.tokenizer, drafter=DraftModelDrafter(draft, cfg),
+    if drafter == "specformer":
+        from test_speculative import _specformer_for
+
+        d = _specformer_for(base.checkpoint, 4)
+    else:
+        d = DraftModelDrafter(draft, cfg)
+    eng = Engine(target_dir, cfg, tokenizer=base.tokenizer, drafter=d,
                  num_draft_tokens=4, draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
     ids = [eng.add_request(prompt_ids=p, params=params) for p in prompts]
     while eng.has_unfinished():
