@@ -193,6 +193,7 @@ def test_config_registry_errors(tiny_dir, tmp_path):
     (["--configs", "specformer"], "specformer needs --specformer PATH"),
     (["--configs", "specformer", "--specformer", "README.md"], "cannot read SpecFormer head"),
     (["--mode", "distributed", "--configs", "ngram,ngram-host"], "not 'ngram-host' (the ablations"),
+    (["--configs", "ngram-router-budget"], "ngram-router-budget runs only with --mode distributed"),
 ])
 def test_bench_cli_config_errors(tiny_dir, args, message):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
@@ -335,13 +336,17 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     out = tmp_path / "dist"
     res = CliRunner().invoke(main, [
         "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2",
-        "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target,ngram", "--mode", "distributed",
+        "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target,ngram,ngram-router-budget", "--mode", "distributed",
         "--warmup", "none", "--out", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed"
     rows = {r["config"]: r for r in report["results"]}
     assert rows["target"]["speedup"] == 1.0 and rows["ngram"]["lossless_share"] == 1.0
+    # the router's budget over the same drafter: lossless too; with 2 prompts it has seen too few drafts to
+    # set a width (its decisions are tested in test_budget.py), so the replica's k stood
+    assert rows["ngram-router-budget"]["lossless_share"] == 1.0 and rows["ngram-router-budget"]["drafted"] > 0
+    assert rows["ngram-router-budget"]["router_draft_width"] is None and rows["ngram"]["router_draft_width"] is None
     r = rows["ngram"]
     check_acceptance_figures(r["drafted"], r["accepted"], r["acceptance_rate"], r["mean_accepted_length"],
                              r["output_tokens"], r["prompts"], r["k"])

@@ -127,6 +127,9 @@ class BenchConfig:
         uses_cost_model: needs the verifier cost model T(b, q).
         uses_predictor: runs the learned acceptance predictor (``--predictor``, else the one saved
             beside the ``--ca-drafter``'s weights), which the results then record.
+        router_budget: ``--mode distributed`` only: the replicas measure T(b, q) at start-up and
+            the stack's router sets each replica's draft width from the cluster's acceptance and
+            the replica's load (``services.router.budget``), on top of this speculation.
     """
 
     name: str
@@ -138,6 +141,7 @@ class BenchConfig:
     prepare: Callable[[BuildContext], object] = lambda ctx: None
     uses_cost_model: bool = False
     uses_predictor: bool = False
+    router_budget: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -261,6 +265,13 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
                 "(--predictor, else the entropy score), k_max = --num-draft-tokens",
                 _k, lambda o: o.num_draft_tokens + 1 + max(o.branch_top_m - 1, 0),
                 speculation=_context_aware, prepare=_prepare_context_aware, uses_cost_model=True, uses_predictor=True),
+    # The router's cluster-level draft budget over fixed-k drafting (--mode distributed only): the
+    # same drafters as ngram / specformer, each replica's width set by the router's budget.
+    BenchConfig("ngram-router-budget", "n-gram drafter, k = --num-draft-tokens, each round's width set by the router's "
+                "cluster-level draft budget (--mode distributed)", _k, _k1, speculation=_ngram, router_budget=True),
+    BenchConfig("specformer-router-budget", f"SpecFormer, k = {SPECFORMER_K}, each round's width set by the router's "
+                "cluster-level draft budget (--mode distributed)", lambda o: SPECFORMER_K, lambda o: SPECFORMER_K + 1,
+                speculation=_specformer, prepare=BuildContext.specformer_head, router_budget=True),
     # The context-aware paper's ablation table, over --ca-drafter (tandem bench --ablation runs these).
     BenchConfig("fixed-k", "ablation: fixed k = --num-draft-tokens over --ca-drafter", _k, _k1,
                 speculation=_over_ca_drafter, prepare=_prepare_ablation(False)),

@@ -53,7 +53,7 @@ def main_table(report: BenchReport) -> TextTable:
     headers = ["method", "batch", "k", "τ_acc", "TPS", "speedup", "acceptance", "lossless", "round ms", "GPU ms",
                "wall/GPU", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB",
                "prefills", "prefill ms"]
-    rows = [[r.config, str(r.batch_size), str(r.k), _f(r.mean_accepted_length, ".2f"), _f(r.tps, ".1f"),
+    rows = [[r.config, str(r.batch_size), _k_cell(r), _f(r.mean_accepted_length, ".2f"), _f(r.tps, ".1f"),
              _f(r.speedup, ".2f") + "x",
              _f(r.acceptance_rate, ".3f"), f"{round(r.lossless_share * r.prompts)}/{r.prompts}",
              _f(r.round_wall_ms, ".2f"), _f(r.round_gpu_ms, ".2f"), _f(r.round_overhead, ".2f"),
@@ -62,6 +62,12 @@ def main_table(report: BenchReport) -> TextTable:
              _f(r.peak_mem_gib, ".2f"), str(r.prefills) if r.prefills else "–", _f(r.prefill_host_ms, ".1f")]
             for r in sorted(report.results, key=lambda r: (r.batch_size, report.meta.configs.index(r.config)))]
     return TextTable(title, headers, rows)
+
+
+def _k_cell(r: RunResult) -> str:
+    """k, and the width the router's draft budget set where it set one (``4 (router 2)``)."""
+    width = getattr(r, "router_draft_width", None)
+    return str(r.k) if width is None else f"{r.k} (router {width})"
 
 
 def _drafting(report: BenchReport, batch_size: int) -> list[RunResult]:

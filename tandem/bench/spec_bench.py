@@ -95,6 +95,7 @@ class RunResult:
     prefill_host_ms: float = math.nan
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
+    router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)
 
     @property
     def round_overhead(self) -> float:
@@ -215,7 +216,8 @@ def check_mode(mode: str) -> None:
                           "importable here")
 
 
-DISTRIBUTED_CONFIGS = ("target", "ngram", "draft-model", "specformer", "context-aware")
+DISTRIBUTED_CONFIGS = ("target", "ngram", "draft-model", "specformer", "context-aware", "ngram-router-budget",
+                       "specformer-router-budget")
 
 
 def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None:
@@ -230,6 +232,17 @@ def check_distributed(configs: list[BenchConfig], options: BenchOptions) -> None
             continue
         raise ConfigError(f"--mode distributed runs {', '.join(DISTRIBUTED_CONFIGS)}, not {c.name!r} (the ablations, "
                           f"the *-host round paths and hf-* compare variants in one process)")
+
+
+def check_inproc(configs: list[BenchConfig]) -> None:
+    """Fail before any run for a configuration that needs the service stack.
+
+    Raises:
+        ConfigError: a ``router_budget`` configuration (the router sets its widths).
+    """
+    for c in configs:
+        if c.router_budget:
+            raise ConfigError(f"{c.name} runs only with --mode distributed: the router's draft budget sets its widths")
 
 
 def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
@@ -251,8 +264,9 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     batch, as in process; a warm-up pass (``warmup_share``), then the timed pass.
 
     Returns:
-        Completions (record order; TTFT / TPOT measured by the client, network included) and the
-        timed pass's wall time (s).
+        Completions (record order; TTFT / TPOT measured by the client, network included), the
+        timed pass's wall time (s), and the draft width the router's budget had set on the replica
+        when the pass ended (None: none set).
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -264,7 +278,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     check_distributed([config], options)
     # replicas learn acceptance_threshold online: the stack serves the configuration with acceptance_threshold "auto"
     stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
-                                            max_seq_len=runner_config.max_seq_len, measure_cost=config.uses_cost_model,
+                                            max_seq_len=runner_config.max_seq_len,
+                                            measure_cost=config.uses_cost_model or config.router_budget,
                                             replica_options=replica_runner_options(runner_config)),
                         timeout_s=900)
     try:
@@ -278,9 +293,20 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                 # replica's batch_size KV slots bound the batch, and its admission policy fills them
                 comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update())
                 wall = time.perf_counter() - t0
+        width = _router_draft_width(stack.http_url)
     finally:
         stack.stop()
-    return comps, wall
+    return comps, wall, width
+
+
+def _router_draft_width(http_url: str) -> int | None:
+    """The draft width the stack's router last set on its (one) replica, from its /health."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http_url}/health", timeout=30) as resp:
+        verifiers = json.loads(resp.read())["verifiers"]
+    return verifiers[0]["draft_width"] if verifiers else None
 
 
 WARMUP_MODES = ("full", "short", "none")
@@ -372,6 +398,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     fixed = max(c.tokens_per_row(options) for c in engine_configs) if exact_kernels else 0
     if mode == "distributed":
         check_distributed(configs, options)
+    else:
+        check_inproc(configs)
     ctx = BuildContext(checkpoint, options)
     prepare_configs(configs, ctx)
     if cost_table or any(c.uses_cost_model for c in configs):
@@ -407,10 +435,11 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
-                    comps, wall = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path),
-                                                  engine.runner_config, prompts, b, params, f"{c.name} b={b}",
-                                                  progress, warmup)
-                    res = _engine_result(c, options, b, prompts, comps, wall, math.nan, base, base_tokens)  # other processes' memory
+                    comps, wall, width = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path),
+                                                         engine.runner_config, prompts, b, params, f"{c.name} b={b}",
+                                                         progress, warmup)
+                    res = replace(_engine_result(c, options, b, prompts, comps, wall, math.nan, base, base_tokens),
+                                  router_draft_width=width)  # peak memory: nan (other processes' memory)
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
