@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.data import PromptRecord
+from tandem.metrics import SpecDecodeStats
 from tandem.speculation import SpeculativeConfig
 
 from .launch import Stack, StackConfig, start_stack
@@ -34,6 +35,7 @@ class DemoResult:
     ttft_s: float
     finish_reason: str
     text: str
+    spec: SpecDecodeStats  # the request's speculative-decoding counters, per draft position too
 
 
 def ask(client, model: str, record: PromptRecord, max_tokens: int, temperature: float) -> DemoResult:
@@ -56,9 +58,13 @@ def ask(client, model: str, record: PromptRecord, max_tokens: int, temperature: 
             usage = chunk.usage
     end = time.perf_counter()
     sd = (usage.model_extra or {}).get("speculative_decoding", {})
+    spec = SpecDecodeStats(num_steps=sd.get("num_verify_steps", 0), num_drafted=sd.get("num_draft_tokens", 0),
+                           num_accepted=sd.get("num_accepted_tokens", 0),
+                           drafted_per_pos=list(sd.get("draft_tokens_per_position", [])),
+                           accepted_per_pos=list(sd.get("accepted_tokens_per_position", [])))
     return DemoResult(record, usage.completion_tokens, usage.prompt_tokens, sd.get("num_draft_tokens", 0),
                       sd.get("num_accepted_tokens", 0), sd.get("num_verify_steps", 0), end - t0,
-                      (first or end) - t0, finish, "".join(parts))
+                      (first or end) - t0, finish, "".join(parts), spec)
 
 
 def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, concurrency: int,
@@ -166,3 +172,26 @@ def _print(console: Console, results: list[DemoResult], wall: float, model: str,
                   f"{rate(accepted, drafted)}, mean accepted length "
                   f"{emitted_after_first / steps if steps else 1.0:.2f} tokens per verification step",
                   highlight=False)
+    total = SpecDecodeStats()
+    for r in results:
+        total.merge(r.spec)
+    for line in draft_length_lines(total, config.policy):
+        console.print(line, highlight=False)
+
+
+def draft_length_lines(spec: SpecDecodeStats, policy: str) -> list[str]:
+    """What the draft policy chose, over every verification step of the run: the share of steps
+    by draft length, and the acceptance at each draft position (no lines without a step)."""
+    counts = spec.draft_length_counts()
+    steps = sum(counts)
+    if not steps:
+        return []
+    shares = " | ".join(f"{n}: {c / steps:.0%}" for n, c in enumerate(counts))
+    mean = sum(n * c for n, c in enumerate(counts)) / steps
+    lines = [f"draft lengths chosen (policy {policy}), share of {steps} verification steps: {shares}; "
+             f"mean {mean:.2f} drafts a step"]
+    if spec.drafted_per_pos:
+        by_pos = " | ".join(f"{i + 1}: {a / d:.2f}" for i, (d, a) in
+                            enumerate(zip(spec.drafted_per_pos, spec.accepted_per_pos)) if d)
+        lines.append(f"acceptance by draft position (accepted / drafted there): {by_pos}")
+    return lines

@@ -60,6 +60,15 @@ class SpecDecodeStats:
             self.drafted_per_pos[i] += d
             self.accepted_per_pos[i] += a
 
+    def draft_length_counts(self) -> list[int]:
+        """Verify steps by how many draft tokens they verified: index n counts the steps with n
+        (0 .. the longest seen; every token of a token tree counts). From ``drafted_per_pos``:
+        the steps with at least i + 1 drafts are ``drafted_per_pos[i]``."""
+        d = self.drafted_per_pos
+        if not d:
+            return [self.num_steps]
+        return [self.num_steps - d[0]] + [d[i] - d[i + 1] for i in range(len(d) - 1)] + [d[-1]]
+
     @property
     def acceptance_rate(self) -> float:
         """α; NaN when nothing was drafted."""

@@ -136,3 +136,27 @@ def test_generate_with_structured_output_and_adjustments(run, tmp_path):
     schema.write_text("{broken")
     res = run("generate", "--prompt", "hi", "--json-schema", str(schema), "--max-tokens", "8")
     assert res.exit_code == 2 and "the JSON schema is not valid JSON" in res.stderr
+
+
+def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_checkpoint, tmp_path):
+    """``tandem demo`` (``make run``) through real processes (a drafter service with a one-layer
+    draft model: it drafts every step): it names the drafter and the draft policy, and prints the draft lengths chosen per verification step (shares that add up) beside
+    the acceptance per draft position, from the requests' ``usage.speculative_decoding``."""
+    import re
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"question_id": i, "category": "qa", "turns": [t]} for i, t in
+            enumerate(["1 2 3 1 2 3 1 2 3 1 2 3", "the cat sat on the mat, the cat sat on the mat", "a b a b a b a b"])]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = run("demo", "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--prompts-file", str(prompts),
+              "--limit", "3", "--max-tokens", "16", "--max-seq-len", "256", "--drafter", "draft-model",
+              "--draft-model", "truncate:1", "--num-draft-tokens", "4")
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "drafter draft model (truncate:1), k = 4, draft policy fixed" in out
+    m = re.search(r"draft lengths chosen \(policy fixed\), share of (\d+) verification steps: (.*?); mean", out)
+    assert m and int(m.group(1)) > 0, out
+    shares = [int(x) for x in re.findall(r"\d+: (\d+)%", m.group(2))]
+    assert len(shares) == 5 and shares[4] > 0, out  # lengths 0 .. k; the draft model drafts k where there is room
+    assert abs(sum(shares) - 100) <= len(shares)  # percentages of every step, rounded
+    assert re.search(r"acceptance by draft position \(accepted / drafted there\): 1: \d\.\d\d", out), out

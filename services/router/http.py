@@ -3,7 +3,8 @@
 
 Usage objects carry the speculative-decoding metrics of the request next to the token counts:
 ``usage.speculative_decoding = {num_draft_tokens, num_accepted_tokens, num_verify_steps,
-acceptance_rate, mean_accepted_length}`` (docs/architecture.md ("Metrics") definitions).
+acceptance_rate, mean_accepted_length, draft_tokens_per_position, accepted_tokens_per_position}``
+(docs/architecture.md ("Metrics") definitions).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: malformed input is
 400 with the field at fault in ``param`` (a field of the wrong JSON type, a ``max_tokens`` that
@@ -246,6 +247,9 @@ def usage(completions: list[Completion]) -> dict:
             "num_draft_tokens": spec.num_drafted, "num_accepted_tokens": spec.num_accepted,
             "num_verify_steps": spec.num_steps, "acceptance_rate": _nan_to_none(spec.acceptance_rate),
             "mean_accepted_length": spec.mean_accepted_length,
+            # index i: verify steps that drafted a token at draft position i + 1, and how many of those were accepted
+            "draft_tokens_per_position": list(spec.drafted_per_pos),
+            "accepted_tokens_per_position": list(spec.accepted_per_pos),
         },
         "latency": {"ttft_s": min(c.ttft_s for c in completions), "tpot_s": sum(tpots) / len(tpots) if tpots else math.nan,
                     "e2e_s": max(c.latency_s for c in completions)},
