@@ -118,7 +118,6 @@ class DraftBudget:
             self.widths[replica.address] = m
         return m
 
-
     def decide_thresholds(self, replicas, metrics=None) -> dict[str, float]:
         """θ for every healthy replica that learns θ (its report carries ``threshold``): the next
         candidate of the controller merged from all of them (replicas of another grid form their
