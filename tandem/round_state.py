@@ -209,7 +209,14 @@ class RoundState:
             room = torch.minimum(room, cap)
         # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
         last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)
-        tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k)
+        score_room = None
+        if drafter.scores_on_device and not drafter.drafts_from_verify:
+            # drafts scored where they are made (n-gram): over the policy's full width, whatever this
+            # round's graph width and cap, so a later plan can widen again
+            full = torch.full_like(room, max(k, drafter.score_width))
+            score_room = draft_room(full, self.capacity, self.prompt_len[:n], num_tokens, self.max_new[:n])
+            score_room = torch.where(active, score_room.clamp(min=0), torch.zeros_like(score_room))
+        tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k, score_room=score_room)
         inputs[:, 3:3 + k] = tokens
         inputs[:, 1] = torch.where(active, 1 + lens, inputs[:, 1])
 

@@ -240,7 +240,7 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
     policy = build_draft_policy(spec, checkpoint, cost, store)
     if policy is not None and policy.device_score is not None and spec.chained_rounds and policy.chains:
         # chained rounds: the drafter scores its drafts inside the round, the policy sets widths from them
-        drafter.set_acceptance_scorer(policy.device_score)
+        drafter.set_acceptance_scorer(policy.device_score, spec.num_draft_tokens)
     return Speculation(drafter, spec.num_draft_tokens, policy, spec.chained_rounds)
 
 

@@ -474,3 +474,85 @@ def test_chained_policy_widths_reuse_one_graph_per_shape(target_dir, monkeypatch
     chained = [key for key in engine.runner._graphs if key[4] is not None and key[4][0] == "chained"]
     assert chained and {key[1] for key in chained} == {5}  # ... inside graphs of one width (k + 1 tokens a row)
     assert all(key[4][-1] for key in chained)  # every one of them reads the cap
+
+
+# ------------------------------------------------- context-aware widths over n-gram, chained
+
+
+def test_ngram_drafts_carry_their_evidence_on_host_and_device():
+    """The evidence behind each n-gram draft (earlier occurrences of the matched n-gram that agree
+    with the drafts so far, and those that continue with this one) is the same from the host index
+    (``LookupIndex.lookup_with_support``) and from the device (``lookup_drafts_with_support``),
+    and a well-attested draft scores above a one-off (``support_features``)."""
+    import random
+
+    from tandem.drafters.lookup import lookup_drafts_with_support, support_features
+
+    rng = random.Random(0)
+    for _ in range(200):
+        T, V, k = rng.randint(2, 60), rng.choice([2, 3, 5]), rng.randint(1, 6)
+        seq = [rng.randrange(V) for _ in range(T)]
+        room = rng.randint(1, k)
+        index = LookupIndex()
+        index.extend(seq)
+        drafts, n, support, survivors = index.lookup_with_support(room)
+        C = T + rng.randint(0, 5)
+        cont, lens, match, S, N = lookup_drafts_with_support(torch.tensor([seq + [0] * (C - T)]), torch.tensor([T - 1]),
+                                                             torch.tensor([room]), k)
+        L = int(lens[0])
+        assert (cont[0, :L].tolist(), int(match[0])) == (drafts, n)
+        assert (S[0, :L].tolist(), N[0, :L].tolist()) == (support, survivors) and not S[0, L:].any()
+        assert all(1 <= s <= m for s, m in zip(support, survivors))  # the source occurrence always agrees
+    index = LookupIndex()
+    index.extend([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2])  # the longest match, "2 3 1 2", recurs twice, each time then 3
+    assert index.lookup_with_support(1) == ([3], 4, [2], [2])
+    seen_once = support_features(torch.tensor([1]), torch.tensor([1]), torch.tensor([1]))
+    seen_thrice = support_features(torch.tensor([3]), torch.tensor([3]), torch.tensor([1]))
+    contradicted = support_features(torch.tensor([1]), torch.tensor([4]), torch.tensor([1]))
+    assert contradicted[0, 1] < seen_once[0, 1] < seen_thrice[0, 1]  # the draft's share of the evidence
+
+
+def test_chained_context_aware_ngram_scores_on_the_device_and_stays_lossless(word_dir):
+    """A context-aware policy over n-gram chains: the drafter scores its drafts from their
+    evidence inside the round (over the policy's full width, whatever the round's cap), the round's
+    one copy brings the scores back and the policy sets later rounds' widths; greedy output is
+    target-only's, and the scores equal the policy's score of the host features of the same
+    drafts."""
+    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 16, 30, 20)]
+    prompts = WORD_PROMPTS[:4]
+    want = [c.token_ids for c in _engine(word_dir, chained=True).generate(prompts, params)]
+    score = lambda f: f[:, 1]  # the draft's share of the evidence  # noqa: E731
+    policy = DraftPolicy(score, controller=ThresholdController(grid=[0.0, 0.6], c=0.5), acceptance_threshold=0.5,
+                         device_score=score)
+    drafter = NgramDrafter()
+    drafter.set_acceptance_scorer(policy.device_score, 4)
+    engine = Engine(word_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96), drafter=drafter,
+                    num_draft_tokens=4, draft_policy=policy)
+    assert engine.chains_rounds  # no host-drafted rounds under the policy
+    launched = _widths(engine)
+    got = [c.token_ids for c in engine.generate(prompts, params)]
+    assert got == want
+    caps = [c for _, c in launched]
+    assert caps[:2] == [4, 4] and len(set(caps[2:])) >= 2, caps  # widths planned from the scores, and varied
+    assert engine.stats.num_accepted > 0 and sum(policy.controller.counts) > 0
+    # the device scores of one round are the policy's score of the host features of the same drafts
+    rid = engine.add_request(prompts[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    slot = engine.requests[rid].slot
+    state = engine.target.state
+    last = state.length[slot:slot + 1].clone()
+    history = state.history[slot:slot + 1, :int(last) + 1].clone()
+    while engine.has_unfinished():
+        engine.step()
+    index = LookupIndex()
+    index.extend(history[0].tolist())
+    drafts, _, support, survivors = index.lookup_with_support(4)
+    assert drafts  # the pattern recurs: there is something to score
+    from tandem.drafters.lookup import support_features
+
+    host = score(support_features(torch.tensor(support), torch.tensor(survivors), torch.arange(1, len(drafts) + 1)))
+    tokens, lens = drafter.device_drafts(history, last, torch.full_like(last, 4), 4, score_room=torch.full_like(last, 4))
+    assert tokens[0, :int(lens[0])].tolist() == drafts
+    assert torch.allclose(drafter.device_draft_scores(1)[0, :len(drafts)], host)

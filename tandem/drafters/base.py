@@ -297,6 +297,9 @@ class Drafter(ABC):
     max_draft_tokens: int | None = None
     # Overrides ``prefetch`` with real work (a remote drafter): the engine then calls it each round.
     prefetches: bool = False
+    # Drafts a chained round scores per row where it makes them (``device_drafts`` with a scorer:
+    # n-gram, the policy's k); 0 for drafters that score elsewhere or not at all.
+    score_width: int = 0
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
@@ -314,7 +317,7 @@ class Drafter(ABC):
         """The sequence in ``slot`` finished or was aborted: drop its state."""
 
     def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
-                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts of a batch computed on the device (drafters with ``drafts_on_device``): what
         ``propose`` would draft, as device work only (no host reads; it is queued before the
         previous round's results are known).
@@ -323,6 +326,8 @@ class Drafter(ABC):
             history: ``[B, C]`` int64, row b's sequence is ``history[b, :last[b] + 1]``.
             last: ``[B]`` int64 index of each row's last token; room: ``[B]`` int64 drafts allowed.
             k: width of the result (>= every ``room``).
+            score_room: ``[B]`` int64 drafts each row could verify at the policy's full width (a
+                drafter that scores the drafts it makes here scores that many; None: no scoring).
 
         Returns:
             ``(tokens [B, k] int64, lens [B] int64)``, deterministic drafts (q one-hot).
@@ -334,10 +339,11 @@ class Drafter(ABC):
         speculative sampling), or None when they are deterministic (q one-hot: the default)."""
         return None
 
-    def set_acceptance_scorer(self, score) -> None:
+    def set_acceptance_scorer(self, score, width: int = 0) -> None:
         """Score the drafts chained rounds make, on the device, with ``score`` (features ->
-        acceptance probabilities; ``DraftPolicy.device_score``). A drafter that cannot (the
-        default) ignores it: ``scores_on_device`` stays False, and the engine keeps a policy that
+        acceptance probabilities; ``DraftPolicy.device_score``), ``width`` positions a row (the
+        policy's k; a drafter with a width of its own, SpecFormer's l_d, keeps it). A drafter that
+        cannot (the default) ignores it: ``scores_on_device`` stays False, and the engine keeps a policy that
         needs scores on host-drafted rounds."""
 
     @property

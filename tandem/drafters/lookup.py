@@ -20,6 +20,12 @@ Measured by greedy replay of the committed Spec-Bench traces (480 prompts; pure 
 (2.126, 2.267) for the rule that took the most recent occurrence and repeated its period past the
 end, which SpecFormer heads read until then.
 
+Each draft can come with the evidence behind it (``LookupIndex.lookup_with_support``,
+``lookup_drafts_with_support``): how many earlier occurrences of the matched n-gram agree with
+the drafts so far and how many of them continue with this one; ``support_features`` turns that
+into the acceptance predictor's features, so a context-aware policy can tell a well-attested
+draft from a one-off.
+
 One rule, three forms, tested equal (``tests/test_specformer.py``, ``tests/test_chained.py``):
 ``LookupIndex`` keeps one growing sequence and answers for its end in O(max_n) dictionary probes
 (host-drafted rounds, the drafter service); ``lookup_drafts`` answers for the end of every row of
@@ -142,6 +148,30 @@ class LookupIndex:
             return toks[start:start + k], n
         return [], 0
 
+    def lookup_with_support(self, k: int) -> tuple[list[int], int, list[int], list[int]]:
+        """``lookup``, and the evidence behind each draft (``lookup_drafts_with_support`` on the
+        host, equal to it): over the earlier occurrences of the matched n-gram, at draft position
+        j, ``survivors[j]`` counts those whose continuation agrees with the drafts before j and
+        reaches j, ``support[j]`` those of them that also continue with draft j (the occurrence
+        the drafts came from is always one)."""
+        drafts, n = self.lookup(k)
+        if not drafts:
+            return drafts, n, [], []
+        toks = self.tokens
+        T = len(toks)
+        starts = self.starts[n][tuple(toks[T - n:])]
+        cont = np.asarray([s + n for s in starts if s <= T - 1 - n], dtype=np.int64)  # earlier occurrences only
+        seq = np.asarray(toks, dtype=np.int64)
+        alive = np.ones(len(cont), dtype=bool)
+        support, survivors = [], []
+        for j, tok in enumerate(drafts):
+            alive &= cont + j <= T - 1  # the occurrence reaches position j
+            agree = alive & (seq[np.minimum(cont + j, T - 1)] == tok)
+            survivors.append(int(alive.sum()))
+            support.append(int(agree.sum()))
+            alive = agree
+        return drafts, n, support, survivors
+
 
 def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) -> torch.Tensor:
     """For each row's sequence ``x = history[b, :last[b] + 1]`` (T tokens) and every earlier end
@@ -197,6 +227,42 @@ def lookup_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
         ``cont`` ``[B, k]`` int64 (row b's continuation is ``cont[b, :lens[b]]``, -1 after it),
         ``lens`` ``[B]`` int64 and ``match`` ``[B]`` int64 (the match length n, 0 for none).
     """
+    cont, lens, n, _ = _lookup(history, last, room, k, max_n, min_n)
+    return cont, lens, n
+
+
+def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int,
+                               max_n: int = MAX_N, min_n: int = MIN_N
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lookup_drafts`` plus the evidence behind each draft position (``LookupIndex.support``, on
+    the device, inside a CUDA graph): over the earlier occurrences of the matched n-gram, at draft
+    position j, ``survivors[b, j]`` counts those whose continuation agrees with the drafts before
+    j and reaches j, and ``support[b, j]`` those of them that also continue with draft j. One
+    ``[B, C, k]`` compare a call.
+
+    Returns:
+        ``cont``, ``lens``, ``match`` as ``lookup_drafts``; ``support`` and ``survivors`` ``[B, k]``
+        int64 (0 past each row's continuation).
+    """
+    cont, lens, n, hit = _lookup(history, last, room, k, max_n, min_n)
+    B, C = history.shape
+    dev = history.device
+    T = last + 1
+    j = torch.arange(k, device=dev)
+    at = torch.arange(C, device=dev)[None, :, None] + 1 + j[None, None, :]  # [1, C, k]: occurrence e's j-th next
+    nxt = history.gather(1, at.clamp(max=C - 1).reshape(1, -1).expand(B, -1)).view(B, C, k)
+    reach = (at <= (T - 1)[:, None, None]) & (j[None, None, :] < lens[:, None, None])
+    agree = (nxt == cont[:, None, :]) & reach
+    before = torch.cat([torch.ones_like(agree[:, :, :1]), agree[:, :, :-1]], dim=2).cumprod(dim=2).bool()
+    alive = before & reach & hit[:, :, None]
+    survivors = alive.sum(1)
+    support = (alive & agree).sum(1)
+    return cont, lens, n, support, survivors
+
+
+def _lookup(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int, max_n: int, min_n: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lookup_drafts``, and ``hit`` ``[B, C]``: the earlier ends of each row's matched n-gram."""
     B, C = history.shape
     dev = history.device
     T = last + 1
@@ -212,4 +278,28 @@ def lookup_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
     lens = torch.where(n > 0, torch.minimum(room, T - first), torch.zeros_like(room)).clamp(min=0)
     cols = (first[:, None] + j[None, :]).clamp(max=C - 1)
     cont = torch.where(j[None, :] < lens[:, None], history.gather(1, cols), torch.full_like(cols, -1))
-    return cont, lens, n
+    return cont, lens, n, hit
+
+
+def support_features(support: torch.Tensor, survivors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Predictor features ``[..., 4]`` of n-gram drafts from their evidence, in the schema of
+    ``tandem.drafters.base.distribution_features``, over the empirical continuation distribution
+    of the survivors N with one pseudo-occurrence of "something else" (a one-off is not certain):
+    the draft's share s = support / (N + 1), the other survivors' o = (N - support) / (N + 1), the
+    unknown u = 1 / (N + 1). The entropy slot holds the draft's surprisal -ln s (for a model
+    drafter's draft, the mode of a peaked q, the two nearly agree; here the draft need not be the
+    mode, and ``entropy_score``'s exp(-x) then gives s itself), then s as the top-1 probability,
+    s - max(o, u) as the margin (negative where the evidence prefers another token), and the
+    1-based position. Positions without a draft (support 0) get s = 0 and a surprisal of 20.
+
+    Args:
+        support, survivors: int tensors of one shape (``lookup_drafts_with_support``).
+        positions: 1-based draft positions, broadcastable to them.
+    """
+    n = survivors.to(torch.float32) + 1.0
+    s = support.to(torch.float32) / n
+    o = (survivors - support).to(torch.float32) / n
+    u = 1.0 / n
+    surprisal = -s.clamp_min(2e-9).log()
+    pos = torch.as_tensor(positions, dtype=torch.float32, device=s.device).expand_as(s)
+    return torch.stack([surprisal, s, s - torch.maximum(o, u), pos], dim=-1)

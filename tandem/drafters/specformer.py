@@ -337,9 +337,10 @@ class SpecFormerDrafter(Drafter):
         return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]  # the last accepted position
 
     def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
-                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts the previous chained round left for rows ``0 .. B-1`` (``history`` and
-        ``last`` are not read: the head drafted from the verify pass), at most ``room`` each."""
+                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the previous chained round left for rows ``0 .. B-1`` (``history``,
+        ``last`` and ``score_room`` are not read: the head drafted, and scored, from the verify
+        pass), at most ``room`` each."""
         n = room.shape[0]
         ld = self.head.config.num_draft_tokens
         lens = torch.minimum(room, self._draft_lens[:n])
@@ -348,14 +349,14 @@ class SpecFormerDrafter(Drafter):
             tokens = torch.cat([tokens, tokens.new_zeros(n, k - ld)], dim=1)
         return tokens, lens
 
-    def set_acceptance_scorer(self, score) -> None:
+    def set_acceptance_scorer(self, score, width: int = 0) -> None:
         """Score the drafts of chained rounds on the device: ``score`` maps predictor features
         ``[N, NUM_FEATURES]`` (``tandem.drafters.base.distribution_features`` of each draft's q:
         softmax of the draft logits for greedy requests, the sampling transform for sampled ones;
         position 1..l_d) to acceptance probabilities ``[N]`` on their device
         (``DraftPolicy.device_score``: ``AcceptancePredictor.probabilities`` or the entropy rule).
-        Each round then leaves ``[slots, l_d]`` scores beside its drafts (``device_draft_scores``).
-        Call before ``bind``."""
+        Each round then leaves ``[slots, l_d]`` scores beside its drafts (``device_draft_scores``;
+        ``width`` is not read: the head always drafts l_d). Call before ``bind``."""
         if self._target is not None:
             raise RuntimeError("set_acceptance_scorer after bind()")
         self._scorer = score
