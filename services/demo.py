@@ -189,7 +189,8 @@ def draft_length_lines(spec: SpecDecodeStats, policy: str) -> list[str]:
     shares = " | ".join(f"{n}: {c / steps:.0%}" for n, c in enumerate(counts))
     mean = sum(n * c for n, c in enumerate(counts)) / steps
     lines = [f"draft lengths chosen (policy {policy}), share of {steps} verification steps: {shares}; "
-             f"mean {mean:.2f} drafts a step"]
+             f"mean {mean:.2f} drafts a step (fewer than k where the drafter found fewer, e.g. no n-gram match, "
+             f"or the policy or the room left cut them)"]
     if spec.drafted_per_pos:
         by_pos = " | ".join(f"{i + 1}: {a / d:.2f}" for i, (d, a) in
                             enumerate(zip(spec.drafted_per_pos, spec.accepted_per_pos)) if d)

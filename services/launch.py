@@ -144,22 +144,25 @@ class Stack:
     temp_log_dir: Path | None = None  # made by start_stack (no StackConfig.log_dir): removed by stop
 
     def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
-        """SIGTERM each process (routers first, then the replicas, then the drafter), then SIGKILL
-        what is still alive after ``timeout_s``; then remove the temporary log directory unless
+        """SIGTERM each process, routers first, then the replicas, then the drafter, each tier
+        waited for before the next (SIGKILL for what is still alive ``timeout_s`` after the start); then remove the temporary log directory unless
         ``keep_logs``."""
         names = sorted(self.processes)
-        for name in [*(n for n in names if n.startswith("router")), *(n for n in names if n.startswith("verifier")),
-                     "drafter"]:
-            p = self.processes.get(name)
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for p in self.processes.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        # tier by tier, each gone before the next is signalled: a router never sees its replicas
+        # vanish under it (no "does not answer" at an orderly stop), a replica never its drafter
+        for tier in ([n for n in names if n.startswith("router")], [n for n in names if n.startswith("verifier")],
+                     [n for n in names if n == "drafter"]):
+            procs = [self.processes[n] for n in tier]
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         if self.temp_log_dir is not None and not keep_logs:
             shutil.rmtree(self.temp_log_dir, ignore_errors=True)
             self.temp_log_dir = None
@@ -306,7 +309,7 @@ def start_stack(config: StackConfig, timeout_s: float = 300.0) -> Stack:
     stack = Stack(config, [f"127.0.0.1:{p}" for p in vports],
                   f"127.0.0.1:{dport}" if config.uses_drafter_service else None,
                   f"http://127.0.0.1:{hport}", f"127.0.0.1:{gport}" if config.grpc_front_door else None)
-    stack.logs = {n: log_dir / f"{n}.log" for n in (*vnames, "drafter", "router")}
+    stack.logs = {n: log_dir / f"{n}.log" for n in (*vnames, *(["drafter"] if stack.drafter_address else []), "router")}
     stack.temp_log_dir = None if config.log_dir else log_dir
     try:
         if stack.drafter_address:

@@ -308,10 +308,9 @@ class Metrics:
         self.router_acceptance_threshold = Gauge("tandem_router_acceptance_threshold", "Acceptance threshold θ "
                                                  "the router sets for a verifier replica's rounds (chosen over "
                                                  "every replica's θ controller).", ["replica"], registry=r)
-        self.draft_width = Gauge("tandem_draft_width", "Draft tokens a row may verify in the last round a "
-                                 "context-aware policy planned (chained rounds).", registry=r)
-        self.acceptance_threshold = Gauge("tandem_acceptance_threshold", "Acceptance threshold θ of the last "
-                                          "round a context-aware policy planned.", registry=r)
+        # made at the first planned round (a replica's policy): a router, which plans none, shows no 0s
+        self.draft_width: Gauge | None = None
+        self.acceptance_threshold: Gauge | None = None
 
     def observe_round(self, num_draft_tokens: int, num_accepted_tokens: int, accepted_per_pos: list[int],
                       num_emitted_tokens: int = 0, num_drafts: int = 0, draft_width: int | None = None,
@@ -349,6 +348,11 @@ class Metrics:
         self.vllm_drafts.labels(model_name=self.model_name).inc(num_drafts)
         self.vllm_draft_tokens.labels(model_name=self.model_name).inc(num_draft_tokens)
         self.vllm_accepted_tokens.labels(model_name=self.model_name).inc(num_accepted_tokens)
+        if (draft_width is not None or acceptance_threshold is not None) and self.draft_width is None:
+            self.draft_width = Gauge("tandem_draft_width", "Draft tokens a row may verify in the last round a "
+                                     "context-aware policy planned (chained rounds).", registry=self.registry)
+            self.acceptance_threshold = Gauge("tandem_acceptance_threshold", "Acceptance threshold θ of the last "
+                                              "round a context-aware policy planned.", registry=self.registry)
         if draft_width is not None:
             self.draft_width.set(draft_width)
         if acceptance_threshold is not None:

@@ -857,6 +857,8 @@ def test_metrics_and_health(stack, client, model_id, local_engine, prompts):
     h = health(stack)
     assert h["status"] == "ok" and h["drafter"] is None and h["state_store"]["backend"] == "memory"  # n-gram: in the replica
     assert h["verifiers"][0]["speculation"] == "drafter=ngram k=4 policy=fixed" and h["verifiers"][0]["num_slots"] == SLOTS
+    # a router plans no rounds: the replicas' plan gauges are not on its page (no 0s that look like data)
+    assert not {s.name for s in _samples(stack)} & {"tandem_draft_width", "tandem_acceptance_threshold"}
 
 
 # ----------------------------------------------------------------------------- faults (each on a stack of its own)

@@ -89,9 +89,12 @@ def test_stack_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     # adaptive draft lengths: threshold controller over exp(-entropy) scores. No cost model here: T(b, q)
     # timed on a loaded 2-core CI machine can be noisy enough for the allocator to draft nothing,
-    # and this test is about what reaches the state store (the allocator has its own tests).
-    stack = start_stack(StackConfig(model=model, drafter="ngram", max_batch_size=4, max_seq_len=256,
-                                    redis_url=redis_proc.url, policy="entropy"), timeout_s=180)
+    # and this test is about what reaches the state store (the allocator has its own tests). A draft
+    # model inside the replica: its rounds are host-drafted, which is where verification logs are
+    # kept (device-chained rounds, n-gram's under a policy included, keep no per-draft features)
+    stack = start_stack(StackConfig(model=model, drafter="draft-model", draft_model="truncate:1", drafter_service=False,
+                                    max_batch_size=4, max_seq_len=256, redis_url=redis_proc.url, policy="entropy"),
+                        timeout_s=180)
     try:
         client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="none", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
@@ -117,7 +120,7 @@ def test_stack_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
             time.sleep(0.3)
         state = RedisStore(redis_proc.url).get_json("acceptance_threshold")
         assert state is not None and sum(state["counts"]) > 0 and len(state["grid"]) == len(state["counts"])
-        vlog = RedisStore(redis_proc.url).read_log("vlog:ngram", 10)  # labelled drafts that retrain the predictor
+        vlog = RedisStore(redis_proc.url).read_log("vlog:draft-model", 10)  # labelled drafts that retrain the predictor
         assert vlog and all(len(r["features"]) == len(r["labels"]) for r in vlog)
         before = ask(prompts[1], "writing")  # the answer with Redis up (another category: its counters are lost below)
         redis_proc.stop()
@@ -135,7 +138,7 @@ def test_stack_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
             time.sleep(0.3)
         assert _health(stack.http_url)["state_store"]["up"]
         # the request served during the outage reached Redis (the first went to the Redis that was lost)
-        counters = RedisStore(redis_proc.url).counters("acceptance:ngram:coding")
+        counters = RedisStore(redis_proc.url).counters("acceptance:draft-model:coding")
         sd = during.usage.model_extra["speculative_decoding"]
         assert counters["requests"] == 1.0
         assert counters["num_drafted"] == sd["num_draft_tokens"] and counters["num_accepted"] == sd["num_accepted_tokens"]

@@ -149,7 +149,8 @@ class DraftBudget:
             if self.thresholds.get(r.address) != theta:
                 n = merged_over[r.address]
                 with span("budget", replica=r.address, acceptance_threshold=theta, replicas_merged=n):
-                    log.info("replica %s: acceptance threshold %.2f (chosen over the rounds of %d replica%s)",
+                    # debug: the bandit's exploration moves θ every few polls (the span and the gauge keep it)
+                    log.debug("replica %s: acceptance threshold %.2f (chosen over the rounds of %d replica%s)",
                              r.address, theta, n, "" if n == 1 else "s")
                 self.thresholds[r.address] = theta
         return decided

@@ -118,7 +118,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         now = time.monotonic()
         if request.HasField("acceptance_threshold") and not 0.0 <= request.acceptance_threshold <= 1.0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"acceptance_threshold must be in [0, 1], got {request.acceptance_threshold}")
+                                f"acceptance_threshold must be in [0, 1], got {request.acceptance_threshold:.6g}")
         if request.HasField("draft_width"):  # a router's budget: the engine caps its next rounds at it ...
             engine.width_cap = int(request.draft_width)
             self._width_until = now + BUDGET_LEASE_S

@@ -67,7 +67,13 @@ def main_table(report: BenchReport) -> TextTable:
 def _k_cell(r: RunResult) -> str:
     """k, and the width the router's draft budget set where it set one (``4 (router 2)``)."""
     width = getattr(r, "router_draft_width", None)
-    return str(r.k) if width is None else f"{r.k} (router {width})"
+    if width is not None:
+        return f"{r.k} (router {width})"
+    try:
+        budgeted = config(r.config).router_budget
+    except ConfigError:  # a configuration this version does not know (older results)
+        budgeted = False
+    return f"{r.k} (router: no width set)" if budgeted else str(r.k)
 
 
 def _drafting(report: BenchReport, batch_size: int) -> list[RunResult]:
