@@ -210,15 +210,22 @@ def test_ngram_rounds_near_the_context_limit(word_dir):
     assert not engine.has_unfinished() and engine.cache.num_free() == 2
 
 
-def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch):
+@pytest.mark.parametrize("policy", [False, True])
+def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch, policy):
     """The CUDA-graph path of a chained n-gram round (the device patch captured with the forward,
     one captured call per shape and patch key), with the capture stood in by eager calls so it
-    runs on the CPU: the same tokens as the host-driven path, each shape made once."""
+    runs on the CPU: the same tokens as the host-driven path, each shape made once; with a
+    context-aware policy, the drafts' scores made and packed inside the same captured call."""
     import tandem.models.runner as runner_mod
+    from tandem.control import DraftPolicy, entropy_score
 
     prompts, params = WORD_PROMPTS[:4], SamplingParams(max_tokens=20, ignore_eos=True)
     want = [c.token_ids for c in _engine(word_dir, chained=False, drafter="ngram").generate(prompts, params)]
     engine = _engine(word_dir, chained=True, drafter="ngram")
+    if policy:  # θ 0: every draft kept, so the tokens and drafts match the policy-free rounds
+        engine.draft_policy = DraftPolicy(entropy_score, acceptance_threshold=0.0, device_score=entropy_score)
+        engine.drafter.set_acceptance_scorer(entropy_score, 4)
+        assert engine.chains_rounds
     object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
     made, real = [], runner_mod.CapturedCall
     monkeypatch.setattr(runner_mod, "CapturedCall",
@@ -227,6 +234,8 @@ def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch):
     assert engine.stats.num_accepted > 0
     assert made and len(made) == len(engine.runner._graphs)
     assert all(key[4] is not None for key in engine.runner._graphs)  # every decode step ran chained
+    if policy:
+        assert engine.drafter.scores_on_device and engine._width_plan is not None  # widths planned from scores
 
 
 # ----------------------------------------------------------------------------- SpecFormer in the round
