@@ -91,3 +91,53 @@ class SpecDecodeStats:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_pos": self.acceptance_per_pos,
         }
+
+
+ACCEPTANCE_WINDOW = 256  # finished requests an AcceptanceWindow keeps by default (the most recent)
+
+
+class AcceptanceWindow:
+    """Per-position drafted / accepted counts of the last ``window`` finished requests (their
+    ``SpecDecodeStats``), for decisions that follow recent acceptance (a router's draft budget; a
+    verifier replica reports its window with every ``Load`` poll). Thread-safe.
+
+    Args:
+        window: requests kept (the most recent).
+    """
+
+    def __init__(self, window: int = ACCEPTANCE_WINDOW) -> None:
+        import threading
+        from collections import deque
+
+        self._recent: deque = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, spec: SpecDecodeStats) -> None:
+        """Count a finished request's drafts per position (requests that drafted nothing are skipped)."""
+        if spec.drafted_per_pos:
+            with self._lock:
+                self._recent.append((list(spec.drafted_per_pos), list(spec.accepted_per_pos)))
+
+    def totals(self) -> tuple[list[int], list[int]]:
+        """(drafted, accepted) per draft position, summed over the window."""
+        with self._lock:
+            recent = list(self._recent)
+        L = max((len(d) for d, _ in recent), default=0)
+        drafted, accepted = [0] * L, [0] * L
+        for d, a in recent:
+            for i, (x, y) in enumerate(zip(d, a)):
+                drafted[i] += x
+                accepted[i] += y
+        return drafted, accepted
+
+
+def conditional_acceptance(drafted, accepted) -> list[float]:
+    """Per-position conditional acceptance from per-position counts: position i's accepted drafts
+    over the drafts examined there (drafted at i with every earlier one accepted); 0 where none was
+    examined."""
+    out, prev = [], None
+    for i, (d, a) in enumerate(zip(drafted, accepted)):
+        examined = d if i == 0 else min(d, prev)
+        out.append(a / examined if examined > 0 else 0.0)
+        prev = a
+    return out

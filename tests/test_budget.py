@@ -42,6 +42,26 @@ def test_acceptance_is_conditional_per_position():
     assert DraftBudget(min_drafts=100).acceptance() is None
 
 
+def test_acceptance_comes_from_the_replicas_reports_first():
+    """The replicas' reported windows (every router's requests) are the cluster's acceptance; the
+    router's own finished requests stand in only while the reports hold too few drafts, and an
+    unhealthy replica's report is not read."""
+    def reporting(address: str, drafted: list[int], accepted: list[int], healthy: bool = True):
+        report = verifier_pb2.LoadReport(num_slots=8, draft_limit=3, recent_drafted_per_pos=drafted,
+                                         recent_accepted_per_pos=accepted)
+        return SimpleNamespace(address=address, report=report, cost_model=None, healthy=healthy)
+
+    b = DraftBudget(min_drafts=10)
+    b.observe(_spec([10, 10, 10], [2, 1, 0]))  # what this router saw: poor acceptance
+    a = reporting("a", [8, 8, 8], [8, 8, 4])
+    c = reporting("c", [12, 12], [9, 6])
+    assert b.acceptance([a, c]) == pytest.approx([17 / 20, 14 / 17, 4 / 8])  # summed: 20 drafts at position 1
+    assert b.acceptance([a]) == pytest.approx([0.2, 0.5, 0.0])  # 8 < 10 reported: the router's own requests
+    c.healthy = False
+    assert b.acceptance([a, c]) == pytest.approx([0.2, 0.5, 0.0])
+    assert DraftBudget(min_drafts=10).acceptance([a]) is None
+
+
 def test_width_follows_acceptance_load_and_cost():
     easy, hard = DraftBudget(min_drafts=1), DraftBudget(min_drafts=1)
     easy.observe(_spec([100] * 4, [95, 90, 86, 81]))
@@ -279,12 +299,24 @@ def test_router_sets_one_theta_for_two_replica_processes(tiny_checkpoint):
         client = openai.OpenAI(base_url=f"{s.http_url}/v1", api_key="x", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # 8 at once over 2 x 4 slots: both replicas decode
-            list(pool.map(lambda p: client.completions.create(model=model_id, prompt=p, max_tokens=32, temperature=0),
-                          spec_bench_prompts(8)))
+            answers = list(pool.map(lambda p: client.completions.create(model=model_id, prompt=p, max_tokens=32,
+                                                                        temperature=0), spec_bench_prompts(8)))
         time.sleep(1.5)  # idle: the states stop moving and the router's polls settle on one choice
         passive = [Replica(a, None, 10.0) for a in s.verifier_addresses]  # polls that send nothing
         for r in passive:
             r.refresh()
+        # the replicas' acceptance windows hold every request, per draft position (the budget's input)
+        usage = SpecDecodeStats()
+        for a in answers:
+            sd = a.usage.model_extra["speculative_decoding"]
+            usage.merge(SpecDecodeStats(drafted_per_pos=sd["draft_tokens_per_position"],
+                                        accepted_per_pos=sd["accepted_tokens_per_position"]))
+        reported = SpecDecodeStats()
+        for r in passive:
+            reported.merge(SpecDecodeStats(drafted_per_pos=list(r.report.recent_drafted_per_pos),
+                                           accepted_per_pos=list(r.report.recent_accepted_per_pos)))
+        assert usage.drafted_per_pos and (reported.drafted_per_pos, reported.accepted_per_pos) == (
+            usage.drafted_per_pos, usage.accepted_per_pos)
         states = [threshold_state(r.report.threshold) for r in passive]
         assert all(sum(st["counts"]) > 0 for st in states)  # both ran rounds under the policy
         want = ThresholdController.merged(states).current()

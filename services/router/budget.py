@@ -4,13 +4,14 @@ and cost model.
 
 Why at the router: a replica's scheduler only sees its own rounds, while the router sees every
 request that finishes on any replica (their per-position acceptance, ``SpecDecodeStats``) and every
-replica's load (``Load`` polls). SpecFormer's result is that at large batch, verifying k drafts
+replica's load (``Load`` polls); the replicas also report the acceptance of their own recent
+requests, whichever router sent them (``DraftBudget``). SpecFormer's result is that at large batch, verifying k drafts
 per sequence costs more than it saves unless the batch's draft tokens are budgeted; the budget
 here is the width m (drafts per sequence) that maximises a replica's modelled goodput,
 
     running x E[tokens | m] / T(running, m + 1),
 
-with E from the cluster's per-position acceptance over the last ``WINDOW`` finished requests
+with E from the cluster's per-position acceptance over each replica's last ``WINDOW`` finished requests
 (``tandem.control.best_width``: the same sweep a replica's context-aware policy runs per round)
 and T(b, q) the replica's measured verify cost (``VerifierInfo.cost``). The replica's draft-token
 budget is m x its running requests; its engine caps every round at m (``Engine.width_cap``; a
@@ -34,63 +35,68 @@ it; its controller still learns from those rounds. Decisions show as
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 
 import numpy as np
 
 from tandem.control import CostModel, ThresholdController, best_width
-from tandem.metrics import SpecDecodeStats
+from tandem.metrics import ACCEPTANCE_WINDOW, AcceptanceWindow, SpecDecodeStats, conditional_acceptance
 from tandem.telemetry import span
 
 log = logging.getLogger(__name__)
 
-WINDOW = 256  # finished requests whose acceptance the budget reads (the most recent)
+WINDOW = ACCEPTANCE_WINDOW  # finished requests whose acceptance the budget reads, per replica (the most recent)
 MIN_DRAFTS = 64  # draft tokens seen at position 0 before the budget trusts the acceptance
 
 
 class DraftBudget:
-    """Per-replica draft widths from the cluster's acceptance and each replica's load (see the
+    """Per-replica draft widths and θ from the cluster's acceptance and each replica's load (see the
     module docstring). Thread-safe: requests finish on the event loop, decisions are made on the
-    router's polling thread."""
+    router's polling thread.
+
+    Where the acceptance comes from: every replica reports the per-position counts of its last
+    ``WINDOW`` finished requests with each ``Load`` poll (``LoadReport.recent_drafted_per_pos``), so
+    their sum is the cluster's, whichever router sent the requests, and several routers decide from
+    the same figures. While the replicas' reports hold fewer than ``min_drafts`` drafts at position
+    0, the requests this router saw finish (``observe``) stand in."""
 
     def __init__(self, window: int = WINDOW, min_drafts: int = MIN_DRAFTS) -> None:
-        self._recent: deque[tuple[list[int], list[int]]] = deque(maxlen=window)
-        self._lock = threading.Lock()
+        self._own = AcceptanceWindow(window)
         self.min_drafts = min_drafts
         self.widths: dict[str, int] = {}  # replica address -> the width last decided
         self.thresholds: dict[str, float] = {}  # replica address -> the θ last decided
 
     def observe(self, spec: SpecDecodeStats) -> None:
         """Count a finished request's drafted / accepted tokens per draft position."""
-        if spec.drafted_per_pos:
-            with self._lock:
-                self._recent.append((list(spec.drafted_per_pos), list(spec.accepted_per_pos)))
+        self._own.observe(spec)
 
-    def acceptance(self) -> list[float] | None:
-        """Per-position conditional acceptance over the window: position i's accepted drafts over
-        the drafts examined there (drafted at i with every earlier one accepted); None with fewer
-        than ``min_drafts`` drafts at position 0."""
-        with self._lock:
-            recent = list(self._recent)
-        L = max((len(d) for d, _ in recent), default=0)
-        drafted, accepted = np.zeros(L), np.zeros(L)
-        for d, a in recent:
-            drafted[:len(d)] += d
-            accepted[:len(a)] += a
-        if L == 0 or drafted[0] < self.min_drafts:
+    def acceptance(self, replicas=()) -> list[float] | None:
+        """Per-position conditional acceptance: over the healthy ``replicas``' reported windows,
+        else over the requests this router saw finish; None with fewer than ``min_drafts``
+        drafts at position 0 either way."""
+        drafted: list[int] = []
+        accepted: list[int] = []
+        for r in replicas:
+            if r.healthy and r.report is not None:
+                for total, part in ((drafted, r.report.recent_drafted_per_pos),
+                                    (accepted, r.report.recent_accepted_per_pos)):
+                    total.extend([0] * (len(part) - len(total)))
+                    for i, x in enumerate(part):
+                        total[i] += int(x)
+        if not drafted or drafted[0] < self.min_drafts:
+            drafted, accepted = self._own.totals()
+        if not drafted or drafted[0] < self.min_drafts:
             return None
-        examined = np.minimum(drafted, np.concatenate([[drafted[0]], accepted[:-1]]))
-        return [float(a / e) if e > 0 else 0.0 for a, e in zip(accepted, examined)]
+        return conditional_acceptance(drafted, accepted)
 
-    def width(self, replica) -> int | None:
+    def width(self, replica, replicas=()) -> int | None:
         """The width for ``replica`` (a ``services.router.replicas.Replica`` with a recent report
-        and its ``VerifierInfo``), or None when there is nothing to decide on (no cost model, no
-        drafter, no report, too little acceptance seen)."""
+        and its ``VerifierInfo``) under the acceptance of ``replicas`` (``acceptance``), or None
+        when there is nothing to decide on (no cost model, no drafter, no report, too little
+        acceptance seen)."""
         report, cost = replica.report, replica.cost_model
         if report is None or cost is None or not report.draft_limit:
             return None
-        acc = self.acceptance()
+        acc = self.acceptance(replicas)
         if acc is None:
             return None
         limit = int(report.draft_limit)
@@ -98,10 +104,11 @@ class DraftBudget:
         m, _ = best_width(np.tile(np.asarray(acc, dtype=np.float64), (round_batch(report), 1)), cost)
         return int(m)
 
-    def decide(self, replica, metrics=None) -> int | None:
-        """``width`` for a healthy ``replica``, recorded (gauges, and a ``budget`` span and a log
-        line when it changes); an unhealthy one, or one without a decision, has its gauges removed."""
-        m = self.width(replica) if replica.healthy else None
+    def decide(self, replica, metrics=None, replicas=()) -> int | None:
+        """``width`` for a healthy ``replica`` (under the acceptance of ``replicas``), recorded
+        (gauges, and a ``budget`` span and a log line when it changes); an unhealthy one, or one
+        without a decision, has its gauges removed."""
+        m = self.width(replica, replicas) if replica.healthy else None
         if m is None:
             if metrics is not None:
                 metrics.clear_replica_budget(replica.address)

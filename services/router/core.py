@@ -212,7 +212,7 @@ class Router:
         on the previous poll's reports. Blocking."""
         thresholds = self.budget.decide_thresholds(self.replicas, self.metrics)
         for r in self.replicas:
-            r.refresh(draft_width=self.budget.decide(r, self.metrics) if r.healthy else None,
+            r.refresh(draft_width=self.budget.decide(r, self.metrics, self.replicas) if r.healthy else None,
                       acceptance_threshold=thresholds.get(r.address))
 
     def _choose(self, avoid: set[str]) -> Replica | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from services.common import Delta, Done, Event, Failed
 from tandem.engine import Completion, Engine, Request, RoundSummary
 from tandem.errors import InvalidRequestError
+from tandem.metrics import AcceptanceWindow
 from tandem.predictor import VerificationRecord
 from tandem.state import FallbackStore, InMemoryStore, StateStore, best_effort
 from tandem.telemetry import Metrics
@@ -76,6 +77,7 @@ class ReplicaEngine:
         self.drafter_name = drafter_name
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, _Submission] = {}
+        self.recent = AcceptanceWindow()  # the acceptance of its last requests, reported with every Load poll
         self._load = Load(engine.target.info.num_slots, 0, 0, 0)
         self._submitted = 0  # submitted and not yet taken in by the engine thread (read by load())
         self._lock = threading.Lock()
@@ -144,6 +146,7 @@ class ReplicaEngine:
                         {"features": x.tolist(), "labels": y.tolist()}, why="verification log record dropped")
 
     def _on_done(self, sub: _Submission, c: Completion) -> None:
+        self.recent.observe(c.spec)
         if self.metrics is not None:
             self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
                                          c.prompt_tokens, c.completion_tokens, c.finish_reason)

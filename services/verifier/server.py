@@ -138,6 +138,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          state_store=verifier_pb2.StateStoreStatus(**store),
                                          drafter=verifier_pb2.DrafterStatus(**drafter),
                                          draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap)
+        drafted, accepted = self.replica.recent.totals()
+        report.recent_drafted_per_pos.extend(drafted)
+        report.recent_accepted_per_pos.extend(accepted)
         if policy is not None:
             threshold = threshold_report(policy)
             report.acceptance_threshold = threshold
