@@ -106,8 +106,9 @@ class SpeculativeConfig:
         if self.policy == "predictor":
             if not self.predictor:
                 raise ConfigError("--policy predictor needs --predictor PATH")
-            if self.predictor == "auto" and self.drafter not in TRAINED_DRAFTERS:
-                raise ConfigError("--predictor auto needs a trained drafter (--drafter draft-model or specformer)")
+            if self.predictor == "auto" and self.drafter not in (*TRAINED_DRAFTERS, "ngram"):
+                raise ConfigError("--predictor auto needs a drafter with a shipped predictor (--drafter ngram, "
+                                  "draft-model or specformer)")
         elif self.predictor is not None:
             raise ConfigError(f"--predictor needs --policy predictor, not {self.policy!r}")
 

@@ -50,7 +50,7 @@ def predictor_file(tmp_path_factory):
     (dict(drafter="ngram", policy="adaptive"), "unknown draft policy 'adaptive'"),
     (dict(drafter="ngram", predictor="p.safetensors"), "--predictor needs --policy predictor"),
     (dict(drafter="ngram", policy="predictor"), "--policy predictor needs --predictor PATH"),
-    (dict(drafter="ngram", policy="predictor", predictor="auto"), "--predictor auto needs a trained drafter"),
+    (dict(drafter="remote", policy="predictor", predictor="auto"), "--predictor auto needs a drafter with a shipped"),
     (dict(policy="entropy"), "a draft policy (entropy) needs a --drafter"),
     (dict(drafter="ngram", draft_model="truncate:1"), "--draft-model needs --drafter draft-model or specformer"),
 ])
@@ -192,6 +192,29 @@ def test_build_speculation(tiny_dir, predictor_file):
     with pytest.raises(ConfigError, match="no predictor.safetensors"):  # "auto": none beside these weights
         build_speculation(SpeculativeConfig("draft-model", draft_model="truncate:1", policy="predictor",
                                             predictor="auto"), ck, cfg)
+    with pytest.raises(ConfigError, match="no predictor.safetensors"):  # n-gram's ships for the bundled target only
+        build_speculation(SpeculativeConfig("ngram", policy="predictor", predictor="auto"), ck, cfg)
+
+
+def test_ngram_predictor_ships_for_the_bundled_target():
+    """``--drafter ngram --predictor auto`` on the bundled target finds the shipped n-gram
+    predictor, reads the drafts' evidence features and, under a policy that chains, scores the
+    drafts inside the round (``scores_on_device``)."""
+    from types import SimpleNamespace
+
+    from tandem.drafters.factory import NGRAM_PREDICTOR_DIR
+    from tandem.models.weights import default_model_path
+    from tandem.predictor import FEATURE_NAMES
+    from tandem.speculation import resolve_predictor
+
+    spec = SpeculativeConfig("ngram", policy="predictor", predictor="auto")
+    bundled = SimpleNamespace(path=default_model_path(), config=None)
+    path = resolve_predictor(spec, bundled)
+    assert path == str(NGRAM_PREDICTOR_DIR / "predictor.safetensors")
+    s = build_speculation(spec, bundled)
+    assert s.drafter.name == "ngram" and s.drafter.scores_on_device and s.drafter.score_width == 4
+    p = s.draft_policy.score(torch.tensor([[0.1, 0.9, 0.8, 1.0], [2.3, 0.1, -0.7, 1.0]]))  # attested vs contradicted
+    assert p[0] > p[1] and len(FEATURE_NAMES) == 4
 
 
 def test_build_engine_measures_its_cost_model_and_shares_targets(tiny_dir):

@@ -151,11 +151,21 @@ def _structure(json_object: bool, json_schema: str | None, regex: str | None, gr
     return None
 
 
+def _speculation_label(engine) -> str:
+    """The drafter, k and, under a context-aware policy, its kind: ``ngram, k=4, adaptive``."""
+    policy = engine.draft_policy
+    label = f"{engine.drafter.name}, k={engine.num_draft_tokens}"
+    if policy is None:
+        return label
+    kind = "random length" if policy.score is None else "adaptive"
+    return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''})"
+
+
 def _print_results(engine, records, results, wall: float) -> None:
     spec_on = engine.drafter is not None
     title = (f"{engine.checkpoint.path.name} on {engine.runner.device} ({engine.runner_config.dtype}, "
              f"batch <= {engine.max_running}"
-             + (f", drafter {engine.drafter.name}, k={engine.num_draft_tokens})" if spec_on else ", target-only)"))
+             + (f", drafter {_speculation_label(engine)})" if spec_on else ", target-only)"))
     table = Table(title=title)
     cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "tok/s"]
     if spec_on:
@@ -196,7 +206,7 @@ def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = Fa
     for col in ("configuration", "output tok", "wall s", "tok/s", "speedup", "identical outputs"):
         table.add_column(col, justify="right")
     table.add_row("target-only", str(base_tokens), f"{base_wall:.2f}", f"{base_tokens / base_wall:.1f}", "1.00x", "-")
-    table.add_row(f"{engine.drafter.name}, k={engine.num_draft_tokens}", str(spec_tokens), f"{wall:.2f}",
+    table.add_row(_speculation_label(engine), str(spec_tokens), f"{wall:.2f}",
                   f"{spec_tokens / wall:.1f}", f"{(spec_tokens / wall) / (base_tokens / base_wall):.2f}x",
                   f"{same}/{len(results)}")
     console.print(table)

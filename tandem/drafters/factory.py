@@ -3,6 +3,8 @@ drafter through ``build_drafter``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..models.runner import RunnerConfig
 from ..models.weights import Checkpoint
 from .base import Drafter
@@ -74,13 +76,22 @@ def build_drafter(kind: str, path: str | None, checkpoint: Checkpoint, config: R
 
 
 PREDICTOR_FILE = "predictor.safetensors"  # an acceptance predictor lives next to its drafter's weights
+# the n-gram drafter's predictor for the bundled target (n-gram has no weights to sit beside)
+NGRAM_PREDICTOR_DIR = Path(__file__).parent / "weights" / "ngram-smollm2-135m"
 
 
 def drafter_predictor(kind: str, path: str | None, checkpoint: Checkpoint) -> str | None:
     """The acceptance predictor saved next to a trained drafter's weights (``path``, or the shipped
-    weights for the bundled target), or None when there is none (n-gram has none)."""
+    weights for the bundled target); for n-gram, which has no weights, the one shipped for the
+    bundled target (``NGRAM_PREDICTOR_DIR``); None when there is none."""
     from pathlib import Path
 
+    from ..models.weights import is_bundled_model
+
+    if kind == "ngram":
+        candidate = NGRAM_PREDICTOR_DIR / PREDICTOR_FILE
+        bundled = checkpoint is not None and is_bundled_model(checkpoint.path)
+        return str(candidate) if bundled and candidate.is_file() else None
     if kind not in ("draft-model", "specformer"):
         return None
     try:
