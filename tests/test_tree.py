@@ -129,3 +129,34 @@ def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_chec
         runner = make_runner(base.checkpoint, 1, cfg.max_seq_len)
         for p, c in zip(prompts, got):
             assert_in_target_top_k(runner, p, c.token_ids, params.top_k)
+
+
+def test_ngram_branches_at_hard_positions_greedy_lossless(small_vocab_checkpoint):
+    """Hard-position enhancement over n-gram drafts: where θ cuts, the leaves are the other
+    continuations of the earlier occurrences that agree with the kept drafts
+    (``LookupIndex.lookup_with_support``'s candidates). Greedy output is target-only's, and trees
+    with several leaves were verified."""
+    from tandem.drafters import NgramDrafter
+
+    model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
+    base = Engine(model_dir, cfg)
+    # "w1 w2" recurs followed by w3, w4 and w5: position 2 has three continuations to branch into
+    prompts = ["w1 w2 w3 w9 w1 w2 w4 w9 w1 w2 w5 w9 w1 w2 w3 w9 w1", "w7 w8 w7 w6 w7 w8 w7 w5 w7",
+               "w11 w12 w13 w11 w12 w14 w11 w12", "w2 w2 w3 w2 w2 w4 w2"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [c.token_ids for c in base.generate(prompts, params)]
+    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
+    eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
+                 draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+    leaves = []
+    verify = eng.target.launch_verify
+
+    def spy(items, masks=None):
+        leaves.extend(len(it.proposal.tokens) - it.proposal.chain_length for it in items
+                      if it.proposal.parents is not None)
+        return verify(items, masks)
+
+    eng.target.launch_verify = spy
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    assert max(leaves, default=0) >= 2, leaves  # some trees branched into several continuations

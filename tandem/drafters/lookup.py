@@ -148,29 +148,40 @@ class LookupIndex:
             return toks[start:start + k], n
         return [], 0
 
-    def lookup_with_support(self, k: int) -> tuple[list[int], int, list[int], list[int]]:
+    def lookup_with_support(self, k: int, top_m: int = 0) -> tuple:
         """``lookup``, and the evidence behind each draft (``lookup_drafts_with_support`` on the
         host, equal to it): over the earlier occurrences of the matched n-gram, at draft position
         j, ``survivors[j]`` counts those whose continuation agrees with the drafts before j and
         reaches j, ``support[j]`` those of them that also continue with draft j (the occurrence
-        the drafts came from is always one)."""
+        the drafts came from is always one): ``(drafts, n, support, survivors)``.
+
+        With ``top_m`` > 0 a fifth item, per position, ``top_m`` candidate tokens for hard-position
+        branching: the draft, then the other continuations of the survivors by how many of them
+        continue so (ties: the most recent first), padded with the draft."""
         drafts, n = self.lookup(k)
         if not drafts:
-            return drafts, n, [], []
+            return (drafts, n, [], [], []) if top_m > 0 else (drafts, n, [], [])
         toks = self.tokens
         T = len(toks)
         starts = self.starts[n][tuple(toks[T - n:])]
         cont = np.asarray([s + n for s in starts if s <= T - 1 - n], dtype=np.int64)  # earlier occurrences only
         seq = np.asarray(toks, dtype=np.int64)
         alive = np.ones(len(cont), dtype=bool)
-        support, survivors = [], []
+        support, survivors, candidates = [], [], []
         for j, tok in enumerate(drafts):
             alive &= cont + j <= T - 1  # the occurrence reaches position j
-            agree = alive & (seq[np.minimum(cont + j, T - 1)] == tok)
+            nxt = seq[np.minimum(cont + j, T - 1)]
+            agree = alive & (nxt == tok)
             survivors.append(int(alive.sum()))
             support.append(int(agree.sum()))
+            if top_m > 0:
+                counts: dict[int, int] = {}
+                for t in nxt[alive][::-1].tolist():  # most recent first: ties keep that order
+                    counts[t] = counts.get(t, 0) + 1
+                others = sorted((t for t in counts if t != tok), key=lambda t: -counts[t])
+                candidates.append(([tok] + others + [tok] * top_m)[:top_m])
             alive = agree
-        return drafts, n, support, survivors
+        return (drafts, n, support, survivors, candidates) if top_m > 0 else (drafts, n, support, survivors)
 
 
 def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) -> torch.Tensor:

@@ -30,6 +30,9 @@ class NgramDrafter(Drafter):
 
     Args:
         max_n, min_n: n-gram sizes to match, longest first (1 <= min_n <= max_n).
+        top_m: candidates per position for hard-position branching (host-drafted rounds): the
+            draft, then the other continuations of the earlier occurrences that agree with the
+            drafts before it, most frequent first (``LookupIndex.lookup_with_support``).
 
     Raises:
         ValueError: bad n-gram sizes.
@@ -38,9 +41,9 @@ class NgramDrafter(Drafter):
     name = "ngram"
     drafts_on_device = True  # ``device_drafts``: chained rounds draft without the host
 
-    def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N) -> None:
+    def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N, top_m: int = 4) -> None:
         check_sizes(max_n, min_n)
-        self.max_n, self.min_n = max_n, min_n
+        self.max_n, self.min_n, self.top_m = max_n, min_n, top_m
         self._index: dict[int, LookupIndex] = {}
         self._scorer = None  # features [N, 4] -> acceptance [N] on the device (set_acceptance_scorer)
         self.score_width = 0  # drafts a chained round scores per row (the policy's k)
@@ -97,8 +100,10 @@ class NgramDrafter(Drafter):
             if req.max_draft <= 0 or len(req.token_ids) < 2:
                 out.append(DraftProposal.empty())
                 continue
-            toks, _, support, survivors = self._synced(req).lookup_with_support(req.max_draft)
-            feats = support_features(torch.tensor(support), torch.tensor(survivors),
-                                     torch.arange(1, len(toks) + 1)) if toks else torch.zeros(0, 4)
-            out.append(DraftProposal(toks, None, feats))
+            toks, _, support, survivors, cands = self._synced(req).lookup_with_support(req.max_draft, self.top_m)
+            if not toks:
+                out.append(DraftProposal.empty())
+                continue
+            feats = support_features(torch.tensor(support), torch.tensor(survivors), torch.arange(1, len(toks) + 1))
+            out.append(DraftProposal(toks, None, feats, torch.tensor(cands, dtype=torch.int64)))
         return out
