@@ -313,6 +313,11 @@ class GrpcServer:
         await _maybe_await(self.health.enter_graceful_shutdown())
         if close_streams is not None:
             close_streams()
+            # each call's task ends once its peer has seen the status; let them, before the server
+            # is torn down under them (a task left then ends in a CancelledError traceback)
+            calls = [t for t in asyncio.all_tasks() if t.get_name() == "rpc_task"]  # grpc's name for a call's task
+            if calls:
+                await asyncio.wait(calls, timeout=grace_s / 2)
         logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_rpc_logs)
         await self.server.stop(grace_s)
 

@@ -118,7 +118,9 @@ def test_ngram_drafter_requests():
     assert all(p.probs is None for p in props)
     for p in props:
         assert p.features.shape == (len(p.tokens), NUM_FEATURES)
-    torch.testing.assert_close(props[0].features, torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 2]]))
+    # the evidence: one earlier occurrence of "1", continuing 2 3: each draft's share 1 / (1 + 1)
+    torch.testing.assert_close(props[0].features, torch.tensor([[0.6931, 0.5, 0.0, 1], [0.6931, 0.5, 0.0, 2]]),
+                               atol=1e-4, rtol=0)
     with pytest.raises(ValueError):
         NgramDrafter(max_n=2, min_n=3)
     with pytest.raises(ValueError):
