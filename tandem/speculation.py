@@ -154,6 +154,9 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
 
     path = drafter_predictor(spec.drafter, spec.draft_model, checkpoint) if checkpoint is not None else None
     if path is None:
+        if spec.drafter == "ngram":
+            raise ConfigError("--predictor auto: the n-gram drafter's predictor ships for the bundled model only; "
+                              "train one for this target (tandem collect-logs, tandem train predictor) and pass its path")
         raise ConfigError(f"--predictor auto: no {PREDICTOR_FILE} next to the {spec.drafter} drafter's weights")
     return path
 

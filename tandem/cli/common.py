@@ -152,7 +152,8 @@ drafter_options = [
     click.option("--tau", default=None, hidden=True, is_eager=True, expose_value=False, callback=_deprecated_tau,
                  help="Deprecated name of --acceptance-threshold."),
     click.option("--branch-top-m", type=click.IntRange(min=0, max=8), default=0, show_default=True,
-                 help="Hard-position enhancement: verify the top-m candidates where the acceptance threshold cuts a draft (draft-model)."),
+                 help="Hard-position enhancement: verify the top-m candidates where the acceptance threshold cuts a draft "
+                 "(draft-model, specformer: the most likely tokens; ngram: the other continuations of the context)."),
 ]
 
 

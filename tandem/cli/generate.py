@@ -158,7 +158,8 @@ def _speculation_label(engine) -> str:
     if policy is None:
         return label
     kind = "random length" if policy.score is None else "adaptive"
-    return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''})"
+    trees = f", top-{policy.branch_top_m} trees where θ cuts" if policy.branch_top_m > 1 else ""
+    return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''}{trees})"
 
 
 def _print_results(engine, records, results, wall: float) -> None:

@@ -23,7 +23,7 @@ from .common import (_engine, _run_file, command_line, console, device_option, d
 
 @click.command("collect-logs")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), required=True,
-              help="JSONL prompts (e.g. ../shared/data/train_prompts.jsonl; never a benchmark set).")
+              help="JSONL prompts (e.g. data/train_prompts.jsonl.gz; never a benchmark set).")
 @click.option("--limit", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Output .npz (features, labels).")
 @model_option
@@ -118,7 +118,7 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
 
 @click.command("distill-data")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), required=True,
-              help="JSONL training prompts (../shared/data/train_prompts.jsonl); benchmark prompts are dropped.")
+              help="JSONL training prompts (data/train_prompts.jsonl.gz); benchmark prompts are dropped.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/distill", show_default=True,
               help="Output directory (shards + manifest.json); an existing one is resumed.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="First N prompts of the file.")
