@@ -145,7 +145,8 @@ class Stack:
 
     def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
         """SIGTERM each process, routers first, then the replicas, then the drafter, each tier
-        waited for before the next (SIGKILL for what is still alive ``timeout_s`` after the start); then remove the temporary log directory unless
+        waited for before the next (SIGKILL for what is still alive ``timeout_s`` after the
+        start); then remove the temporary log directory unless
         ``keep_logs``."""
         names = sorted(self.processes)
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -106,9 +108,6 @@ class AcceptanceWindow:
     """
 
     def __init__(self, window: int = ACCEPTANCE_WINDOW) -> None:
-        import threading
-        from collections import deque
-
         self._recent: deque = deque(maxlen=window)
         self._lock = threading.Lock()
 
