@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .control import CostModel, DraftPolicy, RandomLengthPolicy, ThresholdController, entropy_score, parse_acceptance_threshold
+from .control import CostModel, DraftPolicy, RandomLengthPolicy, entropy_score, parse_acceptance_threshold
 from .errors import ConfigError
+from .threshold import ThresholdController
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import pytest
 
 from services.router.budget import DraftBudget, cost_model, threshold_state
 from services.proto.tandem.v1 import verifier_pb2
-from tandem.control import CostModel, DraftPolicy, ThresholdController
+from tandem.control import CostModel, DraftPolicy
+from tandem.threshold import ThresholdController
 from tandem.metrics import SpecDecodeStats
 from tandem.sampling import SamplingParams
 

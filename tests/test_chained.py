@@ -382,7 +382,8 @@ def test_chained_context_aware_specformer_sets_widths_and_stays_lossless(target_
     several widths; greedy output is always the target's, and every round still makes one
     blocking read."""
     import tandem.engine as engine_mod
-    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+    from tandem.control import DraftPolicy, entropy_score
+    from tandem.threshold import ThresholdController
     from tandem.profiling import HostSyncCounter
 
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 30, 20)]
@@ -463,7 +464,8 @@ def test_chained_policy_widths_reuse_one_graph_per_shape(target_dir, monkeypatch
     width per batch shape, and the output is still the target's."""
     import tandem.drafters.specformer as sf
     import tandem.models.runner as runner_mod
-    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+    from tandem.control import DraftPolicy, entropy_score
+    from tandem.threshold import ThresholdController
 
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [c.token_ids for c in _specformer_engine(target_dir, chained=True).generate(PROMPTS[:3], params)]
@@ -527,7 +529,8 @@ def test_chained_context_aware_ngram_scores_on_the_device_and_stays_lossless(wor
     one copy brings the scores back and the policy sets later rounds' widths; greedy output is
     target-only's, and the scores equal the policy's score of the host features of the same
     drafts."""
-    from tandem.control import DraftPolicy, ThresholdController, entropy_score
+    from tandem.control import DraftPolicy, entropy_score
+    from tandem.threshold import ThresholdController
 
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 16, 30, 20)]
     prompts = WORD_PROMPTS[:4]

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from tandem.control import (CostModel, DraftPolicy, RandomLengthPolicy, ThresholdController, WidthPlan,
+from tandem.control import (CostModel, DraftPolicy, RandomLengthPolicy, WidthPlan,
                             allocate_draft_lengths, best_width, entropy_score, expected_emitted, threshold_cut)
+from tandem.threshold import ThresholdController
 
 
 def linear_cost(base=1.0, per_token=0.25, per_row=0.01, draft_step_ms=0.0):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.control import CostModel, DraftPolicy, ThresholdController, entropy_score
+from tandem.control import CostModel, DraftPolicy, entropy_score
+from tandem.threshold import ThresholdController
 from tandem.drafters import NgramDrafter
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig

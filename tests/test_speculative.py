@@ -14,7 +14,8 @@ import torch
 from conftest import SMALL_VOCAB, SPEC_BENCH, reset_engine
 from helpers import chi_square_pvalue, total_variation
 
-from tandem.control import DraftPolicy, ThresholdController, entropy_score
+from tandem.control import DraftPolicy, entropy_score
+from tandem.threshold import ThresholdController
 from tandem.drafters import (NUM_FEATURES, DraftModelDrafter, DraftProposal, DraftRequest, Drafter, NgramDrafter,
                              distribution_features, load_draft_checkpoint, truncated_checkpoint)
 from tandem.drafters.base import one_hot_features

@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from tandem.control import ThresholdController
+from tandem.threshold import ThresholdController
 from tandem.state import InMemoryStore, RedisStore, StateStoreUnavailable, open_store
 
 REDIS_URL = "redis://127.0.0.1:6379/0"

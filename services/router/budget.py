@@ -38,7 +38,8 @@ import logging
 
 import numpy as np
 
-from tandem.control import CostModel, ThresholdController, best_width
+from tandem.control import CostModel, best_width
+from tandem.threshold import ThresholdController
 from tandem.metrics import ACCEPTANCE_WINDOW, AcceptanceWindow, SpecDecodeStats, conditional_acceptance
 from tandem.telemetry import span
 
