@@ -309,17 +309,17 @@ class GrpcServer:
         its long-lived streams with a status of their own, e.g. a router's ``Generate`` stream with
         UNAVAILABLE, so each call finishes instead of being cancelled under its task), then
         ``grace_s`` for in-flight RPCs. A stream still open after that is cancelled by grpc; that
-        cancellation is the shutdown itself, so its "Exception not handled" log is dropped."""
+        cancellation is the shutdown itself, so its "Exception not handled" log is dropped. Last,
+        the calls' tasks still running (a handler finishing a draft in a worker thread) get
+        ``grace_s`` to end on their own and are then cancelled and awaited: a task left to the
+        loop's teardown would end in a CancelledError traceback."""
         await _maybe_await(self.health.enter_graceful_shutdown())
         if close_streams is not None:
             close_streams()
-            # each call's task ends once its peer has seen the status; let them, before the server
-            # is torn down under them (a task left then ends in a CancelledError traceback)
-            calls = [t for t in asyncio.all_tasks() if t.get_name() == "rpc_task"]  # grpc's name for a call's task
-            if calls:
-                await asyncio.wait(calls, timeout=grace_s / 2)
+            await _settle_calls(grace_s / 2)  # each call ends once its peer has seen the status
         logging.getLogger("grpc._cython.cygrpc").addFilter(_drop_cancelled_rpc_logs)
         await self.server.stop(grace_s)
+        await _settle_calls(grace_s, cancel=True)
 
     async def serve_until(self, service_names: Sequence[str], ready: "asyncio.Future | None" = None,
                           stop: "asyncio.Event | None" = None, close_streams=None) -> None:
@@ -353,6 +353,21 @@ async def messages_until(request_iterator, closing: asyncio.Event):
                 return
     finally:
         closed.cancel()
+
+
+async def _settle_calls(timeout_s: float, cancel: bool = False) -> None:
+    """Wait up to ``timeout_s`` for the running loop's gRPC call tasks (grpc's ``rpc_task`` and its
+    ``HandleExceptions[...]`` handler tasks) to end; with ``cancel``, cancel and await what is left."""
+    calls = [t for t in asyncio.all_tasks()
+             if t is not asyncio.current_task() and (t.get_name() == "rpc_task"
+                                                     or t.get_name().startswith("HandleExceptions["))]
+    if not calls:
+        return
+    _, left = await asyncio.wait(calls, timeout=timeout_s)
+    if cancel and left:
+        for t in left:
+            t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 async def _maybe_await(x):

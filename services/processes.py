@@ -47,15 +47,6 @@ def _run(coro_factory) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stopping, sig)
         await coro_factory(stop)
-        # a call's handler may still be finishing (a draft in a worker thread) when its server has
-        # stopped: let it end on its own for a moment, then cancel what is left and await it, so it
-        # ends quietly instead of in a traceback when asyncio.run tears the loop down
-        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        if rest:
-            _, rest = await asyncio.wait(rest, timeout=2.0)
-        for t in rest:
-            t.cancel()
-        await asyncio.gather(*rest, return_exceptions=True)
         log.info("stopped")
 
     asyncio.run(main())

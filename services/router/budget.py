@@ -94,11 +94,12 @@ class DraftBudget:
         and its ``VerifierInfo``) under the acceptance of ``replicas`` (``acceptance``), or None
         when there is nothing to decide on (no cost model, no drafter, no report, too little
         acceptance seen)."""
+        return self._width(replica, self.acceptance(replicas))
+
+    def _width(self, replica, acc: list[float] | None) -> int | None:
+        """``width`` under an acceptance already computed."""
         report, cost = replica.report, replica.cost_model
-        if report is None or cost is None or not report.draft_limit:
-            return None
-        acc = self.acceptance(replicas)
-        if acc is None:
+        if acc is None or report is None or cost is None or not report.draft_limit:
             return None
         limit = int(report.draft_limit)
         acc = (acc + [acc[-1]] * limit)[:limit]  # positions never drafted yet: as the last one seen
@@ -109,7 +110,14 @@ class DraftBudget:
         """``width`` for a healthy ``replica`` (under the acceptance of ``replicas``), recorded
         (gauges, and a ``budget`` span and a log line when it changes); an unhealthy one, or one
         without a decision, has its gauges removed."""
-        m = self.width(replica, replicas) if replica.healthy else None
+        return self._record(replica, self.width(replica, replicas) if replica.healthy else None, metrics)
+
+    def decide_widths(self, replicas, metrics=None) -> dict[str, int | None]:
+        """``decide`` for every replica, under one acceptance summed once over ``replicas``."""
+        acc = self.acceptance(replicas)
+        return {r.address: self._record(r, self._width(r, acc) if r.healthy else None, metrics) for r in replicas}
+
+    def _record(self, replica, m: int | None, metrics) -> int | None:
         if m is None:
             if metrics is not None:
                 metrics.clear_replica_budget(replica.address)

@@ -210,10 +210,10 @@ class Router:
         (/health and the router's own gRPC health follow it while no request runs); each poll
         carries the replica's draft width and θ from the cluster-level budget (``DraftBudget``), decided
         on the previous poll's reports. Blocking."""
+        widths = self.budget.decide_widths(self.replicas, self.metrics)
         thresholds = self.budget.decide_thresholds(self.replicas, self.metrics)
         for r in self.replicas:
-            r.refresh(draft_width=self.budget.decide(r, self.metrics, self.replicas) if r.healthy else None,
-                      acceptance_threshold=thresholds.get(r.address))
+            r.refresh(draft_width=widths[r.address], acceptance_threshold=thresholds.get(r.address))
 
     def _choose(self, avoid: set[str]) -> Replica | None:
         """The healthy replica with the fewest requests per KV slot (``Replica.score``), not in ``avoid``."""
