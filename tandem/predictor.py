@@ -133,6 +133,8 @@ class PredictorReport:
         positive_rate: share of accepted labels (validation).
         auc: ROC AUC of the predictor (validation).
         entropy_auc: AUC of the entropy-only rule (score = −entropy) on the same data.
+        position_auc: AUC of the draft position alone (the better of its two directions) on the
+            same data: all a predictor could read from a one-hot drafter's features.
         ece: expected calibration error, 10 equal-width bins (validation).
         cost_us_per_token: predictor time per drafted position (µs, CPU, batch of 64).
     """
@@ -144,6 +146,7 @@ class PredictorReport:
     entropy_auc: float
     ece: float
     cost_us_per_token: float
+    position_auc: float = float("nan")  # (reports written before it have none)
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -254,5 +257,6 @@ def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 3
     report = PredictorReport(
         n_train=len(tr), n_val=n_val, positive_rate=float(labels[val].mean()),
         auc=roc_auc(p_val, labels[val]), entropy_auc=roc_auc(-features[val][:, 0], labels[val]),
-        ece=expected_calibration_error(p_val, labels[val]), cost_us_per_token=cost_us)
+        ece=expected_calibration_error(p_val, labels[val]), cost_us_per_token=cost_us,
+        position_auc=max(roc_auc(features[val][:, 3], labels[val]), roc_auc(-features[val][:, 3], labels[val])))
     return model, report

@@ -52,6 +52,7 @@ def test_trained_predictor_beats_entropy_rule_on_held_out_data():
     x, y = synthetic_logs(6000, 0)
     model, report = train_predictor(x, y, epochs=30)
     assert report.auc > report.entropy_auc + 0.1
+    assert 0.0 <= report.position_auc <= 1.0  # the position-only baseline is reported beside it
     assert report.ece < 0.05
     xt, yt = synthetic_logs(3000, 1)  # a fresh draw: the model generalises
     held_out = roc_auc(model.predict(torch.from_numpy(xt)).numpy(), yt)

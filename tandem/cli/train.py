@@ -112,7 +112,8 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
     png = str(Path(out).with_suffix(".reliability.png"))
     val, _ = validation_split(len(y), seed=seed)  # the held-out rows the report was computed on
     reliability_diagram(model.predict(torch.from_numpy(x[val])).numpy(), y[val], png)
-    console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}), ECE {report.ece:.3f}, "
+    console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}, position alone "
+                  f"{report.position_auc:.3f}), ECE {report.ece:.3f}, "
                   f"{report.cost_us_per_token:.2f} µs/token; wrote {out}, {out}.json, {png}", highlight=False)
 
 
