@@ -1446,11 +1446,15 @@ def test_unary_calls_are_retried_by_grpc_on_unavailable():
 
 def test_a_replica_steps_events_become_one_message_per_stream():
     """``VerifierServicer._events``: one engine step's events of a stream as one message: a
-    request's consecutive deltas merged, its last delta sent with its completion (finish reason,
-    stop reason, counters), a failure as an error event; engine ids carry the stream's prefix, the
-    message the router's ids. The router merges what queued for a request the same way."""
+    request's consecutive deltas merged, plain deltas (tokens and text) in the message's columns,
+    a delta with log-probabilities as an event, a request's last delta sent with its completion
+    (finish reason, stop reason, counters), a failure as an error event; engine ids carry the
+    stream's prefix, the message the router's ids. The router (``step_events``) reads it back as
+    one event per request and step, in order, also when steps were sent as one message; it merges
+    what queued for a request the same way."""
     from services.common import Delta, Done, Failed
-    from services.router.replicas import merge_events
+    from services.proto.tandem.v1 import verifier_pb2
+    from services.router.replicas import merge_events, step_events
     from services.verifier.server import VerifierServicer, merge_outputs
     from tandem.metrics import SpecDecodeStats
     from tandem.requests import Completion, RequestOutput
@@ -1462,21 +1466,50 @@ def test_a_replica_steps_events_become_one_message_per_stream():
               ("s0/a", Delta(RequestOutput("s0/a", [3], "c", False, None))),
               ("s0/b", Delta(RequestOutput("s0/b", [9], "z", True, "stop"))),
               ("s0/b", Done(done)),
-              ("s0/c", Failed("bad prompt", invalid=True))]
+              ("s0/c", Failed("bad prompt", invalid=True)),
+              ("s0/d", Delta(RequestOutput("s0/d", [4], "d", False, None, [-0.25], ["d"]))),
+              ("s0/e", Delta(RequestOutput("s0/e", [], "", False, None)))]  # nothing new: not sent
     msg, settled = VerifierServicer._events(events, "s0/")
+    assert settled == ["b", "c"]
+    assert list(msg.deltas.request_ids) == ["a"] and list(msg.deltas.num_tokens) == [3]
+    assert list(msg.deltas.token_ids) == [1, 2, 3] and list(msg.deltas.texts) == ["abc"]
     by_id = {e.request_id: e for e in msg.events}
-    assert list(by_id) == ["a", "b", "c"] and settled == ["b", "c"]
-    assert list(by_id["a"].token_ids) == [1, 2, 3] and by_id["a"].text == "abc" and not by_id["a"].finished
+    assert list(by_id) == ["b", "c", "d"]
     b = by_id["b"]
     assert list(b.token_ids) == [7, 8, 9] and b.text == "xyz" and b.finished and b.finish_reason == "stop"
     assert b.stop_string == "\n" and (b.spec.num_drafted, b.spec.num_accepted) == (8, 2)
     assert list(b.spec.accepted_per_pos) == [1, 1, 0]
     assert by_id["c"].error == "bad prompt" and by_id["c"].invalid
+    assert list(by_id["d"].token_ids) == [4] and list(by_id["d"].logprobs) == [-0.25]
+    assert list(by_id["d"].token_texts) == ["d"]
+
+    # a later step of a and its end, sent with the first as one message (a stream that fell behind)
+    later, _ = VerifierServicer._events([("s0/a", Delta(RequestOutput("s0/a", [5, 6], "ef", False, None))),
+                                         ("s0/f", Delta(RequestOutput("s0/f", [11], "k", False, None)))], "s0/")
+    end, _ = VerifierServicer._events([("s0/a", Delta(RequestOutput("s0/a", [], "", True, "length"))),
+                                       ("s0/a", Done(Completion("s0/a", "abcef", [1, 2, 3, 5, 6], "length", 2, 0.1,
+                                                                0.2, 0.05, SpecDecodeStats())))], "s0/")
+    wire = verifier_pb2.ReplicaEvents()
+    for part in (msg, later, end):
+        wire.MergeFrom(part)
+    read = list(step_events(verifier_pb2.ReplicaEvents.FromString(wire.SerializeToString())))
+    of_a = [(list(e.token_ids), e.text, e.finished) for e in read if e.request_id == "a"]
+    assert of_a == [([1, 2, 3], "abc", False), ([5, 6], "ef", False), ([], "", True)]
+    assert [(list(e.token_ids), e.text) for e in read if e.request_id == "f"] == [([11], "k")]
+    assert [e.request_id for e in read if e.request_id not in ("a", "f")] == ["b", "c", "d"]
+    bad = verifier_pb2.ReplicaEvents()
+    bad.deltas.request_ids.extend(["a", "b"])
+    bad.deltas.num_tokens.extend([1, 2])
+    bad.deltas.token_ids.extend([1, 2])
+    bad.deltas.texts.extend(["x", "y"])
+    with pytest.raises(ValueError, match="malformed step deltas"):
+        list(step_events(bad))
+
     lp = merge_outputs(RequestOutput("r", [1], "a", False, None, [-0.5], ["a"]),
                        RequestOutput("r", [2], "b", True, "length", [-1.5], ["b"]))
     assert (lp.new_token_ids, lp.text_delta, lp.logprobs, lp.token_texts, lp.finished) == (
         [1, 2], "ab", [-0.5, -1.5], ["a", "b"], True)
-    merged = merge_events(by_id["a"], b)
+    merged = merge_events(read[0], b)
     assert list(merged.token_ids) == [1, 2, 3, 7, 8, 9] and merged.text == "abcxyz" and merged.finished
 
 

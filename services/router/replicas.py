@@ -9,6 +9,7 @@ import asyncio
 import functools
 import itertools
 import logging
+from collections.abc import Iterator
 
 import grpc
 
@@ -164,12 +165,15 @@ class ReplicaLink:
     async def _read(self) -> None:
         try:
             async for msg in self._call:
-                for ev in msg.events:
+                for ev in step_events(msg):
                     q = self._waiters.get(ev.request_id)
                     if q is not None:
                         q.put_nowait(ev)
         except grpc.aio.AioRpcError as exc:
             self.error = f"{exc.code().name}: {exc.details()}"
+        except ValueError as exc:  # a message this router cannot read: the stream is of no more use
+            self.error = f"the replica sent {exc}"
+            self._call.cancel()
         except asyncio.CancelledError:
             self.error = "the router closed the stream"
         finally:
@@ -196,6 +200,27 @@ class ReplicaLink:
     def close(self) -> None:
         self._outbox.put_nowait(None)
         self._call.cancel()
+
+
+def step_events(msg: verifier_pb2.ReplicaEvents) -> Iterator[verifier_pb2.ReplicaEvent]:
+    """A replica's message as one ``ReplicaEvent`` per request and step, in the order the replica
+    produced them: the plain deltas' columns (``StepDeltas``) first, then the events.
+
+    Raises:
+        ValueError: the columns disagree (lengths, or token counts against the tokens sent).
+    """
+    d = msg.deltas
+    if d.request_ids:
+        n_ids = len(d.request_ids)
+        if len(d.num_tokens) != n_ids or len(d.texts) != n_ids or sum(d.num_tokens) != len(d.token_ids):
+            raise ValueError(f"malformed step deltas: {n_ids} requests, {len(d.num_tokens)} counts summing to "
+                             f"{sum(d.num_tokens)}, {len(d.token_ids)} tokens, {len(d.texts)} texts")
+        tokens = d.token_ids
+        at = 0
+        for rid, n, text in zip(d.request_ids, d.num_tokens, d.texts):
+            yield verifier_pb2.ReplicaEvent(request_id=rid, token_ids=tokens[at:at + n], text=text)
+            at += n
+    yield from msg.events
 
 
 def merge_events(a: verifier_pb2.ReplicaEvent, b: verifier_pb2.ReplicaEvent) -> verifier_pb2.ReplicaEvent:

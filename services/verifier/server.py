@@ -1,9 +1,9 @@
 """Verifier replica gRPC server: ``tandem.v1.Verifier`` over a ``ReplicaEngine``.
 
 ``Generate`` is one stream per router: whole requests in, their accepted tokens out, one message
-per engine step for all the stream's requests that step touched (a request per message would
-cost the replica's event loop, and with it the engine thread's share of the interpreter, a
-message per request per step). The engine loop (scheduler, KV slots, drafts, verification) runs
+per engine step for all the stream's requests that step touched, their plain deltas in packed
+columns (a request per message, or a message field per request, would cost the replica's event
+loop and engine thread, which share one interpreter, work per request per step). The engine loop (scheduler, KV slots, drafts, verification) runs
 here, beside the weights. A stream that ends (the router went away) aborts its requests and frees
 their KV slots. ``Load`` reports what the replica holds, for routers to balance on.
 """
@@ -209,9 +209,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     if more is None:
                         batches.put_nowait(None)  # this message first, then the end
                         break
-                    msg.events.extend(more[0].events)
+                    msg.MergeFrom(more[0])  # columns and events appended: each request's order holds
                     live.difference_update(more[1])
-                if msg.events:
+                if msg.events or msg.deltas.request_ids:
                     yield msg
         finally:
             self._open.discard(batches)
@@ -223,28 +223,45 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _events(events: list, prefix: str) -> tuple[verifier_pb2.ReplicaEvents, list[str]]:
         """(engine id, event) pairs as one message, and the router ids it settles (finished or
         failed): consecutive deltas of a request merged, a request's last delta sent with its
-        completion."""
+        completion, plain deltas (tokens and text only) in the message's columns (``StepDeltas``)."""
         merged: dict[str, list] = {}  # router id -> [RequestOutput | None, Done | Failed | None]
+        cut = len(prefix)
         for eid, event in events:
-            rid = eid[len(prefix):]
-            slot = merged.setdefault(rid, [None, None])
+            slot = merged.get(eid)
+            if slot is None:
+                slot = merged[eid] = [None, None]
             if isinstance(event, Delta):
                 slot[0] = event.output if slot[0] is None else merge_outputs(slot[0], event.output)
             else:
                 slot[1] = event
         out = verifier_pb2.ReplicaEvents()
         settled = []
-        for rid, (delta, end) in merged.items():
-            if isinstance(end, Failed):
+        ids, counts, tokens, texts = [], [], [], []
+        for eid, (delta, end) in merged.items():
+            rid = eid[cut:]
+            if end is None:
+                if delta.logprobs is None and delta.top_logprobs is None:
+                    if delta.new_token_ids or delta.text_delta:
+                        ids.append(rid)
+                        counts.append(len(delta.new_token_ids))
+                        tokens += delta.new_token_ids
+                        texts.append(delta.text_delta)
+                elif delta.new_token_ids or delta.text_delta:
+                    fill_event(out.events.add(request_id=rid), delta)
+            elif isinstance(end, Failed):
                 settled.append(rid)
                 out.events.append(verifier_pb2.ReplicaEvent(request_id=rid, error=end.message or "failed",
                                                             invalid=end.invalid))
-            elif isinstance(end, Done):
+            else:  # Done
                 settled.append(rid)
                 fill_event(out.events.add(request_id=rid),
                            delta or RequestOutput(rid, [], "", True, end.completion.finish_reason), end.completion)
-            elif delta is not None and (delta.new_token_ids or delta.text_delta):
-                fill_event(out.events.add(request_id=rid), delta)
+        if ids:
+            d = out.deltas
+            d.request_ids.extend(ids)
+            d.num_tokens.extend(counts)
+            d.token_ids.extend(tokens)
+            d.texts.extend(texts)
         return out, settled
 
 

@@ -59,10 +59,24 @@ class SpecStats(_message.Message):
     def __init__(self, num_steps: _Optional[int] = ..., num_emitted: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., drafted_per_pos: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaEvents(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "deltas")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[ReplicaEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
+    deltas: StepDeltas
+    def __init__(self, events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ..., deltas: _Optional[_Union[StepDeltas, _Mapping]] = ...) -> None: ...
+
+class StepDeltas(_message.Message):
+    __slots__ = ("request_ids", "num_tokens", "token_ids", "texts")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec", "error", "invalid", "top_logprobs")
