@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 # what a chained round's requests carry (their drafts never reach the host); shared, read-only
 _NO_PROPOSAL = DraftProposal.empty()
-# Chained rounds under a draft policy: a round's graph is as wide as the widest width planned over
-# this many rounds, so the policy's per-round choice (a device-side cap) rarely needs a graph of a
+# Chained rounds under a draft policy or a router's width: a round's graph is as wide as the widest
+# width planned over this many rounds, so the policy's per-round choice (a device-side cap) rarely needs a graph of a
 # new shape (capturing one mid-run costs tens of ms: docs/benchmarks.md, "Context-aware ablation").
 WIDTH_WINDOW = 64
 
@@ -187,8 +187,11 @@ class Engine(EngineConveniences):
     @property
     def draft_limit(self) -> int:
         """Draft tokens per sequence per round at most: ``configured_draft_limit``, capped by
-        ``width_cap`` when one is set (a router's draft-token budget). A chained round's graph is
-        as wide as this (one graph per width), so a lower cap also makes the verify pass narrower."""
+        ``width_cap`` when one is set (a router's draft-token budget). In chained rounds the cap is
+        applied on the device, inside a graph as wide as the widest width of the last
+        ``WIDTH_WINDOW`` rounds (as a draft policy's plans are): a router that moves the width
+        costs no graph capture mid-run, and the verify pass narrows once a window of rounds was
+        capped lower."""
         limit = self.configured_draft_limit
         return limit if self.width_cap is None else min(limit, max(0, self.width_cap))
 
@@ -432,8 +435,10 @@ class Engine(EngineConveniences):
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
                 plan, k, cap = self._width_plan, self.draft_limit, None
-                if self.draft_policy is not None:  # the graph: the widest recent width; this plan's as a cap
-                    cap = k if plan is None else min(plan.width, k)  # (every round capped: one graph a shape)
+                if self.draft_policy is not None or self.width_cap is not None:
+                    # the graph: the widest recent width; this round's own (the policy's plan, a
+                    # router's width) as a device-side cap (every round capped: one graph a shape)
+                    cap = k if plan is None else min(plan.width, k)
                     self._recent_widths.append(cap)
                     k = max(self._recent_widths)
                 try:

@@ -220,6 +220,47 @@ def test_engine_width_cap_caps_rounds_and_keeps_the_output(tiny_engine, drafter)
         assert (engine.stats.num_drafted > 0) == (cap > 0)
 
 
+def test_a_router_width_that_moves_caps_chained_rounds_without_new_graph_widths(tiny_engine):
+    """A router's width that changes mid-run (``Engine.width_cap`` 4 -> 2 -> 4, as budget
+    decisions move) caps a chained round's drafts on the device, inside a graph as wide as the
+    widest width of the last ``WIDTH_WINDOW`` rounds: lowering the width needs no graph of a new
+    width until a window of rounds was capped lower, raising it again none at all; greedy output
+    is unchanged."""
+    import tandem.engine as engine_mod
+    from test_chained import _widths
+    from test_speculative import _specformer_for
+
+    from tandem.engine import Engine
+    from tandem.models.runner import RunnerConfig
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = _run(Engine(target=tiny_engine.target, tokenizer=tiny_engine.tokenizer), prompts, params)
+    engine = Engine(tiny_engine.checkpoint, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128),
+                    tokenizer=tiny_engine.tokenizer, drafter=_specformer_for(tiny_engine.checkpoint, 4),
+                    num_draft_tokens=4)
+    assert engine.chains_rounds
+    engine._recent_widths = engine_mod.deque(maxlen=6)  # a short window, so this short run narrows its graph
+    launched = _widths(engine)
+    rids = [engine.submit(engine.make_request(prompt_ids=p, params=params)) for p in prompts]
+    engine.width_cap = 4
+    while len(launched) < 3:
+        engine.step()
+    engine.width_cap = 2
+    while len(launched) < 12:
+        engine.step()
+    engine.width_cap = 4
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.completion(r).token_ids for r in rids] == want
+    graphs, caps = [g for g, _ in launched], [c for _, c in launched]
+    assert caps[:3] == [4, 4, 4] and set(caps[3:12]) == {2} and set(caps[12:]) == {4}
+    # capped to 2 from round 4: the graph stays 4 wide while the window of 6 holds a 4 (rounds 4-8),
+    # then narrows to 2; back at 4, the graph widens at once
+    assert graphs[:8] == [4] * 8 and graphs[8:12] == [2] * 4 and set(graphs[12:]) == {4}
+    assert engine.stats.drafted_per_pos[2] < engine.stats.drafted_per_pos[1]  # the capped rounds drafted 2
+
+
 def test_router_budget_reaches_a_replica_process(tiny_checkpoint):
     """A verifier replica process with a measured cost model (``--measure-cost``) reports its k
     and applies the width a router sends with its ``Load`` poll; the router's metrics and
