@@ -9,6 +9,7 @@ Used by ``tandem.control.DraftPolicy`` (θ learned on a replica's own rounds) an
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 
@@ -46,6 +47,7 @@ class ThresholdController:
         self.tokens = [0.0] * len(self.grid)
         self.ms = [0.0] * len(self.grid)
         self._last = 0
+        self.observed_at: float | None = None  # time.monotonic() of the last observed round (None: none yet)
 
     def goodput(self) -> list[float]:
         """Discounted goodput (tokens / ms) per candidate; NaN where untried."""
@@ -84,6 +86,7 @@ class ThresholdController:
         self.counts[i] += 1.0
         self.tokens[i] += emitted_tokens
         self.ms[i] += round_ms
+        self.observed_at = time.monotonic()
 
     def state_dict(self) -> dict:
         return {"grid": list(self.grid), "counts": list(self.counts), "tokens": list(self.tokens), "ms": list(self.ms)}

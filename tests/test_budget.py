@@ -178,6 +178,29 @@ def test_policy_uses_an_outside_threshold_and_keeps_learning():
     assert policy.begin_round() and policy._threshold_used == 0.0  # its own controller again: an untried θ
 
 
+def test_an_idle_replicas_theta_state_stays_out_of_the_merge():
+    """A replica reports its θ controller with ``Load`` only while it runs rounds
+    (``threshold_state_report``): none for a policy that does not learn θ or before any round, the
+    state after a round, none again once no round came for ``THRESHOLD_STALE_S``, so the
+    router merges over the replicas that decode now (its discounted sums would otherwise keep their
+    weight however long it idles)."""
+    from services.verifier.server import THRESHOLD_STALE_S, threshold_state_report
+
+    ctl = ThresholdController(grid=[0.0, 0.5])
+    policy = DraftPolicy(lambda f: f[:, 0], controller=ctl)
+    assert threshold_state_report(DraftPolicy(lambda f: f[:, 0]), 0.0) is None  # a fixed θ
+    assert threshold_state_report(None) is None and threshold_state_report(policy) is None  # no round yet
+    policy.begin_round()
+    policy.observe(3, 1.5)
+    at = ctl.observed_at
+    report = threshold_state_report(policy, at + 1.0)
+    assert list(report.grid) == [0.0, 0.5] and list(report.rounds) == [1.0, 0.0]
+    assert list(report.tokens) == [3.0, 0.0] and list(report.ms) == [1.5, 0.0]
+    assert threshold_state_report(policy, at + THRESHOLD_STALE_S + 0.1) is None
+    merged = ThresholdController.merged([threshold_state(report)])  # what a router makes of it
+    assert merged.counts == [1.0, 0.0]
+
+
 def _run(engine, prompts, params) -> list[list[int]]:
     out = []
     for p in prompts:

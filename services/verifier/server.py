@@ -35,6 +35,11 @@ BUDGET_LEASE_S = 3.0
 
 SERVICE_NAME = "tandem.v1.Verifier"
 
+# A replica whose θ controller observed no round this long (s) leaves its state out of its Load
+# reports, so the routers' cluster θ is merged over the replicas that decode now: an idle
+# replica's sums are discounted per round, and without rounds they would keep their weight.
+THRESHOLD_STALE_S = 10.0
+
 
 def threshold_report(policy) -> float:
     """θ a draft policy's next rounds use, as a replica reports it: a router's while one is set,
@@ -44,6 +49,21 @@ def threshold_report(policy) -> float:
     if policy.threshold_override is not None:
         return float(policy.threshold_override)
     return float(policy.controller.acceptance_threshold)
+
+
+def threshold_state_report(policy, now: float | None = None) -> verifier_pb2.ThresholdState | None:
+    """A draft policy's θ controller as a ``Load`` report carries it: None for a policy that does
+    not learn θ, and for a controller that observed no round in the last ``THRESHOLD_STALE_S``
+    seconds (``now``: ``time.monotonic()``, by default the current time)."""
+    if policy is None or not policy.learns_threshold:
+        return None
+    ctl = policy.controller
+    now = time.monotonic() if now is None else now
+    if ctl.observed_at is None or now - ctl.observed_at > THRESHOLD_STALE_S:
+        return None
+    state = ctl.state_dict()
+    return verifier_pb2.ThresholdState(grid=state["grid"], rounds=state["counts"], tokens=state["tokens"],
+                                       ms=state["ms"])
 
 
 def spec_to_pb(s: SpecDecodeStats) -> verifier_pb2.SpecStats:
@@ -145,10 +165,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             threshold = threshold_report(policy)
             report.acceptance_threshold = threshold
             report.acceptance_threshold_set = learns and policy.threshold_override is not None
-            if learns:
-                state = policy.controller.state_dict()
-                report.threshold.CopyFrom(verifier_pb2.ThresholdState(grid=state["grid"], rounds=state["counts"],
-                                                                      tokens=state["tokens"], ms=state["ms"]))
+            state = threshold_state_report(policy, now)
+            if state is not None:
+                report.threshold.CopyFrom(state)
         return report
 
     async def Generate(self, request_iterator, context):
