@@ -300,14 +300,10 @@ class Metrics:
         self.running = Gauge("tandem_num_requests_running", "Requests decoding now.", registry=r)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued, not yet admitted.", registry=r)
         self.store_up = Gauge("tandem_state_store_up", "1 when the state store (Redis) answers, else 0.", registry=r)
-        self.router_draft_width = Gauge("tandem_router_draft_width", "Drafts per sequence the router's budget "
-                                        "gives a verifier replica's rounds.", ["replica"], registry=r)
-        self.router_draft_budget = Gauge("tandem_router_draft_budget_tokens", "Draft tokens a round the router's "
-                                         "budget gives a verifier replica (width x its requests).", ["replica"],
-                                         registry=r)
-        self.router_acceptance_threshold = Gauge("tandem_router_acceptance_threshold", "Acceptance threshold θ "
-                                                 "the router sets for a verifier replica's rounds (chosen over "
-                                                 "every replica's θ controller).", ["replica"], registry=r)
+        # a router's budget series, made at its first decision: a replica, which makes none, shows none
+        self.router_draft_width: Gauge | None = None
+        self.router_draft_budget: Gauge | None = None
+        self.router_acceptance_threshold: Gauge | None = None
         # made at the first planned round (a replica's policy): a router, which plans none, shows no 0s
         self.draft_width: Gauge | None = None
         self.acceptance_threshold: Gauge | None = None
@@ -399,20 +395,32 @@ class Metrics:
     def set_replica_budget(self, replica: str, draft_width: int, draft_tokens: int) -> None:
         """A router's draft budget for one verifier replica: drafts per sequence and draft tokens a
         round (``services.router.budget``)."""
+        if self.router_draft_width is None:
+            self.router_draft_width = Gauge("tandem_router_draft_width", "Drafts per sequence the router's budget "
+                                            "gives a verifier replica's rounds.", ["replica"], registry=self.registry)
+            self.router_draft_budget = Gauge("tandem_router_draft_budget_tokens", "Draft tokens a round the "
+                                             "router's budget gives a verifier replica (width x its requests).",
+                                             ["replica"], registry=self.registry)
         self.router_draft_width.labels(replica=replica).set(draft_width)
         self.router_draft_budget.labels(replica=replica).set(draft_tokens)
 
     def clear_replica_budget(self, replica: str) -> None:
         """No budget for the replica now (unhealthy, or nothing to decide on): its series go away."""
-        _remove(replica, self.router_draft_width, self.router_draft_budget)
+        if self.router_draft_width is not None:
+            _remove(replica, self.router_draft_width, self.router_draft_budget)
 
     def set_replica_threshold(self, replica: str, acceptance_threshold: float) -> None:
         """The θ a router sets for one verifier replica (``services.router.budget``)."""
+        if self.router_acceptance_threshold is None:
+            self.router_acceptance_threshold = Gauge(
+                "tandem_router_acceptance_threshold", "Acceptance threshold θ the router sets for a verifier "
+                "replica's rounds (chosen over every replica's θ controller).", ["replica"], registry=self.registry)
         self.router_acceptance_threshold.labels(replica=replica).set(acceptance_threshold)
 
     def clear_replica_threshold(self, replica: str) -> None:
         """No θ set for the replica now: its series goes away."""
-        _remove(replica, self.router_acceptance_threshold)
+        if self.router_acceptance_threshold is not None:
+            _remove(replica, self.router_acceptance_threshold)
 
     def exposition(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text format, for a ``/metrics`` endpoint."""

@@ -151,6 +151,25 @@ def test_observe_round_rejects_inconsistent_counts(args, match):
     assert samples(m)[("tandem_spec_decode_num_draft_tokens_total", ())] == 0  # nothing half-counted
 
 
+def test_router_budget_series_appear_with_a_routers_first_decision():
+    """A replica's metrics (which make no budget decision) export no ``tandem_router_*`` series,
+    not even their HELP lines; a router's appear with its first decision and each replica's
+    series goes away when its budget or θ is cleared."""
+    m = Metrics("smol")
+    assert "tandem_router_" not in m.exposition()[0].decode()
+    m.clear_replica_budget("a:1")  # nothing to clear yet: fine
+    m.clear_replica_threshold("a:1")
+    m.set_replica_budget("a:1", 3, 12)
+    m.set_replica_threshold("a:1", 0.4)
+    got = samples(m)
+    assert got[("tandem_router_draft_width", (("replica", "a:1"),))] == 3
+    assert got[("tandem_router_draft_budget_tokens", (("replica", "a:1"),))] == 12
+    assert got[("tandem_router_acceptance_threshold", (("replica", "a:1"),))] == pytest.approx(0.4)
+    m.clear_replica_budget("a:1")
+    m.clear_replica_threshold("a:1")
+    assert 'replica="a:1"' not in m.exposition()[0].decode()
+
+
 # ----------------------------------------------------------------------------- propagation
 
 
