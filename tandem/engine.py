@@ -118,6 +118,10 @@ class Engine(EngineConveniences):
         # router's draft-token budget here; read at each round, so a plain int assignment from
         # another thread is safe); None: the configuration's limit alone
         self.width_cap: int | None = None
+        # chained rounds always take the capped graph variant (the cap at the width when none is set),
+        # so a cap that arrives later (a router's width) finds its graphs captured: a verifier
+        # replica sets it; elsewhere the plain variant saves the cap's few element-wise kernels
+        self.cap_rounds = False
         self.draft_policy = draft_policy
         self._width_plan = None  # the next chained round's WidthPlan under a draft policy (None: draft_limit)
         # the last WIDTH_WINDOW planned widths: a chained round's graph is as wide as the widest of them,
@@ -435,7 +439,7 @@ class Engine(EngineConveniences):
                 slots = sorted(decoding)
                 reqs = [decoding[s] for s in slots]
                 plan, k, cap = self._width_plan, self.draft_limit, None
-                if self.draft_policy is not None or self.width_cap is not None:
+                if self.draft_policy is not None or self.width_cap is not None or self.cap_rounds:
                     # the graph: the widest recent width; this round's own (the policy's plan, a
                     # router's width) as a device-side cap (every round capped: one graph a shape)
                     cap = k if plan is None else min(plan.width, k)

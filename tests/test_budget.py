@@ -244,11 +244,12 @@ def test_engine_width_cap_caps_rounds_and_keeps_the_output(tiny_engine, drafter)
 
 
 def test_a_router_width_that_moves_caps_chained_rounds_without_new_graph_widths(tiny_engine):
-    """A router's width that changes mid-run (``Engine.width_cap`` 4 -> 2 -> 4, as budget
-    decisions move) caps a chained round's drafts on the device, inside a graph as wide as the
-    widest width of the last ``WIDTH_WINDOW`` rounds: lowering the width needs no graph of a new
-    width until a window of rounds was capped lower, raising it again none at all; greedy output
-    is unchanged."""
+    """A router's width that comes and changes mid-run (``Engine.width_cap`` none -> 2 -> 4, as
+    budget decisions move) caps a chained round's drafts on the device, inside a graph as wide as
+    the widest width of the last ``WIDTH_WINDOW`` rounds: a replica's rounds (``cap_rounds``) take
+    the capped graph variant from the start, so the first width needs no other graphs; lowering
+    the width needs no graph of a new width until a window of rounds was capped lower, raising it
+    again none at all; greedy output is unchanged."""
     import tandem.engine as engine_mod
     from test_chained import _widths
     from test_speculative import _specformer_for
@@ -265,8 +266,8 @@ def test_a_router_width_that_moves_caps_chained_rounds_without_new_graph_widths(
     assert engine.chains_rounds
     engine._recent_widths = engine_mod.deque(maxlen=6)  # a short window, so this short run narrows its graph
     launched = _widths(engine)
+    engine.cap_rounds = True  # what a verifier replica sets
     rids = [engine.submit(engine.make_request(prompt_ids=p, params=params)) for p in prompts]
-    engine.width_cap = 4
     while len(launched) < 3:
         engine.step()
     engine.width_cap = 2

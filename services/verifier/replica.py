@@ -83,6 +83,7 @@ class ReplicaEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         engine.on_round = self._observe_round
+        engine.cap_rounds = True  # a router's draft width (Load) may cap any round: no graph captures when it comes
         if engine.drafter is not None and not engine.chains_rounds:
             # verification logs (the predictor's training data) need host-side draft features:
             # kept where rounds run on the host anyway, never at the cost of device-chained rounds
