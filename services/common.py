@@ -248,6 +248,17 @@ def _drop_cancelled_rpc_logs(record: logging.LogRecord) -> bool:
     return not (isinstance(exc, asyncio.CancelledError) and "_handle_exceptions" in record.getMessage())
 
 
+def _drop_cross_context_detach_logs(record: logging.LogRecord) -> bool:
+    """Logging filter: False (drop) for OpenTelemetry's report that a span's context could not be
+    detached because the streaming call's generator was closed from another task (a call
+    cancelled when its peer went away: opentelemetry-instrumentation-grpc's server interceptor
+    attached the context in the handler's task; the span still ends). Any other detach failure
+    is kept."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage() == "Failed to detach context" and isinstance(exc, ValueError)
+                and "was created in a different Context" in str(exc))
+
+
 def traced_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
     """A blocking gRPC client channel whose calls make OpenTelemetry CLIENT spans with the RPC
     semantic conventions (``rpc.system``, ``rpc.service``, ``rpc.method``; opentelemetry-
@@ -280,6 +291,9 @@ class GrpcServer:
 
         # SERVER spans with the RPC semantic conventions for every call (opentelemetry-instrumentation-grpc)
         interceptors = [aio_server_interceptor()] + ([BearerAuthInterceptor(key)] if key else [])
+        context_log = logging.getLogger("opentelemetry.context")
+        if _drop_cross_context_detach_logs not in context_log.filters:
+            context_log.addFilter(_drop_cross_context_detach_logs)
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

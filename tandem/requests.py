@@ -96,7 +96,7 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
             the vocabulary, params that are not ``SamplingParams``, ``top_logprobs`` outside
-            [0, MAX_TOP_LOGPROBS], a ``logit_bias`` token id outside the vocabulary, a malformed
+            [0, MAX_TOP_LOGPROBS], a ``logit_bias`` or ``stop_token_ids`` token id outside the vocabulary, a malformed
             structure (schema or grammar).
     """
     params = params or SamplingParams()
@@ -123,6 +123,10 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
     if outside:
         raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
                                   param="logit_bias")
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:  # a token the model can never emit would stop nothing: refused, not ignored
+        raise InvalidRequestError(f"stop_token_ids token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                                  param="stop_token_ids")
     if len(ids) >= max_seq_len:
         raise InvalidRequestError(
             f"prompt has {len(ids)} tokens; the context limit is {max_seq_len} tokens "

@@ -620,6 +620,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "logit_bias": {"x": 5}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"messages": HI, "logit_bias": {"42": 500}}, "[-100, 100]", "logit_bias"),
     ({"messages": HI, "logit_bias": {"99999999": 1}}, "outside the vocabulary", "logit_bias"),
+    ({"messages": HI, "stop_token_ids": [1000000000]}, "stop_token_ids token id 1000000000 is outside", "stop_token_ids"),
     ({"messages": HI, "frequency_penalty": 2.5}, "less than or equal to 2", "frequency_penalty"),
     ({"messages": HI, "repetition_penalty": 0}, "greater than 0", "repetition_penalty"),
     ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens must be", "min_tokens"),
@@ -1200,9 +1201,32 @@ def test_real_model_through_the_stack(on_real_target):
             assert text == ref.text
             accepted += usage.model_extra["speculative_decoding"]["num_accepted_tokens"]
         assert accepted > 0
+        _stop_after_held_text_ends_a_logprobs_stream(client, model_id)
         _disconnect_aborts_a_non_streamed_request(stack, model_id, prompts[0])
     finally:
         stack.stop()
+
+
+def _stop_after_held_text_ends_a_logprobs_stream(client, model_id: str) -> None:
+    """A stop string ("3.") whose first character ended an earlier step's text (held back then,
+    cut now): the request's last step adds no token, so its last event carries no tokens and no
+    log-probabilities. Streamed chat with logprobs still ends with its finish chunk and [DONE]
+    (it broke off with a server error once), and the log-probabilities' tokens join to the text,
+    streamed and not."""
+    kw = dict(model=model_id, messages=[{"role": "user", "content": "Count from 1 to 20 separated by commas."}],
+              max_tokens=30, temperature=0, stop=["3."], logprobs=True)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == "3."
+    assert "".join(t.token for t in c.logprobs.content) == c.message.content
+    parts, tokens, reasons = [], [], []
+    for chunk in client.chat.completions.create(**kw, stream=True):  # the client raises if the stream breaks off
+        parts.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+        if chunk.choices[0].logprobs is not None:
+            tokens += [t.token for t in chunk.choices[0].logprobs.content]
+    assert "".join(parts) == "".join(tokens) == c.message.content
+    assert reasons[-1] == "stop" and not any(reasons[:-1])
 
 
 def _disconnect_aborts_a_non_streamed_request(stack, model_id: str, prompt: str) -> None:
@@ -1536,3 +1560,34 @@ def test_readme_lists_every_request_field():
     ok = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], safety_identifier="u1",
                                prompt_cache_key="k", service_tier="auto", modalities=["text"], best_of=1)
     assert ok.sampling(16).max_tokens == 16
+
+
+def test_a_cancelled_streams_cross_context_detach_is_not_logged_as_an_error():
+    """A streaming call cancelled when its peer goes away has its generator closed from another
+    task, so OpenTelemetry's server interceptor cannot detach the context it attached and logs
+    "Failed to detach context" with a ValueError (the span still ends). A server's process drops
+    that one report; any other detach failure is still logged."""
+    import contextvars
+    import logging
+
+    from opentelemetry import context
+
+    from services.common import GrpcServer
+
+    GrpcServer(0)  # installs the filter (a server made in the process)
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep()
+    logging.getLogger("opentelemetry.context").addHandler(handler)
+    try:
+        token = context.attach(context.get_current())
+        contextvars.copy_context().run(context.detach, token)  # detached in another Context
+        assert records == []
+        context.detach("not a token")
+        assert [r.getMessage() for r in records] == ["Failed to detach context"]
+    finally:
+        logging.getLogger("opentelemetry.context").removeHandler(handler)

@@ -399,7 +399,7 @@ class Router:
                     int(ev.stop_token_id) if ev.HasField("stop_token_id") else None)
                 out = RequestOutput(rid, list(ev.token_ids), ev.text, ev.finished, ev.finish_reason or None,
                                     list(ev.logprobs) if request.logprobs is not None else None,
-                                    list(ev.token_texts) or None, stop_reason, top)
+                                    list(ev.token_texts) if request.logprobs is not None else None, stop_reason, top)
                 if ev.finished:
                     settled = True
                     progress.spec.merge(spec_from_pb(ev.spec))
@@ -420,7 +420,7 @@ class Router:
                           len(request.prompt_ids), first - request.arrival_time, now - request.arrival_time,
                           (now - first) / (n - 1) if n > 1 else 0.0, progress.spec,
                           list(progress.logprobs) if request.logprobs is not None else None,
-                          list(progress.token_texts) or None, stop_reason,
+                          list(progress.token_texts) if request.logprobs is not None else None, stop_reason,
                           list(progress.top_logprobs) if request.top is not None else None)
 
     def _observe(self, c: Completion) -> None:
