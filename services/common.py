@@ -259,6 +259,14 @@ def _drop_cross_context_detach_logs(record: logging.LogRecord) -> bool:
                 and "was created in a different Context" in str(exc))
 
 
+def quiet_cross_context_detach() -> None:
+    """Install ``_drop_cross_context_detach_logs`` on OpenTelemetry's context logger (once per
+    process; every ``GrpcServer`` does)."""
+    context_log = logging.getLogger("opentelemetry.context")
+    if _drop_cross_context_detach_logs not in context_log.filters:
+        context_log.addFilter(_drop_cross_context_detach_logs)
+
+
 def traced_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:
     """A blocking gRPC client channel whose calls make OpenTelemetry CLIENT spans with the RPC
     semantic conventions (``rpc.system``, ``rpc.service``, ``rpc.method``; opentelemetry-
@@ -291,9 +299,7 @@ class GrpcServer:
 
         # SERVER spans with the RPC semantic conventions for every call (opentelemetry-instrumentation-grpc)
         interceptors = [aio_server_interceptor()] + ([BearerAuthInterceptor(key)] if key else [])
-        context_log = logging.getLogger("opentelemetry.context")
-        if _drop_cross_context_detach_logs not in context_log.filters:
-            context_log.addFilter(_drop_cross_context_detach_logs)
+        quiet_cross_context_detach()
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
