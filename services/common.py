@@ -260,11 +260,9 @@ def _drop_cross_context_detach_logs(record: logging.LogRecord) -> bool:
 
 
 def quiet_cross_context_detach() -> None:
-    """Install ``_drop_cross_context_detach_logs`` on OpenTelemetry's context logger (once per
-    process; every ``GrpcServer`` does)."""
-    context_log = logging.getLogger("opentelemetry.context")
-    if _drop_cross_context_detach_logs not in context_log.filters:
-        context_log.addFilter(_drop_cross_context_detach_logs)
+    """Install ``_drop_cross_context_detach_logs`` on OpenTelemetry's context logger (every
+    ``GrpcServer`` does; ``addFilter`` keeps one copy)."""
+    logging.getLogger("opentelemetry.context").addFilter(_drop_cross_context_detach_logs)
 
 
 def traced_channel(address: str, options: list[tuple[str, object]] | None = None) -> grpc.Channel:

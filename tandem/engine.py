@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 # what a chained round's requests carry (their drafts never reach the host); shared, read-only
 _NO_PROPOSAL = DraftProposal.empty()
 # Chained rounds under a draft policy or a router's width: a round's graph is as wide as the widest
-# width planned over this many rounds, so the policy's per-round choice (a device-side cap) rarely needs a graph of a
-# new shape (capturing one mid-run costs tens of ms: docs/benchmarks.md, "Context-aware ablation").
+# width planned over this many rounds, so a per-round choice (a device-side cap) rarely needs a
+# graph of a new shape (capturing one mid-run costs tens of ms: docs/benchmarks.md, "Context-aware ablation").
 WIDTH_WINDOW = 64
 
 

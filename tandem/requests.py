@@ -119,14 +119,13 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         raise InvalidRequestError("prompt is empty", param="prompt")
     if any(t < 0 or t >= vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if outside:
-        raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
-                                  param="logit_bias")
-    outside = [t for t in params.stop_token_ids if t >= vocab_size]
-    if outside:  # a token the model can never emit would stop nothing: refused, not ignored
-        raise InvalidRequestError(f"stop_token_ids token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
-                                  param="stop_token_ids")
+    # token ids the sampling params name (SamplingParams checked they are >= 0); one past the
+    # vocabulary would bias or stop nothing: refused, not ignored
+    for param, named in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+        outside = [t for t in named if t >= vocab_size]
+        if outside:
+            raise InvalidRequestError(f"{param} token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                                      param=param)
     if len(ids) >= max_seq_len:
         raise InvalidRequestError(
             f"prompt has {len(ids)} tokens; the context limit is {max_seq_len} tokens "

@@ -3,8 +3,8 @@
 ``Generate`` is one stream per router: whole requests in, their accepted tokens out, one message
 per engine step for all the stream's requests that step touched, their plain deltas in packed
 columns (a request per message, or a message field per request, would cost the replica's event
-loop and engine thread, which share one interpreter, work per request per step). The engine loop (scheduler, KV slots, drafts, verification) runs
-here, beside the weights. A stream that ends (the router went away) aborts its requests and frees
+loop and engine thread, which share one interpreter, work per request per step). The engine loop
+(scheduler, KV slots, drafts, verification) runs here, beside the weights. A stream that ends (the router went away) aborts its requests and frees
 their KV slots. ``Load`` reports what the replica holds, for routers to balance on.
 """
 
