@@ -248,8 +248,13 @@ def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: 
     """``lookup_drafts`` plus the evidence behind each draft position (``LookupIndex.support``, on
     the device, inside a CUDA graph): over the earlier occurrences of the matched n-gram, at draft
     position j, ``survivors[b, j]`` counts those whose continuation agrees with the drafts before
-    j and reaches j, and ``support[b, j]`` those of them that also continue with draft j. One
-    ``[B, C, k]`` compare a call.
+    j and reaches j, and ``support[b, j]`` those of them that also continue with draft j.
+
+    The occurrences still alive are carried from position to position as one ``[B, C]`` mask,
+    about seven small kernels a position. (The first version compared all positions at once over
+    ``[B, C, k]`` and took the running AND with a cumulative product along k: PyTorch's scan over a
+    short innermost dimension cost 0.44 ms a round at batch 64 on an H200, a fifth of the round's
+    GPU time.)
 
     Returns:
         ``cont``, ``lens``, ``match`` as ``lookup_drafts``; ``support`` and ``survivors`` ``[B, k]``
@@ -257,18 +262,22 @@ def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: 
     """
     cont, lens, n, hit = _lookup(history, last, room, k, max_n, min_n)
     B, C = history.shape
-    dev = history.device
-    T = last + 1
-    j = torch.arange(k, device=dev)
-    at = torch.arange(C, device=dev)[None, :, None] + 1 + j[None, None, :]  # [1, C, k]: occurrence e's j-th next
-    nxt = history.gather(1, at.clamp(max=C - 1).reshape(1, -1).expand(B, -1)).view(B, C, k)
-    reach = (at <= (T - 1)[:, None, None]) & (j[None, None, :] < lens[:, None, None])
-    agree = (nxt == cont[:, None, :]) & reach
-    before = torch.cat([torch.ones_like(agree[:, :, :1]), agree[:, :, :-1]], dim=2).cumprod(dim=2).bool()
-    alive = before & reach & hit[:, :, None]
-    survivors = alive.sum(1)
-    support = (alive & agree).sum(1)
-    return cont, lens, n, support, survivors
+    last_end = (last - 1)[:, None]  # [B, 1]: an occurrence reaching position j ends at e <= T - 2 - j
+    e = torch.arange(C, device=history.device)[None, :]
+    alive = hit  # [B, C] occurrences agreeing with every draft so far
+    survivors, support = [], []
+    for j in range(k):
+        width = C - 1 - j  # ends whose j-th next token lies inside the history
+        if width <= 0:
+            survivors.append(torch.zeros_like(lens))
+            support.append(torch.zeros_like(lens))
+            continue
+        alive = alive[:, :width] & (e[:, :width] <= last_end - j) & (lens > j)[:, None]
+        agree = alive & (history[:, 1 + j:] == cont[:, j:j + 1])
+        survivors.append(alive.sum(1))
+        support.append(agree.sum(1))
+        alive = agree
+    return cont, lens, n, torch.stack(support, 1), torch.stack(survivors, 1)
 
 
 def _lookup(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int, max_n: int, min_n: int
