@@ -23,8 +23,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/tandem demo --prompts-file data/spec_bench_question.jsonl --limit 20 --max-tokens 64 --drafter ngram --num-draft-tokens 4
 
+# pytest-xdist: one worker per CPU core, at most four (the tests pin torch to one thread each).
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
 
 info: $(STAMP)
 	$(VENV)/bin/tandem info
