@@ -154,7 +154,14 @@ def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter
         while engine.has_unfinished():
             engine.step()
 
+    def prompt_observes() -> set:  # a SpecFormer head's observe graphs of prompts (captured when bound)
+        rows_m = engine.drafter.head.config.num_draft_tokens + 1 if drafter == "specformer" else 0
+        return {k for k in getattr(engine.drafter, "_captured", {}) if k[0] == "observe" and k[3] != rows_m}
+
+    bound = prompt_observes()
+    assert bool(bound) == (drafter == "specformer")
     serve()
+    assert prompt_observes() == bound, "an admission captured a prompt observe graph"
     serve()  # every graph of this workload captured (a capture synchronizes)
 
     def graphs() -> set:  # the keys of the runner's round graphs and of a head's own

@@ -419,6 +419,38 @@ def test_a_failed_graph_capture_falls_back_to_eager(tiny_ck, monkeypatch):
     assert got == want and drafter._static is False and not drafter._captured
 
 
+def test_prompt_observe_shapes_cover_every_static_prompt_observe(tiny_ck):
+    """Every shape the head's observe of a prefill's prompts takes on the static (CUDA graph) path
+    is one ``prompt_observe_shapes`` lists, which ``capture_prompt_observes`` captures when the
+    head is bound: whatever the prompts' lengths and however the prefill groups them, no observe
+    graph is captured inside an admission. Decode rounds' observes (positions past 0) keep their
+    l_d + 1 shape."""
+    import random
+
+    engine = Engine(tiny_ck, RunnerConfig(device="cpu", max_batch_size=16, max_seq_len=600),
+                    drafter=SpecFormerDrafter(_random_head(tiny_ck.config)), num_draft_tokens=4)
+    head = engine.drafter
+    head._static = True  # the shapes the CUDA path takes (a CPU runner has no graphs)
+    shapes = set(head.prompt_observe_shapes())
+    rows_m = head.head.config.num_draft_tokens + 1
+    assert len(shapes) == len(head.prompt_observe_shapes()) < 60
+    rng = random.Random(0)
+    static = 0
+    for _ in range(300):
+        lens = [rng.choice([rng.randint(1, 8), rng.randint(9, 120), rng.randint(121, 600)])
+                for _ in range(rng.randint(1, 16))]
+        groups = engine.runner.prefill_groups(dict(enumerate(lens))) if len(lens) > 1 and max(lens) > rows_m \
+            else [list(range(len(lens)))]
+        for group in groups:
+            nb, attn_len, M, on_graph = head._observe_shape([lens[i] for i in group], [0] * len(group))
+            assert (nb, attn_len, M) in shapes or not on_graph
+            static += on_graph
+    assert static > 300  # most groups fit the static bound
+    nb, attn_len, M, on_graph = head._observe_shape([3, 5, 1], [40, 300, 7])  # a decode round's accepted rows
+    assert (nb, M, on_graph) == (4, rows_m, True) and attn_len == 512
+    assert head.capture_prompt_observes() == 0  # nothing to capture without CUDA
+
+
 def test_engine_traces_the_drafters_observe_phase(tiny_ck, tmp_path, monkeypatch):
     """SpecFormer's per-round work on the verify pass's states has its own span, inside the
     round, so `tandem trace-report` splits a round into draft, verify and observe."""

@@ -168,6 +168,9 @@ class SpecFormerDrafter(Drafter):
         self._prefill_groups = runner.prefill_groups
         self._wide_store: torch.Tensor | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
+        made = self.capture_prompt_observes()
+        if made:
+            log.info("SpecFormer head: captured %d prompt observe CUDA graphs", made)
 
     def _replay(self, key: tuple, fn, make_inputs, fill):
         """``fn``'s output for ``key`` from its ``CapturedCall`` (made on first use from the buffers
@@ -210,9 +213,6 @@ class SpecFormerDrafter(Drafter):
         if (cfg.bonus_token or cfg.context_next_token) and any(
                 s.next_tokens is None or len(s.next_tokens) != m for s, m in zip(states, lens)):
             raise ValueError("this SpecFormer head needs each row's next token (TargetStates.next_tokens, one per row)")
-        # rounded up to the runner's context bucket (the mask hides the extra positions), so a
-        # request brings few new attention shapes (SERVING_SDPA: no per-shape plan builds either)
-        attn_len = context_bucket(max(s.start + m for s, m in zip(states, lens)), self._capacity)
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
         if n > 1 and max(lens) > rows_m:  # a prefill's prompts: in the target prefill's groups of similar
             groups = self._prefill_groups(dict(enumerate(lens)))  # lengths, so short rows are not padded to long ones
@@ -220,13 +220,7 @@ class SpecFormerDrafter(Drafter):
                 for group in groups:
                     self.observe([states[i] for i in group])
                 return
-        # static shapes: l_d + 1 rows (decode rounds) or, for more (a prefill's prompts), a width
-        # bucket as the target's static prefill uses, within its rows x positions bound
-        M = rows_m if max(lens) <= rows_m else width_bucket(max(lens), self._capacity)
-        nb = batch_bucket(n, self._num_slots)
-        static = self._static and (M == rows_m or nb * M <= self._wide_rows)
-        if not static:
-            nb, M = n, max(lens)
+        nb, attn_len, M, static = self._observe_shape(lens, [s.start for s in states])
         # packed rows: first position, rows, slot, then each row's next tokens. Built on the device
         # in three ops whatever the batch (no per-row copy, no host list of nb x M zeros): the
         # header from the host, the next tokens (on the device after a prefill: its first token
@@ -273,6 +267,66 @@ class SpecFormerDrafter(Drafter):
         # index_fill_ takes the 0 as a scalar: ``t[index] = 0`` would make it a host tensor whose
         # copy to the device waits for the stream, i.e. for the prefill and the round in flight
         self._draft_lens.index_fill_(0, index, 0)
+
+    def _observe_shape(self, lens: list[int], starts: list[int]) -> tuple[int, int, int, bool]:
+        """``(rows, attended context, positions, static)`` of one observe pass over rows of
+        ``lens`` new positions from ``starts``. Static shapes: l_d + 1 positions (decode rounds) or,
+        for more (a prefill's prompts), the target prefill's width bucket within its rows x
+        positions bound; otherwise the exact rows and positions, eagerly. The context is rounded up
+        to the runner's context bucket (the mask hides the extra positions), so a request brings
+        few new attention shapes; a prompt observe (every start 0) attends over its whole width
+        bucket: one graph a (rows, width) bucket, all captured when bound."""
+        rows_m = self.head.config.num_draft_tokens + 1
+        attn_len = context_bucket(max(st + m for st, m in zip(starts, lens)), self._capacity)
+        M = rows_m if max(lens) <= rows_m else width_bucket(max(lens), self._capacity)
+        nb = batch_bucket(len(lens), self._num_slots)
+        if not (self._static and (M == rows_m or nb * M <= self._wide_rows)):
+            return len(lens), attn_len, max(lens), False
+        if M != rows_m and not any(starts):
+            attn_len = context_bucket(M, self._capacity)
+        return nb, attn_len, M, True
+
+    def prompt_observe_shapes(self) -> list[tuple[int, int, int]]:
+        """``(rows, attended context, positions)`` of every observe graph a prefill's prompts can
+        take on the static path (``observe``): prompts of at most l_d + 1 tokens in the decode
+        rounds' l_d + 1 positions, longer ones in the target prefill's width buckets within its
+        rows x positions bound, each attending over its bucket."""
+        rows_m = self.head.config.num_draft_tokens + 1
+        slots, cap = self._num_slots, self._capacity
+        rows = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
+        widths = {width_bucket(n, cap) for n in range(rows_m + 1, cap + 1)}
+        shapes = [(nb, context_bucket(rows_m, cap), rows_m) for nb in rows]
+        shapes += [(nb, context_bucket(M, cap), M) for M in sorted(widths) for nb in rows if nb * M <= self._wide_rows]
+        return shapes
+
+    @torch.inference_mode()
+    @sdpa_kernel(SERVING_SDPA)
+    def capture_prompt_observes(self) -> int:
+        """Capture now (CUDA graphs only) the observe graph of every shape a prefill's prompts can
+        take (``prompt_observe_shapes``), as the target's prefill buckets are captured when its
+        runner is built: a capture inside an admission synchronises the device and runs the head
+        twice eagerly first, stalling the running batch (at batch 64 SpecFormer admissions took 23
+        ms of host time each in a run whose warm-up had not met every prompt shape, 9.5 ms in one
+        whose warm-up had; docs/benchmarks.md). The rows are empty (row count 0: every K/V write goes to the scratch position). Returns the
+        number captured; a failed capture is logged and leaves the head eager (``_replay``)."""
+        if not (self._static and self.k_cache.is_cuda):
+            return 0
+        rows_m = self.head.config.num_draft_tokens + 1
+        made = 0
+        for nb, attn_len, M in self.prompt_observe_shapes():
+            key = ("observe", nb, attn_len, M)
+            if key in self._captured:
+                continue
+
+            def inputs(nb=nb, M=M):
+                return (self._rows_buffer(nb, M, shared=M != rows_m),
+                        torch.zeros((nb, 3 + M), dtype=torch.long, device=self.k_cache.device))
+
+            if self._replay(key, lambda x, pk, a=attn_len: self._observe_rows(x, pk, a), inputs,
+                            lambda _: None) is None:
+                break
+            made += 1
+        return made
 
     def _rows_buffer(self, nb: int, M: int, shared: bool) -> torch.Tensor:
         """The static input rows of an observe shape, ``[nb, M, len(taps), d]``: a buffer of its
