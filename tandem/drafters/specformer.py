@@ -307,8 +307,9 @@ class SpecFormerDrafter(Drafter):
         runner is built: a capture inside an admission synchronises the device and runs the head
         twice eagerly first, stalling the running batch (at batch 64 SpecFormer admissions took 23
         ms of host time each in a run whose warm-up had not met every prompt shape, 9.5 ms in one
-        whose warm-up had; docs/benchmarks.md). The rows are empty (row count 0: every K/V write goes to the scratch position). Returns the
-        number captured; a failed capture is logged and leaves the head eager (``_replay``)."""
+        whose warm-up had; docs/benchmarks.md). The rows are empty (row count 0: every K/V write
+        goes to the scratch position). Returns the number captured; a failed capture is logged and
+        leaves the head eager (``_replay``)."""
         if not (self._static and self.k_cache.is_cuda):
             return 0
         rows_m = self.head.config.num_draft_tokens + 1
