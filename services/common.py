@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,51 @@ from tandem.sampling import SamplingParams
 from tandem.structured import Structure
 
 log = logging.getLogger(__name__)
+
+# A request's ``category`` (our extension field) names a key of the shared state store
+# (``acceptance:<drafter>:<category>``): a short name, and a replica keeps at most MAX_CATEGORIES
+# of them (``AcceptanceCategories``), so no client can grow the store without bound.
+CATEGORY_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_CATEGORIES = 256
+OTHER_CATEGORY = "other"
+
+
+def check_category(category: str | None) -> str:
+    """The ``category`` of a request as the services keep it: empty -> "default".
+
+    Raises:
+        InvalidRequestError: not 1-64 characters of letters, digits, "_", ".", ":" or "-".
+    """
+    if not category:
+        return "default"
+    if not isinstance(category, str) or not CATEGORY_RE.fullmatch(category):
+        shown = category if isinstance(category, str) and len(category) <= 80 else f"{str(category)[:80]}..."
+        raise InvalidRequestError(f"category {shown!r} is not 1-64 characters of letters, digits, '_', '.', ':' "
+                                  "or '-'", param="category")
+    return category
+
+
+class AcceptanceCategories:
+    """The categories one replica counts acceptance under: the first ``MAX_CATEGORIES`` distinct
+    ones as they come, every later new one under ``OTHER_CATEGORY`` (logged once), so the state
+    store holds a bounded number of counter keys whatever clients send."""
+
+    def __init__(self, limit: int = MAX_CATEGORIES) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._warned = False
+
+    def key(self, category: str) -> str:
+        if category in self._seen:
+            return category
+        if len(self._seen) < self.limit:
+            self._seen.add(category)
+            return category
+        if not self._warned:
+            self._warned = True
+            log.warning("more than %d acceptance categories: new ones are counted under %r", self.limit,
+                        OTHER_CATEGORY)
+        return OTHER_CATEGORY
 
 API_KEY_ENV = "TANDEM_API_KEY"
 AUTH_HEADER = "authorization"

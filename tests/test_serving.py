@@ -611,7 +611,7 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "max_tokens": "4"}, "max_tokens", "max_tokens"),
     ({"messages": HI, "max_tokens": True}, "max_tokens", "max_tokens"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
-    ({"messages": HI, "stop": 5}, "stop: Input should be", "stop"),  # a union field: no member tag in the path
+    ({"messages": HI, "stop": 5}, "stop must be a string or a list of strings", "stop"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages.0.content: Input should be", "messages.0.content"),
     ({"messages": HI, "n": 17}, "less than or equal to 16", "n"),
     ({"messages": HI, "n": 0}, "greater than or equal to 1", "n"),
@@ -631,6 +631,9 @@ HI = [{"role": "user", "content": "hi"}]
      "unsupported field(s): best_of, messages.0.name", "best_of"),
     ({"messages": HI, "stream_options": {"include_usage": True}}, "only allowed with stream: true", "stream_options"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "finite number", "temperature"),
+    ({"messages": HI, "temperature": 2.5}, "less than or equal to 2", "temperature"),
+    ({"messages": HI, "category": "c" * 5000}, "is not 1-64 characters", "category"),
+    ({"messages": HI, "stop": [1, 2]}, "stop must be a string or a list of strings", "stop"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "only text content parts", "messages.0.content"),
     ({"messages": HI, "stream": True, "stream_options": {"foo": 1}}, "unknown stream_options field(s): foo",
@@ -686,7 +689,9 @@ def test_grpc_invalid_argument(stack, local_engine, prompts):
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=CONTEXT)),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, top_p=2.0)),
                 router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="wizard", content="hi")],
-                                           params=common_pb2.SamplingParams(max_tokens=4))):
+                                           params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4),
+                                           category="c" * 65)):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
@@ -1362,6 +1367,24 @@ def test_drafter_service_sends_predictor_scores(tiny_dir, tmp_path):
         log.close()
 
 
+def test_categories_are_short_names_and_a_replica_counts_a_bounded_number():
+    """A request's ``category`` names a state-store key, so it is a short name (1-64 characters of
+    letters, digits, "_", ".", ":", "-"; empty means "default") at every boundary, and a replica
+    keeps counters for its first ``MAX_CATEGORIES`` distinct ones, every later one under "other"."""
+    from services.common import MAX_CATEGORIES, AcceptanceCategories, check_category
+    from tandem.errors import InvalidRequestError
+
+    assert check_category("") == "default" and check_category("math_reasoning") == "math_reasoning"
+    assert check_category("team-a:qa.v2") == "team-a:qa.v2"
+    for bad in ("c" * 65, "a b", "x/y", "caf\u00e9", "line\nbreak"):
+        with pytest.raises(InvalidRequestError, match="is not 1-64 characters") as err:
+            check_category(bad)
+        assert err.value.param == "category" and len(str(err.value)) < 200
+    seen = AcceptanceCategories(limit=3)
+    keys = [seen.key(c) for c in ("a", "b", "a", "c", "d", "e", "b")]
+    assert keys == ["a", "b", "a", "c", "other", "other", "b"] and MAX_CATEGORIES >= 64
+
+
 def test_fields_at_their_no_op_value_are_accepted():
     """OpenAI fields Tandem does not implement pass only at the value that changes nothing
     (``NO_OP_VALUES``); any other value, or a field nobody knows, is a 400 naming it."""
@@ -1371,10 +1394,19 @@ def test_fields_at_their_no_op_value_are_accepted():
     hi = [{"role": "user", "content": "hi"}]
     ok = ChatCompletionRequest(messages=hi, functions=[], user="user-1", store=False, max_tokens=8)
     assert ok.sampling(16).max_tokens == 8
-    for extra, name in [({"functions": [{"name": "f"}]}, "functions"), ({"store": True}, "store"),
-                        ({"colour": 1}, "colour")]:
-        with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}"):
+    for extra, name in [({"functions": [{"name": "f"}]}, "functions"), ({"store": True}, "store")]:
+        with pytest.raises(InvalidRequestError, match=f"unsupported field\\(s\\): {name}") as err:
             ChatCompletionRequest(messages=hi, **extra).sampling(16)
+        assert "no-op value (" in str(err.value)  # and says which value that is
+    with pytest.raises(InvalidRequestError, match="unknown field\\(s\\): max_token ") as err:  # a typo: unknown
+        ChatCompletionRequest(messages=hi, max_token=5, store=True).sampling(16)
+    assert err.value.param == "max_token"
+    for name, value in [("user", 5), ("safety_identifier", {"a": 1}), ("prompt_cache_key", [1, 2])]:
+        with pytest.raises(InvalidRequestError, match=f"{name} must be a string"):
+            ChatCompletionRequest(messages=hi, **{name: value}).sampling(16)
+    with pytest.raises(InvalidRequestError, match="unsupported field\\(s\\): messages.0.name"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "ann"}]).sampling(16)
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": None}]).sampling(16)
     with pytest.raises(InvalidRequestError, match="suffix"):
         CompletionRequest(prompt="hi", suffix="!").sampling(16)
 
@@ -1551,7 +1583,7 @@ def test_readme_lists_every_request_field():
     listed = set(re.findall(r"`([a-z_]+)`", table))
     defined = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | set(NO_OP_VALUES)
     assert defined <= listed, sorted(defined - listed)
-    with pytest.raises(InvalidRequestError, match="unsupported field\\(s\\): frobnicate"):
+    with pytest.raises(InvalidRequestError, match="unknown field\\(s\\): frobnicate"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], frobnicate=1).sampling(16)
     for name, value in [("audio", {"voice": "x"}), ("reasoning_effort", "high"), ("service_tier", "flex"),
                         ("modalities", ["text", "audio"]), ("best_of", 2)]:

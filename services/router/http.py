@@ -22,13 +22,13 @@ import math
 import time
 import uuid
 from dataclasses import replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,7 +39,7 @@ from tandem.sampling import SamplingParams, choice_seed
 from tandem.structured import Structure
 from tandem.logprobs import MAX_TOP_LOGPROBS
 
-from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
+from services.common import Delta, Done, Failed, bearer_matches, check_category, merge_outputs
 
 from .core import Router
 from .tools import (Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, response_format_structure,
@@ -50,27 +50,55 @@ MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
 
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
-# (None: any value is accepted and has no effect: ids for the caller's own bookkeeping and cache hints)
+# (None: any string, or null, is accepted and has no effect: ids for the caller's own bookkeeping
+# and cache hints)
 NO_OP_VALUES = {"functions": ([], None), "function_call": ("none", None), "best_of": (1, None),
                 "store": (False, None), "metadata": (None,), "user": None, "safety_identifier": None,
                 "prompt_cache_key": None, "service_tier": ("auto", "default", None), "modalities": (["text"], None),
                 "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,),
                 "web_search_options": (None,), "suffix": (None, "")}
+# the same for the fields of a chat message
+MESSAGE_NO_OP_VALUES = {"name": (None,), "refusal": (None,), "audio": (None,)}
 
 
 class _Base(BaseModel):
-    # extra fields are kept so that ``unsupported_fields`` can name them; strict: a field of the
-    # wrong JSON type is a 400, not converted ("4" or true for max_tokens, "yes" for stream)
+    # extra fields are kept so that ``field_problems`` can name them; strict: a field of the wrong
+    # JSON type is a 400, not converted ("4" or true for max_tokens, "yes" for stream)
     model_config = ConfigDict(extra="allow", strict=True)
+    _no_op_values: ClassVar[dict] = NO_OP_VALUES
 
-    def unsupported_fields(self) -> list[str]:
-        """Extra fields of this object that would change the output if honoured (``NO_OP_VALUES``)."""
-        bad = []
+    def field_problems(self) -> list[tuple[str, str]]:
+        """``(field, problem)`` of each extra field: "unknown" (no OpenAI field of this object),
+        "unsupported" (one Tandem does not implement, at a value that would change the output:
+        ``NO_OP_VALUES``) or "not a string" (an id or hint that must be a string)."""
+        problems = []
         for name, value in (self.model_extra or {}).items():
-            allowed = NO_OP_VALUES.get(name, ())
-            if allowed is not None and value not in allowed:
-                bad.append(name)
-        return bad
+            if name not in self._no_op_values:
+                problems.append((name, "unknown"))
+            elif self._no_op_values[name] is None:
+                if value is not None and not isinstance(value, str):
+                    problems.append((name, "not a string"))
+            elif value not in self._no_op_values[name]:
+                problems.append((name, "unsupported"))
+        return problems
+
+    def check_fields(self) -> None:
+        """Raise ``InvalidRequestError`` naming every problem ``field_problems`` finds (unknown
+        fields first: most often a typo)."""
+        problems = self.field_problems()
+        for kind, say in (("unknown", "unknown field(s): {} (not a field of the OpenAI API this server speaks)"),
+                          ("not a string", "{} must be a string"),
+                          ("unsupported", "unsupported field(s): {} (Tandem does not implement them; send them at "
+                                          "their no-op value ({}) or leave them out)")):
+            names = [name for name, k in problems if k == kind]
+            if names:
+                allowed = "; ".join(f"{n}: {' or '.join(json.dumps(v) for v in self._allowed(n))}" for n in names)
+                raise InvalidRequestError(say.format(", ".join(names), allowed), param=names[0])
+
+    def _allowed(self, path: str) -> tuple:
+        """The no-op values of a field named by its path (``messages.0.name`` for a message's)."""
+        table = MESSAGE_NO_OP_VALUES if path.startswith("messages.") else NO_OP_VALUES
+        return table.get(path.rsplit(".", 1)[-1]) or ()
 
 
 class StreamOptions(_Base):
@@ -80,7 +108,7 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's range
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -98,11 +126,17 @@ class _SamplingFields(_Base):
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     category: str = "default"  # extension: acceptance statistics per category
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value):
+        if value is not None and not isinstance(value, str) and not (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError("stop must be a string or a list of strings")
+        return value
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        bad = self.unsupported_fields()
-        if bad:
-            raise InvalidRequestError(f"unsupported field(s): {', '.join(bad)} (Tandem does not implement them; "
-                                      "send them at their no-op value or leave them out)", param=bad[0])
+        self.check_fields()
+        check_category(self.category)
         if self.stream_options is not None:
             if not self.stream:
                 raise InvalidRequestError("stream_options is only allowed with stream: true", param="stream_options")
@@ -135,12 +169,25 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per token
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_forms(cls, value):
+        if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+            raise ValueError("a batch of token-id prompts (a list of lists) is not supported: send one request "
+                             "per prompt, or a list of strings")
+        if not isinstance(value, str) and not (isinstance(value, list) and (
+                all(isinstance(v, str) for v in value)
+                or all(isinstance(v, int) and not isinstance(v, bool) for v in value))):
+            raise ValueError("prompt must be a string, a list of strings or a list of token ids (integers)")
+        return value
+
     def wants_logprobs(self) -> tuple[bool, int]:
         """(return the tokens' log-probabilities, top alternatives per token)."""
         return self.logprobs is not None, self.logprobs or 0
 
 
 class ChatMessage(_Base):
+    _no_op_values: ClassVar[dict] = MESSAGE_NO_OP_VALUES
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls (OpenAI's shape)
@@ -156,9 +203,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # a response holds at most one call either way
 
-    def unsupported_fields(self) -> list[str]:
-        return super().unsupported_fields() + [f"messages.{i}.{f}" for i, m in enumerate(self.messages)
-                                               for f in m.unsupported_fields()]  # validation errors' path format
+    def field_problems(self) -> list[tuple[str, str]]:
+        return super().field_problems() + [(f"messages.{i}.{f}", kind) for i, m in enumerate(self.messages)
+                                           for f, kind in m.field_problems()]  # validation errors' path format
 
     def wants_logprobs(self) -> tuple[bool, int]:
         """(return the tokens' log-probabilities, top alternatives per token)."""

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from services.common import Delta, Done, Failed, GrpcServer, params_from_pb, top_to_pb
+from services.common import Delta, Done, Failed, GrpcServer, check_category, params_from_pb, top_to_pb
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.errors import InvalidRequestError
 
@@ -57,11 +57,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                            top_logprobs=request.top_logprobs)
             if explicit:
                 self.router.check_room(len(req.prompt_ids), "max_tokens", explicit)
+            category = check_category(request.category)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         # (the call's SERVER span comes from the gRPC instrumentation: the request span is its child)
-        async for event in self.router.generate(req, request.category or "default",
+        async for event in self.router.generate(req, category,
                                                 "chat" if request.messages else "text_completion"):
             if isinstance(event, Delta):
                 out = event.output

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common import Delta, Done, Event, Failed
+from services.common import AcceptanceCategories, Delta, Done, Event, Failed, check_category
 from tandem.engine import Completion, Engine, Request, RoundSummary
 from tandem.errors import InvalidRequestError
 from tandem.metrics import AcceptanceWindow
@@ -75,6 +75,7 @@ class ReplicaEngine:
         self.metrics = metrics
         self.store = store or InMemoryStore()
         self.drafter_name = drafter_name
+        self.categories = AcceptanceCategories()  # engine thread only (_on_done)
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, _Submission] = {}
         self.recent = AcceptanceWindow()  # the acceptance of its last requests, reported with every Load poll
@@ -98,10 +99,14 @@ class ReplicaEngine:
         """Queue ``request`` (built by ``engine.make_request``); its events go to ``sink``, called
         from the engine thread once per step with (request id, event) for every event of that step
         of the requests that share the sink (a router's stream): ``Delta`` per step that emitted
-        tokens, then ``Done`` or ``Failed``."""
+        tokens, then ``Done`` or ``Failed``.
+
+        Raises:
+            InvalidRequestError: a malformed ``category`` (``check_category``)."""
+        category = check_category(category)
         with self._lock:
             self._submitted += 1
-        self._inbox.put(("add", _Submission(request, sink, category or "default")))
+        self._inbox.put(("add", _Submission(request, sink, category)))
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot; its sink hears nothing more."""
@@ -151,7 +156,7 @@ class ReplicaEngine:
         if self.metrics is not None:
             self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
                                          c.prompt_tokens, c.completion_tokens, c.finish_reason)
-        best_effort(self.store.incr, f"acceptance:{self.drafter_name}:{sub.category}", {
+        best_effort(self.store.incr, f"acceptance:{self.drafter_name}:{self.categories.key(sub.category)}", {
             "requests": 1, "num_drafted": c.spec.num_drafted, "num_accepted": c.spec.num_accepted,
             "num_emitted": c.spec.num_emitted, "num_steps": c.spec.num_steps}, why="acceptance counters not counted")
 

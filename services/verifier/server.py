@@ -17,7 +17,8 @@ import time
 
 import grpc
 
-from services.common import Delta, Done, Failed, GrpcServer, merge_outputs, params_from_pb, top_to_pb
+from services.common import (Delta, Done, Failed, GrpcServer, check_category, merge_outputs, params_from_pb,
+                             top_to_pb)
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
@@ -194,6 +195,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise InvalidRequestError("request_id is required")
                 if rid in live:
                     raise InvalidRequestError(f"request {rid!r} is already running on this stream")
+                category = check_category(r.category)
                 req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
                                                        request_id=prefix + rid, logprobs=r.logprobs,
                                                        top_logprobs=r.top_logprobs, resumed=r.output_tokens)
@@ -203,7 +205,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             live.add(rid)
             with span("generate", parent_context=extract_context(r.trace_context.items()), request_id=rid,
                       prompt_tokens=len(req.prompt_ids)):
-                self.replica.submit(req, sink, r.category)
+                self.replica.submit(req, sink, category)
 
         async def read_commands() -> None:
             async for cmds in request_iterator:
