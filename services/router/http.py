@@ -214,6 +214,27 @@ class ChatCompletionRequest(_SamplingFields):
         return self.logprobs, self.top_logprobs or 0
 
 
+async def _undecodable(request: Request) -> str:
+    """Why a body the framework could not parse is bad, for the error message: invalid UTF-8 (and
+    where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send."""
+    try:
+        body = await request.body()
+    except Exception:  # the stream was consumed and not kept: say what to send
+        body = None
+    if body is not None:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"invalid UTF-8 at byte {exc.start} (send UTF-8 JSON)"
+        try:
+            json.loads(text)
+        except RecursionError:
+            return "JSON nested deeper than the parser allows"
+        except ValueError:
+            pass
+    return "send UTF-8 JSON (invalid UTF-8 and JSON nested past the parser's depth end here)"
+
+
 class _BodyLimit:
     """ASGI middleware: a body over ``limit`` bytes gets 413 and is never stored or parsed (by its
     Content-Length, or, for a chunked body, as soon as the bytes read pass the limit)."""
@@ -369,8 +390,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         """Starlette's own errors in OpenAI's shape: unknown path 404, wrong method 405, and a body
         it cannot decode (e.g. invalid UTF-8) 400."""
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
-            message = ("the request body could not be decoded: send UTF-8 JSON (invalid UTF-8, and JSON nested "
-                       "deeper than the parser's limit, end here)")
+            message = f"the request body could not be decoded: {await _undecodable(request)}"
         elif exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
