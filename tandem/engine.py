@@ -638,15 +638,17 @@ class Engine(EngineConveniences):
         text, lo, hi = out.take_delta()
         if drafted is not None:  # metrics are cut at the stop boundary too
             req.spec.record_run(drafted, accepted, len(tokens), kept)
-        now = time.perf_counter()
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.finished:
-            self._structured.discard(req.request_id)
-            req.finish_time = now
-            self.stats.merge(req.spec)
-            if req.slot is not None:
-                self._release(req)
-        return RequestOutput(req.request_id, out.token_ids[lo:hi], text, req.finished, out.finish_reason,
+        finished = out.finish_reason is not None
+        if req.first_token_time is None or finished:  # (a clock read a request, not a request a round)
+            now = time.perf_counter()
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if finished:
+                self._structured.discard(req.request_id)
+                req.finish_time = now
+                self.stats.merge(req.spec)
+                if req.slot is not None:
+                    self._release(req)
+        return RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
                              None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi),
                              out.stop_reason, None if req.top is None else req.top[lo:hi])

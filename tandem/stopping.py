@@ -80,24 +80,30 @@ class OutputState:
         Raises:
             RuntimeError: the request has already finished.
         """
-        if self.finished:
+        if self.finish_reason is not None:
             raise RuntimeError("append to a finished request")
-        before = len(self.token_ids)
+        ids, ends, stop_ids, detok = self.token_ids, self._ends, self.stop_ids, self._detok.add
+        before = len(ids)
+        # (locals: a round appends a run to every request of the batch, on the host's critical path)
+        stop_from = self.params.min_tokens if self._max_stop_len else None  # stop strings match from here
         for tok in tokens:
-            self.token_ids.append(tok)
-            if tok in self.stop_ids:
-                self._ends.append(len(self.text))
+            ids.append(tok)
+            if tok in stop_ids:
+                ends.append(len(self.text))
                 self.finish_reason = "stop"
                 self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
                 break
-            delta = self._detok.add(tok)
-            prev_len = len(self.text)
-            self.text += delta
-            self._ends.append(len(self.text))
-            if delta and len(self.token_ids) >= self.params.min_tokens and self._cut_at_stop_string(prev_len):
-                self.finish_reason = "stop"
-                break
-            if len(self.token_ids) >= self.max_new_tokens:
+            delta = detok(tok)
+            if delta:
+                prev_len = len(self.text)
+                self.text += delta
+                ends.append(len(self.text))
+                if stop_from is not None and len(ids) >= stop_from and self._cut_at_stop_string(prev_len):
+                    self.finish_reason = "stop"
+                    break
+            else:
+                ends.append(len(self.text))
+            if len(ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
                 break
         return max(0, len(self.token_ids) - before)
@@ -128,7 +134,8 @@ class OutputState:
         (a token that completes no character yet has "", the next one the whole character; a stop
         id has "")."""
         hi = len(self.token_ids) if hi is None else hi
-        return [self.text[self._start(i):self._ends[i]] for i in range(lo, hi)]
+        text, ends = self.text, self._ends
+        return [text[ends[i - 1] if i else 0:ends[i]] for i in range(lo, hi)]
 
     def take_delta(self) -> tuple[str, int, int]:
         """Text and tokens not yet handed out: ``(text, lo, hi)`` with ``token_ids[lo:hi]`` the
@@ -136,7 +143,7 @@ class OutputState:
         so a stop string never leaks partially into a stream, and so are the tokens whose text
         reaches into them; once finished, everything left."""
         lo = hi = self._released
-        if self.finished:
+        if self.finish_reason is not None or self._max_stop_len <= 1:  # nothing to hold back
             hi = len(self.token_ids)
         else:
             limit = len(self.text) - max(self._max_stop_len - 1, 0)
