@@ -534,16 +534,18 @@ class LocalTarget(Target):
             self.cache.truncate(slot, length + 1 + r.num_accepted + self._queued[slot])
             if not self._queued[slot]:
                 del self._queued[slot]
+        # (a chained round's taps were read on the device, and a later round may have overwritten them)
+        gather = out.taps is not None and not isinstance(items[0], ChainedItem)
         kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
-                for r in results]  # step rows whose tokens stay in the cache
+                for r in results] if gather or trees else None  # step rows whose tokens stay in the cache
         taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
-        if out.taps is not None and not isinstance(items[0], ChainedItem):  # one gather for every sequence
-            # (a chained round's taps were read on the device, and a later round may have overwritten them)
+        if gather:  # one gather for every sequence
             gathered = out.taps[torch.tensor([s for s, rows in zip(slots, kept) for _ in rows]),
                                 torch.tensor([r for rows in kept for r in rows])]
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
         outs = []
-        for it, r, extras, rows in zip(items, results, taps, kept):
+        for i, (it, r, extras) in enumerate(zip(items, results, taps)):
+            rows = kept[i] if kept is not None else None
             lp = top = None
             if wants_logprobs(it):
                 if it.slot in trees:
