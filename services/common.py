@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # A request's ``category`` (our extension field) names a key of the shared state store
 # (``acceptance:<drafter>:<category>``): a short name, and a replica keeps at most MAX_CATEGORIES
 # of them (``AcceptanceCategories``), so no client can grow the store without bound.
+MAX_TEMPERATURE = 2.0  # the public APIs' bound (OpenAI's range is [0, 2])
 CATEGORY_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_CATEGORIES = 256
 OTHER_CATEGORY = "other"
@@ -252,6 +253,70 @@ def bearer_matches(header: str | bytes | None, expected: bytes) -> bool:
     return hmac.compare_digest(header.encode() if isinstance(header, str) else header, expected)
 
 
+class _Malformed:
+    """A request message that did not parse (``MalformedMessageInterceptor``)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
+    """A request message of a Tandem service that does not parse (corrupt bytes, invalid UTF-8 in
+    a string field) ends its call with INVALID_ARGUMENT saying so, as other bad input does, instead
+    of grpc's UNKNOWN and an ERROR traceback in the service's log for every such message. The
+    parse failure becomes a marker the wrapped method refuses before the servicer sees it (a
+    message inside a request stream: when the stream reaches it)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith("/tandem.") or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # protobuf's DecodeError, or UnicodeDecodeError for a str field
+                return _Malformed(f"{type(exc).__name__}: {exc}")
+
+        async def refuse(m: _Malformed, context) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message for {method} ({m.why})")
+
+        async def checked(request_iterator, context):
+            async for m in request_iterator:
+                if isinstance(m, _Malformed):
+                    await refuse(m, context)
+                yield m
+
+        if handler.request_streaming:
+            behavior = handler.stream_stream or handler.stream_unary
+            if handler.response_streaming:
+                async def stream_stream(request_iterator, context):
+                    async for out in behavior(checked(request_iterator, context), context):
+                        yield out
+                return handler._replace(request_deserializer=deserialize, stream_stream=stream_stream)
+
+            async def stream_unary(request_iterator, context):
+                return await behavior(checked(request_iterator, context), context)
+            return handler._replace(request_deserializer=deserialize, stream_unary=stream_unary)
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+
+            async def unary_stream(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for out in behavior(request, context):
+                    yield out
+            return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+        behavior = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            return await behavior(request, context)
+        return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <key>`` with UNAUTHENTICATED (health checks
     are exempt, so orchestrators can probe without the key)."""
@@ -342,7 +407,8 @@ class GrpcServer:
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         # SERVER spans with the RPC semantic conventions for every call (opentelemetry-instrumentation-grpc)
-        interceptors = [aio_server_interceptor()] + ([BearerAuthInterceptor(key)] if key else [])
+        interceptors = ([aio_server_interceptor()] + ([BearerAuthInterceptor(key)] if key else [])
+                        + [MalformedMessageInterceptor()])
         quiet_cross_context_detach()
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

@@ -634,6 +634,9 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "stream_options": {"include_usage": True}}, "only allowed with stream: true", "stream_options"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "finite number", "temperature"),
     ({"messages": HI, "temperature": 2.5}, "less than or equal to 2", "temperature"),
+    ({"messages": HI, "prompt": "x"}, "unknown field(s): prompt", "prompt"),  # not renamed to messages
+    (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}",
+     "more digits than the parser reads", None),
     ({"messages": HI, "category": "c" * 5000}, "is not 1-64 characters", "category"),
     ({"messages": HI, "stop": [1, 2]}, "stop must be a string or a list of strings", "stop"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -693,10 +696,18 @@ def test_grpc_invalid_argument(stack, local_engine, prompts):
                 router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="wizard", content="hi")],
                                            params=common_pb2.SamplingParams(max_tokens=4)),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4),
-                                           category="c" * 65)):
+                                           category="c" * 65),
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, temperature=2.5))):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    for raw in (b"\xff\xff\xff\xff", b"\x0a\x02\xff\xfe"):  # not protobuf; invalid UTF-8 in a string field
+        with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
+            call = ch.unary_stream("/tandem.v1.Router/Generate", request_serializer=lambda b: b,
+                                   response_deserializer=router_pb2.GenerateResponse.FromString)
+            list(call(raw, metadata=auth_metadata(KEY), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request message" in \
+            err.value.details()
     req = router_pb2.GenerateRequest(prompt=prompts[0], params=common_pb2.SamplingParams(ignore_eos=True))
     with grpc.insecure_channel(stack.grpc_address) as ch:  # no max_tokens: the default, cut at the context
         last = list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=120))[-1]
@@ -1409,6 +1420,10 @@ def test_fields_at_their_no_op_value_are_accepted():
     with pytest.raises(InvalidRequestError, match="unsupported field\\(s\\): messages.0.name"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": "ann"}]).sampling(16)
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "hi", "name": None}]).sampling(16)
+    nulls = ChatCompletionRequest.model_validate({"messages": hi, "temperature": None, "stream": None, "top_p": None,
+                                                  "category": None, "min_tokens": None, "seed": None})
+    assert (nulls.temperature, nulls.stream, nulls.category) == (1.0, False, "default")  # null: as if left out
+    assert nulls.sampling(16).min_tokens == 0
     with pytest.raises(InvalidRequestError, match="suffix"):
         CompletionRequest(prompt="hi", suffix="!").sampling(16)
 

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,7 +39,7 @@ from tandem.sampling import SamplingParams, choice_seed
 from tandem.structured import Structure
 from tandem.logprobs import MAX_TOP_LOGPROBS
 
-from services.common import Delta, Done, Failed, bearer_matches, check_category, merge_outputs
+from services.common import MAX_TEMPERATURE, Delta, Done, Failed, bearer_matches, check_category, merge_outputs
 
 from .core import Router
 from .tools import (Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, response_format_structure,
@@ -108,7 +108,7 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's range
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)  # OpenAI's range
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)  # extension (vLLM)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -125,6 +125,15 @@ class _SamplingFields(_Base):
     min_tokens: int = Field(default=0, ge=0)  # extension (vLLM)
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     category: str = "default"  # extension: acceptance statistics per category
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """An explicit null for a declared field means what leaving it out means (OpenAI's
+        clients send null for a parameter not given)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -230,8 +239,10 @@ async def _undecodable(request: Request) -> str:
             json.loads(text)
         except RecursionError:
             return "JSON nested deeper than the parser allows"
-        except ValueError:
-            pass
+        except ValueError as exc:
+            if "digits" in str(exc):  # Python's limit on integer digits (sys.get_int_max_str_digits)
+                return "a number in it has more digits than the parser reads"
+            return f"not valid JSON ({exc})"
     return "send UTF-8 JSON (invalid UTF-8 and JSON nested past the parser's depth end here)"
 
 
@@ -380,10 +391,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
-        param = exc.param
-        if param == "prompt" and request.url.path.endswith("/chat/completions"):
-            param = "messages"  # the chat API's prompt
-        return _error(400, str(exc), param=param)
+        return _error(400, str(exc), param=exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -440,9 +448,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
         # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
         logprobs, top = req.wants_logprobs()
-        engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
-                                             request_id=rid if req.n == 1 else f"{rid}-0", logprobs=logprobs,
-                                             top_logprobs=top)
+        try:
+            engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
+                                                 request_id=rid if req.n == 1 else f"{rid}-0", logprobs=logprobs,
+                                                 top_logprobs=top)
+        except InvalidRequestError as exc:
+            if exc.param == "prompt" and chat_api:  # the chat API's prompt is its messages
+                raise InvalidRequestError(str(exc), param="messages") from exc
+            raise
         # n choices: one engine request each over the same prompt ids, a seed of its own (choice_seed)
         engine_reqs = [engine_req] + [
             router.make_request(None, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)),

@@ -8,7 +8,8 @@ import logging
 
 import grpc
 
-from services.common import Delta, Done, Failed, GrpcServer, check_category, params_from_pb, top_to_pb
+from services.common import (MAX_TEMPERATURE, Delta, Done, Failed, GrpcServer, check_category, params_from_pb,
+                             top_to_pb)
 from services.proto.tandem.v1 import router_pb2, router_pb2_grpc
 from tandem.errors import InvalidRequestError
 
@@ -48,6 +49,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             if bool(request.prompt) == bool(request.messages):
                 raise InvalidRequestError("give exactly one of prompt or messages")
+            if not 0.0 <= request.params.temperature <= MAX_TEMPERATURE:  # as over HTTP (NaN fails too)
+                raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                                          f"{request.params.temperature}", param="temperature")
             explicit = request.params.max_tokens  # 0 (unset): the default, and the output stops at the context
             pb = request.params if explicit else _with_max_tokens(request.params, self.default_max_tokens)
             params = params_from_pb(pb)
