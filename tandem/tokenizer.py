@@ -88,6 +88,8 @@ class Tokenizer:
                 if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
                     raise InvalidRequestError(f"messages[{i}] must have a role in {', '.join(CHAT_ROLES)} and a "
                                               f"string content")
+            if not any(m["content"].strip() or m.get("tool_calls") for m in prompt):  # as an empty string prompt
+                raise InvalidRequestError("prompt is empty: every message's content is empty", param="messages")
             return self.apply_chat_template(prompt)
         raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
 

@@ -697,7 +697,9 @@ def test_grpc_invalid_argument(stack, local_engine, prompts):
                                            params=common_pb2.SamplingParams(max_tokens=4)),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4),
                                            category="c" * 65),
-                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, temperature=2.5))):
+                router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, temperature=2.5)),
+                router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=" ")],
+                                           params=common_pb2.SamplingParams(max_tokens=4))):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
