@@ -385,9 +385,11 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         if tuple(first.get("loc", ())) == ("body",) and "json" not in request.headers.get("content-type", ""):
             return _error(400, "the request body must be a JSON object sent with Content-Type: application/json "
                                f"(got {request.headers.get('content-type') or 'no content type'})")
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
+            return _error(400, "the request body must be a JSON object")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_tag(x))
-        return _error(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", exc)),
-                      param=loc or None)
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")  # our validators' own words
+        return _error(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
