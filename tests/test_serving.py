@@ -636,6 +636,8 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "temperature": 2.5}, "less than or equal to 2", "temperature"),
     ({"messages": HI, "prompt": "x"}, "unknown field(s): prompt", "prompt"),  # not renamed to messages
     (b"[1, 2]", "the request body must be a JSON object", None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_tokens": 400}',
+     "the key 'max_tokens' appears twice", "max_tokens"),
     ({"messages": HI, "stop": [1]}, "stop: stop must be a string or a list of strings", "stop"),  # no "Value error"
     (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}",
      "more digits than the parser reads", None),

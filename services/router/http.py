@@ -24,7 +24,7 @@ import uuid
 from dataclasses import replace
 from typing import ClassVar, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
@@ -221,6 +221,33 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         return self.logprobs, self.top_logprobs or 0
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``'s ``object_pairs_hook``: a key twice in one object would leave one of its
+    values ignored in silence (JSON parsers keep the last)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+async def _no_duplicate_keys(request: Request) -> None:
+    """A dependency of the POST endpoints: the body (read once already, cached) holds no key twice
+    in one object. A body that does not parse is left to the framework's own errors."""
+    try:
+        json.loads(await request.body(), object_pairs_hook=_refuse_duplicate_keys)
+    except _DuplicateKey as exc:
+        key = exc.args[0]
+        raise InvalidRequestError(f"the key {key!r} appears twice in one JSON object of the body", param=key) from None
+    except (ValueError, RecursionError):
+        return
 
 
 async def _undecodable(request: Request) -> str:
@@ -475,14 +502,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                                include_usage, tools), ping=15)
         return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api, tools)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(_no_duplicate_keys)])
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False,
                          requested=None if body.max_tokens is None else ("max_tokens", body.max_tokens))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(_no_duplicate_keys)])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
         requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)
