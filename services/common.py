@@ -27,10 +27,10 @@ from tandem.structured import Structure
 
 log = logging.getLogger(__name__)
 
+MAX_TEMPERATURE = 2.0  # the public APIs' bound (OpenAI's range is [0, 2])
 # A request's ``category`` (our extension field) names a key of the shared state store
 # (``acceptance:<drafter>:<category>``): a short name, and a replica keeps at most MAX_CATEGORIES
 # of them (``AcceptanceCategories``), so no client can grow the store without bound.
-MAX_TEMPERATURE = 2.0  # the public APIs' bound (OpenAI's range is [0, 2])
 CATEGORY_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_CATEGORIES = 256
 OTHER_CATEGORY = "other"

@@ -1407,7 +1407,7 @@ def test_categories_are_short_names_and_a_replica_counts_a_bounded_number():
 def test_fields_at_their_no_op_value_are_accepted():
     """OpenAI fields Tandem does not implement pass only at the value that changes nothing
     (``NO_OP_VALUES``); any other value, or a field nobody knows, is a 400 naming it."""
-    from services.router.http import ChatCompletionRequest, CompletionRequest
+    from services.router.schema import ChatCompletionRequest, CompletionRequest
     from tandem.errors import InvalidRequestError
 
     hi = [{"role": "user", "content": "hi"}]
@@ -1598,7 +1598,7 @@ def test_readme_lists_every_request_field():
     import re
     from pathlib import Path
 
-    from services.router.http import NO_OP_VALUES, ChatCompletionRequest, CompletionRequest
+    from services.router.schema import NO_OP_VALUES, ChatCompletionRequest, CompletionRequest
     from tandem.errors import InvalidRequestError
 
     readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common import AcceptanceCategories, Delta, Done, Event, Failed, check_category
+from services.common import AcceptanceCategories, Delta, Done, Event, Failed
 from tandem.engine import Completion, Engine, Request, RoundSummary
 from tandem.errors import InvalidRequestError
 from tandem.metrics import AcceptanceWindow
@@ -99,11 +99,8 @@ class ReplicaEngine:
         """Queue ``request`` (built by ``engine.make_request``); its events go to ``sink``, called
         from the engine thread once per step with (request id, event) for every event of that step
         of the requests that share the sink (a router's stream): ``Delta`` per step that emitted
-        tokens, then ``Done`` or ``Failed``.
-
-        Raises:
-            InvalidRequestError: a malformed ``category`` (``check_category``)."""
-        category = check_category(category)
+        tokens, then ``Done`` or ``Failed``. ``category`` was checked where the request came in
+        (``check_category``)."""
         with self._lock:
             self._submitted += 1
         self._inbox.put(("add", _Submission(request, sink, category)))
