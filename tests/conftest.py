@@ -60,6 +60,12 @@ import torch  # noqa: E402
 # second thread costs more in hand-offs than it gains.
 torch.set_num_threads(1)
 
+# Without a GPU, Triton's interpreter runs the fused kernels on CPU tensors (tests/test_kernels.py).
+# It must be on before Triton is imported, which decorates Triton's own library functions. Nothing
+# else changes: a CPU runner takes the fused kernels only when asked (``kernels="fused"``).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -1,9 +1,13 @@
-"""The fused decode/verify kernels (``tandem.models.kernels``) on a GPU: they match the reference
-forward within bf16 tolerance, and a row's logits are bitwise identical whatever batch it runs in,
-wherever it sits in the batch and however many tokens it verifies (batch- and width-invariance:
-what makes greedy speculative output equal target-only output in the fast mode).
+"""The fused decode/verify kernels (``tandem.models.kernels``): they match the reference forward
+(within bf16 tolerance on a GPU), and a row's logits are bitwise identical whatever batch it runs
+in, wherever it sits in the batch and however many tokens it verifies (batch- and
+width-invariance: what makes greedy speculative output equal target-only output in the fast mode).
 
-The CPU test checks what runs everywhere: the choice of path and its errors."""
+Each kernel test runs on a GPU (marked ``gpu``, bf16) and, where Triton is installed, on the CPU
+under Triton's interpreter (``TRITON_INTERPRET=1``, float32): the same kernels, run through NumPy,
+so their indexing, masking, causal alignment and GQA packing are checked on machines without a
+GPU. The interpreter's floating point is not the GPU's, so invariance found there says that no
+kernel mixes rows; the GPU run says that the compiled code keeps it."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from tandem.errors import ConfigError
-from tandem.models import load_checkpoint
+from tandem.models import kernels, load_checkpoint
 from tandem.models.kernels import MAX_FUSED_TOKENS, flash_available, fused_unavailable_reason, gqa_attention
 from tandem.models.runner import ModelRunner, RunnerConfig
 
@@ -31,9 +35,22 @@ FUSED_PATHS = ["fused", pytest.param("fused-flash", marks=pytest.mark.skipif(
     not (_fused_ready() and flash_available(64)), reason="needs flash-attn"))]
 
 
-def test_kernel_choice_on_cpu(tiny_checkpoint):
-    """A CPU runner takes the reference path under "auto", refuses "fused" with the reason, and
-    refuses an unknown choice."""
+@pytest.fixture(params=[
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_fused]),
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        torch.cuda.is_available() or not kernels.interpreted(),
+        reason="needs triton, and no GPU (the tests' conftest turns the interpreter on then)")),
+], ids=["gpu", "interpreter"])
+def where(request):
+    """``(device, dtype)`` of a kernel test: CUDA in bf16, or the CPU under Triton's interpreter in
+    float32."""
+    return (torch.device("cuda"), torch.bfloat16) if request.param == "cuda" else (torch.device("cpu"), torch.float32)
+
+
+def test_kernel_choice_on_cpu(tiny_checkpoint, monkeypatch):
+    """A CPU runner (no interpreter) takes the reference path under "auto", refuses "fused" with
+    the reason, and refuses an unknown choice."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ckpt = load_checkpoint(tiny_checkpoint("llama"))
     runner = ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32))
     assert runner.kernels == "reference" and runner.attention_backend == "sdpa-masked"
@@ -46,8 +63,9 @@ def test_kernel_choice_on_cpu(tiny_checkpoint):
 
 
 def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = (),
-            dtype: torch.dtype = torch.bfloat16) -> ModelRunner:
-    return ModelRunner(ckpt, RunnerConfig(device="cuda", dtype=dtype, max_batch_size=slots, max_seq_len=512,
+            dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+            max_seq_len: int = 512) -> ModelRunner:
+    return ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=slots, max_seq_len=max_seq_len,
                                           cuda_graphs=graphs, kernels=kernels, taps=taps))
 
 
@@ -55,29 +73,41 @@ def _rel_err(x: torch.Tensor, exact: torch.Tensor) -> float:
     return ((x.float() - exact.float()).norm() / exact.float().norm()).item()
 
 
-@pytest.mark.gpu
-@needs_fused
+def test_kernel_choice_under_the_interpreter(tiny_checkpoint):
+    """With ``TRITON_INTERPRET=1`` a CPU runner takes "fused" when asked, in float32, and refuses
+    bf16 (NumPy has none); "auto" stays on the reference path (the interpreter is for checking)."""
+    if torch.cuda.is_available() or not kernels.interpreted():
+        pytest.skip("needs triton, and no GPU (the interpreter on)")
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    assert _runner(ckpt, "auto", 1, dtype=torch.float32, device="cpu", max_seq_len=32).kernels == "reference"
+    runner = _runner(ckpt, "fused", 1, dtype=torch.float32, device="cpu", max_seq_len=32)
+    assert runner.kernels == "fused" and runner.attention_backend == "triton-gqa"
+    with pytest.raises(ConfigError, match="NumPy has no bfloat16"):
+        _runner(ckpt, "fused", 1, dtype=torch.bfloat16, device="cpu", max_seq_len=32)
+
+
 @pytest.mark.parametrize("q_len", [1, 2, 5, 16, 70])
-def test_gqa_attention_matches_float32_attention(q_len):
+def test_gqa_attention_matches_float32_attention(where, q_len):
     """The GQA-packed attention kernel against float32 attention over expanded K/V with a causal
     mask aligned at each row's end: ragged lengths (one row as short as its new tokens), 3 query
     heads per KV head, decode (1 token), verify (2 ... 16) and a prefill-sized step (70). Stale
     positions past a row's length hold large values, which must not leak into the result."""
-    gen = torch.Generator(device="cuda").manual_seed(q_len)
+    device, dtype = where
+    gen = torch.Generator(device=device).manual_seed(q_len)
     B, heads, kv_heads, hd, positions = 5, 6, 2, 64, 600
 
     def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
+        return torch.randn(*shape, device=device, generator=gen)
 
-    seqlens = torch.tensor([q_len, q_len + 1, 64 + q_len, 333, 600], device="cuda", dtype=torch.int32)
-    q = randn(B, q_len, heads, hd).bfloat16()
-    k, v = randn(B, kv_heads, positions, hd).bfloat16(), randn(B, kv_heads, positions, hd).bfloat16()
+    seqlens = torch.tensor([q_len, q_len + 1, 64 + q_len, 333, 600], device=device, dtype=torch.int32)
+    q = randn(B, q_len, heads, hd).to(dtype)
+    k, v = randn(B, kv_heads, positions, hd).to(dtype), randn(B, kv_heads, positions, hd).to(dtype)
     for b, n in enumerate(seqlens.tolist()):
         k[b, :, n:], v[b, :, n:] = 1e4, -1e4
     got = gqa_attention(q, k, v, seqlens).float()
     g = heads // kv_heads
-    keys = torch.arange(positions, device="cuda")
-    pos = seqlens[:, None].long() - q_len + torch.arange(q_len, device="cuda")[None, :]  # [B, Q]
+    keys = torch.arange(positions, device=device)
+    pos = seqlens[:, None].long() - q_len + torch.arange(q_len, device=device)[None, :]  # [B, Q]
     mask = keys[None, None, :] <= pos[:, :, None]  # [B, Q, L]
     qf = q.float().transpose(1, 2)  # [B, heads, Q, hd]
     kf = k.float().repeat_interleave(g, dim=1)
@@ -85,6 +115,9 @@ def test_gqa_attention_matches_float32_attention(q_len):
     want = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask[:, None]).transpose(1, 2)
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
+    if dtype == torch.float32:
+        assert err < 1e-4, err
+        return
     assert err < 2e-2, err  # bf16 inputs and P, fp32 accumulation
     bf16_ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1),
@@ -92,24 +125,97 @@ def test_gqa_attention_matches_float32_attention(q_len):
     assert err <= max(1.5 * (bf16_ref - want).abs().max().item(), 1e-3)
 
 
-@pytest.mark.gpu
-@needs_fused
-@pytest.mark.parametrize("kernels", FUSED_PATHS)
-def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, kernels):
+def test_rope_and_kv_write_match_the_reference_layer(where):
+    """``rope_kv_write`` rotates q and k as the reference attention layer does (rotate-half RoPE at
+    each token's position) and writes k and v at each token's cache position, padding tokens to
+    the scratch position, touching nothing else."""
+    device, dtype = where
+    torch.manual_seed(0)
+    B, Q, heads, kv_heads, hd, positions = 3, 4, 6, 2, 64, 40
+    half = hd // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)
+    qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * hd, device=device).to(dtype)
+    pos = torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3], [20, 21, 22, 23]], device=device)
+    write = pos.clone()
+    write[1, 2:] = positions - 1  # row 1 has two real tokens: its padding goes to the scratch position
+    k_cache = torch.zeros(B, kv_heads, positions, hd, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = kernels.rope_kv_write(qkv, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads)
+
+    def rotate(x, p):  # x [..., hd] at positions p
+        c, s_ = cos[p].float(), sin[p].float()
+        x = x.float()
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s_
+
+    qs, ks, vs = qkv.float().split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
+    want_q = rotate(qs.view(B, Q, heads, hd), pos[:, :, None])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q.float(), want_q, **tol)
+    want_k = rotate(ks.view(B, Q, kv_heads, hd), pos[:, :, None])
+    for b in range(B):
+        for j in range(Q):
+            w = int(write[b, j])
+            if w == positions - 1 and b == 1:
+                continue  # scratch: whatever the last padding token wrote
+            torch.testing.assert_close(k_cache[b, :, w].float(), want_k[b, j], **tol)
+            torch.testing.assert_close(v_cache[b, :, w].float(), vs.view(B, Q, kv_heads, hd)[b, j], **tol)
+    written = {(b, int(write[b, j])) for b in range(B) for j in range(Q)}
+    for b in range(B):
+        for p in range(positions):
+            if (b, p) not in written:
+                assert not k_cache[b, :, p].any() and not v_cache[b, :, p].any(), (b, p)
+
+
+def test_add_rmsnorm_and_silu_mul_match_plain_ops(where):
+    """``add_rmsnorm`` gives the residual sum and RMSNorm of it (rounded where the plain ops round);
+    ``silu_mul`` gives silu(gate) * up over rows wider than one block."""
+    device, dtype = where
+    torch.manual_seed(0)
+    x, r = torch.randn(7, 576, device=device).to(dtype), torch.randn(7, 576, device=device).to(dtype)
+    w = torch.randn(576, device=device).to(dtype)
+    normed, res = kernels.add_rmsnorm(x, r, w, 1e-5)
+    s = (x + r).float()
+    want = w.float() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(res.float(), s, **tol)
+    torch.testing.assert_close(normed.float(), want, **tol)
+    first, alone = kernels.add_rmsnorm(x, None, w, 1e-5)
+    assert alone is x  # the first layer: no residual to add
+    xf = x.float()
+    torch.testing.assert_close(first.float(), w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)),
+                               **tol)
+    gu = torch.randn(2, 3, 2 * 1536, device=device).to(dtype)
+    got = kernels.silu_mul(gu)
+    assert got.shape == (2, 3, 1536)
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(gu[..., :1536].float()) * gu[..., 1536:].float(),
+                               **tol)
+
+
+@pytest.mark.parametrize("kernels_path", FUSED_PATHS)
+def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, where, kernels_path):
     """Against a float32 forward, the fused kernels' logits, tapped states and cache contents are
-    as accurate as the bf16 reference forward's (relative error at most 1.5x the reference's; the
-    random tiny model's bf16 logits are ~7% off float32 on either path): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback
-    between steps). bf16 rounds differently in the two bf16 paths, so they are compared through
-    the exact result rather than with each other."""
+    as accurate as the reference forward's in the same dtype (relative error at most 1.5x the
+    reference's, or 1e-3; the random tiny model's bf16 logits are ~7% off float32 on either
+    path): a wide prefill (padded rows), then ragged verify steps (idle rows, a rollback between
+    steps). bf16 rounds differently in the two bf16 paths, so they are compared through the exact
+    result rather than with each other."""
+    device, dtype = where
+    if kernels_path != "fused" and device.type != "cuda":
+        pytest.skip("flash-attn runs on a GPU only")
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
     taps = (0, 1, 2)
-    exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32),
-                         _runner(ckpt, "reference", 4, taps=taps), _runner(ckpt, kernels, 4, taps=taps))
-    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn"}[kernels]
-    assert fused.kernels == kernels and fused.attention_backend == attention and ref.kernels == "reference"
+    exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32, device=device),
+                         _runner(ckpt, "reference", 4, taps=taps, dtype=dtype, device=device),
+                         _runner(ckpt, kernels_path, 4, taps=taps, dtype=dtype, device=device))
+    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn"}[kernels_path]
+    assert fused.kernels == kernels_path and fused.attention_backend == attention and ref.kernels == "reference"
     rng = random.Random(0)
     vocab = ckpt.config.vocab_size
-    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((37, 5, 300))}
+    lengths = (37, 5, 300) if device.type == "cuda" else (37, 5, 90)  # (the interpreter is slow)
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate(lengths)}
     runners = (exact, ref, fused)
     for r in runners:
         for s in prompts:
@@ -141,14 +247,15 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, kernels)
 @pytest.mark.gpu
 @needs_fused
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("kernels", FUSED_PATHS)
-def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kernels):
+@pytest.mark.parametrize("kernels_path", FUSED_PATHS)
+def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kernels_path):
     """One row (the same context, the same tokens) verified alone or among 2 ... 128 rows, at any
     slot of the batch, with 1 ... 8 tokens: the logits of its common positions are bitwise equal.
     Every slot holds the same prompt, so any slot can carry the row; other rows get random tokens
-    and widths; each step is rolled back."""
+    and widths; each step is rolled back. (GPU only: on a CPU the GEMMs between the kernels are
+    the CPU BLAS's, whose reduction order changes with the number of rows.)"""
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
-    runner = _runner(ckpt, kernels, 128, graphs=graphs)
+    runner = _runner(ckpt, kernels_path, 128, graphs=graphs)
     rng = random.Random(1)
     vocab = ckpt.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(150)]
@@ -175,28 +282,68 @@ def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kerne
     assert reference.shape[0] == 8 <= MAX_FUSED_TOKENS
 
 
-@pytest.mark.gpu
-@needs_fused
+def test_kernel_rows_are_batch_and_width_invariant(where):
+    """Each kernel on its own: one row's result is bitwise the same alone or among 7 rows, at any
+    place in the batch, and (attention, RoPE) for its first tokens whatever the number of tokens
+    after them: add+RMSNorm, SiLU-multiply, RoPE with the K/V write, and the GQA-packed attention
+    over a cache whose row is the same in every batch."""
+    device, dtype = where
+    torch.manual_seed(0)
+    heads, kv_heads, hd, positions, start = 6, 2, 64, 160, 90
+    rows, Qmax = 7, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device).to(dtype)
+
+    x, r, w = rand(rows, 384), rand(rows, 384), rand(384)
+    gu = rand(rows, 1024)
+    alone = [(kernels.add_rmsnorm(x[i:i + 1], r[i:i + 1], w, 1e-5), kernels.silu_mul(gu[i:i + 1])) for i in range(rows)]
+    (normed, res), act = kernels.add_rmsnorm(x, r, w, 1e-5), kernels.silu_mul(gu)
+    for i, ((n1, r1), a1) in enumerate(alone):
+        assert torch.equal(normed[i:i + 1], n1) and torch.equal(res[i:i + 1], r1) and torch.equal(act[i:i + 1], a1), i
+    cos, sin = rand(positions, hd), rand(positions, hd)
+    qkv = rand(rows, Qmax, (heads + 2 * kv_heads) * hd)
+    cache_k, cache_v = rand(1, kv_heads, positions, hd), rand(1, kv_heads, positions, hd)
+
+    def attend(row_ids: list[int], width: int) -> torch.Tensor:
+        """The rows' first ``width`` tokens after ``start`` cached positions: [len, width, heads, hd]."""
+        n = len(row_ids)
+        k, v = cache_k.expand(n, -1, -1, -1).clone(), cache_v.expand(n, -1, -1, -1).clone()
+        pos = (start + torch.arange(width, device=device))[None, :].expand(n, -1).contiguous()
+        q = kernels.rope_kv_write(qkv[row_ids, :width], cos, sin, pos, pos, k, v, heads, kv_heads)
+        seqlens = torch.full((n,), start + width, dtype=torch.int32, device=device)
+        return torch.cat([q.flatten(2), kernels.gqa_attention(q, k, v, seqlens).flatten(2)], -1)
+
+    want = attend([3], Qmax)[0]
+    for width in (1, 2, 5, Qmax):
+        for batch in ([3], [0, 3, 5], list(range(rows)), [6, 5, 4, 3]):
+            got = attend(batch, width)[batch.index(3)]
+            assert torch.equal(got, want[:width]), (width, batch)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * -inf, masked
 @pytest.mark.parametrize("probs", [False, True])
-def test_draft_features_kernel_matches_the_plain_definition(probs):
+def test_draft_features_kernel_matches_the_plain_definition(where, probs):
     """``draft_features`` (one pass over the vocabulary per row: entropy, top-1, top-1 - top-2,
     position) gives ``device_features`` of the same distribution: peaked, flat, tied and masked
-    rows, bf16 logits or float32 probabilities, a vocabulary that is not a multiple of the block."""
+    rows, low-precision logits or float32 probabilities, a vocabulary that is not a multiple of the
+    block."""
     from tandem.drafters.base import device_features
     from tandem.models.kernels import draft_features
 
+    device, dtype = where
     torch.manual_seed(0)
-    R, V = 67, 49152 + 13
-    logits = torch.randn(R, V, device="cuda") * torch.linspace(0.1, 12.0, R, device="cuda")[:, None]
+    R, V = (67, 49152 + 13) if device.type == "cuda" else (13, 4096 + 13)
+    logits = torch.randn(R, V, device=device) * torch.linspace(0.1, 12.0, R, device=device)[:, None]
     logits[3] = 0.0  # flat
     logits[4, :2] = 30.0  # a tie at the top
     logits[5, 100:] = float("-inf")  # a filtered row
-    pos = torch.arange(R, device="cuda", dtype=torch.float32) % 6 + 1
+    pos = torch.arange(R, device=device, dtype=torch.float32) % 6 + 1
     if probs:
         x = logits.float().softmax(-1)
         want = device_features(x, pos)
     else:
-        x = logits.to(torch.bfloat16)
+        x = logits.to(dtype)
         want = device_features(x.float().softmax(-1), pos)
     got = draft_features(x, pos, probs=probs)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)

@@ -21,9 +21,11 @@ once per query head, which made verifying 2 tokens at batch 64 cost 1.8x a decod
 decode/verify too (``RunnerConfig.kernels = "fused-flash"``) with a fixed split count
 (``ATTN_SPLITS``): its own heuristic picks the split count from the batch size.
 
-Nothing here runs on a CPU: ``fused_unavailable_reason()`` says whether this process can use the
-path (CUDA, Triton, a supported head size); the float32 reference forward in ``transformer.py`` is
-what the fused path is tested against.
+The kernels are for CUDA devices: ``fused_unavailable_reason()`` says whether this process can use
+the path (CUDA, Triton, a supported head size). With ``TRITON_INTERPRET=1`` (``interpreted()``)
+Triton's interpreter runs the very same kernels on CPU tensors, in float32 or float16 (NumPy has no
+bfloat16), orders of magnitude slower: that is how the CPU tests check them, against the float32
+reference forward in ``transformer.py``, on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 
@@ -91,11 +94,22 @@ def attention_name(kernels: str) -> str:
     return _BACKEND_NAMES[_BACKEND_OF[kernels]] if kernels in _BACKEND_OF else "sdpa-masked"
 
 
+def interpreted() -> bool:
+    """Triton's interpreter is on (``TRITON_INTERPRET=1`` in the environment when Triton was
+    imported) and Triton imports: the kernels then run on CPU tensors, through NumPy. For checking
+    them without a GPU; far too slow to serve with."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on") and _modules() is not None
+
+
 def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why the fused path cannot run for this model and device, or None when it can."""
-    if device.type != "cuda":
-        return "not a CUDA device"
-    if dtype not in (torch.bfloat16, torch.float16):
+    """Why the fused path cannot run for this model and device, or None when it can: a CUDA device
+    in bf16/fp16, or a CPU under Triton's interpreter (``interpreted``) in float32/fp16."""
+    on_cpu = device.type == "cpu" and interpreted()
+    if device.type != "cuda" and not on_cpu:
+        return "not a CUDA device (TRITON_INTERPRET=1 runs the kernels on a CPU, slowly, for tests)"
+    if on_cpu and dtype not in (torch.float32, torch.float16):
+        return f"dtype {dtype} (Triton's interpreter takes float32/fp16: NumPy has no bfloat16)"
+    if not on_cpu and dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (the fused kernels take bf16/fp16)"
     if head_dim not in FUSED_HEAD_DIMS:
         return f"head dim {head_dim} (the fused kernels take {FUSED_HEAD_DIMS})"

@@ -118,6 +118,8 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
     if choice == "reference":
         return "reference"
     device = torch.device(config.device)
+    if choice == "auto" and device.type != "cuda":  # a CPU runs the kernels only when asked (the interpreter)
+        return "reference"
     reason = "QK-norm models" if model.qk_norm else fused_unavailable_reason(device, model.head_dim, config.dtype)
     if reason is not None and choice.startswith("fused"):
         raise ConfigError(f"the fused kernels cannot run here: {reason}")
