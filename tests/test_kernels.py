@@ -31,7 +31,7 @@ def _fused_ready() -> bool:
 
 needs_fused = pytest.mark.skipif(not _fused_ready(), reason="needs CUDA with triton")
 # the fused kernels with our attention, and with flash-attn's (where it is importable)
-FUSED_PATHS = ["fused", pytest.param("fused-flash", marks=pytest.mark.skipif(
+FUSED_PATHS = ["fused", "fused-linear", pytest.param("fused-flash", marks=pytest.mark.skipif(
     not (_fused_ready() and flash_available(64)), reason="needs flash-attn"))]
 
 
@@ -203,14 +203,14 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, where, k
     steps). bf16 rounds differently in the two bf16 paths, so they are compared through the exact
     result rather than with each other."""
     device, dtype = where
-    if kernels_path != "fused" and device.type != "cuda":
+    if kernels_path == "fused-flash" and device.type != "cuda":
         pytest.skip("flash-attn runs on a GPU only")
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
     taps = (0, 1, 2)
     exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32, device=device),
                          _runner(ckpt, "reference", 4, taps=taps, dtype=dtype, device=device),
                          _runner(ckpt, kernels_path, 4, taps=taps, dtype=dtype, device=device))
-    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn"}[kernels_path]
+    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn", "fused-linear": "triton-gqa"}[kernels_path]
     assert fused.kernels == kernels_path and fused.attention_backend == attention and ref.kernels == "reference"
     rng = random.Random(0)
     vocab = ckpt.config.vocab_size
@@ -283,10 +283,10 @@ def test_fused_rows_are_batch_and_width_invariant(tiny_checkpoint, graphs, kerne
 
 
 def test_kernel_rows_are_batch_and_width_invariant(where):
-    """Each kernel on its own: one row's result is bitwise the same alone or among 7 rows, at any
-    place in the batch, and (attention, RoPE) for its first tokens whatever the number of tokens
-    after them: add+RMSNorm, SiLU-multiply, RoPE with the K/V write, and the GQA-packed attention
-    over a cache whose row is the same in every batch."""
+    """Each kernel on its own: one row's result is bitwise the same alone or among other rows, at
+    any place in the batch, and (attention, RoPE) for its first tokens whatever the number of
+    tokens after them: add+RMSNorm, SiLU-multiply, RoPE with the K/V write, the GQA-packed attention
+    over a cache whose row is the same in every batch, and the fused-linear kernels."""
     device, dtype = where
     torch.manual_seed(0)
     heads, kv_heads, hd, positions, start = 6, 2, 64, 160, 90
@@ -319,6 +319,21 @@ def test_kernel_rows_are_batch_and_width_invariant(where):
         for batch in ([3], [0, 3, 5], list(range(rows)), [6, 5, 4, 3]):
             got = attend(batch, width)[batch.index(3)]
             assert torch.equal(got, want[:width]), (width, batch)
+    # the fused-linear kernels, over 40 rows (three 16-row tiles): row 3 alone, or at row 37
+    from tandem.models import fused_linear
+
+    many, w_o, w13 = rand(40, 384), rand(384, 384) * 0.05, rand(1024, 384) * 0.05
+    moved = many.clone()
+    moved[37] = many[3]
+    for fn in (lambda t: fused_linear.linear_residual(t, w_o, t), lambda t: fused_linear.norm_gate_up(t, w, 1e-5, w13)):
+        assert torch.equal(fn(many[3:4])[0], fn(moved)[37]) and torch.equal(fn(many)[3], fn(many[3:4])[0])
+    k, v = cache_k[:, :, :64].expand(40, -1, -1, -1).clone(), cache_v[:, :, :64].expand(40, -1, -1, -1).clone()
+    wqkv = rand((heads + 2 * kv_heads) * hd, 384) * 0.05
+    at = torch.full((40, 1), 9, device=device)
+    q_all = fused_linear.norm_qkv_rope(moved[:, None], w, 1e-5, wqkv, None, cos, sin, at, at, k, v, heads, kv_heads)
+    q_one = fused_linear.norm_qkv_rope(many[3:4, None], w, 1e-5, wqkv, None, cos, sin, at[:1], at[:1], k[:1], v[:1],
+                                       heads, kv_heads)
+    assert torch.equal(q_all[37], q_one[0]) and torch.equal(k[37, :, 9], k[0, :, 9]) and torch.equal(v[37], v[0])
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * -inf, masked
@@ -348,3 +363,63 @@ def test_draft_features_kernel_matches_the_plain_definition(where, probs):
     got = draft_features(x, pos, probs=probs)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     assert got[4, 2].abs() < 1e-6  # tied top candidates: margin 0
+
+
+def test_fused_linear_kernels_match_plain_ops(where):
+    """Each fused-linear kernel against the ops it replaces: RMSNorm + QKV projection (with a bias)
+    + RoPE + K/V write, the O/down projection with its residual add, RMSNorm + gate/up + SiLU-multiply;
+    ragged rows (a tile part full), padding tokens written to the scratch position."""
+    from tandem.models import fused_linear
+
+    device, dtype = where
+    torch.manual_seed(0)
+    B, Q, d, heads, kv_heads, hd, inter, positions = 3, 7, 384, 6, 2, 64, 512, 64
+    half = hd // 2
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    x, nw = rand(B, Q, d), rand(d)
+    wqkv, bias = rand((heads + 2 * kv_heads) * hd, d, scale=d ** -0.5), rand((heads + 2 * kv_heads) * hd)
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype)
+    pos = (torch.tensor([5, 0, 40], device=device)[:, None] + torch.arange(Q, device=device)[None, :])
+    write = pos.clone()
+    write[1, 4:] = positions - 1  # row 1: four real tokens, its padding to the scratch position
+    k_cache = torch.zeros(B, kv_heads, positions, hd, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+
+    def rms(t, w):
+        tf = t.float()
+        return (w.float() * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).float()).to(dtype)
+
+    def rotate(t, p):
+        c, s_ = cos[p].float(), sin[p].float()
+        t = t.float()
+        return t * c + torch.cat([-t[..., half:], t[..., :half]], -1) * s_
+
+    for b_ in (None, bias):
+        k_cache.zero_(), v_cache.zero_()
+        q = fused_linear.norm_qkv_rope(x, nw, 1e-5, wqkv, b_, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads)
+        qkv = torch.nn.functional.linear(rms(x, nw), wqkv, b_).float()
+        qs, ks, vs = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
+        torch.testing.assert_close(q.float(), rotate(qs.view(B, Q, heads, hd), pos[:, :, None]), **tol)
+        want_k = rotate(ks.view(B, Q, kv_heads, hd), pos[:, :, None])
+        for b in range(B):
+            for j in range(Q):
+                if b == 1 and j >= 4:
+                    continue
+                w = int(write[b, j])
+                torch.testing.assert_close(k_cache[b, :, w].float(), want_k[b, j], **tol)
+                torch.testing.assert_close(v_cache[b, :, w].float(), vs.view(B, Q, kv_heads, hd)[b, j], **tol)
+        assert not k_cache[1, :, 4:40].any() and not k_cache[0, :, :5].any()  # nothing else written
+    att, wo, res = rand(B, Q, heads * hd), rand(d, heads * hd, scale=(heads * hd) ** -0.5), rand(B, Q, d)
+    torch.testing.assert_close(fused_linear.linear_residual(att, wo, res).float(),
+                               (res.float() + torch.nn.functional.linear(att, wo).float()), **tol)
+    w13 = rand(2 * inter, d, scale=d ** -0.5)
+    gate, up = torch.nn.functional.linear(rms(res, nw), w13).float().chunk(2, -1)
+    torch.testing.assert_close(fused_linear.norm_gate_up(res, nw, 1e-5, w13).float(),
+                               torch.nn.functional.silu(gate) * up, **tol)

@@ -87,7 +87,8 @@ kernels_option = click.option(
     help="Decode/verify kernels: fused (Triton, our GQA-packed attention, batch-invariant; GPU) or reference "
          "(PyTorch ops, masked SDPA); auto = fused where it can run; fused-flash = fused with flash-attn's "
          "attention; fused-heuristic = fused-flash with flash-attn's batch-dependent split-KV choice (measures "
-         "what invariance costs).")
+         "what invariance costs); fused-linear = fused with the projections fused with their neighbours (five "
+         "kernels a layer in decode and verify steps).")
 
 
 

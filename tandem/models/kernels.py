@@ -78,7 +78,8 @@ def flash_available(head_dim: int) -> bool:
     return head_dim in FLASH_HEAD_DIMS and _flash() is not None
 
 
-_BACKEND_OF = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic"}  # kernels choice
+_BACKEND_OF = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic",  # kernels choice
+               "fused-linear": "triton"}
 _BACKEND_NAMES = {"triton": "triton-gqa", "flash": "flash-attn", "flash-heuristic": "flash-attn-heuristic"}
 
 

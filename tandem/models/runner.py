@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError
 from .config import ModelConfig
 from .kernels import attention_backend_for, attention_name, flash_available, fused_unavailable_reason
+from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
 from .prefill import Prefiller
 from .transformer import Transformer
@@ -79,7 +80,9 @@ class RunnerConfig:
             attention for decode and verify instead of our GQA-packed one; needs flash-attn),
             "fused-heuristic" ("fused-flash" with flash-attn's own split-KV heuristic, which depends
             on the batch size: not batch-invariant, so greedy speculative output may differ from
-            target-only; it exists to measure what invariance costs), "reference" (plain PyTorch
+            target-only; it exists to measure what invariance costs), "fused-linear" ("fused" with
+            the four projections of a decode or verify step fused with their neighbours, five
+            kernels a layer: ``tandem.models.fused_linear``), "reference" (plain PyTorch
             ops with a masked SDPA, the path a CPU always takes). Token trees take the reference
             path; a prefill takes the fused one (flash-attn's attention where it is importable)
             when every row has room for its attention span. The fused path replaces ``compile``
@@ -100,12 +103,12 @@ class RunnerConfig:
     kernels: str = "auto"
 
 
-KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "reference")
+KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
 
 
 def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
     """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused", "fused-flash",
-    "fused-heuristic" or "reference".
+    "fused-heuristic", "fused-linear" or "reference".
 
     Raises:
         ConfigError: an unknown choice, or a fused choice where the fused path cannot run (the
@@ -127,6 +130,10 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
         log.warning("decode kernels: reference PyTorch path (%s)", reason)
     if reason is not None:
         return "reference"
+    if choice == "fused-linear":
+        why = linear_unsupported_reason(model.hidden_size, model.intermediate_size, model.head_dim)
+        if why is not None:
+            raise ConfigError(f"kernels=fused-linear cannot run this model: {why}")
     if choice in ("fused-flash", "fused-heuristic") and not flash_available(model.head_dim):
         raise ConfigError(f"kernels={choice} needs flash-attn built for head dim {model.head_dim} "
                           "(pip install 'tandem[flash-attn]' on a GPU machine)")
@@ -187,6 +194,7 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
         self._kernels = resolve_kernels(config, checkpoint.config)
         self.model.fused = self._kernels != "reference"
+        self.model.fused_linear = self._kernels == "fused-linear"
         self.model.attn_backend = attention_backend_for(self._kernels)
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits

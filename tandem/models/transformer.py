@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import fused_linear, kernels
 from .config import ModelConfig, ModelLoadError
 from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
@@ -136,6 +136,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.max_positions = max_positions
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
+        self.fused_linear = False  # ... with the projections fused too (fused_linear.py; decode/verify only)
         self.attn_backend = "triton"  # decode/verify attention of the fused path (kernels.ATTN_BACKENDS)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -226,8 +227,10 @@ class Transformer(nn.Module):
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
                       taps: tuple[int, ...] = (), prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
-        fused GPU kernels (``tandem.models.kernels``): nine kernels per layer, no attention mask, and
-        every row's result independent of the other rows of the batch and of the row's width.
+        fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (five with
+        ``fused_linear``, whose kernels fuse the projections with their neighbours; decode and
+        verify steps only), no attention mask, and every row's result independent of the other
+        rows of the batch and of the row's width.
 
         Same arguments and result as ``forward_hidden`` (no trees). The cache rows need
         ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity,
@@ -253,6 +256,20 @@ class Transformer(nn.Module):
         eps = cfg.rms_norm_eps
         x = self.embed(tokens)
         tapped = [x] if _is_tap(0, taps) else []
+        if self.fused_linear and not prefill:  # five kernels a layer: the projections fused with their neighbours
+            res = x.contiguous()  # the residual stream
+            for i, layer in enumerate(self.layers):
+                q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
+                                               self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
+                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend)
+                res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res)
+                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight)
+                res = fused_linear.linear_residual(act, layer.w2.weight, res)
+                if _is_tap(i + 1, taps):
+                    tapped.append(res)
+            hidden, _ = kernels.add_rmsnorm(res, None, self.norm.weight, eps)
+            return hidden, _stack_taps(tapped, taps)
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)

@@ -1,0 +1,251 @@
+"""The projections of a decoder layer fused with their neighbours (Triton): five kernels a layer.
+
+The fused path of ``kernels.py`` keeps the four projections in cuBLAS, so a decode step at batch 1
+is nine kernels a layer, each a few microseconds of latency against well under a microsecond of
+weight reading for a 135M-parameter model (docs/benchmarks.md: 0.88 ms of GPU a step, 52% of it
+in the GEMMs). Here each projection reads its input, applies what stands before it and writes what
+stands after it, in one kernel:
+
+1. RMSNorm + QKV projection + RoPE + K/V-cache write (``norm_qkv_rope``): a program per (16-row
+   tile, head of q, k or v); the norm's statistic is recomputed by each program from the whole
+   row (a few hundred values), the head's 64 output columns are computed as two rotate-half
+   halves so RoPE is applied in registers, and k/v heads go straight to the cache;
+2. attention (``kernels.gqa_attention``);
+3. O projection + residual add (``linear_residual``);
+4. RMSNorm + gate/up projection + SiLU-multiply (``norm_gate_up``): gate and up columns of the same
+   index in one program;
+5. down projection + residual add (``linear_residual``).
+
+As in the rest of the fused path every program owns whole rows of a fixed tile (16 rows) and
+reduces over K in a fixed order, so a row's result does not depend on how many rows share the
+launch or on its place among them (batch- and width-invariant). Values are rounded to the storage
+dtype where the unfused ops round (each projection's output, the residual sum, the normalised row
+before its weight), so the two fused paths are close but not bitwise equal: losslessness needs one
+path for target-only and speculative rounds alike, which the runner's ``kernels`` choice gives.
+
+For decode and verify steps (at most ``MAX_FUSED_TOKENS`` tokens a row); prefills keep the cuBLAS
+GEMMs, whose large tiles suit thousands of rows. Shapes: hidden size and intermediate size
+multiples of ``BLOCK_K`` and ``BLOCK_N``, head size 64 or 128 (``unsupported_reason``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .kernels import _modules
+
+BLOCK_M = 16  # rows a program holds: the smallest tensor-core tile, and the invariance unit
+BLOCK_N = 32  # output columns a program of linear_residual / norm_gate_up computes
+BLOCK_K = 64  # the reduction's step
+
+
+def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | None:
+    """Why a model's shapes do not fit these kernels, or None when they do."""
+    if hidden % BLOCK_K or hidden % BLOCK_N:
+        return f"hidden size {hidden} (the fused-linear kernels take multiples of {max(BLOCK_K, BLOCK_N)})"
+    if intermediate % BLOCK_K or intermediate % BLOCK_N:
+        return f"intermediate size {intermediate} (the fused-linear kernels take multiples of {max(BLOCK_K, BLOCK_N)})"
+    if head_dim not in (64, 128):
+        return f"head dim {head_dim} (the fused-linear kernels take 64 or 128)"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    triton, tl = _modules()
+
+    @triton.jit
+    def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
+                             v_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
+                             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        # program (row tile, head): head < HEADS is q head h, then KV_HEADS k heads, then v heads
+        # (the fused projection's column order); its two rotate-half halves are computed apart
+        tile = tl.program_id(0)
+        h = tl.program_id(1)
+        half: tl.constexpr = HEAD_DIM // 2
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        rows = rows.to(tl.int64)
+        dd = tl.arange(0, BLOCK_D)  # the norm's statistic over the whole row, in float32
+        xr = tl.load(x_ptr + rows[:, None] * K + dd[None, :], mask=row_ok[:, None] & (dd < K)[None, :],
+                     other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xr * xr, axis=1) / K + eps)
+        d = tl.arange(0, half)
+        n1 = h * HEAD_DIM + d
+        acc1 = tl.zeros([BLOCK_M, half], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, half], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
+            # RMSNorm rounded as it rounds: the normalised value before the weight, the product after
+            y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+            xs = (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
+            w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :])
+            w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :])
+            acc1 += tl.dot(xs, tl.trans(w1))
+            acc2 += tl.dot(xs, tl.trans(w2))
+        dt = q_out_ptr.dtype.element_ty
+        if HAS_BIAS:  # (Qwen2's q/k/v bias) added before the rounding, as a GEMM's epilogue adds it
+            acc1 += tl.load(b_ptr + n1).to(tl.float32)[None, :]
+            acc2 += tl.load(b_ptr + n1 + half).to(tl.float32)[None, :]
+        x1 = acc1.to(dt).to(tl.float32)  # the projection's output, rounded as a GEMM's
+        x2 = acc2.to(dt).to(tl.float32)
+        wpos = tl.load(write_ptr + rows, mask=row_ok, other=0)
+        dst = (rows // tokens_per_row) * k_sb + wpos * k_sp  # the row's cache position (+ head below)
+        if h >= HEADS + KV_HEADS:  # v head: as projected
+            vh = h - HEADS - KV_HEADS
+            o = v_ptr + dst[:, None] + vh * k_sh + d[None, :]
+            tl.store(o, x1.to(dt), mask=row_ok[:, None])
+            tl.store(o + half, x2.to(dt), mask=row_ok[:, None])
+        else:
+            pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            cs = pos[:, None] * HEAD_DIM + d[None, :]
+            cos1 = tl.load(cos_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            cos2 = tl.load(cos_ptr + cs + half, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sin1 = tl.load(sin_ptr + cs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sin2 = tl.load(sin_ptr + cs + half, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            r1 = (x1 * cos1 - x2 * sin1).to(dt)
+            r2 = (x2 * cos2 + x1 * sin2).to(dt)
+            if h < HEADS:
+                o = q_out_ptr + (rows[:, None] * HEADS + h) * HEAD_DIM + d[None, :]
+                tl.store(o, r1, mask=row_ok[:, None])
+                tl.store(o + half, r2, mask=row_ok[:, None])
+            else:
+                o = k_ptr + dst[:, None] + (h - HEADS) * k_sh + d[None, :]
+                tl.store(o, r1, mask=row_ok[:, None])
+                tl.store(o + half, r2, mask=row_ok[:, None])
+
+    @triton.jit
+    def linear_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, n_rows, K, N,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (row tile, column tile): out = res + a @ w^T, the product rounded before the add
+        # and the sum after, as a GEMM followed by an add
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        rows = rows.to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * K + kk[None, :])
+            acc += tl.dot(a, tl.trans(w))
+        dt = out_ptr.dtype.element_ty
+        r = tl.load(res_ptr + rows[:, None] * N + n[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        y = acc.to(dt).to(tl.float32) + r
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], y.to(dt), mask=row_ok[:, None])
+
+    @triton.jit
+    def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, n_rows, K, n_inter, eps,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+        # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
+        # rows n_inter + j of the fused [gate | up] weight; rounded as the unfused ops round
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_rows
+        rows = rows.to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        dd = tl.arange(0, BLOCK_D)  # the norm's statistic over the whole row, in float32
+        xr = tl.load(x_ptr + rows[:, None] * K + dd[None, :], mask=row_ok[:, None] & (dd < K)[None, :],
+                     other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xr * xr, axis=1) / K + eps)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
+            # RMSNorm rounded as it rounds: the normalised value before the weight, the product after
+            y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+            xs = (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
+            wg = tl.load(w_ptr + n[:, None] * K + kk[None, :])
+            wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :])
+            acc_g += tl.dot(xs, tl.trans(wg))
+            acc_u += tl.dot(xs, tl.trans(wu))
+        dt = out_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * n_inter + n[None, :], (s * u).to(dt), mask=row_ok[:, None])
+
+    return norm_qkv_rope_kernel, linear_residual_kernel, norm_gate_up_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor,
+                  bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """RMSNorm(x) @ wqkv^T, RoPE on q and k, k and v written into the cache: one kernel.
+
+    Args:
+        x: ``[B, Q, d]`` the residual stream (contiguous).
+        norm_weight: ``[d]`` the attention norm's weight; ``eps`` its epsilon.
+        wqkv: ``[(heads + 2 * kv_heads) * head_dim, d]`` the fused projection's weight (q, k, v);
+            bias: its ``[(heads + 2 * kv_heads) * head_dim]`` bias or None.
+        cos, sin: ``[max_positions, head_dim]`` rotate-half RoPE tables.
+        pos: ``[B, Q]`` int64 rotary position of each token; write_pos: ``[B, Q]`` int64 cache
+            position its K/V goes to.
+        k_cache, v_cache: one layer's ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
+
+    Returns:
+        Rotated q ``[B, Q, heads, head_dim]``.
+    """
+    norm_qkv_rope_kernel, _, _ = _kernels()
+    B, Q, d = x.shape
+    hd = cos.shape[-1]
+    rows = B * Q
+    q = torch.empty((B, Q, heads, hd), dtype=x.dtype, device=x.device)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and x.is_contiguous()
+    grid = (-(-rows // BLOCK_M), heads + 2 * kv_heads)
+    norm_qkv_rope_kernel[grid](x, norm_weight, wqkv, wqkv if bias is None else bias, cos, sin, pos.contiguous(),
+                               write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
+                               HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+                               BLOCK_K=BLOCK_K, BLOCK_D=_pow2(d), num_warps=4)
+    return q
+
+
+def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + a @ weight^T`` in one kernel (the O and down projections with their residual add).
+
+    Args:
+        a: ``[..., K]`` contiguous; weight: ``[N, K]``; residual: ``[..., N]`` contiguous.
+
+    Returns:
+        The new residual stream ``[..., N]`` (a new tensor: earlier ones stay valid as taps).
+    """
+    _, linear_residual_kernel, _ = _kernels()
+    N, K = weight.shape
+    rows = a.numel() // K
+    out = torch.empty_like(residual)
+    assert a.is_contiguous() and residual.is_contiguous()
+    linear_residual_kernel[(-(-rows // BLOCK_M), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=BLOCK_M,
+                                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation ``silu(h @ gate^T) * (h @ up^T)`` of ``h = RMSNorm(x)`` in one kernel.
+
+    Args:
+        x: ``[..., d]`` the residual stream (contiguous); norm_weight ``[d]`` and ``eps``: the FFN norm.
+        w13: ``[2 * I, d]`` the fused [gate | up] weight.
+
+    Returns:
+        ``[..., I]``, the input of the down projection.
+    """
+    _, _, norm_gate_up_kernel = _kernels()
+    d = x.shape[-1]
+    inter = w13.shape[0] // 2
+    rows = x.numel() // d
+    out = torch.empty(x.shape[:-1] + (inter,), dtype=x.dtype, device=x.device)
+    assert x.is_contiguous()
+    norm_gate_up_kernel[(-(-rows // BLOCK_M), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
+                                                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                                                 BLOCK_D=_pow2(d), num_warps=4)
+    return out
