@@ -246,11 +246,15 @@ def auth_metadata(key: str | None) -> list[tuple[str, str]]:
 
 
 def bearer_matches(header: str | bytes | None, expected: bytes) -> bool:
-    """Whether an ``authorization`` header equals ``expected`` (``b"Bearer <key>"``), compared in
+    """Whether an ``authorization`` header carries the credentials of ``expected``
+    (``b"Bearer <key>"``): the scheme compared without regard to case (RFC 7235, 2.1), the key in
     constant time (``hmac.compare_digest``): the comparison time tells nothing of the key."""
     if header is None:
         return False
-    return hmac.compare_digest(header.encode() if isinstance(header, str) else header, expected)
+    scheme, _, key = (header.encode("latin-1", "replace") if isinstance(header, str) else header).partition(b" ")
+    want_scheme, _, want_key = expected.partition(b" ")
+    key_ok = hmac.compare_digest(key.strip(b" "), want_key)
+    return key_ok and scheme.lower() == want_scheme.lower()
 
 
 class _Malformed:

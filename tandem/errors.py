@@ -17,6 +17,17 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def check_utf8(text: str, what: str = "prompt", param: str | None = "prompt") -> None:
+    """Raise InvalidRequestError when ``text`` has no UTF-8 encoding (a lone surrogate: ``"\\ud800"``
+    in JSON, or undecodable bytes on a command line): it could be neither tokenized nor matched
+    against decoded text nor sent to another service."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})",
+                                  param=param) from None
+
+
 class ConfigError(ValueError):
     """A bad engine setting (unknown device, CUDA asked for on a machine without it, ...)."""
 

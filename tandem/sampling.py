@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, check_utf8
 from .structured import Structure
 
 
@@ -105,6 +105,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
+            check_utf8(s, "a stop string", "stop")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}",
@@ -130,6 +131,8 @@ class SamplingParams:
         if self.structure is not None and not isinstance(self.structure, Structure):
             raise InvalidRequestError(f"structure must be a tandem.structured.Structure, got {self.structure!r}",
                                       param="response_format")
+        if self.structure is not None:
+            check_utf8(self.structure.spec, "the structure's specification", self.structure.param)
         if self.structure is not None and (self.min_tokens or self.ignore_eos):
             # a complete grammar allows only EOS: holding EOS off would leave no token to emit
             name = "min_tokens" if self.min_tokens else "ignore_eos"

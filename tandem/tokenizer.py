@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, check_utf8
 from .models.weights import Checkpoint
 
 try:
@@ -21,16 +21,6 @@ except ImportError:  # tokenizers < 0.21: IncrementalDetokenizer decodes in Pyth
 log = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # as the OpenAI API accepts them
-
-
-def check_utf8(text: str) -> None:
-    """Raise InvalidRequestError when ``text`` cannot be encoded as UTF-8 (lone surrogates, e.g.
-    from undecodable bytes on a command line)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"prompt is not valid UTF-8 text ({exc.reason} at position {exc.start})",
-                                  param="prompt") from None
 
 
 class Tokenizer:

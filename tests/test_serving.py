@@ -11,6 +11,7 @@ path of speculative *sampling* (sparse top-K q) is checked for losslessness in-p
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import signal
 import threading
@@ -25,7 +26,7 @@ import torch
 from conftest import SMALL_VOCAB, spec_bench_prompts
 from test_speculative import sampling_setup  # noqa: F401  (fixture: small-vocabulary target, draft, exact logits)
 
-from services.common import BackgroundServer, auth_metadata, params_to_pb
+from services.common import BackgroundServer, Delta, auth_metadata, params_to_pb
 from services.launch import StackConfig, start_stack
 from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.drafters import DraftModelDrafter, NgramDrafter
@@ -648,6 +649,10 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "stream": True, "stream_options": {"foo": 1}}, "unknown stream_options field(s): foo",
      "stream_options.foo"),
     (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB", None),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "a stop string is not valid UTF-8",
+     "stop"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\udfff"], "stream": true}',
+     "a stop string is not valid UTF-8", "stop"),
 ])
 def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle,
                                                         param):
@@ -668,10 +673,12 @@ def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id,
 
 
 def test_http_protocol_errors_use_the_openai_shape(stack):
-    """Unknown path 404, wrong method 405 and a body without a JSON content type 400, each as
-    {"error": {"message", "type", "param", "code"}} like every other error."""
-    def call(path, method="POST", data=b"{}", ctype="application/json"):
-        headers = {"authorization": f"Bearer {KEY}", **({"content-type": ctype} if ctype else {})}
+    """Unknown path 404, wrong method 405, a body without a JSON content type 400, a compressed
+    body 400 naming its encoding, an unknown model's card 404, each as {"error": {"message",
+    "type", "param", "code"}} like every other error; the served model's card as OpenAI's; the
+    bearer scheme in any case; the API's documentation pages behind the key."""
+    def call(path, method="POST", data=b"{}", ctype="application/json", auth=f"Bearer {KEY}", **extra):
+        headers = {**({"authorization": auth} if auth else {}), **({"content-type": ctype} if ctype else {}), **extra}
         req = urllib.request.Request(f"{stack.http_url}{path}", data=data if method == "POST" else None,
                                      headers=headers, method=method)
         try:
@@ -686,9 +693,39 @@ def test_http_protocol_errors_use_the_openai_shape(stack):
         (call("/v1/chat/completions", method="GET"), 405, "GET is not allowed"),
         (call("/v1/chat/completions", data=body, ctype="application/x-www-form-urlencoded"), 400,
          "Content-Type: application/json"),
+        (call("/v1/chat/completions", data=gzip.compress(body), **{"content-encoding": "gzip"}), 400,
+         "Content-Encoding 'gzip' is not supported"),
+        (call("/v1/models/gpt-9", method="GET"), 404, "is not served here"),
+        (call("/openapi.json", method="GET", auth=None), 401, "bearer token"),
     ]:
         assert status == want and set(payload["error"]) == {"message", "type", "param", "code"}, payload
         assert needle in payload["error"]["message"] and payload["error"]["code"] == want
+    models = call("/v1/models", method="GET")[1]["data"]
+    status, card = call(f"/v1/models/{models[0]['id']}", method="GET", auth=f"bEaReR {KEY}")
+    assert status == 200 and card == models[0] and card["object"] == "model"
+    assert call("/openapi.json", method="GET")[0] == 200
+
+
+def test_a_fault_inside_a_stream_ends_it_with_an_error_event():
+    """An exception raised while a choice streams (a fault of ours, not a replica's) ends the stream
+    with an OpenAI-shaped error event, not as if the request had finished."""
+    from services.router.http import _stream
+    from tandem.requests import RequestOutput
+
+    class Broken:
+        model_name, fingerprint = "m", "fp"
+
+        async def generate(self, req, category, api):
+            yield Delta(RequestOutput("r", [1], "a", False, None))
+            raise RuntimeError("boom")
+
+    async def collect():
+        return [e async for e in _stream(Broken(), [object()], "default", "r", 0, True, False)]
+
+    events = asyncio.run(collect())
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert len(errors) == 1 and errors[0]["code"] == 500 and "RuntimeError" in errors[0]["message"], events
+    assert any('"content": "a"' in e for e in events)  # what came before the fault was sent
 
 
 def test_grpc_invalid_argument(stack, local_engine, prompts):

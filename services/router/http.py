@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -41,6 +42,8 @@ from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 from .core import Router
 from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, no_duplicate_keys, undecodable
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
+
+log = logging.getLogger(__name__)
 
 
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
@@ -73,8 +76,12 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
+_API_DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # FastAPI's pages of the API
+
+
 class _BearerAuth:
-    """ASGI middleware: /v1/* needs ``Authorization: Bearer <api_key>`` (else 401). Plain ASGI, not
+    """ASGI middleware: /v1/* and the API's documentation pages need ``Authorization: Bearer
+    <api_key>`` (else 401); /health and /metrics stay open to probes and scrapers. Plain ASGI, not
     Starlette's ``BaseHTTPMiddleware``, whose wrapped ``receive`` hides a client's disconnect from
     the endpoint (a non-streamed request would then run on after its client left)."""
 
@@ -82,7 +89,7 @@ class _BearerAuth:
         self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") \
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in _API_DOCS) \
                 and not bearer_matches(dict(scope.get("headers") or ()).get(b"authorization"), self.expected):
             return await _error(401, "missing or wrong bearer token", "authentication_error")(scope, receive, send)
         return await self.app(scope, receive, send)
@@ -197,6 +204,12 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     async def _invalid(request: Request, exc: InvalidRequestError):
         return _error(400, str(exc), param=exc.param)
 
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        """A fault of ours: OpenAI's error shape, the traceback in the log (not in the response)."""
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); the request was not completed", "server_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         """Starlette's own errors in OpenAI's shape: unknown path 404, wrong method 405, and a body
@@ -230,10 +243,18 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         body, ctype = router.metrics.exposition()
         return Response(body, media_type=ctype)
 
+    def model_card() -> dict:
+        return {"id": router.model_name, "object": "model", "created": int(router.started), "owned_by": "tandem"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": router.model_name, "object": "model", "created": int(router.started),
-                                            "owned_by": "tandem"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != router.model_name:
+            return _error(404, f"model {model!r} is not served here; use {router.model_name!r}", param="model")
+        return model_card()
 
     async def run(request: Request, req, prompt, chat: bool, params: SamplingParams, chat_api: bool,
                   requested: tuple[str, int] | None = None, tools: list[Tool] | None = None):
@@ -423,6 +444,9 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
         try:
             async for event in router.generate(engine_req, category, "chat" if chat_api else "text_completion"):
                 await merged.put((i, event))
+        except Exception as exc:  # a fault of ours: the stream ends with an error event, never as if it finished
+            log.exception("stream %s, choice %d failed", rid, i)
+            merged.put_nowait((i, exc))
         finally:
             merged.put_nowait((i, None))  # this choice has nothing more
 
@@ -447,9 +471,10 @@ async def _stream(router: Router, engine_reqs: list, category: str, rid: str, cr
                     yield chunk([_choice(out.text_delta, out.finish_reason if out.finished else None, chat_api, True,
                                          lp, out.stop_reason if out.finished else None, index=i,
                                          tool_call=parse_tool_call(out.text_delta, tools) if tools else None)])
-            elif isinstance(event, Failed):
-                yield json.dumps({"error": {"message": event.message, "type": "server_error", "param": None,
-                                            "code": 503}})
+            elif isinstance(event, (Failed, Exception)):
+                message, code = ((event.message, 503) if isinstance(event, Failed) else
+                                 (f"internal error ({type(event).__name__}); the request was not completed", 500))
+                yield json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
                 failed = True
                 break
             elif isinstance(event, Done):

@@ -227,7 +227,11 @@ async def no_duplicate_keys(request: Request) -> None:
 
 async def undecodable(request: Request) -> str:
     """Why a body the framework could not parse is bad, for the error message: invalid UTF-8 (and
-    where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send."""
+    where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send; a compressed
+    body (``Content-Encoding``) is named as such."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return f"Content-Encoding {encoding!r} is not supported (send the body uncompressed)"
     try:
         body = await request.body()
     except Exception:  # the stream was consumed and not kept: say what to send
