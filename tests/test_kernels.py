@@ -325,8 +325,10 @@ def test_kernel_rows_are_batch_and_width_invariant(where):
     many, w_o, w13 = rand(40, 384), rand(384, 384) * 0.05, rand(1024, 384) * 0.05
     moved = many.clone()
     moved[37] = many[3]
-    for fn in (lambda t: fused_linear.linear_residual(t, w_o, t), lambda t: fused_linear.norm_gate_up(t, w, 1e-5, w13)):
-        assert torch.equal(fn(many[3:4])[0], fn(moved)[37]) and torch.equal(fn(many)[3], fn(many[3:4])[0])
+    for bm in (fused_linear.BLOCK_M, fused_linear.PREFILL_BLOCK_M):
+        for fn in (lambda t: fused_linear.linear_residual(t, w_o, t, block_m=bm),
+                   lambda t: fused_linear.norm_gate_up(t, w, 1e-5, w13, block_m=bm)):
+            assert torch.equal(fn(many[3:4])[0], fn(moved)[37]) and torch.equal(fn(many)[3], fn(many[3:4])[0]), bm
     k, v = cache_k[:, :, :64].expand(40, -1, -1, -1).clone(), cache_v[:, :, :64].expand(40, -1, -1, -1).clone()
     wqkv = rand((heads + 2 * kv_heads) * hd, 384) * 0.05
     at = torch.full((40, 1), 9, device=device)
@@ -423,3 +425,25 @@ def test_fused_linear_kernels_match_plain_ops(where):
     gate, up = torch.nn.functional.linear(rms(res, nw), w13).float().chunk(2, -1)
     torch.testing.assert_close(fused_linear.norm_gate_up(res, nw, 1e-5, w13).float(),
                                torch.nn.functional.silu(gate) * up, **tol)
+
+
+def test_fused_linear_prefill_does_not_depend_on_the_prompts_beside_it(tiny_checkpoint, where):
+    """With fused-linear a prompt's K/V cache after its prefill is bitwise the same whether it was
+    prefilled alone or in one forward with longer and shorter prompts (fixed 64-row tiles; the plain
+    fused path's prefill GEMMs are cuBLAS's, whose kernel depends on the number of rows)."""
+    device, dtype = where
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    rng = random.Random(3)
+    vocab = ckpt.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(40)]
+    others = [[rng.randrange(vocab) for _ in range(n)] for n in (70, 9)]
+    caches = []
+    for batch in ([prompt], [others[0], prompt, others[1]]):
+        runner = _runner(ckpt, "fused-linear", 3, dtype=dtype, device=device, max_seq_len=128)
+        for _ in batch:
+            runner.cache.allocate()
+        runner.prefill(dict(enumerate(batch)))
+        s = batch.index(prompt)
+        n = runner.cache.lengths[s]
+        caches.append((runner.cache.k[:, s, :, :n].clone(), runner.cache.v[:, s, :, :n].clone()))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

@@ -23,8 +23,11 @@ dtype where the unfused ops round (each projection's output, the residual sum, t
 before its weight), so the two fused paths are close but not bitwise equal: losslessness needs one
 path for target-only and speculative rounds alike, which the runner's ``kernels`` choice gives.
 
-For decode and verify steps (at most ``MAX_FUSED_TOKENS`` tokens a row); prefills keep the cuBLAS
-GEMMs, whose large tiles suit thousands of rows. Shapes: hidden size and intermediate size
+Decode and verify steps run 16-row tiles; prefills run 64-row tiles (``PREFILL_BLOCK_M``: a
+prefill has thousands of rows, and each tile reads the layer's weights once). Either way the
+tile size is fixed, so a prompt's K/V and first token do not depend on the prompts it was
+prefilled with: the cuBLAS GEMMs of the plain fused path choose their kernel by the number of
+rows, which can move a row's last bits with the batch. Shapes: hidden size and intermediate size
 multiples of ``BLOCK_K`` and ``BLOCK_N``, head size 64 or 128 (``unsupported_reason``).
 """
 
@@ -36,7 +39,8 @@ import torch
 
 from .kernels import _modules
 
-BLOCK_M = 16  # rows a program holds: the smallest tensor-core tile, and the invariance unit
+BLOCK_M = 16  # rows a program holds in a decode or verify step: the smallest tensor-core tile
+PREFILL_BLOCK_M = 64  # rows a program holds in a prefill: each weight tile is read once per 64 rows
 BLOCK_N = 32  # output columns a program of linear_residual / norm_gate_up computes
 BLOCK_K = 64  # the reduction's step
 
@@ -179,7 +183,8 @@ def _pow2(n: int) -> int:
 
 def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor,
                   bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+                  block_m: int = BLOCK_M) -> torch.Tensor:
     """RMSNorm(x) @ wqkv^T, RoPE on q and k, k and v written into the cache: one kernel.
 
     Args:
@@ -191,6 +196,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
         pos: ``[B, Q]`` int64 rotary position of each token; write_pos: ``[B, Q]`` int64 cache
             position its K/V goes to.
         k_cache, v_cache: one layer's ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
+        block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
 
     Returns:
         Rotated q ``[B, Q, heads, head_dim]``.
@@ -201,20 +207,22 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
     rows = B * Q
     q = torch.empty((B, Q, heads, hd), dtype=x.dtype, device=x.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and x.is_contiguous()
-    grid = (-(-rows // BLOCK_M), heads + 2 * kv_heads)
+    grid = (-(-rows // block_m), heads + 2 * kv_heads)
     norm_qkv_rope_kernel[grid](x, norm_weight, wqkv, wqkv if bias is None else bias, cos, sin, pos.contiguous(),
                                write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
-                               HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
+                               HAS_BIAS=bias is not None, BLOCK_M=block_m,
                                BLOCK_K=BLOCK_K, BLOCK_D=_pow2(d), num_warps=4)
     return q
 
 
-def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    block_m: int = BLOCK_M) -> torch.Tensor:
     """``residual + a @ weight^T`` in one kernel (the O and down projections with their residual add).
 
     Args:
         a: ``[..., K]`` contiguous; weight: ``[N, K]``; residual: ``[..., N]`` contiguous.
+        block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
 
     Returns:
         The new residual stream ``[..., N]`` (a new tensor: earlier ones stay valid as taps).
@@ -224,17 +232,19 @@ def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     rows = a.numel() // K
     out = torch.empty_like(residual)
     assert a.is_contiguous() and residual.is_contiguous()
-    linear_residual_kernel[(-(-rows // BLOCK_M), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=BLOCK_M,
+    linear_residual_kernel[(-(-rows // block_m), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=block_m,
                                                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
 
-def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor) -> torch.Tensor:
+def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor,
+                 block_m: int = BLOCK_M) -> torch.Tensor:
     """SwiGLU's activation ``silu(h @ gate^T) * (h @ up^T)`` of ``h = RMSNorm(x)`` in one kernel.
 
     Args:
         x: ``[..., d]`` the residual stream (contiguous); norm_weight ``[d]`` and ``eps``: the FFN norm.
         w13: ``[2 * I, d]`` the fused [gate | up] weight.
+        block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
 
     Returns:
         ``[..., I]``, the input of the down projection.
@@ -245,7 +255,7 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
     rows = x.numel() // d
     out = torch.empty(x.shape[:-1] + (inter,), dtype=x.dtype, device=x.device)
     assert x.is_contiguous()
-    norm_gate_up_kernel[(-(-rows // BLOCK_M), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
-                                                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    norm_gate_up_kernel[(-(-rows // block_m), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
+                                                                 BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                                                  BLOCK_D=_pow2(d), num_warps=4)
     return out

@@ -136,7 +136,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.max_positions = max_positions
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
-        self.fused_linear = False  # ... with the projections fused too (fused_linear.py; decode/verify only)
+        self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (kernels.ATTN_BACKENDS)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -228,9 +228,9 @@ class Transformer(nn.Module):
                       taps: tuple[int, ...] = (), prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
         fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (five with
-        ``fused_linear``, whose kernels fuse the projections with their neighbours; decode and
-        verify steps only), no attention mask, and every row's result independent of the other
-        rows of the batch and of the row's width.
+        ``fused_linear``, whose kernels fuse the projections with their neighbours, prefills
+        included), no attention mask, and every row's result independent of the other rows of the
+        batch and of the row's width.
 
         Same arguments and result as ``forward_hidden`` (no trees). The cache rows need
         ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity,
@@ -256,16 +256,17 @@ class Transformer(nn.Module):
         eps = cfg.rms_norm_eps
         x = self.embed(tokens)
         tapped = [x] if _is_tap(0, taps) else []
-        if self.fused_linear and not prefill:  # five kernels a layer: the projections fused with their neighbours
+        if self.fused_linear:  # five kernels a layer: the projections fused with their neighbours
+            bm = fused_linear.PREFILL_BLOCK_M if prefill else fused_linear.BLOCK_M
             res = x.contiguous()  # the residual stream
             for i, layer in enumerate(self.layers):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
-                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
                 att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend)
-                res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res)
-                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight)
-                res = fused_linear.linear_residual(act, layer.w2.weight, res)
+                res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res, block_m=bm)
+                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
+                res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
                 if _is_tap(i + 1, taps):
                     tapped.append(res)
             hidden, _ = kernels.add_rmsnorm(res, None, self.norm.weight, eps)
