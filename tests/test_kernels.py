@@ -447,3 +447,67 @@ def test_fused_linear_prefill_does_not_depend_on_the_prompts_beside_it(tiny_chec
         n = runner.cache.lengths[s]
         caches.append((runner.cache.k[:, s, :, :n].clone(), runner.cache.v[:, s, :, :n].clone()))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_tree_attention_matches_masked_attention(where):
+    """``gqa_attention`` with per-token tree bits against float32 attention with the explicit mask
+    (the cache before the new tokens, then the token's ancestors and itself); a chain's bits give
+    bitwise the causal kernel's result."""
+    device, dtype = where
+    gen = torch.Generator(device=device).manual_seed(5)
+    B, Q, heads, kv_heads, hd, positions = 3, 6, 6, 2, 64, 200
+    q = torch.randn(B, Q, heads, hd, device=device, generator=gen).to(dtype)
+    k = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    v = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    seqlens = torch.tensor([Q + 10, Q + 130, Q], device=device, dtype=torch.int32)
+    parents = [[-1, 0, 0, 1, 2, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 4]]  # row 1: a chain
+    mask = torch.zeros(B, Q, Q, dtype=torch.bool, device=device)
+    for b, ps in enumerate(parents):
+        for i, p in enumerate(ps):
+            mask[b, i, i] = True
+            if p >= 0:
+                mask[b, i] |= mask[b, p]
+    bits = (mask.to(torch.int32) << torch.arange(Q, device=device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    got = gqa_attention(q, k, v, seqlens, bits).float()
+    g = heads // kv_heads
+    keys = torch.arange(positions, device=device)
+    prefix = (seqlens.long() - Q)[:, None]  # [B, 1]
+    rel = keys[None, :] - prefix  # [B, L]
+    new_seen = mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, positions))
+    visible = (rel < 0)[:, None, :] | ((rel >= 0) & (rel < Q))[:, None, :] & new_seen  # [B, Q, L]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().repeat_interleave(g, dim=1), v.float().repeat_interleave(g, dim=1),
+        attn_mask=visible[:, None]).transpose(1, 2)
+    err = (got - want).abs().max().item()
+    assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
+    chain = gqa_attention(q, k, v, seqlens)
+    assert torch.equal(gqa_attention(q, k, v, seqlens, bits)[1], chain[1])  # the chain row: bitwise causal
+
+
+def test_fused_tree_steps_match_the_reference_and_keep_chain_rows_exact(tiny_checkpoint, where):
+    """A verify step with token trees on the fused path: tree rows' logits as accurate as the
+    reference path's (which masks the whole cache), and a chain row's logits bitwise those it gets
+    in a step without trees of the same shape, so trees in a round leave the other rows lossless."""
+    device, dtype = where
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    rng = random.Random(7)
+    vocab = ckpt.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((30, 12, 50))}
+    runners = [_runner(ckpt, "reference", 3, dtype=torch.float32, device=device, max_seq_len=128),
+               _runner(ckpt, "reference", 3, dtype=dtype, device=device, max_seq_len=128),
+               _runner(ckpt, "fused", 3, dtype=dtype, device=device, max_seq_len=128)]
+    for r in runners:
+        for _ in prompts:
+            r.cache.allocate()
+        r.prefill(prompts)
+    step = {s: [rng.randrange(vocab) for _ in range(5)] for s in prompts}
+    trees = {0: [-1, 0, 0, 1, 2], 2: [-1, 0, 1, 1, 3]}  # slot 1 is a chain
+    outs = [r.step(step, trees=trees) for r in runners]
+    for s in prompts:
+        e_ref, e_fused = (_rel_err(o.logits[s, :5], outs[0].logits[s, :5]) for o in outs[1:])
+        assert e_fused <= max(1.5 * e_ref, 1e-3), (s, e_ref, e_fused)
+    fused = runners[2]
+    for s in prompts:
+        fused.cache.truncate(s, len(prompts[s]))
+    chain_only = fused.step(step)
+    assert torch.equal(chain_only.logits[1, :5], outs[2].logits[1, :5])

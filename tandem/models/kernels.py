@@ -256,14 +256,16 @@ def _attention_kernel():
     triton, tl = _modules()
 
     @triton.jit(do_not_specialize=["n_tokens"])
-    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, out_ptr, n_tokens, scale_log2, k_sb, k_sh, k_sp,
-                             GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, n_tokens, scale_log2, k_sb, k_sh,
+                             k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
         # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
         # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
         # row's limit is an exact no-op for it (alpha = 1, p = 0), so its result is the same whatever
-        # the tile holds besides it: batch- and width-invariant.
+        # the tile holds besides it: batch- and width-invariant. With HAS_TREE a packed row sees the
+        # cache before the new tokens and, of the new tokens, those its token's bits name (a token
+        # tree: itself and its ancestors); a chain's bits name the same keys as the causal limit.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         tile = tl.program_id(2)
@@ -281,12 +283,21 @@ def _attention_kernel():
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if HAS_TREE:
+            # [BLOCK_M] int32; a dead packed row (past the tokens) sees all, as causally: no empty row
+            bits = tl.load(tree_ptr + b * n_tokens + tok, mask=live, other=-1)
         for start in range(0, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < end
             kb = tl.load(k_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(qv, tl.trans(kb)) * scale_log2
-            s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
+            if HAS_TREE:
+                rel = n - (seqlen - n_tokens)  # the key's index among the new tokens (< 0: the cache)
+                shift = tl.minimum(tl.maximum(rel, 0), 31)
+                named = ((bits[:, None] >> shift[None, :]) & 1) != 0
+                s = tl.where((rel[None, :] < 0) | ((n[None, :] <= last[:, None]) & named), s, float("-inf"))
+            else:
+                s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -302,7 +313,7 @@ def _attention_kernel():
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  seqlens: torch.Tensor) -> torch.Tensor:
+                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each row's new tokens over its KV cache, query heads packed per KV head.
 
     Args:
@@ -313,6 +324,10 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             (``KVCache`` zero-fills).
         seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end);
             ``seqlens[b] >= Q``.
+        tree_bits: token-tree verification: ``[B, Q]`` int32, bit j of ``tree_bits[b, i]`` set =
+            new token i may see new token j (itself and its ancestors; j <= i, Q <= 31); the cache
+            before the new tokens is seen by all. None: causal (a chain), which equals bits
+            ``2**(i + 1) - 1`` bitwise.
 
     Returns:
         ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
@@ -326,15 +341,17 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     grid = (B, kv_heads, -(-Q * group // ATTN_BLOCK_M))
-    kernel[grid](q, k_cache, v_cache, seqlens, out, Q, math.log2(math.e) / math.sqrt(hd),
-                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                 GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
+    tree = tree_bits.contiguous() if tree_bits is not None else seqlens
+    kernel[grid](q, k_cache, v_cache, seqlens, tree, out, Q, math.log2(math.e) / math.sqrt(hd),
+                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), GROUP=group, HEADS=heads, HEAD_DIM=hd,
+                 HAS_TREE=tree_bits is not None, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
                  num_warps=4, num_stages=2)
     return out
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: torch.Tensor, backend: str = "triton") -> torch.Tensor:
+                           seqlens: torch.Tensor, backend: str = "triton",
+                           tree_bits: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
 
     Args:
@@ -346,6 +363,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             ``flash_attn_with_kvcache`` with ``ATTN_SPLITS`` split-KV chunks) or "flash-heuristic"
             (flash-attn choosing the split count from the batch size: a row's numerics then depend
             on its batch; only for measuring what invariance costs).
+        tree_bits: a token tree's visibility (``gqa_attention``); flash-attn has no tree mask, so a
+            step with one takes ``gqa_attention`` whatever the backend.
 
     Returns:
         ``[B, Q, heads, head_dim]``.
@@ -353,10 +372,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises:
         ValueError: an unknown backend.
     """
-    if backend == "triton":
-        return gqa_attention(q, k_cache, v_cache, seqlens)
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+    if backend == "triton" or tree_bits is not None:
+        return gqa_attention(q, k_cache, v_cache, seqlens, tree_bits)
     return _flash()(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
                     num_splits=ATTN_SPLITS if backend == "flash" else 0)
 

@@ -83,8 +83,8 @@ class RunnerConfig:
             target-only; it exists to measure what invariance costs), "fused-linear" ("fused" with
             the four projections of a decode or verify step fused with their neighbours, five
             kernels a layer: ``tandem.models.fused_linear``), "reference" (plain PyTorch
-            ops with a masked SDPA, the path a CPU always takes). Token trees take the reference
-            path; a prefill takes the fused one (flash-attn's attention where it is importable)
+            ops with a masked SDPA, the path a CPU always takes). Token trees take the fused path
+            too (tree bits in our attention kernel, whatever the attention backend); a prefill takes the fused one (flash-attn's attention where it is importable)
             when every row has room for its attention span. The fused path replaces ``compile``
             (which is then ignored).
     """

@@ -193,8 +193,9 @@ class Transformer(nn.Module):
             states or None when ``taps`` is empty).
         """
         B, Q = tokens.shape
-        if self.fused and depth is None and tree_mask is None and (Q <= MAX_FUSED_TOKENS or wide):
-            return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps, prefill=wide)
+        if self.fused and (Q <= MAX_FUSED_TOKENS or (wide and depth is None and tree_mask is None)):
+            return self.forward_fused(tokens, start, q_lens, k_cache, v_cache, taps, prefill=wide,
+                                      depth=depth, tree_mask=tree_mask)
         g = self.config.group_size
         scratch = k_cache.shape[3] - 1
         offs = torch.arange(Q, device=tokens.device)
@@ -225,14 +226,18 @@ class Transformer(nn.Module):
 
     def forward_fused(self, tokens: torch.Tensor, start: torch.Tensor, q_lens: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      taps: tuple[int, ...] = (), prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      taps: tuple[int, ...] = (), prefill: bool = False, depth: torch.Tensor | None = None,
+                      tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
         fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (five with
         ``fused_linear``, whose kernels fuse the projections with their neighbours, prefills
         included), no attention mask, and every row's result independent of the other rows of the
         batch and of the row's width.
 
-        Same arguments and result as ``forward_hidden`` (no trees). The cache rows need
+        Same arguments and result as ``forward_hidden``; a token tree (``depth``, ``tree_mask``;
+        not in a prefill) rotates each token for its depth and passes the mask to the attention
+        kernel as per-token bits over the new tokens (``kernels.gqa_attention``'s ``tree_bits``),
+        so a chain row of a step with trees gets exactly the logits of a chain step. The cache rows need
         ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity,
         enough for any decode or verify step; a prefill checks it: ``forward_hidden``'s ``wide``):
         attention runs over ``start + Q`` positions of each row, causally aligned at the end, so a
@@ -251,8 +256,11 @@ class Transformer(nn.Module):
         offs = torch.arange(Q, device=tokens.device)
         slot_pos = start[:, None] + offs[None, :]
         write_pos = torch.where(offs[None, :] < q_lens[:, None], slot_pos, torch.full_like(slot_pos, scratch))
-        rope_pos = slot_pos.clamp(max=self.max_positions - 1)
+        rope_pos = (slot_pos if depth is None else start[:, None] + depth).clamp(max=self.max_positions - 1)
         seqlens = (start + Q).to(torch.int32)
+        tree_bits = None
+        if tree_mask is not None:  # bit j of token i: i may see new token j (Q <= MAX_FUSED_TOKENS < 31)
+            tree_bits = (tree_mask.to(torch.int32) << offs.to(torch.int32)[None, None, :]).sum(-1, dtype=torch.int32)
         eps = cfg.rms_norm_eps
         x = self.embed(tokens)
         tapped = [x] if _is_tap(0, taps) else []
@@ -263,7 +271,7 @@ class Transformer(nn.Module):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
-                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend)
+                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits)
                 res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res, block_m=bm)
                 act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
                 res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
@@ -276,7 +284,7 @@ class Transformer(nn.Module):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
                                       k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend)
+            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
