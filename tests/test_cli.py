@@ -137,6 +137,19 @@ def test_generate_with_structured_output_and_adjustments(run, tmp_path):
     assert res.exit_code == 2 and "the JSON schema is not valid JSON" in res.stderr
 
 
+def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoint):
+    """An output cut by the context limit before --max-tokens says so on stderr (stdout keeps the
+    text only); one that reaches --max-tokens does not."""
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "500",
+              "--max-seq-len", "24", "--min-tokens", "500")  # EOS held off: only the context stops it
+    assert res.exit_code == 0, res.output
+    assert "stopped at the context limit (--max-seq-len 24)" in " ".join(res.stderr.split())
+    res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "3", "--max-seq-len", "24",
+              "--min-tokens", "3")
+    assert res.exit_code == 0 and "context limit" not in res.stderr
+
+
 def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_checkpoint, tmp_path):
     """``tandem demo`` (``make run``) through real processes (a drafter service with a one-layer
     draft model: it drafts every step): it names the drafter and the draft policy, and prints the draft lengths chosen per verification step (shares that add up) beside

@@ -511,3 +511,37 @@ def test_fused_tree_steps_match_the_reference_and_keep_chain_rows_exact(tiny_che
         fused.cache.truncate(s, len(prompts[s]))
     chain_only = fused.step(step)
     assert torch.equal(chain_only.logits[1, :5], outs[2].logits[1, :5])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
+    """Split-KV over fixed 64-position chunks (``chunk``): the same attention as the unsplit kernel
+    within rounding, rows short and long (one chunk, several, a chunk past a row's end); a row's
+    result bitwise the same alone or in a batch, and for its first tokens whatever its width."""
+    device, dtype = where
+    gen = torch.Generator(device=device).manual_seed(11)
+    B, Q, heads, kv_heads, hd, positions = 4, 5, 6, 2, 64, 330
+    q = torch.randn(B, Q, heads, hd, device=device, generator=gen).to(dtype)
+    k = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    v = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    seqlens = torch.tensor([Q, 70, 300, 129], device=device, dtype=torch.int32)
+    bits = None
+    if tree:  # token 2 branches off token 0; the rest a chain
+        parents = [-1, 0, 0, 1, 3]
+        rows = []
+        for i, p in enumerate(parents):
+            rows.append((1 << i) | (rows[p] if p >= 0 else 0))
+        bits = torch.tensor([rows] * B, device=device, dtype=torch.int32)
+    whole = gqa_attention(q, k, v, seqlens, bits)
+    split = gqa_attention(q, k, v, seqlens, bits, chunk=64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (split.float() - whole.float()).abs().max().item() < tol
+    for b in range(B):  # alone: the same bits
+        alone = gqa_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], seqlens[b:b + 1],
+                              None if bits is None else bits[b:b + 1], chunk=64)
+        assert torch.equal(alone[0], split[b]), b
+    if not tree:  # fewer tokens: the first ones unchanged
+        short = gqa_attention(q[:, :2].contiguous(), k, v, seqlens - (Q - 2), chunk=64)
+        assert torch.equal(short, split[:, :2])
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gqa_attention(q, k, v, seqlens, chunk=100)

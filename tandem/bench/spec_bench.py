@@ -414,7 +414,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup, kernels=kernels, attention=attention_name(kernels),
+                     warmup=warmup, kernels=kernels, attention=attention_name(kernels, rc.attention_chunk),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs)
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):

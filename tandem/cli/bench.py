@@ -55,6 +55,10 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
 @kernels_option
+@click.option("--attention-chunk", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Split-KV for our decode/verify attention over fixed chunks of this many cache positions (a "
+                   "multiple of 64; 0 = none): more programs for few rows or long contexts, still batch-invariant. "
+                   "In-process mode only.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
                    "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, budget, "
@@ -68,7 +72,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, prefill_graphs, max_seq_len, dtype,
-          kernels, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
+          kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if from_results:
@@ -105,13 +109,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-                   out, warmup, kernels, prefill_graphs)
+                   out, warmup, kernels, prefill_graphs, attention_chunk)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
-                   warmup, kernels="auto", prefill_graphs=None) -> None:
+                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=0) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -132,12 +136,14 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         names = [n for n in names if n != "hf-generate"]
     configs = parse_configs(",".join(names))
     check_mode(mode)
+    if attention_chunk and mode != "inproc":
+        fail("--attention-chunk applies to --mode inproc (the services take the default attention)")
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter, predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
-                                prefill_graphs=prefill_graphs)
+                                prefill_graphs=prefill_graphs, attention_chunk=attention_chunk)
     checkpoint = load_checkpoint(model)
     uses_predictor = any(c.uses_predictor for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)

@@ -94,13 +94,18 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail(str(exc))
         return
     if prompt is not None:
+        emitted, out = 0, None
         try:
             for out in engine.stream(prompt, params, chat=not no_chat):
                 sys.stdout.write(out.text_delta)
                 sys.stdout.flush()
+                emitted += len(out.new_token_ids)
         except InvalidRequestError as exc:
             fail(str(exc))
         sys.stdout.write("\n")
+        if out is not None and out.finish_reason == "length" and emitted < params.max_tokens:
+            err_console.print(f"[dim]stopped at the context limit (--max-seq-len {engine.max_seq_len}) after "
+                              f"{emitted} of --max-tokens {params.max_tokens} tokens[/dim]", highlight=False)
         if engine.drafter is not None:  # on stderr: stdout holds only the generated text
             st = engine.stats
             err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {fmt(st.acceptance_rate, '.3f')}, "

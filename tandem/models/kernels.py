@@ -89,10 +89,14 @@ def attention_backend_for(kernels: str) -> str:
     return _BACKEND_OF.get(kernels, "triton")
 
 
-def attention_name(kernels: str) -> str:
+def attention_name(kernels: str, chunk: int = 0) -> str:
     """The decode/verify attention a resolved ``kernels`` path uses, as reported in bench metadata:
-    "triton-gqa", "flash-attn", "flash-attn-heuristic", or "sdpa-masked" for "reference"."""
-    return _BACKEND_NAMES[_BACKEND_OF[kernels]] if kernels in _BACKEND_OF else "sdpa-masked"
+    "triton-gqa" (with "-split<chunk>" under a split-KV ``chunk``), "flash-attn",
+    "flash-attn-heuristic", or "sdpa-masked" for "reference"."""
+    if kernels not in _BACKEND_OF:
+        return "sdpa-masked"
+    name = _BACKEND_NAMES[_BACKEND_OF[kernels]]
+    return f"{name}-split{chunk}" if chunk and _BACKEND_OF[kernels] == "triton" else name
 
 
 def interpreted() -> bool:
@@ -255,10 +259,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _attention_kernel():
     triton, tl = _modules()
 
-    @triton.jit(do_not_specialize=["n_tokens"])
-    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, n_tokens, scale_log2, k_sb, k_sh,
-                             k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
+    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, n_tokens,
+                             n_chunks, scale_log2, k_sb, k_sh, k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
         # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
         # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
@@ -266,9 +271,16 @@ def _attention_kernel():
         # the tile holds besides it: batch- and width-invariant. With HAS_TREE a packed row sees the
         # cache before the new tokens and, of the new tokens, those its token's bits name (a token
         # tree: itself and its ancestors); a chain's bits name the same keys as the causal limit.
+        # With CHUNK > 0 the program covers keys [chunk * CHUNK, (chunk + 1) * CHUNK) only (fixed
+        # absolute bounds, whole BLOCK_N blocks) and writes its unnormalised partial (m, l, acc) for
+        # ``attention_combine_kernel``: split-KV whose split points do not depend on the batch.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         tile = tl.program_id(2)
+        chunk = 0
+        if CHUNK > 0:
+            chunk = tile % n_chunks
+            tile = tile // n_chunks
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         tok = rows // GROUP
         live = tok < n_tokens
@@ -286,9 +298,14 @@ def _attention_kernel():
         if HAS_TREE:
             # [BLOCK_M] int32; a dead packed row (past the tokens) sees all, as causally: no empty row
             bits = tl.load(tree_ptr + b * n_tokens + tok, mask=live, other=-1)
-        for start in range(0, end, BLOCK_N):
+        lo = 0
+        hi = end
+        if CHUNK > 0:
+            lo = chunk * CHUNK
+            hi = tl.minimum(end, lo + CHUNK)
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < end
+            n_ok = n < hi
             kb = tl.load(k_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(qv, tl.trans(kb)) * scale_log2
             if HAS_TREE:
@@ -299,21 +316,59 @@ def _attention_kernel():
             else:
                 s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # a row that has seen no key yet (a chunk past its limit, a dead row) stays at m = -inf
+            # with nothing added, instead of -inf - -inf; a row with a key seen is unchanged by this
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             vb = tl.load(v_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+        if CHUNK > 0:  # the partial of (b, kvh, chunk) for each packed row of the tile
+            prow = ((b * tl.num_programs(1) + kvh) * n_chunks + chunk) * (tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M) + rows
+            tl.store(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc)
+            tl.store(ml_ptr + prow * 2, m_i)
+            tl.store(ml_ptr + prow * 2 + 1, l_i)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=live[:, None])
+
+    @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
+    def attention_combine_kernel(part_ptr, ml_ptr, out_ptr, n_tokens, n_chunks, GROUP: tl.constexpr,
+                                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+        # program (row b, KV head, tile): the chunks' partials of each packed row merged in chunk
+        # order (a fixed order: the result depends on the row's own length only)
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        tile = tl.program_id(2)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        live = tok < n_tokens
+        d = tl.arange(0, HEAD_DIM)
+        rows_pad = tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M
+        base = (b * tl.num_programs(1) + kvh) * n_chunks
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for c in range(0, n_chunks):
+            m = tl.maximum(m, tl.load(ml_ptr + ((base + c) * rows_pad + rows) * 2))
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for c in range(0, n_chunks):
+            prow = (base + c) * rows_pad + rows
+            w = tl.exp2(tl.load(ml_ptr + prow * 2) - m_ref)
+            l_sum += tl.load(ml_ptr + prow * 2 + 1) * w
+            acc += tl.load(part_ptr + prow[:, None] * HEAD_DIM + d[None, :]) * w[:, None]
+        q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + rows % GROUP
+        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
                  mask=live[:, None])
 
-    return gqa_attention_kernel
+    return gqa_attention_kernel, attention_combine_kernel
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its KV cache, query heads packed per KV head.
 
     Args:
@@ -328,30 +383,49 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             new token i may see new token j (itself and its ancestors; j <= i, Q <= 31); the cache
             before the new tokens is seen by all. None: causal (a chain), which equals bits
             ``2**(i + 1) - 1`` bitwise.
+        chunk: 0, or split-KV over fixed chunks of this many cache positions (a multiple of
+            ``ATTN_BLOCK_N``): one program per (row, KV head, tile, chunk), then a kernel that
+            merges the chunks in order. More programs for few rows or long contexts; the split
+            points are absolute positions, so the result stays batch- and width-invariant (but is
+            not bitwise the unsplit kernel's).
 
     Returns:
         ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
         per KV head (GQA, Ainslie et al. 2023) for all Q tokens; fp32 accumulation.
     """
-    kernel = _attention_kernel()
+    kernel, combine = _attention_kernel()
     B, Q, heads, hd = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    grid = (B, kv_heads, -(-Q * group // ATTN_BLOCK_M))
+    tiles = -(-Q * group // ATTN_BLOCK_M)
     tree = tree_bits.contiguous() if tree_bits is not None else seqlens
-    kernel[grid](q, k_cache, v_cache, seqlens, tree, out, Q, math.log2(math.e) / math.sqrt(hd),
-                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), GROUP=group, HEADS=heads, HEAD_DIM=hd,
-                 HAS_TREE=tree_bits is not None, BLOCK_M=ATTN_BLOCK_M, BLOCK_N=ATTN_BLOCK_N,
-                 num_warps=4, num_stages=2)
+    scale = math.log2(math.e) / math.sqrt(hd)
+    meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M)
+    if not chunk:
+        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, Q, 1, scale,
+                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     HAS_TREE=tree_bits is not None, CHUNK=0, BLOCK_N=ATTN_BLOCK_N, **meta,
+                                     num_warps=4, num_stages=2)
+        return out
+    if chunk % ATTN_BLOCK_N:
+        raise ValueError(f"attention chunk must be a multiple of {ATTN_BLOCK_N} positions, got {chunk}")
+    n_chunks = -(-k_cache.shape[2] // chunk)  # from the cache's size: the same grid for every step
+    part = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, hd), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, 2), dtype=torch.float32, device=q.device)
+    kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, Q, n_chunks, scale,
+                                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                            HAS_TREE=tree_bits is not None, CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta,
+                                            num_warps=4, num_stages=2)
+    combine[(B, kv_heads, tiles)](part, ml, out, Q, n_chunks, **meta, num_warps=4)
     return out
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqlens: torch.Tensor, backend: str = "triton",
-                           tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                           tree_bits: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
 
     Args:
@@ -365,6 +439,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             on its batch; only for measuring what invariance costs).
         tree_bits: a token tree's visibility (``gqa_attention``); flash-attn has no tree mask, so a
             step with one takes ``gqa_attention`` whatever the backend.
+        chunk: ``gqa_attention``'s fixed split-KV chunk (0: none); flash-attn's split is its own.
 
     Returns:
         ``[B, Q, heads, head_dim]``.
@@ -375,7 +450,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {backend!r}")
     if backend == "triton" or tree_bits is not None:
-        return gqa_attention(q, k_cache, v_cache, seqlens, tree_bits)
+        return gqa_attention(q, k_cache, v_cache, seqlens, tree_bits, chunk)
     return _flash()(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
                     num_splits=ATTN_SPLITS if backend == "flash" else 0)
 

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
-from .kernels import attention_backend_for, attention_name, flash_available, fused_unavailable_reason
+from .kernels import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
 from .prefill import Prefiller
@@ -87,6 +87,9 @@ class RunnerConfig:
             too (tree bits in our attention kernel, whatever the attention backend); a prefill takes the fused one (flash-attn's attention where it is importable)
             when every row has room for its attention span. The fused path replaces ``compile``
             (which is then ignored).
+        attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
+            many cache positions (a multiple of 64; ``kernels.gqa_attention``): more programs for
+            few rows or long contexts, still batch- and width-invariant. Fused paths only.
     """
 
     device: str = "cpu"
@@ -101,6 +104,7 @@ class RunnerConfig:
     prefill_graphs: bool | None = None
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
+    attention_chunk: int = 0
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
@@ -185,6 +189,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if (config.cuda_graphs or config.compile) and self.device.type != "cuda":
             raise ValueError("cuda_graphs and compile need a CUDA device")
+        if not isinstance(config.attention_chunk, int) or config.attention_chunk < 0 or config.attention_chunk % ATTN_BLOCK_N:
+            raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, "
+                              f"got {config.attention_chunk!r}")
         trained = checkpoint.config.max_position_embeddings
         if config.max_seq_len > trained:
             raise ConfigError(f"--max-seq-len {config.max_seq_len} is past the model's trained context of "
@@ -196,6 +203,7 @@ class ModelRunner:
         self.model.fused = self._kernels != "reference"
         self.model.fused_linear = self._kernels == "fused-linear"
         self.model.attn_backend = attention_backend_for(self._kernels)
+        self.model.attn_chunk = config.attention_chunk
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
         # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
@@ -223,9 +231,10 @@ class ModelRunner:
 
     @property
     def attention_backend(self) -> str:
-        """Attention of decode/verify steps: "triton-gqa", "flash-attn", "flash-attn-heuristic" (fused
-        paths) or "sdpa-masked" (reference)."""
-        return attention_name(self.kernels)
+        """Attention of decode/verify steps: "triton-gqa" (with "-split<chunk>" under
+        ``attention_chunk``), "flash-attn", "flash-attn-heuristic" (fused paths) or "sdpa-masked"
+        (reference)."""
+        return attention_name(self.kernels, self.config.attention_chunk)
 
     # ------------------------------------------------------------------ forwards
 

@@ -138,6 +138,7 @@ class Transformer(nn.Module):
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (kernels.ATTN_BACKENDS)
+        self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; kernels.gqa_attention)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -271,7 +272,8 @@ class Transformer(nn.Module):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
-                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits)
+                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
+                                                     self.attn_chunk)
                 res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res, block_m=bm)
                 act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
                 res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
@@ -284,7 +286,8 @@ class Transformer(nn.Module):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
                                       k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits)
+            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
+                                                 self.attn_chunk)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
