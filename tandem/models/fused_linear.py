@@ -45,6 +45,12 @@ BLOCK_N = 32  # output columns a program of linear_residual / norm_gate_up compu
 BLOCK_K = 64  # the reduction's step
 
 
+def num_warps(block_m: int) -> int:
+    """Warps a program of ``block_m`` rows runs with: 4 for a decode tile, 8 for a prefill tile
+    (its accumulators and RoPE tables would not fit 4 warps' registers: ptxas spilled them)."""
+    return 4 if block_m <= BLOCK_M else 8
+
+
 def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | None:
     """Why a model's shapes do not fit these kernels, or None when they do."""
     if hidden % BLOCK_K or hidden % BLOCK_N:
@@ -64,7 +70,7 @@ def _kernels():
     def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
                              v_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
                              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # program (row tile, head): head < HEADS is q head h, then KV_HEADS k heads, then v heads
         # (the fused projection's column order); its two rotate-half halves are computed apart
         tile = tl.program_id(0)
@@ -73,10 +79,12 @@ def _kernels():
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
-        dd = tl.arange(0, BLOCK_D)  # the norm's statistic over the whole row, in float32
-        xr = tl.load(x_ptr + rows[:, None] * K + dd[None, :], mask=row_ok[:, None] & (dd < K)[None, :],
-                     other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xr * xr, axis=1) / K + eps)
+        sq = tl.zeros([BLOCK_M], tl.float32)  # the norm's statistic over the whole row, in fixed order
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sq += tl.sum(xr * xr, axis=1)
+        rstd = tl.rsqrt(sq / K + eps)
         d = tl.arange(0, half)
         n1 = h * HEAD_DIM + d
         acc1 = tl.zeros([BLOCK_M, half], tl.float32)
@@ -144,18 +152,19 @@ def _kernels():
 
     @triton.jit
     def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, n_rows, K, n_inter, eps,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
         # rows n_inter + j of the fused [gate | up] weight; rounded as the unfused ops round
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dd = tl.arange(0, BLOCK_D)  # the norm's statistic over the whole row, in float32
-        xr = tl.load(x_ptr + rows[:, None] * K + dd[None, :], mask=row_ok[:, None] & (dd < K)[None, :],
-                     other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xr * xr, axis=1) / K + eps)
+        sq = tl.zeros([BLOCK_M], tl.float32)  # the norm's statistic over the whole row, in fixed order
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sq += tl.sum(xr * xr, axis=1)
+        rstd = tl.rsqrt(sq / K + eps)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -175,10 +184,6 @@ def _kernels():
         tl.store(out_ptr + rows[:, None] * n_inter + n[None, :], (s * u).to(dt), mask=row_ok[:, None])
 
     return norm_qkv_rope_kernel, linear_residual_kernel, norm_gate_up_kernel
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor,
@@ -212,7 +217,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
                                write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
                                HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                               BLOCK_K=BLOCK_K, BLOCK_D=_pow2(d), num_warps=4)
+                               BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
     return q
 
 
@@ -233,7 +238,7 @@ def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     out = torch.empty_like(residual)
     assert a.is_contiguous() and residual.is_contiguous()
     linear_residual_kernel[(-(-rows // block_m), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=block_m,
-                                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+                                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
     return out
 
 
@@ -257,5 +262,5 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
     assert x.is_contiguous()
     norm_gate_up_kernel[(-(-rows // block_m), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
                                                                  BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                                 BLOCK_D=_pow2(d), num_warps=4)
+                                                                 num_warps=num_warps(block_m))
     return out

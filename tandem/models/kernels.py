@@ -48,6 +48,7 @@ FLASH_HEAD_DIMS = (64,)  # head sizes the bundled flash-attn build was compiled 
 ATTN_BACKENDS = ("triton", "flash", "flash-heuristic")  # decode/verify attention (``attention_with_kvcache``)
 ATTN_BLOCK_M = 16  # packed query rows (token x query head) per tile: the smallest tensor-core tile
 ATTN_BLOCK_N = 64  # keys per step of the attention loop
+ATTN_STAGES = 2  # software-pipelining stages of the attention loop (Triton's num_stages)
 
 
 @functools.lru_cache(maxsize=1)
@@ -316,9 +317,13 @@ def _attention_kernel():
             else:
                 s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row that has seen no key yet (a chunk past its limit, a dead row) stays at m = -inf
-            # with nothing added, instead of -inf - -inf; a row with a key seen is unchanged by this
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # with a tree or chunks a live row may have seen no key yet (a chunk past its limit): it
+            # stays at m = -inf with nothing added, instead of -inf - -inf; a row with a key seen is
+            # unchanged by this (the plain kernel keeps the plain step: one select fewer, no spill)
+            if HAS_TREE or CHUNK > 0:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # every live row sees key 0 in the first block (dead rows are not stored)
+                m_ref = m_new
             alpha = tl.exp2(m_i - m_ref)
             p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -408,7 +413,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, Q, 1, scale,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      HAS_TREE=tree_bits is not None, CHUNK=0, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                     num_warps=4, num_stages=2)
+                                     num_warps=4, num_stages=ATTN_STAGES)
         return out
     if chunk % ATTN_BLOCK_N:
         raise ValueError(f"attention chunk must be a multiple of {ATTN_BLOCK_N} positions, got {chunk}")
@@ -418,7 +423,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, Q, n_chunks, scale,
                                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                             HAS_TREE=tree_bits is not None, CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                            num_warps=4, num_stages=2)
+                                            num_warps=4, num_stages=ATTN_STAGES)
     combine[(B, kv_heads, tiles)](part, ml, out, Q, n_chunks, **meta, num_warps=4)
     return out
 

@@ -1,0 +1,89 @@
+"""Compile every Triton kernel of the fused path for sm_90 (an H100/H200) without a GPU.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (the tests' conftest turns it on):
+Triton's bundled ptxas takes each kernel, in each specialisation the engine launches, to a cubin.
+This catches what the interpreter cannot: typing and lowering errors, and register spills (local
+memory loads and stores, ``LDL``/``STL``, in the disassembly by the bundled nvdisasm). Prints a
+line per kernel; exits 1 when any fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("run without TRITON_INTERPRET")
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tandem.models import fused_linear, kernels
+
+    target = GPUTarget("cuda", 90, 32)
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    failed = 0
+
+    def build(fn, signature: dict, constexprs: dict, name: str, warps: int = 4, stages: int = 3) -> None:
+        nonlocal failed
+        sig = {**signature, **{k: "constexpr" for k in constexprs}}
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs), target=target, options={"num_warps": warps, "num_stages": stages})
+        except Exception as exc:  # a kernel that does not compile: the report names it
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
+            return
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
+        spills = sass.count("LDL") + sass.count("STL")
+        failed += spills > 0
+        print(f"{'FAIL' if spills else 'OK  '} {name} ({warps} warps, {stages} stages): {len(k.asm['cubin'])} B cubin, "
+              f"{spills} local-memory accesses (register spills)")
+
+    bf, i32, i64, f32 = "*bf16", "i32", "i64", "fp32"
+    add_rmsnorm, rope_kv, silu_mul = kernels._kernels()
+    build(add_rmsnorm, dict(x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, n_cols=i32, eps=f32),
+          dict(HAS_RES=True, BLOCK=1024), "add_rmsnorm")
+    build(rope_kv, dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, pos_ptr="*i64", write_ptr="*i64", q_out_ptr=bf, k_ptr=bf,
+                        v_ptr=bf, tokens_per_row=i32, k_sb=i64, k_sh=i64, k_sp=i64, qkv_stride=i32),
+          dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64), "rope_kv")
+    build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul")
+    attn, combine = kernels._attention_kernel()
+    for tree in (False, True):
+        for chunk in (0, 256):
+            part = "*fp32" if chunk else bf
+            build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
+                             part_ptr=part, ml_ptr=part, n_tokens=i32, n_chunks=i32, scale_log2=f32, k_sb=i64,
+                             k_sh=i64, k_sp=i64),
+                  dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=kernels.ATTN_BLOCK_M,
+                       BLOCK_N=kernels.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
+                  stages=kernels.ATTN_STAGES)
+    build(combine, dict(part_ptr="*fp32", ml_ptr="*fp32", out_ptr=bf, n_tokens=i32, n_chunks=i32),
+          dict(GROUP=3, HEADS=9, HEAD_DIM=64, BLOCK_M=kernels.ATTN_BLOCK_M), "attention_combine")
+    build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
+          dict(IS_PROBS=False, BLOCK=4096), "draft_features")
+    qkv, linear, gate_up = fused_linear._kernels()
+    for bm in (fused_linear.BLOCK_M, fused_linear.PREFILL_BLOCK_M):
+        for bias in (False, True):
+            build(qkv, dict(x_ptr=bf, nw_ptr=bf, w_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, pos_ptr="*i64",
+                            write_ptr="*i64", q_out_ptr=bf, k_ptr=bf, v_ptr=bf, n_rows=i32, K=i32, eps=f32,
+                            tokens_per_row=i32, k_sb=i64, k_sh=i64, k_sp=i64),
+                  dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_K=fused_linear.BLOCK_K),
+                  f"norm_qkv_rope block_m={bm} bias={bias}", warps=fused_linear.num_warps(bm))
+        build(linear, dict(a_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, N=i32),
+              dict(BLOCK_M=bm, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K), f"linear_residual block_m={bm}", warps=fused_linear.num_warps(bm))
+        build(gate_up, dict(x_ptr=bf, nw_ptr=bf, w_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, n_inter=i32, eps=f32),
+              dict(BLOCK_M=bm, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K), f"norm_gate_up block_m={bm}", warps=fused_linear.num_warps(bm))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
