@@ -564,3 +564,28 @@ def test_kernels_compile_for_the_gpu_without_spills():
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert res.stdout.count("OK  ") >= 17, res.stdout
+
+
+def test_runner_with_split_kv_attention(tiny_checkpoint, where):
+    """``RunnerConfig.attention_chunk`` reaches the attention kernel: prefill and a verify step
+    give the unsplit runner's logits within rounding, and the runner names the split; a chunk that
+    is not a multiple of 64 is a ConfigError."""
+    device, dtype = where
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    rng = random.Random(9)
+    vocab = ckpt.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((20, 5, 70))}  # 70: two chunks
+    step = {s: [rng.randrange(vocab) for _ in range(4)] for s in prompts}
+    outs = []
+    for chunk in (0, 64):
+        runner = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=3, max_seq_len=256,
+                                                kernels="fused", attention_chunk=chunk))
+        assert runner.attention_backend == ("triton-gqa-split64" if chunk else "triton-gqa")
+        for _ in prompts:
+            runner.cache.allocate()
+        runner.prefill(prompts)
+        outs.append(runner.step(step).logits[:, :4].float())
+    assert (outs[0] - outs[1]).abs().max().item() < (1e-4 if dtype == torch.float32 else 5e-2)
+    with pytest.raises(ConfigError, match="multiple of 64"):
+        ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
+                                       kernels="fused", attention_chunk=96))
