@@ -862,6 +862,37 @@ def test_init_from_fine_tunes_a_trained_head(trained, distilled, tmp_path):
     res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "ft"), "--max-steps", "2", "--init-from",
                                            str(tmp_path / "fresh")] + head_flags)
     assert res.exit_code == 2 and f"init_from_sha256 {start_sha!r}" in res.output, res.output
+    # more draft slots (l_d 4 -> 6) start from the trained head too; fewer are refused
+    res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "grown"), "--max-steps", "2", "--num-draft-tokens",
+                                           "6", "--init-from", str(out / "specformer")] + head_flags)
+    assert res.exit_code == 0, res.output
+    grown = json.loads((tmp_path / "grown" / "card.json").read_text())
+    assert grown["extra"]["num_draft_tokens"] == 6 and grown["training"]["first_loss"] < fresh_loss - 0.5
+    res = CliRunner().invoke(main, base + ["--out", str(tmp_path / "shrunk"), "--max-steps", "2", "--num-draft-tokens",
+                                           "2", "--init-from", str(out / "specformer")] + head_flags)
+    assert res.exit_code == 2 and "can grow draft slots, not lose them" in res.output
+
+
+def test_a_grown_head_starts_as_the_trained_one_with_copies_of_its_last_slot(tiny_ck):
+    """``load_start`` into a head with two more draft slots: every weight as trained, the new slots'
+    ``pos_ffn`` rows copies of the last slot's, so the old slots draft exactly as before and the new
+    ones as the last one does."""
+    from tandem.train.specformer import load_start, new_head
+
+    start = new_head(tiny_ck.config, 4, seed=1)
+    with torch.no_grad():
+        for p in start.parameters():
+            p.normal_(0, 0.02)
+    grown = new_head(tiny_ck.config, 6, seed=2)
+    load_start(grown, start)
+    d = tiny_ck.config.hidden_size
+    w0, w1 = start.pos_ffn.weight, grown.pos_ffn.weight
+    assert torch.equal(w1[:4 * d], w0) and torch.equal(w1[4 * d:5 * d], w0[3 * d:]) and torch.equal(w1[5 * d:], w0[3 * d:])
+    for name, p in start.state_dict().items():
+        if name != "pos_ffn.weight":
+            assert torch.equal(grown.state_dict()[name], p), name
+    with pytest.raises(ValueError, match="not lose them"):
+        load_start(new_head(tiny_ck.config, 2), start)
 
 
 def test_generate_says_when_k_exceeds_the_heads_draft_slots(trained):

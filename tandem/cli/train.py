@@ -247,7 +247,9 @@ def _finish_training(kind, out, result, t, train_cfg, extra, model, device, eval
 @click.option("--init-from", type=click.Path(), default=None,
               help="Start from this trained head (a directory with model.safetensors) instead of a fresh one: "
                    "fine-tuning, e.g. on more distilled data with a lower --lr. The other head options must "
-                   "describe the same head; the copy of --context-init-layers from the target is skipped.")
+                   "describe the same head, except a larger --num-draft-tokens (a head grown from l_d = 4 to 6 or "
+                   "8: its new slots start as copies of its last); the copy of --context-init-layers from the "
+                   "target is skipped.")
 def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, seed, max_answer_tokens, no_resume,
                          val_fraction, eval_limit, eval_max_tokens, eval_batch_size, model, device, num_draft, causal,
                          taps, bonus_token, context_next_token, context_layers, context_init_layers, context_mlp,
@@ -258,7 +260,7 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     from ..train.distill import model_fingerprint
     from ..train.loop import TrainConfig, train as run_training
     from ..train.run import load_train_target
-    from ..train.specformer import SpecFormerObjective, new_head
+    from ..train.specformer import SpecFormerObjective, load_start, new_head
 
     try:
         tap_list = tuple(int(t) for t in taps.split(",")) if taps is not None else None
@@ -285,12 +287,8 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
                         context_next_token=context_next_token, context_layers=context_layers,
                         context_mlp=context_mlp, intermediate_size=intermediate_size, context_init=init_list,
                         lookup_tokens=lookup_tokens)
-        if start is not None:
-            differ = [f"{k} {v!r} (there) vs {getattr(head.config, k)!r} (these options)"
-                      for k, v in asdict(start.config).items() if getattr(head.config, k) != v]
-            if differ:
-                raise ValueError(f"--init-from {init_from} is another head: {'; '.join(differ)}")
-            head.load_state_dict(start.state_dict())
+        if start is not None:  # the same head, or the same with more draft slots (load_start)
+            load_start(head, start)
         elif init_list:
             init_context_from_target(head, t.model)
         head = head.to(t.runner_config.device)

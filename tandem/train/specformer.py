@@ -155,6 +155,7 @@ class SpecFormerObjective:
             out.append(-(teacher * logp[:, j]).sum(-1))
         return torch.stack(out, dim=1)
 
+
 def new_head(target_config, num_draft_tokens: int = 4, taps: tuple[int, ...] | None = None,
              causal_draft: bool = False, seed: int = 0, bonus_token: bool = False, **shape) -> SpecFormerHead:
     """A freshly initialised head for ``target_config`` (seeded); ``shape``: further
@@ -166,3 +167,29 @@ def new_head(target_config, num_draft_tokens: int = 4, taps: tuple[int, ...] | N
     torch.manual_seed(seed)
     return SpecFormerHead(SpecFormerConfig.for_target(target_config, num_draft_tokens, taps, causal_draft,
                                                       bonus_token=bonus_token, **shape))
+
+
+def load_start(head: SpecFormerHead, start: SpecFormerHead) -> None:
+    """Start ``head``'s training from the trained ``start`` (``tandem train specformer --init-from``):
+    the same configuration, or the same but for more draft slots (l_d 4 -> 6 or 8). Every weight is
+    ``start``'s; a new slot's rows of ``pos_ffn`` (the only per-slot weight: slot j's offset from
+    the context state) start as the last trained slot's, so the new slots begin by drafting what
+    the last one drafts and fine-tuning moves them further ahead.
+
+    Raises:
+        ValueError: the configurations differ otherwise, or ``head`` has fewer slots than ``start``.
+    """
+    from dataclasses import asdict
+
+    differ = {k: v for k, v in asdict(start.config).items() if getattr(head.config, k) != v}
+    grow = head.config.num_draft_tokens - start.config.num_draft_tokens
+    if set(differ) - {"num_draft_tokens"} or grow < 0:
+        raise ValueError("--init-from is another head: " + "; ".join(
+            f"{k} {v!r} (there) vs {getattr(head.config, k)!r} (these options)" for k, v in differ.items())
+            + ("" if grow >= 0 else " (a head can grow draft slots, not lose them)"))
+    state = start.state_dict()
+    if grow:
+        d = head.config.hidden_size
+        w = state["pos_ffn.weight"]  # [l_d * d, d], slot-major
+        state["pos_ffn.weight"] = torch.cat([w] + [w[-d:]] * grow)
+    head.load_state_dict(state)
