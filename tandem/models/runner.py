@@ -84,9 +84,10 @@ class RunnerConfig:
             the four projections of a decode or verify step fused with their neighbours, five
             kernels a layer: ``tandem.models.fused_linear``), "reference" (plain PyTorch
             ops with a masked SDPA, the path a CPU always takes). Token trees take the fused path
-            too (tree bits in our attention kernel, whatever the attention backend); a prefill takes the fused one (flash-attn's attention where it is importable)
-            when every row has room for its attention span. The fused path replaces ``compile``
-            (which is then ignored).
+            too (tree bits in our attention kernel, whatever the attention backend); a prefill
+            takes the fused one (flash-attn's attention where it is importable) when every row has
+            room for its attention span. The fused path replaces ``compile`` (which is then
+            ignored).
         attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
             many cache positions (a multiple of 64; ``kernels.gqa_attention``): more programs for
             few rows or long contexts, still batch- and width-invariant. Fused paths only.
