@@ -102,10 +102,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**63), got {self.seed!r}", param="seed")
-        for s in self.stop:
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
-            check_utf8(s, "a stop string", "stop")
+            check_utf8(s, f"stop string {i}" if len(self.stop) > 1 else "the stop string", "stop")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**31:
                 raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {t!r}",

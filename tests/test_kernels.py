@@ -60,6 +60,8 @@ def test_kernel_choice_on_cpu(tiny_checkpoint, monkeypatch):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fused-flash"))
     with pytest.raises(ConfigError, match="kernels must be one of"):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fast"))
+    with pytest.raises(ConfigError, match="applies to our attention kernel.*sdpa-masked"):  # not ignored in silence
+        ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, attention_chunk=64))
 
 
 def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = (),

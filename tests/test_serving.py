@@ -649,10 +649,10 @@ HI = [{"role": "user", "content": "hi"}]
     ({"messages": HI, "stream": True, "stream_options": {"foo": 1}}, "unknown stream_options field(s): foo",
      "stream_options.foo"),
     (b'{"messages": [{"role": "user", "content": "' + b"x" * (5 * 2**20) + b'"}]}', "over 4 MiB", None),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "a stop string is not valid UTF-8",
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\ud800"}', "the stop string is not valid UTF-8",
      "stop"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\udfff"], "stream": true}',
-     "a stop string is not valid UTF-8", "stop"),
+     "stop string 1 is not valid UTF-8", "stop"),
 ])
 def test_malformed_requests_get_4xx_and_others_continue(stack, client, model_id, local_engine, prompts, body, needle,
                                                         param):
@@ -695,6 +695,8 @@ def test_http_protocol_errors_use_the_openai_shape(stack):
          "Content-Type: application/json"),
         (call("/v1/chat/completions", data=gzip.compress(body), **{"content-encoding": "gzip"}), 400,
          "Content-Encoding 'gzip' is not supported"),
+        (call("/v1/chat/completions", data=body, **{"content-encoding": "br"}), 400,  # JSON that parses all the same
+         "Content-Encoding 'br' is not supported"),
         (call("/v1/models/gpt-9", method="GET"), 404, "is not served here"),
         (call("/openapi.json", method="GET", auth=None), 401, "bearer token"),
     ]:

@@ -40,7 +40,8 @@ from tandem.structured import Structure
 from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
-from .schema import ChatCompletionRequest, ChatMessage, CompletionRequest, no_duplicate_keys, undecodable
+from .schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, identity_encoding, no_duplicate_keys,
+                     undecodable)
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 log = logging.getLogger(__name__)
@@ -298,14 +299,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                                include_usage, tools), ping=15)
         return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api, tools)
 
-    @app.post("/v1/completions", dependencies=[Depends(no_duplicate_keys)])
+    @app.post("/v1/completions", dependencies=[Depends(identity_encoding), Depends(no_duplicate_keys)])
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False,
                          requested=None if body.max_tokens is None else ("max_tokens", body.max_tokens))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(no_duplicate_keys)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(identity_encoding), Depends(no_duplicate_keys)])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
         requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)

@@ -225,6 +225,14 @@ async def no_duplicate_keys(request: Request) -> None:
         return
 
 
+async def identity_encoding(request: Request) -> None:
+    """A dependency of the POST endpoints: a body sent with a ``Content-Encoding`` (gzip, br, ...)
+    is refused by name, whether or not its bytes happen to parse: it is not decompressed here."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidRequestError(f"Content-Encoding {encoding!r} is not supported (send the body uncompressed)")
+
+
 async def undecodable(request: Request) -> str:
     """Why a body the framework could not parse is bad, for the error message: invalid UTF-8 (and
     where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send; a compressed

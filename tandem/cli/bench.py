@@ -145,6 +145,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
                                 prefill_graphs=prefill_graphs, attention_chunk=attention_chunk)
     checkpoint = load_checkpoint(model)
+    from ..models.runner import check_runner_config  # the kernel choices, before anything is printed or built
+    check_runner_config(cfg, checkpoint.config)
     uses_predictor = any(c.uses_predictor for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
                       predictor=predictor_path(options, checkpoint) if uses_predictor else None)

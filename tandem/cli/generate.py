@@ -105,7 +105,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         sys.stdout.write("\n")
         if out is not None and out.finish_reason == "length" and emitted < params.max_tokens:
             err_console.print(f"[dim]stopped at the context limit (--max-seq-len {engine.max_seq_len}) after "
-                              f"{emitted} of --max-tokens {params.max_tokens} tokens[/dim]", highlight=False)
+                              f"{emitted} of --max-tokens {params.max_tokens} tokens[/dim]", highlight=False,
+                              soft_wrap=True)
         if engine.drafter is not None:  # on stderr: stdout holds only the generated text
             st = engine.stats
             err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {fmt(st.acceptance_rate, '.3f')}, "

@@ -145,6 +145,25 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
     return "fused" if choice == "auto" else choice
 
 
+def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
+    """The kernel settings of ``config`` checked for ``model`` here, before any weight is placed:
+    ``resolve_kernels``'s path, and an ``attention_chunk`` that the path uses.
+
+    Raises:
+        ConfigError: as ``resolve_kernels``; an ``attention_chunk`` that is not a multiple of
+            ``ATTN_BLOCK_N``, or one set where our attention kernel does not run (the reference
+            path, flash-attn's attention).
+    """
+    kernels = resolve_kernels(config, model)
+    chunk = config.attention_chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0 or chunk % ATTN_BLOCK_N:
+        raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, got {chunk!r}")
+    if chunk and (kernels == "reference" or attention_backend_for(kernels) != "triton"):
+        raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear); "
+                          f"this runner's decode attention is {attention_name(kernels)}")
+    return kernels
+
+
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
     """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager.
 
@@ -190,9 +209,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if (config.cuda_graphs or config.compile) and self.device.type != "cuda":
             raise ValueError("cuda_graphs and compile need a CUDA device")
-        if not isinstance(config.attention_chunk, int) or config.attention_chunk < 0 or config.attention_chunk % ATTN_BLOCK_N:
-            raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, "
-                              f"got {config.attention_chunk!r}")
+        self._kernels = check_runner_config(config, checkpoint.config)
         trained = checkpoint.config.max_position_embeddings
         if config.max_seq_len > trained:
             raise ConfigError(f"--max-seq-len {config.max_seq_len} is past the model's trained context of "
@@ -200,7 +217,6 @@ class ModelRunner:
         model = Transformer(checkpoint.config, max_positions=config.max_seq_len + 1)
         model.load_weights(checkpoint.tensors)
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
-        self._kernels = resolve_kernels(config, checkpoint.config)
         self.model.fused = self._kernels != "reference"
         self.model.fused_linear = self._kernels == "fused-linear"
         self.model.attn_backend = attention_backend_for(self._kernels)
