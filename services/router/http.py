@@ -40,8 +40,8 @@ from tandem.structured import Structure
 from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
-from .schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, identity_encoding, no_duplicate_keys,
-                     undecodable)
+from .schema import (ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest, DuplicateKey,
+                     identity_encoding, undecodable)
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         default_max_tokens: ``max_tokens`` when a request gives none.
     """
     app = FastAPI(title="Tandem", version="0.1.0")
+    app.router.route_class = CheckedJSONRoute  # one parse of a JSON body, refusing a key twice in an object
     app.add_middleware(_BodyLimit)
     # HTTP SERVER spans with the HTTP semantic conventions, parents of the router's request spans
     FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics")
@@ -215,6 +216,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     async def _http(request: Request, exc: StarletteHTTPException):
         """Starlette's own errors in OpenAI's shape: unknown path 404, wrong method 405, and a body
         it cannot decode (e.g. invalid UTF-8) 400."""
+        if exc.status_code == 400 and isinstance(exc.__cause__, DuplicateKey):  # from CheckedJSONRoute's parse
+            key = exc.__cause__.args[0]
+            return _error(400, f"the key {key!r} appears twice in one JSON object of the body", param=key)
         if exc.status_code == 400 and "parsing the body" in str(exc.detail):
             message = f"the request body could not be decoded: {await undecodable(request)}"
         elif exc.status_code == 404:
@@ -299,14 +303,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                                include_usage, tools), ping=15)
         return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api, tools)
 
-    @app.post("/v1/completions", dependencies=[Depends(identity_encoding), Depends(no_duplicate_keys)])
+    @app.post("/v1/completions", dependencies=[Depends(identity_encoding)])
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False,
                          requested=None if body.max_tokens is None else ("max_tokens", body.max_tokens))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(identity_encoding), Depends(no_duplicate_keys)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(identity_encoding)])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
         requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)

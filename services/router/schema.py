@@ -11,6 +11,7 @@ import json
 from typing import ClassVar, Literal
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.errors import InvalidRequestError
@@ -198,8 +199,8 @@ class ChatCompletionRequest(_SamplingFields):
         return self.logprobs, self.top_logprobs or 0
 
 
-class _DuplicateKey(Exception):
-    pass
+class DuplicateKey(ValueError):
+    """A key twice in one JSON object of a request body (``args[0]``: the key)."""
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -208,21 +209,41 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}
     for key, value in pairs:
         if key in out:
-            raise _DuplicateKey(key)
+            raise DuplicateKey(key)
         out[key] = value
     return out
 
 
-async def no_duplicate_keys(request: Request) -> None:
-    """A dependency of the POST endpoints: the body (read once already, cached) holds no key twice
-    in one object. A body that does not parse is left to the framework's own errors."""
-    try:
-        json.loads(await request.body(), object_pairs_hook=_refuse_duplicate_keys)
-    except _DuplicateKey as exc:
-        key = exc.args[0]
-        raise InvalidRequestError(f"the key {key!r} appears twice in one JSON object of the body", param=key) from None
-    except (ValueError, RecursionError):
-        return
+class _CheckedJSONRequest(Request):
+    """A request whose ``json()`` (the one parse FastAPI makes of a JSON body) refuses a key twice
+    in one object (``DuplicateKey``; FastAPI then raises its 400 "error parsing the body" from it,
+    which the app's handler names). Its body is ``source``'s: read once and kept by the request
+    the app's exception handlers get too."""
+
+    def __init__(self, source: Request) -> None:
+        super().__init__(source.scope, source.receive)
+        self._source = source
+
+    async def body(self) -> bytes:
+        return await self._source.body()
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), object_pairs_hook=_refuse_duplicate_keys)
+        return self._json
+
+
+class CheckedJSONRoute(APIRoute):
+    """The app's route class: its endpoints see ``_CheckedJSONRequest`` (FastAPI's documented way
+    to customise the request a route parses)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_CheckedJSONRequest(request))
+
+        return route
 
 
 async def identity_encoding(request: Request) -> None:
