@@ -121,7 +121,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
     from ..bench.report import tables, write_json, write_report
     from ..bench.spec_bench import check_mode, run_benchmark
-    from ..models.runner import default_runner_config
+    from ..models.runner import check_runner_config, default_runner_config
     from ..models.weights import load_checkpoint
     from ..tokenizer import load_tokenizer
 
@@ -145,8 +145,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
                                 prefill_graphs=prefill_graphs, attention_chunk=attention_chunk)
     checkpoint = load_checkpoint(model)
-    from ..models.runner import check_runner_config  # the kernel choices, before anything is printed or built
-    check_runner_config(cfg, checkpoint.config)
+    check_runner_config(cfg, checkpoint.config)  # the kernel settings, before anything is printed or built
     uses_predictor = any(c.uses_predictor for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
                       predictor=predictor_path(options, checkpoint) if uses_predictor else None)

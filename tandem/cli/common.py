@@ -88,7 +88,7 @@ kernels_option = click.option(
          "(PyTorch ops, masked SDPA); auto = fused where it can run; fused-flash = fused with flash-attn's "
          "attention; fused-heuristic = fused-flash with flash-attn's batch-dependent split-KV choice (measures "
          "what invariance costs); fused-linear = fused with the projections fused with their neighbours (five "
-         "kernels a layer in decode and verify steps).")
+         "kernels a layer; prefills in fixed tiles too).")
 
 
 
