@@ -451,16 +451,21 @@ def test_fused_linear_prefill_does_not_depend_on_the_prompts_beside_it(tiny_chec
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
+def _random_qkv(where, seed: int, B: int, Q: int, heads: int, kv_heads: int, hd: int, positions: int):
+    """Seeded random q ``[B, Q, heads, hd]`` and a K/V cache ``[B, kv_heads, positions, hd]`` each."""
+    device, dtype = where
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(B, Q, heads, hd, device=device, generator=gen).to(dtype),
+            *(torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype) for _ in range(2)))
+
+
 def test_tree_attention_matches_masked_attention(where):
     """``gqa_attention`` with per-token tree bits against float32 attention with the explicit mask
     (the cache before the new tokens, then the token's ancestors and itself); a chain's bits give
     bitwise the causal kernel's result."""
     device, dtype = where
-    gen = torch.Generator(device=device).manual_seed(5)
     B, Q, heads, kv_heads, hd, positions = 3, 6, 6, 2, 64, 200
-    q = torch.randn(B, Q, heads, hd, device=device, generator=gen).to(dtype)
-    k = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
-    v = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    q, k, v = _random_qkv(where, 5, B, Q, heads, kv_heads, hd, positions)
     seqlens = torch.tensor([Q + 10, Q + 130, Q], device=device, dtype=torch.int32)
     parents = [[-1, 0, 0, 1, 2, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 4]]  # row 1: a chain
     mask = torch.zeros(B, Q, Q, dtype=torch.bool, device=device)
@@ -521,11 +526,8 @@ def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     within rounding, rows short and long (one chunk, several, a chunk past a row's end); a row's
     result bitwise the same alone or in a batch, and for its first tokens whatever its width."""
     device, dtype = where
-    gen = torch.Generator(device=device).manual_seed(11)
     B, Q, heads, kv_heads, hd, positions = 4, 5, 6, 2, 64, 330
-    q = torch.randn(B, Q, heads, hd, device=device, generator=gen).to(dtype)
-    k = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
-    v = torch.randn(B, kv_heads, positions, hd, device=device, generator=gen).to(dtype)
+    q, k, v = _random_qkv(where, 11, B, Q, heads, kv_heads, hd, positions)
     seqlens = torch.tensor([Q, 70, 300, 129], device=device, dtype=torch.int32)
     bits = None
     if tree:  # token 2 branches off token 0; the rest a chain

@@ -62,9 +62,33 @@ def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | N
     return None
 
 
+# The kernels' shared device functions, made with them (``_kernels``): a @triton.jit function calls
+# another through its module's globals, which is where Triton (and its interpreter) look for it.
+_row_rstd = _normed_chunk = None
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
+    global _row_rstd, _normed_chunk
     triton, tl = _modules()
+
+    @triton.jit
+    def _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # [BLOCK_M] 1 / rms of each row, its squares summed chunk by chunk (a fixed order)
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sq += tl.sum(xr * xr, axis=1)
+        return tl.rsqrt(sq / K + eps)
+
+    @triton.jit
+    def _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K):
+        # RMSNorm of the rows' columns kk, rounded as RMSNorm rounds: the normalised value before
+        # the weight, the product after
+        xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
+        y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+        return (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
 
     @triton.jit
     def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
@@ -79,22 +103,14 @@ def _kernels():
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
-        sq = tl.zeros([BLOCK_M], tl.float32)  # the norm's statistic over the whole row, in fixed order
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            sq += tl.sum(xr * xr, axis=1)
-        rstd = tl.rsqrt(sq / K + eps)
+        rstd = _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
         d = tl.arange(0, half)
         n1 = h * HEAD_DIM + d
         acc1 = tl.zeros([BLOCK_M, half], tl.float32)
         acc2 = tl.zeros([BLOCK_M, half], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
-            # RMSNorm rounded as it rounds: the normalised value before the weight, the product after
-            y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
-            xs = (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
+            xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
             w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :])
             w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :])
             acc1 += tl.dot(xs, tl.trans(w1))
@@ -159,20 +175,12 @@ def _kernels():
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        sq = tl.zeros([BLOCK_M], tl.float32)  # the norm's statistic over the whole row, in fixed order
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            sq += tl.sum(xr * xr, axis=1)
-        rstd = tl.rsqrt(sq / K + eps)
+        rstd = _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
-            # RMSNorm rounded as it rounds: the normalised value before the weight, the product after
-            y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
-            xs = (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
+            xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
             wg = tl.load(w_ptr + n[:, None] * K + kk[None, :])
             wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :])
             acc_g += tl.dot(xs, tl.trans(wg))
