@@ -246,21 +246,30 @@ class CheckedJSONRoute(APIRoute):
         return route
 
 
-async def identity_encoding(request: Request) -> None:
-    """A dependency of the POST endpoints: a body sent with a ``Content-Encoding`` (gzip, br, ...)
-    is refused by name, whether or not its bytes happen to parse: it is not decompressed here."""
+def _encoding_refused(request: Request) -> str | None:
+    """Why the body's ``Content-Encoding`` (gzip, br, ...) is refused, or None for an uncompressed
+    body: nothing is decompressed here."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise InvalidRequestError(f"Content-Encoding {encoding!r} is not supported (send the body uncompressed)")
+    if encoding in ("", "identity"):
+        return None
+    return f"Content-Encoding {encoding!r} is not supported (send the body uncompressed)"
+
+
+async def identity_encoding(request: Request) -> None:
+    """A dependency of the POST endpoints: a compressed body is refused by name even when its bytes
+    happen to parse (one that does not parse is named by ``undecodable``)."""
+    why = _encoding_refused(request)
+    if why is not None:
+        raise InvalidRequestError(why)
 
 
 async def undecodable(request: Request) -> str:
     """Why a body the framework could not parse is bad, for the error message: invalid UTF-8 (and
     where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send; a compressed
     body (``Content-Encoding``) is named as such."""
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        return f"Content-Encoding {encoding!r} is not supported (send the body uncompressed)"
+    why = _encoding_refused(request)
+    if why is not None:
+        return why
     try:
         body = await request.body()
     except Exception:  # the stream was consumed and not kept: say what to send

@@ -2,8 +2,8 @@
 
 The fused path of ``kernels.py`` keeps the four projections in cuBLAS, so a decode step at batch 1
 is nine kernels a layer, each a few microseconds of latency against well under a microsecond of
-weight reading for a 135M-parameter model (docs/benchmarks.md: 0.88 ms of GPU a step, 52% of it
-in the GEMMs). Here each projection reads its input, applies what stands before it and writes what
+weight reading for a 135M-parameter model (0.87 ms of GPU a step, 52% of it in the GEMMs: the
+per-kernel table docs/results/2026-12-03/rope-logits/tables/target-b1.txt). Here each projection reads its input, applies what stands before it and writes what
 stands after it, in one kernel:
 
 1. RMSNorm + QKV projection + RoPE + K/V-cache write (``norm_qkv_rope``): a program per (16-row
