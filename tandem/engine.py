@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from dataclasses import replace
 
 from .admission import AdmissionPolicy
 from .control import DraftPolicy
-from .drafters.base import DraftProposal, DraftRequest, Drafter, TargetStates
+from .drafters.base import DraftProposal, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
@@ -27,15 +26,12 @@ from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
 from .structured import GrammarCompiler, constrain_drafts
-from .stopping import draft_room
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
+from .host_drafting import HostDrafting
 from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
 from .telemetry import span
 from .tokenizer import CHAT_ROLES, Tokenizer, load_tokenizer  # noqa: F401 (CHAT_ROLES re-exported)
-
-log = logging.getLogger(__name__)
-
 
 
 # what a chained round's requests carry (their drafts never reach the host); shared, read-only
@@ -51,7 +47,7 @@ def _no_span():
     yield
 
 
-class Engine(EngineConveniences):
+class Engine(HostDrafting, EngineConveniences):
     """Continuous-batching generation over one target model.
 
     Args:
@@ -566,61 +562,6 @@ class Engine(EngineConveniences):
         self.num_rounds += 1
         self.round_wall_s += rnd.wall_s
         return outputs
-
-    def _draft_room(self, r: Request, num_tokens: int) -> int:
-        """Draft tokens a request may get in a round that starts with ``num_tokens`` output tokens
-        (the last one not yet in the cache): ``tandem.stopping.draft_room``."""
-        return draft_room(self.draft_limit, self.max_seq_len, len(r.prompt_ids), num_tokens, r.output.max_new_tokens)
-
-    def _prefetch(self, reqs: list[Request], proposals: list[DraftProposal]) -> None:
-        """Let the drafter draft the next round on the assumption that every draft of this one is
-        accepted, while the target verifies (``Drafter.prefetch``). Token trees are skipped."""
-        asks = []
-        for r, p in zip(reqs, proposals):
-            if p.parents is not None:
-                continue
-            room = self._draft_room(r, r.num_tokens + len(p.tokens) + 1)  # after full acceptance + the bonus
-            if room > 0:
-                asks.append(DraftRequest(r.slot, r.prompt_ids + r.token_ids + p.tokens, room + 1, r.params,
-                                         r.generator))
-        if asks:
-            try:
-                self.drafter.prefetch(asks)
-            except Exception:  # an optimisation only: never fatal
-                log.exception("drafter %s failed to prefetch", self.drafter.name)
-
-    def _propose(self, reqs: list[Request]) -> list[DraftProposal]:
-        if self.drafter is None:
-            return [DraftProposal.empty() for _ in reqs]
-        with span("draft", batch_size=len(reqs), drafter=self.drafter.name):
-            return self._collect_proposals(reqs)
-
-    def _collect_proposals(self, reqs: list[Request]) -> list[DraftProposal]:
-        asks = [DraftRequest(r.slot, r.prompt_ids + r.token_ids, max(self._draft_room(r, r.num_tokens), 0), r.params,
-                             r.generator) for r in reqs]
-        # adaptive length: a drafter that drafts position by position stops where θ says (the policy's rule)
-        rule = self.draft_policy.begin_round() if self.draft_policy is not None else None
-        try:
-            proposals = self.drafter.propose(asks, rule)
-        except Exception:  # a failing drafter costs speed, never output: decode target-only this round
-            log.exception("drafter %s failed; decoding this round without drafts", self.drafter.name)
-            return [DraftProposal.empty() for _ in reqs]
-        if len(proposals) != len(asks):
-            log.error("drafter %s returned %d proposals for %d requests; decoding this round without drafts",
-                      self.drafter.name, len(proposals), len(asks))
-            return [DraftProposal.empty() for _ in reqs]
-        vocab = self.target.info.vocab_size
-
-        def usable(p: DraftProposal, a: DraftRequest) -> bool:  # malformed drafter output is dropped, not fatal
-            n = len(p.tokens)
-            return (n <= a.max_draft and all(0 <= t < vocab for t in p.tokens)
-                    and (p.probs is None or tuple(p.probs.shape) == (n, vocab)))
-
-        proposals = [p if usable(p, a) else DraftProposal.empty() for p, a in zip(proposals, asks)]
-        if self.draft_policy is not None:
-            with span("allocate", batch_size=len(reqs)):
-                proposals = self.draft_policy.apply(proposals, [r.slot for r in reqs])
-        return proposals
 
     def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,
                 logprobs: list[float] | None = None, top: list | None = None) -> RequestOutput:
