@@ -29,7 +29,8 @@ from .structured import GrammarCompiler, constrain_drafts
 from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, new_request  # noqa: F401 (re-exported)
 from .engine_api import EngineConveniences, Prompt
 from .host_drafting import HostDrafting
-from .target import ChainedItem, LocalTarget, PrefillItem, Target, VerifyItem
+from .target import LocalTarget, Target
+from .target_items import ChainedItem, PrefillItem, VerifyItem
 from .telemetry import span
 from .tokenizer import CHAT_ROLES, Tokenizer, load_tokenizer  # noqa: F401 (CHAT_ROLES re-exported)
 

@@ -18,7 +18,7 @@ from .sampling import SamplingParams, new_seed, request_generator
 from .stopping import OutputState
 from .structured import Grammar, GrammarCompiler  # noqa: F401 (annotations)
 from .logprobs import MAX_TOP_LOGPROBS
-from .target import TargetResult
+from .target_items import TargetResult
 
 
 @dataclass

@@ -16,7 +16,7 @@ import grpc
 from services.common import (CLIENT_OPTIONS, auth_metadata, keepalive_options, retry_options, traced_aio_channel,
                              traced_channel)
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
-from tandem.target import TargetUnavailable
+from tandem.target_items import TargetUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ class _Group(click.Group):
     def invoke(self, ctx):
         # these two modules import torch: loaded when a command runs, not for --help
         from ..models.config import ModelLoadError
-        from ..target import TargetUnavailable
+        from ..target_items import TargetUnavailable
 
         try:
             return super().invoke(ctx)
