@@ -1,0 +1,184 @@
+"""The SpecFormer drafter's chained path: its work inside a round captured on the device.
+
+After each verification the head reads the verify pass's tapped states of the accepted
+positions, extends its context-attention cache and drafts the next round's l_d tokens (and, for
+sampled requests, their q; with a scorer, their predicted acceptance) into device buffers the next
+round reads: no host round trip between verify and draft (``device_after_verify``,
+``device_prime``, ``device_drafts``, ``device_draft_probs``, ``device_draft_scores``).
+Mixed into ``tandem.drafters.specformer.SpecFormerDrafter``, whose buffers and graphs it uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..models import kernels
+from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
+from .base import VerifiedStep, device_features
+from .lookup import lookup_drafts
+
+# Attention backends for the drafter's attention calls while serving. Their shapes change from
+# round to round (requests, accepted lengths, context buckets), and cuDNN attention builds an
+# execution plan per new shape (tens of ms: the head's observe had a p99 of 51 ms at batch 1 before
+# these backends; docs/benchmarks.md, "What changed the figures", a0fd552); these
+# backends need no plan. MATH takes whatever the others cannot (e.g. GQA with a mask).
+SERVING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class ChainedHead:
+    """Mixed into ``SpecFormerDrafter``: reads its ``head``, ``_target``, ``_state``, caches,
+    draft buffers and ``_replay``."""
+
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the previous chained round left for rows ``0 .. B-1`` (``history``,
+        ``last`` and ``score_room`` are not read: the head drafted, and scored, from the verify
+        pass), at most ``room`` each."""
+        n = room.shape[0]
+        ld = self.head.config.num_draft_tokens
+        lens = torch.minimum(room, self._draft_lens[:n])
+        tokens = self._draft_tokens[:n, :k]
+        if k > ld:
+            tokens = torch.cat([tokens, tokens.new_zeros(n, k - ld)], dim=1)
+        return tokens, lens
+
+    def set_acceptance_scorer(self, score, width: int = 0) -> None:
+        """Score the drafts of chained rounds on the device: ``score`` maps predictor features
+        ``[N, NUM_FEATURES]`` (``tandem.drafters.base.distribution_features`` of each draft's q:
+        softmax of the draft logits for greedy requests, the sampling transform for sampled ones;
+        position 1..l_d) to acceptance probabilities ``[N]`` on their device
+        (``DraftPolicy.device_score``: ``AcceptancePredictor.probabilities`` or the entropy rule).
+        Each round then leaves ``[slots, l_d]`` scores beside its drafts (``device_draft_scores``;
+        ``width`` is not read: the head always drafts l_d). Call before ``bind``."""
+        if self._target is not None:
+            raise RuntimeError("set_acceptance_scorer after bind()")
+        self._scorer = score
+
+    @property
+    def scores_on_device(self) -> bool:
+        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
+        return self._scorer is not None
+
+    def device_draft_scores(self, n: int) -> torch.Tensor | None:
+        """``[n, l_d]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
+        without a scorer."""
+        return None if self._draft_scores is None else self._draft_scores[:n]
+
+    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
+        """``[n, k, V]`` q of the device drafts of rows ``0 .. n-1`` (rows of greedy requests are
+        not read); None before any sampled request drafted (every draft so far is an argmax)."""
+        q = self._draft_q
+        if q is None:
+            return None
+        q = q[:n, :k]
+        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+
+    @torch.inference_mode()
+    @sdpa_kernel(SERVING_SDPA)
+    def device_after_verify(self, step: VerifiedStep) -> None:
+        """The head's work inside a chained round (the paper's design: the drafts come out of the
+        pass that verifies): its context layers over each kept row's accepted positions (K/V into
+        its cache, as ``observe``), then its draft part after the new last token, with the lookup
+        continuation from the target's device history (``lookup_drafts``); greedy requests draft
+        the argmax, sampled ones draw from q (the request's sampling transform of the draft
+        logits) with ``counter_uniform(seed, position, STREAM_DRAFT)``. On CUDA one graph per
+        (batch bucket, tokens per row, context, sampling flags)."""
+        if self._target is None:
+            raise RuntimeError("SpecFormerDrafter.device_after_verify before bind()")
+        n, Q = step.tokens.shape
+        sampling = step.sampling
+        self._ensure_q(sampling.any_sampled)
+        values = (step.start, step.taps, step.num_accepted, step.tokens, step.keep)
+
+        def run(start, taps, num_accepted, tokens, keep):
+            self._chained_rows(start, taps, num_accepted, tokens, keep, step.attn_len, step.state, sampling)
+
+        # inside the target's capture of the round (the usual case) the work joins that graph
+        if self._static and not (self.k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+            key = ("chained", n, Q, step.attn_len, sampling.any_sampled, sampling.filtered)
+
+            def fill(inputs):
+                for buf, v in zip(inputs, values):
+                    buf.copy_(v)
+
+            self._replay(key, run, lambda: tuple(torch.empty_like(v) for v in values), fill)
+            if self._static:  # else the capture failed (logged): from now on the head runs eagerly
+                return
+        run(*values)
+
+    def _chained_rows(self, start: torch.Tensor, taps: torch.Tensor, num_accepted: torch.Tensor,
+                      tokens: torch.Tensor, keep: torch.Tensor, attn_len: int, state, sampling) -> None:
+        """``device_after_verify``'s device work (see ``VerifiedStep`` for the arguments)."""
+        n = tokens.shape[0]
+        dev = tokens.device
+        q_lens = torch.where(keep, num_accepted + 1, torch.zeros_like(num_accepted))
+        packed = torch.cat([start[:, None], q_lens[:, None], torch.arange(n, device=dev)[:, None], tokens], dim=1)
+        h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len, rows_are_slots=True)  # [n, d]
+        self._state[:n] = torch.where(keep[:, None], h, self._state[:n])
+        self._draft_next(keep, state, sampling, attn_len + 1)
+
+    @torch.inference_mode()
+    def device_prime(self, keep: torch.Tensor, state, sampling, width: int) -> None:
+        """Drafts for slots just prefilled (``keep`` ``[n]`` bool over rows ``0 .. n-1``), from the
+        context states ``observe`` left, so their first chained round already verifies drafts.
+        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length."""
+        self._ensure_q(sampling.any_sampled)
+        self._draft_next(keep, state, sampling, width)
+
+    def prepare_round(self, sampled: bool) -> None:
+        """The q buffer before a sampled chained round is captured (``Drafter.prepare_round``)."""
+        self._ensure_q(sampled)
+
+    def _ensure_q(self, sampled: bool) -> None:
+        """The q buffer, made when the first sampled request drafts (outside any graph capture)."""
+        if sampled and self._draft_q is None:
+            cfg = self.head.config
+            self._draft_q = torch.zeros((self._num_slots, cfg.num_draft_tokens, cfg.vocab_size),
+                                        dtype=torch.float32, device=self.k_cache.device)
+
+    def _draft_next(self, keep: torch.Tensor, state, sampling, width: int) -> None:
+        """The next round's drafts (and q) of the kept rows, from their context states and the
+        lookup continuation of ``state.history[:, :width]``."""
+        cfg = self.head.config
+        n = keep.shape[0]
+        ld = cfg.num_draft_tokens
+        dev = keep.device
+        ctx = self._state[:n]
+        length = state.length[:n]  # the new last token sits at history[length]
+        last = torch.where(keep, length, torch.zeros_like(length)).clamp(max=width - 1)
+        if cfg.lookup_tokens:
+            cont, _, match = lookup_drafts(state.history[:n, :width], last, torch.full_like(last, ld), ld)
+        else:
+            cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
+        ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
+        logits = self._draft_rows(ctx, ids, float32=False)  # [n, ld, V]; sampling_probs upcasts
+        drafts = logits.argmax(-1)
+        V = logits.shape[-1]
+        q = None
+        if sampling.any_sampled:
+            rep = lambda t: t[:, None].expand(n, ld).reshape(-1)  # noqa: E731
+            q = sampling_probs(logits.reshape(n * ld, V), rep(sampling.temperature), rep(sampling.top_k),
+                               rep(sampling.top_p), sampling.filtered)
+            u = counter_uniform(sampling.seed, length[:, None] + 1 + torch.arange(ld, device=dev)[None, :], STREAM_DRAFT)
+            drawn = sample_inverse_cdf(q, u.reshape(-1)).view(n, ld)
+            drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
+            self._draft_q[:n] = torch.where(keep[:, None, None], q.view(n, ld, V), self._draft_q[:n])
+        if self._scorer is not None:  # the predictor's features of each draft's q, as draft_rows makes them
+            pos = torch.arange(1, ld + 1, dtype=torch.float32, device=dev).repeat(n)
+            feats = self._features(logits.reshape(n * ld, V), pos, probs=False)  # greedy rows: softmax(logits)
+            if q is not None:  # sampled rows: their sampling transform q
+                feats = torch.where(sampling.greedy[:, None].expand(n, ld).reshape(-1, 1), feats,
+                                    self._features(q, pos, probs=True))
+            scores = self._scorer(feats).view(n, ld)
+            self._draft_scores[:n] = torch.where(keep[:, None], scores.float(), self._draft_scores[:n])
+        self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
+        self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
+
+    def _features(self, x: torch.Tensor, pos: torch.Tensor, probs: bool) -> torch.Tensor:
+        """Predictor features ``[R, 4]`` of draft logits ``x`` ``[R, V]`` (or probabilities, with
+        ``probs``): one fused kernel a round on the fused path (``kernels.draft_features``), the
+        same definition in plain ops elsewhere (``device_features``)."""
+        if self._fused:
+            return kernels.draft_features(x, pos, probs=probs)
+        return device_features(x if probs else x.float().softmax(-1), pos)
