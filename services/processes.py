@@ -203,7 +203,7 @@ def run_drafter(drafter: str, draft_model: str | None, model: str | None, device
         spec = replace(drafter_speculation(drafter, draft_model), policy="predictor", predictor=predictor)
         path = resolve_predictor(spec, load_checkpoint(model) if predictor == "auto" else None)
         try:
-            scorer = AcceptancePredictor.load(path)
+            scorer = AcceptancePredictor.load(path, features_only=True)
         except Exception as exc:  # missing file, not a predictor
             raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
     _run(lambda stop: serve(impl, max_sequences, port, host, resolve_api_key(key), dev, stop=stop, predictor=scorer))

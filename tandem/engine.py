@@ -534,7 +534,8 @@ class Engine(HostDrafting, EngineConveniences):
             n_chain = prop.chain_length
             if self.verification_sink is not None and n_chain:
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
-                                                          self.drafter.name))
+                                                          self.drafter.name,
+                                                          None if prop.states is None else prop.states[:n_chain]))
             before = (req.spec.num_drafted, req.spec.num_accepted, req.spec.num_emitted)
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
             outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,

@@ -32,11 +32,21 @@ class VerificationRecord:
         features: ``[n, NUM_FEATURES]`` float32 for the n drafted positions.
         num_accepted: drafts the target accepted (m).
         drafter: drafter name.
+        states: ``[n, d]`` the drafter's hidden state at each drafted position, when it recorded
+            them (``DraftProposal.states``); else None.
     """
 
     features: torch.Tensor
     num_accepted: int
     drafter: str
+    states: torch.Tensor | None = None
+
+    def labelled_states(self) -> np.ndarray | None:
+        """The states ``[L, d]`` (float16) of the positions ``labelled`` returns, or None."""
+        if self.states is None:
+            return None
+        keep = min(self.features.shape[0], self.num_accepted + 1)
+        return self.states[:keep].float().numpy().astype(np.float16)
 
     def labelled(self) -> tuple[np.ndarray, np.ndarray]:
         """(features ``[L, F]``, labels ``[L]``) for positions 1..min(n, m + 1)."""
@@ -48,22 +58,42 @@ class VerificationRecord:
 
 
 class AcceptancePredictor(nn.Module):
-    """MLP: standardised features ``[n, F]`` -> acceptance logits ``[n]``.
+    """MLP: standardised features ``[n, F]`` (and, optionally, a learned low-rank projection of the
+    drafter's hidden states ``[n, state_dim]`` to ``state_proj`` values) -> acceptance logits ``[n]``.
 
     Args:
         num_features: F.
         hidden: hidden width.
+        state_dim: width of the drafter states it reads (0: features only; the SpecFormer head's
+            states, ``DraftProposal.states``, are the target's hidden size).
+        state_proj: the states' projection width (ignored when ``state_dim`` is 0).
     """
 
-    def __init__(self, num_features: int = NUM_FEATURES, hidden: int = 32) -> None:
+    def __init__(self, num_features: int = NUM_FEATURES, hidden: int = 32, state_dim: int = 0,
+                 state_proj: int = 8) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(num_features))
         self.register_buffer("std", torch.ones(num_features))
-        self.net = nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.state_dim = state_dim
+        self.state_proj = state_proj if state_dim else 0
+        # the states pass the target's final norm already: a plain linear map, no standardisation
+        self.proj = nn.Linear(state_dim, state_proj, bias=False) if state_dim else None
+        self.net = nn.Sequential(nn.Linear(num_features + self.state_proj, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.hidden = hidden
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net((features - self.mean) / self.std).squeeze(-1)
+    def forward(self, features: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[n]``.
+
+        Raises:
+            ValueError: ``states`` missing for a predictor that reads them, or of the wrong width.
+        """
+        x = (features - self.mean) / self.std
+        if self.proj is not None:
+            if states is None or states.shape[-1] != self.state_dim:
+                raise ValueError(f"this predictor reads the drafter's states [n, {self.state_dim}]; got "
+                                 f"{None if states is None else tuple(states.shape)}")
+            x = torch.cat([x, self.proj(states.to(x.dtype))], dim=-1)
+        return self.net(x).squeeze(-1)
 
     @torch.no_grad()
     def probabilities(self, features: torch.Tensor) -> torch.Tensor:
@@ -77,33 +107,40 @@ class AcceptancePredictor(nn.Module):
     def _device_copy(self, device: torch.device) -> "AcceptancePredictor":
         copies = self.__dict__.setdefault("_copies", {})
         if device not in copies:
-            clone = AcceptancePredictor(self.mean.numel(), self.hidden)
+            clone = AcceptancePredictor(self.mean.numel(), self.hidden, self.state_dim, self.state_proj)
             clone.load_state_dict(self.state_dict())
             copies[device] = clone.to(device).eval()
         return copies[device]
 
     @torch.no_grad()
-    def predict(self, features: torch.Tensor) -> torch.Tensor:
-        """Acceptance probabilities ``[n]`` for features ``[n, F]`` (any device; returns CPU float32)."""
+    def predict(self, features: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        """Acceptance probabilities ``[n]`` for features ``[n, F]`` (and states ``[n, state_dim]``
+        for a predictor that reads them; any device; returns CPU float32)."""
         if features.numel() == 0:
             return torch.zeros(0)
-        return torch.sigmoid(self(features.float().cpu()))
+        return torch.sigmoid(self(features.float().cpu(), None if states is None else states.float().cpu()))
 
     def save(self, path: str | Path, report: "PredictorReport | None" = None) -> None:
         """Write ``path`` (safetensors) and, with a report, ``path.json`` beside it."""
         from safetensors.torch import save_file
 
-        meta = {"num_features": str(self.mean.numel()), "hidden": str(self.hidden), "features": ",".join(FEATURE_NAMES)}
+        meta = {"num_features": str(self.mean.numel()), "hidden": str(self.hidden), "features": ",".join(FEATURE_NAMES),
+                "state_dim": str(self.state_dim), "state_proj": str(self.state_proj)}
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path), metadata=meta)
         if report is not None:
             Path(str(path) + ".json").write_text(json.dumps(asdict(report), indent=2))
 
     @classmethod
-    def load(cls, path: str | Path) -> "AcceptancePredictor":
+    def load(cls, path: str | Path, *, features_only: bool = False) -> "AcceptancePredictor":
         """Read a predictor saved by ``save``.
 
+        Args:
+            features_only: refuse a predictor that reads the drafter's states (what serving
+                needs: its draft policies score features alone).
+
         Raises:
-            FileNotFoundError: no such file; ValueError: not a predictor file.
+            FileNotFoundError: no such file; ValueError: not a predictor file, or (with
+            ``features_only``) one that reads states.
         """
         from safetensors import safe_open
 
@@ -115,12 +152,16 @@ class AcceptancePredictor(nn.Module):
                 meta = f.metadata() or {}
                 if "num_features" not in meta:
                     raise ValueError(f"{p} is not a Tandem acceptance predictor")
-                model = cls(int(meta["num_features"]), int(meta["hidden"]))
+                model = cls(int(meta["num_features"]), int(meta["hidden"]), int(meta.get("state_dim", 0)),
+                            int(meta.get("state_proj", 0)) or 8)
                 model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
         except ValueError:
             raise
         except Exception as exc:  # not safetensors at all, or tensors that do not fit
             raise ValueError(f"{p} is not a Tandem acceptance predictor ({type(exc).__name__})") from None
+        if features_only and model.state_dim:
+            raise ValueError(f"{p} reads the drafter's hidden states (trained with --state-projection), which "
+                             "serving does not supply; train one on the features alone")
         return model.eval()
 
 
@@ -136,6 +177,8 @@ class PredictorReport:
         position_auc: AUC of the draft position alone (the better of its two directions) on the
             same data: all a predictor could read from a one-hot drafter's features.
         ece: expected calibration error, 10 equal-width bins (validation).
+        features_only_auc: for a predictor that reads the drafter's states, the AUC of the same
+            MLP trained without them on the same split and seed (NaN otherwise): what the states add.
         cost_us_per_token: predictor time per drafted position (µs, CPU, batch of 64).
     """
 
@@ -147,6 +190,7 @@ class PredictorReport:
     ece: float
     cost_us_per_token: float
     position_auc: float = float("nan")  # (reports written before it have none)
+    features_only_auc: float = float("nan")  # with states: the same MLP without them, same split and seed
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -215,12 +259,15 @@ def validation_split(n: int, val_fraction: float = 0.2, seed: int = 0) -> tuple[
 
 
 def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 32, epochs: int = 40,
-                    lr: float = 3e-3, batch_size: int = 1024, val_fraction: float = 0.2,
-                    seed: int = 0) -> tuple[AcceptancePredictor, PredictorReport]:
+                    lr: float = 3e-3, batch_size: int = 1024, val_fraction: float = 0.2, seed: int = 0,
+                    states: np.ndarray | None = None, state_proj: int = 8) -> tuple[AcceptancePredictor, PredictorReport]:
     """Fit the MLP with binary cross-entropy (AdamW) and report held-out AUC / ECE.
 
     Args:
         features: ``[N, F]`` float32; labels: ``[N]`` in {0, 1}.
+        states: ``[N, d]`` the drafter's hidden states at the same positions (``tandem
+            collect-logs --states``): the predictor then also reads a learned ``state_proj``-wide
+            projection of them, and the report gives the features-only MLP's AUC beside its own.
 
     Raises:
         ValueError: fewer than 20 examples, mismatched lengths, or a single class.
@@ -229,34 +276,46 @@ def train_predictor(features: np.ndarray, labels: np.ndarray, *, hidden: int = 3
     labels = np.asarray(labels, dtype=np.float32)
     if len(features) != len(labels) or len(labels) < 20:
         raise ValueError(f"need >= 20 labelled positions with matching features, got {len(features)} / {len(labels)}")
+    if states is not None and (states.ndim != 2 or len(states) != len(labels)):
+        raise ValueError(f"states must be [N, d] with N = {len(labels)} labelled positions, got {states.shape}")
     if labels.min() == labels.max():
         raise ValueError("labels have a single class; collect logs where some drafts are rejected and some accepted")
     val, tr = validation_split(len(labels), val_fraction, seed)
-    n_val = len(val)
-    torch.manual_seed(seed)
-    model = AcceptancePredictor(features.shape[1], hidden)
-    x_tr, y_tr = torch.from_numpy(features[tr]), torch.from_numpy(labels[tr])
-    model.mean.copy_(x_tr.mean(0))
-    model.std.copy_(x_tr.std(0).clamp_min(1e-6))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    loss_fn = nn.BCEWithLogitsLoss()
-    for _ in range(epochs):
-        order = torch.randperm(len(tr))
-        for i in range(0, len(tr), batch_size):
-            b = order[i:i + batch_size]
-            opt.zero_grad()
-            loss_fn(model(x_tr[b]), y_tr[b]).backward()
-            opt.step()
-    model.eval()
-    p_val = model.predict(torch.from_numpy(features[val])).numpy()
-    sample = torch.from_numpy(features[val][:64])
+    st = None if states is None else torch.from_numpy(np.asarray(states, dtype=np.float32))
+
+    def fit(with_states: bool) -> AcceptancePredictor:
+        torch.manual_seed(seed)
+        model = AcceptancePredictor(features.shape[1], hidden, st.shape[1] if with_states else 0, state_proj)
+        x_tr, y_tr = torch.from_numpy(features[tr]), torch.from_numpy(labels[tr])
+        s_tr = st[tr] if with_states else None
+        model.mean.copy_(x_tr.mean(0))
+        model.std.copy_(x_tr.std(0).clamp_min(1e-6))
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+        loss_fn = nn.BCEWithLogitsLoss()
+        for _ in range(epochs):
+            order = torch.randperm(len(tr))
+            for i in range(0, len(tr), batch_size):
+                b = order[i:i + batch_size]
+                opt.zero_grad()
+                loss_fn(model(x_tr[b], None if s_tr is None else s_tr[b]), y_tr[b]).backward()
+                opt.step()
+        return model.eval()
+
+    model = fit(st is not None)
+    s_val = None if st is None else st[val]
+    p_val = model.predict(torch.from_numpy(features[val]), s_val).numpy()
+    features_only = float("nan")
+    if st is not None:
+        features_only = roc_auc(fit(False).predict(torch.from_numpy(features[val])).numpy(), labels[val])
+    sample, s_sample = torch.from_numpy(features[val][:64]), None if s_val is None else s_val[:64]
     t0 = time.perf_counter()
     for _ in range(200):
-        model.predict(sample)
+        model.predict(sample, s_sample)
     cost_us = (time.perf_counter() - t0) / 200 / len(sample) * 1e6
     report = PredictorReport(
-        n_train=len(tr), n_val=n_val, positive_rate=float(labels[val].mean()),
+        n_train=len(tr), n_val=len(val), positive_rate=float(labels[val].mean()),
         auc=roc_auc(p_val, labels[val]), entropy_auc=roc_auc(-features[val][:, 0], labels[val]),
         ece=expected_calibration_error(p_val, labels[val]), cost_us_per_token=cost_us,
-        position_auc=max(roc_auc(features[val][:, 3], labels[val]), roc_auc(-features[val][:, 3], labels[val])))
+        position_auc=max(roc_auc(features[val][:, 3], labels[val]), roc_auc(-features[val][:, 3], labels[val])),
+        features_only_auc=features_only)
     return model, report

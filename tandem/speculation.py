@@ -174,7 +174,7 @@ def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None
 
     path = resolve_predictor(spec, checkpoint)
     try:
-        return AcceptancePredictor.load(path)
+        return AcceptancePredictor.load(path, features_only=True)
     except Exception as exc:  # missing file, not safetensors, not a predictor
         raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
 

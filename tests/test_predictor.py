@@ -130,3 +130,43 @@ def test_engine_with_draft_policy_is_lossless_and_logs(tiny_checkpoint):
     assert all(len(r.features) <= 6 for r in logs)
     assert eng.stats.num_drafted == sum(len(r.features) for r in logs)
     assert sum(eng.draft_policy.controller.counts) > 0
+
+
+def test_predictor_reads_a_projection_of_the_drafter_states(tmp_path):
+    """Where acceptance depends on a direction of the drafter's hidden state that the distribution
+    features cannot see, the predictor with a state projection finds it and the report gives the
+    features-only AUC of the same split beside its own; it saves and loads with its projection,
+    and serving's loader (features only) refuses it with the reason."""
+    rng = np.random.default_rng(3)
+    n, d = 6000, 24
+    x, _ = synthetic_logs(n, 0)
+    states = rng.normal(size=(n, d)).astype(np.float32)
+    direction = rng.normal(size=d).astype(np.float32)
+    logit = 3 * states @ direction / np.linalg.norm(direction)
+    y = (rng.uniform(size=n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+    model, report = train_predictor(x, y, epochs=20, states=states.astype(np.float16), state_proj=4)
+    assert model.state_dim == d and model.state_proj == 4
+    assert report.auc > 0.8 and report.features_only_auc < 0.6
+    path = tmp_path / "p.safetensors"
+    model.save(path, report)
+    again = AcceptancePredictor.load(path)
+    feats, st = torch.from_numpy(x[:16]), torch.from_numpy(states[:16])
+    torch.testing.assert_close(again.predict(feats, st), model.predict(feats, st))
+    with pytest.raises(ValueError, match="reads the drafter's states"):
+        again.predict(feats)
+    with pytest.raises(ValueError, match="serving does not supply"):
+        AcceptancePredictor.load(path, features_only=True)
+    with pytest.raises(ValueError, match=r"states must be \[N, d\]"):
+        train_predictor(x, y, states=states[:10])
+    plain, plain_report = train_predictor(x, y, epochs=2)  # without states: no projection, no features-only AUC
+    assert plain.state_dim == 0 and np.isnan(plain_report.features_only_auc)
+    plain.save(tmp_path / "q.safetensors")
+    assert AcceptancePredictor.load(tmp_path / "q.safetensors", features_only=True).state_dim == 0
+
+
+def test_verification_record_states_follow_the_labels():
+    feats, states = torch.zeros(5, 4), torch.arange(15, dtype=torch.float32).view(5, 3)
+    rec = VerificationRecord(feats, 1, "specformer", states)
+    x, y = rec.labelled()
+    assert rec.labelled_states().tolist() == states[:2].tolist() and len(y) == 2
+    assert VerificationRecord(feats, 1, "ngram").labelled_states() is None

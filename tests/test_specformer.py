@@ -1193,3 +1193,39 @@ def test_training_keeps_the_best_held_out_step(distilled, tmp_path):
     val = result.validation
     assert val["sequences"] == 3 and val["best_step"] % 2 == 0
     assert evaluate(module, loss_fn, val_part, cfg)["loss"] == pytest.approx(val["loss"])
+
+
+def test_collect_logs_records_the_heads_states(trained, tmp_path):
+    """`collect-logs --states` with a SpecFormer head records, beside each labelled position's
+    features, the head's normed draft-slot state (the target's hidden size), the predictor trains
+    on them with --state-projection and reports the features-only AUC beside its own; a drafter
+    with no states, or logs without them, is a clear error."""
+    model, out = trained
+    head = str(out / "specformer")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    runner = CliRunner()
+    logs = tmp_path / "l.npz"
+    base = ["collect-logs", "--prompts", str(prompts), "--limit", "10", "--model", model, "--device", "cpu",
+            "--max-tokens", "24", "--max-seq-len", "256"]
+    res = runner.invoke(main, base + ["--out", str(logs), "--drafter", "specformer", "--draft-model", head, "--states"])
+    assert res.exit_code == 0, res.output
+    data = np.load(logs)
+    hidden = load_checkpoint(model).config.hidden_size
+    assert data["states"].shape == (len(data["labels"]), hidden) and data["states"].dtype == np.float16
+    assert np.isfinite(data["states"]).all() and data["states"].std() > 0
+    res = runner.invoke(main, ["train", "predictor", "--logs", str(logs), "--out", str(tmp_path / "p.safetensors"),
+                               "--epochs", "3", "--state-projection", "4"])
+    assert res.exit_code == 0, res.output
+    assert "features only" in res.output
+    report = json.loads((tmp_path / "p.safetensors.json").read_text())
+    assert 0.0 <= report["features_only_auc"] <= 1.0
+    res = runner.invoke(main, base + ["--out", str(tmp_path / "n.npz"), "--drafter", "ngram", "--states"])
+    assert res.exit_code == 2 and "the ngram drafter has none to record" in res.output
+    res = runner.invoke(main, base + ["--out", str(tmp_path / "plain.npz"), "--drafter", "specformer",
+                                      "--draft-model", head])
+    assert res.exit_code == 0, res.output
+    assert "states" not in np.load(tmp_path / "plain.npz").files
+    res = runner.invoke(main, ["train", "predictor", "--logs", str(tmp_path / "plain.npz"), "--out",
+                               str(tmp_path / "q.safetensors"), "--state-projection", "4"])
+    assert res.exit_code == 2 and "collect-logs --states" in res.output

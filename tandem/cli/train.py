@@ -32,8 +32,12 @@ from .common import (_engine, _run_file, command_line, console, device_option, d
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
+@click.option("--states", "record_states", is_flag=True,
+              help="Also record the drafter's hidden state at each drafted position (SpecFormer only: the "
+                   "head's normed draft-slot states, float16) for a predictor that reads them "
+                   "(tandem train predictor --state-projection).")
 def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold,
-                 branch_top_m, max_tokens, batch_size, max_seq_len) -> None:
+                 branch_top_m, max_tokens, batch_size, max_seq_len, record_states) -> None:
     """Run speculative decoding and record, per drafted position, the predictor features and the
     label (accepted 1, first rejected 0; later positions unlabelled)."""
     import numpy as np  # and the torch-backed modules:
@@ -43,6 +47,8 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
 
     if drafter == "none":
         fail("collect-logs needs a --drafter")
+    if record_states and drafter != "specformer":
+        fail(f"--states records the SpecFormer head's states; the {drafter} drafter has none to record")
     spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
     records = []
     store = open_store()  # TANDEM_REDIS_URL set: the logs also go to the capped Redis stream
@@ -61,6 +67,8 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
     except InvalidRequestError as exc:
         fail(str(exc))
         return
+    if record_states:
+        engine.drafter.record_states = True
     fits = [r for r in prompts if len(engine.encode_prompt(r.text)) < engine.max_seq_len]
     if len(fits) < len(prompts):  # a data job over a training set: skip what cannot fit, say so, go on
         log.warning("skipped %d of %d prompts longer than the context limit (%d tokens; raise --max-seq-len)",
@@ -72,7 +80,9 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
         fail("no drafts were verified; nothing to log")
     feats, labels = zip(*(r.labelled() for r in records))
     x, y = np.concatenate(feats), np.concatenate(labels)
-    np.savez_compressed(out, features=x, labels=y, feature_names=np.array(FEATURE_NAMES), drafter=engine.drafter.name)
+    extra = {"states": np.concatenate([r.labelled_states() for r in records])} if record_states else {}
+    np.savez_compressed(out, features=x, labels=y, feature_names=np.array(FEATURE_NAMES), drafter=engine.drafter.name,
+                        **extra)
     console.print(f"{len(y)} labelled positions ({y.mean():.3f} accepted) from {len(results)} prompts in "
                   f"{wall:.1f} s -> {out}", highlight=False)
 
@@ -89,7 +99,11 @@ def train() -> None:
 @click.option("--hidden", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--epochs", type=click.IntRange(min=1), default=40, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
+@click.option("--state-projection", type=click.IntRange(min=1), default=None,
+              help="Also read the drafter's states in the logs (collect-logs --states) through a learned "
+                   "projection this wide; the report gives the features-only AUC beside it. Serving does "
+                   "not supply states yet: such a predictor is for study, refused by --predictor.")
+def train_predictor_cmd(logs_file, out, hidden, epochs, seed, state_projection) -> None:
     """Fit the acceptance predictor; writes the model, a JSON report and a reliability diagram."""
     import numpy as np  # and the torch-backed modules:
     import torch
@@ -99,11 +113,15 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
     try:
         data = np.load(logs_file)
         x, y = data["features"], data["labels"]
+        states = data["states"] if state_projection and "states" in data.files else None
     except (OSError, KeyError, ValueError) as exc:
         fail(f"{logs_file} is not a collect-logs file: {exc}")
         return
+    if state_projection and states is None:
+        fail(f"{logs_file} has no drafter states; collect them with tandem collect-logs --states")
     try:
-        model, report = train_predictor(x, y, hidden=hidden, epochs=epochs, seed=seed)
+        model, report = train_predictor(x, y, hidden=hidden, epochs=epochs, seed=seed, states=states,
+                                        state_proj=state_projection or 8)
     except ValueError as exc:
         fail(str(exc))
         return
@@ -111,8 +129,10 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed) -> None:
     model.save(out, report)
     png = str(Path(out).with_suffix(".reliability.png"))
     val, _ = validation_split(len(y), seed=seed)  # the held-out rows the report was computed on
-    reliability_diagram(model.predict(torch.from_numpy(x[val])).numpy(), y[val], png)
-    console.print(f"AUC {report.auc:.3f} (entropy-only {report.entropy_auc:.3f}, position alone "
+    s_val = None if states is None else torch.from_numpy(states[val].astype(np.float32))
+    reliability_diagram(model.predict(torch.from_numpy(x[val]), s_val).numpy(), y[val], png)
+    with_states = "" if states is None else f"features only {report.features_only_auc:.3f}, "
+    console.print(f"AUC {report.auc:.3f} ({with_states}entropy-only {report.entropy_auc:.3f}, position alone "
                   f"{report.position_auc:.3f}), ECE {report.ece:.3f}, "
                   f"{report.cost_us_per_token:.2f} µs/token; wrote {out}, {out}.json, {png}", highlight=False)
 

@@ -56,6 +56,10 @@ class DraftProposal:
         scores: ``[len(tokens)]`` float32 predicted acceptance probabilities when the drafter
             scored its own drafts (a drafter service with a predictor), else None (the engine's
             draft policy scores the features).
+        states: ``[len(tokens), d]`` float32 drafter hidden states at each draft position (the
+            SpecFormer head's normed draft-slot states, what its LM head reads), recorded only
+            when the drafter is asked to (``SpecFormerDrafter.record_states``: verification logs
+            for a predictor that reads them); else None.
     """
 
     tokens: list[int]
@@ -64,6 +68,7 @@ class DraftProposal:
     top_tokens: torch.Tensor | None = None
     parents: list[int] | None = None
     scores: torch.Tensor | None = None
+    states: torch.Tensor | None = None
 
     @property
     def chain_length(self) -> int:
@@ -80,7 +85,8 @@ class DraftProposal:
             raise ValueError("truncate token trees by rebuilding them")
         return DraftProposal(self.tokens[:n], None if self.probs is None else self.probs[:n], self.features[:n],
                              None if self.top_tokens is None else self.top_tokens[:n],
-                             scores=None if self.scores is None else self.scores[:n])
+                             scores=None if self.scores is None else self.scores[:n],
+                             states=None if self.states is None else self.states[:n])
 
     def branched(self, n: int, m: int) -> "DraftProposal":
         """Keep the first ``n`` drafts as a chain and branch position ``n + 1`` into its ``m``
@@ -99,8 +105,9 @@ class DraftProposal:
             onehot[torch.arange(len(cands)), torch.tensor(cands)] = 1.0
             probs = torch.cat([chain.probs, onehot])
         feats = torch.cat([chain.features, self.features[n:n + 1].expand(len(cands), -1)])
+        states = None if self.states is None else torch.cat([chain.states, self.states[n:n + 1].expand(len(cands), -1)])
         return DraftProposal(chain.tokens + cands, probs, feats, None,
-                             list(range(-1, n - 1)) + [n - 1] * len(cands))
+                             list(range(-1, n - 1)) + [n - 1] * len(cands), states=states)
 
     @staticmethod
     def empty() -> "DraftProposal":
@@ -113,7 +120,9 @@ class DraftProposal:
             return DraftProposal.empty()
         probs = None if parts[0].probs is None else torch.cat([p.probs for p in parts])
         tops = None if any(p.top_tokens is None for p in parts) else torch.cat([p.top_tokens for p in parts])
-        return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops)
+        states = None if any(p.states is None for p in parts) else torch.cat([p.states for p in parts])
+        return DraftProposal([t for p in parts for t in p.tokens], probs, torch.cat([p.features for p in parts]), tops,
+                             states=states)
 
 
 def device_features(probs: torch.Tensor, start_position: int | torch.Tensor = 1) -> torch.Tensor:

@@ -100,6 +100,10 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         self._target = None
         self._fused = False  # the head runs the fused kernels (set by bind)
         self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
+        # host-drafted proposals carry the head's draft-slot states (DraftProposal.states), for
+        # verification logs (tandem collect-logs --states); their draft pass then runs eagerly
+        self.record_states = False
+        self._recorded: torch.Tensor | None = None  # [n, l_d, d] states of the last draft_logits call
         self._draft_scores: torch.Tensor | None = None
 
     @classmethod
@@ -423,6 +427,10 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             inputs[0][:n].copy_(states)
             inputs[1].copy_(ids)
 
+        if self.record_states:  # eagerly, keeping the normed states the LM head reads
+            h = self._draft_states(states, ids[:n])
+            self._recorded = h.float()
+            return self._target.logits(h, True)
         out = self._replay(("draft", nb), self._draft_rows, lambda: (
             torch.zeros((nb, cfg.hidden_size), device=dev, dtype=self.k_cache.dtype),
             torch.zeros((nb, ld + 2), dtype=torch.long, device=dev)), fill) if self._static else None
@@ -432,12 +440,17 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         """``[n, l_d, vocab]`` draft logits from context states ``[n, d]`` and ``ids`` ``[n, l_d + 2]``
         (long, on the device: the lookup continuation with -1 for none, its match length, the bonus
         token); float32, or in the weights' dtype with ``float32=False``."""
+        return self._target.logits(self._draft_states(states, ids), float32)
+
+    def _draft_states(self, states: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, l_d, d]`` the head's draft-slot states after the target's final norm (what the LM
+        head reads), from context states and ``ids`` as ``_draft_rows``."""
         head, target = self.head, self._target
         cfg = head.config
         ld = cfg.num_draft_tokens
         bonus = target.embed(ids[:, ld + 1]) if cfg.bonus_token else None
         lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
-        return target.logits(target.norm(head.draft(states, bonus, lookup)), float32)
+        return target.norm(head.draft(states, bonus, lookup))
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []
@@ -459,6 +472,11 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             gens += [r.generator] * n
             pos += range(1, n + 1)
         rows = draft_rows(logits, params, gens, pos, self.top_m)  # one batched pass for every request
+        states = None
+        if self.record_states:
+            states = torch.cat([row[:r.max_draft] for row, (_, r) in zip(self._recorded, ready)]).cpu()
         for (i, _), span in zip(ready, spans):
             out[i] = rows.proposal(span)
+            if states is not None:
+                out[i].states = states[span[0]:span[-1] + 1]
         return out
