@@ -39,7 +39,6 @@ DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for
 log = logging.getLogger(__name__)
 
 
-
 def _grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked grouped-query attention without expanding K/V: the query heads that share a KV head
     are stacked along the query dimension (query head h reads KV head h // group, as in
