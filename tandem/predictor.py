@@ -11,6 +11,7 @@ rejection carry no label).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -128,7 +129,9 @@ class AcceptancePredictor(nn.Module):
                 "state_dim": str(self.state_dim), "state_proj": str(self.state_proj)}
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path), metadata=meta)
         if report is not None:
-            Path(str(path) + ".json").write_text(json.dumps(asdict(report), indent=2))
+            # strict JSON: a figure not measured (NaN) is null
+            fields = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(report).items()}
+            Path(str(path) + ".json").write_text(json.dumps(fields, indent=2, allow_nan=False))
 
     @classmethod
     def load(cls, path: str | Path, *, features_only: bool = False) -> "AcceptancePredictor":

@@ -170,3 +170,37 @@ def test_verification_record_states_follow_the_labels():
     x, y = rec.labelled()
     assert rec.labelled_states().tolist() == states[:2].tolist() and len(y) == 2
     assert VerificationRecord(feats, 1, "ngram").labelled_states() is None
+
+
+def test_train_predictor_refuses_damaged_logs_and_writes_strict_json(tmp_path):
+    """A logs file cut short, damaged, or not an archive at all is a one-line error (no traceback,
+    no advice to unpickle); collect-logs over a file with no prompts says so; a report's figure
+    that was not measured is null in strict JSON."""
+    import json
+
+    from click.testing import CliRunner
+
+    from tandem.cli import main
+
+    x, y = synthetic_logs(400, 0)
+    good = tmp_path / "logs.npz"
+    np.savez_compressed(good, features=x, labels=y)
+    raw = good.read_bytes()
+    (tmp_path / "cut.npz").write_bytes(raw[:len(raw) // 2])
+    damaged = bytearray(raw)
+    damaged[200:260] = bytes(60)  # inside the first member's compressed data
+    (tmp_path / "damaged.npz").write_bytes(bytes(damaged))
+    (tmp_path / "text.npz").write_text("hello\n")
+    runner = CliRunner()
+    for name in ("cut.npz", "damaged.npz", "text.npz"):
+        res = runner.invoke(main, ["train", "predictor", "--logs", str(tmp_path / name), "--out", str(tmp_path / "p.st")])
+        assert res.exit_code == 2, (name, res.output)
+        assert "is not a collect-logs file" in res.output and "Traceback" not in res.output and "pickle" not in res.output
+    res = runner.invoke(main, ["train", "predictor", "--logs", str(good), "--out", str(tmp_path / "p.st"), "--epochs", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "p.st.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert report["features_only_auc"] is None and 0.0 <= report["auc"] <= 1.0
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    res = runner.invoke(main, ["collect-logs", "--prompts", str(empty), "--drafter", "ngram", "--out", str(tmp_path / "l.npz")])
+    assert res.exit_code == 2 and "the prompts file has no prompts" in res.output

@@ -202,7 +202,11 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
                                 cuda_graphs=cuda_graphs, compile=compile_, dtype=torch_dtype(dtype), kernels=kernels)
     if max_batch_size is None and num_requests:
         cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
-    engine = build_engine(spec, load_checkpoint(model), cfg, verification_sink=verification_sink)
+    checkpoint = load_checkpoint(model)
+    if spec.policy in ("entropy", "predictor") and spec.cost_model:  # build_engine measures T(b, q) first
+        err_console.print("note: measuring the verifier's step cost T(b, q) for the draft policy's allocation "
+                          "(once at start-up; tens of seconds on a CPU)", highlight=False, soft_wrap=True)
+    engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink)
     if engine.drafter is not None and engine.draft_limit < spec.num_draft_tokens:
         err_console.print(f"note: this {engine.drafter.name} drafter drafts {engine.draft_limit} tokens a round "
                           f"(l_d); --num-draft-tokens {spec.num_draft_tokens} is capped to {engine.draft_limit}",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import signal
 import sys
 import time
+import zipfile
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,6 +65,8 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
 
     try:
         prompts = load_prompts(prompts_file, limit)
+        if not prompts:
+            fail("the prompts file has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, spec, verification_sink=sink)
     except InvalidRequestError as exc:
         fail(str(exc))
@@ -110,11 +114,13 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed, state_projection) 
 
     from ..predictor import reliability_diagram, train_predictor, validation_split
 
+    if not zipfile.is_zipfile(logs_file):
+        fail(f"{logs_file} is not a collect-logs file (not an .npz archive)")
     try:
-        data = np.load(logs_file)
+        data = np.load(logs_file, allow_pickle=False)
         x, y = data["features"], data["labels"]
         states = data["states"] if state_projection and "states" in data.files else None
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # damaged or cut short
         fail(f"{logs_file} is not a collect-logs file: {exc}")
         return
     if state_projection and states is None:
@@ -165,6 +171,8 @@ def distill_data(prompts_file, out, limit, max_tokens, max_prompt_tokens, batch_
 
     signal.signal(signal.SIGTERM, _stop)
     records = load_prompts(prompts_file, limit)
+    if not records:
+        fail("the prompts file has no prompts")
     on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     cfg = default_runner_config(device, max_batch_size=batch_size or (256 if on_gpu else 8),
                                 max_seq_len=max_prompt_tokens + max_tokens + 1,
