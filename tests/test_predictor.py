@@ -198,6 +198,7 @@ def test_train_predictor_refuses_damaged_logs_and_writes_strict_json(tmp_path):
         assert "is not a collect-logs file" in res.output and "Traceback" not in res.output and "pickle" not in res.output
     res = runner.invoke(main, ["train", "predictor", "--logs", str(good), "--out", str(tmp_path / "p.st"), "--epochs", "2"])
     assert res.exit_code == 0, res.output
+    assert "80 held-out positions: AUC and ECE this few are rough" in res.stderr  # 20% of 400
     report = json.loads((tmp_path / "p.st.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert report["features_only_auc"] is None and 0.0 <= report["auc"] <= 1.0
     empty = tmp_path / "empty.jsonl"
