@@ -15,7 +15,7 @@ from .requests import Request
 from .stopping import draft_room
 from .telemetry import span
 
-log = logging.getLogger("tandem.engine")
+log = logging.getLogger(__name__)
 
 
 class HostDrafting:

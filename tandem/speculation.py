@@ -119,6 +119,12 @@ class SpeculativeConfig:
         return self.drafter != "none"
 
     @property
+    def measures_cost(self) -> bool:
+        """Its draft policy allocates with a verifier cost model T(b, q) that ``build_engine``
+        measures on the target at start-up unless one is given (tens of seconds on a CPU)."""
+        return self.policy in ("entropy", "predictor") and bool(self.cost_model)
+
+    @property
     def tokens_per_row(self) -> int:
         """Most tokens one verification row holds: the last token, k drafts and the extra
         branches of a hard position (what the verifier cost model must cover)."""
@@ -319,7 +325,7 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         from .models.runner import default_runner_config
 
         runner_config = default_runner_config()
-    needs_policy_cost = spec.policy in ("entropy", "predictor") and spec.cost_model and cost is None
+    needs_policy_cost = spec.measures_cost and cost is None
     if not needs_policy_cost:
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter, weights=weights, cost=cost,
                                         store=store)

@@ -46,10 +46,9 @@ class Replica:
                                         wait_for_ready=True)
         except grpc.RpcError as exc:
             self._channel.close()
-            why = "refused the router" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "does not answer"
-            raise TargetUnavailable(f"verifier replica {address} {why}: {exc.code().name}: {exc.details()}"
-                                    + (" (give the router the replicas' --api-key)"
-                                       if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")) from None
+            why, hint = ("refused the router", " (give the router the replicas' --api-key)") \
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ("does not answer", "")
+            raise TargetUnavailable(f"verifier replica {address} {why}: {exc.code().name}: {exc.details()}{hint}") from None
         self.healthy = True
         self.last_error: str | None = None
         self.report: verifier_pb2.LoadReport | None = None

@@ -203,7 +203,7 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
     if max_batch_size is None and num_requests:
         cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
     checkpoint = load_checkpoint(model)
-    if spec.policy in ("entropy", "predictor") and spec.cost_model:  # build_engine measures T(b, q) first
+    if spec.measures_cost:  # build_engine measures T(b, q) first
         err_console.print("note: measuring the verifier's step cost T(b, q) for the draft policy's allocation "
                           "(once at start-up; tens of seconds on a CPU)", highlight=False, soft_wrap=True)
     engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink)
