@@ -572,7 +572,7 @@ def test_kernels_compile_for_the_gpu_without_spills():
 
 def test_runner_with_split_kv_attention(tiny_checkpoint, where):
     """``RunnerConfig.attention_chunk`` reaches the attention kernel: prefill and a verify step
-    give the unsplit runner's logits within rounding, and the runner names the split; a chunk that
+    give the unsplit runner's logits within rounding (relative: bf16's step grows with the logit), and the runner names the split; a chunk that
     is not a multiple of 64 is a ConfigError."""
     device, dtype = where
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
@@ -589,7 +589,10 @@ def test_runner_with_split_kv_attention(tiny_checkpoint, where):
             runner.cache.allocate()
         runner.prefill(prompts)
         outs.append(runner.step(step).logits[:, :4].float())
-    assert (outs[0] - outs[1]).abs().max().item() < (1e-4 if dtype == torch.float32 else 5e-2)
+    # bf16: the split merges fp32 partials in another order, so a logit may round one bf16 step
+    # apart (0.125 at magnitude 16-32: an absolute bound alone failed on an H100), hence rtol
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
     with pytest.raises(ConfigError, match="multiple of 64"):
         ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
                                        kernels="fused", attention_chunk=96))
