@@ -6,11 +6,17 @@
   waited on before a pinned copy is read). It is a ``TorchFunctionMode``, so it sees every read made through
   torch, whoever makes it; it slows the host while active (use it in a profiling pass, not in a
   timed one).
+- ``blocked_wait_s`` is the host's total time blocked in those noted waits (always on: two clock
+  reads a wait), so a round's host work is its wall time less that: a round whose host time
+  reaches its GPU time is bound by the host, not the device.
 - ``tandem.models.runner.CapturedCall.replays`` counts CUDA-graph launches.
 - ``gpu_busy_ms`` sums the device time of the kernels and copies ``torch.profiler`` recorded.
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,12 +39,33 @@ def _is_read(name: str, args: tuple, kwargs: dict) -> bool:
 _ACTIVE: list["HostSyncCounter"] = []
 
 
+_BLOCKED_S = [0.0]  # the process's time blocked in ``blocking_wait`` (s)
+
+
 def note_blocking_wait(what: str = "event.synchronize") -> None:
     """Record a blocking wait that is no tensor read (``torch.cuda.Event.synchronize`` before
     reading a pinned copy): code that waits so calls this, and every active counter counts it."""
     for counter in _ACTIVE:
         counter.count += 1
         counter.sites[what] = counter.sites.get(what, 0) + 1
+
+
+@contextmanager
+def blocking_wait(what: str = "event.synchronize"):
+    """Around a wait for the device (``with blocking_wait(): event.synchronize()``): counted as
+    ``note_blocking_wait`` counts it, and its duration added to ``blocked_wait_s``."""
+    note_blocking_wait(what)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _BLOCKED_S[0] += time.perf_counter() - t0
+
+
+def blocked_wait_s() -> float:
+    """Seconds this process has spent blocked in ``blocking_wait`` so far (a running total: take
+    the difference over a span)."""
+    return _BLOCKED_S[0]
 
 
 class HostSyncCounter(TorchFunctionMode):

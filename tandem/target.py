@@ -24,7 +24,7 @@ from .drafters.base import VerifiedStep
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, to_device
 from .models.weights import Checkpoint
-from .profiling import note_blocking_wait
+from .profiling import blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
 from .sampling import adjust_logits
 from .logprobs import MAX_TOP_LOGPROBS, logprob_columns, logprob_mode, read_logprob_columns, wants_logprobs
@@ -506,8 +506,8 @@ class _HostCopy:
 
     def wait(self) -> list:
         if self.event is not None:
-            note_blocking_wait()
-            self.event.synchronize()
+            with blocking_wait():
+                self.event.synchronize()
         return self.host.tolist()
 
 

@@ -86,6 +86,7 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
                 [r["prompts"], r["drafted"], r["accepted"]]
         # per decode round, measured over one full batch of the same prompts
         assert r["rounds"] >= 1 and r["round_wall_ms"] > 0 and r["round_gpu_ms"] is None  # no GPU here
+        assert r["round_host_ms"] == pytest.approx(r["round_wall_ms"])  # nothing waits for a device on a CPU
         assert r["graph_launches_per_round"] == 0.0  # no CUDA graphs on a CPU
         if name in ("target", "ngram"):  # the verify round's one copy; the draft model drafts on the host
             assert r["host_syncs_per_round"] <= 1.0, r

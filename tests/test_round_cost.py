@@ -18,7 +18,7 @@ from tandem.drafters import DraftModelDrafter, NgramDrafter
 from tandem.engine import Engine
 from tandem.models import load_checkpoint
 from tandem.models.runner import RunnerConfig
-from tandem.profiling import HostSyncCounter
+from tandem.profiling import HostSyncCounter, blocked_wait_s, blocking_wait
 from tandem.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13, 14, 15], [3, 4, 3, 4, 3, 4], [7] * 10]
@@ -34,6 +34,25 @@ def _decode_reads(engine: Engine, params: SamplingParams) -> tuple[int, int, dic
         while engine.has_unfinished() and not engine.waiting:
             engine.step()
     return counter.count, engine.num_rounds - rounds0, counter.sites
+
+
+def test_blocking_wait_is_counted_and_timed():
+    """A wait inside ``blocking_wait`` is one sync to every active counter and adds its duration to
+    the process's blocked time (what ``round_host_ms`` takes off a round's wall time); time outside
+    it adds nothing."""
+    import time
+
+    before = blocked_wait_s()
+    with HostSyncCounter("cpu") as counter:
+        with blocking_wait("test.wait"):
+            time.sleep(0.02)
+        time.sleep(0.02)  # host work, not a wait
+    blocked = blocked_wait_s() - before
+    assert counter.count == 1 and counter.sites == {"test.wait": 1}
+    assert 0.02 <= blocked < 0.04, blocked
+    with pytest.raises(RuntimeError), blocking_wait():  # a failed wait still counts its time
+        raise RuntimeError("device lost")
+    assert blocked_wait_s() - before >= blocked
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,14 @@
 """Per-round cost of a configuration: wall time against GPU-busy time, graph launches, host syncs.
 
 A round should cost its GPU work and nothing more. ``measure_round_cost`` runs one full batch of
-prompts twice on a warm engine: once plainly (wall time per decode round, CUDA-graph launches per
-round), once under ``torch.profiler`` with a ``HostSyncCounter`` (GPU-busy time per round: the
+prompts twice on a warm engine: once plainly (wall time per decode round, the host's share of it,
+CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncCounter`` (GPU-busy time per round: the
 device time of every kernel and copy; blocking host reads per round). Greedy decoding makes both
 runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
-work. Prefill (the first step) is outside both measurements.
+work. The host's share, ``round_host_ms``, is the wall time less the time the host spent blocked
+waiting for the device (``tandem.profiling.blocked_wait_s``): when it reaches ``round_gpu_ms``
+the rounds are bound by the host's work, not the GPU's. Prefill (the first step) is outside both
+measurements.
 
 With ``TANDEM_KERNEL_TABLES=DIR`` in the environment, the profiled run's table of operators and
 kernels by total GPU time (``torch.profiler``'s ``key_averages``) is also written to
@@ -25,7 +28,7 @@ import torch
 
 from ..engine import Engine
 from ..models.runner import CapturedCall
-from ..profiling import HostSyncCounter, gpu_busy_ms
+from ..profiling import HostSyncCounter, blocked_wait_s, gpu_busy_ms
 from ..sampling import SamplingParams
 
 
@@ -37,6 +40,8 @@ class RoundCost:
         rounds: decode rounds measured.
         round_wall_ms: wall time per round (draft, verify, observe, host work).
         round_gpu_ms: GPU-busy time per round (NaN on CPU).
+        round_host_ms: host time per round not spent blocked on the device (the wall time on a
+            CPU, where nothing waits for a device).
         graph_launches_per_round: CUDA-graph replays per round (0 without graphs).
         host_syncs_per_round: blocking host reads of device tensors per round.
     """
@@ -44,6 +49,7 @@ class RoundCost:
     rounds: int
     round_wall_ms: float
     round_gpu_ms: float
+    round_host_ms: float
     graph_launches_per_round: float
     host_syncs_per_round: float
 
@@ -82,15 +88,15 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     dev = engine.runner.device
     cuda = dev.type == "cuda"
 
-    def timed() -> tuple[float, int]:
+    def timed() -> tuple[float, float, int]:
         launches0 = CapturedCall.replays
         if cuda:
             torch.cuda.synchronize(dev)
-        wall0 = engine.round_wall_s
+        wall0, blocked0 = engine.round_wall_s, blocked_wait_s()
         _drain(engine)
-        return engine.round_wall_s - wall0, CapturedCall.replays - launches0
+        return engine.round_wall_s - wall0, blocked_wait_s() - blocked0, CapturedCall.replays - launches0
 
-    rounds, (wall_s, launches) = _admit_then(engine, prompt_ids, params, timed)
+    rounds, (wall_s, blocked_s, launches) = _admit_then(engine, prompt_ids, params, timed)
     counter = HostSyncCounter(dev.type)
 
     def profiled() -> float:
@@ -119,5 +125,5 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
 
     rounds_p, busy_ms = _admit_then(engine, prompt_ids, params, profiled)
     n = max(rounds, 1)
-    return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), launches / n,
-                     counter.count / max(rounds_p, 1))
+    return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), max(wall_s - blocked_s, 0.0) * 1e3 / n,
+                     launches / n, counter.count / max(rounds_p, 1))

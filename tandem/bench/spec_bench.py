@@ -88,6 +88,7 @@ class RunResult:
     rounds: int = 0
     round_wall_ms: float = math.nan
     round_gpu_ms: float = math.nan
+    round_host_ms: float = math.nan  # host time a round not blocked on the device
     graph_launches_per_round: float = math.nan
     host_syncs_per_round: float = math.nan
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
@@ -549,7 +550,8 @@ def _summary(r: RunResult) -> str:
     acc = "" if math.isnan(r.acceptance_rate) else f", acceptance {r.acceptance_rate:.2f}, τ_acc {r.mean_accepted_length:.2f}"
     rounds = "" if math.isnan(r.round_wall_ms) else (
         f"; round {r.round_wall_ms:.2f} ms wall"
-        + ("" if math.isnan(r.round_gpu_ms) else f" / {r.round_gpu_ms:.2f} ms GPU") + ", "
+        + ("" if math.isnan(r.round_gpu_ms) else f" / {r.round_gpu_ms:.2f} ms GPU")
+        + ("" if math.isnan(r.round_host_ms) else f" / {r.round_host_ms:.2f} ms host") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")
