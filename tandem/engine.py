@@ -536,18 +536,22 @@ class Engine(HostDrafting, EngineConveniences):
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name,
                                                           None if prop.states is None else prop.states[:n_chain]))
-            before = (req.spec.num_drafted, req.spec.num_accepted, req.spec.num_emitted)
+            spec = req.spec
+            emitted0, drafted0, accepted0 = spec.num_emitted, spec.num_drafted, spec.num_accepted
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
             outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
                                         logprobs=res.logprobs, top=res.top_logprobs))
-            emitted += req.spec.num_emitted - before[2]  # kept by the stop rules (a stream may hold some back)
-            drafted, accepted = req.spec.num_drafted - before[0], req.spec.num_accepted - before[1]
-            drafts += drafted > 0
-            drafted_total += drafted
-            accepted_total += accepted
-            per_pos.extend([0] * (accepted - len(per_pos)))
-            for i in range(accepted):
-                per_pos[i] += 1
+            emitted += spec.num_emitted - emitted0  # kept by the stop rules (a stream may hold some back)
+            drafted = spec.num_drafted - drafted0  # as the stop rules cut them
+            if drafted:
+                drafts += 1
+                drafted_total += drafted
+                accepted = spec.num_accepted - accepted0  # (at most drafted)
+                accepted_total += accepted
+                if accepted > len(per_pos):
+                    per_pos.extend([0] * (accepted - len(per_pos)))
+                for i in range(accepted):
+                    per_pos[i] += 1
         round_ms = rnd.wall_s * 1e3
         if self.draft_policy is not None:
             if not rnd.chained or rnd.plan is not None:  # (a chained round before any plan: nothing to learn)
@@ -592,6 +596,9 @@ class Engine(HostDrafting, EngineConveniences):
                 self.stats.merge(req.spec)
                 if req.slot is not None:
                     self._release(req)
+        if req.logprobs is None:  # each token's text goes with its log-probability only (OpenAI logprobs)
+            return RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
+                                 stop_reason=out.stop_reason)
         return RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
-                             None if req.logprobs is None else req.logprobs[lo:hi], out.token_texts(lo, hi),
-                             out.stop_reason, None if req.top is None else req.top[lo:hi])
+                             req.logprobs[lo:hi], out.token_texts(lo, hi), out.stop_reason,
+                             None if req.top is None else req.top[lo:hi])

@@ -70,7 +70,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[float] | None = None  # of new_token_ids, when the request asked for them
-    token_texts: list[str] | None = None  # each new token's text; they join to text_delta (OutputState.token_texts)
+    token_texts: list[str] | None = None  # with logprobs: each new token's text; they join to text_delta (OutputState.token_texts)
     stop_reason: str | int | None = None  # once finished: the stop string or stop token id that ended it
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, log-probability), best first
 

@@ -82,31 +82,32 @@ class OutputState:
         """
         if self.finish_reason is not None:
             raise RuntimeError("append to a finished request")
-        ids, ends, stop_ids, detok = self.token_ids, self._ends, self.stop_ids, self._detok.add
+        ids, ends, stop_ids, detok = self.token_ids, self._ends, self.stop_ids, self._detok.step
         before = len(ids)
         # (locals: a round appends a run to every request of the batch, on the host's critical path)
         stop_from = self.params.min_tokens if self._max_stop_len else None  # stop strings match from here
+        text, limit = self.text, self.max_new_tokens
         for tok in tokens:
             ids.append(tok)
             if tok in stop_ids:
-                ends.append(len(self.text))
+                ends.append(len(text))
                 self.finish_reason = "stop"
                 self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
                 break
-            delta = detok(tok)
+            delta = detok(tok)  # the completed text, or None / ""
             if delta:
-                prev_len = len(self.text)
-                self.text += delta
-                ends.append(len(self.text))
+                prev_len = len(text)
+                self.text = text = text + delta
+                ends.append(len(text))
                 if stop_from is not None and len(ids) >= stop_from and self._cut_at_stop_string(prev_len):
-                    self.finish_reason = "stop"
+                    self.finish_reason = "stop"  # (the cut shortened self.text; the loop ends here)
                     break
             else:
-                ends.append(len(self.text))
-            if len(ids) >= self.max_new_tokens:
+                ends.append(len(text))
+            if len(ids) >= limit:
                 self.finish_reason = "length"
                 break
-        return max(0, len(self.token_ids) - before)
+        return max(0, len(ids) - before)
 
     def _cut_at_stop_string(self, prev_len: int) -> bool:
         """Cut the text at a stop string the last delta completed, and the tokens whose text
@@ -143,11 +144,12 @@ class OutputState:
         so a stop string never leaks partially into a stream, and so are the tokens whose text
         reaches into them; once finished, everything left."""
         lo = hi = self._released
-        if self.finish_reason is not None or self._max_stop_len <= 1:  # nothing to hold back
+        ends = self._ends
+        if self._max_stop_len <= 1 or self.finish_reason is not None:  # nothing to hold back
             hi = len(self.token_ids)
         else:
-            limit = len(self.text) - max(self._max_stop_len - 1, 0)
-            while hi < len(self.token_ids) and self._ends[hi] <= limit:
+            limit = len(self.text) - (self._max_stop_len - 1)
+            while hi < len(self.token_ids) and ends[hi] <= limit:
                 hi += 1
         self._released = hi
-        return self.text[self._start(lo):self._start(hi)], lo, hi
+        return self.text[ends[lo - 1] if lo else 0:ends[hi - 1] if hi else 0], lo, hi

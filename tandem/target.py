@@ -400,35 +400,39 @@ class LocalTarget(Target):
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
         """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's
         one blocking wait), rolls back the rejected drafts' KV and gathers the kept positions'
-        tapped states."""
+        tapped states. One pass over the rows (a round's host work grows with the batch: this is
+        on the host's critical path at large batch sizes)."""
         items, slots, trees, out, Q = handle.items, handle.slots, handle.trees, handle.out, handle.width
-        host = handle.copy.wait()  # per row: start, q_len, accepted, Q tokens, (Q logprobs)
-        starts = [int(host[s][0]) for s in slots]  # what each slot held before the round
+        host = handle.copy.wait()  # per row: start, q_len, accepted, Q tokens, (Q logprobs), (scores)
+        chained = isinstance(items[0], ChainedItem)
+        queued, truncate = self._queued, self.cache.truncate
         results: list[VerifyResult] = []
-        for it, row_slot in zip(items, slots):
-            if row_slot in trees:
-                results.append(self._verify_tree(it, out, handle.sampling, starts[len(results)]))
-                continue
-            row = host[row_slot]
-            m = int(row[2])
-            results.append(VerifyResult([int(t) for t in row[3:m + 4]], m))
-        for it, slot, length, r in zip(items, slots, starts, results):
-            if r.path:  # token tree: move the accepted branch's K/V to consecutive positions
-                moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
-                self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-                self.state.set(slot, length, r.tokens)
-            if slot in trees:  # (a chain row's tokens were counted on the device)
-                dev = self.runner.device
+        for it, slot in zip(items, slots):
+            row = host[slot]
+            length = int(row[0])  # what the slot held before the round
+            if slot in trees:
+                r = self._verify_tree(it, out, handle.sampling, length)
+                if r.path:  # move the accepted branch's K/V to consecutive positions
+                    moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
+                    self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
+                    self.state.set(slot, length, r.tokens)
+                dev = self.runner.device  # (a chain row's tokens were counted on the device)
                 self.sampling.record(to_device(torch.tensor([r.tokens]), dev),
                                      torch.ones(1, len(r.tokens), dtype=torch.bool, device=dev),
                                      to_device(torch.tensor([slot]), dev))
+            else:
+                m = int(row[2])
+                r = VerifyResult([int(t) for t in row[3:m + 4]], m)
+            results.append(r)
             # drop rejected drafts' KV; a later round still in flight keeps its share of the length
-            self._queued[slot] -= _step_tokens(it)
-            self.cache.truncate(slot, length + 1 + r.num_accepted + self._queued[slot])
-            if not self._queued[slot]:
-                del self._queued[slot]
+            left = queued[slot] - _step_tokens(it)
+            truncate(slot, length + 1 + r.num_accepted + left)
+            if left:
+                queued[slot] = left
+            else:
+                del queued[slot]
         # (a chained round's taps were read on the device, and a later round may have overwritten them)
-        gather = out.taps is not None and not isinstance(items[0], ChainedItem)
+        gather = out.taps is not None and not chained
         kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
                 for r in results] if gather or trees else None  # step rows whose tokens stay in the cache
         taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
@@ -436,20 +440,21 @@ class LocalTarget(Target):
             gathered = out.taps[torch.tensor([s for s, rows in zip(slots, kept) for _ in rows]),
                                 torch.tensor([r for rows in kept for r in rows])]
             taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
+        num_scores = handle.num_scores
         outs = []
         for i, (it, r, extras) in enumerate(zip(items, results, taps)):
-            rows = kept[i] if kept is not None else None
+            row = host[it.slot]
             lp = top = None
-            if wants_logprobs(it):
+            if it.return_logprobs or it.top_logprobs > 0:  # (wants_logprobs, inline: once a row a round)
                 if it.slot in trees:
+                    rows = kept[i]
                     cols = logprob_columns(out.logits[it.slot, rows][None], torch.tensor(
                         r.tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
                     lp, top = read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
                 else:
-                    lp, top = read_logprob_columns(host[it.slot], Q + 3, Q, len(r.tokens), it.top_logprobs)
-            drafts = int(host[it.slot][1]) - 1 if isinstance(it, ChainedItem) else None
-            scores = host[it.slot][-handle.num_scores:] if handle.num_scores else None
-            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, drafts, scores, top))
+                    lp, top = read_logprob_columns(row, Q + 3, Q, len(r.tokens), it.top_logprobs)
+            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, int(row[1]) - 1 if chained else None,
+                                     row[-num_scores:] if num_scores else None, top))
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from .errors import InvalidRequestError, check_utf8
@@ -190,13 +191,16 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "_backend", None)  # a tokenizer with only decode() decodes in Python
         self._stream = (backend, DecodeStream(skip_special_tokens=True)) if (
             backend is not None and DecodeStream is not None) else None
+        # step(token_id) -> the completed text or None/"": the stream's own call where there is
+        # one (no wrapper on the per-token path; ``ids`` then stays empty), else ``add``
+        self.step = partial(self._stream[1].step, backend) if self._stream is not None else self.add
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
-        self.ids.append(token_id)
         if self._stream is not None:
             backend, stream = self._stream
             return stream.step(backend, token_id) or ""
+        self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = decode(self.ids[self.prefix_offset:])
