@@ -531,8 +531,7 @@ class Engine(HostDrafting, EngineConveniences):
             if req.pending is None or req.finished or req.slot is None:
                 continue
             req.pending = None
-            n_chain = prop.chain_length
-            if self.verification_sink is not None and n_chain:
+            if self.verification_sink is not None and (n_chain := prop.chain_length):
                 self.verification_sink(VerificationRecord(prop.features[:n_chain], min(res.num_accepted, n_chain),
                                                           self.drafter.name,
                                                           None if prop.states is None else prop.states[:n_chain]))
