@@ -37,6 +37,13 @@ def run():
     (["generate", "--prompt", "hi", "--presence-penalty", "5"], "presence_penalty must be a number in [-2, 2]"),
     (["generate", "--prompt", "hi", "--max-tokens", "8", "--min-tokens", "9"], "min_tokens must be"),
     (["generate", "--prompt", "hi", "--json", "--regex", "a"], "give at most one of --json"),
+    # an option that would do nothing is refused, not ignored
+    (["generate", "--prompt", "hi", "--limit", "3"], "--limit takes the first N prompts of --prompts-file"),
+    (["generate", "--prompt", "hi", "--num-draft-tokens", "8"], "--num-draft-tokens needs a --drafter"),
+    (["bench", "--device", "cpu", "--cuda-graphs", "--no-hf-baseline"], "--cuda-graphs needs a CUDA device"),
+    (["bench", "--device", "cpu", "--prefill-graphs", "--no-hf-baseline"], "--prefill-graphs needs a CUDA device"),
+    (["bench", "--device", "cpu", "--cuda-graphs", "--compile", "--no-hf-baseline"],
+     "--cuda-graphs and --compile need a CUDA device"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -54,6 +61,19 @@ def test_prompts_file_errors_name_the_line(run, tmp_path):
     f.write_text("\n\n")
     res = run("generate", "--prompts-file", str(f))
     assert res.exit_code == 2 and "no prompts" in res.stderr
+
+
+def test_structure_files_that_cannot_be_used_are_one_line(run, tmp_path):
+    """--json-schema / --grammar files: not UTF-8, or empty, is a one-line error naming the flag."""
+    bad, empty = tmp_path / "bad.lark", tmp_path / "empty.json"
+    bad.write_bytes(b'start: "a"\xff\n')
+    empty.write_text("  \n")
+    for flag, path, message in (("--grammar", bad, "is not valid UTF-8"), ("--json-schema", bad, "is not valid UTF-8"),
+                                ("--json-schema", empty, "is empty: it should hold a JSON schema"),
+                                ("--grammar", empty, "is empty: it should hold a Lark grammar")):
+        res = run("generate", "--prompt", "hi", flag, str(path))
+        assert res.exit_code == 2 and f"{flag} {path} {message}" in res.stderr, res.output
+        assert "Traceback" not in res.output
 
 
 def test_device_cuda_without_cuda_is_a_clear_error(run):

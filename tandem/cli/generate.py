@@ -76,6 +76,10 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("give exactly one of --prompt or --prompts-file")
     if compare and (prompts_file is None or drafter == "none"):
         fail("--compare needs --prompts-file and a --drafter")
+    if limit is not None and prompts_file is None:
+        fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
+    if drafter == "none" and _given("num_draft_tokens"):
+        fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
         fail("prompt is empty")
     spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
@@ -139,8 +143,6 @@ def _logit_bias(pairs: tuple[str, ...]) -> dict[int, float]:
 
 def _structure(json_object: bool, json_schema: str | None, regex: str | None, grammar: str | None):
     """The structured-output options as a ``Structure`` (None without one; at most one)."""
-    from pathlib import Path
-
     from ..structured import Structure
 
     given = [x for x in (json_object or None, json_schema, regex, grammar) if x is not None]
@@ -149,12 +151,36 @@ def _structure(json_object: bool, json_schema: str | None, regex: str | None, gr
     if json_object:
         return Structure("json_object", param="--json")
     if json_schema is not None:
-        return Structure("json_schema", Path(json_schema).read_text(), param="--json-schema")
+        return Structure("json_schema", _structure_file(json_schema, "--json-schema", "JSON schema"),
+                         param="--json-schema")
     if regex is not None:
         return Structure("regex", regex, param="--regex")
     if grammar is not None:
-        return Structure("lark", Path(grammar).read_text(), param="--grammar")
+        return Structure("lark", _structure_file(grammar, "--grammar", "Lark grammar"), param="--grammar")
     return None
+
+
+def _structure_file(path: str, flag: str, what: str) -> str:
+    """A structure's file as text: a one-line error when it cannot be read, is not UTF-8 or is
+    empty."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        fail(f"{flag} {path} is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    except OSError as exc:
+        fail(f"{flag} {path}: {exc.strerror or exc}")
+    if not text.strip():
+        fail(f"{flag} {path} is empty: it should hold a {what}")
+    return text
+
+
+def _given(name: str) -> bool:
+    """Whether the option ``name`` came from the command line (not its default)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
 
 
 def _speculation_label(engine) -> str:

@@ -168,7 +168,8 @@ def default_runner_config(device: str | None = None, **overrides) -> RunnerConfi
     """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager.
 
     Raises:
-        ConfigError: an unknown device, or CUDA on a machine without it.
+        ConfigError: an unknown device, CUDA on a machine without it, or CUDA graphs, compile or
+            prefill graphs asked for on a CPU.
     """
     from ..errors import ConfigError
 
@@ -184,6 +185,11 @@ def default_runner_config(device: str | None = None, **overrides) -> RunnerConfi
         raise ConfigError(f"device {device!r} is not available here (torch {torch.__version__}, "
                           f"{torch.cuda.device_count()} CUDA devices)")
     on_gpu = dev.type == "cuda"
+    asked = [flag for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--compile", "compile"),
+                                    ("--prefill-graphs", "prefill_graphs")) if overrides.get(key)]
+    if asked and not on_gpu:
+        named = " and ".join([", ".join(asked[:-1]), asked[-1]] if len(asked) > 1 else asked)
+        raise ConfigError(f"{named} need{'s' if len(asked) == 1 else ''} a CUDA device; the device is {device}")
     base = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
                 max_batch_size=64 if on_gpu else 8, cuda_graphs=on_gpu, compile=on_gpu)
     base.update({k: v for k, v in overrides.items() if v is not None})
@@ -198,8 +204,7 @@ class ModelRunner:
         config: runner settings.
 
     Raises:
-        ValueError: CUDA graphs or compile asked for on a CPU device.
-        ConfigError: ``max_seq_len`` past the model's trained context, or a KV cache that does
+        ConfigError: CUDA graphs or compile asked for on a CPU device; ``max_seq_len`` past the model's trained context, or a KV cache that does
             not fit the device's free memory (``kv_cache.check_fits``).
     """
 
@@ -208,7 +213,7 @@ class ModelRunner:
         self.model_config: ModelConfig = checkpoint.config
         self.device = torch.device(config.device)
         if (config.cuda_graphs or config.compile) and self.device.type != "cuda":
-            raise ValueError("cuda_graphs and compile need a CUDA device")
+            raise ConfigError("cuda_graphs and compile need a CUDA device")
         self._kernels = check_runner_config(config, checkpoint.config)
         trained = checkpoint.config.max_position_embeddings
         if config.max_seq_len > trained:
