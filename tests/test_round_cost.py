@@ -44,12 +44,14 @@ def test_blocking_wait_is_counted_and_timed():
 
     before = blocked_wait_s()
     with HostSyncCounter("cpu") as counter:
+        t0 = time.perf_counter()
         with blocking_wait("test.wait"):
             time.sleep(0.02)
+        waited = time.perf_counter() - t0
         time.sleep(0.02)  # host work, not a wait
     blocked = blocked_wait_s() - before
     assert counter.count == 1 and counter.sites == {"test.wait": 1}
-    assert 0.02 <= blocked < 0.04, blocked
+    assert 0.02 <= blocked <= waited, (blocked, waited)  # (a loaded machine may oversleep: no fixed upper bound)
     with pytest.raises(RuntimeError), blocking_wait():  # a failed wait still counts its time
         raise RuntimeError("device lost")
     assert blocked_wait_s() - before >= blocked

@@ -6,8 +6,10 @@ CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncC
 device time of every kernel and copy; blocking host reads per round). Greedy decoding makes both
 runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
 work. The host's share, ``round_host_ms``, is the wall time less the time the host spent blocked
-waiting for the device (``tandem.profiling.blocked_wait_s``): when it reaches ``round_gpu_ms``
-the rounds are bound by the host's work, not the GPU's. Prefill (the first step) is outside both
+waiting for the round's results (``tandem.profiling.blocked_wait_s``): when it reaches
+``round_gpu_ms`` the rounds are bound by the host's work, not the GPU's. Other blocking reads in a
+round (a host-drafted draft model's rows, token trees walked on the host: ``host_syncs_per_round``
+above 1) are not taken off, so there it is an upper bound that includes some GPU time. Prefill (the first step) is outside both
 measurements.
 
 With ``TANDEM_KERNEL_TABLES=DIR`` in the environment, the profiled run's table of operators and
@@ -40,8 +42,9 @@ class RoundCost:
         rounds: decode rounds measured.
         round_wall_ms: wall time per round (draft, verify, observe, host work).
         round_gpu_ms: GPU-busy time per round (NaN on CPU).
-        round_host_ms: host time per round not spent blocked on the device (the wall time on a
-            CPU, where nothing waits for a device).
+        round_host_ms: host time per round not spent waiting for the round's results (the wall
+            time on a CPU, where nothing waits for a device; an upper bound where
+            ``host_syncs_per_round`` > 1, see the module docstring).
         graph_launches_per_round: CUDA-graph replays per round (0 without graphs).
         host_syncs_per_round: blocking host reads of device tensors per round.
     """
