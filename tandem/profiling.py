@@ -6,9 +6,10 @@
   waited on before a pinned copy is read). It is a ``TorchFunctionMode``, so it sees every read made through
   torch, whoever makes it; it slows the host while active (use it in a profiling pass, not in a
   timed one).
-- ``blocked_wait_s`` is the host's total time blocked in those noted waits (always on: two clock
-  reads a wait), so a round's host work is its wall time less that: a round whose host time
-  reaches its GPU time is bound by the host, not the device.
+- ``blocked_wait_s`` is the host's total time blocked in waits run inside ``blocking_wait`` (the
+  round's result wait; always on: two clock reads a wait), so a round's host work is its wall
+  time less that: a round whose host time reaches its GPU time is bound by the host, not the
+  device.
 - ``tandem.models.runner.CapturedCall.replays`` counts CUDA-graph launches.
 - ``gpu_busy_ms`` sums the device time of the kernels and copies ``torch.profiler`` recorded.
 """

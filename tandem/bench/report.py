@@ -46,7 +46,8 @@ def main_table(report: BenchReport) -> TextTable:
     """Shaped like the papers' tables: method, batch size, k, τ_acc (the
     papers' κ), TPS, speedup, acceptance,
     lossless share; then per decode round: wall ms, GPU-busy ms, their ratio, host ms (the wall
-    time not blocked on the device), graph launches and host syncs; then latency and memory; then the timed pass's prefills and their mean host time."""
+    time not spent waiting for the round's results), graph launches and host syncs; then latency
+    and memory; then the timed pass's prefills and their mean host time."""
     m = report.meta
     title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
              f"({m.attention})" + (", exact kernels" if m.exact_kernels else ""))

@@ -2,15 +2,16 @@
 
 A round should cost its GPU work and nothing more. ``measure_round_cost`` runs one full batch of
 prompts twice on a warm engine: once plainly (wall time per decode round, the host's share of it,
-CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncCounter`` (GPU-busy time per round: the
-device time of every kernel and copy; blocking host reads per round). Greedy decoding makes both
+CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncCounter``
+(GPU-busy time per round: the device time of every kernel and copy; blocking host reads per
+round). Greedy decoding makes both
 runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
 work. The host's share, ``round_host_ms``, is the wall time less the time the host spent blocked
 waiting for the round's results (``tandem.profiling.blocked_wait_s``): when it reaches
 ``round_gpu_ms`` the rounds are bound by the host's work, not the GPU's. Other blocking reads in a
 round (a host-drafted draft model's rows, token trees walked on the host: ``host_syncs_per_round``
-above 1) are not taken off, so there it is an upper bound that includes some GPU time. Prefill (the first step) is outside both
-measurements.
+above 1) are not taken off, so there it is an upper bound that includes some GPU time. Prefill
+(the first step) is outside both measurements.
 
 With ``TANDEM_KERNEL_TABLES=DIR`` in the environment, the profiled run's table of operators and
 kernels by total GPU time (``torch.profiler``'s ``key_averages``) is also written to

@@ -88,7 +88,7 @@ class RunResult:
     rounds: int = 0
     round_wall_ms: float = math.nan
     round_gpu_ms: float = math.nan
-    round_host_ms: float = math.nan  # host time a round not blocked on the device
+    round_host_ms: float = math.nan  # host time a round not spent waiting for its results
     graph_launches_per_round: float = math.nan
     host_syncs_per_round: float = math.nan
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time

@@ -204,8 +204,9 @@ class ModelRunner:
         config: runner settings.
 
     Raises:
-        ConfigError: CUDA graphs or compile asked for on a CPU device; ``max_seq_len`` past the model's trained context, or a KV cache that does
-            not fit the device's free memory (``kv_cache.check_fits``).
+        ConfigError: CUDA graphs or compile asked for on a CPU device; ``max_seq_len`` past the
+            model's trained context, or a KV cache that does not fit the device's free memory
+            (``kv_cache.check_fits``).
     """
 
     def __init__(self, checkpoint: Checkpoint, config: RunnerConfig) -> None:
