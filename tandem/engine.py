@@ -525,8 +525,8 @@ class Engine(HostDrafting, EngineConveniences):
         """The stop rules over each accepted run of a collected round, metrics and outputs.
         Requests aborted or finished since it was launched are skipped (their result is void)."""
         outputs = []
-        emitted = drafted_total = accepted_total = drafts = 0
-        per_pos: list[int] = []
+        emitted = 0
+        drafting = SpecDecodeStats()  # the rows that drafted, as the stop rules cut them (one step each)
         for req, prop, res in zip(rnd.reqs, rnd.proposals, rnd.results):
             if req.pending is None or req.finished or req.slot is None:
                 continue
@@ -540,17 +540,10 @@ class Engine(HostDrafting, EngineConveniences):
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
             outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
                                         logprobs=res.logprobs, top=res.top_logprobs))
-            emitted += spec.num_emitted - emitted0  # kept by the stop rules (a stream may hold some back)
-            drafted = spec.num_drafted - drafted0  # as the stop rules cut them
-            if drafted:
-                drafts += 1
-                drafted_total += drafted
-                accepted = spec.num_accepted - accepted0  # (at most drafted)
-                accepted_total += accepted
-                if accepted > len(per_pos):
-                    per_pos.extend([0] * (accepted - len(per_pos)))
-                for i in range(accepted):
-                    per_pos[i] += 1
+            kept = spec.num_emitted - emitted0  # kept by the stop rules (a stream may hold some back)
+            emitted += kept
+            if spec.num_drafted > drafted0:
+                drafting.record(spec.num_drafted - drafted0, spec.num_accepted - accepted0, kept)
         round_ms = rnd.wall_s * 1e3
         if self.draft_policy is not None:
             if not rnd.chained or rnd.plan is not None:  # (a chained round before any plan: nothing to learn)
@@ -561,8 +554,8 @@ class Engine(HostDrafting, EngineConveniences):
                 self._width_plan = self.draft_policy.plan_width(scores or None, self.draft_limit)
         if self.on_round is not None:
             plan = rnd.plan
-            self.on_round(RoundSummary(drafted_total, accepted_total, per_pos, emitted, len(rnd.reqs), round_ms,
-                                       drafts, None if plan is None else plan.width,
+            self.on_round(RoundSummary(drafting.num_drafted, drafting.num_accepted, drafting.accepted_per_pos, emitted,
+                                       len(rnd.reqs), round_ms, drafting.num_steps, None if plan is None else plan.width,
                                        None if plan is None else plan.acceptance_threshold))
         self.num_rounds += 1
         self.round_wall_s += rnd.wall_s
