@@ -8,6 +8,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -60,9 +61,10 @@ class Request:
         return self.pending[-1] if self.pending else self.output.token_ids[-1]
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a streaming delta)."""
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (a streaming delta). Immutable; a named tuple, not a
+    frozen dataclass: the engine makes one per running request per round, on the host's critical
+    path, and a tuple is built in a quarter of the time."""
 
     request_id: str
     new_token_ids: list[int]

@@ -36,6 +36,7 @@ class SlotSampling:
         self.top_p = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.params: list[SamplingParams | None] = [None] * num_slots  # host mirror
+        self._flags_memo: tuple[tuple[int, ...], tuple[bool, bool, bool]] | None = None  # flags' last (slots, value)
         self.seeds: list[int] = [0] * num_slots
 
     def admit(self, slots: list[int], params: list[SamplingParams], prompts: list[list[int]] | None = None,
@@ -48,6 +49,7 @@ class SlotSampling:
         seeds = [p.seed if p.seed is not None else new_seed() for p in params]
         for s, p, seed in zip(slots, params, seeds):
             self.params[s], self.seeds[s] = p, seed
+        self._flags_memo = None  # a slot's parameters changed
         idx = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
         ints = to_device(torch.tensor([[int(p.greedy), p.top_k, seed] for p, seed in zip(params, seeds)],
                                       dtype=torch.int64), self.device)
@@ -134,10 +136,14 @@ class SlotSampling:
     def flags(self, slots: list[int]) -> tuple[bool, bool, bool]:
         """``(any_sampled, filtered, adjusted)`` of a step over ``slots`` (``RowSampling``'s host
         flags; ``adjusted``: some request adjusts its logits)."""
+        key = tuple(slots)
+        if self._flags_memo is not None and self._flags_memo[0] == key:  # (a running batch asks every round)
+            return self._flags_memo[1]
         ps = [p for p in (self.params[s] for s in slots) if p is not None]
         sampled = [p for p in ps if not p.greedy]
-        return (bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
-                any(p.adjusts_logits for p in ps))
+        flags = (bool(sampled), any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(p.adjusts_logits for p in ps))
+        self._flags_memo = (key, flags)
+        return flags
 
     def rows(self, n: int, slots: list[int] | None = None, flags: tuple[bool, bool, bool] | None = None
              ) -> RowSampling:

@@ -362,11 +362,11 @@ class LocalTarget(Target):
         round captures it in the step's graph): ``verify_chains`` over the chain rows (``chain``
         ``[n]`` bool; other rows verify no drafts), the round state's update, a verify-pass
         drafter's next drafts (``Drafter.device_after_verify``), and the results packed for the
-        host: ``[n, 3 + Q (+ Q) (+ L)]`` float64 rows of start, q_len, accepted, the Q emitted-token
+        host: ``[n, 3 + Q (+ Q) (+ L)]`` rows of start, q_len, accepted, the Q emitted-token
         slots, then (``logprobs``: ``_logprob_mode``) their log-probabilities and, for mode 2,
         the top alternatives at each position (``logprob_columns``), then (a drafter that scores its device
         drafts, ``Drafter.device_draft_scores``) the predicted acceptance of the L drafts it made
-        for the next round."""
+        for the next round; int64, or float64 where log-probabilities or scores follow."""
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
         draft_tokens = inputs[:, 3:2 + Q]
@@ -379,82 +379,88 @@ class LocalTarget(Target):
         if drafter is not None and drafter.drafts_from_verify:
             drafter.device_after_verify(VerifiedStep(inputs[:, 0], out.taps, res.num_accepted, res.tokens,
                                                      chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
-        packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1).double()
+        packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1)
+        scores = drafter.device_draft_scores(n) if drafter is not None else None
+        if logprobs or scores is not None:  # float columns follow: the whole row is float64
+            packed = packed.double()
         if logprobs:  # row j of the forward predicts the token after the j-th input
             packed = torch.cat([packed, logprob_columns(out.logits, res.tokens, logprobs == 2)], dim=1)
-        scores = drafter.device_draft_scores(n) if drafter is not None else None
         if scores is not None:  # the next round's drafts' predicted acceptance (a chained draft policy)
             packed = torch.cat([packed, scores.double()], dim=1)
         return packed
 
     def _launched(self, items: list, out, trees: dict[int, list[int]], sampling) -> "_LaunchedVerify":
         """Queue the copy of a round's packed results (``out.epilogue``) for ``collect``."""
-        for it in items:  # the runner grew the host lengths by the step's tokens; collect corrects them
-            self._queued[it.slot] = self._queued.get(it.slot, 0) + _step_tokens(it)
+        steps = [_step_tokens(it) for it in items]
+        queued = self._queued
+        for it, step in zip(items, steps):  # the runner grew the host lengths by the step's tokens; collect corrects them
+            queued[it.slot] = queued.get(it.slot, 0) + step
         copy = _HostCopy(out.epilogue, self._pinned)
         Q = out.argmax.shape[1]
         mode = logprob_mode(items)
         scored = out.epilogue.shape[1] - 3 - Q - (Q if mode else 0) - (2 * Q * MAX_TOP_LOGPROBS if mode == 2 else 0)
-        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, num_scores=scored)
+        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, steps, scored)
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
         """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's
         one blocking wait), rolls back the rejected drafts' KV and gathers the kept positions'
-        tapped states. One pass over the rows (a round's host work grows with the batch: this is
-        on the host's critical path at large batch sizes)."""
+        tapped states. One pass over the rows, building each row's result where it is read (a
+        round's host work grows with the batch: this is on the host's critical path at large
+        batch sizes)."""
         items, slots, trees, out, Q = handle.items, handle.slots, handle.trees, handle.out, handle.width
         host = handle.copy.wait()  # per row: start, q_len, accepted, Q tokens, (Q logprobs), (scores)
+        ints = handle.copy.host.dtype == torch.int64  # no float columns: token ids need no conversion
         chained = isinstance(items[0], ChainedItem)
         queued, truncate = self._queued, self.cache.truncate
-        results: list[VerifyResult] = []
-        for it, slot in zip(items, slots):
+        num_scores = handle.num_scores
+        # (a chained round's taps were read on the device, and a later round may have overwritten them)
+        gather = out.taps is not None and not chained
+        kept: list[list[int]] = []  # per row, the step rows whose tokens stay in the cache (taps, trees)
+        outs: list[TargetResult] = []
+        for it, slot, step in zip(items, slots, handle.steps):
             row = host[slot]
             length = int(row[0])  # what the slot held before the round
+            path = None
             if slot in trees:
                 r = self._verify_tree(it, out, handle.sampling, length)
-                if r.path:  # move the accepted branch's K/V to consecutive positions
-                    moves = [(length + 1 + i, length + d) for d, i in enumerate(r.path, start=1) if i + 1 != d]
+                tokens, m, path = r.tokens, r.num_accepted, r.path
+                if path:  # move the accepted branch's K/V to consecutive positions
+                    moves = [(length + 1 + i, length + d) for d, i in enumerate(path, start=1) if i + 1 != d]
                     self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
-                    self.state.set(slot, length, r.tokens)
+                    self.state.set(slot, length, tokens)
                 dev = self.runner.device  # (a chain row's tokens were counted on the device)
-                self.sampling.record(to_device(torch.tensor([r.tokens]), dev),
-                                     torch.ones(1, len(r.tokens), dtype=torch.bool, device=dev),
+                self.sampling.record(to_device(torch.tensor([tokens]), dev),
+                                     torch.ones(1, len(tokens), dtype=torch.bool, device=dev),
                                      to_device(torch.tensor([slot]), dev))
             else:
                 m = int(row[2])
-                r = VerifyResult([int(t) for t in row[3:m + 4]], m)
-            results.append(r)
+                tokens = row[3:m + 4] if ints else [int(t) for t in row[3:m + 4]]
             # drop rejected drafts' KV; a later round still in flight keeps its share of the length
-            left = queued[slot] - _step_tokens(it)
-            truncate(slot, length + 1 + r.num_accepted + left)
+            left = queued[slot] - step
+            truncate(slot, length + 1 + m + left)
             if left:
                 queued[slot] = left
             else:
                 del queued[slot]
-        # (a chained round's taps were read on the device, and a later round may have overwritten them)
-        gather = out.taps is not None and not chained
-        kept = [[0] + ([1 + i for i in r.path] if r.path else list(range(1, r.num_accepted + 1)))
-                for r in results] if gather or trees else None  # step rows whose tokens stay in the cache
-        taps: list[dict[str, torch.Tensor]] = [{} for _ in items]
+            rows = None
+            if gather or path is not None:
+                rows = [0] + [1 + i for i in path] if path else list(range(m + 1))
+                kept.append(rows)
+            lp = top = None
+            if it.return_logprobs or it.top_logprobs > 0:  # (wants_logprobs, inline: once a row a round)
+                if slot in trees:
+                    cols = logprob_columns(out.logits[slot, rows][None], torch.tensor(
+                        tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
+                    lp, top = read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
+                else:
+                    lp, top = read_logprob_columns(row, Q + 3, Q, len(tokens), it.top_logprobs)
+            outs.append(TargetResult(tokens, m, lp, {}, int(row[1]) - 1 if chained else None,
+                                     row[-num_scores:] if num_scores else None, top))
         if gather:  # one gather for every sequence
             gathered = out.taps[torch.tensor([s for s, rows in zip(slots, kept) for _ in rows]),
                                 torch.tensor([r for rows in kept for r in rows])]
-            taps = [{"taps": t} for t in gathered.split([len(rows) for rows in kept])]
-        num_scores = handle.num_scores
-        outs = []
-        for i, (it, r, extras) in enumerate(zip(items, results, taps)):
-            row = host[it.slot]
-            lp = top = None
-            if it.return_logprobs or it.top_logprobs > 0:  # (wants_logprobs, inline: once a row a round)
-                if it.slot in trees:
-                    rows = kept[i]
-                    cols = logprob_columns(out.logits[it.slot, rows][None], torch.tensor(
-                        r.tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
-                    lp, top = read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
-                else:
-                    lp, top = read_logprob_columns(row, Q + 3, Q, len(r.tokens), it.top_logprobs)
-            outs.append(TargetResult(list(r.tokens), r.num_accepted, lp, extras, int(row[1]) - 1 if chained else None,
-                                     row[-num_scores:] if num_scores else None, top))
+            for res, t in zip(outs, gathered.split([len(rows) for rows in kept])):
+                res.extras = {"taps": t}
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
@@ -527,4 +533,5 @@ class _LaunchedVerify:
     sampling: RowSampling
     copy: _HostCopy
     width: int
+    steps: list[int]  # tokens the round appends to each item's slot (``_step_tokens``)
     num_scores: int = 0  # trailing columns of predicted acceptance of the next drafts (a scoring drafter)

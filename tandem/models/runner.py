@@ -325,7 +325,9 @@ class ModelRunner:
                 columns)]`` int64: start, q_len, tokens; see ``_forward_logits``) and the step's
                 attended context length (>= every row's start + q_len) before the forward
                 runs, to overwrite columns from device state (``tandem.target.RoundState``:
-                chained rounds, whose start positions and tokens the host does not know yet). It
+                chained rounds, whose start positions and tokens the host does not know yet): it
+                must write the start and tokens of every row with tokens, since the host fills
+                only each row's q_len (the values of ``tokens_per_slot`` are placeholders). It
                 must only queue device work, and keep every row's writes inside the cache (the
                 host then does not check the room: its lengths are upper bounds). The host-side
                 lengths still grow by ``len(tokens_per_slot[s])``: the caller corrects them once
@@ -366,14 +368,19 @@ class ModelRunner:
             n = batch_bucket(n, self.cache.num_slots)
             attn_len = context_bucket(attn_len, self.cache.capacity)
         tree = bool(trees)
-        rows = []
-        for slot in range(n):
-            toks = tokens_per_slot.get(slot) or []
-            row = [self.cache.lengths[slot] if toks else 0, len(toks)] + toks + [0] * (q - len(toks))
-            if tree:
-                row += _tree_columns(q, len(toks), (trees or {}).get(slot))
-            rows.append(row)
-        packed = torch.tensor(rows, dtype=torch.long)
+        if patch is not None and not tree:  # the patch writes every row's start and tokens: only q_len is the host's
+            packed = torch.zeros(n, 2 + q, dtype=torch.long)
+            packed[torch.tensor(list(tokens_per_slot), dtype=torch.long), 1] = torch.tensor(
+                [len(t) for t in tokens_per_slot.values()], dtype=torch.long)
+        else:
+            rows = []
+            for slot in range(n):
+                toks = tokens_per_slot.get(slot) or []
+                row = [self.cache.lengths[slot] if toks else 0, len(toks)] + toks + [0] * (q - len(toks))
+                if tree:
+                    row += _tree_columns(q, len(toks), (trees or {}).get(slot))
+                rows.append(row)
+            packed = torch.tensor(rows, dtype=torch.long)
         if self.config.cuda_graphs:
             out = self._replay(n, q, attn_len, packed, tree, patch, patch_key, epilogue)
         else:
