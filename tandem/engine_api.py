@@ -33,7 +33,8 @@ class EngineConveniences:
             finish_reason=req.output.finish_reason, prompt_tokens=len(req.prompt_ids),
             ttft_s=first - req.arrival_time, latency_s=req.finish_time - req.arrival_time,
             tpot_s=(req.finish_time - first) / (n - 1) if n > 1 else 0.0, spec=req.spec,
-            logprobs=None if req.logprobs is None else list(req.logprobs), token_texts=req.output.token_texts(),
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            token_texts=None if req.logprobs is None else req.output.token_texts(),
             stop_reason=req.output.stop_reason, top_logprobs=None if req.top is None else list(req.top),
         )
 

@@ -145,7 +145,7 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         grammar = grammars.compile(params.structure)
         if resumed:  # the grammar continues after what was emitted
             grammar.advance(ids[len(ids) - resumed:])
-    return Request(request_id, ids, params, OutputState(tokenizer, params, max_new), request_generator(params, device),
+    return Request(request_id, ids, params, OutputState(tokenizer, params, max_new, token_texts=bool(logprobs or top_logprobs)), request_generator(params, device),
                    logprobs=[] if logprobs or top_logprobs else None, top_logprobs=top_logprobs,
                    top=[] if top_logprobs else None, grammar=grammar, resumed=resumed)
 
@@ -199,7 +199,7 @@ class Completion:
     tpot_s: float
     spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     logprobs: list[float] | None = None  # of token_ids, when the request asked for them
-    token_texts: list[str] | None = None  # each token's text; they join to ``text``
+    token_texts: list[str] | None = None  # with logprobs: each token's text; they join to ``text``
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or length)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, log-probability), best first
 

@@ -45,6 +45,10 @@ def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
     return min(limit, fit, stop)
 
 
+def _no_mark(_end: int) -> None:
+    """``OutputState.append``'s token-end record where token ends are not kept."""
+
+
 class OutputState:
     """Generated tokens and text of one request.
 
@@ -52,9 +56,13 @@ class OutputState:
         tokenizer: for detokenization and the EOS ids.
         params: the request's sampling parameters (stop rules and max_tokens).
         max_new_tokens: the effective token limit: ``min(max_tokens, room left in the context)``.
+        token_texts: keep each token's text (``token_texts``; a request with logprobs hands them
+            out). Without it and without stop strings, a run of tokens takes a path with no
+            per-token bookkeeping (the host's work a request a round bounds large batches).
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new_tokens: int,
+                 token_texts: bool = False) -> None:
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
@@ -65,7 +73,10 @@ class OutputState:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self._released = 0  # tokens handed out (take_delta), and with them text[:_start(_released)]
-        self._ends: list[int] = []  # end offset in ``text`` of each token's text (a stop id: empty)
+        # end offset in ``text`` of each token's text (a stop id: empty), kept where something reads
+        # it (stop strings, token texts); else None, and take_delta counts handed-out characters
+        self._ends: list[int] | None = [] if self._max_stop_len or token_texts else None
+        self._released_chars = 0  # (without ``_ends``) len(text) handed out
 
     @property
     def finished(self) -> bool:
@@ -82,15 +93,26 @@ class OutputState:
         """
         if self.finish_reason is not None:
             raise RuntimeError("append to a finished request")
-        ids, ends, stop_ids, detok = self.token_ids, self._ends, self.stop_ids, self._detok.step
+        ids, ends, stop_ids = self.token_ids, self._ends, self.stop_ids
+        if ends is None and stop_ids.isdisjoint(tokens):  # no rule but the length: the run at once
+            run = tokens[:max(0, self.max_new_tokens - len(ids))]
+            ids.extend(run)
+            delta = self._detok.extend(run)
+            if delta:
+                self.text += delta
+            if len(ids) >= self.max_new_tokens:
+                self.finish_reason = "length"
+            return len(run)
+        detok = self._detok.step
         before = len(ids)
         # (locals: a round appends a run to every request of the batch, on the host's critical path)
         stop_from = self.params.min_tokens if self._max_stop_len else None  # stop strings match from here
         text, limit = self.text, self.max_new_tokens
+        mark = ends.append if ends is not None else _no_mark
         for tok in tokens:
             ids.append(tok)
             if tok in stop_ids:
-                ends.append(len(text))
+                mark(len(text))
                 self.finish_reason = "stop"
                 self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
                 break
@@ -98,12 +120,12 @@ class OutputState:
             if delta:
                 prev_len = len(text)
                 self.text = text = text + delta
-                ends.append(len(text))
+                mark(len(text))
                 if stop_from is not None and len(ids) >= stop_from and self._cut_at_stop_string(prev_len):
                     self.finish_reason = "stop"  # (the cut shortened self.text; the loop ends here)
                     break
             else:
-                ends.append(len(text))
+                mark(len(text))
             if len(ids) >= limit:
                 self.finish_reason = "length"
                 break
@@ -130,10 +152,12 @@ class OutputState:
     def _start(self, i: int) -> int:
         return self._ends[i - 1] if i else 0
 
-    def token_texts(self, lo: int = 0, hi: int | None = None) -> list[str]:
+    def token_texts(self, lo: int = 0, hi: int | None = None) -> list[str] | None:
         """The text of each token in ``token_ids[lo:hi]``: they join to the text those tokens made
         (a token that completes no character yet has "", the next one the whole character; a stop
-        id has "")."""
+        id has ""). None where they are not kept (no ``token_texts`` and no stop strings)."""
+        if self._ends is None:
+            return None
         hi = len(self.token_ids) if hi is None else hi
         text, ends = self.text, self._ends
         return [text[ends[i - 1] if i else 0:ends[i]] for i in range(lo, hi)]
@@ -145,6 +169,10 @@ class OutputState:
         reaches into them; once finished, everything left."""
         lo = hi = self._released
         ends = self._ends
+        if ends is None:  # nothing held back: all that is new
+            start, self._released_chars = self._released_chars, len(self.text)
+            self._released = len(self.token_ids)
+            return self.text[start:], lo, self._released
         if self._max_stop_len <= 1 or self.finish_reason is not None:  # nothing to hold back
             hi = len(self.token_ids)
         else:

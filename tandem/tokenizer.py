@@ -195,6 +195,13 @@ class IncrementalDetokenizer:
         # one (no wrapper on the per-token path; ``ids`` then stays empty), else ``add``
         self.step = partial(self._stream[1].step, backend) if self._stream is not None else self.add
 
+    def extend(self, token_ids: list[int]) -> str:
+        """Append a run of tokens; return the newly completed text (possibly empty). A step per
+        token: a text completed inside the run is released as the token-by-token path releases it
+        (a single call over the list would hold all of it back when the run ends inside a
+        character, and lose it if the request ends there)."""
+        return "".join([d for d in map(self.step, token_ids) if d])
+
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         if self._stream is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -178,7 +179,11 @@ def test_stop_string(real_engine, reference_run):
     prompt, full = reference_run
     word, span = _pick_stop_strings(full.text)
     for stop in (word, span):
-        res = real_engine.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]))[0]
+        rid = real_engine.add_request(prompt, SamplingParams(max_tokens=32, ignore_eos=True, stop=[stop]),
+                                      logprobs=True)  # (a completion's token texts come with logprobs)
+        while real_engine.has_unfinished():
+            real_engine.step()
+        res = real_engine.completion(rid)
         cut = full.text.index(stop)
         assert res.finish_reason == "stop", stop
         assert res.text == full.text[:cut]
@@ -309,6 +314,39 @@ def test_incremental_detokenizer_long_text(real_tokenizer, detok_path):
     # ids the vocabulary lacks (a model whose output layer is wider than its tokenizer) add nothing
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.add(i) for i in [tok.vocab_size + 7, *ids[:20]]) == tok.decode(ids[:20])
+
+
+@pytest.mark.parametrize("stop_id", [None, "eos"])
+def test_output_state_whole_runs_match_token_by_token(real_tokenizer, detok_path, stop_id):
+    """Without token texts or stop strings a run takes the whole-run path (no per-token ends,
+    ``IncrementalDetokenizer.extend``): token ids, text, deltas, the token limit and a stop id
+    inside a run cut exactly where the token-by-token path (``token_texts=True``) cuts them,
+    multi-byte characters split across runs included."""
+    tok = real_tokenizer
+    ids = tok.encode("\n\n".join(_rows([0, 50])) + " " + "".join(MULTIBYTE_TEXTS))
+    if stop_id == "eos":  # a stop id in the middle of a run
+        ids = ids[:97] + [tok.eos_token_ids[0]] + ids[97:]
+    rng = random.Random(0)
+    runs, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 6)
+        runs.append(ids[i:i + n])
+        i += n
+    for limit in (len(ids) + 5, 61):
+        states = [OutputState(tok, SamplingParams(max_tokens=limit), limit, token_texts=t) for t in (False, True)]
+        assert states[0]._ends is None and states[1]._ends is not None
+        seen = []
+        for st in states:
+            kept, deltas = [], []
+            for run in runs:
+                if st.finished:
+                    break
+                kept.append(st.append(run))
+                deltas.append(st.take_delta())
+            seen.append((kept, deltas, st.token_ids, st.text, st.finish_reason, st.stop_reason))
+        assert seen[0] == seen[1]
+        assert seen[0][4] == ("stop" if stop_id and limit > 97 else "length" if limit < len(ids) else None)
+        assert states[0].token_texts() is None and "".join(states[1].token_texts()) == states[1].text
 
 
 def test_stream_random_tokens_tiny(tiny_engine):

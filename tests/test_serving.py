@@ -33,6 +33,7 @@ from tandem.drafters import DraftModelDrafter, NgramDrafter
 from tandem.engine import Engine
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams, choice_seed
+from tandem.tokenizer import IncrementalDetokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -185,7 +186,8 @@ def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, loc
     to the returned text, non-streamed and streamed, chat and completions."""
     msgs = [{"role": "user", "content": prompts[2]}]
     full = local_engine.generate([prompts[2]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0]
-    texts = full.token_texts
+    detok = IncrementalDetokenizer(local_engine.tokenizer)  # each token's text, as the engine cuts them
+    texts = [detok.add(t) for t in full.token_ids]
     starts = [len("".join(texts[:i])) for i in range(len(texts))]
     # a stop string starting inside a token (one character after its start), past the first tokens
     picks = [(i, full.text[starts[i] + 1:starts[i] + 4]) for i in range(3, len(texts) - 1) if len(texts[i]) >= 2]
