@@ -43,11 +43,6 @@ _NO_PROPOSAL = DraftProposal.empty()
 WIDTH_WINDOW = 64
 
 
-@contextlib.contextmanager
-def _no_span():
-    yield
-
-
 class Engine(HostDrafting, EngineConveniences):
     """Continuous-batching generation over one target model.
 
@@ -228,13 +223,14 @@ class Engine(HostDrafting, EngineConveniences):
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
-                    request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0) -> str:
+                    request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                    final_only: bool = False) -> str:
         """Queue a request; it joins the running batch at the next step with a free slot.
 
         Same arguments and errors as ``make_request``; returns the request id.
         """
         return self.submit(self.make_request(prompt, params, prompt_ids=prompt_ids, chat=chat, request_id=request_id,
-                                             logprobs=logprobs, top_logprobs=top_logprobs))
+                                             logprobs=logprobs, top_logprobs=top_logprobs, final_only=final_only))
 
     def submit(self, req: Request) -> str:
         """Queue a request built by ``make_request``.
@@ -251,7 +247,7 @@ class Engine(HostDrafting, EngineConveniences):
     def make_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                      prompt_ids: Sequence[int] | None = None, chat: bool = True,
                      request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                     resumed: int = 0) -> Request:
+                     resumed: int = 0, final_only: bool = False) -> Request:
         """Validate and tokenize a request without touching the engine's queues (a server
         thread can do this while another thread steps the engine): ``tandem.requests.new_request``
         with this engine's tokenizer, vocabulary and context limit.
@@ -270,6 +266,9 @@ class Engine(HostDrafting, EngineConveniences):
             resumed: the last ``resumed`` prompt tokens are output the request already emitted
                 elsewhere (a request resumed after a replica failure): its grammar and penalties
                 count them as output.
+            final_only: its output is read once it has finished (``generate``): ``step`` returns
+                one delta for it, the last, with every token and the text; without stop strings or
+                logprobs that text is decoded once, then (``OutputState``), not token by token.
 
         Returns:
             The request, ready for ``submit``.
@@ -283,7 +282,7 @@ class Engine(HostDrafting, EngineConveniences):
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
-                           device=self.target.info.device, resumed=resumed,
+                           device=self.target.info.device, resumed=resumed, final_only=final_only,
                            grammars=self.grammars if params is not None and params.structure is not None else None)
 
     def abort(self, request_id: str) -> None:
@@ -386,7 +385,7 @@ class Engine(HostDrafting, EngineConveniences):
         decoding = {s: r for s, r in self.running.items()
                     if s not in admitted and not (previous is not None and previous.surely_finishes(r))}
         launched = None
-        with span("round", batch_size=len(decoding)) if decoding else _no_span():
+        with span("round", batch_size=len(decoding)) if decoding else contextlib.nullcontext():
             if decoding:
                 try:
                     launched = self._launch(decoding)
@@ -406,7 +405,7 @@ class Engine(HostDrafting, EngineConveniences):
         for req, res in zip(reqs, results):
             if req.grammar is not None:
                 req.grammar.advance(res.tokens[:1])
-            outputs.append(self._append(req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs))
+            self._append(outputs, req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs)
             if not req.finished:
                 self.running[req.slot] = req
         return outputs
@@ -430,7 +429,7 @@ class Engine(HostDrafting, EngineConveniences):
             s: r for s, r in self.running.items()
             if not (previous is not None and s in previous.slots and r.num_tokens + 1 >= r.output.max_new_tokens)}
         launched = None
-        with span("round", batch_size=len(decoding)) if decoding else _no_span():
+        with span("round", batch_size=len(decoding)) if decoding else contextlib.nullcontext():
             if decoding:
                 t0 = time.perf_counter()
                 slots = sorted(decoding)
@@ -538,8 +537,7 @@ class Engine(HostDrafting, EngineConveniences):
             spec = req.spec
             emitted0, drafted0, accepted0 = spec.num_emitted, spec.num_drafted, spec.num_accepted
             drafted = res.num_drafts if res.num_drafts is not None else len(prop.tokens)
-            outputs.append(self._append(req, res.tokens, drafted=drafted, accepted=res.num_accepted,
-                                        logprobs=res.logprobs, top=res.top_logprobs))
+            self._append(outputs, req, res.tokens, drafted, res.num_accepted, res.logprobs, res.top_logprobs)
             kept = spec.num_emitted - emitted0  # kept by the stop rules (a stream may hold some back)
             emitted += kept
             if spec.num_drafted > drafted0:
@@ -561,11 +559,12 @@ class Engine(HostDrafting, EngineConveniences):
         self.round_wall_s += rnd.wall_s
         return outputs
 
-    def _append(self, req: Request, tokens: list[int], drafted: int | None = None, accepted: int = 0,
-                logprobs: list[float] | None = None, top: list | None = None) -> RequestOutput:
+    def _append(self, outputs: list[RequestOutput], req: Request, tokens: list[int], drafted: int | None = None,
+                accepted: int = 0, logprobs: list[float] | None = None, top: list | None = None) -> None:
         """Append a run of tokens through the stop rules; ``drafted`` is None for the prefill token.
         ``logprobs`` (one per token) and ``top`` (each token's alternatives) are kept for requests
-        that asked for them, cut with the tokens."""
+        that asked for them, cut with the tokens. The request's delta goes to ``outputs`` (none for
+        a ``final_only`` request still running)."""
         out = req.output
         kept = out.append(tokens)
         if req.logprobs is not None:
@@ -574,7 +573,6 @@ class Engine(HostDrafting, EngineConveniences):
         if req.top is not None:
             req.top.extend(list(top[:kept]) if top is not None else [[] for _ in range(kept)])
             del req.top[len(out.token_ids):]
-        text, lo, hi = out.take_delta()
         if drafted is not None:  # metrics are cut at the stop boundary too
             req.spec.record_run(drafted, accepted, len(tokens), kept)
         finished = out.finish_reason is not None
@@ -588,9 +586,13 @@ class Engine(HostDrafting, EngineConveniences):
                 self.stats.merge(req.spec)
                 if req.slot is not None:
                     self._release(req)
+        if req.final_only and not finished:
+            return
+        text, lo, hi = out.take_delta()
         if req.logprobs is None:  # each token's text goes with its log-probability only (OpenAI logprobs)
-            return RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
-                                 stop_reason=out.stop_reason)
-        return RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
-                             req.logprobs[lo:hi], out.token_texts(lo, hi), out.stop_reason,
-                             None if req.top is None else req.top[lo:hi])
+            outputs.append(RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
+                                         stop_reason=out.stop_reason))
+        else:
+            outputs.append(RequestOutput(req.request_id, out.token_ids[lo:hi], text, finished, out.finish_reason,
+                                         req.logprobs[lo:hi], out.token_texts(lo, hi), out.stop_reason,
+                                         None if req.top is None else req.top[lo:hi]))

@@ -48,6 +48,9 @@ class EngineConveniences:
             chat: apply the chat template to plain-text prompts.
             on_finish: optional callback ``(Completion) -> None`` (progress bars).
 
+        The requests are ``final_only`` (``Engine.make_request``): each one's text is decoded once,
+        when it finishes.
+
         Raises:
             InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
                 with "prompt I of N:" (1-based).
@@ -60,7 +63,7 @@ class EngineConveniences:
         ids: list[str] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp))
+                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp, final_only=True))
             except InvalidRequestError as exc:
                 for rid in ids:  # all or nothing: a bad prompt queues none of the batch
                     self.abort(rid)

@@ -42,6 +42,7 @@ class Request:
     grammar: "Grammar | None" = None  # structured output: the output's grammar state (params.structure)
     resumed: int = 0  # the prompt's last tokens that are output emitted elsewhere (a resumed request)
     pending: list[int] | None = None  # tokens of a collected round whose stop rules have not run yet
+    final_only: bool = False  # its output is read once it has finished: no deltas before (``Engine.make_request``)
 
     @property
     def finished(self) -> bool:
@@ -80,7 +81,7 @@ class RequestOutput(NamedTuple):
 def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, prompt=None,
                 params: SamplingParams | None = None, *, prompt_ids: Sequence[int] | None = None, chat: bool = True,
                 logprobs: bool = False, top_logprobs: int = 0, device: str = "cpu",
-                grammars: "GrammarCompiler | None" = None, resumed: int = 0) -> Request:
+                grammars: "GrammarCompiler | None" = None, resumed: int = 0, final_only: bool = False) -> Request:
     """Validate and tokenize one request (``Engine.make_request``; a router does the same with
     the served model's tokenizer and limits, without an engine).
 
@@ -93,7 +94,7 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         device: where the request's random draws are made.
         grammars: compiles ``params.structure`` into the request's grammar state (an engine's
             or a router's ``tandem.structured.GrammarCompiler``); required for structured requests.
-        resumed: as ``Engine.make_request``.
+        resumed, final_only: as ``Engine.make_request``.
 
     Raises:
         InvalidRequestError: empty prompt, prompt at or over the context limit, token ids outside
@@ -145,9 +146,10 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
         grammar = grammars.compile(params.structure)
         if resumed:  # the grammar continues after what was emitted
             grammar.advance(ids[len(ids) - resumed:])
-    return Request(request_id, ids, params, OutputState(tokenizer, params, max_new, token_texts=bool(logprobs or top_logprobs)), request_generator(params, device),
+    output = OutputState(tokenizer, params, max_new, token_texts=bool(logprobs or top_logprobs), incremental=not final_only)
+    return Request(request_id, ids, params, output, request_generator(params, device),
                    logprobs=[] if logprobs or top_logprobs else None, top_logprobs=top_logprobs,
-                   top=[] if top_logprobs else None, grammar=grammar, resumed=resumed)
+                   top=[] if top_logprobs else None, grammar=grammar, resumed=resumed, final_only=final_only)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer, released_text
 
 
 def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
@@ -45,10 +45,6 @@ def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
     return min(limit, fit, stop)
 
 
-def _no_mark(_end: int) -> None:
-    """``OutputState.append``'s token-end record where token ends are not kept."""
-
-
 class OutputState:
     """Generated tokens and text of one request.
 
@@ -59,10 +55,15 @@ class OutputState:
         token_texts: keep each token's text (``token_texts``; a request with logprobs hands them
             out). Without it and without stop strings, a run of tokens takes a path with no
             per-token bookkeeping (the host's work a request a round bounds large batches).
+        incremental: text as the tokens come (streams). False (a request whose output is read
+            once it has finished): without token texts or stop strings nothing is detokenized
+            until the request finishes, then its text comes from one decode of every token
+            (``released_text``: the text the token-by-token path would hold), and ``take_delta``
+            hands out nothing before then.
     """
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new_tokens: int,
-                 token_texts: bool = False) -> None:
+                 token_texts: bool = False, incremental: bool = True) -> None:
         self.params = params
         self.max_new_tokens = max_new_tokens
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
@@ -70,6 +71,7 @@ class OutputState:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
+        self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self._released = 0  # tokens handed out (take_delta), and with them text[:_start(_released)]
@@ -77,6 +79,7 @@ class OutputState:
         # it (stop strings, token texts); else None, and take_delta counts handed-out characters
         self._ends: list[int] | None = [] if self._max_stop_len or token_texts else None
         self._released_chars = 0  # (without ``_ends``) len(text) handed out
+        self._lazy = self._ends is None and not incremental  # text made once, when the request finishes
 
     @property
     def finished(self) -> bool:
@@ -94,25 +97,34 @@ class OutputState:
         if self.finish_reason is not None:
             raise RuntimeError("append to a finished request")
         ids, ends, stop_ids = self.token_ids, self._ends, self.stop_ids
-        if ends is None and stop_ids.isdisjoint(tokens):  # no rule but the length: the run at once
+        if ends is None:  # no stop strings, no token texts: the run at once
             run = tokens[:max(0, self.max_new_tokens - len(ids))]
+            stop_at = None
+            if not stop_ids.isdisjoint(run):  # the first stop id ends it (it has no text)
+                stop_at = next(i for i, t in enumerate(run) if t in stop_ids)
+                run = run[:stop_at + 1]
             ids.extend(run)
-            delta = self._detok.extend(run)
-            if delta:
-                self.text += delta
-            if len(ids) >= self.max_new_tokens:
+            if not self._lazy:
+                delta = self._detok.extend(run if stop_at is None else run[:-1])
+                if delta:
+                    self.text += delta
+            if stop_at is not None:
+                self.finish_reason = "stop"
+                self.stop_reason = run[-1] if run[-1] in self.params.stop_token_ids else None  # EOS: None, as vLLM
+            elif len(ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
+            if self._lazy and self.finish_reason is not None:
+                self.text = released_text(self._tokenizer, ids if stop_at is None else ids[:-1])
             return len(run)
         detok = self._detok.step
         before = len(ids)
         # (locals: a round appends a run to every request of the batch, on the host's critical path)
         stop_from = self.params.min_tokens if self._max_stop_len else None  # stop strings match from here
         text, limit = self.text, self.max_new_tokens
-        mark = ends.append if ends is not None else _no_mark
         for tok in tokens:
             ids.append(tok)
             if tok in stop_ids:
-                mark(len(text))
+                ends.append(len(text))
                 self.finish_reason = "stop"
                 self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
                 break
@@ -120,12 +132,12 @@ class OutputState:
             if delta:
                 prev_len = len(text)
                 self.text = text = text + delta
-                mark(len(text))
+                ends.append(len(text))
                 if stop_from is not None and len(ids) >= stop_from and self._cut_at_stop_string(prev_len):
                     self.finish_reason = "stop"  # (the cut shortened self.text; the loop ends here)
                     break
             else:
-                mark(len(text))
+                ends.append(len(text))
             if len(ids) >= limit:
                 self.finish_reason = "length"
                 break
@@ -169,6 +181,8 @@ class OutputState:
         reaches into them; once finished, everything left."""
         lo = hi = self._released
         ends = self._ends
+        if self._lazy and self.finish_reason is None:  # no text yet: nothing to hand out
+            return "", lo, lo
         if ends is None:  # nothing held back: all that is new
             start, self._released_chars = self._released_chars, len(self.text)
             self._released = len(self.token_ids)

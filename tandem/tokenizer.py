@@ -171,6 +171,20 @@ def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     return Tokenizer(hf, eos)
 
 
+def released_text(tokenizer: Tokenizer, token_ids: Sequence[int]) -> str:
+    """The text ``IncrementalDetokenizer`` releases over ``token_ids`` fed one by one, from one
+    decode: all of it, less a character still unfinished at the end (its tokens decode to U+FFFD,
+    and the incremental path holds their text back). The decode is redone without the last token
+    while the text ends in U+FFFD, so a token that finishes one character and starts another is held
+    back whole, as the incremental path holds it."""
+    ids = list(token_ids)
+    text = tokenizer.decode(ids)
+    while text.endswith("\ufffd") and ids:
+        ids.pop()
+        text = tokenizer.decode(ids)
+    return text
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, correct across multi-byte characters.
 

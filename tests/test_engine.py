@@ -14,7 +14,7 @@ from conftest import SPEC_BENCH
 from tandem.engine import Engine
 from tandem.sampling import SamplingParams, sampling_probs
 from tandem.stopping import OutputState
-from tandem.tokenizer import IncrementalDetokenizer
+from tandem.tokenizer import IncrementalDetokenizer, released_text
 
 # Spec-Bench rows chosen for a spread of prompt lengths (9 .. 213 tokens before the template).
 MIXED_ROWS = [244, 0, 10, 320, 14, 122, 50, 24]
@@ -347,6 +347,62 @@ def test_output_state_whole_runs_match_token_by_token(real_tokenizer, detok_path
         assert seen[0] == seen[1]
         assert seen[0][4] == ("stop" if stop_id and limit > 97 else "length" if limit < len(ids) else None)
         assert states[0].token_texts() is None and "".join(states[1].token_texts()) == states[1].text
+        # a final-only request: no text and no delta until it finishes, then the same text in one piece
+        lazy = OutputState(tok, SamplingParams(max_tokens=limit), limit, incremental=False)
+        kept, deltas = [], []
+        for run in runs:
+            if lazy.finished:
+                break
+            kept.append(lazy.append(run))
+            deltas.append(lazy.take_delta())
+        assert kept == seen[1][0] and lazy.token_ids == seen[1][2]
+        if lazy.finished:
+            assert (lazy.text, lazy.finish_reason, lazy.stop_reason) == seen[1][3:]
+            assert deltas[-1] == (lazy.text, 0, len(lazy.token_ids)) and all(d == ("", 0, 0) for d in deltas[:-1])
+        else:
+            assert lazy.text == "" and all(d == ("", 0, 0) for d in deltas)
+
+
+def test_released_text_is_what_the_token_by_token_path_releases(real_tokenizer, detok_path):
+    """``released_text`` (one decode, a final-only request's text) equals the incremental
+    detokenizer's text over the same tokens: real text cut at many places (inside multi-byte
+    characters too), random ids, ids the vocabulary lacks, and runs of byte tokens that start,
+    finish or break characters."""
+    tok = real_tokenizer
+    rng = random.Random(1)
+    byte_tokens = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])]
+    assert len(byte_tokens) > 50
+    cases = []
+    for text in [*_rows([0, 50, 122]), *MULTIBYTE_TEXTS]:
+        ids = tok.encode(text)
+        cases += [ids[:cut] for cut in range(1, len(ids) + 1, max(1, len(ids) // 12))]
+    cases += [[rng.randrange(tok.vocab_size + 10) for _ in range(rng.randint(1, 30))] for _ in range(300)]
+    cases += [[rng.choice(byte_tokens) if rng.random() < 0.6 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randint(1, 20))] for _ in range(600)]
+    for ids in cases:
+        detok = IncrementalDetokenizer(tok)
+        assert released_text(tok, ids) == "".join(detok.add(t) for t in ids), ids
+
+
+def test_final_only_requests_give_one_output_with_the_streamed_result(tiny_engine):
+    """A final-only request (``generate``'s) returns nothing from ``step`` until it finishes, then
+    one output with all its tokens and the text a streamed twin of it (same seed, same batch)
+    concatenates to; with a stop string it still stops where the streamed one does."""
+    eng = tiny_engine
+    for sp in (SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True, stop=["e"])):
+        streamed = eng.add_request("bytes and more", sp)
+        final = eng.add_request("bytes and more", sp, final_only=True)
+        got: dict[str, list] = {streamed: [], final: []}
+        while eng.has_unfinished():
+            for out in eng.step():
+                got[out.request_id].append(out)
+        assert len(got[final]) == 1 and got[final][0].finished and len(got[streamed]) > 1
+        joined = ("".join(o.text_delta for o in got[streamed]), [t for o in got[streamed] for t in o.new_token_ids])
+        assert (got[final][0].text_delta, got[final][0].new_token_ids) == joined
+        a, b = eng.completion(streamed), eng.completion(final)
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+    _drain(eng)
 
 
 def test_stream_random_tokens_tiny(tiny_engine):

@@ -60,7 +60,7 @@ class RoundCost:
 
 def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
     for ids in prompt_ids:
-        engine.add_request(prompt_ids=ids, params=params)
+        engine.add_request(prompt_ids=ids, params=params, final_only=True)  # as generate's, the timed run's
     engine.step()  # prefill and the first round: not measured
     rounds0 = engine.num_rounds
     body_out = body()
