@@ -46,7 +46,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.output.finished
+        return self.output.finish_reason is not None  # (not output.finished: read per request a round)
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ Plain data, shared by the in-process target, the verifier service and its client
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -71,10 +72,10 @@ class VerifyItem:
     allowed: torch.Tensor | None = None
 
 
-@dataclass
-class ChainedItem:
+class ChainedItem(NamedTuple):
     """One sequence of a chained round (``Target.launch_chained``): its last token and position
-    come from the target's device state, so only the slot and what to return are named."""
+    come from the target's device state, so only the slot and what to return are named. (A
+    named tuple: the engine makes one per running request per round.)"""
 
     slot: int
     return_logprobs: bool = False
