@@ -6,6 +6,7 @@ replica), then summarise:
     py-spy record --subprocesses --threads --gil --nonblocking --format raw --rate 200 \
         -o stacks.txt -- python3 -m tandem bench ... --mode distributed
     python3 scripts/stack_summary.py stacks.txt [--top 25] [--focus NAME ...]
+    python3 scripts/stack_summary.py stacks.txt --under Engine.step   # inside one function: self time too
 
 With ``--gil`` py-spy samples only the thread that holds the interpreter lock, so per process the
 samples split the interpreter's time between its threads (in a verifier replica: the engine
@@ -49,9 +50,9 @@ def summarise(path: str, top: int, focus: tuple[str, ...]) -> str:
             i = 0
             while i < len(frames) and frames[i].startswith("process "):
                 i += 1
-            if i == 0:
+            if i == 0 and not frames[0].startswith("thread "):
                 continue
-            key = (_process_name(frames[i - 1]),
+            key = (_process_name(frames[i - 1]) if i else "the recorded process",
                    frames[i] if i < len(frames) and frames[i].startswith("thread ") else "-")
             i += key[1] != "-"
             threads[key] += n
@@ -81,13 +82,46 @@ def summarise(path: str, top: int, focus: tuple[str, ...]) -> str:
     return "\n".join(out)
 
 
+def under(path: str, name: str, top: int) -> str:
+    """Where the samples inside ``name`` (``Class.method``; its innermost call where it recurses)
+    go: the share of each function below it, inclusive and as the innermost frame (self time; a
+    call into native code counts as its Python caller's)."""
+    total = 0
+    inclusive: collections.Counter = collections.Counter()
+    leaf: collections.Counter = collections.Counter()
+    with open(path, errors="replace") as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = [re.sub(r" \((.*?):\d+\)", lambda mm: " (" + mm.group(1).split("/")[-1] + ")", fr)
+                      for fr in stack.split(";")]
+            at = [j for j, fr in enumerate(frames) if fr.split(" (")[0] == name]
+            if not at:
+                continue
+            n = int(count)
+            total += n
+            below = frames[at[-1] + 1:]
+            for fr in set(below):
+                inclusive[fr] += n
+            leaf[below[-1] if below else name] += n
+    if not total:
+        return f"no samples inside {name}"
+    out = [f"== {total} samples inside {name}", "-- inclusive"]
+    out += [f"   {c:8d} {100 * c / total:5.1f}%  {fn[:110]}" for fn, c in inclusive.most_common(top)]
+    out.append("-- self (innermost Python frame)")
+    out += [f"   {c:8d} {100 * c / total:5.1f}%  {fn[:110]}" for fn, c in leaf.most_common(top)]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stacks", help="py-spy record --format raw output")
     ap.add_argument("--top", type=int, default=25, help="functions listed per thread")
     ap.add_argument("--focus", nargs="*", default=list(DEFAULT_FOCUS), help="functions shown for every thread")
+    ap.add_argument("--under", help="instead, where the samples inside this function go (inclusive and self)")
     args = ap.parse_args()
-    print(summarise(args.stacks, args.top, tuple(args.focus)))
+    print(under(args.stacks, args.under, args.top) if args.under else summarise(args.stacks, args.top, tuple(args.focus)))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,17 @@
   round's result wait; always on: two clock reads a wait), so a round's host work is its wall
   time less that: a round whose host time reaches its GPU time is bound by the host, not the
   device.
-- ``tandem.models.runner.CapturedCall.replays`` counts CUDA-graph launches.
+- ``tandem.models.graphs.CapturedCall.replays`` counts CUDA-graph launches.
 - ``gpu_busy_ms`` sums the device time of the kernels and copies ``torch.profiler`` recorded.
+- ``StepTimeline`` puts CUDA events around each decode/verify step graph's launch: how long the
+  GPU spends on a step's graph (the gaps between its kernels included, which busy time leaves
+  out), how long it idles between steps (the next one not queued yet: the host is behind), and
+  the host's time inside the launch call (a launch may block, e.g. behind a still-running replay).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -114,3 +119,60 @@ def gpu_busy_ms(prof) -> float:
         if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
             total_us += evt.device_time
     return total_us / 1e3
+
+
+_TIMELINES: list["StepTimeline"] = []
+
+
+def step_timeline() -> "StepTimeline | None":
+    """The ``StepTimeline`` recording now, if any (``ModelRunner`` asks at each step graph's launch)."""
+    return _TIMELINES[-1] if _TIMELINES else None
+
+
+class StepTimeline:
+    """Record the step graphs launched while active (``with StepTimeline() as tl:``), CUDA only.
+
+    Per launch, an event before and after the graph on the stream, and the host's time in the
+    launch call. After the span (the device synchronised: ``summary`` does it):
+
+    - span: GPU time from a step graph's start to its end, the gaps between its kernels included;
+    - idle: GPU time from one step graph's end to the next one's start (the copies between them,
+      a few microseconds, included): the device waiting for the host;
+    - launch: host time inside the launch call.
+
+    Attributes:
+        marks: ``(start event, end event)`` per launch; ``launch_s``: host seconds in launches.
+    """
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.launch_s = 0.0
+
+    def __enter__(self) -> "StepTimeline":
+        _TIMELINES.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TIMELINES.remove(self)
+
+    def launch(self, replay):
+        """``replay()`` between two recorded events, timed on the host; returns its result."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        out = replay()
+        self.launch_s += time.perf_counter() - t0
+        end.record()
+        self.marks.append((start, end))
+        return out
+
+    def summary(self) -> tuple[float, float, float]:
+        """``(span_ms, idle_ms, launch_ms)`` per launch, means (NaN without launches); waits for
+        the device."""
+        if not self.marks:
+            return math.nan, math.nan, math.nan
+        torch.cuda.synchronize()
+        spans = [s.elapsed_time(e) for s, e in self.marks]
+        idles = [e.elapsed_time(s) for (_, e), (s, _) in zip(self.marks, self.marks[1:])]
+        n = len(self.marks)
+        return sum(spans) / n, sum(idles) / len(idles) if idles else math.nan, self.launch_s * 1e3 / n

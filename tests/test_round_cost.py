@@ -9,6 +9,7 @@ what the same round does on a GPU.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -142,6 +143,37 @@ def test_specformer_admission_reads_nothing_before_the_round_is_queued(target_di
     while engine.has_unfinished():
         engine.step()
     assert engine.stats.num_drafted > 0
+
+
+TEXTS = ["Say something about rivers.", "Count to ten.", "Name three colours.", "What is a graph?"]
+
+
+def test_step_timeline_is_not_measured_on_cpu(target_dir):
+    """A CPU engine has no step graphs to time: the round cost's step figures are NaN, the rest set."""
+    from tandem.bench.round_cost import measure_round_cost
+
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
+    cost = measure_round_cost(engine, TEXTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert cost.rounds > 0 and cost.round_wall_ms > 0
+    assert all(math.isnan(x) for x in (cost.step_gpu_span_ms, cost.step_gpu_idle_ms, cost.step_launch_ms))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "specformer"])
+def test_step_timeline_measures_each_step_graph_on_cuda(target_dir, drafter):
+    """On the GPU the round cost carries each step graph's GPU span (> its busy time: the gaps
+    between kernels count), the GPU's idle time between step graphs and the host's launch time,
+    one step graph a chained round."""
+    from tandem.bench.round_cost import measure_round_cost
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    cfg = RunnerConfig(device="cuda", max_batch_size=4, max_seq_len=128, cuda_graphs=True)
+    engine = Engine(target_dir, cfg, drafter=_drafter(drafter, target_dir), num_draft_tokens=4)
+    measure_round_cost(engine, TEXTS, params)  # captures the graphs
+    cost = measure_round_cost(engine, TEXTS, params)
+    assert not math.isnan(cost.step_gpu_idle_ms) and cost.graph_launches_per_round == pytest.approx(1.0, abs=0.2)
+    assert cost.step_gpu_span_ms >= 0.8 * cost.round_gpu_ms > 0
+    assert 0 <= cost.step_gpu_idle_ms < cost.round_wall_ms and 0 < cost.step_launch_ms < cost.round_wall_ms
 
 
 @pytest.mark.gpu

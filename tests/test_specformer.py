@@ -303,11 +303,11 @@ def test_static_path_matches_an_eager_twin_under_churn(tiny_ck, monkeypatch, dty
     also against a from-scratch recompute; bf16 (GPU) within bf16 rounding."""
     import random
 
-    import tandem.models.runner as runner_mod
+    import tandem.models.graphs as graphs_mod
     from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest
     from tandem.train.specformer import teacher_forced_states
 
-    monkeypatch.setattr(runner_mod, "CONTEXT_BUCKET", 16)
+    monkeypatch.setattr(graphs_mod, "CONTEXT_BUCKET", 16)
     cfg = RunnerConfig(device=_DEV, dtype=dtype, max_batch_size=8, max_seq_len=128, cuda_graphs=_DEV == "cuda")
     maxes = [7, 30, 12, 25, 3, 18, 9, 22, 15, 28]
     base = Engine(tiny_ck, cfg)

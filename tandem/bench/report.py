@@ -46,19 +46,21 @@ def main_table(report: BenchReport) -> TextTable:
     """Shaped like the papers' tables: method, batch size, k, τ_acc (the
     papers' κ), TPS, speedup, acceptance,
     lossless share; then per decode round: wall ms, GPU-busy ms, their ratio, host ms (the wall
-    time not spent waiting for the round's results), graph launches and host syncs; then latency
+    time not spent waiting for the round's results), the step graph's GPU span and the GPU's idle
+    time after it (``tandem.profiling.StepTimeline``), graph launches and host syncs; then latency
     and memory; then the timed pass's prefills and their mean host time."""
     m = report.meta
     title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
              f"({m.attention})" + (", exact kernels" if m.exact_kernels else ""))
     headers = ["method", "batch", "k", "τ_acc", "TPS", "speedup", "acceptance", "lossless", "round ms", "GPU ms",
-               "wall/GPU", "host ms", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB",
+               "wall/GPU", "host ms", "span ms", "idle ms", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB",
                "prefills", "prefill ms"]
     rows = [[r.config, str(r.batch_size), _k_cell(r), _f(r.mean_accepted_length, ".2f"), _f(r.tps, ".1f"),
              _f(r.speedup, ".2f") + "x",
              _f(r.acceptance_rate, ".3f"), f"{round(r.lossless_share * r.prompts)}/{r.prompts}",
              _f(r.round_wall_ms, ".2f"), _f(r.round_gpu_ms, ".2f"), _f(r.round_overhead, ".2f"),
-             _f(r.round_host_ms, ".2f"), _f(r.graph_launches_per_round, ".1f"), _f(r.host_syncs_per_round, ".1f"),
+             _f(r.round_host_ms, ".2f"), _f(r.step_gpu_span_ms, ".2f"), _f(r.step_gpu_idle_ms, ".3f"),
+             _f(r.graph_launches_per_round, ".1f"), _f(r.host_syncs_per_round, ".1f"),
              _f(r.ttft_p50_ms, ".1f"), _f(r.ttft_p99_ms, ".1f"), _f(r.tpot_p50_ms, ".2f"), _f(r.tpot_p99_ms, ".2f"),
              _f(r.peak_mem_gib, ".2f"), str(r.prefills) if r.prefills else "–", _f(r.prefill_host_ms, ".1f")]
             for r in sorted(report.results, key=lambda r: (r.batch_size, report.meta.configs.index(r.config)))]

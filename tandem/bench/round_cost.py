@@ -10,8 +10,13 @@ work. The host's share, ``round_host_ms``, is the wall time less the time the ho
 waiting for the round's results (``tandem.profiling.blocked_wait_s``): when it reaches
 ``round_gpu_ms`` the rounds are bound by the host's work, not the GPU's. Other blocking reads in a
 round (a host-drafted draft model's rows, token trees walked on the host: ``host_syncs_per_round``
-above 1) are not taken off, so there it is an upper bound that includes some GPU time. Prefill
-(the first step) is outside both measurements.
+above 1) are not taken off, so there it is an upper bound that includes some GPU time; nor is a
+graph launch that blocks (``step_launch_ms``). The plain run also puts CUDA events around each
+step graph (``tandem.profiling.StepTimeline``): ``step_gpu_span_ms`` is the GPU's time on a
+step's graph, the gaps between its kernels included (busy time leaves them out), and
+``step_gpu_idle_ms`` the GPU's idle time between one step's graph and the next: near 0 when the
+host keeps the device fed, whatever ``round_host_ms`` says. Prefill (the first step) is outside
+every measurement.
 
 With ``TANDEM_KERNEL_TABLES=DIR`` in the environment, the profiled run's table of operators and
 kernels by total GPU time (``torch.profiler``'s ``key_averages``) is also written to
@@ -21,6 +26,7 @@ GPU time goes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -31,7 +37,7 @@ import torch
 
 from ..engine import Engine
 from ..models.runner import CapturedCall
-from ..profiling import HostSyncCounter, blocked_wait_s, gpu_busy_ms
+from ..profiling import HostSyncCounter, StepTimeline, blocked_wait_s, gpu_busy_ms
 from ..sampling import SamplingParams
 
 
@@ -48,6 +54,10 @@ class RoundCost:
             ``host_syncs_per_round`` > 1, see the module docstring).
         graph_launches_per_round: CUDA-graph replays per round (0 without graphs).
         host_syncs_per_round: blocking host reads of device tensors per round.
+        step_gpu_span_ms: GPU time per decode/verify step graph, start to end (NaN without
+            CUDA graphs).
+        step_gpu_idle_ms: GPU idle time between consecutive step graphs (NaN without graphs).
+        step_launch_ms: host time per step graph's launch call (NaN without graphs).
     """
 
     rounds: int
@@ -56,6 +66,9 @@ class RoundCost:
     round_host_ms: float
     graph_launches_per_round: float
     host_syncs_per_round: float
+    step_gpu_span_ms: float = math.nan
+    step_gpu_idle_ms: float = math.nan
+    step_launch_ms: float = math.nan
 
 
 def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
@@ -92,15 +105,19 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     dev = engine.runner.device
     cuda = dev.type == "cuda"
 
+    timeline = StepTimeline() if cuda else None
+
     def timed() -> tuple[float, float, int]:
         launches0 = CapturedCall.replays
         if cuda:
             torch.cuda.synchronize(dev)
         wall0, blocked0 = engine.round_wall_s, blocked_wait_s()
-        _drain(engine)
+        with timeline if timeline is not None else contextlib.nullcontext():
+            _drain(engine)
         return engine.round_wall_s - wall0, blocked_wait_s() - blocked0, CapturedCall.replays - launches0
 
     rounds, (wall_s, blocked_s, launches) = _admit_then(engine, prompt_ids, params, timed)
+    span_ms, idle_ms, launch_ms = timeline.summary() if timeline is not None else (math.nan,) * 3
     counter = HostSyncCounter(dev.type)
 
     def profiled() -> float:
@@ -130,4 +147,4 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     rounds_p, busy_ms = _admit_then(engine, prompt_ids, params, profiled)
     n = max(rounds, 1)
     return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), max(wall_s - blocked_s, 0.0) * 1e3 / n,
-                     launches / n, counter.count / max(rounds_p, 1))
+                     launches / n, counter.count / max(rounds_p, 1), span_ms, idle_ms, launch_ms)

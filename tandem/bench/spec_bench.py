@@ -91,6 +91,11 @@ class RunResult:
     round_host_ms: float = math.nan  # host time a round not spent waiting for its results
     graph_launches_per_round: float = math.nan
     host_syncs_per_round: float = math.nan
+    # per step graph (``tandem.profiling.StepTimeline``): GPU span (kernel gaps included), GPU idle
+    # before the next step graph (the host behind), host time in the launch call
+    step_gpu_span_ms: float = math.nan
+    step_gpu_idle_ms: float = math.nan
+    step_launch_ms: float = math.nan
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
@@ -551,7 +556,9 @@ def _summary(r: RunResult) -> str:
     rounds = "" if math.isnan(r.round_wall_ms) else (
         f"; round {r.round_wall_ms:.2f} ms wall"
         + ("" if math.isnan(r.round_gpu_ms) else f" / {r.round_gpu_ms:.2f} ms GPU")
-        + ("" if math.isnan(r.round_host_ms) else f" / {r.round_host_ms:.2f} ms host") + ", "
+        + ("" if math.isnan(r.round_host_ms) else f" / {r.round_host_ms:.2f} ms host")
+        + ("" if math.isnan(r.step_gpu_span_ms) else f"; step graph {r.step_gpu_span_ms:.2f} ms GPU span, "
+           f"{r.step_gpu_idle_ms:.3f} ms GPU idle after, {r.step_launch_ms:.3f} ms launch") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")

@@ -21,24 +21,17 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ConfigError
+from ..profiling import step_timeline
 from .config import ModelConfig
 from .kernels import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason
 from .fused_linear import unsupported_reason as linear_unsupported_reason
+from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
 from .prefill import Prefiller
 from .transformer import Transformer
 from .weights import Checkpoint
 
 log = logging.getLogger(__name__)
-
-CONTEXT_BUCKET = 256  # attended context is rounded up to this many positions in graphs
-
-
-def context_bucket(attn_len: int, capacity: int) -> int:
-    """``attn_len`` rounded up to a multiple of ``CONTEXT_BUCKET``, at most ``capacity``: attention
-    then sees one shape per bucket (one CUDA graph, one cuDNN plan) instead of one per length."""
-    return min(capacity, -(-attn_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -416,7 +409,8 @@ class ModelRunner:
             captured = self._capture(n, q, attn_len, packed, patch, epilogue)
             self._graphs[key] = captured
         self._stage(key, packed, captured.inputs[0])
-        return captured()
+        timeline = step_timeline()  # a bench measuring each step graph's GPU span and idle time
+        return captured() if timeline is None else timeline.launch(captured)
 
     def _stage(self, key: tuple, packed: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy host inputs ``packed`` into a graph's static input ``dest`` without waiting for the
@@ -552,53 +546,3 @@ def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
             depth[i] = depth[p] + 1
             mask[i][:i] = mask[p][:i]
     return depth + [x for row in mask for x in row]
-
-
-def batch_bucket(n: int, limit: int) -> int:
-    """Round a batch up to a power of two (at most ``limit``) so few graphs cover all sizes."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, limit)
-
-
-class CapturedCall:
-    """``fn(*inputs)`` over static input buffers, replayed from a CUDA graph.
-
-    Fill ``inputs`` in place, then call: the graph replays and returns ``fn``'s output tensors,
-    which the next call overwrites (copy what must outlive it). Construction runs ``fn`` twice on
-    a side stream (warm-up, with the buffers' current contents: fill them first when ``fn``
-    writes state, so those runs write real values), then captures it (a capture executes
-    nothing: ``out`` holds results only after the first call). With
-    ``capture=False`` (CPU, tests) each call simply runs ``fn(*inputs)`` eagerly.
-
-    Args:
-        fn: a function of device tensors with no host synchronisation.
-        inputs: its static input buffers.
-        capture: capture a CUDA graph (CUDA only).
-        pool: graph memory pool shared with other captures (``torch.cuda.graph_pool_handle()``).
-        warmup: eager runs before the capture (0 when ``fn`` updates state and already ran once).
-    """
-
-    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2) -> None:
-        self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
-        if not capture:
-            return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = fn(*inputs)
-
-    replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)
-
-    def __call__(self):
-        if self.graph is None:
-            return self.fn(*self.inputs)
-        CapturedCall.replays += 1
-        self.graph.replay()
-        return self.out
