@@ -332,29 +332,25 @@ def test_output_state_whole_runs_match_token_by_token(real_tokenizer, detok_path
         n = rng.randint(1, 6)
         runs.append(ids[i:i + n])
         i += n
+    def feed(st: OutputState) -> tuple[list[int], list[tuple]]:
+        kept, deltas = [], []
+        for run in runs:
+            if st.finished:
+                break
+            kept.append(st.append(run))
+            deltas.append(st.take_delta())
+        return kept, deltas
+
     for limit in (len(ids) + 5, 61):
         states = [OutputState(tok, SamplingParams(max_tokens=limit), limit, token_texts=t) for t in (False, True)]
         assert states[0]._ends is None and states[1]._ends is not None
-        seen = []
-        for st in states:
-            kept, deltas = [], []
-            for run in runs:
-                if st.finished:
-                    break
-                kept.append(st.append(run))
-                deltas.append(st.take_delta())
-            seen.append((kept, deltas, st.token_ids, st.text, st.finish_reason, st.stop_reason))
+        seen = [(*feed(st), st.token_ids, st.text, st.finish_reason, st.stop_reason) for st in states]
         assert seen[0] == seen[1]
         assert seen[0][4] == ("stop" if stop_id and limit > 97 else "length" if limit < len(ids) else None)
         assert states[0].token_texts() is None and "".join(states[1].token_texts()) == states[1].text
         # a final-only request: no text and no delta until it finishes, then the same text in one piece
         lazy = OutputState(tok, SamplingParams(max_tokens=limit), limit, incremental=False)
-        kept, deltas = [], []
-        for run in runs:
-            if lazy.finished:
-                break
-            kept.append(lazy.append(run))
-            deltas.append(lazy.take_delta())
+        kept, deltas = feed(lazy)
         assert kept == seen[1][0] and lazy.token_ids == seen[1][2]
         if lazy.finished:
             assert (lazy.text, lazy.finish_reason, lazy.stop_reason) == seen[1][3:]
