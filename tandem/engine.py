@@ -96,6 +96,7 @@ class Engine(HostDrafting, EngineConveniences):
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
+        self._held_outputs: list[RequestOutput] = []  # other requests' deltas seen by generate / stream: the next step's
         self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         self.admission = AdmissionPolicy()  # when waiting requests join while others run
         if drafter is not None and num_draft_tokens < 1:
@@ -278,12 +279,12 @@ class Engine(HostDrafting, EngineConveniences):
                 outside the vocabulary, duplicate request id, ``top_logprobs`` out of range.
         """
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if isinstance(rid, str) and rid in self.requests:  # (another type: new_request refuses it)
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         return new_request(self.tokenizer, self.target.info.vocab_size, self.max_seq_len, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
                            device=self.target.info.device, resumed=resumed, final_only=final_only,
-                           grammars=self.grammars if params is not None and params.structure is not None else None)
+                           grammars=self.grammars if getattr(params, "structure", None) is not None else None)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its KV slot. Unknown ids are ignored."""
@@ -293,17 +294,17 @@ class Engine(HostDrafting, EngineConveniences):
         self._structured.discard(request_id)
         if req in self.waiting:
             self.waiting.remove(req)
-        req.pending = None  # a collected round's tokens for it are void
+        req.pending = None  # a collected round's tokens for it are void, and its held deltas
+        self._held_outputs = [o for o in self._held_outputs if o.request_id != request_id]
         if req.slot is not None:
             self._release(req)
         self._settle()
 
     def _release(self, req: Request) -> None:
+        self.running.pop(req.slot, None)
         if req.slot in self._in_flight:  # a launched round still uses the slot: free it when it is back
-            self.running.pop(req.slot, None)
             self._deferred_release.append(req)
             return
-        self.running.pop(req.slot, None)
         self.target.free(req.slot)
         if self.drafter is not None:
             self.drafter.release(req.slot)
@@ -322,13 +323,13 @@ class Engine(HostDrafting, EngineConveniences):
 
     def has_unfinished(self) -> bool:
         pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
-        return bool(self.waiting or self.running or pending or self._launched is not None)
+        return bool(self.waiting or self.running or pending or self._launched is not None or self._held_outputs)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then one batched decode forward. Returns this step's deltas."""
-        outputs: list[RequestOutput] = []
+        """Admit what fits, then one decode round. Returns its deltas (and those ``generate`` / ``stream`` held)."""
+        outputs, self._held_outputs = self._held_outputs, []
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
         while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running

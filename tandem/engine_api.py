@@ -43,19 +43,21 @@ class EngineConveniences:
         """Run every prompt to completion with continuous batching; results in prompt order.
 
         Args:
-            prompts: texts or chat-message lists.
+            prompts: texts or chat-message lists (one text alone is one prompt).
             params: one SamplingParams for all, or one per prompt.
             chat: apply the chat template to plain-text prompts.
             on_finish: optional callback ``(Completion) -> None`` (progress bars).
 
         The requests are ``final_only`` (``Engine.make_request``): each one's text is decoded once,
-        when it finishes.
+        when it finishes. Deltas of other requests the steps advance are kept for the next
+        ``step`` call; if ``on_finish`` (or a step) raises, this batch's unfinished requests are
+        aborted, so none is left behind.
 
         Raises:
             InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
                 with "prompt I of N:" (1-based).
         """
-        prompts = list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # one text is one prompt
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -70,26 +72,38 @@ class EngineConveniences:
                 raise InvalidRequestError(f"prompt {i + 1} of {len(prompts)}: {exc}") from None
         results: dict[str, Completion] = {}
         pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    results[out.request_id] = self.completion(out.request_id)
-                    if on_finish is not None:
-                        on_finish(results[out.request_id])
+        try:
+            while pending:
+                for out in self.step():
+                    if out.request_id not in pending:  # another caller's request: its delta waits for them
+                        self._held_outputs.append(out)
+                    elif out.finished:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = self.completion(out.request_id)
+                        if on_finish is not None:
+                            on_finish(results[out.request_id])
+        except BaseException:  # (on_finish raised, or the step did): none of this batch is left behind
+            for rid in pending:
+                self.abort(rid)
+            raise
         return [results[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[RequestOutput]:
-        """Generate one request, yielding its deltas as they come (other queued requests advance too)."""
+        """Generate one request, yielding its deltas as they come. Other queued requests advance
+        too; their deltas are kept for the next ``step`` call."""
         rid = self.add_request(prompt, params, chat=chat)
         try:
             while True:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            self.requests.pop(rid, None)
-                            return
+                outs = self.step()
+                # other callers' deltas wait for their next step (held before yielding: the caller may stop here)
+                self._held_outputs.extend(o for o in outs if o.request_id != rid)
+                for out in outs:
+                    if out.request_id != rid:
+                        continue
+                    yield out
+                    if out.finished:
+                        self.requests.pop(rid, None)
+                        return
         finally:
             if rid in self.requests and not self.requests[rid].finished:
                 self.abort(rid)

@@ -103,6 +103,11 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
             structure (schema or grammar).
     """
     params = params or SamplingParams()
+    for name, value in (("logprobs", logprobs), ("chat", chat), ("final_only", final_only)):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be true or false, got {value!r}", param=name)
+    if not isinstance(request_id, str):
+        raise InvalidRequestError(f"request_id must be a string, got {request_id!r}", param="request_id")
     if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
             or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
         raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",

@@ -73,8 +73,13 @@ class SamplingParams:
     structure: "Structure | None" = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if name == "stop" and isinstance(value, str):
+                value = (value,)
+            elif isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+                raise InvalidRequestError(f"{name} must be a list, got {value!r}", param=name)
+            object.__setattr__(self, name, tuple(value))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple(sorted((t, b) for t, b in bias))

@@ -126,6 +126,9 @@ def test_generate_with_one_empty_prompt_queues_nothing(real_engine, good_tokens)
     (dict(seed=-1), "seed"),
     (dict(top_k=2**40), "top_k"),
     (dict(stop_token_ids=[2**40]), "stop_token_ids"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=7), "stop_token_ids"),
+    (dict(stop_token_ids="7"), "stop_token_ids"),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else None)
 def test_bad_sampling_params(real_engine, good_tokens, kwargs, field):
     with pytest.raises(InvalidRequestError, match=field) as exc:
@@ -162,6 +165,24 @@ def test_invalid_utf8_prompt(real_engine, good_tokens, raw):
 def test_valid_utf8_bytes_prompt_is_accepted(real_engine, good_tokens):
     res = real_engine.generate([GOOD.encode("utf-8")], GOOD_PARAMS)[0]
     assert res.token_ids == good_tokens
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(params={"max_tokens": 2}), "params"),
+    (dict(params="greedy"), "params"),
+    (dict(logprobs="yes"), "logprobs"),
+    (dict(chat="no"), "chat"),
+    (dict(final_only=1), "final_only"),
+    (dict(request_id=5), "request_id"),
+    (dict(request_id=["a"]), "request_id"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_bad_request_arguments(real_engine, good_tokens, kwargs, field):
+    """An argument of the wrong type is refused at the boundary with the field's name, not an
+    internal error (params read before their type is checked, an unhashable id)."""
+    args = dict(params=GOOD_PARAMS) | kwargs
+    with pytest.raises(InvalidRequestError, match=field):
+        real_engine.add_request(GOOD, **args)
+    _still_serves(real_engine, good_tokens)
 
 
 def test_duplicate_request_id(real_engine, good_tokens):

@@ -401,6 +401,39 @@ def test_final_only_requests_give_one_output_with_the_streamed_result(tiny_engin
     _drain(eng)
 
 
+def test_generate_and_stream_keep_other_requests_deltas(tiny_engine):
+    """``generate`` and ``stream`` step the whole engine: the deltas they step past for a request
+    another caller added come back from that caller's next ``step`` (nothing is lost), and a
+    single text given to ``generate`` is one prompt."""
+    eng = tiny_engine
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=9, ignore_eos=True)
+    mine = eng.add_request("a request of my own", sp)
+    got = [o for o in eng.step() if o.request_id == mine]
+    res = eng.generate("one prompt", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(res) == 1 and len(res[0].token_ids) == 4
+    streamed = [o for o in eng.stream("another", SamplingParams(max_tokens=3, ignore_eos=True))]
+    assert streamed[-1].finished
+    while eng.has_unfinished():
+        got += [o for o in eng.step() if o.request_id == mine]
+    done = eng.completion(mine)
+    assert got[-1].finished and [t for o in got for t in o.new_token_ids] == done.token_ids
+    assert "".join(o.text_delta for o in got) == done.text
+    _drain(eng)
+
+
+def test_generate_leaves_nothing_behind_when_on_finish_raises(tiny_engine):
+    eng = tiny_engine
+
+    def boom(_completion):
+        raise RuntimeError("progress bar broke")
+
+    with pytest.raises(RuntimeError, match="progress bar"):
+        eng.generate(["first", "second", "third"], SamplingParams(max_tokens=3, ignore_eos=True), on_finish=boom)
+    while eng.has_unfinished():
+        eng.step()
+    _drain(eng)
+
+
 def test_stream_random_tokens_tiny(tiny_engine):
     """A random model emits arbitrary byte tokens (broken UTF-8 included): the stream still
     concatenates to the final text."""
