@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -101,7 +102,46 @@ class Tokenizer:
                 raise InvalidRequestError("each message needs string 'role' and 'content'")
             check_utf8(m["content"])
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        if not any(sp in m["content"] for m in messages for sp in self._special_texts):
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return self._encode_with_literal_specials(messages, text)
+
+    @property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The texts of the special tokens (``<|im_end|>`` ...): in a message's content they are text."""
+        cached = getattr(self, "_special_texts_cache", None)
+        if cached is None:
+            added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+            cached = tuple({*self.hf.all_special_tokens, *(t.content for t in added.values() if t.special)} - {""})
+            self._special_texts_cache = cached
+        return cached
+
+    def _encode_with_literal_specials(self, messages: list[dict[str, str]], text: str) -> list[int]:
+        """A chat whose content holds a special token's text: the template's own text is encoded as
+        usual, each content with its special-token texts as plain text (``split_special_tokens``),
+        so a user cannot open a turn of another role by typing its marker.
+
+        Raises:
+            InvalidRequestError: the template reshapes contents (they cannot be located in its output).
+        """
+        marks = [f"\x00tandem-content-{i}\x00" for i in range(len(messages))]
+        marked = self.hf.apply_chat_template([dict(m, content=k) for m, k in zip(messages, marks)], tokenize=False,
+                                             add_generation_prompt=True)
+        rebuilt = marked
+        for m, k in zip(messages, marks):
+            rebuilt = rebuilt.replace(k, m["content"])
+        if rebuilt != text or any(marked.count(k) != 1 for k in marks):
+            raise InvalidRequestError("a message's content holds a special token's text, which this model's chat "
+                                      "template does not let the server keep apart from its own markers",
+                                      param="messages")
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(map(re.escape, marks)) + ")", marked):
+            if piece in marks:
+                ids += self.hf.encode(messages[marks.index(piece)]["content"], add_special_tokens=False,
+                                      split_special_tokens=True)
+            elif piece:
+                ids += self.hf.encode(piece, add_special_tokens=False)
+        return ids
 
 
 def _plain_backend(hf_tokenizer):
