@@ -40,6 +40,7 @@ def run():
     # an option that would do nothing is refused, not ignored
     (["generate", "--prompt", "hi", "--limit", "3"], "--limit takes the first N prompts of --prompts-file"),
     (["generate", "--prompt", "hi", "--num-draft-tokens", "8"], "--num-draft-tokens needs a --drafter"),
+    (["generate", "--prompt", "hi", "--output", "x.jsonl"], "--output writes a prompts file's completions"),
     (["bench", "--device", "cpu", "--cuda-graphs", "--no-hf-baseline"], "--cuda-graphs needs a CUDA device"),
     (["bench", "--device", "cpu", "--prefill-graphs", "--no-hf-baseline"], "--prefill-graphs needs a CUDA device"),
     (["bench", "--device", "cpu", "--cuda-graphs", "--compile", "--no-hf-baseline"],
@@ -168,6 +169,22 @@ def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoin
     res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "3", "--max-seq-len", "24",
               "--min-tokens", "3")
     assert res.exit_code == 0 and "context limit" not in res.stderr
+
+
+def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_path):
+    """``--output`` with a prompts file: one JSONL row per prompt, in order, with its text and
+    token ids; a path it cannot write is a one-line error before any generation."""
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("first one", "second one", "third")))
+    out = tmp_path / "out.jsonl"
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--max-tokens", "5", "--output", str(out))
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["completion_tokens"] == len(r["token_ids"]) > 0 for r in rows)
+    assert all(isinstance(r["text"], str) and r["finish_reason"] in ("stop", "length") for r in rows)
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--output", str(tmp_path / "no" / "x.jsonl"))
+    assert res.exit_code == 2 and "cannot write --output" in res.stderr and "Traceback" not in res.output
 
 
 def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_checkpoint, tmp_path):

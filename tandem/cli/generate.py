@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 
@@ -49,6 +50,9 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 @click.option("--specformer", "specformer_path", default=None, metavar="PATH",
               help="SpecFormer head directory (tandem train specformer); implies --drafter specformer. Same as "
                    "--drafter specformer --draft-model PATH, and as tandem bench --specformer.")
+@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="With --prompts-file: also write each completion as a JSONL row (prompt id, category, "
+                   "text, token ids, finish reason, token counts).")
 @click.option("--compare", is_flag=True,
               help="With a prompts file and a drafter: also run target-only on the same prompts and report "
                    "the speedup and how many outputs are identical.")
@@ -57,7 +61,7 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
              presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logit_bias, json_object, json_schema,
              regex, grammar, batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-             specformer_path, compare, dtype, kernels) -> None:
+             specformer_path, output, compare, dtype, kernels) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from ..sampling import SamplingParams  # torch
 
@@ -78,6 +82,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--compare needs --prompts-file and a --drafter")
     if limit is not None and prompts_file is None:
         fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
+    if output is not None and prompts_file is None:
+        fail("--output writes a prompts file's completions; with --prompt the text goes to stdout")
     if drafter == "none" and _given("num_draft_tokens"):
         fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
@@ -116,7 +122,21 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {fmt(st.acceptance_rate, '.3f')}, "
                               f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
+    sink = None
+    if output is not None:
+        try:  # opened before the run: a path it cannot write fails now, not after it
+            sink = open(output, "w", encoding="utf-8")
+        except OSError as exc:
+            fail(f"cannot write --output {output}: {exc.strerror or exc}")
     results, wall = _run_file(engine, records, params, not no_chat)
+    if sink is not None:
+        with sink:
+            for r, c in zip(records, results):
+                sink.write(json.dumps({"prompt_id": r.prompt_id, "category": r.category, "text": c.text,
+                                       "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                       "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
+                                      ensure_ascii=False) + "\n")
+        err_console.print(f"[dim]wrote {len(results)} completions to {output}[/dim]", highlight=False)
     _print_results(engine, records, results, wall)
     if compare:
         # the baseline is an engine of its own over the same target (weights, KV cache, graphs),
