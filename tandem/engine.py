@@ -96,7 +96,7 @@ class Engine(HostDrafting, EngineConveniences):
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.requests: dict[str, Request] = {}
-        self._held_outputs: list[RequestOutput] = []  # other requests' deltas seen by generate / stream: the next step's
+        self._held_outputs: list[RequestOutput] = []  # deltas generate / stream stepped past: the next step's
         self.max_running = self.target.info.num_slots  # admission limit (<= KV cache slots)
         self.admission = AdmissionPolicy()  # when waiting requests join while others run
         if drafter is not None and num_draft_tokens < 1:
@@ -111,30 +111,24 @@ class Engine(HostDrafting, EngineConveniences):
         # router's draft-token budget here; read at each round, so a plain int assignment from
         # another thread is safe); None: the configuration's limit alone
         self.width_cap: int | None = None
-        # chained rounds always take the capped graph variant (the cap at the width when none is set),
-        # so a cap that arrives later (a router's width) finds its graphs captured: a verifier
-        # replica sets it; elsewhere the plain variant saves the cap's few element-wise kernels
+        # chained rounds always take the capped graph variant, so a cap that arrives later (a router's
+        # width) finds its graphs captured (a verifier replica sets it; else the plain variant is lighter)
         self.cap_rounds = False
         self.draft_policy = draft_policy
         self._width_plan = None  # the next chained round's WidthPlan under a draft policy (None: draft_limit)
-        # the last WIDTH_WINDOW planned widths: a chained round's graph is as wide as the widest of them,
-        # and each round's own plan caps its drafts on the device, so widths change without new graphs
+        # the last planned widths: a chained round's graph is as wide as the widest (its own plan caps on the device)
         self._recent_widths: deque[int] = deque(maxlen=WIDTH_WINDOW)
         self.verification_sink = verification_sink
         self.on_round: Callable[[RoundSummary], None] | None = None  # e.g. Prometheus counters
         self.overlap_drafting = True  # call drafter.prefetch before each verification (no-op for local drafters)
-        # chain rounds on the device wherever the configuration allows (``chains_rounds``); False
-        # keeps host-drafted rounds (the bench's ``*-host`` configurations measure the two side by side)
-        self.chained_rounds = chained_rounds
+        self.chained_rounds = chained_rounds  # False: host-drafted rounds (the bench's ``*-host`` configurations)
         self.stats = SpecDecodeStats()  # aggregate over every finished request
         self._collected: _Round | None = None  # the last round's results, before their stop rules
         self._launched: _Round | None = None  # a chained round in flight (queued, not collected)
         self._in_flight: set[int] = set()  # slots of launched rounds (between launch and collect)
         self._last_collect = 0.0  # perf_counter at the end of the last collect (round wall times)
         self._deferred_release: list[Request] = []  # finished while their slot was in flight
-        # structured requests holding a KV slot: while there are any, rounds are host-driven (one
-        # waiting for a slot leaves the batch's rounds chained until it is admitted)
-        self._structured: set[str] = set()
+        self._structured: set[str] = set()  # structured requests holding a slot: rounds are host-driven meanwhile
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
         self._ids = itertools.count()
@@ -184,11 +178,9 @@ class Engine(HostDrafting, EngineConveniences):
     @property
     def draft_limit(self) -> int:
         """Draft tokens per sequence per round at most: ``configured_draft_limit``, capped by
-        ``width_cap`` when one is set (a router's draft-token budget). In chained rounds the cap is
-        applied on the device, inside a graph as wide as the widest width of the last
-        ``WIDTH_WINDOW`` rounds (as a draft policy's plans are): a router that moves the width
-        costs no graph capture mid-run, and the verify pass narrows once a window of rounds was
-        capped lower."""
+        ``width_cap`` when set (a router's draft-token budget; in chained rounds a device-side cap
+        inside a graph as wide as the widest of the last ``WIDTH_WINDOW`` rounds, as a draft
+        policy's plans: no capture mid-run, and the verify pass narrows once a window is lower)."""
         limit = self.configured_draft_limit
         return limit if self.width_cap is None else min(limit, max(0, self.width_cap))
 
@@ -328,8 +320,16 @@ class Engine(HostDrafting, EngineConveniences):
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then one decode round. Returns its deltas (and those ``generate`` / ``stream`` held)."""
-        outputs, self._held_outputs = self._held_outputs, []
+        """Admit what fits, then one decode round. Returns its deltas and those ``generate`` / ``stream`` held."""
+        held, self._held_outputs = self._held_outputs, []
+        try:
+            return held + self._step()
+        except BaseException:
+            self._held_outputs = held + self._held_outputs
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
         while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running
