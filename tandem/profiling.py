@@ -11,7 +11,7 @@
   time less that: a round whose host time reaches its GPU time is bound by the host, not the
   device.
 - ``tandem.models.graphs.CapturedCall.replays`` counts CUDA-graph launches.
-- ``gpu_busy_ms`` sums the device time of the kernels and copies ``torch.profiler`` recorded.
+- ``gpu_work`` sums the device time of the kernels and copies ``torch.profiler`` recorded, and counts them.
 - ``StepTimeline`` puts CUDA events around each decode/verify step graph's launch: how long the
   GPU spends on a step's graph (the gaps between its kernels included, which busy time leaves
   out), how long it idles between steps (the next one not queued yet: the host is behind), and
@@ -110,15 +110,17 @@ class HostSyncCounter(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def gpu_busy_ms(prof) -> float:
-    """Device time (ms) of every CUDA kernel, memcpy and memset a ``torch.profiler.profile`` run
-    recorded (CUPTI traces kernels inside CUDA graphs too); overlapping work is counted once per
-    kernel, so on one stream this is the GPU-busy time."""
-    total_us = 0.0
+def gpu_work(prof) -> tuple[float, int]:
+    """``(busy ms, operations)``: the device time (ms) of every CUDA kernel, memcpy and memset a
+    ``torch.profiler.profile`` run recorded (CUPTI traces kernels inside CUDA graphs too; overlapping
+    work is counted once per kernel, so on one stream this is the GPU-busy time), and how many
+    there were (inside a graph, each one is followed by a gap before the next)."""
+    total_us, count = 0.0, 0
     for evt in prof.events():
         if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
             total_us += evt.device_time
-    return total_us / 1e3
+            count += 1
+    return total_us / 1e3, count
 
 
 _TIMELINES: list["StepTimeline"] = []

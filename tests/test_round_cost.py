@@ -155,7 +155,8 @@ def test_step_timeline_is_not_measured_on_cpu(target_dir):
     engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
     cost = measure_round_cost(engine, TEXTS, SamplingParams(max_tokens=12, ignore_eos=True))
     assert cost.rounds > 0 and cost.round_wall_ms > 0
-    assert all(math.isnan(x) for x in (cost.step_gpu_span_ms, cost.step_gpu_idle_ms, cost.step_launch_ms))
+    assert all(math.isnan(x) for x in (cost.step_gpu_span_ms, cost.step_gpu_idle_ms, cost.step_launch_ms,
+                                       cost.gpu_ops_per_round))
 
 
 @pytest.mark.gpu
@@ -174,6 +175,7 @@ def test_step_timeline_measures_each_step_graph_on_cuda(target_dir, drafter):
     assert not math.isnan(cost.step_gpu_idle_ms) and cost.graph_launches_per_round == pytest.approx(1.0, abs=0.2)
     assert cost.step_gpu_span_ms >= 0.8 * cost.round_gpu_ms > 0
     assert 0 <= cost.step_gpu_idle_ms < cost.round_wall_ms and 0 < cost.step_launch_ms < cost.round_wall_ms
+    assert cost.gpu_ops_per_round > 20  # a forward's kernels at least
 
 
 @pytest.mark.gpu

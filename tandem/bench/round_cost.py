@@ -37,7 +37,7 @@ import torch
 
 from ..engine import Engine
 from ..models.runner import CapturedCall
-from ..profiling import HostSyncCounter, StepTimeline, blocked_wait_s, gpu_busy_ms
+from ..profiling import HostSyncCounter, StepTimeline, blocked_wait_s, gpu_work
 from ..sampling import SamplingParams
 
 
@@ -58,6 +58,8 @@ class RoundCost:
             CUDA graphs).
         step_gpu_idle_ms: GPU idle time between consecutive step graphs (NaN without graphs).
         step_launch_ms: host time per step graph's launch call (NaN without graphs).
+        gpu_ops_per_round: kernels, memcpys and memsets per round (NaN on CPU): with the span,
+            what the gaps between them cost.
     """
 
     rounds: int
@@ -69,6 +71,7 @@ class RoundCost:
     step_gpu_span_ms: float = math.nan
     step_gpu_idle_ms: float = math.nan
     step_launch_ms: float = math.nan
+    gpu_ops_per_round: float = math.nan
 
 
 def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
@@ -120,11 +123,11 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     span_ms, idle_ms, launch_ms = timeline.summary() if timeline is not None else (math.nan,) * 3
     counter = HostSyncCounter(dev.type)
 
-    def profiled() -> float:
+    def profiled() -> tuple[float, float]:
         if not cuda:
             with counter:
                 _drain(engine)
-            return math.nan
+            return math.nan, math.nan
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize(dev)
@@ -142,9 +145,10 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
                 + averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
                 + "\n\nby host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25,
                                                           max_name_column_width=70))
-        return gpu_busy_ms(prof)
+        return gpu_work(prof)
 
-    rounds_p, busy_ms = _admit_then(engine, prompt_ids, params, profiled)
+    rounds_p, (busy_ms, ops) = _admit_then(engine, prompt_ids, params, profiled)
     n = max(rounds, 1)
     return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), max(wall_s - blocked_s, 0.0) * 1e3 / n,
-                     launches / n, counter.count / max(rounds_p, 1), span_ms, idle_ms, launch_ms)
+                     launches / n, counter.count / max(rounds_p, 1), span_ms, idle_ms, launch_ms,
+                     ops / max(rounds_p, 1))

@@ -96,6 +96,7 @@ class RunResult:
     step_gpu_span_ms: float = math.nan
     step_gpu_idle_ms: float = math.nan
     step_launch_ms: float = math.nan
+    gpu_ops_per_round: float = math.nan  # kernels, memcpys and memsets a round (the profiled run)
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
@@ -558,7 +559,8 @@ def _summary(r: RunResult) -> str:
         + ("" if math.isnan(r.round_gpu_ms) else f" / {r.round_gpu_ms:.2f} ms GPU")
         + ("" if math.isnan(r.round_host_ms) else f" / {r.round_host_ms:.2f} ms host")
         + ("" if math.isnan(r.step_gpu_span_ms) else f"; step graph {r.step_gpu_span_ms:.2f} ms GPU span, "
-           f"{r.step_gpu_idle_ms:.3f} ms GPU idle after, {r.step_launch_ms:.3f} ms launch") + ", "
+           f"{r.step_gpu_idle_ms:.3f} ms GPU idle after, {r.step_launch_ms:.3f} ms launch, "
+           f"{r.gpu_ops_per_round:.0f} GPU ops a round") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")
