@@ -173,7 +173,8 @@ def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoin
 
 def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_path):
     """``--output`` with a prompts file: one JSONL row per prompt, in order, with its text and
-    token ids; a path it cannot write is a one-line error before any generation."""
+    token ids; a path it cannot write (a missing directory, a directory, the prompts file itself) is
+    a one-line error before any generation, and a failed run leaves an existing file as it was."""
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("first one", "second one", "third")))
@@ -183,8 +184,16 @@ def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_p
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 3 and all(r["completion_tokens"] == len(r["token_ids"]) > 0 for r in rows)
     assert all(isinstance(r["text"], str) and r["finish_reason"] in ("stop", "length") for r in rows)
-    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--output", str(tmp_path / "no" / "x.jsonl"))
-    assert res.exit_code == 2 and "cannot write --output" in res.stderr and "Traceback" not in res.output
+    for bad, message in ((tmp_path / "no" / "x.jsonl", "cannot write --output"), (tmp_path, "is a directory"),
+                         (prompts, "--output would overwrite --prompts-file")):
+        res = run("generate", "--model", model, "--prompts-file", str(prompts), "--output", str(bad))
+        assert res.exit_code == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.output
+    # a run that fails (a prompt over the context limit) leaves the existing file as it was
+    before = out.read_text()
+    prompts.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--max-seq-len", "64", "--output", str(out))
+    assert res.exit_code == 2 and "context limit" in res.stderr
+    assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
 
 
 def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_checkpoint, tmp_path):

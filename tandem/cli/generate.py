@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import tempfile
+from pathlib import Path
 
 import click
 from rich.table import Table
@@ -50,9 +53,10 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
 @click.option("--specformer", "specformer_path", default=None, metavar="PATH",
               help="SpecFormer head directory (tandem train specformer); implies --drafter specformer. Same as "
                    "--drafter specformer --draft-model PATH, and as tandem bench --specformer.")
-@click.option("--output", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("--output", default=None, metavar="FILE",
               help="With --prompts-file: also write each completion as a JSONL row (prompt id, category, "
-                   "text, token ids, finish reason, token counts).")
+                   "text, token ids, finish reason, token counts); with --compare, the drafter's run. Written "
+                   "when the run has finished (a failed run leaves an existing file as it was).")
 @click.option("--compare", is_flag=True,
               help="With a prompts file and a drafter: also run target-only on the same prompts and report "
                    "the speedup and how many outputs are identical.")
@@ -84,6 +88,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
     if output is not None and prompts_file is None:
         fail("--output writes a prompts file's completions; with --prompt the text goes to stdout")
+    if output is not None:
+        _check_output(output, prompts_file)
     if drafter == "none" and _given("num_draft_tokens"):
         fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
@@ -122,13 +128,14 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             err_console.print(f"[dim]{engine.drafter.name}: acceptance rate {fmt(st.acceptance_rate, '.3f')}, "
                               f"mean accepted length {st.mean_accepted_length:.2f}[/dim]", highlight=False)
         return
-    sink = None
-    if output is not None:
-        try:  # opened before the run: a path it cannot write fails now, not after it
-            sink = open(output, "w", encoding="utf-8")
-        except OSError as exc:
-            fail(f"cannot write --output {output}: {exc.strerror or exc}")
-    results, wall = _run_file(engine, records, params, not no_chat)
+    sink = _output_sink(output) if output is not None else None
+    try:
+        results, wall = _run_file(engine, records, params, not no_chat)
+    except BaseException:
+        if sink is not None:  # the file the user named is left as it was
+            sink.close()
+            os.unlink(sink.name)
+        raise
     if sink is not None:
         with sink:
             for r, c in zip(records, results):
@@ -136,6 +143,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
                                        "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                        "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
                                       ensure_ascii=False) + "\n")
+        os.replace(sink.name, output)
         err_console.print(f"[dim]wrote {len(results)} completions to {output}[/dim]", highlight=False)
     _print_results(engine, records, results, wall)
     if compare:
@@ -145,6 +153,31 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         baseline = build_engine(TARGET_ONLY, share=engine)
         base, base_wall = _run_file(baseline, records, params, not no_chat, desc="target-only")
         _print_comparison(engine, results, wall, base, base_wall, sampled=not params.greedy)
+
+
+def _check_output(output: str, prompts_file: str) -> None:
+    """``--output``'s path, checked before the model loads: not a directory, not the prompts file,
+    in a directory that exists and can be written."""
+    path = Path(output)
+    if path.is_dir():
+        fail(f"--output {output} is a directory")
+    if path.exists() and path.resolve() == Path(prompts_file).resolve():
+        fail("--output would overwrite --prompts-file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        fail(f"cannot write --output {output}: no directory {parent}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"cannot write --output {output}: permission denied")
+
+
+def _output_sink(output: str):
+    """A temporary file beside ``--output``, renamed onto it once the run has finished."""
+    path = Path(output)
+    try:
+        return tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                           suffix=".tmp", delete=False)
+    except OSError as exc:
+        fail(f"cannot write --output {output}: {exc.strerror or exc}")
 
 
 def _logit_bias(pairs: tuple[str, ...]) -> dict[int, float]:
