@@ -1,6 +1,7 @@
 """CLI boundary: user errors are one line on stderr with exit status 2, never a traceback."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -182,6 +183,9 @@ def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_p
     res = run("generate", "--model", model, "--prompts-file", str(prompts), "--max-tokens", "5", "--output", str(out))
     assert res.exit_code == 0, res.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user makes, not a temporary file's 0600
     assert len(rows) == 3 and all(r["completion_tokens"] == len(r["token_ids"]) > 0 for r in rows)
     assert all(isinstance(r["text"], str) and r["finish_reason"] in ("stop", "length") for r in rows)
     for bad, message in ((tmp_path / "no" / "x.jsonl", "cannot write --output"), (tmp_path, "is a directory"),
