@@ -68,7 +68,7 @@ def store_dir(entry: Path, write: Callable[[Path], None]) -> bool:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         write(tmp)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: let other users read the entry
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes 0700: let other users read the entry
         try:
             os.replace(tmp, entry)
             tmp = None
@@ -83,7 +83,8 @@ def store_dir(entry: Path, write: Callable[[Path], None]) -> bool:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -74,10 +74,8 @@ class EngineConveniences:
         pending = set(ids)
         try:
             while pending:
-                for out in self.step():
-                    if out.request_id not in pending:  # another caller's request: its delta waits for them
-                        self._held_outputs.append(out)
-                    elif out.finished:
+                for out in self._step_for(pending):
+                    if out.finished:
                         pending.discard(out.request_id)
                         results[out.request_id] = self.completion(out.request_id)
                         if on_finish is not None:
@@ -88,18 +86,20 @@ class EngineConveniences:
             raise
         return [results[i] for i in ids]
 
+    def _step_for(self, mine: set[str]) -> list[RequestOutput]:
+        """One ``step``; its deltas of requests not in ``mine`` are held for the next ``step`` call
+        (held before the caller sees its own: it may stop or raise while handling them)."""
+        outs = self.step()
+        self._held_outputs.extend(o for o in outs if o.request_id not in mine)
+        return [o for o in outs if o.request_id in mine]
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> Iterator[RequestOutput]:
         """Generate one request, yielding its deltas as they come. Other queued requests advance
         too; their deltas are kept for the next ``step`` call."""
         rid = self.add_request(prompt, params, chat=chat)
         try:
             while True:
-                outs = self.step()
-                # other callers' deltas wait for their next step (held before yielding: the caller may stop here)
-                self._held_outputs.extend(o for o in outs if o.request_id != rid)
-                for out in outs:
-                    if out.request_id != rid:
-                        continue
+                for out in self._step_for({rid}):
                     yield out
                     if out.finished:
                         self.requests.pop(rid, None)

@@ -65,7 +65,7 @@ class Request:
 class RequestOutput(NamedTuple):
     """What one step produced for one request (a streaming delta). Immutable; a named tuple, not a
     frozen dataclass: the engine makes one per running request per round, on the host's critical
-    path, and a tuple is built in a third of the time."""
+    path, and a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
 
     request_id: str
     new_token_ids: list[int]

@@ -72,7 +72,6 @@ class OutputState:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
         self._tokenizer = tokenizer
-        self._detok = IncrementalDetokenizer(tokenizer)
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
         self._released = 0  # tokens handed out (take_delta), and with them text[:_start(_released)]
         # end offset in ``text`` of each token's text (a stop id: empty), kept where something reads
@@ -80,6 +79,7 @@ class OutputState:
         self._ends: list[int] | None = [] if self._max_stop_len or token_texts else None
         self._released_chars = 0  # (without ``_ends``) len(text) handed out
         self._lazy = self._ends is None and not incremental  # text made once, when the request finishes
+        self._detok = None if self._lazy else IncrementalDetokenizer(tokenizer)
 
     @property
     def finished(self) -> bool:
@@ -109,8 +109,7 @@ class OutputState:
                 if delta:
                     self.text += delta
             if stop_at is not None:
-                self.finish_reason = "stop"
-                self.stop_reason = run[-1] if run[-1] in self.params.stop_token_ids else None  # EOS: None, as vLLM
+                self._stop_at_id(run[-1])
             elif len(ids) >= self.max_new_tokens:
                 self.finish_reason = "length"
             if self._lazy and self.finish_reason is not None:
@@ -125,8 +124,7 @@ class OutputState:
             ids.append(tok)
             if tok in stop_ids:
                 ends.append(len(text))
-                self.finish_reason = "stop"
-                self.stop_reason = tok if tok in self.params.stop_token_ids else None  # EOS: None, as vLLM
+                self._stop_at_id(tok)
                 break
             delta = detok(tok)  # the completed text, or None / ""
             if delta:
@@ -142,6 +140,11 @@ class OutputState:
                 self.finish_reason = "length"
                 break
         return max(0, len(ids) - before)
+
+    def _stop_at_id(self, tok: int) -> None:
+        """Finish at stop id ``tok``: its reason is the id for a requested stop token, None for EOS (as vLLM)."""
+        self.finish_reason = "stop"
+        self.stop_reason = tok if tok in self.params.stop_token_ids else None
 
     def _cut_at_stop_string(self, prev_len: int) -> bool:
         """Cut the text at a stop string the last delta completed, and the tokens whose text

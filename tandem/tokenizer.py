@@ -9,7 +9,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 from .errors import InvalidRequestError, check_utf8
@@ -106,15 +106,11 @@ class Tokenizer:
             return list(self.hf.encode(text, add_special_tokens=False))
         return self._encode_with_literal_specials(messages, text)
 
-    @property
+    @cached_property
     def _special_texts(self) -> tuple[str, ...]:
         """The texts of the special tokens (``<|im_end|>`` ...): in a message's content they are text."""
-        cached = getattr(self, "_special_texts_cache", None)
-        if cached is None:
-            added = getattr(self.hf, "added_tokens_decoder", {}) or {}
-            cached = tuple({*self.hf.all_special_tokens, *(t.content for t in added.values() if t.special)} - {""})
-            self._special_texts_cache = cached
-        return cached
+        added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+        return tuple({*self.hf.all_special_tokens, *(t.content for t in added.values() if t.special)} - {""})
 
     def _encode_with_literal_specials(self, messages: list[dict[str, str]], text: str) -> list[int]:
         """A chat whose content holds a special token's text: the template's own text is encoded as

@@ -427,10 +427,14 @@ def test_generate_leaves_nothing_behind_when_on_finish_raises(tiny_engine):
     def boom(_completion):
         raise RuntimeError("progress bar broke")
 
+    other = eng.add_request("someone else's", SamplingParams(max_tokens=6, ignore_eos=True))
     with pytest.raises(RuntimeError, match="progress bar"):
         eng.generate(["first", "second", "third"], SamplingParams(max_tokens=3, ignore_eos=True), on_finish=boom)
+    got = []
     while eng.has_unfinished():
-        eng.step()
+        got += [o for o in eng.step() if o.request_id == other]
+    # the other caller's deltas of the step whose handling raised were held, not lost
+    assert [t for o in got for t in o.new_token_ids] == eng.completion(other).token_ids
     _drain(eng)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from ..cache import current_umask
 from ..data import load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
@@ -143,9 +144,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
                                        "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                        "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens},
                                       ensure_ascii=False) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(sink.name, 0o666 & ~umask)  # a temporary file is private: the output gets the usual mode
+        os.chmod(sink.name, 0o666 & ~current_umask())  # a temporary file is private: the output gets the usual mode
         os.replace(sink.name, output)
         err_console.print(f"[dim]wrote {len(results)} completions to {output}[/dim]", highlight=False)
     _print_results(engine, records, results, wall)
