@@ -131,6 +131,7 @@ class Engine(HostDrafting, EngineConveniences):
         self._structured: set[str] = set()  # structured requests holding a slot: rounds are host-driven meanwhile
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
+        self.round_rows = 0  # their rows (sequences) in all: round_rows / num_rounds is the batch's occupancy
         self._ids = itertools.count()
 
     @property
@@ -558,6 +559,7 @@ class Engine(HostDrafting, EngineConveniences):
                                        None if plan is None else plan.acceptance_threshold))
         self.num_rounds += 1
         self.round_wall_s += rnd.wall_s
+        self.round_rows += len(rnd.reqs)
         return outputs
 
     def _append(self, outputs: list[RequestOutput], req: Request, tokens: list[int], drafted: int | None = None,

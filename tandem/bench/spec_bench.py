@@ -100,6 +100,11 @@ class RunResult:
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
+    # the timed pass's decode rounds and their mean rows (sequences a round); wall_s against
+    # timed_rounds x round_wall_ms shows what the run spent outside full rounds (admission, a
+    # draining batch)
+    timed_rounds: int = 0
+    timed_rows_per_round: float = math.nan
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
     router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)
@@ -490,6 +495,7 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             n0, s0 = engine.admission.prefills, engine.admission.prefill_total_s
+            r0, rows0 = engine.num_rounds, engine.round_rows
             t0 = time.perf_counter()
             comps = engine.generate(run, params, on_finish=lambda _: bar.update())
             if dev.type == "cuda":
@@ -497,7 +503,9 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
     n, s = engine.admission.prefills - n0, engine.admission.prefill_total_s - s0
-    admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan)
+    rounds = engine.num_rounds - r0
+    admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan, timed_rounds=rounds,
+                    timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan)
     cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
 
@@ -562,8 +570,11 @@ def _summary(r: RunResult) -> str:
            f"{r.step_gpu_idle_ms:.3f} ms GPU idle after, {r.step_launch_ms:.3f} ms launch, "
            f"{r.gpu_ops_per_round:.0f} GPU ops a round") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
+    timed = "" if not r.timed_rounds else (
+        f"; timed pass {r.timed_rounds} rounds of {r.timed_rows_per_round:.1f} rows, "
+        f"{r.prefills} prefills of {r.prefill_host_ms:.1f} ms host")
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
-            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}")
+            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}{timed}")
 
 
 def _free_memory() -> None:
