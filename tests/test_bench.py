@@ -88,6 +88,10 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
         assert r["rounds"] >= 1 and r["round_wall_ms"] > 0 and r["round_gpu_ms"] is None  # no GPU here
         assert r["round_host_ms"] == pytest.approx(r["round_wall_ms"])  # nothing waits for a device on a CPU
         assert r["graph_launches_per_round"] == 0.0  # no CUDA graphs on a CPU
+        assert r["round_cost_captures"] == 0 and r["timed_captures"] == 0
+        # the timed pass's rounds, each with at most the batch's rows, their tokens the pass's
+        assert r["timed_rounds"] * b * (r["k"] + 1) >= r["output_tokens"] - r["prompts"]  # (prefills make the rest)
+        assert 1.0 <= r["timed_rows_per_round"] <= b and r["timed_gpu_span_ms"] is None
         if name in ("target", "ngram"):  # the verify round's one copy; the draft model drafts on the host
             assert r["host_syncs_per_round"] <= 1.0, r
         else:

@@ -159,6 +159,34 @@ def test_step_timeline_is_not_measured_on_cpu(target_dir):
                                        cost.gpu_ops_per_round))
 
 
+def test_round_cost_runs_the_batch_again_when_its_first_run_captured_graphs(target_dir, monkeypatch):
+    """A batch admitted all at once can meet shapes the warm-up did not (a graph captured inside
+    the measured run would count as round cost): the batch then runs again and the second run is
+    measured; without captures it runs once. (A CPU engine makes no graphs: a capture is counted in
+    by hand.)"""
+    from tandem.bench import round_cost
+    from tandem.models.graphs import CapturedCall
+
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    drains = []
+    real_drain = round_cost._drain
+
+    def drain(eng):
+        drains.append(eng.num_rounds)
+        if len(drains) == 1:  # the first run "captures" one graph
+            monkeypatch.setattr(CapturedCall, "made", CapturedCall.made + 1)
+        real_drain(eng)
+
+    monkeypatch.setattr(round_cost, "_drain", drain)
+    cost = round_cost.measure_round_cost(engine, TEXTS, params)
+    assert len(drains) == 3 and cost.round_cost_captures == 1  # timed twice, then profiled
+    assert cost.rounds == 11  # 12 tokens: the prefill's, then 11 rounds (the measured run's own)
+    drains.clear()
+    monkeypatch.setattr(round_cost, "_drain", real_drain)
+    assert round_cost.measure_round_cost(engine, TEXTS, params).round_cost_captures == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("drafter", ["none", "specformer"])
 def test_step_timeline_measures_each_step_graph_on_cuda(target_dir, drafter):
@@ -172,6 +200,7 @@ def test_step_timeline_measures_each_step_graph_on_cuda(target_dir, drafter):
     engine = Engine(target_dir, cfg, drafter=_drafter(drafter, target_dir), num_draft_tokens=4)
     measure_round_cost(engine, TEXTS, params)  # captures the graphs
     cost = measure_round_cost(engine, TEXTS, params)
+    assert cost.round_cost_captures == 0  # the same batch again: every graph made
     assert not math.isnan(cost.step_gpu_idle_ms) and cost.graph_launches_per_round == pytest.approx(1.0, abs=0.2)
     assert cost.step_gpu_span_ms >= 0.8 * cost.round_gpu_ms > 0
     assert 0 <= cost.step_gpu_idle_ms < cost.round_wall_ms and 0 < cost.step_launch_ms < cost.round_wall_ms

@@ -1,7 +1,9 @@
 """Per-round cost of a configuration: wall time against GPU-busy time, graph launches, host syncs.
 
 A round should cost its GPU work and nothing more. ``measure_round_cost`` runs one full batch of
-prompts twice on a warm engine: once plainly (wall time per decode round, the host's share of it,
+prompts twice on a warm engine (three times when the first run captured CUDA graphs: all at once,
+the batch meets shapes a continuously batched run may not have had, and a capture is not a
+round's cost): once plainly (wall time per decode round, the host's share of it,
 CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncCounter``
 (GPU-busy time per round: the device time of every kernel and copy; blocking host reads per
 round). Greedy decoding makes both
@@ -60,6 +62,8 @@ class RoundCost:
         step_launch_ms: host time per step graph's launch call (NaN without graphs).
         gpu_ops_per_round: kernels, memcpys and memsets per round (NaN on CPU): with the span,
             what the gaps between them cost.
+        round_cost_captures: graphs the batch's first run captured (then run again: the figures
+            are the second run's); 0 when the first run met only graphs already made.
     """
 
     rounds: int
@@ -72,6 +76,7 @@ class RoundCost:
     step_gpu_idle_ms: float = math.nan
     step_launch_ms: float = math.nan
     gpu_ops_per_round: float = math.nan
+    round_cost_captures: int = 0
 
 
 def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
@@ -108,18 +113,25 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     dev = engine.runner.device
     cuda = dev.type == "cuda"
 
-    timeline = StepTimeline() if cuda else None
+    timeline = None
 
-    def timed() -> tuple[float, float, int]:
-        launches0 = CapturedCall.replays
+    def timed() -> tuple[float, float, int, int]:
+        nonlocal timeline
+        timeline = StepTimeline() if cuda else None
+        launches0, made0 = CapturedCall.replays, CapturedCall.made
         if cuda:
             torch.cuda.synchronize(dev)
         wall0, blocked0 = engine.round_wall_s, blocked_wait_s()
         with timeline if timeline is not None else contextlib.nullcontext():
             _drain(engine)
-        return engine.round_wall_s - wall0, blocked_wait_s() - blocked0, CapturedCall.replays - launches0
+        return (engine.round_wall_s - wall0, blocked_wait_s() - blocked0, CapturedCall.replays - launches0,
+                CapturedCall.made - made0)
 
-    rounds, (wall_s, blocked_s, launches) = _admit_then(engine, prompt_ids, params, timed)
+    # one batch admitted at once meets shapes (batch bucket x context bucket) a continuously batched
+    # run may not have: a run that captured graphs is run again, and the second one is measured
+    rounds, (wall_s, blocked_s, launches, captured) = _admit_then(engine, prompt_ids, params, timed)
+    if captured:
+        rounds, (wall_s, blocked_s, launches, _) = _admit_then(engine, prompt_ids, params, timed)
     span_ms, idle_ms, launch_ms = timeline.summary() if timeline is not None else (math.nan,) * 3
     counter = HostSyncCounter(dev.type)
 
@@ -151,4 +163,4 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     n = max(rounds, 1)
     return RoundCost(rounds, wall_s * 1e3 / n, busy_ms / max(rounds_p, 1), max(wall_s - blocked_s, 0.0) * 1e3 / n,
                      launches / n, counter.count / max(rounds_p, 1), span_ms, idle_ms, launch_ms,
-                     ops / max(rounds_p, 1))
+                     ops / max(rounds_p, 1), captured)

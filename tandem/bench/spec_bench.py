@@ -10,6 +10,7 @@ GPU memory, and the lossless check (share of prompts whose tokens equal target-o
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import importlib.util
@@ -29,8 +30,9 @@ from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
 from ..models.kernels import attention_name
-from ..models.runner import ModelRunner, RunnerConfig, resolve_kernels
+from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_kernels
 from ..models.weights import Checkpoint
+from ..profiling import StepTimeline
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from ..speculation import SpeculativeConfig, build_engine
@@ -97,6 +99,7 @@ class RunResult:
     step_gpu_idle_ms: float = math.nan
     step_launch_ms: float = math.nan
     gpu_ops_per_round: float = math.nan  # kernels, memcpys and memsets a round (the profiled run)
+    round_cost_captures: int = 0  # graphs the round-cost batch's first run captured (it was then run again)
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
@@ -105,6 +108,11 @@ class RunResult:
     # draining batch)
     timed_rounds: int = 0
     timed_rows_per_round: float = math.nan
+    # the timed pass's step graphs (``StepTimeline``): mean GPU span, mean GPU idle before the next
+    # one (admissions' prefills included), and graphs captured during it (0 after a full warm-up)
+    timed_gpu_span_ms: float = math.nan
+    timed_gpu_idle_ms: float = math.nan
+    timed_captures: int = 0
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
     router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)
@@ -495,17 +503,22 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             n0, s0 = engine.admission.prefills, engine.admission.prefill_total_s
-            r0, rows0 = engine.num_rounds, engine.round_rows
+            r0, rows0, made0 = engine.num_rounds, engine.round_rows, CapturedCall.made
+            timeline = (StepTimeline() if label == "timed" and dev.type == "cuda" and engine.runner.config.cuda_graphs
+                        else None)
             t0 = time.perf_counter()
-            comps = engine.generate(run, params, on_finish=lambda _: bar.update())
+            with timeline if timeline is not None else contextlib.nullcontext():
+                comps = engine.generate(run, params, on_finish=lambda _: bar.update())
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else math.nan  # GPU memory only
     n, s = engine.admission.prefills - n0, engine.admission.prefill_total_s - s0
     rounds = engine.num_rounds - r0
+    span_ms, idle_ms, _ = timeline.summary() if timeline is not None else (math.nan,) * 3
     admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan, timed_rounds=rounds,
-                    timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan)
+                    timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan,
+                    timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_captures=CapturedCall.made - made0)
     cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
 
@@ -571,8 +584,12 @@ def _summary(r: RunResult) -> str:
            f"{r.gpu_ops_per_round:.0f} GPU ops a round") + ", "
         f"{r.graph_launches_per_round:.1f} launches, {r.host_syncs_per_round:.1f} syncs")
     timed = "" if not r.timed_rounds else (
-        f"; timed pass {r.timed_rounds} rounds of {r.timed_rows_per_round:.1f} rows, "
-        f"{r.prefills} prefills of {r.prefill_host_ms:.1f} ms host")
+        f"; timed pass {r.timed_rounds} rounds of {r.timed_rows_per_round:.1f} rows"
+        + ("" if math.isnan(r.timed_gpu_span_ms) else
+           f" ({r.timed_gpu_span_ms:.2f} ms GPU span, {r.timed_gpu_idle_ms:.3f} ms GPU idle after)")
+        + f", {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
+        + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
+        + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}{timed}")
 

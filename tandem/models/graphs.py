@@ -42,6 +42,7 @@ class CapturedCall:
 
     def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2) -> None:
         self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
+        CapturedCall.made += 1
         if not capture:
             return
         stream = torch.cuda.Stream()
@@ -55,6 +56,7 @@ class CapturedCall:
             self.out = fn(*inputs)
 
     replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)
+    made = 0  # CapturedCalls made (graphs captured, on CUDA): a bench checks none is made while it times
 
     def __call__(self):
         if self.graph is None:
