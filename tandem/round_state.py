@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.runner import to_device
+from .models.kv_cache import padded_rows, to_device
 from .sampling import LogitAdjustments, SamplingParams, new_seed
 from .stopping import draft_room
 from .verify import RowSampling
@@ -181,16 +181,18 @@ class RoundState:
     def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, prompts: list[list[int]],
               max_new: list[int]) -> None:
         """Prefilled slots ``index`` ``[R]`` hold their ``prompts`` and feed ``first_tokens`` ``[R]`` next."""
-        dev = index.device
         width = max(len(p) for p in prompts)
-        rows = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int64)
-        lengths = to_device(torch.tensor([len(p) for p in prompts], dtype=torch.int64), dev)
-        self.history[index, :width] = to_device(rows, dev)  # entries past a prompt are overwritten before they are read
+        host = padded_rows(prompts, width, extra=2)  # length, token limit, then the prompt: one copy
+        host[:, 0] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        host[:, 1] = torch.tensor(max_new, dtype=torch.int64)
+        rows = to_device(host, index.device)
+        lengths = rows[:, 0]
+        self.history[index, :width] = rows[:, 2:]  # entries past a prompt are overwritten before they are read
         self.history[index, lengths] = first_tokens
         self.last.index_copy_(0, index, first_tokens)
         self.length.index_copy_(0, index, lengths)
         self.prompt_len.index_copy_(0, index, lengths)
-        self.max_new.index_copy_(0, index, to_device(torch.tensor(max_new, dtype=torch.int64), dev))
+        self.max_new.index_copy_(0, index, rows[:, 1])
 
     def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0,
              cap: torch.Tensor | None = None) -> None:

@@ -327,3 +327,15 @@ def test_compiled_forward_one_graph_for_every_draft_length(tiny, taps):
                 else:
                     assert got.taps is None
     assert len(graphs) == 2, f"{len(graphs)} traces for q = 1..5 at two contexts"
+
+
+def test_padded_rows_pads_after_the_extra_columns():
+    """``padded_rows``: zero columns first, then each row left-aligned and zero-padded; a row
+    wider than the width is an error, not a silent cut."""
+    from tandem.models.kv_cache import padded_rows
+
+    t = padded_rows([[5, 6], [], [7, 8, 9]], 3, extra=1)
+    assert t.dtype == torch.int64 and t.tolist() == [[0, 5, 6, 0], [0, 0, 0, 0], [0, 7, 8, 9]]
+    assert padded_rows([], 4).shape == (0, 4)
+    with pytest.raises(ValueError, match="4 ints in 3 columns"):
+        padded_rows([[1, 2, 3, 4]], 3)

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
@@ -218,29 +219,36 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 return
         nb, attn_len, M, static = self._observe_shape(lens, [s.start for s in states])
         # packed rows: first position, rows, slot, then each row's next tokens. Built on the device
-        # in three ops whatever the batch (no per-row copy, no host list of nb x M zeros): the
-        # header from the host, the next tokens (on the device after a prefill: its first token
-        # is not read back; host lists on the host-drafted path) scattered to their columns
+        # from one host copy whatever the batch (no per-row copy, no host list of nb x M zeros):
+        # the header, each new position's row and index in it, and the next tokens the host holds
+        # (on the device after a prefill: its first token is not read back; host lists on the
+        # host-drafted path), scattered to their columns. The host side is numpy: small torch ops
+        # on the CPU may wake its thread pool, which cost milliseconds a prefill on a GPU host.
         dev, dtype = self.k_cache.device, self.k_cache.dtype
-        counts = torch.tensor(lens, dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(n), counts)  # each new position's row and index in it
-        where = to_device(torch.stack([row, torch.arange(len(row)) - (counts.cumsum(0) - counts)[row]], 1), dev)
+        counts = np.fromiter(lens, dtype=np.int64, count=n)
+        total = int(counts.sum())
+        on_host = [s.next_tokens is not None and not torch.is_tensor(s.next_tokens) for s in states]
+        host_next = [np.asarray(s.next_tokens, dtype=np.int64) for s, h in zip(states, on_host) if h]
+        flat_host = np.concatenate([
+            np.array([(s.start, m, s.slot) for s, m in zip(states, lens)], dtype=np.int64).reshape(-1),
+            np.repeat(np.arange(n, dtype=np.int64), counts),  # each new position's row ...
+            np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts),  # ... and index in it
+            *host_next])
+        moved = to_device(torch.from_numpy(flat_host), dev)  # one copy
+        header, row, col, host_tokens = moved.split([3 * n, total, total, len(flat_host) - 3 * n - 2 * total])
         packed = torch.zeros((nb, 3 + M), dtype=torch.long, device=dev)
-        packed[:n, :3] = to_device(torch.tensor([[s.start, m, s.slot] for s, m in zip(states, lens)],
-                                                dtype=torch.long), dev)
+        packed[:n, :3] = header.view(n, 3)
         if any(s.next_tokens is not None for s in states):
-            on_host = [not torch.is_tensor(s.next_tokens) for s in states]
-            host = [torch.tensor([0] * m if s.next_tokens is None else list(s.next_tokens), dtype=torch.long)
-                    for s, m, h in zip(states, lens, on_host) if h]
-            moved = iter(to_device(torch.cat(host), dev).split([len(t) for t in host]) if host else ())  # one copy
-            packed[where[:, 0], 3 + where[:, 1]] = torch.cat(
-                [next(moved) if h else s.next_tokens.to(torch.long) for s, h in zip(states, on_host)])
+            parts = iter(host_tokens.split([len(t) for t in host_next]))
+            packed[row, 3 + col] = torch.cat(
+                [next(parts) if h else torch.zeros(m, dtype=torch.long, device=dev) if s.next_tokens is None
+                 else s.next_tokens.to(torch.long) for s, m, h in zip(states, lens, on_host)])
         last = None
         if static:
             flat = torch.cat([s.taps for s in states])  # [sum m, taps, d]: one scatter, not one copy per row
 
             def fill(inputs):
-                inputs[0][where[:, 0], where[:, 1]] = flat.to(inputs[0].dtype)
+                inputs[0][row, col] = flat.to(inputs[0].dtype)
                 inputs[1].copy_(packed)
 
             def inputs():
@@ -258,7 +266,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             self.pending[s.slot] = _Pending(s.start + m, last[i], bonus if torch.is_tensor(bonus) or bonus is None
                                             else int(bonus))
         # chained rounds start from here: these slots' device drafts are stale until their next round
-        index = to_device(torch.tensor([s.slot for s in states], dtype=torch.long), dev)
+        index = header.view(n, 3)[:, 2]
         self._state.index_copy_(0, index, last.to(self._state.dtype))
         # index_fill_ takes the 0 as a scalar: ``t[index] = 0`` would make it a host tensor whose
         # copy to the device waits for the stream, i.e. for the prefill and the round in flight

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kv_cache import to_device
+from .kv_cache import padded_rows, to_device
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -191,10 +191,8 @@ class Prefiller:
         R, W = batch_bucket(rows, cache.num_slots), width_bucket(longest, self.max_width)
         if R * W > self.max_bucket_tokens:
             return False
-        packed = torch.zeros((R, 1 + W), dtype=torch.long)  # q_len, then the tokens (one copy to the device)
-        for r, s in enumerate(group):
-            packed[r, 0] = len(prompts[s])
-            packed[r, 1:1 + len(prompts[s])] = torch.tensor(prompts[s])
+        packed = padded_rows([prompts[s] for s in group] + [[]] * (R - rows), W, extra=1)  # q_len, then the tokens
+        packed[:rows, 0] = torch.tensor([len(prompts[s]) for s in group], dtype=torch.long)  # (one copy to the device)
         key = ("prefill", R, W)
         captured = runner._graphs.get(key) or self._capture(R, W)
         runner._stage(key, packed, captured.inputs[0])
