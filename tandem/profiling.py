@@ -168,6 +168,16 @@ class StepTimeline:
         self.marks.append((start, end))
         return out
 
+    def idle_median_ms(self) -> float:
+        """The median GPU idle time between consecutive step graphs (ms; NaN with fewer than two
+        launches): the steady gap a round leaves, where the mean also carries rare long ones (an
+        admission's prefill). Waits for the device."""
+        if len(self.marks) < 2:
+            return math.nan
+        torch.cuda.synchronize()
+        idles = sorted(e.elapsed_time(s) for (_, e), (s, _) in zip(self.marks, self.marks[1:]))
+        return idles[len(idles) // 2]
+
     def summary(self) -> tuple[float, float, float]:
         """``(span_ms, idle_ms, launch_ms)`` per launch, means (NaN without launches); waits for
         the device."""

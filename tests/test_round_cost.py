@@ -205,6 +205,12 @@ def test_step_timeline_measures_each_step_graph_on_cuda(target_dir, drafter):
     assert cost.step_gpu_span_ms >= 0.8 * cost.round_gpu_ms > 0
     assert 0 <= cost.step_gpu_idle_ms < cost.round_wall_ms and 0 < cost.step_launch_ms < cost.round_wall_ms
     assert cost.gpu_ops_per_round > 20  # a forward's kernels at least
+    from tandem.profiling import StepTimeline
+
+    with StepTimeline() as timeline:  # the median gap, as the bench's timed pass reports it
+        engine.generate(TEXTS, params)
+    span_ms, idle_ms, _ = timeline.summary()
+    assert len(timeline.marks) >= 20 and 0 <= timeline.idle_median_ms() < span_ms + idle_ms
 
 
 @pytest.mark.gpu

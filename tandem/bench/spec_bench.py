@@ -108,10 +108,11 @@ class RunResult:
     # draining batch)
     timed_rounds: int = 0
     timed_rows_per_round: float = math.nan
-    # the timed pass's step graphs (``StepTimeline``): mean GPU span, mean GPU idle before the next
-    # one (admissions' prefills included), and graphs captured during it (0 after a full warm-up)
+    # the timed pass's step graphs (``StepTimeline``): mean GPU span, mean and median GPU idle before
+    # the next one (admissions' prefills included), and graphs captured during it (0 after a full warm-up)
     timed_gpu_span_ms: float = math.nan
     timed_gpu_idle_ms: float = math.nan
+    timed_gpu_idle_p50_ms: float = math.nan
     timed_captures: int = 0
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
@@ -516,9 +517,11 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
     n, s = engine.admission.prefills - n0, engine.admission.prefill_total_s - s0
     rounds = engine.num_rounds - r0
     span_ms, idle_ms, _ = timeline.summary() if timeline is not None else (math.nan,) * 3
+    idle_p50 = timeline.idle_median_ms() if timeline is not None else math.nan
     admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan, timed_rounds=rounds,
                     timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan,
-                    timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_captures=CapturedCall.made - made0)
+                    timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_gpu_idle_p50_ms=idle_p50,
+                    timed_captures=CapturedCall.made - made0)
     cost = measure_round_cost(engine, texts[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
 
@@ -586,7 +589,8 @@ def _summary(r: RunResult) -> str:
     timed = "" if not r.timed_rounds else (
         f"; timed pass {r.timed_rounds} rounds of {r.timed_rows_per_round:.1f} rows"
         + ("" if math.isnan(r.timed_gpu_span_ms) else
-           f" ({r.timed_gpu_span_ms:.2f} ms GPU span, {r.timed_gpu_idle_ms:.3f} ms GPU idle after)")
+           f" ({r.timed_gpu_span_ms:.2f} ms GPU span, {r.timed_gpu_idle_ms:.3f} ms GPU idle after, "
+           f"median {r.timed_gpu_idle_p50_ms:.3f})")
         + f", {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
