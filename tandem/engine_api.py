@@ -38,13 +38,18 @@ class EngineConveniences:
             stop_reason=req.output.stop_reason, top_logprobs=None if req.top is None else list(req.top),
         )
 
-    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, chat: bool = True, on_finish=None) -> list[Completion]:
+    def generate(self, prompts: Iterable[Prompt] | None = None,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 prompt_ids: Iterable[Sequence[int]] | None = None, chat: bool = True,
+                 on_finish=None) -> list[Completion]:
         """Run every prompt to completion with continuous batching; results in prompt order.
 
         Args:
             prompts: texts or chat-message lists (one text alone is one prompt).
             params: one SamplingParams for all, or one per prompt.
+            prompt_ids: instead of ``prompts``, prompts already tokenized (token ids, as
+                ``add_request(prompt_ids=...)``; ``chat`` does not apply): a caller that tokenized
+                them elsewhere, or a benchmark timing decoding alone.
             chat: apply the chat template to plain-text prompts.
             on_finish: optional callback ``(Completion) -> None`` (progress bars).
 
@@ -56,8 +61,16 @@ class EngineConveniences:
         Raises:
             InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
                 with "prompt I of N:" (1-based).
+            ValueError: both or neither of ``prompts`` and ``prompt_ids``, or a params list of
+                another length.
         """
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # one text is one prompt
+        if (prompts is None) == (prompt_ids is None):
+            raise ValueError("pass prompts or prompt_ids (one of them)")
+        tokenized = prompt_ids is not None
+        if tokenized:
+            prompts = list(prompt_ids)
+        else:
+            prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # one text is one prompt
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -65,7 +78,8 @@ class EngineConveniences:
         ids: list[str] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                ids.append(self.add_request(prompt_ids=self.encode_prompt(p, chat=chat), params=sp, final_only=True))
+                ids.append(self.add_request(prompt_ids=p if tokenized else self.encode_prompt(p, chat=chat), params=sp,
+                                            final_only=True))
             except InvalidRequestError as exc:
                 for rid in ids:  # all or nothing: a bad prompt queues none of the batch
                     self.abort(rid)

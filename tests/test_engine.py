@@ -421,6 +421,28 @@ def test_generate_and_stream_keep_other_requests_deltas(tiny_engine):
     _drain(eng)
 
 
+def test_generate_takes_prompts_already_tokenized(tiny_engine):
+    """``generate(prompt_ids=...)`` runs token-id prompts as ``generate`` runs the texts they
+    encode (greedy: the same tokens); both or neither of prompts and prompt_ids is a ValueError,
+    and a bad token-id prompt an InvalidRequestError naming it, with nothing queued."""
+    from tandem.errors import InvalidRequestError
+
+    eng = tiny_engine
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    texts = ["first prompt", "a second one"]
+    by_text = eng.generate(texts, sp)
+    by_ids = eng.generate(prompt_ids=[eng.encode_prompt(t) for t in texts], params=sp)
+    assert [c.token_ids for c in by_ids] == [c.token_ids for c in by_text]
+    assert [c.prompt_tokens for c in by_ids] == [c.prompt_tokens for c in by_text]
+    with pytest.raises(ValueError, match="one of them"):
+        eng.generate(texts, sp, prompt_ids=[[1, 2]])
+    with pytest.raises(ValueError, match="one of them"):
+        eng.generate(params=sp)
+    with pytest.raises(InvalidRequestError, match="prompt 2 of 2"):
+        eng.generate(prompt_ids=[[1, 2], []], params=sp)
+    assert not eng.has_unfinished()
+
+
 def test_generate_leaves_nothing_behind_when_on_finish_raises(tiny_engine):
     eng = tiny_engine
 
