@@ -89,7 +89,7 @@ class Prefiller:
                 self._eager_group(group, prompts, last_hidden, pieces)
         hidden = torch.stack([last_hidden[s] for s in slots])
         if taps_out is not None and runner.config.taps:
-            taps_out.update({s: torch.cat(p) for s, p in pieces.items()})
+            taps_out.update({s: p[0] if len(p) == 1 else torch.cat(p) for s, p in pieces.items()})
         return runner.model.logits(hidden)
 
     def groups(self, lengths: dict[int, int]) -> list[list[int]]:
@@ -205,11 +205,12 @@ class Prefiller:
         # copies, not views: the next replay of this bucket overwrites the graph's outputs
         last = to_device(packed[:rows, 0] - 1, runner.device)
         ends = hidden[torch.arange(rows, device=runner.device), last]  # [rows, d]
+        kept = taps[:rows, :longest].clone() if taps_out is not None and taps is not None else None  # one copy
         for r, s in enumerate(group):
             q = len(prompts[s])
             out[s] = ends[r]
-            if taps_out is not None and taps is not None:
-                taps_out.setdefault(s, []).append(taps[r, :q].clone())
+            if kept is not None:
+                taps_out.setdefault(s, []).append(kept[r, :q])
             cache.lengths[s] = q
         return True
 
