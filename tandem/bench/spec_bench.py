@@ -103,9 +103,9 @@ class RunResult:
     # admission during the timed pass (``tandem.admission``): prefills run and their mean host time
     prefills: int = 0
     prefill_host_ms: float = math.nan
-    # the timed pass's decode rounds and their mean rows (sequences a round); wall_s against
-    # timed_rounds x round_wall_ms shows what the run spent outside full rounds (admission, a
-    # draining batch)
+    # the timed pass's decode rounds and their mean rows (sequences a round: the batch's occupancy);
+    # wall_s less timed_rounds x (timed_gpu_span_ms + timed_gpu_idle_ms) is what the run spent
+    # before its first round and after its last
     timed_rounds: int = 0
     timed_rows_per_round: float = math.nan
     # the timed pass's step graphs (``StepTimeline``): mean GPU span, mean and median GPU idle before

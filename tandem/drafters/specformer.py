@@ -222,8 +222,9 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         # from one host copy whatever the batch (no per-row copy, no host list of nb x M zeros):
         # the header, each new position's row and index in it, and the next tokens the host holds
         # (on the device after a prefill: its first token is not read back; host lists on the
-        # host-drafted path), scattered to their columns. The host side is numpy: small torch ops
-        # on the CPU may wake its thread pool, which cost milliseconds a prefill on a GPU host.
+        # host-drafted path), scattered to their columns. The host side is numpy: torch's CPU
+        # repeat_interleave that built the indices was the largest item of an admission's host
+        # time in a GPU host's profile (docs/benchmarks.md, "What bounds a round").
         dev, dtype = self.k_cache.device, self.k_cache.dtype
         counts = np.fromiter(lens, dtype=np.int64, count=n)
         total = int(counts.sum())

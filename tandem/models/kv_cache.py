@@ -34,7 +34,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def padded_rows(rows: list[list[int]], width: int, extra: int = 0) -> torch.Tensor:
     """``[len(rows), extra + width]`` int64 host tensor: ``extra`` zero columns, then each row's
     ints, zero-padded to ``width`` (longer rows raise ``ValueError``). Built in numpy: a nested list
-    through ``torch.tensor`` costs about five times as much (a prefill's prompts, per admission)."""
+    through ``torch.tensor`` is several times slower (a prefill's prompts, at every admission)."""
     out = np.zeros((len(rows), extra + width), dtype=np.int64)
     for i, row in enumerate(rows):
         if len(row) > width:
