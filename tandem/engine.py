@@ -458,6 +458,7 @@ class Engine(HostDrafting, EngineConveniences):
                 outputs.extend(self._admit(reqs_in, results or self.target.collect_prefill(handle_in)))
             if previous is None:
                 self._launched = launched
+                self._settle()  # (a request the prefill finished may be all it launched for)
                 return outputs
             try:
                 rnd = self._collect(previous, still_in_flight=launched.slots if launched is not None else set())

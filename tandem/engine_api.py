@@ -4,6 +4,7 @@ hand out a finished request's result. They use only ``Engine``'s public stepping
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 
 from .errors import InvalidRequestError
@@ -11,6 +12,15 @@ from .requests import Completion, RequestOutput
 from .sampling import SamplingParams
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
+
+
+def _is_int(x) -> bool:
+    """An integer (a token id), bools excepted."""
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return not isinstance(x, bool)
 
 
 class EngineConveniences:
@@ -61,20 +71,28 @@ class EngineConveniences:
         Raises:
             InvalidRequestError: a prompt is invalid (nothing is queued then); the message starts
                 with "prompt I of N:" (1-based).
-            ValueError: both or neither of ``prompts`` and ``prompt_ids``, or a params list of
-                another length.
+            ValueError: both or neither of ``prompts`` and ``prompt_ids``; ``prompt_ids`` not a
+                list of lists (one flat list of ids, a string); token-id lists given as
+                ``prompts``; a params list of another length.
         """
         if (prompts is None) == (prompt_ids is None):
             raise ValueError("pass prompts or prompt_ids (one of them)")
         tokenized = prompt_ids is not None
         if tokenized:
+            if isinstance(prompt_ids, (str, bytes)):
+                raise ValueError("prompt_ids: a list of token-id lists, one per prompt (texts go in prompts)")
             prompts = list(prompt_ids)
+            if prompts and all(_is_int(t) for t in prompts):
+                raise ValueError("prompt_ids: a list of token-id lists, one per prompt; got one list of ints "
+                                 "(for one prompt, pass [ids])")
         else:
             prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # one text is one prompt
+            if any(isinstance(p, (list, tuple)) and p and all(_is_int(t) for t in p) for p in prompts):
+                raise ValueError("prompts: token-id lists go in prompt_ids= (prompts takes texts or chat messages)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError("need one SamplingParams per prompt")
+            raise ValueError(f"need one SamplingParams per prompt: {len(params)} for {len(prompts)} prompts")
         ids: list[str] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:

@@ -119,14 +119,19 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
             raise InvalidRequestError("give a prompt or prompt_ids", param="prompt")
         ids = tokenizer.encode_prompt(prompt, chat)
     else:
+        if isinstance(prompt_ids, (str, bytes)):
+            raise InvalidRequestError("prompt_ids must be a sequence of integer token ids, got a string",
+                                      param="prompt")
         try:
             ids = [operator.index(t) for t in prompt_ids]
         except TypeError:
             raise InvalidRequestError("prompt token ids must be integers", param="prompt") from None
     if not ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
-    if any(t < 0 or t >= vocab_size for t in ids):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    bad = next((i for i, t in enumerate(ids) if t < 0 or t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size}): {ids[bad]} at position {bad}",
+                                  param="prompt")
     # token ids the sampling params name (SamplingParams checked they are >= 0); one past the
     # vocabulary would bias or stop nothing: refused, not ignored
     for param, named in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):

@@ -140,6 +140,16 @@ def test_warmup_share():
     report = BenchReport.from_dict(old)
     assert report.results[0].mean_accepted_length == old["results"][0]["kappa"]
     assert report.meta.options["tau"] == old["meta"]["options"]["tau"]
+    # null is NaN for float fields only: the optional ones come back as None (no "(router nan)" cell)
+    fresh = json.loads((DATA_DIR.parent / "docs/results/2026-12-05/step-timeline/pass4-0c110d5-h100/std/results.json")
+                       .read_text())
+    back = BenchReport.from_dict(fresh)
+    assert fresh["results"][0]["router_draft_width"] is None and back.results[0].router_draft_width is None
+    assert math.isnan(back.results[0].acceptance_rate)  # target-only: null, a float field
+    assert back.to_dict() == fresh
+    from tandem.bench.report import _k_cell
+
+    assert "router" not in _k_cell(back.results[1])
 
 
 def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):

@@ -440,7 +440,29 @@ def test_generate_takes_prompts_already_tokenized(tiny_engine):
         eng.generate(params=sp)
     with pytest.raises(InvalidRequestError, match="prompt 2 of 2"):
         eng.generate(prompt_ids=[[1, 2], []], params=sp)
+    vocab = eng.target.info.vocab_size
+    with pytest.raises(InvalidRequestError, match=rf"prompt 1 of 1: .*\[0, {vocab}\): {vocab} at position 1"):
+        eng.generate(prompt_ids=[[1, vocab]], params=sp)
+    # wrongly shaped: say what shape is expected, not "must be integers"
+    with pytest.raises(ValueError, match="one list of ints"):
+        eng.generate(prompt_ids=[1, 2, 3], params=sp)
+    with pytest.raises(ValueError, match="list of token-id lists"):
+        eng.generate(prompt_ids="hello", params=sp)
+    with pytest.raises(ValueError, match="go in prompt_ids="):
+        eng.generate([[1, 2, 3]], sp)
+    with pytest.raises(ValueError, match="3 for 2 prompts"):
+        eng.generate(texts, [sp] * 3)
     assert not eng.has_unfinished()
+
+
+def test_engine_is_idle_after_requests_the_prefill_finishes(tiny_engine):
+    """Requests that end on their prefill's token (max_tokens=1): the round queued for them
+    has nothing to give and is collected at once, so the engine is idle when generate returns."""
+    eng = tiny_engine
+    res = eng.generate(["Hi", "Yo"], SamplingParams(max_tokens=1))
+    assert [len(c.token_ids) for c in res] == [1, 1] and {c.finish_reason for c in res} == {"length"}
+    assert not eng.has_unfinished() and not eng.requests
+    assert eng.target.num_free() == eng.target.info.num_slots  # every slot back
 
 
 def test_generate_leaves_nothing_behind_when_on_finish_raises(tiny_engine):

@@ -25,8 +25,8 @@ class TextTable:
 
     def to_rich(self) -> Table:
         table = Table(title=self.title)
-        for i, h in enumerate(self.headers):
-            table.add_column(h, justify="left" if i == 0 else "right")
+        for i, h in enumerate(self.headers):  # a narrow terminal wraps a cell, never cuts it ("1.0…")
+            table.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
         for row in self.rows:
             table.add_row(*row)
         return table

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -173,11 +173,15 @@ class BenchReport:
         Raises:
             ValueError: not a ``tandem bench`` results.json.
         """
-        def floats(row: dict) -> dict:  # results written before "kappa" was dropped: it was τ_acc again
-            return {k: float("nan") if v is None else v for k, v in row.items() if k != "kappa"}
+        def floats(kind, row: dict) -> dict:
+            # null is NaN for float fields only: an optional one (the router's width, ``chained``)
+            # keeps its None; results written before "kappa" was dropped: it was τ_acc again
+            nan_ok = {f.name for f in fields(kind) if f.type in ("float", float)}
+            return {k: float("nan") if v is None and k in nan_ok else v for k, v in row.items() if k != "kappa"}
 
         try:
-            results = [RunResult(**{**floats(r), "per_task": [TaskStats(**floats(t)) for t in r["per_task"]]})
+            results = [RunResult(**{**floats(RunResult, r),
+                                    "per_task": [TaskStats(**floats(TaskStats, t)) for t in r["per_task"]]})
                        for r in data["results"]]
             table = data.get("cost_table")
             return cls(BenchMeta(**data["meta"]), results,

@@ -19,7 +19,8 @@ from ..models.runner import KERNEL_CHOICES
 from ..speculation import TARGET_ONLY, SpeculativeConfig
 
 log = logging.getLogger("tandem")
-console = Console(width=None if sys.stdout.isatty() else 160)
+# not a terminal (a log, a pipe): wide enough for the bench's tables, whose cells are never cut
+console = Console(width=None if sys.stdout.isatty() else 400)
 err_console = Console(stderr=True)
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
