@@ -49,7 +49,7 @@ class EngineConveniences:
         )
 
     def generate(self, prompts: Iterable[Prompt] | None = None,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 params: SamplingParams | Iterable[SamplingParams] | None = None, *,
                  prompt_ids: Iterable[Sequence[int]] | None = None, chat: bool = True,
                  on_finish=None) -> list[Completion]:
         """Run every prompt to completion with continuous batching; results in prompt order.
@@ -91,6 +91,7 @@ class EngineConveniences:
                 raise ValueError("prompts: token-id lists go in prompt_ids= (prompts takes texts or chat messages)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        params = list(params)  # (any iterable of them)
         if len(params) != len(prompts):
             raise ValueError(f"need one SamplingParams per prompt: {len(params)} for {len(prompts)} prompts")
         ids: list[str] = []

@@ -123,9 +123,12 @@ def new_request(tokenizer, vocab_size: int, max_seq_len: int, request_id: str, p
             raise InvalidRequestError("prompt_ids must be a sequence of integer token ids, got a string",
                                       param="prompt")
         try:
-            ids = [operator.index(t) for t in prompt_ids]
+            raw = list(prompt_ids)  # (once: a generator is read one time)
+            ids = [operator.index(t) for t in raw]
         except TypeError:
             raise InvalidRequestError("prompt token ids must be integers", param="prompt") from None
+        if any(isinstance(t, bool) for t in raw):  # operator.index takes True for 1
+            raise InvalidRequestError("prompt token ids must be integers, not booleans", param="prompt")
     if not ids:
         raise InvalidRequestError("prompt is empty", param="prompt")
     bad = next((i for i, t in enumerate(ids) if t < 0 or t >= vocab_size), None)

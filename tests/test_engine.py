@@ -452,6 +452,9 @@ def test_generate_takes_prompts_already_tokenized(tiny_engine):
         eng.generate([[1, 2, 3]], sp)
     with pytest.raises(ValueError, match="3 for 2 prompts"):
         eng.generate(texts, [sp] * 3)
+    with pytest.raises(InvalidRequestError, match="not booleans"):
+        eng.generate(prompt_ids=[[True, False]], params=sp)
+    assert len(eng.generate(texts, (sp for _ in texts))) == 2  # params as any iterable
     assert not eng.has_unfinished()
 
 
