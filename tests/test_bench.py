@@ -6,6 +6,7 @@ must reproduce target-only output exactly).
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -84,6 +85,12 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
             tasks = r["per_task"]  # the per-task split adds up to the row
             assert [sum(t[f] for t in tasks) for f in ("prompts", "drafted", "accepted")] == \
                 [r["prompts"], r["drafted"], r["accepted"]]
+            # each task's decode speedup: target-only's time per output token over this one's, same task
+            base = {t["task"]: t["tpot_ms"] for t in rows[("target", b)]["per_task"]}
+            for t in tasks:
+                assert t["tpot_ms"] > 0 and t["speedup"] == pytest.approx(base[t["task"]] / t["tpot_ms"])
+        if name == "target":
+            assert all(t["speedup"] == 1.0 and t["tpot_ms"] > 0 for t in r["per_task"])
         # per decode round, measured over one full batch of the same prompts
         assert r["rounds"] >= 1 and r["round_wall_ms"] > 0 and r["round_gpu_ms"] is None  # no GPU here
         assert r["round_host_ms"] == pytest.approx(r["round_wall_ms"])  # nothing waits for a device on a CPU
@@ -114,7 +121,8 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     assert all(t > 0 for row in data["cost_table"].values() for t in row.values())
     md = (out / "results.md").read_text()
     assert "| method | batch | k | τ_acc | TPS | speedup | acceptance | lossless | round ms | GPU ms | wall/GPU |" in md
-    assert "per Spec-Bench task" in md and "T(b, q)" in md
+    assert "per Spec-Bench task (batch 1)" in md and "per Spec-Bench task (batch 2)" in md and "T(b, q)" in md
+    assert re.search(r"\| \d\.\d{3} / \d\.\d{2} / \d+\.\d{2}x \|", md)  # α / τ_acc / decode speedup cells
     for png in ("speedup.png", "acceptance_by_task.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Not a terminal: no progress-bar redraws, one plain line per finished run, tables on stdout.
@@ -146,7 +154,9 @@ def test_warmup_share():
     back = BenchReport.from_dict(fresh)
     assert fresh["results"][0]["router_draft_width"] is None and back.results[0].router_draft_width is None
     assert math.isnan(back.results[0].acceptance_rate)  # target-only: null, a float field
-    assert back.to_dict() == fresh
+    again = back.to_dict()  # (per-task rows gained fields since: compared field by field)
+    assert again["meta"] == fresh["meta"] and all(again["results"][i][k] == v for i, r in enumerate(fresh["results"])
+                                                  for k, v in r.items() if k != "per_task")
     from tandem.bench.report import _k_cell
 
     assert "router" not in _k_cell(back.results[1])

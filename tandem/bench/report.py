@@ -83,10 +83,11 @@ def _drafting(report: BenchReport, batch_size: int) -> list[RunResult]:
     return [r for r in report.results if r.batch_size == batch_size and r.per_task and r.drafted]
 
 
-def category_table(report: BenchReport) -> TextTable | None:
-    """Spec-Bench task x method: acceptance rate / mean accepted length, at the smallest batch
-    size (None when no configuration drafted)."""
-    b = min(report.meta.batch_sizes)
+def category_table(report: BenchReport, batch_size: int | None = None) -> TextTable | None:
+    """Spec-Bench task x method at one batch size (default: the smallest): acceptance rate / mean
+    accepted length / decode speedup (target-only's time per output token over the method's, the
+    task's requests only; ``TaskStats.speedup``). None when no configuration drafted there."""
+    b = min(report.meta.batch_sizes) if batch_size is None else batch_size
     runs = _drafting(report, b)
     if not runs:
         return None
@@ -96,9 +97,10 @@ def category_table(report: BenchReport) -> TextTable | None:
         row = [task]
         for r in runs:
             t = next((t for t in r.per_task if t.task == task), None)
-            row.append("–" if t is None else f"{_f(t.acceptance_rate, '.3f')} / {_f(t.mean_accepted_length, '.2f')}")
+            row.append("–" if t is None else f"{_f(t.acceptance_rate, '.3f')} / {_f(t.mean_accepted_length, '.2f')}"
+                       f" / {_f(t.speedup, '.2f')}x")
         rows.append(row)
-    return TextTable(f"Acceptance rate / mean accepted length per Spec-Bench task (batch {b})",
+    return TextTable(f"Acceptance rate / mean accepted length / decode speedup per Spec-Bench task (batch {b})",
                      ["task"] + [r.config for r in runs], rows)
 
 
@@ -114,7 +116,9 @@ def cost_table(report: BenchReport) -> TextTable | None:
 
 
 def tables(report: BenchReport) -> list[TextTable]:
-    return [t for t in (main_table(report), category_table(report), cost_table(report)) if t is not None]
+    """The main table, the per-task table of each batch size, the cost table (those that exist)."""
+    found = [main_table(report), *(category_table(report, b) for b in report.meta.batch_sizes), cost_table(report)]
+    return [t for t in found if t is not None]
 
 
 def plot_speedup(report: BenchReport, path: Path) -> None:

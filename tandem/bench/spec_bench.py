@@ -53,6 +53,11 @@ class TaskStats:
     accepted: int
     acceptance_rate: float  # α; NaN when nothing was drafted
     mean_accepted_length: float  # τ_acc, bonus token included
+    # decode time per output token over the task's requests (ms; each request's time from its first
+    # token to its last over its tokens after the first, summed before dividing), and target-only's
+    # over this one for the same task, run and batch size (NaN in results written before them)
+    tpot_ms: float = math.nan
+    speedup: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -550,11 +555,17 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
                    base_tokens: dict[str, list[int]]) -> RunResult:
     total = SpecDecodeStats()
     by_task: dict[str, tuple[int, SpecDecodeStats]] = {}
+    decode: dict[str, list[float]] = {}  # task -> [seconds from first to last token, tokens after the first]
     for rec, comp in zip(prompts, comps):
         total.merge(comp.spec)
-        n, st = by_task.setdefault(spec_bench_task(rec.category), (0, SpecDecodeStats()))
+        task = spec_bench_task(rec.category)
+        n, st = by_task.setdefault(task, (0, SpecDecodeStats()))
         st.merge(comp.spec)
-        by_task[spec_bench_task(rec.category)] = (n + 1, st)
+        by_task[task] = (n + 1, st)
+        after_first = max(comp.completion_tokens - 1, 0)
+        d = decode.setdefault(task, [0.0, 0])
+        d[0] += comp.tpot_s * after_first
+        d[1] += after_first
     tokens = sum(x.completion_tokens for x in comps)
     tps = tokens / wall
     if base is None:  # this is the target run
@@ -564,8 +575,17 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
         speedup = tps / base.tps
     tpots = [x.tpot_s * 1e3 for x in comps if x.completion_tokens > 1]
     ttfts = [x.ttft_s * 1e3 for x in comps]
-    per_task = [TaskStats(t, n, st.num_drafted, st.num_accepted, st.acceptance_rate, st.mean_accepted_length)
-                for t, (n, st) in sorted(by_task.items())]
+    base_tpot = {t.task: t.tpot_ms for t in base.per_task} if base is not None else {}
+    per_task = []
+    for t, (n, st) in sorted(by_task.items()):
+        secs, toks = decode[t]
+        tpot = 1e3 * secs / toks if toks and secs > 0 else math.nan
+        if math.isnan(tpot):
+            ratio = math.nan
+        else:
+            ratio = 1.0 if base is None else base_tpot.get(t, math.nan) / tpot
+        per_task.append(TaskStats(t, n, st.num_drafted, st.num_accepted, st.acceptance_rate,
+                                  st.mean_accepted_length, tpot, ratio))
     return RunResult(c.name, b, c.draft_tokens(options), len(prompts), tokens, wall, tps, speedup,
                      total.acceptance_rate, total.mean_accepted_length, total.num_drafted,
                      total.num_accepted, _pct(ttfts, 50), _pct(ttfts, 99), _pct(tpots, 50), _pct(tpots, 99), peak,
