@@ -97,8 +97,9 @@ def category_table(report: BenchReport, batch_size: int | None = None) -> TextTa
         row = [task]
         for r in runs:
             t = next((t for t in r.per_task if t.task == task), None)
+            speedup = _f(t.speedup, ".2f") + "x" if t is not None and not math.isnan(t.speedup) else "–"
             row.append("–" if t is None else f"{_f(t.acceptance_rate, '.3f')} / {_f(t.mean_accepted_length, '.2f')}"
-                       f" / {_f(t.speedup, '.2f')}x")
+                       f" / {speedup}")
         rows.append(row)
     return TextTable(f"Acceptance rate / mean accepted length / decode speedup per Spec-Bench task (batch {b})",
                      ["task"] + [r.config for r in runs], rows)
