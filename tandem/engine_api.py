@@ -91,6 +91,8 @@ class EngineConveniences:
                 raise ValueError("prompts: token-id lists go in prompt_ids= (prompts takes texts or chat messages)")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+            raise ValueError(f"params: a SamplingParams, or one per prompt, got {type(params).__name__}")
         params = list(params)  # (any iterable of them)
         if len(params) != len(prompts):
             raise ValueError(f"need one SamplingParams per prompt: {len(params)} for {len(prompts)} prompts")

@@ -455,6 +455,8 @@ def test_generate_takes_prompts_already_tokenized(tiny_engine):
     with pytest.raises(InvalidRequestError, match="not booleans"):
         eng.generate(prompt_ids=[[True, False]], params=sp)
     assert len(eng.generate(texts, (sp for _ in texts))) == 2  # params as any iterable
+    with pytest.raises(ValueError, match="a SamplingParams, or one per prompt, got dict"):
+        eng.generate(texts, {"temperature": 0})
     assert not eng.has_unfinished()
 
 
