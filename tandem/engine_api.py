@@ -73,7 +73,7 @@ class EngineConveniences:
                 with "prompt I of N:" (1-based).
             ValueError: both or neither of ``prompts`` and ``prompt_ids``; ``prompt_ids`` not a
                 list of lists (one flat list of ids, a string); token-id lists given as
-                ``prompts``; a params list of another length.
+                ``prompts``; params neither a SamplingParams nor one per prompt.
         """
         if (prompts is None) == (prompt_ids is None):
             raise ValueError("pass prompts or prompt_ids (one of them)")
