@@ -14,13 +14,15 @@ from .sampling import SamplingParams
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
 
 
-def _is_int(x) -> bool:
-    """An integer (a token id), bools excepted."""
+def _is_int(x, bools: bool = False) -> bool:
+    """One integer (a token id): Python, numpy or a 0-d tensor; bools only with ``bools``."""
+    if getattr(x, "ndim", 0) > 0:  # a one-element tensor or array is a row, not an id
+        return False
     try:
         operator.index(x)
     except TypeError:
         return False
-    return not isinstance(x, bool)
+    return bools or not isinstance(x, bool)
 
 
 class EngineConveniences:
@@ -56,7 +58,8 @@ class EngineConveniences:
 
         Args:
             prompts: texts or chat-message lists (one text alone is one prompt).
-            params: one SamplingParams for all, or one per prompt.
+            params: one SamplingParams for all, or one per prompt (None: the default
+                SamplingParams, for all or for that prompt).
             prompt_ids: instead of ``prompts``, prompts already tokenized (token ids, as
                 ``add_request(prompt_ids=...)``; ``chat`` does not apply): a caller that tokenized
                 them elsewhere, or a benchmark timing decoding alone.
@@ -79,14 +82,23 @@ class EngineConveniences:
             raise ValueError("pass prompts or prompt_ids (one of them)")
         tokenized = prompt_ids is not None
         if tokenized:
-            if isinstance(prompt_ids, (str, bytes)):
-                raise ValueError("prompt_ids: a list of token-id lists, one per prompt (texts go in prompts)")
+            if isinstance(prompt_ids, (str, bytes, dict)) or not isinstance(prompt_ids, Iterable):
+                raise ValueError("prompt_ids: a list of token-id lists, one per prompt (texts go in prompts), "
+                                 f"got {type(prompt_ids).__name__}")
             prompts = list(prompt_ids)
-            if prompts and all(_is_int(t) for t in prompts):
+            if prompts and all(_is_int(t, bools=True) for t in prompts):
                 raise ValueError("prompt_ids: a list of token-id lists, one per prompt; got one list of ints "
                                  "(for one prompt, pass [ids])")
+            if any(p is None or _is_int(p, bools=True) for p in prompts):
+                i = next(i for i, p in enumerate(prompts) if p is None or _is_int(p, bools=True))
+                raise ValueError(f"prompt_ids[{i}] is {prompts[i]!r}, not a list of token ids")
         else:
+            if hasattr(prompts, "dtype") and hasattr(prompts, "shape"):  # an array or tensor: token ids
+                raise ValueError("prompts: token ids go in prompt_ids= (prompts takes texts or chat messages)")
             prompts = [prompts] if isinstance(prompts, str) else list(prompts)  # one text is one prompt
+            if prompts and all(_is_int(t) for t in prompts):
+                raise ValueError("prompts: a list of ints looks like token ids: pass prompt_ids=[ids] "
+                                 "(prompts takes texts or chat messages)")
             if any(isinstance(p, (list, tuple)) and p and all(_is_int(t) for t in p) for p in prompts):
                 raise ValueError("prompts: token-id lists go in prompt_ids= (prompts takes texts or chat messages)")
         if params is None or isinstance(params, SamplingParams):

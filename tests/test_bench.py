@@ -296,8 +296,19 @@ def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts,
     assert sorted((r["config"], r["batch_size"]) for r in data["results"]) == [
         ("ngram", 1), ("ngram", 2), ("target", 1), ("target", 2)]
     assert (tmp_path / "all" / "speedup.png").is_file() and "| ngram | 2 |" in (tmp_path / "all" / "results.md").read_text()
-    res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "all" / "results.md"), "--out", "x"])
-    assert res.exit_code == 2 and "--from-results" in res.stderr
+    md = tmp_path / "all" / "results.md"
+    res = CliRunner().invoke(main, ["bench", "--from-results", f"{files},{md}", "--out", "x"])
+    assert res.exit_code == 2 and f"--from-results {md}: not JSON" in res.stderr  # the bad file named
+    # a hand-edited figure, or a row of a configuration the run did not list: one line, the file named
+    bad = json.loads((tmp_path / "all" / "results.json").read_text())
+    bad["results"][0]["tps"] = "abc"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "bad.json"), "--out", "x"])
+    assert res.exit_code == 2 and "bad.json: not a tandem bench results.json (tps is 'abc', not a number)" in res.stderr
+    bad["results"][0]["tps"], bad["results"][0]["config"] = 1.0, "bogus"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "bad.json"), "--out", "x"])
+    assert res.exit_code == 2 and "results of bogus, not among meta.configs" in res.stderr
 
 
 def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):

@@ -457,6 +457,19 @@ def test_generate_takes_prompts_already_tokenized(tiny_engine):
     assert len(eng.generate(texts, (sp for _ in texts))) == 2  # params as any iterable
     with pytest.raises(ValueError, match="a SamplingParams, or one per prompt, got dict"):
         eng.generate(texts, {"temperature": 0})
+    with pytest.raises(ValueError, match="got int"):
+        eng.generate(prompt_ids=5, params=sp)
+    with pytest.raises(ValueError, match="one list of ints"):
+        eng.generate(prompt_ids=[True, False], params=sp)
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] is None"):
+        eng.generate(prompt_ids=[[1, 2], None], params=sp)
+    with pytest.raises(ValueError, match=r"pass prompt_ids=\[ids\]"):
+        eng.generate([1, 2, 3], sp)
+    with pytest.raises(ValueError, match="token ids go in prompt_ids="):
+        eng.generate(torch.tensor([[1, 2]]), sp)
+    # one-token prompts as a [n, 1] tensor are rows, not one flat list
+    ones = eng.generate(prompt_ids=torch.tensor([[1], [2]]), params=sp)
+    assert [c.prompt_tokens for c in ones] == [1, 1]
     assert not eng.has_unfinished()
 
 

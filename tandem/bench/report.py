@@ -198,7 +198,9 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, prefill graphs {m.prefill_graphs}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
-            f"at the same batch size; lossless = prompts whose tokens equal target-only's; TTFT counts from "
+            f"at the same batch size, in TPS over the whole timed pass (prefills included); the per-task "
+            f"tables' decode speedup counts decoding only (time per output token after the first); "
+            f"lossless = prompts whose tokens equal target-only's; TTFT counts from "
             f"submission (all prompts are queued at once).\n\n")
     described = "".join(f"- `{name}`: {_description(name)}\n" for name in m.configs if _description(name))
     described += "\nOptions: " + ", ".join(f"{k}={v}" for k, v in m.options.items()) + ".\n"

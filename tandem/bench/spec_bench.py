@@ -181,7 +181,13 @@ class BenchReport:
         def floats(kind, row: dict) -> dict:
             # null is NaN for float fields only: an optional one (the router's width, ``chained``)
             # keeps its None; results written before "kappa" was dropped: it was τ_acc again
+            if not isinstance(row, dict):
+                raise TypeError(f"a result row is a {type(row).__name__}")
+            numbers = {f.name for f in fields(kind) if f.type in ("float", float, "int", int)}
             nan_ok = {f.name for f in fields(kind) if f.type in ("float", float)}
+            for k, v in row.items():  # a hand-edited figure: named here, not a traceback when printed
+                if k in numbers and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise TypeError(f"{k} is {v!r}, not a number")
             return {k: float("nan") if v is None and k in nan_ok else v for k, v in row.items() if k != "kappa"}
 
         try:
@@ -189,7 +195,11 @@ class BenchReport:
                                     "per_task": [TaskStats(**floats(TaskStats, t)) for t in r["per_task"]]})
                        for r in data["results"]]
             table = data.get("cost_table")
-            return cls(BenchMeta(**data["meta"]), results,
+            meta = BenchMeta(**data["meta"])
+            unknown = sorted({r.config for r in results} - set(meta.configs))
+            if unknown:
+                raise TypeError(f"results of {', '.join(unknown)}, not among meta.configs")
+            return cls(meta, results,
                        {int(b): {int(q): t for q, t in row.items()} for b, row in table.items()} if table else None)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a tandem bench results.json ({exc})") from None

@@ -171,11 +171,28 @@ def _bench_from_results(files: str, out) -> None:
 
     if not out:
         fail("--from-results needs --out")
+    reports = []
+    names = [f.strip() for f in files.split(",") if f.strip()]
+    for name in names:
+        try:
+            text = Path(name).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"--from-results {name}: {exc}")
+            return
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            fail(f"--from-results {name}: not JSON, so not a tandem bench results.json ({exc})")
+            return
+        try:
+            reports.append(BenchReport.from_dict(data))
+        except ValueError as exc:
+            fail(f"--from-results {name}: {exc}")
+            return
     try:
-        report = merge_reports([BenchReport.from_dict(json.loads(Path(f).read_text()))
-                                for f in files.split(",") if f.strip()])
-    except (OSError, ValueError) as exc:
-        fail(f"--from-results: {exc}")
+        report = merge_reports(reports)
+    except ValueError as exc:
+        fail(f"--from-results {', '.join(names) or files!r}: {exc}")
         return
     for t in tables(report):
         console.print(t.to_rich())
