@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -87,6 +88,18 @@ class Structure:
         return LLMatcher.grammar_from_regex(self.spec)
 
 
+def _one_line(error: str, kind: str) -> str:
+    """llguidance's multi-line error (a message, an excerpt with a caret, "error: ..." details) as
+    one line: the message and the details. For a regex the position is left out: it points into
+    the grammar llguidance wraps the expression in, not into the user's text."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected by the grammar engine"
+    head = re.sub(r"^(at )?\d+\(\d+\):\s*", "", lines[0]) if kind == "regex" else lines[0]
+    details = [line[len("error:"):].strip() for line in lines[1:] if line.startswith("error:")]
+    return f"{head.rstrip(':')}: {'; '.join(details)}" if details else head
+
+
 class GrammarCompiler:
     """Compiles structures against one tokenizer (an engine's or a router's).
 
@@ -128,11 +141,12 @@ class GrammarCompiler:
         text = structure.grammar()
         error = LLMatcher.validate_grammar(text, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: {error}", param=structure.param)
+            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: {_one_line(error, structure.kind)}",
+                                      param=structure.param)
         matcher = LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: {matcher.get_error()}",
-                                      param=structure.param)
+            raise InvalidRequestError(f"bad {structure.kind.replace('_', ' ')}: "
+                                      f"{_one_line(matcher.get_error(), structure.kind)}", param=structure.param)
         return Grammar(matcher, self.vocab_size, self.eos_token_ids)
 
 

@@ -99,11 +99,13 @@ def test_lark_and_regex_structures(real_engine):
     (Structure("json_schema", "[1, 2]"), "must be a JSON object"),
     (Structure("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}})), "bad"),
     (Structure("lark", "start: ("), "bad lark"),
-    (Structure("regex", "(unclosed"), "bad regex"),
+    (Structure("regex", "(unclosed"), 'bad regex: invalid regex "\\(unclosed" \\(in regex\\): regex parse error: unclosed group$'),
+    (Structure("regex", "["), "bad regex: .*unclosed character class$"),
 ])
 def test_bad_structures_are_refused_at_the_boundary(real_engine, structure, needle):
     with pytest.raises(InvalidRequestError, match=needle) as info:
         real_engine.add_request("hi", SamplingParams(max_tokens=4, structure=structure))
+    assert "\n" not in str(info.value)  # one line, as the HTTP error and the CLI print it
     assert info.value.param == "response_format"
     assert not real_engine.requests and not real_engine._structured
 
