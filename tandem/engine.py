@@ -207,14 +207,6 @@ class Engine(HostDrafting, EngineConveniences):
 
     # ------------------------------------------------------------------ requests
 
-    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
-        """Tokenize a prompt (``Tokenizer.encode_prompt``).
-
-        Raises:
-            InvalidRequestError: empty prompt or malformed messages.
-        """
-        return self.tokenizer.encode_prompt(prompt, chat)
-
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                     prompt_ids: Sequence[int] | None = None, chat: bool = True,
                     request_id: str | None = None, logprobs: bool = False, top_logprobs: int = 0,
@@ -458,14 +450,13 @@ class Engine(HostDrafting, EngineConveniences):
                 outputs.extend(self._admit(reqs_in, results or self.target.collect_prefill(handle_in)))
             if previous is None:
                 self._launched = launched
-                self._settle()  # (a request the prefill finished may be all it launched for)
-                return outputs
-            try:
-                rnd = self._collect(previous, still_in_flight=launched.slots if launched is not None else set())
-            finally:
-                self._launched = launched
-            outputs.extend(self._finish(rnd))
-        self._settle()
+            else:
+                try:
+                    rnd = self._collect(previous, still_in_flight=launched.slots if launched is not None else set())
+                finally:
+                    self._launched = launched
+                outputs.extend(self._finish(rnd))
+        self._settle()  # (also a round queued only for requests their prefill finished)
         return outputs
 
     def _settle(self) -> None:

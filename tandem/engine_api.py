@@ -1,6 +1,6 @@
-"""The engine's whole-request conveniences: run prompts to completion, stream one request, and
-hand out a finished request's result. They use only ``Engine``'s public stepping API
-(``add_request``, ``step``, ``abort``, ``requests``)."""
+"""The engine's whole-request conveniences: tokenize a prompt, run prompts to completion, stream
+one request, and hand out a finished request's result. They use only ``Engine``'s public stepping
+API (``add_request``, ``step``, ``abort``, ``requests``) and its ``tokenizer``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ def _is_int(x, bools: bool = False) -> bool:
 
 class EngineConveniences:
     """Mixed into ``tandem.engine.Engine``."""
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Tokenize a prompt (``Tokenizer.encode_prompt``).
+
+        Raises:
+            InvalidRequestError: empty prompt or malformed messages.
+        """
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     def completion(self, request_id: str) -> Completion:
         """The finished request's result (and forget it).

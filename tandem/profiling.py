@@ -168,23 +168,24 @@ class StepTimeline:
         self.marks.append((start, end))
         return out
 
+    def _idles(self) -> list[float]:
+        """GPU idle ms between consecutive step graphs (the device synchronised first)."""
+        torch.cuda.synchronize()
+        return [e.elapsed_time(s) for (_, e), (s, _) in zip(self.marks, self.marks[1:])]
+
     def idle_median_ms(self) -> float:
         """The median GPU idle time between consecutive step graphs (ms; NaN with fewer than two
         launches): the steady gap a round leaves, where the mean also carries rare long ones (an
         admission's prefill). Waits for the device."""
-        if len(self.marks) < 2:
-            return math.nan
-        torch.cuda.synchronize()
-        idles = sorted(e.elapsed_time(s) for (_, e), (s, _) in zip(self.marks, self.marks[1:]))
-        return idles[len(idles) // 2]
+        idles = sorted(self._idles()) if len(self.marks) > 1 else []
+        return idles[len(idles) // 2] if idles else math.nan
 
     def summary(self) -> tuple[float, float, float]:
         """``(span_ms, idle_ms, launch_ms)`` per launch, means (NaN without launches); waits for
         the device."""
         if not self.marks:
             return math.nan, math.nan, math.nan
-        torch.cuda.synchronize()
+        idles = self._idles()
         spans = [s.elapsed_time(e) for s, e in self.marks]
-        idles = [e.elapsed_time(s) for (_, e), (s, _) in zip(self.marks, self.marks[1:])]
         n = len(self.marks)
         return sum(spans) / n, sum(idles) / len(idles) if idles else math.nan, self.launch_s * 1e3 / n

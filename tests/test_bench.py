@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from tandem.bench import configs as bench_configs
 from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
-from tandem.bench.spec_bench import BenchReport, bench_prompts, check_mode, run_benchmark, warmup_share
+from tandem.bench.results import BenchReport
+from tandem.bench.spec_bench import bench_prompts, check_mode, run_benchmark, warmup_share
 from tandem.cli import main
 from tandem.data import load_prompts
 from tandem.drafters import NgramDrafter

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..errors import ConfigError
 from .configs import config
-from .spec_bench import BenchReport, RunResult
+from .results import BenchReport, RunResult
 
 
 @dataclass(frozen=True)

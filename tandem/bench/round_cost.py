@@ -95,12 +95,14 @@ def _drain(engine: Engine) -> None:
                 engine.completion(out.request_id)
 
 
-def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams, label: str = "round") -> RoundCost:
+def measure_round_cost(engine: Engine, texts: list[str] | list[list[int]], params: SamplingParams,
+                       label: str = "round") -> RoundCost:
     """Measure the rounds of ``texts`` run as one batch (see the module docstring).
 
     Args:
         engine: a warm engine (graphs captured) with the configuration set.
-        texts: prompts, at most the engine's running-batch limit.
+        texts: prompts, at most the engine's running-batch limit: texts, or token ids already
+            encoded (``tandem bench`` passes the ones its timed pass ran).
         params: greedy sampling parameters.
         label: the kernel table's file name (``TANDEM_KERNEL_TABLES``; see the module docstring).
 
@@ -109,7 +111,7 @@ def measure_round_cost(engine: Engine, texts: list[str], params: SamplingParams,
     """
     if not params.greedy:
         raise ValueError("round cost is measured with greedy decoding")
-    prompt_ids = [engine.encode_prompt(t) for t in texts]
+    prompt_ids = [engine.encode_prompt(t) if isinstance(t, str) else list(t) for t in texts]
     dev = engine.runner.device
     cuda = dev.type == "cuda"
 

@@ -167,7 +167,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
 def _bench_from_results(files: str, out) -> None:
     """``tandem bench --from-results``: merge results.json files into one set of tables and plots."""
     from ..bench.report import tables, write_report  # torch
-    from ..bench.spec_bench import BenchReport, merge_reports
+    from ..bench.results import BenchReport, merge_reports
 
     if not out:
         fail("--from-results needs --out")

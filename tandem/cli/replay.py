@@ -40,7 +40,7 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
     import torch  # and the torch-backed modules:
 
     from ..bench.replay import Replayer, load_drafter, load_traces, record_traces, replay, save_traces as write_traces
-    from ..bench.spec_bench import json_safe
+    from ..bench.results import json_safe
     from ..models.config import ModelLoadError
     from ..models.runner import default_runner_config
     from ..models.weights import load_checkpoint
