@@ -24,6 +24,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tandem.drafters import lookup_kernel
     from tandem.models import fused_linear, kernels
 
     target = GPUTarget("cuda", 90, 32)
@@ -70,6 +71,13 @@ def main() -> int:
           dict(GROUP=3, HEADS=9, HEAD_DIM=64, BLOCK_M=kernels.ATTN_BLOCK_M), "attention_combine")
     build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
           dict(IS_PROBS=False, BLOCK=4096), "draft_features")
+    i64p = "*i64"
+    for k, support in ((4, False), (8, True)):  # n-gram and the head's lookup; the context-aware n-gram's evidence
+        build(lookup_kernel._kernel(), dict(hist_ptr=i64p, last_ptr=i64p, room_ptr=i64p, cont_ptr=i64p, lens_ptr=i64p,
+                                            match_ptr=i64p, support_ptr=i64p, survivors_ptr=i64p, C=i32,
+                                            hist_stride=i32),
+              dict(K=k, KP=k, MAX_N=4, MIN_N=1, LP=8, WITH_SUPPORT=support, BLOCK=lookup_kernel.BLOCK),
+              f"ngram_lookup k={k} support={support}")
     qkv, linear, gate_up = fused_linear._kernels()
     for bm in (fused_linear.BLOCK_M, fused_linear.PREFILL_BLOCK_M):
         for bias in (False, True):

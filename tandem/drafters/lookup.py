@@ -40,6 +40,8 @@ from bisect import bisect_right
 import numpy as np
 import torch
 
+from . import lookup_kernel
+
 MAX_N = 4  # longest n-gram matched
 MIN_N = 1  # shortest n-gram matched
 
@@ -221,11 +223,13 @@ def suffix_match_lengths(history: torch.Tensor, last: torch.Tensor, max_n: int) 
 
 
 def lookup_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int,
-                  max_n: int = MAX_N, min_n: int = MIN_N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  max_n: int = MAX_N, min_n: int = MIN_N, kernel: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``LookupIndex.lookup`` for the end of every row of a batch at once, on the device, with no
-    host sync and a fixed number of kernels (about twenty, whatever ``max_n``: it runs inside a
-    CUDA graph). Row b's width is ``room[b]``: its continuation comes from the most recent
-    occurrence with ``room[b]`` tokens after it, and holds at most ``room[b]`` tokens.
+    host sync and a fixed number of kernels (it runs inside a CUDA graph): one on CUDA where Triton
+    imports (``tandem.drafters.lookup_kernel``), about twenty plus three per ``max_n`` in plain ops
+    elsewhere, with equal results. Row b's width is ``room[b]``: its continuation comes from the
+    most recent occurrence with ``room[b]`` tokens after it, and holds at most ``room[b]`` tokens.
 
     Args:
         history: ``[B, C]`` int64 token ids; row b's sequence is ``history[b, :last[b] + 1]``.
@@ -233,25 +237,31 @@ def lookup_drafts(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
         room: ``[B]`` int64 continuation width per row, in ``[0, k]`` (0: none).
         k: width of the result.
         max_n, min_n: n-gram sizes matched, ``1 <= min_n <= max_n``.
+        kernel: None (the default) for the kernel where it runs by default (CUDA with Triton);
+            True for it wherever it runs (also the CPU under ``TRITON_INTERPRET=1``), False for
+            the plain ops.
 
     Returns:
         ``cont`` ``[B, k]`` int64 (row b's continuation is ``cont[b, :lens[b]]``, -1 after it),
         ``lens`` ``[B]`` int64 and ``match`` ``[B]`` int64 (the match length n, 0 for none).
     """
+    if _on_kernel(history, kernel):
+        return lookup_kernel.ngram_lookup(history, last, room, k, max_n, min_n)
     cont, lens, n, _ = _lookup(history, last, room, k, max_n, min_n)
     return cont, lens, n
 
 
 def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int,
-                               max_n: int = MAX_N, min_n: int = MIN_N
+                               max_n: int = MAX_N, min_n: int = MIN_N, kernel: bool | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lookup_drafts`` plus the evidence behind each draft position (``LookupIndex.support``, on
     the device, inside a CUDA graph): over the earlier occurrences of the matched n-gram, at draft
     position j, ``survivors[b, j]`` counts those whose continuation agrees with the drafts before
     j and reaches j, and ``support[b, j]`` those of them that also continue with draft j.
 
-    The occurrences still alive are carried from position to position as one ``[B, C]`` mask,
-    about seven small kernels a position. (The first version compared all positions at once over
+    In plain ops the occurrences still alive are carried from position to position as one
+    ``[B, C]`` mask, about seven small kernels a position; the kernel (``kernel`` as in
+    ``lookup_drafts``) walks them in the same launch as the lookup. (The first version compared all positions at once over
     ``[B, C, k]`` and took the running AND with a cumulative product along k: PyTorch's scan over a
     short innermost dimension cost 0.44 ms a round at batch 64 on an H200, a fifth of the round's
     GPU time.)
@@ -260,6 +270,8 @@ def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: 
         ``cont``, ``lens``, ``match`` as ``lookup_drafts``; ``support`` and ``survivors`` ``[B, k]``
         int64 (0 past each row's continuation).
     """
+    if _on_kernel(history, kernel):
+        return lookup_kernel.ngram_lookup(history, last, room, k, max_n, min_n, with_support=True)
     cont, lens, n, hit = _lookup(history, last, room, k, max_n, min_n)
     B, C = history.shape
     last_end = (last - 1)[:, None]  # [B, 1]: an occurrence reaching position j ends at e <= T - 2 - j
@@ -277,7 +289,18 @@ def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: 
         survivors.append(alive.sum(1))
         support.append(agree.sum(1))
         alive = agree
+    if not k:
+        return cont, lens, n, cont.clone(), cont.clone()  # [B, 0]
     return cont, lens, n, torch.stack(support, 1), torch.stack(survivors, 1)
+
+
+def _on_kernel(history: torch.Tensor, kernel: bool | None) -> bool:
+    """Whether a device lookup runs as one kernel (``lookup_kernel``): by default on CUDA where
+    Triton imports; ``kernel`` True asks for it anywhere it runs (the CPU under Triton's
+    interpreter, in tests), False for the plain ops."""
+    if kernel is None:
+        return history.is_cuda and lookup_kernel.available(history.device)
+    return kernel
 
 
 def _lookup(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int, max_n: int, min_n: int
