@@ -371,7 +371,6 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         scratch = self.k_cache.shape[3] - 1
         write = torch.where(offs[None, :] < q_lens[:, None], pos, torch.full_like(pos, scratch))
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
-        cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         h = head.context_input(x, next_emb)
         if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, the fused attention
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
@@ -380,9 +379,10 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 q = kernels.rope_kv_write(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, rope_pos, write,
                                           k_rows, v_rows, layer.num_heads, layer.kv_heads)
                 att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend)
-                h = h + layer.o(att.reshape(n, M, -1))
-                h = h if layer.mlp is None else layer.mlp(h)
+                o = layer.o(att.reshape(n, M, -1))
+                h = h + o if layer.mlp is None else layer.mlp.residual_forward(h, o)
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
+        cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)  # (the fused kernel reads the tables)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
@@ -458,7 +458,11 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         ld = cfg.num_draft_tokens
         bonus = target.embed(ids[:, ld + 1]) if cfg.bonus_token else None
         lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
-        return target.norm(head.draft(states, bonus, lookup))
+        x = head.draft(states, bonus, lookup)
+        if self._fused:  # the target's final norm as one kernel, as the target's fused forward runs it
+            norm = target.norm
+            return kernels.add_rmsnorm(x.contiguous(), None, norm.weight, norm.eps)[0]
+        return target.norm(x)
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []

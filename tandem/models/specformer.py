@@ -248,8 +248,8 @@ class ContextLayer(nn.Module):
     def finish(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Residual update of ``h`` ``[B, Q, d]`` with the attention output ``att`` ``[B, heads, Q, hd]``."""
         B, Q, _ = h.shape
-        h = h + self.o(att.transpose(1, 2).reshape(B, Q, -1))
-        return h if self.mlp is None else self.mlp(h)
+        o = self.o(att.transpose(1, 2).reshape(B, Q, -1))
+        return h + o if self.mlp is None else self.mlp.residual_forward(h, o)
 
 
 class _SwiGLU(nn.Module):
@@ -270,6 +270,14 @@ class _SwiGLU(nn.Module):
             return x + self.w2(kernels.silu_mul(self.w13(self.norm(x))))
         gate, up = self.w13(self.norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
+
+    def residual_forward(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``self(x + delta)``, the same bits; fused, the add runs inside the norm's kernel
+        (``kernels.add_rmsnorm`` with a residual), one kernel fewer."""
+        if not self.fused:
+            return self(x + delta)
+        normed, r = kernels.add_rmsnorm(delta.contiguous(), x.contiguous(), self.norm.weight, self.norm.eps)
+        return r + self.w2(kernels.silu_mul(self.w13(normed)))
 
 
 # parameter names of heads saved before context layers were stacked (one layer, no MLP)
@@ -362,8 +370,7 @@ class SpecFormerHead(nn.Module):
             x = x + self.lookup_norm(emb) + self.lookup_match(match)[:, None, :]
         q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
-        x = x + self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd))
-        return self.mlp(x)
+        return self.mlp.residual_forward(x, self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd)))
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None,
