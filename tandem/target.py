@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import verify_kernel
 from .drafters.base import VerifiedStep
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, to_device
@@ -369,17 +370,21 @@ class LocalTarget(Target):
         for the next round; int64, or float64 where log-probabilities or scores follow."""
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
-        draft_tokens = inputs[:, 3:2 + Q]
-        draft_lens = (inputs[:, 1] - 1).clamp_min(0) * chain
-        res = verify_chains(out.logits, out.argmax, draft_tokens, draft_lens, inputs[:, 0] + 1, sampling, q)
-        self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        packed = None
+        if _greedy_on_kernel(sampling, inputs.device):  # accept, bonus, round state and pack: one kernel
+            res, packed = verify_kernel.greedy_round(out.argmax, inputs, chain, self.state)
+        else:
+            draft_lens = (inputs[:, 1] - 1).clamp_min(0) * chain
+            res = verify_chains(out.logits, out.argmax, inputs[:, 3:2 + Q], draft_lens, inputs[:, 0] + 1, sampling, q)
+            self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
         if sampling.adjust is not None:  # the output's token counts, for the penalties of later rounds
             emitted = torch.arange(Q, device=inputs.device)[None, :] <= res.num_accepted[:, None]
             self.sampling.record(res.tokens, emitted & (chain & (inputs[:, 1] > 0))[:, None])
         if drafter is not None and drafter.drafts_from_verify:
             drafter.device_after_verify(VerifiedStep(inputs[:, 0], out.taps, res.num_accepted, res.tokens,
                                                      chain & (inputs[:, 1] > 0), out.attn_len, self.state, sampling))
-        packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1)
+        if packed is None:
+            packed = torch.cat([inputs[:, :2], res.num_accepted[:, None], res.tokens], dim=1)
         scores = drafter.device_draft_scores(n) if drafter is not None else None
         if logprobs or scores is not None:  # float columns follow: the whole row is float64
             packed = packed.double()
@@ -535,3 +540,10 @@ class _LaunchedVerify:
     width: int
     steps: list[int]  # tokens the round appends to each item's slot (``_step_tokens``)
     num_scores: int = 0  # trailing columns of predicted acceptance of the next drafts (a scoring drafter)
+
+
+def _greedy_on_kernel(sampling: RowSampling, device: torch.device) -> bool:
+    """Whether a round's verification runs as ``verify_kernel.greedy_round``: every row greedy,
+    no logit adjustment or grammar mask (host flags of the step), on CUDA where Triton imports."""
+    return (not sampling.any_sampled and sampling.adjust is None and sampling.allowed is None
+            and device.type == "cuda" and verify_kernel.available(device))

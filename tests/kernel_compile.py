@@ -25,6 +25,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from tandem.drafters import lookup_kernel
+    from tandem import verify_kernel
     from tandem.models import fused_linear, kernels
 
     target = GPUTarget("cuda", 90, 32)
@@ -78,6 +79,11 @@ def main() -> int:
                                             hist_stride=i32),
               dict(K=k, KP=k, MAX_N=4, MIN_N=1, LP=8, WITH_SUPPORT=support, BLOCK=lookup_kernel.BLOCK),
               f"ngram_lookup k={k} support={support}")
+    for q in (1, 5, 9):  # target-only, k = 4, k = 8
+        build(verify_kernel._kernel(), dict(argmax_ptr=i64p, inputs_ptr=i64p, chain_ptr="*i1", length_ptr=i64p,
+                                            last_ptr=i64p, hist_ptr=i64p, packed_ptr=i64p, accepted_ptr=i64p,
+                                            tokens_ptr=i64p, argmax_stride=i32, in_stride=i32, hist_stride=i32),
+              dict(Q=q, QP=kernels._pow2(q)), f"greedy_round q={q}", warps=1)
     qkv, linear, gate_up = fused_linear._kernels()
     for bm in (fused_linear.BLOCK_M, fused_linear.PREFILL_BLOCK_M):
         for bias in (False, True):
