@@ -23,12 +23,7 @@ from .models import kernels
 from .verify import ChainVerification
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs for tensors on ``device``: CUDA with Triton, or the CPU under
-    Triton's interpreter (``kernels.interpreted``; for tests)."""
-    if kernels._modules() is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and kernels.interpreted())
+available = kernels.triton_runs_on  # where the kernel runs: CUDA with Triton, or the CPU under the interpreter
 
 
 @functools.lru_cache(maxsize=1)

@@ -369,3 +369,32 @@ def small_vocab_checkpoint(tmp_path_factory):
         return d
 
     return make
+
+@pytest.fixture(scope="session")
+def target_dir(tiny_checkpoint):
+    """A tiny random llama with the real tokenizer, as a directory ``Engine`` loads."""
+    return str(tiny_checkpoint("llama", with_tokenizer=True))
+
+
+@pytest.fixture(scope="session")
+def word_dir(small_vocab_checkpoint):
+    """The 32-word model (``small_vocab_checkpoint``), whose outputs repeat n-grams, so n-gram
+    drafts recur and get accepted."""
+    return str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
+
+
+@pytest.fixture(params=[
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param("cpu", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the interpreter runs where there is no GPU")),
+], ids=["gpu", "interpreter"])
+def triton_device(request):
+    """Where a Triton kernel test runs: a GPU (marked ``gpu``), or the CPU under Triton's
+    interpreter (which this conftest turns on without a GPU); skipped where Triton does not run."""
+    from tandem.models import kernels
+
+    device = torch.device(request.param)
+    if not kernels.triton_runs_on(device):
+        pytest.skip("needs triton")
+    return device

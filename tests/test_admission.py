@@ -14,11 +14,6 @@ from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama", with_tokenizer=True))
-
-
 def _run(target_dir: str, share: float, chained: bool, wait: int = 1000) -> tuple[list[list[int]], list[int]]:
     engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=16, max_seq_len=96))
     if not chained:

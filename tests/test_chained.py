@@ -41,16 +41,6 @@ def _params(eos_id: int, stop: str = "e") -> list[SamplingParams]:
             SamplingParams(max_tokens=9, stop_token_ids=[eos_id + 1, 13], ignore_eos=True)]
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama", with_tokenizer=True))
-
-
-@pytest.fixture(scope="module")
-def word_dir(small_vocab_checkpoint):
-    return str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
-
-
 def _case(drafter: str, target_dir: str, word_dir: str, eos_id: int):
     """(model directory, prompts, params): target-only on the tiny model with the real tokenizer;
     n-gram on the 32-word model, whose outputs repeat n-grams so drafts are accepted."""

@@ -20,17 +20,6 @@ from tandem.models import kernels
 from tandem.sampling import SamplingParams
 
 
-@pytest.fixture(params=[
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (torch.cuda.is_available() and kernels._modules() is not None), reason="needs CUDA with triton")]),
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        torch.cuda.is_available() or not kernels.interpreted(),
-        reason="needs triton, and no GPU (the tests' conftest turns the interpreter on then)")),
-], ids=["gpu", "interpreter"])
-def device(request):
-    return torch.device(request.param)
-
-
 def _cases(rng: random.Random, device: torch.device, n: int):
     """Random batches over small vocabularies (recurring n-grams), rows of 1 .. C tokens in a view
     of a wider history (as chained rounds pass ``history[:n, :attn_len]``)."""
@@ -46,10 +35,11 @@ def _cases(rng: random.Random, device: torch.device, n: int):
         yield history, last, room, k, max_n, min_n
 
 
-def test_kernel_equals_the_plain_ops(device):
+def test_kernel_equals_the_plain_ops(triton_device):
     """``lookup_drafts`` and ``lookup_drafts_with_support`` through the kernel equal their plain-ops
     form exactly (continuation, length, match, support, survivors), rows of one token, rows at the
     end of their history, room 0 and width 0 included."""
+    device = triton_device
     rng = random.Random(0)
     for history, last, room, k, max_n, min_n in _cases(rng, device, 80 if device.type == "cuda" else 40):
         args = (history, last, room, k, max_n, min_n)
@@ -95,16 +85,6 @@ def test_cpu_lookups_take_the_plain_ops_and_a_kernel_asked_for_where_it_cannot_r
 
 
 # ------------------------------------------------------------------- chained rounds on the kernel
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama", with_tokenizer=True))
-
-
-@pytest.fixture(scope="module")
-def word_dir(small_vocab_checkpoint):
-    return str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
 
 
 @pytest.fixture

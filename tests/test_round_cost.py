@@ -58,11 +58,6 @@ def test_blocking_wait_is_counted_and_timed():
     assert blocked_wait_s() - before >= blocked
 
 
-@pytest.fixture(scope="module")
-def target_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama", with_tokenizer=True))
-
-
 def _drafter(kind: str, target_dir: str):
     if kind == "ngram":
         return NgramDrafter()

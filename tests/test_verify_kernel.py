@@ -23,17 +23,6 @@ from tandem.sampling import SamplingParams
 from tandem.verify import verify_chains
 
 
-@pytest.fixture(params=[
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not (torch.cuda.is_available() and kernels._modules() is not None), reason="needs CUDA with triton")]),
-    pytest.param("cpu", marks=pytest.mark.skipif(
-        torch.cuda.is_available() or not kernels.interpreted(),
-        reason="needs triton, and no GPU (the tests' conftest turns the interpreter on then)")),
-], ids=["gpu", "interpreter"])
-def device(request):
-    return torch.device(request.param)
-
-
 def _state(n: int, capacity: int, device, g: torch.Generator) -> RoundState:
     s = RoundState(n + 1, capacity, device)
     s.history.copy_(torch.randint(0, 50, s.history.shape, generator=g))
@@ -49,10 +38,11 @@ def _clone(s: RoundState) -> RoundState:
     return c
 
 
-def test_kernel_equals_the_plain_ops(device):
+def test_kernel_equals_the_plain_ops(triton_device):
     """Accepted counts, emitted tokens, packed rows and the round state after the update are the
     plain ops' for random rounds: every accepted prefix length, rows that ran nothing (q_len 0),
     rows off the chain path, widths 1 .. 9, input rows wider than the step (tree columns)."""
+    device = triton_device
     rng = random.Random(0)
     for case in range(60):
         g = torch.Generator().manual_seed(case)
@@ -108,16 +98,6 @@ def test_only_greedy_rounds_on_cuda_take_the_kernel(monkeypatch):
 
 
 # ----------------------------------------------------------------------- engines on the kernel
-
-
-@pytest.fixture(scope="module")
-def target_dir(tiny_checkpoint):
-    return str(tiny_checkpoint("llama", with_tokenizer=True))
-
-
-@pytest.fixture(scope="module")
-def word_dir(small_vocab_checkpoint):
-    return str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
 
 
 @pytest.fixture

@@ -24,12 +24,7 @@ from ..models import kernels
 BLOCK = 256  # earlier ends compared per step of a row's scan
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs for tensors on ``device``: CUDA with Triton, or the CPU under
-    Triton's interpreter (``kernels.interpreted``; for tests, slowly)."""
-    if kernels._modules() is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and kernels.interpreted())
+available = kernels.triton_runs_on  # where the kernel runs: CUDA with Triton, or the CPU under the interpreter
 
 
 @functools.lru_cache(maxsize=1)

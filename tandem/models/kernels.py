@@ -107,6 +107,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on") and _modules() is not None
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether this process runs Triton kernels on tensors of ``device``: CUDA with Triton, or the
+    CPU under Triton's interpreter (``interpreted``; for tests, slowly)."""
+    if _modules() is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
 def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused path cannot run for this model and device, or None when it can: a CUDA device
     in bf16/fp16, or a CPU under Triton's interpreter (``interpreted``) in float32/fp16."""
