@@ -74,7 +74,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         if not isinstance(text, str):
             raise InvalidRequestError(f"{p}:{lineno}: the prompt is not a string")
         if not text.strip():
-            raise InvalidRequestError(f"{p}:{lineno}: the prompt is empty")
+            raise InvalidRequestError(f"{p}:{lineno}: the prompt is empty (or only whitespace)")
         records.append(PromptRecord(str(row.get("question_id", row.get("id", lineno))), str(row.get("category", "-")), text))
         if limit is not None and len(records) >= limit:
             break

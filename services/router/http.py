@@ -41,7 +41,7 @@ from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
 from .schema import (ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest, DuplicateKey,
-                     identity_encoding, undecodable)
+                     encoding_refused, identity_encoding, undecodable)
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def _chat_content(messages: list[ChatMessage], tools: list[Tool], choice: str | 
     # (the tokenizer refuses all-empty messages too, but only after the tools' system message is
     # added below, which is never empty: checked here, on the client's own messages)
     if not any(m["content"].strip() or m["tool_calls"] for m in out):  # as /v1/completions refuses ""
-        raise InvalidRequestError("prompt is empty: every message's content is empty", param="messages")
+        raise InvalidRequestError("prompt is empty: every message's content is empty (or only whitespace)", param="messages")
     rendered = render_messages(out)
     return ([tools_message(tools, choice)] if tools else []) + rendered
 
@@ -188,6 +188,9 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        refused = encoding_refused(request)
+        if refused is not None:  # a body that claims an encoding: named as such, whatever its bytes say
+            return _error(400, refused)
         if first.get("type") == "json_invalid":  # loc is ("body", byte offset): not a parameter
             pos = first.get("loc", ("", "?"))[-1]
             return _error(400, f"the request body is not valid JSON (at byte {pos}): {first.get('ctx', {}).get('error', '')}".rstrip(": "))

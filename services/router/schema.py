@@ -246,7 +246,7 @@ class CheckedJSONRoute(APIRoute):
         return route
 
 
-def _encoding_refused(request: Request) -> str | None:
+def encoding_refused(request: Request) -> str | None:
     """Why the body's ``Content-Encoding`` (gzip, br, ...) is refused, or None for an uncompressed
     body: nothing is decompressed here."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
@@ -258,7 +258,7 @@ def _encoding_refused(request: Request) -> str | None:
 async def identity_encoding(request: Request) -> None:
     """A dependency of the POST endpoints: a compressed body is refused by name even when its bytes
     happen to parse (one that does not parse is named by ``undecodable``)."""
-    why = _encoding_refused(request)
+    why = encoding_refused(request)
     if why is not None:
         raise InvalidRequestError(why)
 
@@ -267,7 +267,7 @@ async def undecodable(request: Request) -> str:
     """Why a body the framework could not parse is bad, for the error message: invalid UTF-8 (and
     where), JSON nested past the parser's depth, or else UTF-8 JSON is what to send; a compressed
     body (``Content-Encoding``) is named as such."""
-    why = _encoding_refused(request)
+    why = encoding_refused(request)
     if why is not None:
         return why
     try:

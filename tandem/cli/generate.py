@@ -94,7 +94,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
     if drafter == "none" and _given("num_draft_tokens"):
         fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
-        fail("prompt is empty")
+        fail("prompt is empty (or only whitespace)")
     spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
