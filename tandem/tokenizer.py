@@ -81,7 +81,8 @@ class Tokenizer:
                     raise InvalidRequestError(f"messages[{i}] must have a role in {', '.join(CHAT_ROLES)} and a "
                                               f"string content")
             if not any(m["content"].strip() or m.get("tool_calls") for m in prompt):  # as an empty string prompt
-                raise InvalidRequestError("prompt is empty: every message's content is empty (or only whitespace)", param="messages")
+                raise InvalidRequestError("prompt is empty: every message's content is empty (or only whitespace)",
+                                          param="messages")
             return self.apply_chat_template(prompt)
         raise InvalidRequestError("prompt must be a non-empty string or a non-empty list of chat messages")
 

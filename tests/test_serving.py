@@ -699,7 +699,8 @@ def test_http_protocol_errors_use_the_openai_shape(stack):
          "Content-Encoding 'gzip' is not supported"),
         (call("/v1/chat/completions", data=body, **{"content-encoding": "br"}), 400,  # JSON that parses all the same
          "Content-Encoding 'br' is not supported"),
-        (call("/v1/chat/completions", data=b"notgz", **{"content-encoding": "gzip"}), 400,  # UTF-8, neither gzip nor JSON
+        # UTF-8 that is neither gzip nor JSON
+        (call("/v1/chat/completions", data=b"notgz", **{"content-encoding": "gzip"}), 400,
          "Content-Encoding 'gzip' is not supported"),
         (call("/v1/models/gpt-9", method="GET"), 404, "is not served here"),
         (call("/openapi.json", method="GET", auth=None), 401, "bearer token"),

@@ -57,7 +57,8 @@ def test_kernel_equals_the_plain_ops(triton_device):
             inputs[r, 1] = q_len
             inputs[r, 2] = rng.randint(0, 49)
             agree = rng.randint(0, K)  # drafts equal to the argmax up to here, then random
-            inputs[r, 3:3 + K] = torch.where(torch.arange(K) < agree, argmax[r, :K], torch.randint(0, 6, (K,), generator=g))
+            other = torch.randint(0, 6, (K,), generator=g)
+            inputs[r, 3:3 + K] = torch.where(torch.arange(K) < agree, argmax[r, :K], other)
         chain = torch.rand(n, generator=g) < 0.8
         inputs, argmax, chain = inputs.to(device), argmax.to(device), chain.to(device)
         state = _state(n, capacity, device, g)

@@ -167,7 +167,8 @@ def _chat_content(messages: list[ChatMessage], tools: list[Tool], choice: str | 
     # (the tokenizer refuses all-empty messages too, but only after the tools' system message is
     # added below, which is never empty: checked here, on the client's own messages)
     if not any(m["content"].strip() or m["tool_calls"] for m in out):  # as /v1/completions refuses ""
-        raise InvalidRequestError("prompt is empty: every message's content is empty (or only whitespace)", param="messages")
+        raise InvalidRequestError("prompt is empty: every message's content is empty (or only whitespace)",
+                                  param="messages")
     rendered = render_messages(out)
     return ([tools_message(tools, choice)] if tools else []) + rendered
 

@@ -261,10 +261,10 @@ def lookup_drafts_with_support(history: torch.Tensor, last: torch.Tensor, room: 
 
     In plain ops the occurrences still alive are carried from position to position as one
     ``[B, C]`` mask, about seven small kernels a position; the kernel (``kernel`` as in
-    ``lookup_drafts``) walks them in the same launch as the lookup. (The first version compared all positions at once over
-    ``[B, C, k]`` and took the running AND with a cumulative product along k: PyTorch's scan over a
-    short innermost dimension cost 0.44 ms a round at batch 64 on an H200, a fifth of the round's
-    GPU time.)
+    ``lookup_drafts``) walks them in the same launch as the lookup. (The first version compared
+    all positions at once over ``[B, C, k]`` and took the running AND with a cumulative product
+    along k: PyTorch's scan over a short innermost dimension cost 0.44 ms a round at batch 64 on an
+    H200, a fifth of the round's GPU time.)
 
     Returns:
         ``cont``, ``lens``, ``match`` as ``lookup_drafts``; ``support`` and ``survivors`` ``[B, k]``

@@ -382,7 +382,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 o = layer.o(att.reshape(n, M, -1))
                 h = h + o if layer.mlp is None else layer.mlp.residual_forward(h, o)
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
-        cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)  # (the fused kernel reads the tables)
+        # (the fused path's kernel reads the rotary tables itself)
+        cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [n, M, heads, hd]
