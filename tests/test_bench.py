@@ -155,9 +155,10 @@ def test_warmup_share():
     back = BenchReport.from_dict(fresh)
     assert fresh["results"][0]["router_draft_width"] is None and back.results[0].router_draft_width is None
     assert math.isnan(back.results[0].acceptance_rate)  # target-only: null, a float field
-    again = back.to_dict()  # (per-task rows gained fields since: compared field by field)
-    assert again["meta"] == fresh["meta"] and all(again["results"][i][k] == v for i, r in enumerate(fresh["results"])
-                                                  for k, v in r.items() if k != "per_task")
+    again = back.to_dict()  # (per-task rows and meta gained fields since: compared field by field)
+    assert {k: again["meta"][k] for k in fresh["meta"]} == fresh["meta"] and again["meta"]["round_kernels"] == "plain"
+    assert all(again["results"][i][k] == v for i, r in enumerate(fresh["results"])
+               for k, v in r.items() if k != "per_task")
     from tandem.bench.report import _k_cell
 
     assert "router" not in _k_cell(back.results[1])
