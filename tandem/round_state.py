@@ -8,7 +8,7 @@ import torch
 
 from .models.kv_cache import padded_rows, to_device
 from .sampling import LogitAdjustments, SamplingParams, new_seed
-from .stopping import draft_room
+from .stopping import draft_room_end
 from .verify import RowSampling
 
 
@@ -166,8 +166,9 @@ class RoundState:
             (the device mirror of ``KVCache.lengths``; a rollback is a write of this tensor).
         history: ``[num_slots, capacity + 2]`` int64, each slot's tokens (prompt and output; index
             ``length`` is ``last``), what device drafters draft from; the last column is scratch.
-        prompt_len, max_new: ``[num_slots]`` int64, each sequence's prompt length and token limit
-            (for the draft-room rule on the device).
+        room_end: ``[num_slots]`` int64, the KV length each sequence's drafts may bring its cache
+            to (``tandem.stopping.draft_room_end`` of its prompt length and token limit: the
+            draft-room rule on the device).
     """
 
     def __init__(self, num_slots: int, capacity: int, device: torch.device) -> None:
@@ -175,34 +176,33 @@ class RoundState:
         self.last = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.length = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.history = torch.zeros(num_slots, capacity + 2, dtype=torch.int64, device=device)
-        self.prompt_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.max_new = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.room_end = torch.zeros(num_slots, dtype=torch.int64, device=device)
 
     def admit(self, index: torch.Tensor, first_tokens: torch.Tensor, prompts: list[list[int]],
               max_new: list[int]) -> None:
         """Prefilled slots ``index`` ``[R]`` hold their ``prompts`` and feed ``first_tokens`` ``[R]`` next."""
         width = max(len(p) for p in prompts)
-        host = padded_rows(prompts, width, extra=2)  # length, token limit, then the prompt: one copy
+        host = padded_rows(prompts, width, extra=2)  # length, draft-room end, then the prompt: one copy
         host[:, 0] = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        host[:, 1] = torch.tensor(max_new, dtype=torch.int64)
+        host[:, 1] = draft_room_end(self.capacity, host[:, 0], torch.tensor(max_new, dtype=torch.int64))
         rows = to_device(host, index.device)
         lengths = rows[:, 0]
         self.history[index, :width] = rows[:, 2:]  # entries past a prompt are overwritten before they are read
         self.history[index, lengths] = first_tokens
         self.last.index_copy_(0, index, first_tokens)
         self.length.index_copy_(0, index, lengths)
-        self.prompt_len.index_copy_(0, index, lengths)
-        self.max_new.index_copy_(0, index, rows[:, 1])
+        self.room_end.index_copy_(0, index, rows[:, 1])
 
     def feed(self, inputs: torch.Tensor, attn_len: int, drafter=None, k: int = 0,
              cap: torch.Tensor | None = None) -> None:
         """Overwrite a chained step's packed inputs ``[n, 2 + 1 + k]`` (``ModelRunner.step``'s
         ``patch``; ``attn_len`` bounds every row's length + 1, so the drafter reads only that much
-        of the history): every row with tokens starts at its slot's device length with its last token;
-        with a device ``drafter``, its drafts follow, as many as the row's placeholder count
-        allows and the draft-room rule (``tandem.stopping.draft_room``) gives on the device: no draft past
-        the context (``capacity``) or the token limit, and none past ``cap`` (a 0-d int64 device
-        tensor: a draft policy's width for this round, written without recapturing the graph)."""
+        of the history): every row with tokens starts at its slot's device length with its last
+        token; with a device ``drafter``, its drafts follow, as many as the row's placeholder count
+        allows and the draft-room rule (``tandem.stopping.draft_room``, in the form of
+        ``draft_room_end``) gives on the device: no draft past the context (``capacity``) or the
+        token limit, and none past ``cap`` (a 0-d int64 device tensor: a draft policy's width for
+        this round, written without recapturing the graph)."""
         n = inputs.shape[0]
         active = inputs[:, 1] > 0
         length = self.length[:n]
@@ -210,20 +210,18 @@ class RoundState:
         inputs[:, 2] = torch.where(active, self.last[:n], inputs[:, 2])
         if drafter is None or k == 0:
             return
-        num_tokens = length - self.prompt_len[:n] + 1
-        room = draft_room(inputs[:, 1] - 1, self.capacity, self.prompt_len[:n], num_tokens, self.max_new[:n])
-        room = torch.where(active, room.clamp(min=0), torch.zeros_like(room))
+        # the draft-room rule: min(limit, end - held) (``draft_room_end``); idle rows draft nothing
+        left = self.room_end[:n] - length
+        room = torch.minimum(inputs[:, 1] - 1, left).clamp(min=0) * active
         if cap is not None:
             room = torch.minimum(room, cap)
         # rows outside this round (idle slots of the bucket) may hold more than attn_len: they draft nothing
-        last = torch.where(active, length, torch.zeros_like(length)).clamp(max=attn_len - 1)
+        last = (length * active).clamp(max=attn_len - 1)
         score_room = None
         if drafter.scores_on_device and not drafter.drafts_from_verify:
             # drafts scored where they are made (n-gram): over the policy's full width, whatever this
             # round's graph width and cap, so a later plan can widen again
-            full = torch.full_like(room, max(k, drafter.score_width))
-            score_room = draft_room(full, self.capacity, self.prompt_len[:n], num_tokens, self.max_new[:n])
-            score_room = torch.where(active, score_room.clamp(min=0), torch.zeros_like(score_room))
+            score_room = left.clamp(min=0, max=max(k, drafter.score_width)) * active
         tokens, lens = drafter.device_drafts(self.history[:n, :attn_len], last, room, k, score_room=score_room)
         inputs[:, 3:3 + k] = tokens
         inputs[:, 1] = torch.where(active, 1 + lens, inputs[:, 1])

@@ -26,8 +26,8 @@ def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
     them is the limit's last). Negative where there is no room at all.
 
     The one rule for the engine's host-drafted rounds (``Engine._draft_room``), the device's
-    chained rounds (``RoundState.patch``, over int64 tensors, elementwise) and replay
-    (``tandem.bench.replay.walk``).
+    chained rounds (``RoundState.feed``, through ``draft_room_end``, over int64 tensors) and
+    replay (``tandem.bench.replay.walk``).
 
     Args:
         limit: drafts allowed otherwise (k, or a row's placeholder count): int or ``[B]`` tensor.
@@ -43,6 +43,27 @@ def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
     if any(isinstance(v, torch.Tensor) for v in (limit, fit, stop)):
         return torch.minimum(torch.as_tensor(limit), torch.minimum(torch.as_tensor(fit), torch.as_tensor(stop)))
     return min(limit, fit, stop)
+
+
+def draft_room_end(context: int, prompt_len, max_new_tokens):
+    """``draft_room``'s two bounds as one number per request: the KV length its drafts may bring
+    the cache to, ``end``, so that ``draft_room(limit, context, prompt_len, num_tokens,
+    max_new_tokens) == min(limit, end - held)`` with ``held = prompt_len + num_tokens - 1`` the
+    tokens the cache holds (the context bound is ``context - 1 - held``, the token limit's
+    ``prompt_len + max_new_tokens - 2 - held``). A device round (``RoundState.feed``) then
+    computes the room from the slot's cache length in two small ops instead of ten.
+
+    Args:
+        context: the context limit in tokens; prompt_len, max_new_tokens: ints or ``[B]`` int64
+            tensors, as ``draft_room``.
+
+    Returns:
+        An int, or a ``[B]`` int64 tensor when an argument is a tensor.
+    """
+    by_limit = prompt_len + max_new_tokens - 2
+    if isinstance(by_limit, torch.Tensor):
+        return torch.clamp(by_limit, max=context - 1)
+    return min(context - 1, by_limit)
 
 
 class OutputState:

@@ -177,6 +177,25 @@ def test_device_lookup_is_the_host_index_rule():
             assert (cont[b, lens[b]:] == -1).all() and int(match[b]) == n
 
 
+def test_the_device_draft_room_is_the_draft_room_rule():
+    """``draft_room_end`` (what a chained round's feed computes the room from: min(limit, end -
+    held)) gives ``draft_room`` for every limit, context, prompt length, output length and token
+    limit, ints and tensors alike."""
+    import itertools
+
+    from tandem.stopping import draft_room, draft_room_end
+
+    cases = list(itertools.product(range(-1, 6), (8, 12), range(1, 8), range(1, 10), range(1, 10)))
+    for limit, context, prompt_len, num_tokens, max_new in cases:
+        held = prompt_len + num_tokens - 1
+        want = draft_room(limit, context, prompt_len, num_tokens, max_new)
+        assert min(limit, draft_room_end(context, prompt_len, max_new) - held) == want
+    limit, context, prompt_len, num_tokens, max_new = (torch.tensor(c) for c in zip(*cases))
+    end = draft_room_end(12, prompt_len, max_new)
+    want = draft_room(limit, 12, prompt_len, num_tokens, max_new)
+    assert torch.equal(torch.minimum(limit, end - (prompt_len + num_tokens - 1)), want)
+
+
 def test_ngram_rounds_near_the_context_limit(word_dir):
     """Requests that run into the context limit (prompt + output = max_seq_len) with drafts on:
     the device's draft-room rule keeps every write inside the cache, the output is what the

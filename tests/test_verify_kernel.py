@@ -33,7 +33,7 @@ def _state(n: int, capacity: int, device, g: torch.Generator) -> RoundState:
 
 def _clone(s: RoundState) -> RoundState:
     c = RoundState(s.length.shape[0], s.capacity, s.length.device)
-    for name in ("history", "length", "last", "prompt_len", "max_new"):
+    for name in ("history", "length", "last", "room_end"):
         getattr(c, name).copy_(getattr(s, name))
     return c
 
