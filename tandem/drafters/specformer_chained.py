@@ -112,7 +112,7 @@ class ChainedHead:
         """``device_after_verify``'s device work (see ``VerifiedStep`` for the arguments)."""
         n = tokens.shape[0]
         dev = tokens.device
-        q_lens = torch.where(keep, num_accepted + 1, torch.zeros_like(num_accepted))
+        q_lens = (num_accepted + 1) * keep
         packed = torch.cat([start[:, None], q_lens[:, None], torch.arange(n, device=dev)[:, None], tokens], dim=1)
         h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len, rows_are_slots=True)  # [n, d]
         self._state[:n] = torch.where(keep[:, None], h, self._state[:n])
@@ -146,7 +146,7 @@ class ChainedHead:
         dev = keep.device
         ctx = self._state[:n]
         length = state.length[:n]  # the new last token sits at history[length]
-        last = torch.where(keep, length, torch.zeros_like(length)).clamp(max=width - 1)
+        last = (length * keep).clamp(max=width - 1)
         if cfg.lookup_tokens:
             cont, _, match = lookup_drafts(state.history[:n, :width], last, torch.full_like(last, ld), ld)
         else:
@@ -173,7 +173,7 @@ class ChainedHead:
             scores = self._scorer(feats).view(n, ld)
             self._draft_scores[:n] = torch.where(keep[:, None], scores.float(), self._draft_scores[:n])
         self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
-        self._draft_lens[:n] = torch.where(keep, torch.full_like(length, ld), self._draft_lens[:n])
+        self._draft_lens[:n] = torch.where(keep, ld, self._draft_lens[:n])
 
     def _features(self, x: torch.Tensor, pos: torch.Tensor, probs: bool) -> torch.Tensor:
         """Predictor features ``[R, 4]`` of draft logits ``x`` ``[R, V]`` (or probabilities, with
