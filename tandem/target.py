@@ -162,6 +162,7 @@ class LocalTarget(Target):
         pin = self.runner.device.type == "cuda"
         self._cap_host = [torch.zeros((), dtype=torch.int64, pin_memory=pin) for _ in range(_HostCopy.RING)]
         self._cap_turn = 0
+        self._all_chain = torch.ones(self.cache.num_slots, dtype=torch.bool, device=self.runner.device)  # read only
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
         self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
 
@@ -311,8 +312,7 @@ class LocalTarget(Target):
             n, Q = out.argmax.shape
             sampling = self.sampling.rows(n, flags=flags)
             q = drafter.device_draft_probs(n, Q - 1) if drafter is not None and flags[0] else None
-            chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
-            return self._verify_device(out, chain, sampling, q, drafter, logprobs)
+            return self._verify_device(out, self._all_chain[:n], sampling, q, drafter, logprobs)
 
         out = self.runner.step({it.slot: [0] * (1 + it.max_draft) for it in items},
                                patch=lambda inputs, attn_len: self.state.feed(inputs, attn_len, drafter, k,
