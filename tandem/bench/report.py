@@ -196,7 +196,9 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     written = [write_json(report, out), out / "results.md", out / "speedup.png"]
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
-            f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, prefill graphs {m.prefill_graphs}, round kernels {m.round_kernels}), mode {m.mode}, {m.date_utc}, torch {m.torch}.\n"
+            f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, "
+            f"prefill graphs {m.prefill_graphs}, round kernels {m.round_kernels}), mode {m.mode}, {m.date_utc}, "
+            f"torch {m.torch}.\n"
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size, in TPS over the whole timed pass (prefills included); the per-task "
             f"tables' decode speedup counts decoding only (time per output token after the first); "
