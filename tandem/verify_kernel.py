@@ -87,6 +87,7 @@ def greedy_round(argmax: torch.Tensor, inputs: torch.Tensor, chain: torch.Tensor
 
     Raises:
         RuntimeError: not ``available`` on ``argmax``'s device.
+        ValueError: ``state.history`` rows that are not contiguous.
     """
     if not available(argmax.device):
         raise RuntimeError(f"the greedy round kernel does not run on {argmax.device} here (CUDA with Triton, "
@@ -98,8 +99,10 @@ def greedy_round(argmax: torch.Tensor, inputs: torch.Tensor, chain: torch.Tensor
     tokens = torch.empty((n, Q), dtype=torch.int64, device=dev)
     history = state.history
     if n:
-        if argmax.stride(1) != 1 or inputs.stride(1) != 1 or history.stride(1) != 1:
-            raise ValueError("greedy_round: rows must be contiguous")
+        if history.stride(1) != 1:  # written in place: no copy can stand in for it
+            raise ValueError("greedy_round: the round state's history rows must be contiguous")
+        argmax = argmax if argmax.stride(1) == 1 else argmax.contiguous()
+        inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
         _kernel()[(n,)](argmax, inputs, chain, state.length, state.last, history, packed, accepted, tokens,
                         argmax.stride(0), inputs.stride(0), history.stride(0), Q=Q, QP=kernels._pow2(Q), num_warps=1)
     return ChainVerification(accepted, tokens), packed
