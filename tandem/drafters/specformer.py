@@ -369,7 +369,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         offs = torch.arange(M, device=dev)
         pos = start[:, None] + offs[None, :]  # [n, M]
         scratch = self.k_cache.shape[3] - 1
-        write = torch.where(offs[None, :] < q_lens[:, None], pos, torch.full_like(pos, scratch))
+        write = torch.where(offs[None, :] < q_lens[:, None], pos, scratch)
         rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         h = head.context_input(x, next_emb)
         if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, the fused attention
