@@ -27,7 +27,7 @@ def draft_room(limit, context: int, prompt_len, num_tokens, max_new_tokens):
 
     The one rule for the engine's host-drafted rounds (``Engine._draft_room``), the device's
     chained rounds (``RoundState.feed``, through ``draft_room_end``, over int64 tensors) and
-    replay (``tandem.bench.replay.walk``).
+    replay (``tandem.bench.replay.walk_all``).
 
     Args:
         limit: drafts allowed otherwise (k, or a row's placeholder count): int or ``[B]`` tensor.

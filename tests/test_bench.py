@@ -311,6 +311,22 @@ def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts,
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "bad.json"), "--out", "x"])
     assert res.exit_code == 2 and "results of bogus, not among meta.configs" in res.stderr
+    # a hand-edited setting of the wrong type, named (not printed into the header)
+    bad["results"][0]["config"] = "target"
+    for key, value, want in [("round_kernels", 5, "meta.round_kernels is 5, not a str"),
+                             ("kernels", ["x"], "meta.kernels is ['x'], not a str"),
+                             ("batch_sizes", [1, "2"], "meta.batch_sizes is [1, '2'], not a list[int]"),
+                             ("cuda_graphs", "yes", "meta.cuda_graphs is 'yes', not a bool")]:
+        (tmp_path / "bad.json").write_text(json.dumps({**bad, "meta": {**bad["meta"], key: value}}))
+        res = CliRunner().invoke(main, ["bench", "--from-results", str(tmp_path / "bad.json"), "--out", "x"])
+        assert res.exit_code == 2 and want in res.stderr, (key, res.stderr)
+    # runs of other kernels are not merged under one header
+    other = json.loads((tmp_path / "b2" / "results.json").read_text())
+    other["meta"]["round_kernels"] = "triton"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    res = CliRunner().invoke(main, ["bench", "--from-results", f"{tmp_path / 'b1' / 'results.json'},{tmp_path / 'other.json'}",
+                                    "--out", "x"])
+    assert res.exit_code == 2 and "cannot merge runs that differ in round_kernels" in res.stderr
 
 
 def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):

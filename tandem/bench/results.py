@@ -164,7 +164,7 @@ class BenchReport:
                                     "per_task": [TaskStats(**floats(TaskStats, t)) for t in r["per_task"]]})
                        for r in data["results"]]
             table = data.get("cost_table")
-            meta = BenchMeta(**data["meta"])
+            meta = BenchMeta(**_checked_meta(data["meta"]))
             unknown = sorted({r.config for r in results} - set(meta.configs))
             if unknown:
                 raise TypeError(f"results of {', '.join(unknown)}, not among meta.configs")
@@ -174,6 +174,30 @@ class BenchReport:
             raise ValueError(f"not a tandem bench results.json ({exc})") from None
 
 
+_META_TYPES = {"str": str, "bool": bool, "int": int, "dict": dict, "list[str]": str, "list[int]": int}
+
+
+def _checked_meta(meta) -> dict:
+    """A results.json's ``meta`` object, each known field of its ``BenchMeta`` type (a hand-edited
+    value is named here rather than printed into the report's header; unknown fields are left for
+    ``BenchMeta`` to refuse).
+
+    Raises:
+        TypeError: not an object, or a field of the wrong type.
+    """
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta is a {type(meta).__name__}")
+    for f in fields(BenchMeta):
+        if f.name not in meta:
+            continue
+        v, want = meta[f.name], _META_TYPES[f.type]
+        items = v if f.type.startswith("list[") and isinstance(v, list) else [v]
+        if f.type.startswith("list[") and not isinstance(v, list) or any(
+                not isinstance(x, want) or (want is int and isinstance(x, bool)) for x in items):
+            raise TypeError(f"meta.{f.name} is {v!r}, not a {f.type}")
+    return meta
+
+
 def merge_reports(reports: list[BenchReport]) -> BenchReport:
     """One report from runs of the same model and settings (e.g. batch sizes split across
     calls): results concatenated (a later (configuration, batch size) replaces an earlier one),
@@ -181,12 +205,13 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
 
     Raises:
         ValueError: no reports, or reports of different models / devices / dtypes / token limits /
-            exact-kernel settings.
+            exact-kernel settings / modes / decode, attention or round kernels (the merged header
+            names one of each).
     """
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0].meta
-    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode")
+    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels")
     for r in reports[1:]:
         diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:

@@ -2,10 +2,10 @@
 ``tandem.drafters.lookup`` that chained rounds run inside their CUDA graph.
 
 The plain-ops form (``lookup._lookup`` over ``suffix_match_lengths``, and the evidence loop of
-``lookup_drafts_with_support``) issues about sixty small kernels a round (four compare-and-AND
-passes over ``[B, C]``, the thresholds, two masked reductions, the gathers; seven more a draft
-position for the evidence), each a few microseconds on an H100 whatever the batch. Here one
-program per row scans its own history once: every earlier end ``e`` of the row is compared with
+``lookup_drafts_with_support``) issues 61 small kernels a round (four compare-and-AND passes
+over ``[B, C]``, the thresholds, two masked reductions, the gathers; 101 with the evidence,
+about ten more a draft position), each a few microseconds on an H100 whatever the batch. Here
+one program per row scans its own history once: every earlier end ``e`` of the row is compared with
 the row's last ``max_n`` tokens, and for each candidate match length L the most recent end that
 leaves ``room`` tokens after it and the earliest end are kept, so the longest recurring suffix, its
 occurrence and the continuation come out of one pass; with the evidence, a second pass walks the
