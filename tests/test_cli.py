@@ -222,3 +222,14 @@ def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_che
     assert len(shares) == 5 and shares[4] > 0, out  # lengths 0 .. k; the draft model drafts k where there is room
     assert abs(sum(shares) - 100) <= len(shares)  # percentages of every step, rounded
     assert re.search(r"acceptance by draft position \(accepted / drafted there\): 1: \d\.\d\d", out), out
+
+
+def test_info_names_the_model_the_device_and_the_kernels_a_round_runs(run, tiny_checkpoint):
+    """``tandem info`` on a CPU: the model's shape, the device, the decode kernels and attention
+    the runner resolved, the round's kernels (plain PyTorch ops off CUDA) and the KV cache."""
+    res = run("info", "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--device", "cpu",
+              "--batch-size", "2", "--max-seq-len", "64")
+    assert res.exit_code == 0, res.output
+    for needle in ("architecture", "llama", "device / dtype", "cpu / float32", "decode kernels / attention",
+                   "reference / sdpa-masked", "round kernels", "plain PyTorch ops", "2 slots x 64 tokens"):
+        assert needle in res.stdout, (needle, res.stdout)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import click
+import torch
 from rich.table import Table
 
+from ..models.kernels import triton_runs_on
 from ..trace_report import TraceFileError, build_report, read_spans, render_table
 from .common import _engine, console, device_option, fail, model_option
 
@@ -18,7 +20,7 @@ from .common import _engine, console, device_option, fail, model_option
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="KV cache slots (default per device).")
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 def info(model, device, batch_size, max_seq_len) -> None:
-    """Show the model, architecture, device, dtype and KV cache size."""
+    """Show the model, architecture, device, dtype, the kernels a round runs and the KV cache size."""
     engine = _engine(model, device, batch_size, max_seq_len)  # a ModelLoadError is one line (the group)
     cfg = engine.checkpoint.config
     rc = engine.runner_config
@@ -38,6 +40,9 @@ def info(model, device, batch_size, max_seq_len) -> None:
         ("eos ids", ", ".join(map(str, engine.tokenizer.eos_token_ids))),
         ("device / dtype", f"{rc.device} / {str(rc.dtype).removeprefix('torch.')}"),
         ("CUDA graphs / compile", f"{rc.cuda_graphs} / {rc.compile}"),
+        ("decode kernels / attention", f"{engine.runner.kernels} / {engine.runner.attention_backend}"),
+        ("round kernels", "triton (prompt lookup, greedy verification)"
+         if rc.device.startswith("cuda") and triton_runs_on(torch.device(rc.device)) else "plain PyTorch ops"),
         ("KV cache", f"{engine.cache.num_slots} slots x {engine.cache.capacity} tokens = "
                      f"{engine.runner.kv_cache_bytes() / 2**20:.1f} MiB"),
     ]
