@@ -22,6 +22,7 @@ import torch
 
 from . import verify_kernel
 from .drafters.base import VerifiedStep
+from .models import kernels
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, to_device
 from .models.weights import Checkpoint
@@ -546,4 +547,4 @@ def _greedy_on_kernel(sampling: RowSampling, device: torch.device) -> bool:
     """Whether a round's verification runs as ``verify_kernel.greedy_round``: every row greedy,
     no logit adjustment or grammar mask (host flags of the step), on CUDA where Triton imports."""
     return (not sampling.any_sampled and sampling.adjust is None and sampling.allowed is None
-            and device.type == "cuda" and verify_kernel.available(device))
+            and kernels.round_kernels_on(device))

@@ -398,3 +398,20 @@ def triton_device(request):
     if not kernels.triton_runs_on(device):
         pytest.skip("needs triton")
     return device
+
+
+@pytest.fixture
+def round_kernels_everywhere(monkeypatch):
+    """A round's Triton kernels (the prompt lookup, a greedy round's verification) chosen on this
+    CPU as on a GPU (run by the interpreter); returns their calls, ``{"lookup": [...], "verify": [...]}``."""
+    from helpers import record_calls
+
+    from tandem import verify_kernel
+    from tandem.drafters import lookup_kernel
+    from tandem.models import kernels
+
+    if not kernels.triton_runs_on(torch.device("cpu")):
+        pytest.skip("needs triton (this conftest turns the interpreter on)")
+    monkeypatch.setattr(kernels, "round_kernels_on", lambda device: True)
+    return {"lookup": record_calls(monkeypatch, lookup_kernel, "ngram_lookup"),
+            "verify": record_calls(monkeypatch, verify_kernel, "greedy_round")}

@@ -12,6 +12,13 @@ from tandem.models import Checkpoint
 from tandem.models.runner import ModelRunner, RunnerConfig
 
 
+def record_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` (for the test) so that each call appends to the returned list."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 def make_runner(checkpoint: Checkpoint, slots: int = 1, max_seq_len: int = 64) -> ModelRunner:
     """A CPU float32 eager runner."""
     return ModelRunner(checkpoint, RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=max_seq_len))

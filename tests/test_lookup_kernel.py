@@ -19,6 +19,8 @@ from tandem.drafters.lookup import lookup_drafts, lookup_drafts_with_support
 from tandem.models import kernels
 from tandem.sampling import SamplingParams
 
+from helpers import record_calls
+
 
 def _cases(rng: random.Random, device: torch.device, n: int):
     """Random batches over small vocabularies (recurring n-grams), rows of 1 .. C tokens in a view
@@ -59,9 +61,7 @@ def test_cuda_lookups_take_the_kernel_by_default(monkeypatch):
     """On CUDA with Triton ``lookup_drafts`` launches the kernel unless told not to."""
     if kernels._modules() is None:
         pytest.skip("needs triton")
-    calls = []
-    real = lookup_kernel.ngram_lookup
-    monkeypatch.setattr(lookup_kernel, "ngram_lookup", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = record_calls(monkeypatch, lookup_kernel, "ngram_lookup")
     history = torch.randint(0, 3, (4, 64), device="cuda")
     last = torch.full((4,), 60, device="cuda")
     lookup_drafts(history, last, torch.full_like(last, 4), 4)
@@ -88,15 +88,9 @@ def test_cpu_lookups_take_the_plain_ops_and_a_kernel_asked_for_where_it_cannot_r
 
 
 @pytest.fixture
-def kernel_everywhere(monkeypatch):
-    """Device lookups through the kernel on this CPU too (the interpreter), as on a GPU."""
-    if not lookup_kernel.available(torch.device("cpu")):
-        pytest.skip("needs triton (the tests' conftest turns the interpreter on)")
-    calls = []
-    real = lookup_kernel.ngram_lookup
-    monkeypatch.setattr(lookup, "_on_kernel", lambda history, kernel: kernel is not False)
-    monkeypatch.setattr(lookup_kernel, "ngram_lookup", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
+def kernel_everywhere(round_kernels_everywhere):
+    """Device lookups through the kernel on this CPU too (the interpreter), as on a GPU; its calls."""
+    return round_kernels_everywhere["lookup"]
 
 
 @pytest.mark.parametrize("policy", [False, True])

@@ -83,7 +83,7 @@ def test_only_greedy_rounds_on_cuda_take_the_kernel(monkeypatch):
     grammar mask, on CUDA only; asking for it where it cannot run says where it can."""
     import dataclasses
 
-    monkeypatch.setattr(verify_kernel, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "_modules", lambda: object())  # Triton imports (as on a GPU host)
     greedy = SlotSampling(4, torch.device("cpu"), 8).rows(2, flags=(False, False, False))
     sampled = SlotSampling(4, torch.device("cpu"), 8).rows(2, flags=(True, False, False))
     masked = dataclasses.replace(greedy, allowed=torch.ones(2, 1, 8, dtype=torch.bool))
@@ -102,16 +102,9 @@ def test_only_greedy_rounds_on_cuda_take_the_kernel(monkeypatch):
 
 
 @pytest.fixture
-def kernel_everywhere(monkeypatch):
-    """Greedy rounds verify through the kernel on this CPU too (the interpreter), as on a GPU."""
-    if not verify_kernel.available(torch.device("cpu")):
-        pytest.skip("needs triton (the tests' conftest turns the interpreter on)")
-    calls = []
-    real = verify_kernel.greedy_round
-    monkeypatch.setattr(target_mod, "_greedy_on_kernel", lambda sampling, device: (
-        not sampling.any_sampled and sampling.adjust is None and sampling.allowed is None))
-    monkeypatch.setattr(verify_kernel, "greedy_round", lambda *a: calls.append(1) or real(*a))
-    return calls
+def kernel_everywhere(round_kernels_everywhere):
+    """Greedy rounds verify through the kernel on this CPU too (the interpreter), as on a GPU; its calls."""
+    return round_kernels_everywhere["verify"]
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "specformer"])

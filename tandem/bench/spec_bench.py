@@ -29,7 +29,7 @@ from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
-from ..models.kernels import attention_name, triton_runs_on
+from ..models.kernels import attention_name, round_kernels_on
 from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_kernels
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
@@ -257,8 +257,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      warmup=warmup, kernels=kernels, attention=attention_name(kernels, rc.attention_chunk),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
-                     round_kernels="triton" if rc.device.startswith("cuda") and triton_runs_on(torch.device(rc.device))
-                     else "plain")
+                     round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")

@@ -9,7 +9,7 @@ import click
 import torch
 from rich.table import Table
 
-from ..models.kernels import triton_runs_on
+from ..models.kernels import round_kernels_on
 from ..trace_report import TraceFileError, build_report, read_spans, render_table
 from .common import _engine, console, device_option, fail, model_option
 
@@ -42,7 +42,7 @@ def info(model, device, batch_size, max_seq_len) -> None:
         ("CUDA graphs / compile", f"{rc.cuda_graphs} / {rc.compile}"),
         ("decode kernels / attention", f"{engine.runner.kernels} / {engine.runner.attention_backend}"),
         ("round kernels", "triton (prompt lookup, greedy verification)"
-         if rc.device.startswith("cuda") and triton_runs_on(torch.device(rc.device)) else "plain PyTorch ops"),
+         if round_kernels_on(torch.device(rc.device)) else "plain PyTorch ops"),
         ("KV cache", f"{engine.cache.num_slots} slots x {engine.cache.capacity} tokens = "
                      f"{engine.runner.kv_cache_bytes() / 2**20:.1f} MiB"),
     ]

@@ -40,6 +40,7 @@ from bisect import bisect_right
 import numpy as np
 import torch
 
+from ..models import kernels
 from . import lookup_kernel
 
 MAX_N = 4  # longest n-gram matched
@@ -298,9 +299,7 @@ def _on_kernel(history: torch.Tensor, kernel: bool | None) -> bool:
     """Whether a device lookup runs as one kernel (``lookup_kernel``): by default on CUDA where
     Triton imports; ``kernel`` True asks for it anywhere it runs (the CPU under Triton's
     interpreter, in tests), False for the plain ops."""
-    if kernel is None:
-        return history.is_cuda and lookup_kernel.available(history.device)
-    return kernel
+    return kernels.round_kernels_on(history.device) if kernel is None else kernel
 
 
 def _lookup(history: torch.Tensor, last: torch.Tensor, room: torch.Tensor, k: int, max_n: int, min_n: int

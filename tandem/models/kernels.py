@@ -115,6 +115,13 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
+def round_kernels_on(device: torch.device) -> bool:
+    """Whether a round's own Triton kernels (``tandem.drafters.lookup_kernel``'s prompt lookup,
+    ``tandem.verify_kernel``'s greedy verification) run by default for tensors on ``device``: on
+    CUDA where Triton imports; elsewhere the PyTorch ops they equal (the interpreter is for tests)."""
+    return device.type == "cuda" and _modules() is not None
+
+
 def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused path cannot run for this model and device, or None when it can: a CUDA device
     in bf16/fp16, or a CPU under Triton's interpreter (``interpreted``) in float32/fp16."""
