@@ -128,3 +128,17 @@ def test_chained_specformer_rounds_through_the_kernel(target_dir, kernel_everywh
     assert [c.token_ids for c in plain.generate(PROMPTS[:3], params)] == got
     assert not kernel_everywhere and engine.stats.num_drafted == plain.stats.num_drafted
     assert engine.stats.num_accepted == plain.stats.num_accepted
+
+
+def test_the_op_count_script_counts_the_plain_lookup():
+    """``scripts/count_round_ops.py --lookup`` (the figure docs/benchmarks.md cites for what the
+    kernel replaces) runs and counts the plain lookup's operations."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "count_round_ops.py"
+    res = subprocess.run([sys.executable, str(script), "--lookup"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "lookup_drafts in plain ops: 61 operations" in res.stdout
+    assert "lookup_drafts_with_support in plain ops: 101 operations" in res.stdout
