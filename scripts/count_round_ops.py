@@ -42,10 +42,15 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.part = "other"
         self.counts: collections.Counter = collections.Counter()
+        self.names: collections.Counter = collections.Counter()  # (part, operation) -> count
+
+    def add(self, name: str) -> None:
+        self.counts[self.part] += 1
+        self.names[self.part, name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view and str(func) not in NOT_COUNTED:
-            self.counts[self.part] += 1
+            self.add(str(func))
         return func(*args, **(kwargs or {}))
 
 
@@ -55,6 +60,7 @@ def main() -> int:
     ap.add_argument("--round-kernels", choices=("plain", "triton"), default="plain")
     ap.add_argument("--kernels", default="reference", help="RunnerConfig.kernels (fused: the fused layer, slowly)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--detail", action="store_true", help="also list each part's operations, most frequent first")
     ap.add_argument("--lookup", action="store_true",
                     help="count one plain lookup_drafts and lookup_drafts_with_support call (batch 4, width 4) instead")
     args = ap.parse_args()
@@ -84,7 +90,7 @@ def main() -> int:
     launch = interpreter.GridExecutor.__call__
 
     def counted_launch(self, *a, **kw):
-        counter.counts[counter.part] += 1
+        counter.add(f"triton.{getattr(self.fn, '__name__', type(self.fn).__name__)}")
         return launch(self, *a, **kw)
 
     interpreter.GridExecutor.__call__ = counted_launch
@@ -119,6 +125,7 @@ def main() -> int:
         for _ in range(3):  # admission and the first rounds
             engine.step()
         counter.counts.clear()
+        counter.names.clear()
         with counter:
             for _ in range(args.rounds):
                 engine.step()
@@ -126,6 +133,9 @@ def main() -> int:
         outside = per.get("patch", 0) + per.get("epilogue", 0)
         print(f"{drafter}: round kernels {args.round_kernels}, kernels {engine.runner.kernels}: {per}; "
               f"outside the forward {outside:g} a round", flush=True)
+        if args.detail:
+            for (part, name), n in sorted(counter.names.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
+                print(f"  {part:9s} {n / args.rounds:6.1f}  {name}")
     return 0
 
 
