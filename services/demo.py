@@ -90,15 +90,33 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
                                timeout=600)
         model = client.models.list().data[0].id
         t0 = time.perf_counter()
+        def ask_or_refused(record: PromptRecord) -> DemoResult | str:
+            try:
+                return ask(client, model, record, max_tokens, temperature)
+            except openai.BadRequestError as exc:  # this prompt only (e.g. too long for the context)
+                return f"{record.prompt_id}: {_refusal(exc)}"
+
         with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(lambda r: ask(client, model, r, max_tokens, temperature), records))
+            answers = list(pool.map(ask_or_refused, records))
         wall = time.perf_counter() - t0
     finally:
         stack.stop()
+    results = [a for a in answers if isinstance(a, DemoResult)]
+    refused = [a for a in answers if isinstance(a, str)]
+    for line in refused:
+        console.print(f"refused by the router: {line}", highlight=False, markup=False)
+    if not results:
+        raise RuntimeError(f"the router refused all {len(records)} prompts (first: {refused[0]})")
     _print(console, results, wall, model, config, concurrency)
     _print_sample(console, results[0])
     console.print(temperature_note(temperature), highlight=False)
     return results
+
+
+def _refusal(exc) -> str:
+    """The router's error message of a 4xx answer (OpenAI's error body), else the client's text."""
+    body = exc.body if isinstance(getattr(exc, "body", None), dict) else {}
+    return str(body.get("message") or exc.message)
 
 
 DRAFTER_NAMES = {"none": "none (target-only decoding)", "ngram": "n-gram (prompt lookup)",

@@ -46,6 +46,15 @@ def run():
     (["bench", "--device", "cpu", "--prefill-graphs", "--no-hf-baseline"], "--prefill-graphs needs a CUDA device"),
     (["bench", "--device", "cpu", "--cuda-graphs", "--compile", "--no-hf-baseline"],
      "--cuda-graphs and --compile need a CUDA device"),
+    # refused before any process starts: what the HTTP API would refuse, and addresses that are not HOST:PORT
+    (["demo", "--temperature", "nan"], "must be a finite number, got nan"),
+    (["demo", "--temperature", "5"], "5.0 is not in the range 0<=x<=2"),
+    (["demo", "--max-tokens", "300", "--max-seq-len", "256"], "leaves no room for a prompt in the context limit"),
+    (["serve", "router", "--port", "18000", "--verifier", "notanaddress"], "expected HOST:PORT"),
+    (["serve", "router", "--port", "18000", "--verifier", "127.0.0.1:1", "--verifier", "h:0"], "got 'h:0'"),
+    (["serve", "verifier", "--port", "50000", "--drafter-address", "drafter"], "expected HOST:PORT"),
+    (["serve", "router", "--port", "18000", "--verifier", "h:1", "--failover-wait", "inf"], "must be a finite number"),
+    (["train", "specformer", "--out", "x", "--lr", "nan"], "must be a finite number"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -208,13 +217,16 @@ def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_che
 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"question_id": i, "category": "qa", "turns": [t]} for i, t in
-            enumerate(["1 2 3 1 2 3 1 2 3 1 2 3", "the cat sat on the mat, the cat sat on the mat", "a b a b a b a b"])]
+            enumerate(["1 2 3 1 2 3 1 2 3 1 2 3", "the cat sat on the mat, the cat sat on the mat", "a b a b a b a b",
+                       "word " * 400])]  # the last is past the context limit: refused, the others run
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = run("demo", "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--prompts-file", str(prompts),
-              "--limit", "3", "--max-tokens", "16", "--max-seq-len", "256", "--drafter", "draft-model",
+              "--limit", "4", "--max-tokens", "16", "--max-seq-len", "256", "--drafter", "draft-model",
               "--draft-model", "truncate:1", "--num-draft-tokens", "4")
     assert res.exit_code == 0, res.output
     out = " ".join(res.output.split())
+    assert re.search(r"refused by the router: \S+: .*context limit", out), out
+    assert re.search(r"total\W+3 prompts", out), out
     assert "drafter draft model (truncate:1), k = 4, draft policy fixed" in out
     m = re.search(r"draft lengths chosen \(policy fixed\), share of (\d+) verification steps: (.*?); mean", out)
     assert m and int(m.group(1)) > 0, out

@@ -158,8 +158,8 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _prompt_forms(cls, value):
         if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-            raise ValueError("a batch of token-id prompts (a list of lists) is not supported: send one request "
-                             "per prompt, or a list of strings")
+            raise ValueError("a batch of token-id prompts (a list of lists) is not supported: send one prompt "
+                             "per request (a string, a list of one string, or one list of token ids)")
         if not isinstance(value, str) and not (isinstance(value, list) and (
                 all(isinstance(v, str) for v in value)
                 or all(isinstance(v, int) and not isinstance(v, bool) for v in value))):

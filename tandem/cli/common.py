@@ -4,6 +4,7 @@ mapping of the drafter options to a ``SpeculativeConfig``, and the engine a comm
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
@@ -48,6 +49,25 @@ def fail(msg: str) -> None:
     """Print a one-line error to stderr and exit 2."""
     err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     sys.exit(2)
+
+
+def finite(ctx: click.Context, param, value: float | None) -> float | None:
+    """Option callback: NaN and infinities pass ``click.FloatRange``'s bounds; refuse them here."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number, got {value}", ctx=ctx, param=param)
+    return value
+
+
+def host_port(ctx: click.Context, param, value):
+    """Option callback: each address (one, or a tuple of a repeatable option) is ``HOST:PORT`` with
+    a port in 1..65535, so a typo fails at once instead of after a connection deadline."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if v is None:
+            continue
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise click.BadParameter(f"expected HOST:PORT (e.g. 127.0.0.1:50051), got {v!r}", ctx=ctx, param=param)
+    return value
 
 
 def fmt(x: float, spec: str) -> str:

@@ -13,8 +13,8 @@ from services.launch import StackConfig
 
 from ..data import bundled_spec_bench, load_prompts
 from ..speculation import SpeculativeConfig
-from .common import (console, device_option, dtype_option, fail, graph_options, kernels_option, model_option,
-                     torch_dtype)
+from .common import (console, device_option, dtype_option, fail, finite, graph_options, host_port, kernels_option,
+                     model_option, torch_dtype)
 
 
 @click.group()
@@ -48,7 +48,7 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
                    "--drafter-address drafts through a drafter service instead.")
 @click.option("--draft-model", default=None, metavar="PATH|truncate:N",
               help="Weights for --drafter specformer / draft-model (default with the bundled target: the shipped ones).")
-@click.option("--drafter-address", default=None, metavar="HOST:PORT",
+@click.option("--drafter-address", default=None, metavar="HOST:PORT", callback=host_port,
               help="A drafter service (tandem serve drafter) to draft with, e.g. a draft model on a cheaper GPU.")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
 @click.option("--policy", type=click.Choice(["fixed", "entropy", "predictor"]), default="fixed", show_default=True,
@@ -62,7 +62,7 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
 @click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",
               help="State store for the threshold, acceptance counters and verification logs (env "
                    "TANDEM_REDIS_URL); in-memory when unset.")
-@click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True,
+@click.option("--drafter-timeout", type=click.FloatRange(min=0.01), default=10.0, show_default=True, callback=finite,
               help="Seconds to wait for one round from the drafter service before decoding target-only.")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Ask the drafter service for the next round while the target verifies this one.")
@@ -115,7 +115,7 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 
 
 @serve.command("router")
-@click.option("--verifier", "verifiers", multiple=True, required=True, metavar="HOST:PORT",
+@click.option("--verifier", "verifiers", multiple=True, required=True, metavar="HOST:PORT", callback=host_port,
               help="A verifier replica (repeatable); each request goes to the least loaded healthy one.")
 @click.option("--model", "model", default=None, metavar="PATH",
               help="The replicas' model (GGUF file or HF directory), for its tokenizer (default: the replicas' model "
@@ -125,10 +125,10 @@ def serve_drafter(drafter, draft_model, model, device, port, host, max_sequences
 @click.option("--grpc-port", type=click.IntRange(min=1, max=65535), default=None, help="gRPC Router.Generate port.")
 @host_option
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--verifier-timeout", type=click.FloatRange(min=0.2), default=10.0, show_default=True,
+@click.option("--verifier-timeout", type=click.FloatRange(min=0.2), default=10.0, show_default=True, callback=finite,
               help="Seconds a verifier replica may leave keepalive pings unanswered before it counts as hung: its "
                    "requests resume on another replica.")
-@click.option("--failover-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--failover-wait", type=click.FloatRange(min=0), default=30.0, show_default=True, callback=finite,
               help="Seconds a request whose replicas all failed waits for one to come back before it fails.")
 @key_option
 def serve_router(verifiers, model, model_name, http_port, grpc_port, host, default_max_tokens, verifier_timeout,
@@ -153,7 +153,8 @@ def serve_router(verifiers, model, model_name, http_port, grpc_port, host, defau
 @click.option("--draft-model", default=None, metavar="PATH|truncate:N")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
+              callback=finite, help="Sampling temperature, as the API takes it.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True,
               help="Requests in flight at once (the verifier replica batches them).")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Verifier KV slots.")
@@ -168,6 +169,9 @@ def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max
     processes on loopback, send prompts through
     /v1/chat/completions with the openai client, print tokens, acceptance, latency and one
     answer, stop."""
+    if max_tokens >= max_seq_len:
+        fail(f"--max-tokens {max_tokens} leaves no room for a prompt in the context limit (--max-seq-len "
+             f"{max_seq_len}): each request needs prompt + max tokens <= {max_seq_len}")
     records = load_prompts(prompts_file or bundled_spec_bench(), limit)
     spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     config = StackConfig.serving(spec, model=model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,

@@ -19,8 +19,8 @@ from ..data import load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
 from ..state import StateStoreUnavailable, open_store
-from .common import (_engine, _run_file, command_line, console, device_option, dtype_option, err_console, fail, log,
-                     model_option, speculative_config, torch_dtype, with_drafter_options)
+from .common import (_engine, _run_file, command_line, console, device_option, dtype_option, err_console, fail, finite,
+                     log, model_option, speculative_config, torch_dtype, with_drafter_options)
 
 
 @click.command("collect-logs")
@@ -203,12 +203,13 @@ train_options = [
     click.option("--data", "data_dir", type=click.Path(file_okay=False), default="runs/distill", show_default=True,
                  help="Directory written by tandem distill-data."),
     click.option("--out", type=click.Path(file_okay=False), required=True, help="Output directory (weights + model card)."),
-    click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True),
+    click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+                 callback=finite),
     click.option("--max-steps", type=click.IntRange(min=1), default=None,
                  help="Stop after N optimiser steps (default: the steps of --epochs). N sets the learning-rate "
                       "schedule; a run in --out resumes only with the same N and the same other options "
                       "(--no-resume starts over)."),
-    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+    click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None, callback=finite,
                  help="Peak learning rate (default: 1e-3 for specformer, 3e-4 for draft-model)."),
     click.option("--batch-tokens", type=click.IntRange(min=64), default=8192, show_default=True,
                  help="Padded tokens per batch."),
