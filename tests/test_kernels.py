@@ -127,6 +127,32 @@ def test_gqa_attention_matches_float32_attention(where, q_len):
     assert err <= max(1.5 * (bf16_ref - want).abs().max().item(), 1e-3)
 
 
+def test_rope_kv_write_spans_equals_explicit_positions(where):
+    """``rope_kv_write_spans`` (positions made in the kernel from each row's start and real token
+    count, read as two columns of one packed tensor) rotates and writes exactly as
+    ``rope_kv_write`` with the positions made by plain ops: a row past the tables' last row rotates
+    there, padding tokens write to the scratch position."""
+    device, dtype = where
+    torch.manual_seed(0)
+    B, Q, heads, kv_heads, hd, positions = 3, 5, 6, 2, 64, 40
+    cos = torch.randn(positions, hd, device=device).to(dtype)
+    sin = torch.randn(positions, hd, device=device).to(dtype)
+    qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * hd, device=device).to(dtype)
+    packed = torch.tensor([[3, 5, 0], [0, 2, 1], [37, 4, 2]], device=device)  # start, q_len, slot
+    start, q_lens, scratch = packed[:, 0], packed[:, 1], positions + 4
+    offs = torch.arange(Q, device=device)
+    slot_pos = start[:, None] + offs[None, :]
+    write = torch.where(offs[None, :] < q_lens[:, None], slot_pos, scratch)
+    caches = [torch.zeros(B, kv_heads, positions + 5, hd, device=device, dtype=dtype) for _ in range(4)]
+    want = kernels.rope_kv_write(qkv, cos, sin, slot_pos.clamp(max=positions - 1), write, caches[0], caches[1],
+                                 heads, kv_heads)
+    got = kernels.rope_kv_write_spans(qkv, cos, sin, start, q_lens, scratch, caches[2], caches[3], heads, kv_heads)
+    assert torch.equal(got, want)
+    real = slice(0, scratch)  # row 1's three padding tokens race for the scratch position
+    assert torch.equal(caches[2][:, :, real], caches[0][:, :, real])
+    assert torch.equal(caches[3][:, :, real], caches[1][:, :, real])
+
+
 def test_rope_and_kv_write_match_the_reference_layer(where):
     """``rope_kv_write`` rotates q and k as the reference attention layer does (rotate-half RoPE at
     each token's position) and writes k and v at each token's cache position, padding tokens to

@@ -366,23 +366,22 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         dev = x.device
         start, q_lens, slots = packed[:, 0], packed[:, 1], packed[:, 2]
         next_emb = target.embed(packed[:, 3:]) if head.config.context_next_token else None  # [n, M, d]
-        offs = torch.arange(M, device=dev)
-        pos = start[:, None] + offs[None, :]  # [n, M]
         scratch = self.k_cache.shape[3] - 1
-        write = torch.where(offs[None, :] < q_lens[:, None], pos, scratch)
-        rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         h = head.context_input(x, next_emb)
         if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, the fused attention
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
-            for i, layer in enumerate(head.ctx):
+            for i, layer in enumerate(head.ctx):  # (the RoPE/KV kernel makes the positions from start, q_lens)
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
-                q = kernels.rope_kv_write(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, rope_pos, write,
-                                          k_rows, v_rows, layer.num_heads, layer.kv_heads)
+                q = kernels.rope_kv_write_spans(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, start,
+                                                q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
                 att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend)
                 o = layer.o(att.reshape(n, M, -1))
                 h = h + o if layer.mlp is None else layer.mlp.residual_forward(h, o)
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
-        # (the fused path's kernel reads the rotary tables itself)
+        offs = torch.arange(M, device=dev)
+        pos = start[:, None] + offs[None, :]  # [n, M]
+        write = torch.where(offs[None, :] < q_lens[:, None], pos, scratch)
+        rope_pos = pos.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[rope_pos].to(x.dtype), target.rope_sin[rope_pos].to(x.dtype)
         mask = (torch.arange(attn_len, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [n, 1, M, L]
         for i, layer in enumerate(head.ctx):

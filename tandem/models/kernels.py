@@ -164,16 +164,25 @@ def _kernels():
 
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr, v_ptr,
-                       tokens_per_row, k_sb, k_sh, k_sp, qkv_stride,
-                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                       tokens_per_row, k_sb, k_sh, k_sp, qkv_stride, span_stride, max_pos, scratch,
+                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       SPANS: tl.constexpr):
         # program (token, head): head < HEADS rotates that q head into q_out; head = HEADS + h
         # rotates k head h and copies v head h into the cache row at the token's write position
         # (rotate-half RoPE). One program per head keeps a decode step's few tokens on many SMs.
+        # SPANS: pos_ptr / write_ptr hold each row's first position and real token count (stride
+        # span_stride); token j of a row sits at first + j (rotated at min(first + j, max_pos - 1)),
+        # and a token past the count writes to the scratch position.
         tok = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, half)
-        pos = tl.load(pos_ptr + tok)
+        if SPANS:
+            row = tok // tokens_per_row
+            slot_pos = tl.load(pos_ptr + row * span_stride) + tok % tokens_per_row
+            pos = tl.minimum(slot_pos, max_pos - 1)
+        else:
+            pos = tl.load(pos_ptr + tok)
         cos1 = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
         cos2 = tl.load(cos_ptr + pos * HEAD_DIM + half + d).to(tl.float32)
         sin1 = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
@@ -189,7 +198,11 @@ def _kernels():
             tl.store(o + half + d, r2.to(q_out_ptr.dtype.element_ty))
         else:
             kvh = h - HEADS
-            wpos = tl.load(write_ptr + tok)
+            if SPANS:
+                real = tok % tokens_per_row < tl.load(write_ptr + row * span_stride)
+                wpos = tl.where(real, slot_pos, scratch)
+            else:
+                wpos = tl.load(write_ptr + tok)
             dst = (tok // tokens_per_row) * k_sb + kvh * k_sh + wpos * k_sp
             tl.store(k_ptr + dst + d, r1.to(k_ptr.dtype.element_ty))
             tl.store(k_ptr + dst + half + d, r2.to(k_ptr.dtype.element_ty))
@@ -248,15 +261,34 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: 
     Returns:
         Rotated q ``[B, Q, heads, head_dim]``.
     """
+    return _rope_kv(qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), k_cache, v_cache, heads, kv_heads)
+
+
+def rope_kv_write_spans(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
+                        q_lens: torch.Tensor, scratch: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        heads: int, kv_heads: int) -> torch.Tensor:
+    """``rope_kv_write`` for rows of consecutive positions, made in the kernel: token j of row b is
+    rotated at ``min(start[b] + j, len(cos) - 1)`` and written at ``start[b] + j`` when ``j <
+    q_lens[b]``, else at ``scratch`` (padding no attention reads); the five to six small kernels
+    that would make ``pos`` and ``write_pos`` are not launched. ``start``, ``q_lens``: ``[B]``
+    int64 (e.g. two columns of one packed tensor); the rest as ``rope_kv_write``."""
+    if start.stride() != q_lens.stride():
+        start, q_lens = start.contiguous(), q_lens.contiguous()
+    return _rope_kv(qkv, cos, sin, start, q_lens, k_cache, v_cache, heads, kv_heads, scratch=scratch)
+
+
+def _rope_kv(qkv, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads, scratch: int | None = None):
     _, rope_kv_kernel, _ = _kernels()
     B, Q, width = qkv.shape
     hd = cos.shape[-1]
     q = torch.empty((B, Q, heads, hd), dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    rope_kv_kernel[(B * Q, heads + kv_heads)](qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), q, k_cache, v_cache, Q,
+    spans = scratch is not None
+    rope_kv_kernel[(B * Q, heads + kv_heads)](qkv, cos, sin, pos, write, q, k_cache, v_cache, Q,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), width,
-                             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd)
+                             pos.stride(0) if spans else 1, cos.shape[0], scratch if spans else 0,
+                             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd, SPANS=spans)
     return q
 
 

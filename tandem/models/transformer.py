@@ -254,14 +254,17 @@ class Transformer(nn.Module):
             backend = "flash" if kernels.flash_available(cfg.head_dim) else "triton"
         B, Q = tokens.shape
         scratch = k_cache.shape[3] - 1
-        offs = torch.arange(Q, device=tokens.device)
-        slot_pos = start[:, None] + offs[None, :]
-        write_pos = torch.where(offs[None, :] < q_lens[:, None], slot_pos, torch.full_like(slot_pos, scratch))
-        rope_pos = (slot_pos if depth is None else start[:, None] + depth).clamp(max=self.max_positions - 1)
         seqlens = (start + Q).to(torch.int32)
+        spans = depth is None and not self.fused_linear  # the RoPE/KV kernel makes the positions itself
+        if not spans:
+            offs = torch.arange(Q, device=tokens.device)
+            slot_pos = start[:, None] + offs[None, :]
+            write_pos = torch.where(offs[None, :] < q_lens[:, None], slot_pos, torch.full_like(slot_pos, scratch))
+            rope_pos = (slot_pos if depth is None else start[:, None] + depth).clamp(max=self.max_positions - 1)
         tree_bits = None
         if tree_mask is not None:  # bit j of token i: i may see new token j (Q <= MAX_FUSED_TOKENS < 31)
-            tree_bits = (tree_mask.to(torch.int32) << offs.to(torch.int32)[None, None, :]).sum(-1, dtype=torch.int32)
+            offs = torch.arange(Q, device=tokens.device, dtype=torch.int32)
+            tree_bits = (tree_mask.to(torch.int32) << offs[None, None, :]).sum(-1, dtype=torch.int32)
         eps = cfg.rms_norm_eps
         x = self.embed(tokens)
         tapped = [x] if _is_tap(0, taps) else []
@@ -284,8 +287,12 @@ class Transformer(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
-            q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
-                                      k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+            if spans:
+                q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, start, q_lens, scratch,
+                                                k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+            else:
+                q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
+                                          k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
             att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
                                                  self.attn_chunk)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
