@@ -90,6 +90,7 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
                                timeout=600)
         model = client.models.list().data[0].id
         t0 = time.perf_counter()
+
         def ask_or_refused(record: PromptRecord) -> DemoResult | str:
             try:
                 return ask(client, model, record, max_tokens, temperature)
