@@ -108,7 +108,7 @@ def run_demo(records: list[PromptRecord], config: StackConfig, max_tokens: int, 
         console.print(f"refused by the router: {line}", highlight=False, markup=False)
     if not results:
         raise RuntimeError(f"the router refused all {len(records)} prompts (first: {refused[0]})")
-    _print(console, results, wall, model, config, concurrency)
+    _print(console, results, wall, model, config, min(concurrency, len(records)))  # at most one per prompt
     _print_sample(console, results[0])
     console.print(temperature_note(temperature), highlight=False)
     return results

@@ -1028,6 +1028,15 @@ def test_cli_generate_compare_tiny_draft_model(tiny_checkpoint, prompts_file):
     assert "speedup" in res.stdout and "2/2" in res.stdout
 
 
+def test_cli_generate_compare_one_prompt(tiny_checkpoint):
+    """--compare with --prompt runs the one prompt both ways and prints the comparison table."""
+    res = cli("--prompt", "1 2 3 1 2 3 1 2 3", "--max-tokens", "8", "--model",
+              str(tiny_checkpoint("llama", with_tokenizer=True)), "--max-seq-len", "256", "--drafter", "ngram",
+              "--compare")
+    assert res.exit_code == 0, res.output
+    assert "speedup" in res.stdout and "1/1" in res.stdout
+
+
 def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, prompts_file, monkeypatch):
     """--compare's target-only baseline runs on an engine of its own over the same target, built
     from the target-only configuration: with neither the drafter nor the draft policy (its online

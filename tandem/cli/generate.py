@@ -14,7 +14,7 @@ import click
 from rich.table import Table
 
 from ..cache import current_umask
-from ..data import load_prompts
+from ..data import PromptRecord, load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
 from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
@@ -59,8 +59,8 @@ from .common import (_engine, _run_file, _unescape, console, device_option, dtyp
                    "text, token ids, finish reason, token counts); with --compare, the drafter's run. Written "
                    "when the run has finished (a failed run leaves an existing file as it was).")
 @click.option("--compare", is_flag=True,
-              help="With a prompts file and a drafter: also run target-only on the same prompts and report "
-                   "the speedup and how many outputs are identical.")
+              help="With a drafter: also run target-only on the same prompt(s) and report the speedup and how "
+                   "many outputs are identical (with --prompt, a table of one instead of streamed text).")
 @dtype_option
 @kernels_option
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
@@ -83,8 +83,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         drafter, draft_model = "specformer", specformer_path
     if (prompt is None) == (prompts_file is None):
         fail("give exactly one of --prompt or --prompts-file")
-    if compare and (prompts_file is None or drafter == "none"):
-        fail("--compare needs --prompts-file and a --drafter")
+    if compare and drafter == "none":
+        fail("--compare needs a --drafter (it compares the drafter's run with target-only decoding)")
     if limit is not None and prompts_file is None:
         fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
     if output is not None and prompts_file is None:
@@ -103,6 +103,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
                                 min_tokens=min_tokens, logit_bias=_logit_bias(logit_bias),
                                 structure=_structure(json_object, json_schema, regex, grammar))
         records = load_prompts(prompts_file, limit) if prompts_file else None
+        if compare and prompt is not None:  # one prompt compared: run as a file of one (no streaming)
+            records, prompt = [PromptRecord("prompt", "-", prompt)], None
         if records is not None and not records:
             fail("the prompts file has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, spec, dtype=dtype, kernels=kernels,
