@@ -4,8 +4,9 @@
 # ~83 MiB with every shipped drafter and the distillation data; tracked files absent from the work
 # tree, e.g. moved aside for a pass that does not need them, do not travel and are not counted:
 # docs/benchmarks.md, "How to reproduce a GPU figure", names what a bench pass can leave out).
-# Without PARTS the count is the smallest that keeps tree + part under 63 MiB. Prints the calls
-# to make back to back; the last one rebuilds and checks the file (scripts/device_pass.sh).
+# Without PARTS the count is the smallest that keeps tree + part under 63 MiB, the last call's
+# part small enough to travel with .whl/ too; with PARTS, equal parts. Prints the calls to make
+# back to back; the last one rebuilds and checks the file (scripts/device_pass.sh).
 #   scripts/stage_model.sh [PARTS] [FILE]
 set -euo pipefail
 if [[ -n ${1:-} && ! ${1} =~ ^[1-9][0-9]*$ ]]; then
@@ -18,24 +19,48 @@ room=$(( 63 * 1048576 - tree_b ))
 if [[ -z ${1:-} ]] && (( room < 1048576 )); then
   echo "the working tree is $((tree_b / 1048576)) MiB: no room for a model part under 64 MiB" >&2; exit 1
 fi
-parts=${1:-$(( ($(stat -c %s "$file") + room - 1) / room ))}
+# The last call also carries .whl/ (scripts/device_wheels.sh): without PARTS, every part but the
+# last fills the room a call leaves, and the last is small enough to travel with the wheels.
+size=$(stat -c %s "$file")
+whl_b=$( (du -cb "$top/.whl" 2>/dev/null || echo 0) | tail -1 | cut -f1)
+last_room=$(( room - whl_b ))
+if [[ -z ${1:-} ]] && (( last_room < 1048576 )); then
+  echo "the working tree ($((tree_b / 1048576)) MiB) and .whl/ ($((whl_b / 1048576)) MiB) leave no room for a part" >&2
+  exit 1
+fi
 name=$(basename "$file")
 stage=$top/.device-stage
 grep -qxF '/.device-stage/' "$top/.git/info/exclude" || echo '/.device-stage/' >> "$top/.git/info/exclude"
 rm -rf "$stage"; mkdir -p "$stage"
-last=$((parts - 1)); digits=${#last}  # suffix width: part0..part9, or part00..part13, ...
-split -n "$parts" -d -a "$digits" "$file" "$stage/$name.part"
+if [[ -n ${1:-} ]]; then
+  parts=$1
+  digits=${#parts}
+  split -n "$parts" -d -a "$digits" "$file" "$stage/$name.part"
+else
+  full=$(( size > last_room ? (size - last_room + room - 1) / room : 0 ))  # parts of `room` bytes before the last
+  parts=$(( full + 1 )); digits=${#parts}
+  if (( full > 0 )); then
+    head -c $(( full * room )) "$file" | split -b "$room" -d -a "$digits" - "$stage/$name.part"
+  fi
+  tail -c +$(( full * room + 1 )) "$file" > "$stage/$name.part$(printf "%0${digits}d" "$full")"
+fi
 for i in $(seq 1 "$parts"); do
   mkdir -p "$stage/p$i"; mv "$stage/$name.part$(printf "%0${digits}d" $((i - 1)))" "$stage/p$i/"
 done
 echo "$(sha256sum "$file" | cut -d' ' -f1)  /tmp/stage/$name" > "$stage/p$parts/$name.sha256"
-part_b=$(stat -c %s "$stage"/p1/"$name".part*)
-echo "working tree: $((tree_b / 1048576)) MiB; $parts parts of $((part_b / 1048576)) MiB"
-(( tree_b + part_b <= 64 * 1048576 )) || echo "warning: tree + part exceed 64 MiB; use more parts" >&2
+echo "working tree: $((tree_b / 1048576)) MiB, .whl/ $((whl_b / 1048576)) MiB; $parts parts:" \
+  "$(for i in $(seq 1 "$parts"); do printf '%s ' "$(( $(stat -c %s "$stage"/p"$i"/"$name".part*) / 1048576 ))"; done)MiB"
+for i in $(seq 1 "$parts"); do
+  extra=$(( i == parts ? whl_b : 0 ))
+  (( tree_b + extra + $(stat -c %s "$stage"/p"$i"/"$name".part*) <= 64 * 1048576 )) \
+    || echo "warning: call $i (tree + part$( (( i == parts )) && echo ' + .whl/')) exceeds 64 MiB; use more parts" >&2
+done
 for i in $(seq 1 "$parts"); do
   cmd="mkdir -p /tmp/stage && cp .device-stage/p$i/* /tmp/stage/"
   if (( i == parts )); then
     cmd="$cmd && cat /tmp/stage/$name.part* > /tmp/stage/$name && sha256sum -c /tmp/stage/$name.sha256 && rm /tmp/stage/$name.part* && <run>"
   fi
-  echo "call $i: carry [\".device-stage/p$i\"]  $cmd"
+  carry="\".device-stage/p$i\""
+  (( i == parts )) && [[ -d $top/.whl ]] && carry="$carry, \".whl\""
+  echo "call $i: carry [$carry]  $cmd"
 done
