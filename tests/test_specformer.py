@@ -1232,7 +1232,7 @@ def test_collect_logs_records_the_heads_states(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_six_slot_head_drafts_six_and_is_lossless(real_checkpoint, real_engine):
+def test_the_shipped_six_slot_head_drafts_six_and_is_lossless(real_engine):
     """The shipped l_d = 6 head (``specformer-smollm2-135m-ld6``, fine-tuned from the l_d = 4 one)
     loads with six draft slots; over the bundled target at k = 6 its greedy output equals
     target-only's, and it drafts, and has drafts accepted, at positions 5 and 6."""
