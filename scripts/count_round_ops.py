@@ -41,12 +41,17 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.part = "other"
-        self.counts: collections.Counter = collections.Counter()
         self.names: collections.Counter = collections.Counter()  # (part, operation) -> count
 
     def add(self, name: str) -> None:
-        self.counts[self.part] += 1
         self.names[self.part, name] += 1
+
+    def by_part(self) -> collections.Counter:
+        """Operations counted per part of the round."""
+        parts: collections.Counter = collections.Counter()
+        for (part, _), n in self.names.items():
+            parts[part] += n
+        return parts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view and str(func) not in NOT_COUNTED:
@@ -73,7 +78,7 @@ def main() -> int:
             counter = OpCounter()
             with counter:
                 fn(history, last, room, 4, kernel=False)
-            print(f"{fn.__name__} in plain ops: {sum(counter.counts.values())} operations")
+            print(f"{fn.__name__} in plain ops: {sum(counter.names.values())} operations")
         return 0
 
     import triton.runtime.interpreter as interpreter
@@ -124,12 +129,11 @@ def main() -> int:
             engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
         for _ in range(3):  # admission and the first rounds
             engine.step()
-        counter.counts.clear()
         counter.names.clear()
         with counter:
             for _ in range(args.rounds):
                 engine.step()
-        per = {k: round(v / args.rounds, 1) for k, v in sorted(counter.counts.items())}
+        per = {k: round(v / args.rounds, 1) for k, v in sorted(counter.by_part().items())}
         outside = per.get("patch", 0) + per.get("epilogue", 0)
         print(f"{drafter}: round kernels {args.round_kernels}, kernels {engine.runner.kernels}: {per}; "
               f"outside the forward {outside:g} a round", flush=True)

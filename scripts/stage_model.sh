@@ -48,13 +48,13 @@ for i in $(seq 1 "$parts"); do
   mkdir -p "$stage/p$i"; mv "$stage/$name.part$(printf "%0${digits}d" $((i - 1)))" "$stage/p$i/"
 done
 echo "$(sha256sum "$file" | cut -d' ' -f1)  /tmp/stage/$name" > "$stage/p$parts/$name.sha256"
-echo "working tree: $((tree_b / 1048576)) MiB, .whl/ $((whl_b / 1048576)) MiB; $parts parts:" \
-  "$(for i in $(seq 1 "$parts"); do printf '%s ' "$(( $(stat -c %s "$stage"/p"$i"/"$name".part*) / 1048576 ))"; done)MiB"
+sizes=""
 for i in $(seq 1 "$parts"); do
-  extra=$(( i == parts ? whl_b : 0 ))
-  (( tree_b + extra + $(stat -c %s "$stage"/p"$i"/"$name".part*) <= 64 * 1048576 )) \
+  part_b=$(stat -c %s "$stage"/p"$i"/"$name".part*); sizes="$sizes $((part_b / 1048576))"
+  (( tree_b + part_b + (i == parts ? whl_b : 0) <= 64 * 1048576 )) \
     || echo "warning: call $i (tree + part$( (( i == parts )) && echo ' + .whl/')) exceeds 64 MiB; use more parts" >&2
 done
+echo "working tree: $((tree_b / 1048576)) MiB, .whl/ $((whl_b / 1048576)) MiB; $parts parts:$sizes MiB"
 for i in $(seq 1 "$parts"); do
   cmd="mkdir -p /tmp/stage && cp .device-stage/p$i/* /tmp/stage/"
   if (( i == parts )); then

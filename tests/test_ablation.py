@@ -133,6 +133,11 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
     res = CliRunner().invoke(main, base + ["--traces", str(gz), "--out", str(tmp_path / "r3.json")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "r3.json").read_text()) == json.loads((tmp_path / "r2.json").read_text())
+    # --limit takes the first N traces round robin over their categories (here one, of category "a")
+    res = CliRunner().invoke(main, base + ["--traces", str(gz), "--limit", "1", "--out", str(tmp_path / "r4.json")])
+    assert res.exit_code == 0, res.output
+    one = json.loads((tmp_path / "r4.json").read_text())
+    assert one["prompts"] == 1 and list(one["drafters"]["ngram"]["per_category"]) == ["a"], one
     saved = replay_mod.save_traces(replay_mod.load_traces(tmp_path / "t.jsonl"), tmp_path / "s.jsonl.gz")
     assert gzip.decompress(saved.read_bytes()) == (tmp_path / "t.jsonl").read_bytes()  # a .gz name is written gzipped
     (tmp_path / "notgz.jsonl.gz").write_text(lines[0])
@@ -145,7 +150,7 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
         (tmp_path / "bad.jsonl").write_text(line + "\n")
         res = CliRunner().invoke(main, base + ["--traces", str(tmp_path / "bad.jsonl")])
         assert res.exit_code == 2 and "Traceback" not in res.output, (name, res.output)
-    for extra, message in ((["--traces", str(tmp_path / "t.jsonl"), "--limit", "1"], "do not apply"),
+    for extra, message in ((["--traces", str(tmp_path / "t.jsonl"), "--max-tokens", "4"], "do not apply"),
                            (["--traces", str(tmp_path / "missing.jsonl")], "does not exist"),
                            (["--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "no" / "r.json")],
                             "directory does not exist"),

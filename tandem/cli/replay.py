@@ -20,10 +20,11 @@ from .common import _engine, console, device_option, fail, fmt, model_option
                    "repeatable.")
 @click.option("--traces", "traces_file", type=click.Path(dir_okay=False), default=None,
               help="Greedy traces (JSONL) from an earlier --save-traces, made with the same --model; the prompt "
-                   "options below then do not apply. Default: decode the prompts target-only now.")
+                   "options below then do not apply, but --limit does. Default: decode the prompts target-only now.")
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
               help="Prompt JSONL (default: the bundled Spec-Bench questions).")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Round-robin N prompts over the categories.")
+@click.option("--limit", type=click.IntRange(min=1), default=None,
+              help="Round-robin N prompts (or, with --traces, N traces) over the categories.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt [default: 256].")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Target-only decode batch (default per device).")
 @click.option("--save-traces", type=click.Path(dir_okay=False), default=None, help="Write the traces here (JSONL).")
@@ -46,8 +47,8 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
     from ..models.weights import load_checkpoint
     from ..train.distill import model_fingerprint
 
-    if traces_file and (prompts_file or limit or max_tokens or batch_size):
-        fail("--traces replays saved traces: --prompts, --limit, --max-tokens and --batch-size do not apply")
+    if traces_file and (prompts_file or max_tokens or batch_size):
+        fail("--traces replays saved traces: --prompts, --max-tokens and --batch-size do not apply")
     for path in (out, save_traces):
         if path and not Path(path).resolve().parent.is_dir():
             fail(f"cannot write {path}: its directory does not exist")
@@ -73,6 +74,8 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             if made_by and made_by != {model_fingerprint(checkpoint.path)}:
                 raise InvalidRequestError(f"{traces_file} was decoded by another target model than --model; "
                                           "replay needs the target's own greedy outputs")
+            if limit:
+                traces = round_robin_by_category(traces, limit)
         else:
             records = load_prompts(prompts_file or bundled_spec_bench())
             if limit:
