@@ -40,13 +40,35 @@ def read_text(path: str | Path) -> str:
     return (gzip.decompress(raw) if p.suffix == ".gz" else raw).decode("utf-8")
 
 
+# Request fields a prompts file row might carry, expecting them to apply to that prompt: refused,
+# since a prompts file sets prompts only (other keys are the row's metadata, e.g. Spec-Bench's
+# ``reference``).
+REQUEST_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                            "n", "stream", "messages", "model", "presence_penalty", "frequency_penalty",
+                            "repetition_penalty", "min_tokens", "logit_bias", "response_format"})
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``'s object hook: a key given twice is an error (as in the HTTP API), not the last
+    value silently."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the key {dup!r} appears twice")
+    return row
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
-    """Read prompts (first turn of each row) from a JSONL file, gzip-compressed when its name ends
-    in ``.gz``.
+    """Read prompts from a JSONL file, gzip-compressed when its name ends in ``.gz``: each row's
+    ``prompt``, or the first turn of its ``turns`` (Spec-Bench / MT-Bench rows; the later turns of
+    a multi-turn row are not run). Other keys are metadata (``question_id`` or ``id`` names the
+    prompt, ``category`` its task). A UTF-8 byte-order mark at the start is skipped.
 
     Raises:
         InvalidRequestError: the file is missing, not UTF-8, not gzip under a ``.gz`` name, or a row
-            is not JSON / lacks text.
+            is not JSON, repeats a key, lacks text, or carries a request field (``REQUEST_FIELDS``:
+            sampling and length come from the command, not the file).
     """
     p = Path(path)
     if not p.is_file():
@@ -62,9 +84,14 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line.removeprefix("\ufeff") if lineno == 1 else line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
+        except ValueError as exc:  # a repeated key
+            raise InvalidRequestError(f"{p}:{lineno}: {exc}") from None
+        if isinstance(row, dict) and (fields := sorted(REQUEST_FIELDS.intersection(row))):
+            raise InvalidRequestError(f"{p}:{lineno}: {', '.join(map(repr, fields))}: a prompts file holds prompts only; "
+                                      "sampling and length are the command's options (--max-tokens, --temperature, ...)")
         if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
             text = row["turns"][0]
         elif isinstance(row, dict) and "prompt" in row:

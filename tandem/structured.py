@@ -60,7 +60,8 @@ class Structure:
             raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURE_KINDS)}, "
                                       f"got {self.kind!r}", param=self.param)
         if self.kind != "json_object" and not self.spec:
-            raise InvalidRequestError(f"a {self.kind} structure needs its schema or grammar", param=self.param)
+            what = {"json_schema": "JSON schema", "regex": "regular expression"}.get(self.kind, "grammar")
+            raise InvalidRequestError(f"{self.param}: the {what} is empty", param=self.param)
 
     def grammar(self) -> str:
         """llguidance's grammar text for this structure.

@@ -55,6 +55,13 @@ def run():
     (["serve", "verifier", "--port", "50000", "--drafter-address", "drafter"], "expected HOST:PORT"),
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--failover-wait", "inf"], "must be a finite number"),
     (["train", "specformer", "--out", "x", "--lr", "nan"], "must be a finite number"),
+    (["generate", "--prompt", "hi", "--temperature", "1e30"], "is not in the range 0<=x<=2"),
+    (["generate", "--prompt", "hi", "--batch-size", "3"], "with --prompt there is one"),
+    (["generate", "--prompt", "hi", "--regex", ""], "--regex: the regular expression is empty"),
+    (["bench", "--batch-sizes", "1,64,1"], "names a batch size twice"),
+    (["demo", "--model", "/nonexistent"], "--model '/nonexistent' does not exist"),
+    (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", ""], "must be a non-empty token"),
+    (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", " k"], "without surrounding whitespace"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -72,6 +79,34 @@ def test_prompts_file_errors_name_the_line(run, tmp_path):
     f.write_text("\n\n")
     res = run("generate", "--prompts-file", str(f))
     assert res.exit_code == 2 and "no prompts" in res.stderr
+
+
+def test_prompts_files_set_prompts_only(run, tmp_path):
+    """A row carrying a request field, or a key twice, is refused (never silently dropped); a
+    byte-order mark is skipped."""
+    from tandem.data import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hi", "max_tokens": 9, "temperature": 5}) + "\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and f"{f}:1: 'max_tokens', 'temperature': a prompts file holds prompts only" in res.stderr
+    f.write_text('{"prompt": "a", "prompt": "b"}\n')
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and f"{f}:1: the key 'prompt' appears twice" in res.stderr
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "category": "qa", "reference": "x"}).encode() + b"\n")
+    [record] = load_prompts(f)
+    assert (record.text, record.category) == ("hi", "qa")
+
+
+def test_bench_makes_its_out_directory_before_running(run, tmp_path):
+    """A --out that cannot be written fails before any configuration runs (not after the run)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = run("bench", "--out", str(blocker / "sub"), "--limit", "1", "--no-hf-baseline")
+    assert res.exit_code == 2 and f"cannot write --out {blocker / 'sub'}" in res.stderr
+    assert "tok/s" not in res.output
+    res = run("bench", "--out", str(tmp_path / "a" / "b"), "--batch-sizes", "x")
+    assert res.exit_code == 2 and (tmp_path / "a" / "b").is_dir()
 
 
 def test_structure_files_that_cannot_be_used_are_one_line(run, tmp_path):

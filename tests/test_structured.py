@@ -113,7 +113,7 @@ def test_bad_structures_are_refused_at_the_boundary(real_engine, structure, need
 def test_structure_kinds_are_checked():
     with pytest.raises(InvalidRequestError, match="kind"):
         Structure("xml")
-    with pytest.raises(InvalidRequestError, match="needs its schema"):
+    with pytest.raises(InvalidRequestError, match="the JSON schema is empty"):
         Structure("json_schema")
     for clash in ({"min_tokens": 3}, {"ignore_eos": True}):  # a complete grammar allows only EOS
         with pytest.raises(InvalidRequestError, match="cannot be combined with structured output") as info:

@@ -46,8 +46,11 @@ class Replica:
                                         wait_for_ready=True)
         except grpc.RpcError as exc:
             self._channel.close()
-            why, hint = ("refused the router", " (give the router the replicas' --api-key)") \
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ("does not answer", "")
+            why, hint = ("does not answer", "")
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                why, hint = "refused the router", " (give the router the replicas' --api-key)"
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # wait_for_ready: refused connections wait too
+                why, hint = "did not answer within 30 s", " (nothing listening at that address, or still starting)"
             raise TargetUnavailable(f"verifier replica {address} {why}: {exc.code().name}: {exc.details()}{hint}") from None
         self.healthy = True
         self.last_error: str | None = None

@@ -131,7 +131,8 @@ async def serve(config: RouterConfig, http_port: int, grpc_port: int | None = No
         await asyncio.wait({grpc_task, grpc_ready}, return_when=asyncio.FIRST_COMPLETED)
         if grpc_task.done():
             grpc_task.result()  # raises the start-up error
-    log.info("router: HTTP on %s:%d, verifier replicas %s", host, http_port, config.verifiers)
+    log.info("router: HTTP on %s:%d, verifier replicas %s, %s", host, http_port, config.verifiers,
+             "bearer-token auth on" if api_key else "no auth (no --api-key / TANDEM_API_KEY)")
     try:
         if stop is None:
             await http.serve()

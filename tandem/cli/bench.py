@@ -14,7 +14,7 @@ from tqdm import tqdm
 from ..data import bundled_spec_bench, load_prompts
 from ..errors import InvalidRequestError
 from .common import (console, device_option, dtype_option, err_console, fail, graph_options, init_tracing, kernels_option,
-                     model_option,
+                     model_option, out_dir,
                      torch_dtype, with_drafter_options)
 
 
@@ -75,18 +75,23 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
           kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
+    if out:
+        out_dir(out)  # before anything runs
     if from_results:
         _bench_from_results(from_results, out)
         return
     init_tracing()
 
     try:
-        sizes = sorted({int(b) for b in batch_sizes.split(",")})  # an empty item is an error, not skipped
-        if not sizes or min(sizes) < 1:
+        given = [int(b) for b in batch_sizes.split(",")]  # an empty item is an error, not skipped
+        if not given or min(given) < 1:
             raise ValueError
     except ValueError:
         fail(f"--batch-sizes must be positive integers separated by commas, got {batch_sizes!r}")
         return
+    if len(set(given)) != len(given):
+        fail(f"--batch-sizes names a batch size twice: {batch_sizes!r}")
+    sizes = sorted(given)
     try:
         records = load_prompts(prompts_file or bundled_spec_bench())
     except InvalidRequestError as exc:

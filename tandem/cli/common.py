@@ -71,6 +71,21 @@ def host_port(ctx: click.Context, param, value):
     return value
 
 
+def out_dir(path: str, flag: str = "--out") -> None:
+    """Make the output directory ``path`` (and its parents) before any work starts, so a path that
+    cannot be written fails in a line instead of after a long run."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot write {flag} {path}: {exc.strerror or exc}")
+    if not os.access(p, os.W_OK | os.X_OK):
+        fail(f"cannot write {flag} {path}: permission denied")
+
+
 def fmt(x: float, spec: str) -> str:
     """``format(x, spec)``, or "-" for NaN (an undefined rate)."""
     return "-" if x != x else format(x, spec)
@@ -226,6 +241,10 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
         cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
     checkpoint = load_checkpoint(model)
     if spec.measures_cost:  # build_engine measures T(b, q) first
+        if spec.policy == "predictor":
+            from ..speculation import load_predictor
+
+            load_predictor(spec, checkpoint)  # a bad --predictor fails before the measurement, not after
         err_console.print("note: measuring the verifier's step cost T(b, q) for the draft policy's allocation "
                           "(once at start-up; tens of seconds on a CPU)", highlight=False, soft_wrap=True)
     engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink)

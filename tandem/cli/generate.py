@@ -20,16 +20,19 @@ from ..speculation import TARGET_ONLY, build_engine
 from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
                      kernels_option, model_option, speculative_config, with_drafter_options)
 
+MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after the first
+
 
 @click.command()
 @click.option("--prompt", default=None, help="One prompt.")
 @click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
-              help="JSONL of prompts (Spec-Bench 'turns' rows or 'prompt' rows).")
+              help="JSONL of prompts: 'prompt' rows, or Spec-Bench 'turns' rows (their first turn).")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="First N prompts of the file.")
 @model_option
 @device_option
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
+              help="[0, 2] (OpenAI's); 0 = greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None)
@@ -87,6 +90,12 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--compare needs a --drafter (it compares the drafter's run with target-only decoding)")
     if limit is not None and prompts_file is None:
         fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
+    if _given("batch_size") and prompts_file is None:
+        fail("--batch-size runs a prompts file's prompts that many at a time; with --prompt there is one")
+    if temperature == 0 and (seed is not None or top_p < 1 or top_k > 0):
+        given = [f for f, on in (("--seed", seed is not None), ("--top-p", top_p < 1), ("--top-k", top_k > 0)) if on]
+        err_console.print(f"note: {', '.join(given)} do{'es' if len(given) == 1 else ''} nothing under greedy decoding "
+                          "(--temperature 0)", highlight=False, soft_wrap=True)
     if output is not None and prompts_file is None:
         fail("--output writes a prompts file's completions; with --prompt the text goes to stdout")
     if output is not None:
@@ -257,14 +266,17 @@ def _print_results(engine, records, results, wall: float) -> None:
              f"batch <= {engine.max_running}"
              + (f", drafter {_speculation_label(engine)})" if spec_on else ", target-only)"))
     table = Table(title=title)
-    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "tok/s"]
+    cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "decode tok/s"]
     if spec_on:
         cols += ["drafted", "accepted", "accept rate", "mean acc len"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("category", "finish") else "right")
     for rec, res in zip(records, results):
+        # tokens after the first over the time after it; undefined over fewer than MIN_DECODE_TOKENS,
+        # where one speculative round can bring them all at once
         decode_s = res.latency_s - res.ttft_s
-        tps = (res.completion_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+        tps = (res.completion_tokens - 1) / decode_s if decode_s > 0 and res.completion_tokens > MIN_DECODE_TOKENS \
+            else float("nan")
         row = [rec.prompt_id, rec.category, str(res.prompt_tokens), str(res.completion_tokens), res.finish_reason,
                f"{res.ttft_s * 1e3:.0f}", fmt(tps, ".1f")]
         if spec_on:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import click
 
@@ -32,8 +33,18 @@ def serve() -> None:
 
 
 host_option = click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")
-key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY",
-                          help="Require this bearer token on HTTP and gRPC (env TANDEM_API_KEY).")
+def _api_key(ctx: click.Context, param, value: str | None) -> str | None:
+    """Option callback: a bearer token is non-empty and has no surrounding whitespace (an empty one
+    would serve without auth while looking like it asks for it)."""
+    if value is not None and (not value.strip() or value != value.strip()):
+        raise click.BadParameter("must be a non-empty token without surrounding whitespace; omit --api-key "
+                                 "(and TANDEM_API_KEY) to serve without auth", ctx=ctx, param=param)
+    return value
+
+
+key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", callback=_api_key,
+                          help="Require this bearer token on HTTP and gRPC (env TANDEM_API_KEY; without one, "
+                               "no auth).")
 
 
 @serve.command("verifier")
@@ -172,6 +183,9 @@ def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max
     if max_tokens >= max_seq_len:
         fail(f"--max-tokens {max_tokens} leaves no room for a prompt in the context limit (--max-seq-len "
              f"{max_seq_len}): each request needs prompt + max tokens <= {max_seq_len}")
+    for flag, path in (("--model", model), ("--draft-model", draft_model)):
+        if path is not None and not path.startswith("truncate:") and not Path(path).expanduser().exists():
+            fail(f"{flag} {path!r} does not exist")
     records = load_prompts(prompts_file or bundled_spec_bench(), limit)
     spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     config = StackConfig.serving(spec, model=model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,

@@ -120,7 +120,7 @@ class ModelConfig:
                 eos_token_ids=tuple(int(e) for e in eos_ids),
             )
         except KeyError as exc:
-            raise ModelLoadError(f"config.json lacks required key {exc.args[0]!r}") from None
+            raise ModelLoadError(f"the required key {exc.args[0]!r} is missing") from None
 
 
 def _rope_scaling_from_hf(raw: dict[str, Any] | None) -> RopeScaling | None:

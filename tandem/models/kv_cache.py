@@ -126,7 +126,7 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
     free = free_memory_bytes(device)
     if nbytes > MEMORY_HEADROOM * free:
         raise ConfigError(f"{what} needs {nbytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free on "
-                          f"{device}: lower --max-seq-len or --batch-size")
+                          f"{device}: lower the context limit (--max-seq-len) or the batch size (KV cache slots)")
 
 
 class KVCache:

@@ -174,7 +174,10 @@ def _load_hf_dir(d: Path) -> Checkpoint:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{d} has no config.json; expected a Hugging Face checkpoint directory")
-    cfg = ModelConfig.from_hf(_read_json(cfg_path))
+    try:
+        cfg = ModelConfig.from_hf(_read_json(cfg_path))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{cfg_path}: {exc}") from None
     index = d / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted({d / f for f in _read_json(index).get("weight_map", {}).values()})
