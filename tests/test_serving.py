@@ -1513,6 +1513,43 @@ def test_body_over_the_limit_is_a_413_chunked_or_not():
 
 
 
+def test_a_body_that_stops_arriving_is_a_408(monkeypatch):
+    """Fewer body bytes than Content-Length said, then silence: the request gets 408 after
+    BODY_READ_TIMEOUT_S instead of holding its connection; a complete body is not timed after."""
+    import asyncio
+
+    from services.router import http
+
+    monkeypatch.setattr(http, "BODY_READ_TIMEOUT_S", 0.2)
+    app = http.build_app(router=None)
+
+    async def call(parts):
+        sent = []
+        queue = list(parts)
+
+        async def receive():
+            if queue:
+                return queue.pop(0)
+            await asyncio.sleep(3600)  # the client sends nothing more
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")]}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        return sent
+
+    sent = asyncio.run(call([{"type": "http.request", "body": b'{"model": "x"', "more_body": True}]))
+    assert sent[0]["status"] == 408
+    assert "stopped arriving" in json.loads(sent[1]["body"])["error"]["message"]
+    # a complete (here invalid) body is answered at once, whatever receive does afterwards
+    sent = asyncio.run(call([{"type": "http.request", "body": b'{"model": 1}', "more_body": False}]))
+    assert sent[0]["status"] == 400
+
+
 def test_router_reads_the_replicas_tokenizer(tiny_dir):
     """The router's tokenizer: ``--model`` when given; else the replicas' model path when it is
     readable on the router's host; else the bundled model only if that is what they serve; a model

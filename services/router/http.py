@@ -48,11 +48,15 @@ log = logging.getLogger(__name__)
 
 
 MAX_BODY_BYTES = 4 * 2**20  # far above any prompt the context limit admits (8192 tokens as ids: ~60 KB)
+BODY_READ_TIMEOUT_S = 30.0  # the longest wait for the next part of a request body (then 408)
 
 
 class _BodyLimit:
     """ASGI middleware: a body over ``limit`` bytes gets 413 and is never stored or parsed (by its
-    Content-Length, or, for a chunked body, as soon as the bytes read pass the limit)."""
+    Content-Length, or, for a chunked body, as soon as the bytes read pass the limit); a body that
+    stops arriving (nothing for ``BODY_READ_TIMEOUT_S``, e.g. fewer bytes than its Content-Length
+    said) gets 408 instead of holding its connection open. Once the body is complete, ``receive``
+    is not timed (a streamed response waits on it for the client's disconnect)."""
 
     def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
@@ -60,16 +64,34 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        complete = False
+
+        async def timed():
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_READ_TIMEOUT_S)
+            except TimeoutError:
+                raise StarletteHTTPException(408, f"the request body stopped arriving: nothing for "
+                                                  f"{BODY_READ_TIMEOUT_S:g} s (fewer bytes than its "
+                                                  "Content-Length?)") from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
         length = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
-            while (await receive()).get("more_body"):  # read and drop it (never stored or parsed), so
-                pass  # that the client, still sending, gets the 413 instead of a broken pipe
+            try:
+                while (await timed()).get("more_body"):  # read and drop it (never stored or parsed), so
+                    pass  # that the client, still sending, gets the 413 instead of a broken pipe
+            except StarletteHTTPException:  # it stopped arriving: the 413 says enough
+                pass
             return await _too_large(self.limit)(scope, receive, send)
         seen = 0
 
         async def limited():
             nonlocal seen
-            message = await receive()
+            message = await timed()
             seen += len(message.get("body", b""))
             if seen > self.limit:
                 raise StarletteHTTPException(413, _too_large(self.limit).body.decode())
