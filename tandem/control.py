@@ -445,7 +445,7 @@ class DraftPolicy:
         """``plan_width`` reads the drafts' predicted acceptance (the drafter must score them)."""
         return True
 
-    def plan_width(self, scores, limit: int) -> WidthPlan:
+    def plan_width(self, scores, limit: int, rows: int | None = None) -> WidthPlan:
         """The width of a chained round, at most ``limit``, from the predicted acceptance
         ``scores`` ``[b, L]`` of the drafts the device made for its b rows: ``best_width``, the θ
         cut and then, with a cost model, the width that maximises expected emitted tokens per
@@ -478,10 +478,11 @@ class DraftPolicy:
         """θ is learned online (a controller), so an outside θ (``threshold_override``) applies."""
         return self.controller is not None
 
-    def observe(self, emitted_tokens: int, round_ms: float, plan: WidthPlan | None = None) -> None:
+    def observe(self, emitted_tokens: int, round_ms: float, plan: WidthPlan | None = None, drafting=None) -> None:
         """Feed one round's outcome (tokens emitted, measured round time in ms) to the θ
         controller and to the fit of the fixed per-round cost; ``plan`` is the chained round's
-        ``plan_width`` (None: the host-drafted round ``lengths`` last allocated)."""
+        ``plan_width`` (None: the host-drafted round ``lengths`` last allocated); ``drafting``
+        the round's ``SpecDecodeStats`` of the rows that drafted (``BatchWidthPolicy`` reads it)."""
         modelled = self._modelled_ms if plan is None else plan.modelled_ms
         threshold = self._threshold_used if plan is None else plan.acceptance_threshold
         if modelled is not None and round_ms > 0:
@@ -514,7 +515,7 @@ class RandomLengthPolicy(DraftPolicy):
     def needs_scores(self) -> bool:
         return False
 
-    def plan_width(self, scores, limit: int) -> WidthPlan:
+    def plan_width(self, scores, limit: int, rows: int | None = None) -> WidthPlan:
         """Chained rounds: the round's width drawn uniformly from 0..``limit`` (scores unread)."""
         return WidthPlan(self._rng.randint(0, limit), self.fixed_threshold)
 

@@ -539,11 +539,11 @@ class Engine(HostDrafting, EngineConveniences):
         round_ms = rnd.wall_s * 1e3
         if self.draft_policy is not None:
             if not rnd.chained or rnd.plan is not None:  # (a chained round before any plan: nothing to learn)
-                self.draft_policy.observe(emitted, round_ms, rnd.plan)
+                self.draft_policy.observe(emitted, round_ms, rnd.plan, drafting)
             if rnd.chained:  # the width of the round after the one in flight, from the drafts this one made
-                scores = [res.draft_scores for req, res in zip(rnd.reqs, rnd.results)
-                          if res.draft_scores is not None and not req.finished and req.slot is not None]
-                self._width_plan = self.draft_policy.plan_width(scores or None, self.draft_limit)
+                live = [res.draft_scores for req, res in zip(rnd.reqs, rnd.results) if not req.finished and req.slot is not None]
+                scores = [x for x in live if x is not None]
+                self._width_plan = self.draft_policy.plan_width(scores or None, self.draft_limit, len(live))
         if self.on_round is not None:
             plan = rnd.plan
             self.on_round(RoundSummary(drafting.num_drafted, drafting.num_accepted, drafting.accepted_per_pos, emitted,

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the builders import torch-backed modules when called: the c
 
 DRAFTERS = ("none", "ngram", "draft-model", "specformer", "remote")
 TRAINED_DRAFTERS = ("draft-model", "specformer")  # drafters with weights (and a predictor saved beside them)
-POLICIES = ("fixed", "entropy", "predictor", "random")
+POLICIES = ("fixed", "entropy", "predictor", "random", "batch-width")
 MAX_DRAFT_TOKENS = 16
 MAX_BRANCH_TOP_M = 8
 
@@ -51,8 +51,10 @@ class SpeculativeConfig:
         num_draft_tokens: k, draft tokens per sequence per round at most (1..16); a drafter with
             its own limit (a SpecFormer head's l_d) caps it (``Engine.configured_draft_limit``).
         policy: draft lengths: "fixed" (k for everyone), "entropy" (exp(-entropy of q) under θ),
-            "predictor" (the learned acceptance predictor under θ), or "random" (uniform in
-            0..k per sequence: the ablation's baseline).
+            "predictor" (the learned acceptance predictor under θ), "random" (uniform in
+            0..k per sequence: the ablation's baseline), or "batch-width" (one width for every row
+            from the batch size, the cost model and the acceptance per position seen so far:
+            ``tandem.batch_width.BatchWidthPolicy``; no θ, no predictor, no scoring).
         predictor: the acceptance predictor of policy "predictor": a ``.safetensors`` path, or
             "auto" (the one saved beside the drafter's weights).
         acceptance_threshold: the threshold on predicted acceptance, a number in [0, 1], or "auto" (learned online
@@ -112,6 +114,12 @@ class SpeculativeConfig:
                                   "draft-model or specformer)")
         elif self.predictor is not None:
             raise ConfigError(f"--predictor needs --policy predictor, not {self.policy!r}")
+        if self.policy == "batch-width":
+            if acceptance_threshold is not None or self.branch_top_m:
+                raise ConfigError("policy batch-width sets no acceptance threshold and branches nowhere: drop "
+                                  "--acceptance-threshold / --branch-top-m")
+            if not self.cost_model:
+                raise ConfigError("policy batch-width chooses widths with the verifier cost model (cost_model=True)")
 
     @property
     def speculates(self) -> bool:
@@ -122,7 +130,7 @@ class SpeculativeConfig:
     def measures_cost(self) -> bool:
         """Its draft policy allocates with a verifier cost model T(b, q) that ``build_engine``
         measures on the target at start-up unless one is given (tens of seconds on a CPU)."""
-        return self.policy in ("entropy", "predictor") and bool(self.cost_model)
+        return self.policy in ("entropy", "predictor", "batch-width") and bool(self.cost_model)
 
     @property
     def tokens_per_row(self) -> int:
@@ -203,6 +211,12 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
         return None
     if spec.policy == "random":
         return RandomLengthPolicy(seed=0)
+    if spec.policy == "batch-width":
+        if cost is None:
+            raise ConfigError("policy batch-width needs the verifier cost model T(b, q) (build_engine measures it)")
+        from .batch_width import BatchWidthPolicy
+
+        return BatchWidthPolicy(cost)
     if spec.policy == "predictor":
         predictor = load_predictor(spec, checkpoint)
         score, device_score = predictor.predict, predictor.probabilities

@@ -261,3 +261,38 @@ def test_round_overhead_is_fitted_online_and_lengthens_drafts():
     assert 0.0 <= policy.overhead_ms < 0.01 and policy.lengths(features) == [1]
     with pytest.raises(ValueError, match="overhead_rate"):
         DraftPolicy(lambda f: f[:, 0], overhead_rate=0.0)
+
+
+def test_batch_width_policy_widens_where_width_is_free_and_narrows_where_it_costs():
+    """BatchWidthPolicy: the full limit until every position has evidence; then the width of most
+    expected tokens per predicted ms: all six slots where T(b, q) is flat (batch 1), fewer where a
+    verify position costs (batch 128); positions no longer drafted keep their estimates."""
+    import numpy as np
+    import torch
+
+    from tandem.batch_width import BatchWidthPolicy
+    from tandem.metrics import SpecDecodeStats
+
+    cost = CostModel({1: {q: 1.0 for q in range(1, 8)}, 128: {q: 2.0 + 0.25 * q for q in range(1, 8)}})
+    policy = BatchWidthPolicy(cost, decay=0.1, min_evidence=8)
+    assert policy.plan_width(None, 6, rows=64).width == 6 and not policy.needs_scores
+    survive = [0.6, 0.45, 0.35, 0.25, 0.2, 0.15]  # share of rows whose first i + 1 drafts were accepted
+    for _ in range(20):
+        round_stats = SpecDecodeStats()
+        for row in range(20):  # 20 rows drafting 6, accepting as many as ``survive`` says
+            accepted = sum(row < 20 * s for s in survive)
+            round_stats.record(6, accepted, accepted + 1)
+        policy.observe(40, 1.0, None, round_stats)
+    assert np.allclose(policy._accepted / policy._drafted, survive)
+    assert policy.plan_width(None, 6, rows=1).width == 6
+    narrow = policy.plan_width(None, 6, rows=128)
+    tokens = 1 + np.concatenate([[0], np.cumsum(survive)])
+    ms = np.array([2.0 + 0.25 * (m + 1) for m in range(7)])
+    assert narrow.width == int(np.argmax(tokens / ms)) < 6 and narrow.modelled_ms == pytest.approx(ms[narrow.width])
+    before = policy._drafted.copy()
+    short = SpecDecodeStats()
+    short.record(2, 1, 2)  # a round that drafted two positions: the later ones keep their counts
+    policy.observe(2, 1.0, narrow, short)
+    assert (policy._drafted[2:] == before[2:]).all() and (policy._drafted[:2] != before[:2]).all()
+    lens = policy.lengths([torch.zeros(6, 4), torch.zeros(3, 4)])  # host-drafted rounds: cut to the width
+    assert lens == [min(6, policy.width(2, 6)[0]), min(3, policy.width(2, 6)[0])]

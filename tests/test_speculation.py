@@ -53,6 +53,10 @@ def predictor_file(tmp_path_factory):
     (dict(drafter="remote", policy="predictor", predictor="auto"), "--predictor auto needs a drafter with a shipped"),
     (dict(policy="entropy"), "a draft policy (entropy) needs a --drafter"),
     (dict(drafter="ngram", draft_model="truncate:1"), "--draft-model needs --drafter draft-model or specformer"),
+    (dict(drafter="ngram", policy="batch-width", acceptance_threshold="0.5"), "policy batch-width sets no acceptance"),
+    (dict(drafter="ngram", policy="batch-width", cost_model=False), "chooses widths with the verifier cost model"),
+    (dict(drafter="ngram", policy="batch-width", predictor="p.safetensors"), "--predictor needs --policy predictor"),
+    (dict(policy="batch-width"), "a draft policy (batch-width) needs a --drafter"),
 ])
 def test_invalid_configurations_raise_when_made(fields, message):
     with pytest.raises(ConfigError) as err:
@@ -233,6 +237,28 @@ def test_build_engine_measures_its_cost_model_and_shares_targets(tiny_dir):
     engine.add_request("hi")
     with pytest.raises(ValueError, match="idle"):
         build_engine(TARGET_ONLY, share=engine)
+
+
+def test_batch_width_engine_chains_learns_per_position_acceptance_and_is_lossless(word_dir):
+    """policy "batch-width": build_engine measures T(b, q), the policy chains without scoring
+    drafts (no device scorer), learns the acceptance per position from the rounds it runs, and
+    the output is target-only's."""
+    from tandem.batch_width import BatchWidthPolicy
+
+    ck, cfg = load_checkpoint(word_dir), RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128)
+    engine = build_engine(SpeculativeConfig("ngram", num_draft_tokens=3, policy="batch-width"), ck, cfg)
+    policy = engine.draft_policy
+    assert isinstance(policy, BatchWidthPolicy) and engine.chains_rounds and not engine.drafter.scores_on_device
+    assert sorted(policy.cost.table[2]) == [1, 2, 3, 4, 5]
+    prompts = ["w1 w2 w3 w1 w2 w3 w1", "w4 w5 w4 w5 w4"]  # the 32-word model repeats n-grams
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got = engine.generate(prompts, params)
+    assert engine.stats.num_drafted > 0 and policy._drafted.sum() > 0
+    assert (policy._accepted <= policy._drafted).all()
+    base = build_engine(TARGET_ONLY, share=engine)
+    assert [c.token_ids for c in got] == [c.token_ids for c in base.generate(prompts, params)]
+    with pytest.raises(ConfigError, match="needs the verifier cost model"):
+        build_draft_policy(SpeculativeConfig("ngram", policy="batch-width"))
 
 
 def test_a_shared_chained_engine_hands_over_every_slot(tiny_dir):

@@ -288,6 +288,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
     BenchConfig("predictor-online-tau", "ablation: learned predictor + online acceptance threshold, no cost model",
                 _k, _k1, speculation=lambda ctx: _ablation_predictor_row(ctx, cost_model=False),
                 prepare=_prepare_ablation(True), uses_predictor=True),
+    BenchConfig("batch-width", "ablation: one width for every row from the batch size, the verifier cost model "
+                "T(b, q) and the acceptance per position seen so far; no predictor, nothing scored",
+                _k, _k1, speculation=lambda ctx: _over_ca_drafter(ctx, policy="batch-width"),
+                prepare=_prepare_ablation(False), uses_cost_model=True),
     BenchConfig("budget", "ablation: learned predictor + online acceptance threshold + batch budget under the "
                 "verifier cost model T(b, q), no enhancement",
                 _k, _k1, speculation=_ablation_predictor_row, prepare=_prepare_ablation(True), uses_cost_model=True,
@@ -312,8 +316,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
 ]}
 
 CA_DRAFTERS = ("ngram", "draft-model", "specformer")
-ABLATION_POLICIES = ("random-length", "entropy-threshold", "predictor-fixed-tau", "predictor-online-tau", "budget",
-                     "full-system")
+ABLATION_POLICIES = ("random-length", "entropy-threshold", "predictor-fixed-tau", "predictor-online-tau", "batch-width",
+                     "budget", "full-system")
 
 
 def ablation_configs(k: int) -> tuple[str, ...]:

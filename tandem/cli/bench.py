@@ -29,7 +29,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
               help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
                    "hf-prompt-lookup; target-host, ngram-host, specformer-host run host-drafted rounds instead of "
                    "chained device rounds; the ablation's rows (fixed-k=<n>, random-length, entropy-threshold, "
-                   "predictor-fixed-tau, predictor-online-tau, budget, full-system) over --ca-drafter "
+                   "predictor-fixed-tau, predictor-online-tau, batch-width, budget, full-system) over --ca-drafter "
                    "(target always runs: it is the baseline). Default: target (+ hf-generate).")
 @click.option("--hf-baseline/--no-hf-baseline", default=None,
               help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
@@ -61,7 +61,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                    "In-process mode only.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
-                   "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, budget, "
+                   "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, batch-width, budget, "
                    "full-system over --drafter (or --ca-drafter) at k = --num-draft-tokens; the predictor rows "
                    "use --predictor PATH|auto.")
 @with_drafter_options
