@@ -239,16 +239,19 @@ def test_build_engine_measures_its_cost_model_and_shares_targets(tiny_dir):
         build_engine(TARGET_ONLY, share=engine)
 
 
-def test_batch_width_engine_chains_learns_per_position_acceptance_and_is_lossless(word_dir):
-    """policy "batch-width": build_engine measures T(b, q), the policy chains without scoring
-    drafts (no device scorer), learns the acceptance per position from the rounds it runs, and
-    the output is target-only's."""
+@pytest.mark.parametrize("chained", [True, False])
+def test_batch_width_engine_learns_per_position_acceptance_and_is_lossless(word_dir, chained):
+    """policy "batch-width": build_engine measures T(b, q); the policy chains without scoring
+    drafts (no device scorer) or cuts host-drafted proposals to its width, learns the acceptance
+    per position from the rounds it runs, and the output is target-only's."""
     from tandem.batch_width import BatchWidthPolicy
 
     ck, cfg = load_checkpoint(word_dir), RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128)
-    engine = build_engine(SpeculativeConfig("ngram", num_draft_tokens=3, policy="batch-width"), ck, cfg)
+    engine = build_engine(SpeculativeConfig("ngram", num_draft_tokens=3, policy="batch-width",
+                                            chained_rounds=chained), ck, cfg)
     policy = engine.draft_policy
-    assert isinstance(policy, BatchWidthPolicy) and engine.chains_rounds and not engine.drafter.scores_on_device
+    assert isinstance(policy, BatchWidthPolicy) and engine.chains_rounds is chained
+    assert not engine.drafter.scores_on_device
     assert sorted(policy.cost.table[2]) == [1, 2, 3, 4, 5]
     prompts = ["w1 w2 w3 w1 w2 w3 w1", "w4 w5 w4 w5 w4"]  # the 32-word model repeats n-grams
     params = SamplingParams(max_tokens=40, ignore_eos=True)
