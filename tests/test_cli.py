@@ -62,6 +62,7 @@ def run():
     (["demo", "--model", "/nonexistent"], "--model '/nonexistent' does not exist"),
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", ""], "must be a non-empty token"),
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", " k"], "without surrounding whitespace"),
+    (["serve", "verifier", "--port", "50000", "--policy", "batch-width"], "add --measure-cost"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
