@@ -43,9 +43,10 @@ def read_text(path: str | Path) -> str:
 # Request fields a prompts file row might carry, expecting them to apply to that prompt: refused,
 # since a prompts file sets prompts only (other keys are the row's metadata, e.g. Spec-Bench's
 # ``reference``).
-REQUEST_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                            "n", "stream", "messages", "model", "presence_penalty", "frequency_penalty",
-                            "repetition_penalty", "min_tokens", "logit_bias", "response_format"})
+REQUEST_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "max_new_tokens", "temperature", "top_p", "top_k",
+                            "seed", "stop", "stop_sequences", "n", "stream", "messages", "model", "system",
+                            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+                            "logprobs", "top_logprobs", "response_format", "tools"})
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -89,7 +90,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
             raise InvalidRequestError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
         except ValueError as exc:  # a repeated key
             raise InvalidRequestError(f"{p}:{lineno}: {exc}") from None
-        if isinstance(row, dict) and (fields := sorted(REQUEST_FIELDS.intersection(row))):
+        if isinstance(row, dict) and (fields := sorted(k for k in row if k.lower() in REQUEST_FIELDS)):
             raise InvalidRequestError(f"{p}:{lineno}: {', '.join(map(repr, fields))}: a prompts file holds prompts only; "
                                       "sampling and length are the command's options (--max-tokens, --temperature, ...)")
         if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:

@@ -63,6 +63,8 @@ def run():
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", ""], "must be a non-empty token"),
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--api-key", " k"], "without surrounding whitespace"),
     (["serve", "verifier", "--port", "50000", "--policy", "batch-width"], "add --measure-cost"),
+    (["serve", "router", "--port", "18000", "--verifier", "http://127.0.0.1:50051"], "expected HOST:PORT"),
+    (["bench", "--out", ""], "--out is empty"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -91,6 +93,9 @@ def test_prompts_files_set_prompts_only(run, tmp_path):
     f.write_text(json.dumps({"prompt": "hi", "max_tokens": 9, "temperature": 5}) + "\n")
     res = run("generate", "--prompts-file", str(f))
     assert res.exit_code == 2 and f"{f}:1: 'max_tokens', 'temperature': a prompts file holds prompts only" in res.stderr
+    f.write_text(json.dumps({"prompt": "hi", "Temperature": 2, "max_new_tokens": 5, "system": "x"}) + "\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and "'Temperature', 'max_new_tokens', 'system'" in res.stderr
     f.write_text('{"prompt": "a", "prompt": "b"}\n')
     res = run("generate", "--prompts-file", str(f))
     assert res.exit_code == 2 and f"{f}:1: the key 'prompt' appears twice" in res.stderr

@@ -204,4 +204,4 @@ def test_train_predictor_refuses_damaged_logs_and_writes_strict_json(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     res = runner.invoke(main, ["collect-logs", "--prompts", str(empty), "--drafter", "ngram", "--out", str(tmp_path / "l.npz")])
-    assert res.exit_code == 2 and "the prompts file has no prompts" in res.output
+    assert res.exit_code == 2 and f"the prompts file {empty} has no prompts" in res.output

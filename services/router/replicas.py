@@ -50,7 +50,7 @@ class Replica:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 why, hint = "refused the router", " (give the router the replicas' --api-key)"
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # wait_for_ready: refused connections wait too
-                why, hint = "did not answer within 30 s", " (nothing listening at that address, or still starting)"
+                why, hint = "did not answer within 30 s", " (no verifier replica serving there, or one still starting)"
             raise TargetUnavailable(f"verifier replica {address} {why}: {exc.code().name}: {exc.details()}{hint}") from None
         self.healthy = True
         self.last_error: str | None = None

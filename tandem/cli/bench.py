@@ -75,7 +75,9 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
           kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
-    if out:
+    if out is not None:
+        if not out.strip():
+            fail("--out is empty: give the directory to write results.json and the tables to")
         out_dir(out)  # before anything runs
     if from_results:
         _bench_from_results(from_results, out)
@@ -98,7 +100,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
         fail(str(exc))
         return
     if not records:
-        fail("the prompts file has no prompts")
+        fail(f"the prompts file {prompts_file or bundled_spec_bench()} has no prompts")
     if ablation:  # the paper's ablation rows are configurations on the same engines (tandem.bench.configs)
         from ..bench.configs import ablation_configs  # torch
 

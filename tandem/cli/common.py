@@ -65,7 +65,7 @@ def host_port(ctx: click.Context, param, value):
         if v is None:
             continue
         host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        if not sep or not host or "/" in host or not port.isdigit() or not 1 <= int(port) <= 65535:  # no scheme
             raise click.BadParameter(f"expected HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:50051), got {v!r}",
                                      ctx=ctx, param=param)
     return value

@@ -115,7 +115,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         if compare and prompt is not None:  # one prompt compared: run as a file of one (no streaming)
             records, prompt = [PromptRecord("prompt", "-", prompt)], None
         if records is not None and not records:
-            fail("the prompts file has no prompts")
+            fail(f"the prompts file {prompts_file} has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, spec, dtype=dtype, kernels=kernels,
                          num_requests=1 if records is None else len(records))
     except InvalidRequestError as exc:
@@ -178,7 +178,7 @@ def _check_output(output: str, prompts_file: str) -> None:
         fail("--output would overwrite --prompts-file")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        fail(f"cannot write --output {output}: no directory {parent}")
+        fail(f"cannot write --output {output}: {parent} is not a directory" if parent.exists() else f"cannot write --output {output}: no directory {parent}")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         fail(f"cannot write --output {output}: permission denied")
 

@@ -81,7 +81,7 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             if limit:
                 records = round_robin_by_category(records, limit)
             if not records:
-                raise InvalidRequestError("the prompts file has no prompts")
+                raise InvalidRequestError(f"the prompts file {prompts_file or bundled_spec_bench()} has no prompts")
             engine = _engine(model, device, batch_size or (128 if torch.cuda.is_available() else 8), 2048, compile_=False)
             traces = record_traces(engine, records, max_tokens or 256)
             del engine

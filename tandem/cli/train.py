@@ -66,7 +66,7 @@ def collect_logs(prompts_file, limit, out, model, device, drafter, draft_model, 
     try:
         prompts = load_prompts(prompts_file, limit)
         if not prompts:
-            fail("the prompts file has no prompts")
+            fail(f"the prompts file {prompts_file} has no prompts")
         engine = _engine(model, device, batch_size, max_seq_len, spec, verification_sink=sink)
     except InvalidRequestError as exc:
         fail(str(exc))
@@ -180,7 +180,7 @@ def distill_data(prompts_file, out, limit, max_tokens, max_prompt_tokens, batch_
     signal.signal(signal.SIGTERM, _stop)
     records = load_prompts(prompts_file, limit)
     if not records:
-        fail("the prompts file has no prompts")
+        fail(f"the prompts file {prompts_file} has no prompts")
     on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     cfg = default_runner_config(device, max_batch_size=batch_size or (256 if on_gpu else 8),
                                 max_seq_len=max_prompt_tokens + max_tokens + 1,
