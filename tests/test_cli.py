@@ -209,7 +209,7 @@ def test_generate_with_structured_output_and_adjustments(run, tmp_path):
     assert res.exit_code == 2 and "the JSON schema is not valid JSON" in res.stderr
 
 
-def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoint):
+def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoint, tmp_path):
     """An output cut by the context limit before --max-tokens says so on stderr (stdout keeps the
     text only); one that reaches --max-tokens does not."""
     model = str(tiny_checkpoint("llama", with_tokenizer=True))
@@ -220,6 +220,12 @@ def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoin
     res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "3", "--max-seq-len", "24",
               "--min-tokens", "3")
     assert res.exit_code == 0 and "context limit" not in res.stderr
+    prompts = tmp_path / "p.jsonl"  # a prompts file's run counts the prompts the limit cut
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "hello"}\n')
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--no-chat", "--max-tokens", "500",
+              "--max-seq-len", "24", "--min-tokens", "500")
+    assert res.exit_code == 0, res.output
+    assert "2 of 2 prompts stopped at the context limit (--max-seq-len 24)" in " ".join(res.stderr.split())
 
 
 def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_path):

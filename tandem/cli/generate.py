@@ -148,6 +148,11 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             sink.close()
             os.unlink(sink.name)
         raise
+    cut = sum(c.finish_reason == "length" and c.completion_tokens < params.max_tokens for c in results)
+    if cut:  # as a single prompt says it: the context limit, not --max-tokens, ended these
+        err_console.print(f"[dim]{cut} of {len(results)} prompts stopped at the context limit (--max-seq-len "
+                          f"{engine.max_seq_len}) before --max-tokens {params.max_tokens}[/dim]", highlight=False,
+                          soft_wrap=True)
     if sink is not None:
         with sink:
             for r, c in zip(records, results):
