@@ -48,8 +48,8 @@ class BatchWidthPolicy(DraftPolicy):
         return [min(f.shape[0], m) for f in features]
 
     def plan_width(self, scores, limit: int, rows: int | None = None) -> WidthPlan:
-        """Chained rounds: ``width`` for ``rows`` rows (else as many as ``scores`` has; scores unread)."""
-        m, modelled = self.width(len(scores) if rows is None and scores is not None else rows or 0, limit)
+        """Chained rounds: ``width`` for ``rows`` rows (None: as many as ``scores`` has; scores unread)."""
+        m, modelled = self.width(len(scores or ()) if rows is None else rows, limit)
         return WidthPlan(m, 0.0, modelled)
 
     def width(self, b: int, limit: int) -> tuple[int, float | None]:

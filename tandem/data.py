@@ -49,15 +49,24 @@ REQUEST_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "max_new_toke
                             "logprobs", "top_logprobs", "response_format", "tools"})
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``json.loads``'s object hook: a key given twice is an error (as in the HTTP API), not the last
-    value silently."""
-    row = dict(pairs)
-    if len(row) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the key {dup!r} appears twice")
-    return row
+class DuplicateKey(ValueError):
+    """A key twice in one JSON object (``args[0]``: the key)."""
+
+
+def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``'s ``object_pairs_hook`` for input we read (prompts files, HTTP request
+    bodies): a key twice in one object would leave one of its values ignored in silence (JSON
+    parsers keep the last).
+
+    Raises:
+        DuplicateKey: the first repeated key.
+    """
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
@@ -85,11 +94,12 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         if not line.strip():
             continue
         try:
-            row = json.loads(line.removeprefix("\ufeff") if lineno == 1 else line, object_pairs_hook=_unique_keys)
+            row = json.loads(line.removeprefix("\ufeff") if lineno == 1 else line,
+                             object_pairs_hook=refuse_duplicate_keys)
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
-        except ValueError as exc:  # a repeated key
-            raise InvalidRequestError(f"{p}:{lineno}: {exc}") from None
+        except DuplicateKey as exc:
+            raise InvalidRequestError(f"{p}:{lineno}: the key {exc.args[0]!r} appears twice") from None
         if isinstance(row, dict) and (fields := sorted(k for k in row if k.lower() in REQUEST_FIELDS)):
             raise InvalidRequestError(f"{p}:{lineno}: {', '.join(map(repr, fields))}: a prompts file holds prompts only; "
                                       "sampling and length are the command's options (--max-tokens, --temperature, ...)")

@@ -290,7 +290,8 @@ def _policy_cost(spec: SpeculativeConfig, drafter: "Drafter", target: "LocalTarg
 def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
                  runner_config: RunnerConfig | None = None, *, share: Engine | None = None,
                  tokenizer: Tokenizer | None = None, weights=None, cost: CostModel | None = None,
-                 verification_sink=None, drafter: Drafter | None = None, store=None) -> Engine:
+                 verification_sink=None, drafter: Drafter | None = None, store=None,
+                 on_measure: Callable[[], None] | None = None) -> Engine:
     """An engine that speculates as ``spec`` says.
 
     Args:
@@ -308,6 +309,8 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         drafter: an already built drafter (required for ``spec.drafter == "remote"``: a verifier
             replica's drafter-service client), as ``build_speculation``.
         store: the draft policy's θ state shared through a state store (verifier replicas).
+        on_measure: called just before T(b, q) is timed (a CLI says it will take a while), after a
+            bad predictor has failed.
 
     Raises:
         ValueError: ``share`` with requests, or with a checkpoint / runner_config.
@@ -356,6 +359,8 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
     if needs_policy_cost:
         if spec.policy == "predictor":
             load_predictor(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
+        if on_measure is not None:
+            on_measure()
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
                                         cost=_policy_cost(spec, drafter, target), store=store)
     return Engine(tokenizer=tokenizer or load_tokenizer(checkpoint), target=target,

@@ -31,6 +31,7 @@ from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.data import DuplicateKey
 from tandem.engine import Completion
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
@@ -40,8 +41,8 @@ from tandem.structured import Structure
 from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
-from .schema import (ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest, DuplicateKey,
-                     encoding_refused, identity_encoding, undecodable)
+from .schema import (ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest, encoding_refused,
+                     identity_encoding, undecodable)
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tandem.data import refuse_duplicate_keys
 from tandem.errors import InvalidRequestError
 from tandem.logprobs import MAX_TOP_LOGPROBS
 from tandem.sampling import SamplingParams
@@ -199,21 +200,6 @@ class ChatCompletionRequest(_SamplingFields):
         return self.logprobs, self.top_logprobs or 0
 
 
-class DuplicateKey(ValueError):
-    """A key twice in one JSON object of a request body (``args[0]``: the key)."""
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    """``json.loads``'s ``object_pairs_hook``: a key twice in one object would leave one of its
-    values ignored in silence (JSON parsers keep the last)."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 class _CheckedJSONRequest(Request):
     """A request whose ``json()`` (the one parse FastAPI makes of a JSON body) refuses a key twice
     in one object (``DuplicateKey``; FastAPI then raises its 400 "error parsing the body" from it,
@@ -229,7 +215,7 @@ class _CheckedJSONRequest(Request):
 
     async def json(self):
         if not hasattr(self, "_json"):
-            self._json = json.loads(await self.body(), object_pairs_hook=_refuse_duplicate_keys)
+            self._json = json.loads(await self.body(), object_pairs_hook=refuse_duplicate_keys)
         return self._json
 
 

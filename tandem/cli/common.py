@@ -240,14 +240,9 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
     if max_batch_size is None and num_requests:
         cfg = replace(cfg, max_batch_size=max(1, min(cfg.max_batch_size, num_requests)))
     checkpoint = load_checkpoint(model)
-    if spec.measures_cost:  # build_engine measures T(b, q) first
-        if spec.policy == "predictor":
-            from ..speculation import load_predictor
-
-            load_predictor(spec, checkpoint)  # a bad --predictor fails before the measurement, not after
-        err_console.print("note: measuring the verifier's step cost T(b, q) for the draft policy's allocation "
-                          "(once at start-up; tens of seconds on a CPU)", highlight=False, soft_wrap=True)
-    engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink)
+    engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink, on_measure=lambda: err_console.print(
+        "note: measuring the verifier's step cost T(b, q) for the draft policy's allocation (once at start-up; "
+        "tens of seconds on a CPU)", highlight=False, soft_wrap=True))
     if engine.drafter is not None and engine.draft_limit < spec.num_draft_tokens:
         err_console.print(f"note: this {engine.drafter.name} drafter drafts {engine.draft_limit} tokens a round "
                           f"(l_d); --num-draft-tokens {spec.num_draft_tokens} is capped to {engine.draft_limit}",
