@@ -20,7 +20,13 @@ set -uo pipefail
 if (( $# == 0 )); then
   echo "usage: scripts/device_pass.sh 'COMMAND' ['COMMAND' ...]  (see the header)" >&2; exit 2
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+# A later call in the same lease may leave .whl/ behind (room for other files): the packages
+# installed by an earlier call are still in /tmp/site while the machine stays warm.
+if compgen -G '.whl/*.whl' > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+elif [[ ! -d /tmp/site ]]; then
+  echo "no .whl/ carried and nothing installed in /tmp/site (scripts/device_wheels.sh)" >&2; exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export MODEL=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf OUT=${OUT:-/tmp/out}
 [[ -f $MODEL ]] || { echo "no staged model at $MODEL (scripts/stage_model.sh)" >&2; exit 1; }
