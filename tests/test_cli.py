@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -228,6 +229,25 @@ def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoin
     assert "2 of 2 prompts stopped at the context limit (--max-seq-len 24)" in " ".join(res.stderr.split())
 
 
+def test_generate_takes_a_draft_policy(run, tiny_checkpoint, tmp_path):
+    """``--policy batch-width`` reaches the engine (named in the table's title, lossless against
+    target-only under --compare); a policy that needs what is not given is a one-line error."""
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("one two one two", "abc abc abc")))
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--max-tokens", "12", "--no-chat",
+              "--drafter", "ngram", "--policy", "batch-width", "--compare")
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.stdout.split())
+    assert "drafter ngram, k=4 (batch-width lengths)" in out and re.search(r"\(batch-width lengths\) .*│ 2/2 │", out), out
+    for args, message in ((["--policy", "predictor"], "--policy predictor needs --predictor PATH"),
+                          (["--policy", "batch-width", "--acceptance-threshold", "0.5"], "policy batch-width sets no"),
+                          ([], "--predictor needs --policy predictor")):
+        extra = ["--predictor", "auto", "--policy", "fixed"] if not args else args
+        res = run("generate", "--model", model, "--prompt", "hi", "--drafter", "ngram", *extra)
+        assert res.exit_code == 2 and message in res.stderr, res.output
+
+
 def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_path):
     """``--output`` with a prompts file: one JSONL row per prompt, in order, with its text and
     token ids; a path it cannot write (a missing directory, a directory, the prompts file itself) is
@@ -260,7 +280,6 @@ def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_che
     """``tandem demo`` (``make run``) through real processes (a drafter service with a one-layer
     draft model: it drafts every step): it names the drafter and the draft policy, and prints the draft lengths chosen per verification step (shares that add up) beside
     the acceptance per draft position, from the requests' ``usage.speculative_decoding``."""
-    import re
 
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"question_id": i, "category": "qa", "turns": [t]} for i, t in

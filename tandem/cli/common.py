@@ -195,6 +195,14 @@ drafter_options = [
 ]
 
 
+policy_option = click.option(
+    "--policy", type=click.Choice(["fixed", "entropy", "predictor", "batch-width"]), default=None,
+    help="Draft lengths: fixed k; entropy or predictor (a threshold on exp(-entropy) or on the learned "
+         "acceptance predictor, allocated across the batch under the verifier cost model); batch-width (one "
+         "width a round from the batch size, the cost model and the acceptance per position so far; nothing "
+         "scored). Default: predictor with --predictor, else fixed.")
+
+
 def with_drafter_options(fn):
     """Add ``drafter_options`` to a command (read them with ``speculative_config``)."""
     for opt in reversed(drafter_options):
@@ -203,16 +211,19 @@ def with_drafter_options(fn):
 
 
 def speculative_config(drafter: str = "none", draft_model: str | None = None, num_draft_tokens: int = 4,
-                       predictor: str | None = None, acceptance_threshold: str = "auto", branch_top_m: int = 0) -> SpeculativeConfig:
-    """The drafter options (``with_drafter_options``) as a ``SpeculativeConfig``: a predictor
-    makes the policy "predictor" (θ online unless ``--acceptance-threshold``), none keeps k fixed.
+                       predictor: str | None = None, acceptance_threshold: str = "auto", branch_top_m: int = 0,
+                       policy: str | None = None) -> SpeculativeConfig:
+    """The drafter options (``with_drafter_options``, ``policy_option``) as a ``SpeculativeConfig``:
+    ``policy`` as given, else "predictor" with a predictor (θ online unless
+    ``--acceptance-threshold``) and "fixed" without.
 
     Raises:
         ConfigError: options that do not go together (``SpeculativeConfig``).
     """
-    return SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                             policy="predictor" if predictor is not None else "fixed", predictor=predictor, acceptance_threshold=acceptance_threshold,
-                             branch_top_m=branch_top_m)
+    if policy is None:
+        policy = "predictor" if predictor is not None else "fixed"
+    return SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens, policy=policy,
+                             predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
 
 
 # ----------------------------------------------------------------------------- engines

@@ -18,7 +18,7 @@ from ..data import PromptRecord, load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
 from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
-                     kernels_option, model_option, speculative_config, with_drafter_options)
+                     kernels_option, model_option, policy_option, speculative_config, with_drafter_options)
 
 MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after the first
 
@@ -54,6 +54,7 @@ MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after t
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True, help="Context limit per request.")
 @click.option("--no-chat", is_flag=True, help="Send the prompt raw, without the chat template.")
 @with_drafter_options
+@policy_option
 @click.option("--specformer", "specformer_path", default=None, metavar="PATH",
               help="SpecFormer head directory (tandem train specformer); implies --drafter specformer. Same as "
                    "--drafter specformer --draft-model PATH, and as tandem bench --specformer.")
@@ -69,7 +70,7 @@ MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after t
 def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature, top_p, top_k, seed, stop,
              presence_penalty, frequency_penalty, repetition_penalty, min_tokens, logit_bias, json_object, json_schema,
              regex, grammar, batch_size, max_seq_len, no_chat, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-             specformer_path, output, compare, dtype, kernels) -> None:
+             policy, specformer_path, output, compare, dtype, kernels) -> None:
     """Generate for one prompt (streamed) or a prompts file (table of results)."""
     from ..sampling import SamplingParams  # torch
 
@@ -104,7 +105,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
         fail("prompt is empty (or only whitespace)")
-    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m)
+    spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, policy)
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(_unescape(x) for x in stop), presence_penalty=presence_penalty,
@@ -260,6 +261,10 @@ def _speculation_label(engine) -> str:
     label = f"{engine.drafter.name}, k={engine.num_draft_tokens}"
     if policy is None:
         return label
+    from ..batch_width import BatchWidthPolicy
+
+    if isinstance(policy, BatchWidthPolicy):
+        return f"{label} (batch-width lengths)"
     kind = "random length" if policy.score is None else "adaptive"
     trees = f", top-{policy.branch_top_m} trees where θ cuts" if policy.branch_top_m > 1 else ""
     return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''}{trees})"
@@ -302,7 +307,7 @@ def _print_results(engine, records, results, wall: float) -> None:
                   f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms", highlight=False)
     if spec_on:
         per_pos = ", ".join(fmt(a, ".2f") for a in engine.stats.acceptance_per_pos)
-        console.print(f"acceptance per draft position: {per_pos}", highlight=False)
+        console.print(f"acceptance per draft position: {per_pos or 'nothing drafted'}", highlight=False)
 
 
 def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = False) -> None:

@@ -15,7 +15,7 @@ from services.launch import StackConfig
 from ..data import bundled_spec_bench, load_prompts
 from ..speculation import SpeculativeConfig
 from .common import (console, device_option, dtype_option, fail, finite, graph_options, host_port, kernels_option,
-                     model_option, torch_dtype)
+                     model_option, policy_option, speculative_config, torch_dtype)
 
 
 @click.group()
@@ -62,11 +62,7 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @click.option("--drafter-address", default=None, metavar="HOST:PORT", callback=host_port,
               help="A drafter service (tandem serve drafter) to draft with, e.g. a draft model on a cheaper GPU.")
 @click.option("--num-draft-tokens", type=click.IntRange(min=1, max=16), default=4, show_default=True)
-@click.option("--policy", type=click.Choice(["fixed", "entropy", "predictor", "batch-width"]), default="fixed",
-              show_default=True,
-              help="Draft lengths: fixed k; adaptive (threshold controller) over exp(-entropy) or the learned "
-                   "predictor; or batch-width (one width a round from the batch size under the cost model and "
-                   "the acceptance per position so far; needs --measure-cost).")
+@policy_option
 @click.option("--predictor", default=None, metavar="PATH|auto", help="Predictor for --policy predictor.")
 @click.option("--measure-cost/--no-measure-cost", default=False, show_default=True,
               help="Time the verifier cost model T(b, q) at start-up: adaptive policies allocate draft tokens "
@@ -97,8 +93,8 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
                                "--drafter / --draft-model (the service's own options choose its drafter)")
     if policy == "batch-width" and not measure_cost:
         raise click.UsageError("--policy batch-width chooses widths under the verifier cost model: add --measure-cost")
-    spec = SpeculativeConfig("remote" if drafter_address else drafter or "ngram", draft_model=draft_model,
-                             num_draft_tokens=num_draft_tokens, policy=policy, predictor=predictor)
+    spec = speculative_config("remote" if drafter_address else drafter or "ngram", draft_model, num_draft_tokens,
+                              predictor, policy=policy)
     runner = dict(dtype=torch_dtype(dtype), kernels=kernels, cuda_graphs=cuda_graphs, compile=compile_,
                   prefill_graphs=prefill_graphs)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
