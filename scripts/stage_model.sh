@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Split the bundled target GGUF into N parts in ignored folders .device-stage/pI, so each device
 # call stays under the 64 MiB it may carry *with* the working tree (tracked and untracked files:
-# ~83 MiB with every shipped drafter and the distillation data; tracked files absent from the work
+# ~95 MiB with every shipped drafter and the distillation data; tracked files absent from the work
 # tree, e.g. moved aside for a pass that does not need them, do not travel and are not counted:
 # docs/benchmarks.md, "How to reproduce a GPU figure", names what a bench pass can leave out).
 # Without PARTS the count is the smallest that keeps tree + part under 63 MiB, the last call's

@@ -1232,16 +1232,18 @@ def test_collect_logs_records_the_heads_states(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_shipped_six_slot_head_drafts_six_and_is_lossless(real_engine):
-    """The shipped l_d = 6 head (``specformer-smollm2-135m-ld6``, fine-tuned from the l_d = 4 one)
-    loads with six draft slots; over the bundled target at k = 6 its greedy output equals
-    target-only's, and it drafts, and has drafts accepted, at positions 5 and 6."""
+@pytest.mark.parametrize("slots", [6, 8])
+def test_the_shipped_longer_heads_draft_all_slots_and_are_lossless(real_engine, slots):
+    """The shipped l_d = 6 and l_d = 8 heads (``specformer-smollm2-135m-ld6``, fine-tuned from the
+    l_d = 4 one; ``-ld8``, from the l_d = 6 one) load with their draft slots; over the bundled
+    target at k = l_d their greedy output equals target-only's, and they draft, and have drafts
+    accepted, at their last two positions."""
     from tandem.drafters.specformer import WEIGHTS_DIR
     from tandem.speculation import SpeculativeConfig, build_engine
 
-    path = WEIGHTS_DIR / "specformer-smollm2-135m-ld6"
-    assert SpecFormerDrafter.load(path).head.config.num_draft_tokens == 6
-    engine = build_engine(SpeculativeConfig(drafter="specformer", draft_model=str(path), num_draft_tokens=6),
+    path = WEIGHTS_DIR / f"specformer-smollm2-135m-ld{slots}"
+    assert SpecFormerDrafter.load(path).head.config.num_draft_tokens == slots
+    engine = build_engine(SpeculativeConfig(drafter="specformer", draft_model=str(path), num_draft_tokens=slots),
                           share=real_engine)
     prompts = ["Count from 1 to 40, separated by commas.", "Write the English alphabet in capital letters, separated "
                "by spaces, twice."]
@@ -1249,6 +1251,6 @@ def test_the_shipped_six_slot_head_drafts_six_and_is_lossless(real_engine):
     want = [c.token_ids for c in real_engine.generate(prompts, params)]
     got = engine.generate(prompts, params)
     assert [c.token_ids for c in got] == want
-    drafted = [sum(c.spec.drafted_per_pos[i] for c in got) for i in range(6)]
-    accepted = [sum(c.spec.accepted_per_pos[i] for c in got) for i in range(6)]
-    assert drafted[5] > 0 and accepted[4] > 0 and accepted[5] > 0, (drafted, accepted)
+    drafted = [sum(c.spec.drafted_per_pos[i] for c in got) for i in range(slots)]
+    accepted = [sum(c.spec.accepted_per_pos[i] for c in got) for i in range(slots)]
+    assert drafted[-1] > 0 and accepted[-2] > 0 and accepted[-1] > 0, (drafted, accepted)
