@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .control import CostModel, DraftPolicy, WidthPlan
+from .control import CostModel, DraftPolicy, WidthPlan, most_tokens_per_ms
 
 
 class BatchWidthPolicy(DraftPolicy):
@@ -32,7 +32,7 @@ class BatchWidthPolicy(DraftPolicy):
         decay: weight each round's counts lose per round (1 / decay rounds of memory).
         min_evidence: row-rounds a position needs before its estimate is used.
         hysteresis: how much faster (predicted tokens per ms, as a fraction) another width must be
-            to replace the one in use.
+            to replace the one in use (``DraftPolicy``).
 
     Raises:
         ValueError: ``decay`` outside (0, 1) or a negative ``hysteresis``.
@@ -40,15 +40,12 @@ class BatchWidthPolicy(DraftPolicy):
 
     def __init__(self, cost: CostModel, decay: float = 0.02, min_evidence: float = 32.0,
                  hysteresis: float = 0.03) -> None:
-        super().__init__(score=None, cost=cost, acceptance_threshold=0.0)
+        super().__init__(score=None, cost=cost, acceptance_threshold=0.0, hysteresis=hysteresis)
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay}")
-        if not hysteresis >= 0.0:
-            raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
-        self.decay, self.min_evidence, self.hysteresis = decay, min_evidence, hysteresis
+        self.decay, self.min_evidence = decay, min_evidence
         self._drafted = np.zeros(0)  # decayed row-rounds with >= i + 1 drafts, per position i
         self._accepted = np.zeros(0)  # of them, the row-rounds whose first i + 1 drafts were accepted
-        self._width: int | None = None  # the width in use (None: none chosen yet)
         self._width_ms: dict[tuple[int, int], np.ndarray] = {}  # (b, limit) -> round ms less the overhead, per m
 
     def begin_round(self):
@@ -74,7 +71,7 @@ class BatchWidthPolicy(DraftPolicy):
         if b <= 0 or limit <= 0:
             return limit, None
         if len(self._drafted) < limit or (self._drafted[:limit] < self.min_evidence).any():
-            self._width = limit  # exploring: the full width is the one in use
+            self._held_width = limit  # exploring: the full width is the one in use
             return limit, None
         survive = self._accepted[:limit] / self._drafted[:limit]
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(survive)])  # per row, for m = 0 .. limit
@@ -82,12 +79,8 @@ class BatchWidthPolicy(DraftPolicy):
         if width_ms is None:  # T(b, m + 1) and the drafting, per m: fixed for a batch size
             free = replace(self.cost, overhead_ms=0.0)
             width_ms = self._width_ms[b, limit] = np.array([free.round_ms(b, m) for m in range(limit + 1)])
-        rate = tokens / np.maximum(width_ms + self.overhead_ms, 1e-9)
-        m = int(np.argmax(rate))  # most tokens per ms (ties: the narrower)
-        held = self._width
-        if held is not None and held <= limit and rate[m] <= rate[held] * (1.0 + self.hysteresis):
-            m = held
-        self._width = m
+        m = most_tokens_per_ms(tokens, width_ms + self.overhead_ms, self._held_width, self.hysteresis)
+        self._held_width = m
         return m, float(width_ms[m])
 
     def observe(self, emitted_tokens: int, round_ms: float, plan: WidthPlan | None = None, drafting=None) -> None:

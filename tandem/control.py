@@ -170,7 +170,7 @@ def allocate_draft_lengths(probs: Sequence[Sequence[float]], cost: CostModel, ac
         for i, p in enumerate(probs):
             padded[i, :len(p)] = p
         caps, tokens, ms = _width_sweep(padded, cost, acceptance_threshold, cumulative)
-        m = _best(tokens, ms)
+        m = most_tokens_per_ms(tokens, ms)
         return Allocation([min(m, int(c)) for c in caps], float(tokens[m]), float(ms[m]),
                           float(tokens[m] / ms[m]) if ms[m] > 0 else math.inf)
     caps = [threshold_cut(p, acceptance_threshold, cumulative) for p in probs]
@@ -223,7 +223,7 @@ class WidthPlan:
 
 
 def best_width(probs: np.ndarray, cost: CostModel | None, acceptance_threshold: float = 0.0,
-               cumulative: bool = False) -> tuple[int, float | None]:
+               cumulative: bool = False, held: int | None = None, hysteresis: float = 0.0) -> tuple[int, float | None]:
     """The longest row of ``allocate_draft_lengths``'s choice, vectorised over the batch: the
     width m of a padded verify round (every row pays for m drafts, so every row verifies
     ``min(m, L_i)``, L_i its θ-cut length) that maximises expected emitted tokens per predicted ms
@@ -233,6 +233,8 @@ def best_width(probs: np.ndarray, cost: CostModel | None, acceptance_threshold: 
         probs: ``[b, L]`` predicted acceptance probability of each row's L draft positions.
         cost: the cost model (its ``overhead_ms`` included), or None.
         acceptance_threshold, cumulative: θ and whether it applies to the survival product.
+        held, hysteresis: the width in use, kept unless another is predicted more than
+            ``hysteresis`` faster (with a cost model; ``most_tokens_per_ms``).
 
     Returns:
         ``(m, modelled_ms)``: the width and its predicted round time without ``cost.overhead_ms``
@@ -244,7 +246,7 @@ def best_width(probs: np.ndarray, cost: CostModel | None, acceptance_threshold: 
     if cost is None:
         return int(_cuts(probs, acceptance_threshold, cumulative)[0].max()), None
     _, tokens, ms = _width_sweep(probs, cost, acceptance_threshold, cumulative)
-    m = _best(tokens, ms)
+    m = most_tokens_per_ms(tokens, ms, held, hysteresis)
     return m, float(ms[m] - cost.overhead_ms)
 
 
@@ -269,9 +271,14 @@ def _width_sweep(probs: np.ndarray, cost: CostModel, acceptance_threshold: float
     return caps, tokens, np.array([cost.round_ms(b, int(m)) for m in widths])
 
 
-def _best(tokens: np.ndarray, ms: np.ndarray) -> int:
-    """The width of most expected tokens per ms (ties: the narrower, the first)."""
-    return int(np.argmax(tokens / np.maximum(ms, 1e-9)))
+def most_tokens_per_ms(tokens: np.ndarray, ms: np.ndarray, held: int | None = None, hysteresis: float = 0.0) -> int:
+    """The width of most expected tokens per ms (ties: the narrower, the first); the width in use
+    ``held`` stays unless the best is predicted more than ``hysteresis`` (a fraction) faster."""
+    rate = tokens / np.maximum(ms, 1e-9)
+    m = int(np.argmax(rate))
+    if held is not None and 0 <= held < len(rate) and rate[m] <= rate[held] * (1.0 + hysteresis):
+        return held
+    return m
 
 
 class DraftPolicy:
@@ -298,6 +305,10 @@ class DraftPolicy:
             from the verify pass scores its drafts inside the round with it
             (``SpecFormerDrafter.set_acceptance_scorer``) and the policy then picks each round's
             width from those scores (``plan_width``). None: host-drafted rounds only.
+        hysteresis: chained rounds keep the width in use unless the cost model predicts another
+            at least this much faster (a fraction): near ties are equally good, and every width a
+            round uses is a verify shape (a CUDA graph per batch bucket and context) to capture —
+            measured on an H100, 3-4 captures inside a timed pass cost 10-25% of its throughput.
 
     Two ways to apply it. In host-drafted rounds the drafts' features reach the host, every
     sequence's drafts are cut to its own length (``apply``) and the round verifies each row as
@@ -326,9 +337,13 @@ class DraftPolicy:
     def __init__(self, score, controller: ThresholdController | None = None, cost: CostModel | None = None,
                  acceptance_threshold: float = 0.5, cumulative: bool = False, max_total_tokens: int | None = None,
                  branch_top_m: int = 0, store=None, store_key: str = "acceptance_threshold", sync_every: int = 32,
-                 overhead_rate: float = 0.1, device_score=None) -> None:
+                 overhead_rate: float = 0.1, device_score=None, hysteresis: float = 0.03) -> None:
         if not 0.0 < overhead_rate <= 1.0:
             raise ValueError(f"overhead_rate must be in (0, 1], got {overhead_rate}")
+        if not hysteresis >= 0.0:
+            raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
+        self.hysteresis = hysteresis
+        self._held_width: int | None = None  # the chained rounds' width in use (None: none yet)
         self.branch_top_m = branch_top_m
         self.overhead_rate = overhead_rate
         self.overhead_ms = 0.0  # fitted fixed per-round cost (see the class docstring)
@@ -463,9 +478,12 @@ class DraftPolicy:
         else:
             acceptance_threshold = 0.0 if self.cost is not None else self._learned_threshold()
         if scores is None or len(scores) == 0:
+            self._held_width = limit
             return WidthPlan(limit, acceptance_threshold)
         cost = None if self.cost is None else replace(self.cost, overhead_ms=self.overhead_ms)
-        width, modelled = best_width(np.asarray(scores)[:, :limit], cost, acceptance_threshold, self.cumulative)
+        width, modelled = best_width(np.asarray(scores)[:, :limit], cost, acceptance_threshold, self.cumulative,
+                                     self._held_width, self.hysteresis)
+        self._held_width = width
         return WidthPlan(width, acceptance_threshold, modelled)
 
     def _learned_threshold(self) -> float:

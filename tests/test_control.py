@@ -331,3 +331,27 @@ def test_batch_width_policy_keeps_its_width_through_near_ties():
     assert steady.width(8, 3)[1] == pytest.approx(1.1)  # modelled: T(8, 2), the overhead left out
     with pytest.raises(ValueError, match="hysteresis"):
         BatchWidthPolicy(cost, hysteresis=-0.1)
+
+
+def test_chained_plan_width_keeps_its_width_through_near_ties():
+    """``DraftPolicy.plan_width`` (the scoring policies' chained rounds) holds the width in use
+    unless the cost model predicts another more than ``hysteresis`` faster, as batch-width does."""
+    import numpy as np
+
+    cost = CostModel({4: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.06, 5: 1.083}})
+    ms = np.array([1.0, 1.0, 1.0, 1.06, 1.083])  # T(4, m + 1), m = 0 .. 4
+
+    def rates(p):  # expected tokens per ms of each width for 4 rows scored p
+        return (4 + 4 * np.concatenate([[0], np.cumsum(np.cumprod(p))])) / ms
+
+    likely, near, far = [0.9] * 4, [0.7, 0.5, 0.3, 0.2], [0.3, 0.05, 0.05, 0.05]
+    assert rates(likely).argmax() == 4
+    assert rates(near).argmax() == 2 and rates(near)[2] < rates(near)[4] * 1.03  # a near tie
+    assert rates(far).argmax() == 2 and rates(far)[2] > rates(far)[4] * 1.03  # a clear gain
+    for hysteresis, after_near in ((0.0, 2), (0.03, 4)):
+        policy = DraftPolicy(lambda f: f[:, 0], cost=cost, acceptance_threshold=0.0, hysteresis=hysteresis)
+        assert policy.plan_width(np.array([likely] * 4), 4).width == 4
+        assert policy.plan_width(np.array([near] * 4), 4).width == after_near
+        assert policy.plan_width(np.array([far] * 4), 4).width == 2
+    with pytest.raises(ValueError, match="hysteresis"):
+        DraftPolicy(lambda f: f[:, 0], hysteresis=-1.0)
