@@ -100,13 +100,15 @@ class SpeculativeConfig:
             if self.predictor is not None:
                 raise ConfigError("--predictor needs --policy predictor")
             if self.branch_top_m:
-                raise ConfigError("--branch-top-m needs --predictor")
+                raise ConfigError("--branch-top-m needs a threshold policy: --policy entropy, or --predictor")
             if acceptance_threshold is not None:
-                raise ConfigError("--acceptance-threshold needs --predictor")
+                raise ConfigError("--acceptance-threshold needs a threshold policy: --policy entropy, or --predictor")
             return
         if self.drafter == "none":
             raise ConfigError(f"a draft policy ({self.policy}) needs a --drafter")
         if self.policy == "predictor":
+            if self.predictor is not None and not self.predictor.strip():
+                raise ConfigError("--predictor is empty: give a predictor file (.safetensors) or auto")
             if not self.predictor:
                 raise ConfigError("--policy predictor needs --predictor PATH")
             if self.predictor == "auto" and self.drafter not in (*TRAINED_DRAFTERS, "ngram"):
@@ -129,7 +131,7 @@ class SpeculativeConfig:
     @property
     def measures_cost(self) -> bool:
         """Its draft policy allocates with a verifier cost model T(b, q) that ``build_engine``
-        measures on the target at start-up unless one is given (tens of seconds on a CPU)."""
+        measures on the target at start-up unless one is given (up to a minute or more on a CPU)."""
         return self.policy in ("entropy", "predictor", "batch-width") and bool(self.cost_model)
 
     @property

@@ -66,6 +66,8 @@ def run():
     (["serve", "verifier", "--port", "50000", "--policy", "batch-width"], "add --measure-cost"),
     (["serve", "router", "--port", "18000", "--verifier", "http://127.0.0.1:50051"], "expected HOST:PORT"),
     (["bench", "--out", ""], "--out is empty"),
+    (["generate", "--prompt", "hi", "--policy", "fixed"], "--policy needs a --drafter"),
+    (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", ""], "--predictor is empty"),
 ])
 def test_user_errors_are_one_line(run, args, message):
     res = run(*args)
@@ -150,7 +152,7 @@ def test_unescape_stop_strings():
     (["generate", "--prompt", "hi", "--acceptance-threshold", "nan"], "'--acceptance-threshold': must be a number in [0, 1] or auto"),
     # checked as the command line is read: before the model (here a missing one) would load
     (["generate", "--prompt", "hi", "--model", "/nonexistent", "--acceptance-threshold", "foo"], "got 'foo'"),
-    (["generate", "--prompt", "hi", "--acceptance-threshold", "0.5"], "--acceptance-threshold needs --predictor"),
+    (["generate", "--prompt", "hi", "--acceptance-threshold", "0.5"], "--acceptance-threshold needs a threshold policy"),
     (["generate", "--prompt", "hi", "--draft-model", "truncate:2"], "--draft-model needs --drafter draft-model"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", "README.md"], "cannot load predictor"),
 ])
@@ -162,7 +164,7 @@ def test_context_aware_option_errors(run, args, message):
 
 @pytest.mark.parametrize("args,message", [
     (["--tau", "2"], "'--acceptance-threshold': must be a number in [0, 1] or auto"),
-    (["--tau", "0.5"], "--acceptance-threshold needs --predictor"),  # the value reached the threshold
+    (["--tau", "0.5"], "--acceptance-threshold needs a threshold policy"),  # the value reached the threshold
     (["--tau", "0.5", "--acceptance-threshold", "0.5"], "give --acceptance-threshold only"),
 ])
 def test_tau_is_a_deprecated_alias_of_acceptance_threshold(run, args, message):

@@ -253,7 +253,7 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
     checkpoint = load_checkpoint(model)
     engine = build_engine(spec, checkpoint, cfg, verification_sink=verification_sink, on_measure=lambda: err_console.print(
         "note: measuring the verifier's step cost T(b, q) for the draft policy's allocation (once at start-up; "
-        "tens of seconds on a CPU)", highlight=False, soft_wrap=True))
+        "up to a minute or more on a CPU)", highlight=False, soft_wrap=True))
     if engine.drafter is not None and engine.draft_limit < spec.num_draft_tokens:
         err_console.print(f"note: this {engine.drafter.name} drafter drafts {engine.draft_limit} tokens a round "
                           f"(l_d); --num-draft-tokens {spec.num_draft_tokens} is capped to {engine.draft_limit}",

@@ -103,6 +103,8 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         _check_output(output, prompts_file)
     if drafter == "none" and _given("num_draft_tokens"):
         fail("--num-draft-tokens needs a --drafter (target-only decoding drafts nothing)")
+    if drafter == "none" and policy is not None:
+        fail("--policy needs a --drafter (target-only decoding drafts nothing)")
     if prompt is not None and not prompt.strip():
         fail("prompt is empty (or only whitespace)")
     spec = speculative_config(drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, policy)
@@ -117,8 +119,10 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
             records, prompt = [PromptRecord("prompt", "-", prompt)], None
         if records is not None and not records:
             fail(f"the prompts file {prompts_file} has no prompts")
-        engine = _engine(model, device, batch_size, max_seq_len, spec, dtype=dtype, kernels=kernels,
-                         num_requests=1 if records is None else len(records))
+        # running requests at most: one prompt runs alone, a file no wider than its prompts (the KV
+        # cache's slots, and the batch sizes an adaptive policy's cost model is measured for)
+        running = 1 if records is None else min(batch_size, len(records))
+        engine = _engine(model, device, running, max_seq_len, spec, dtype=dtype, kernels=kernels)
     except InvalidRequestError as exc:
         fail(str(exc))
         return

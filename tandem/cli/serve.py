@@ -23,8 +23,8 @@ def serve() -> None:
     """Run one Tandem service (drafter, verifier, router) as a standalone process.
 
     Start order: a drafter service if any, then the verifier replica(s), then the router (it asks
-    the replicas for their model at start-up). Services log at INFO (a "serving on" line when
-    ready); -v adds engine events.
+    the replicas for their model at start-up). Services log at INFO (a "gRPC serving <services>
+    on HOST:PORT" line when ready); -v adds engine events.
     """
     for name in ("services", "tandem"):
         logger = logging.getLogger(name)
@@ -65,7 +65,8 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @policy_option
 @click.option("--predictor", default=None, metavar="PATH|auto", help="Predictor for --policy predictor.")
 @click.option("--measure-cost/--no-measure-cost", default=False, show_default=True,
-              help="Time the verifier cost model T(b, q) at start-up: adaptive policies allocate draft tokens "
+              help="Time the verifier cost model T(b, q) at start-up (--policy batch-width needs it): adaptive "
+                   "policies allocate draft tokens "
                    "across the batch under it, and routers budget this replica's draft width with it (a fixed-k "
                    "replica needs it for that).")
 @click.option("--redis-url", default=None, envvar="TANDEM_REDIS_URL",
