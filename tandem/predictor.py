@@ -141,6 +141,8 @@ class AcceptancePredictor(nn.Module):
             features_only: refuse a predictor that reads the drafter's states (what serving
                 needs: its draft policies score features alone).
 
+        ``path`` may also be a directory holding ``predictor.safetensors`` (a drafter's weights).
+
         Raises:
             FileNotFoundError: no such file; ValueError: not a predictor file, or (with
             ``features_only``) one that reads states.
@@ -148,8 +150,11 @@ class AcceptancePredictor(nn.Module):
         from safetensors import safe_open
 
         p = Path(path)
+        if p.is_dir() and (p / "predictor.safetensors").is_file():  # a drafter's weights directory
+            p = p / "predictor.safetensors"
         if not p.is_file():
-            raise FileNotFoundError(f"no predictor at {p}")
+            raise FileNotFoundError(f"no predictor at {p}" + (" (a directory without predictor.safetensors)"
+                                                             if p.is_dir() else ""))
         try:
             with safe_open(str(p), framework="pt") as f:
                 meta = f.metadata() or {}

@@ -205,3 +205,19 @@ def test_train_predictor_refuses_damaged_logs_and_writes_strict_json(tmp_path):
     empty.write_text("\n")
     res = runner.invoke(main, ["collect-logs", "--prompts", str(empty), "--drafter", "ngram", "--out", str(tmp_path / "l.npz")])
     assert res.exit_code == 2 and f"the prompts file {empty} has no prompts" in res.output
+
+
+def test_a_predictor_loads_from_its_drafters_weights_directory(tmp_path):
+    """``AcceptancePredictor.load`` takes a drafter's weights directory as well as the file in it
+    (what a user passing ``--predictor tandem/drafters/weights/ngram-smollm2-135m`` means); an
+    empty directory is a clear FileNotFoundError."""
+    from pathlib import Path
+
+    from tandem.predictor import AcceptancePredictor
+
+    shipped = Path(__file__).resolve().parents[1] / "tandem/drafters/weights/ngram-smollm2-135m"
+    by_dir = AcceptancePredictor.load(shipped)
+    by_file = AcceptancePredictor.load(shipped / "predictor.safetensors")
+    assert by_dir.mean.equal(by_file.mean)
+    with pytest.raises(FileNotFoundError, match="a directory without predictor.safetensors"):
+        AcceptancePredictor.load(tmp_path)
