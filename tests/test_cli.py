@@ -244,9 +244,8 @@ def test_generate_takes_a_draft_policy(run, tiny_checkpoint, tmp_path):
     assert "drafter ngram, k=4 (batch-width lengths)" in out and re.search(r"\(batch-width lengths\) .*│ 2/2 │", out), out
     for args, message in ((["--policy", "predictor"], "--policy predictor needs --predictor PATH"),
                           (["--policy", "batch-width", "--acceptance-threshold", "0.5"], "policy batch-width sets no"),
-                          ([], "--predictor needs --policy predictor")):
-        extra = ["--predictor", "auto", "--policy", "fixed"] if not args else args
-        res = run("generate", "--model", model, "--prompt", "hi", "--drafter", "ngram", *extra)
+                          (["--policy", "fixed", "--predictor", "auto"], "--predictor needs --policy predictor")):
+        res = run("generate", "--model", model, "--prompt", "hi", "--drafter", "ngram", *args)
         assert res.exit_code == 2 and message in res.stderr, res.output
 
 
