@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.data import PromptRecord
-from tandem.metrics import SpecDecodeStats
+from tandem.metrics import SpecDecodeStats, draft_length_lines
 from tandem.speculation import SpeculativeConfig
 
 from .launch import Stack, StackConfig, start_stack
@@ -196,22 +196,3 @@ def _print(console: Console, results: list[DemoResult], wall: float, model: str,
         total.merge(r.spec)
     for line in draft_length_lines(total, config.policy):
         console.print(line, highlight=False)
-
-
-def draft_length_lines(spec: SpecDecodeStats, policy: str) -> list[str]:
-    """What the draft policy chose, over every verification step of the run: the share of steps
-    by draft length, and the acceptance at each draft position (no lines without a step)."""
-    counts = spec.draft_length_counts()
-    steps = sum(counts)
-    if not steps:
-        return []
-    shares = " | ".join(f"{n}: {c / steps:.0%}" for n, c in enumerate(counts))
-    mean = sum(n * c for n, c in enumerate(counts)) / steps
-    lines = [f"draft lengths chosen (policy {policy}), share of {steps} verification steps: {shares}; "
-             f"mean {mean:.2f} drafts a step (fewer than k where the drafter found fewer, e.g. no n-gram match, "
-             f"or the policy or the room left cut them)"]
-    if spec.drafted_per_pos:
-        by_pos = " | ".join(f"{i + 1}: {a / d:.2f}" for i, (d, a) in
-                            enumerate(zip(spec.drafted_per_pos, spec.accepted_per_pos)) if d)
-        lines.append(f"acceptance by draft position (accepted / drafted there): {by_pos}")
-    return lines

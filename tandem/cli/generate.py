@@ -168,7 +168,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         os.chmod(sink.name, 0o666 & ~current_umask())  # a temporary file is private: the output gets the usual mode
         os.replace(sink.name, output)
         err_console.print(f"[dim]wrote {len(results)} completions to {output}[/dim]", highlight=False)
-    _print_results(engine, records, results, wall)
+    _print_results(engine, records, results, wall, spec.policy)
     if compare:
         # the baseline is an engine of its own over the same target (weights, KV cache, graphs),
         # built from the target-only configuration: no drafter, and no draft policy whose θ
@@ -274,7 +274,7 @@ def _speculation_label(engine) -> str:
     return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''}{trees})"
 
 
-def _print_results(engine, records, results, wall: float) -> None:
+def _print_results(engine, records, results, wall: float, policy: str = "fixed") -> None:
     spec_on = engine.drafter is not None
     title = (f"{engine.checkpoint.path.name} on {engine.runner.device} ({engine.runner_config.dtype}, "
              f"batch <= {engine.max_running}"
@@ -310,8 +310,11 @@ def _print_results(engine, records, results, wall: float) -> None:
     console.print(f"{total} output tokens in {wall:.2f} s: {total / wall:.1f} tok/s for the whole batch; "
                   f"TPOT p50 {statistics.median(r.tpot_s for r in results) * 1e3:.1f} ms", highlight=False)
     if spec_on:
-        per_pos = ", ".join(fmt(a, ".2f") for a in engine.stats.acceptance_per_pos)
-        console.print(f"acceptance per draft position: {per_pos or 'nothing drafted'}", highlight=False)
+        from ..metrics import draft_length_lines
+
+        lines = draft_length_lines(engine.stats, policy)
+        for line in lines or ["nothing drafted"]:
+            console.print(line, highlight=False)
 
 
 def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = False) -> None:
