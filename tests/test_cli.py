@@ -242,8 +242,8 @@ def test_generate_takes_a_draft_policy(run, tiny_checkpoint, tmp_path):
     assert res.exit_code == 0, res.output
     out = " ".join(res.stdout.split())
     assert "drafter ngram, k=4 (batch-width lengths)" in out and re.search(r"\(batch-width lengths\) .*│ 2/2 │", out), out
-    assert re.search(r"draft lengths chosen \(policy batch-width\), share of \d+ verification steps: 0: ", out) \
-        or "nothing drafted" in out, out  # what the policy chose, as make run prints it
+    # what the policy chose, as make run prints it
+    assert re.search(r"draft lengths chosen \(policy batch-width\), share of \d+ verification steps: 0: ", out), out
     for args, message in ((["--policy", "predictor"], "--policy predictor needs --predictor PATH"),
                           (["--policy", "batch-width", "--acceptance-threshold", "0.5"], "policy batch-width sets no"),
                           (["--policy", "fixed", "--predictor", "auto"], "--predictor needs --policy predictor")):
