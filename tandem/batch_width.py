@@ -3,8 +3,6 @@ verifier cost model and the acceptance per draft position seen so far (no drafts
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from .control import CostModel, DraftPolicy, WidthPlan, most_tokens_per_ms
@@ -77,8 +75,8 @@ class BatchWidthPolicy(DraftPolicy):
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(survive)])  # per row, for m = 0 .. limit
         width_ms = self._width_ms.get((b, limit))
         if width_ms is None:  # T(b, m + 1) and the drafting, per m: fixed for a batch size
-            free = replace(self.cost, overhead_ms=0.0)
-            width_ms = self._width_ms[b, limit] = np.array([free.round_ms(b, m) for m in range(limit + 1)])
+            width_ms = self._width_ms[b, limit] = np.array(
+                [self.cost.round_ms(b, m) - self.cost.overhead_ms for m in range(limit + 1)])
         m = most_tokens_per_ms(tokens, width_ms + self.overhead_ms, self._held_width, self.hysteresis)
         self._held_width = m
         return m, float(width_ms[m])

@@ -121,7 +121,8 @@ class SpeculativeConfig:
                 raise ConfigError("policy batch-width sets no acceptance threshold and branches nowhere: drop "
                                   "--acceptance-threshold / --branch-top-m")
             if not self.cost_model:
-                raise ConfigError("policy batch-width chooses widths with the verifier cost model (cost_model=True)")
+                raise ConfigError("policy batch-width chooses widths under the verifier cost model T(b, q): add "
+                                  "--measure-cost (cost_model=True)")
 
     @property
     def speculates(self) -> bool:

@@ -54,7 +54,7 @@ def predictor_file(tmp_path_factory):
     (dict(policy="entropy"), "a draft policy (entropy) needs a --drafter"),
     (dict(drafter="ngram", draft_model="truncate:1"), "--draft-model needs --drafter draft-model or specformer"),
     (dict(drafter="ngram", policy="batch-width", acceptance_threshold="0.5"), "policy batch-width sets no acceptance"),
-    (dict(drafter="ngram", policy="batch-width", cost_model=False), "chooses widths with the verifier cost model"),
+    (dict(drafter="ngram", policy="batch-width", cost_model=False), "chooses widths under the verifier cost model"),
     (dict(drafter="ngram", policy="batch-width", predictor="p.safetensors"), "--predictor needs --policy predictor"),
     (dict(policy="batch-width"), "a draft policy (batch-width) needs a --drafter"),
 ])

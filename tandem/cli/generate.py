@@ -175,7 +175,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         # controller would learn from target-only rounds; the speculative engine is left as it was
         baseline = build_engine(TARGET_ONLY, share=engine)
         base, base_wall = _run_file(baseline, records, params, not no_chat, desc="target-only")
-        _print_comparison(engine, results, wall, base, base_wall, sampled=not params.greedy)
+        _print_comparison(engine, results, wall, base, base_wall, spec.policy, sampled=not params.greedy)
 
 
 def _check_output(output: str, prompts_file: str) -> None:
@@ -259,26 +259,22 @@ def _given(name: str) -> bool:
     return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
 
 
-def _speculation_label(engine) -> str:
-    """The drafter, k and, under a context-aware policy, its kind: ``ngram, k=4, adaptive``."""
-    policy = engine.draft_policy
+def _speculation_label(engine, policy: str) -> str:
+    """The drafter, k and, under a draft policy (``policy``, its ``--policy`` name), how it chooses:
+    ``ngram, k=4 (predictor lengths, learned θ)``."""
     label = f"{engine.drafter.name}, k={engine.num_draft_tokens}"
-    if policy is None:
+    chosen = engine.draft_policy
+    if chosen is None:
         return label
-    from ..batch_width import BatchWidthPolicy
-
-    if isinstance(policy, BatchWidthPolicy):
-        return f"{label} (batch-width lengths)"
-    kind = "random length" if policy.score is None else "adaptive"
-    trees = f", top-{policy.branch_top_m} trees where θ cuts" if policy.branch_top_m > 1 else ""
-    return f"{label} ({kind} lengths{', learned θ' if policy.learns_threshold else ''}{trees})"
+    trees = f", top-{chosen.branch_top_m} trees where θ cuts" if chosen.branch_top_m > 1 else ""
+    return f"{label} ({policy} lengths{', learned θ' if chosen.learns_threshold else ''}{trees})"
 
 
-def _print_results(engine, records, results, wall: float, policy: str = "fixed") -> None:
+def _print_results(engine, records, results, wall: float, policy: str) -> None:
     spec_on = engine.drafter is not None
     title = (f"{engine.checkpoint.path.name} on {engine.runner.device} ({engine.runner_config.dtype}, "
              f"batch <= {engine.max_running}"
-             + (f", drafter {_speculation_label(engine)})" if spec_on else ", target-only)"))
+             + (f", drafter {_speculation_label(engine, policy)})" if spec_on else ", target-only)"))
     table = Table(title=title)
     cols = ["prompt id", "category", "prompt tok", "output tok", "finish", "TTFT ms (from submit)", "decode tok/s"]
     if spec_on:
@@ -317,7 +313,7 @@ def _print_results(engine, records, results, wall: float, policy: str = "fixed")
             console.print(line, highlight=False)
 
 
-def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = False) -> None:
+def _print_comparison(engine, results, wall, base, base_wall, policy: str, sampled: bool = False) -> None:
     spec_tokens = sum(r.completion_tokens for r in results)
     base_tokens = sum(r.completion_tokens for r in base)
     same = sum(a.token_ids == b.token_ids for a, b in zip(results, base))
@@ -325,7 +321,7 @@ def _print_comparison(engine, results, wall, base, base_wall, sampled: bool = Fa
     for col in ("configuration", "output tok", "wall s", "tok/s", "speedup", "identical outputs"):
         table.add_column(col, justify="right")
     table.add_row("target-only", str(base_tokens), f"{base_wall:.2f}", f"{base_tokens / base_wall:.1f}", "1.00x", "-")
-    table.add_row(_speculation_label(engine), str(spec_tokens), f"{wall:.2f}",
+    table.add_row(_speculation_label(engine, policy), str(spec_tokens), f"{wall:.2f}",
                   f"{spec_tokens / wall:.1f}", f"{(spec_tokens / wall) / (base_tokens / base_wall):.2f}x",
                   f"{same}/{len(results)}")
     console.print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -92,10 +93,9 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
     if drafter_address and (drafter or draft_model):
         raise click.UsageError("--drafter-address drafts through the drafter service there: give it without "
                                "--drafter / --draft-model (the service's own options choose its drafter)")
-    if policy == "batch-width" and not measure_cost:
-        raise click.UsageError("--policy batch-width chooses widths under the verifier cost model: add --measure-cost")
     spec = speculative_config("remote" if drafter_address else drafter or "ngram", draft_model, num_draft_tokens,
                               predictor, policy=policy)
+    replace(spec, cost_model=measure_cost)  # what the replica runs (run_verifier): checked before anything loads
     runner = dict(dtype=torch_dtype(dtype), kernels=kernels, cuda_graphs=cuda_graphs, compile=compile_,
                   prefill_graphs=prefill_graphs)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
