@@ -15,7 +15,9 @@ from click.testing import CliRunner
 from tandem.bench import configs as bench_configs
 from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
 from tandem.bench.results import BenchReport
-from tandem.bench.spec_bench import bench_prompts, check_mode, run_benchmark, warmup_share
+from tandem.bench.spec_bench import (MAX_WARMUP_PASSES, bench_prompts, check_mode, run_benchmark, warmup_passes_then_timed,
+                                     warmup_share)
+from tandem.models.graphs import CapturedCall
 from tandem.cli import main
 from tandem.data import load_prompts
 from tandem.drafters import NgramDrafter
@@ -129,6 +131,26 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     # Not a terminal: no progress-bar redraws, one plain line per finished run, tables on stdout.
     assert "\r" not in res.stderr and res.stderr.count("lossless") == 6
     assert "Spec-Bench, greedy" in res.stdout and "wrote" in res.stdout
+
+
+def test_warmup_repeats_while_it_captures(monkeypatch):
+    """A warm-up pass that captured a graph is followed by another (a moving width meets new
+    shapes), up to MAX_WARMUP_PASSES; the timed pass comes last, once."""
+    monkeypatch.setattr(CapturedCall, "made", 0)
+
+    def run(captures_per_pass: list[int]) -> list[str]:
+        labels = []
+        for i, (label, items) in enumerate(warmup_passes_then_timed(["w"], ["t"])):
+            labels.append(label)
+            assert items == (["w"] if label == "warm-up" else ["t"])
+            if label == "warm-up":
+                CapturedCall.made += captures_per_pass[i]
+        return labels
+
+    assert run([0]) == ["warm-up", "timed"]  # nothing new captured: one pass
+    assert run([5, 2, 0]) == ["warm-up"] * 3 + ["timed"]
+    assert run([5] * 10) == ["warm-up"] * MAX_WARMUP_PASSES + ["timed"]  # bounded
+    assert [label for label, _ in warmup_passes_then_timed([], ["t"])] == ["timed"]  # warm-up "none"
 
 
 def test_warmup_share():

@@ -80,11 +80,13 @@ class RunResult:
     timed_rounds: int = 0
     timed_rows_per_round: float = math.nan
     # the timed pass's step graphs (``StepTimeline``): mean GPU span, mean and median GPU idle before
-    # the next one (admissions' prefills included), and graphs captured during it (0 after a full warm-up)
+    # the next one (admissions' prefills included), and graphs captured during it (0 once the warm-up
+    # passes stopped capturing)
     timed_gpu_span_ms: float = math.nan
     timed_gpu_idle_ms: float = math.nan
     timed_gpu_idle_p50_ms: float = math.nan
     timed_captures: int = 0
+    warmup_passes: int = 0  # warm-up passes run before the timed pass (``warmup_passes_then_timed``)
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
     router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)
