@@ -19,7 +19,7 @@ import torch
 from tandem.errors import ConfigError
 from tandem.models import kernels, load_checkpoint
 from tandem.models.kernels import MAX_FUSED_TOKENS, flash_available, fused_unavailable_reason, gqa_attention
-from tandem.models.runner import ModelRunner, RunnerConfig
+from tandem.models.runner import DEFAULT_ATTENTION_CHUNK, ModelRunner, RunnerConfig, resolve_attention_chunk
 
 # head_dim 64 with 3 query heads per KV head, as the bundled SmolLM2 (the flash-attn build's shape)
 FUSED_SHAPE = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, intermediate_size=512)
@@ -62,6 +62,14 @@ def test_kernel_choice_on_cpu(tiny_checkpoint, monkeypatch):
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, kernels="fast"))
     with pytest.raises(ConfigError, match="applies to our attention kernel.*sdpa-masked"):  # not ignored in silence
         ModelRunner(ckpt, RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=32, attention_chunk=64))
+    # unset, the split-KV chunk follows the attention: ours splits by default, the others never do
+    assert runner.config.attention_chunk is None and runner.attention_chunk == 0
+    assert resolve_attention_chunk(RunnerConfig(), "fused") == DEFAULT_ATTENTION_CHUNK
+    assert resolve_attention_chunk(RunnerConfig(), "fused-linear") == DEFAULT_ATTENTION_CHUNK
+    assert resolve_attention_chunk(RunnerConfig(), "fused-flash") == 0
+    assert resolve_attention_chunk(RunnerConfig(), "reference") == 0
+    assert resolve_attention_chunk(RunnerConfig(attention_chunk=0), "fused") == 0  # asked for: kept
+    assert resolve_attention_chunk(RunnerConfig(attention_chunk=128), "fused") == 128
 
 
 def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = (),
@@ -643,3 +651,8 @@ def test_runner_with_split_kv_attention(tiny_checkpoint, where):
     with pytest.raises(ConfigError, match="multiple of 64"):
         ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
                                        kernels="fused", attention_chunk=96))
+    # unset, the chunk is DEFAULT_ATTENTION_CHUNK where our kernel runs and none on the reference path
+    for kernels, backend in (("fused", f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"), ("reference", "sdpa-masked")):
+        runner = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
+                                                kernels=kernels))
+        assert runner.attention_backend == backend

@@ -30,7 +30,7 @@ from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
 from ..models.kernels import attention_name, round_kernels_on
-from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_kernels
+from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
 from ..sampling import SamplingParams
@@ -281,7 +281,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup, kernels=kernels, attention=attention_name(kernels, rc.attention_chunk),
+                     warmup=warmup, kernels=kernels, attention=attention_name(kernels, resolve_attention_chunk(rc, kernels)),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)

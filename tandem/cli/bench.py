@@ -55,10 +55,11 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 @click.option("--max-seq-len", type=click.IntRange(min=16), default=2048, show_default=True)
 @dtype_option
 @kernels_option
-@click.option("--attention-chunk", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--attention-chunk", type=click.IntRange(min=0), default=None,
               help="Split-KV for our decode/verify attention over fixed chunks of this many cache positions (a "
                    "multiple of 64; 0 = none): more programs for few rows or long contexts, still batch-invariant. "
-                   "In-process mode only.")
+                   "Default: 256 where our attention kernel runs (fused, fused-linear), else none. In-process "
+                   "mode only.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
                    "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, batch-width, budget, "
@@ -122,7 +123,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
-                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=0) -> None:
+                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=None) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -143,7 +144,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         names = [n for n in names if n != "hf-generate"]
     configs = parse_configs(",".join(names))
     check_mode(mode)
-    if attention_chunk and mode != "inproc":
+    if attention_chunk is not None and mode != "inproc":
         fail("--attention-chunk applies to --mode inproc (the services take the default attention)")
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,

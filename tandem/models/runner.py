@@ -83,7 +83,9 @@ class RunnerConfig:
             ignored).
         attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
             many cache positions (a multiple of 64; ``kernels.gqa_attention``): more programs for
-            few rows or long contexts, still batch- and width-invariant. Fused paths only.
+            few rows or long contexts, still batch- and width-invariant. Fused paths only. None
+            (default): ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs, else 0
+            (``resolve_attention_chunk``).
     """
 
     device: str = "cpu"
@@ -98,7 +100,7 @@ class RunnerConfig:
     prefill_graphs: bool | None = None
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
-    attention_chunk: int = 0
+    attention_chunk: int | None = None
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
@@ -138,6 +140,22 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
     return "fused" if choice == "auto" else choice
 
 
+# Split-KV chunk of our attention kernel by default. Measured on an H200 (2026-12-06,
+# docs/benchmarks.md), against the unsplit kernel in one lease: target-only +18% at batch 64 and
+# +14% at 128, n-gram and SpecFormer +7-9% there, and -2% / -3% / 0% at batch 1. A fixed chunk
+# keeps a row's reduction order whatever the batch or width, so the choice cannot depend on them.
+DEFAULT_ATTENTION_CHUNK = 256
+
+
+def resolve_attention_chunk(config: RunnerConfig, kernels: str) -> int:
+    """The split-KV chunk a runner of ``config`` uses on the resolved ``kernels`` path: the
+    configured one, or for None ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs
+    (fused, fused-linear) and 0 elsewhere."""
+    if config.attention_chunk is not None:
+        return config.attention_chunk
+    return DEFAULT_ATTENTION_CHUNK if kernels != "reference" and attention_backend_for(kernels) == "triton" else 0
+
+
 def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
     """The kernel settings of ``config`` checked for ``model`` here, before any weight is placed:
     ``resolve_kernels``'s path, and an ``attention_chunk`` that the path uses.
@@ -148,6 +166,8 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
             path, flash-attn's attention).
     """
     kernels = resolve_kernels(config, model)
+    if config.attention_chunk is None:
+        return kernels
     chunk = config.attention_chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0 or chunk % ATTN_BLOCK_N:
         raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, got {chunk!r}")
@@ -219,7 +239,7 @@ class ModelRunner:
         self.model.fused = self._kernels != "reference"
         self.model.fused_linear = self._kernels == "fused-linear"
         self.model.attn_backend = attention_backend_for(self._kernels)
-        self.model.attn_chunk = config.attention_chunk
+        self.attention_chunk = self.model.attn_chunk = resolve_attention_chunk(config, self._kernels)
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
         # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
@@ -250,7 +270,7 @@ class ModelRunner:
         """Attention of decode/verify steps: "triton-gqa" (with "-split<chunk>" under
         ``attention_chunk``), "flash-attn", "flash-attn-heuristic" (fused paths) or "sdpa-masked"
         (reference)."""
-        return attention_name(self.kernels, self.config.attention_chunk)
+        return attention_name(self.kernels, self.attention_chunk)
 
     # ------------------------------------------------------------------ forwards
 
