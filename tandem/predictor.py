@@ -68,11 +68,15 @@ class AcceptancePredictor(nn.Module):
         state_dim: width of the drafter states it reads (0: features only; the SpecFormer head's
             states, ``DraftProposal.states``, are the target's hidden size).
         state_proj: the states' projection width (ignored when ``state_dim`` is 0).
+        drafter: name of the drafter whose verification logs it was trained on ("ngram",
+            "specformer", "draft-model"; None: not recorded). Saved with the weights, so a
+            predictor used over another drafter can say so (``tandem.speculation.load_predictor``).
     """
 
     def __init__(self, num_features: int = NUM_FEATURES, hidden: int = 32, state_dim: int = 0,
-                 state_proj: int = 8) -> None:
+                 state_proj: int = 8, drafter: str | None = None) -> None:
         super().__init__()
+        self.drafter = drafter
         self.register_buffer("mean", torch.zeros(num_features))
         self.register_buffer("std", torch.ones(num_features))
         self.state_dim = state_dim
@@ -127,6 +131,8 @@ class AcceptancePredictor(nn.Module):
 
         meta = {"num_features": str(self.mean.numel()), "hidden": str(self.hidden), "features": ",".join(FEATURE_NAMES),
                 "state_dim": str(self.state_dim), "state_proj": str(self.state_proj)}
+        if self.drafter:
+            meta["drafter"] = self.drafter
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path), metadata=meta)
         if report is not None:
             # strict JSON: a figure not measured (NaN) is null
@@ -161,7 +167,7 @@ class AcceptancePredictor(nn.Module):
                 if "num_features" not in meta:
                     raise ValueError(f"{p} is not a Tandem acceptance predictor")
                 model = cls(int(meta["num_features"]), int(meta["hidden"]), int(meta.get("state_dim", 0)),
-                            int(meta.get("state_proj", 0)) or 8)
+                            int(meta.get("state_proj", 0)) or 8, meta.get("drafter") or None)
                 model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
         except ValueError:
             raise

@@ -191,9 +191,15 @@ def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None
 
     path = resolve_predictor(spec, checkpoint)
     try:
-        return AcceptancePredictor.load(path, features_only=True)
+        predictor = AcceptancePredictor.load(path, features_only=True)
     except Exception as exc:  # missing file, not safetensors, not a predictor
         raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
+    if predictor.drafter is not None and predictor.drafter != spec.drafter:
+        # same features, so it runs; but its calibration is another drafter's acceptance
+        log.warning("predictor %s was trained on the %s drafter's verification logs and now scores the %s "
+                    "drafter's drafts: its probabilities are not calibrated for them (tandem collect-logs "
+                    "--drafter %s, then tandem train predictor)", path, predictor.drafter, spec.drafter, spec.drafter)
+    return predictor
 
 
 def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, cost: CostModel | None = None,

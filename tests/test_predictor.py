@@ -221,3 +221,36 @@ def test_a_predictor_loads_from_its_drafters_weights_directory(tmp_path):
     assert by_dir.mean.equal(by_file.mean)
     with pytest.raises(FileNotFoundError, match="a directory without predictor.safetensors"):
         AcceptancePredictor.load(tmp_path)
+
+
+def test_a_predictor_names_its_drafter_and_says_when_it_scores_another(tmp_path, caplog):
+    """train predictor saves the drafter its logs came from (collect-logs records it); every
+    shipped predictor names its own; a predictor used over another drafter runs (the features are
+    the same) but logs a warning that its calibration is not for those drafts."""
+    import logging
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tandem.cli import main
+    from tandem.speculation import SpeculativeConfig, load_predictor
+
+    x, y = synthetic_logs(400, 0)
+    logs = tmp_path / "logs.npz"
+    np.savez_compressed(logs, features=x, labels=y, drafter="draft-model")
+    res = CliRunner().invoke(main, ["train", "predictor", "--logs", str(logs), "--out", str(tmp_path / "p.st"),
+                                    "--epochs", "1"])
+    assert res.exit_code == 0, res.output
+    assert AcceptancePredictor.load(tmp_path / "p.st").drafter == "draft-model"
+    weights = Path(__file__).resolve().parents[1] / "tandem/drafters/weights"
+    for name, drafter in (("ngram-smollm2-135m", "ngram"), ("specformer-smollm2-135m", "specformer"),
+                          ("specformer-smollm2-135m-ld6", "specformer"), ("specformer-smollm2-135m-ld8", "specformer"),
+                          ("draft-model-smollm2-135m", "draft-model")):
+        assert AcceptancePredictor.load(weights / name).drafter == drafter, name
+    with caplog.at_level(logging.WARNING, logger="tandem.speculation"):
+        load_predictor(SpeculativeConfig(drafter="draft-model", policy="predictor", predictor=str(tmp_path / "p.st")))
+        assert not caplog.records  # its own drafter: nothing to say
+        load_predictor(SpeculativeConfig(drafter="ngram", policy="predictor",
+                                          predictor=str(weights / "specformer-smollm2-135m")))
+    assert any("trained on the specformer drafter's verification logs and now scores the ngram" in r.getMessage()
+               for r in caplog.records)

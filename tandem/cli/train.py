@@ -125,6 +125,7 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed, state_projection) 
         data = np.load(logs_file, allow_pickle=False)
         x, y = data["features"], data["labels"]
         states = data["states"] if state_projection and "states" in data.files else None
+        drafter = str(data["drafter"]) if "drafter" in data.files else None  # saved with the predictor
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # damaged or cut short
         fail(f"{logs_file} is not a collect-logs file: {exc}")
         return
@@ -137,6 +138,7 @@ def train_predictor_cmd(logs_file, out, hidden, epochs, seed, state_projection) 
         fail(str(exc))
         return
     Path(out).parent.mkdir(parents=True, exist_ok=True)
+    model.drafter = drafter
     model.save(out, report)
     png = str(Path(out).with_suffix(".reliability.png"))
     val, _ = validation_split(len(y), seed=seed)  # the held-out rows the report was computed on
