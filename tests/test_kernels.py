@@ -91,7 +91,7 @@ def test_kernel_choice_under_the_interpreter(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
     assert _runner(ckpt, "auto", 1, dtype=torch.float32, device="cpu", max_seq_len=32).kernels == "reference"
     runner = _runner(ckpt, "fused", 1, dtype=torch.float32, device="cpu", max_seq_len=32)
-    assert runner.kernels == "fused" and runner.attention_backend == "triton-gqa"
+    assert runner.kernels == "fused" and runner.attention_backend == f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"
     with pytest.raises(ConfigError, match="NumPy has no bfloat16"):
         _runner(ckpt, "fused", 1, dtype=torch.bfloat16, device="cpu", max_seq_len=32)
 
@@ -246,7 +246,8 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, where, k
     exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32, device=device),
                          _runner(ckpt, "reference", 4, taps=taps, dtype=dtype, device=device),
                          _runner(ckpt, kernels_path, 4, taps=taps, dtype=dtype, device=device))
-    attention = {"fused": "triton-gqa", "fused-flash": "flash-attn", "fused-linear": "triton-gqa"}[kernels_path]
+    split = f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"  # our kernel splits the KV by default
+    attention = {"fused": split, "fused-flash": "flash-attn", "fused-linear": split}[kernels_path]
     assert fused.kernels == kernels_path and fused.attention_backend == attention and ref.kernels == "reference"
     rng = random.Random(0)
     vocab = ckpt.config.vocab_size
