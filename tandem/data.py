@@ -3,6 +3,7 @@ rows with a ``prompt`` field."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,23 @@ def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+PROMPT_KEYS = frozenset({"prompt", "turns", "question_id", "id", "category"})
+
+
+def _misspelled_request_fields(row: dict) -> list[tuple[str, str]]:
+    """(key, request field) for each key of ``row`` that reads as a misspelt ``REQUEST_FIELDS``
+    name (``temprature``): metadata keys are free, but a request field typed wrong would
+    otherwise be dropped without a word, as the right spelling is refused."""
+    out = []
+    for key in row:
+        if key in PROMPT_KEYS or key.lower() in REQUEST_FIELDS:
+            continue
+        match = difflib.get_close_matches(key.lower(), REQUEST_FIELDS, n=1, cutoff=0.8)
+        if match:
+            out.append((key, match[0]))
+    return out
+
+
 def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecord]:
     """Read prompts from a JSONL file, gzip-compressed when its name ends in ``.gz``: each row's
     ``prompt``, or the first turn of its ``turns`` (Spec-Bench / MT-Bench rows; the later turns of
@@ -77,8 +95,9 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
 
     Raises:
         InvalidRequestError: the file is missing, not UTF-8, not gzip under a ``.gz`` name, or a row
-            is not JSON, repeats a key, lacks text, or carries a request field (``REQUEST_FIELDS``:
-            sampling and length come from the command, not the file).
+            is not JSON, repeats a key, lacks text, has both ``prompt`` and ``turns``, or carries a
+            request field (``REQUEST_FIELDS``, or a key that reads as one misspelt: sampling and
+            length come from the command, not the file).
     """
     p = Path(path)
     if not p.is_file():
@@ -103,6 +122,12 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[PromptRecor
         if isinstance(row, dict) and (fields := sorted(k for k in row if k.lower() in REQUEST_FIELDS)):
             raise InvalidRequestError(f"{p}:{lineno}: {', '.join(map(repr, fields))}: a prompts file holds prompts only; "
                                       "sampling and length are the command's options (--max-tokens, --temperature, ...)")
+        if isinstance(row, dict) and (near := _misspelled_request_fields(row)):
+            raise InvalidRequestError(f"{p}:{lineno}: " + ", ".join(f"{k!r} (did you mean {f!r}?)" for k, f in near)
+                                      + ": a prompts file holds prompts only; sampling and length are the "
+                                      "command's options (--max-tokens, --temperature, ...)")
+        if isinstance(row, dict) and "prompt" in row and "turns" in row:
+            raise InvalidRequestError(f"{p}:{lineno}: both 'prompt' and 'turns': give one")
         if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
             text = row["turns"][0]
         elif isinstance(row, dict) and "prompt" in row:

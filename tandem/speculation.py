@@ -122,7 +122,7 @@ class SpeculativeConfig:
                                   "--acceptance-threshold / --branch-top-m")
             if not self.cost_model:
                 raise ConfigError("policy batch-width chooses widths under the verifier cost model T(b, q): add "
-                                  "--measure-cost (cost_model=True)")
+                                  "--measure-cost")
 
     @property
     def speculates(self) -> bool:
@@ -179,10 +179,11 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
     return path
 
 
-def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None):
+def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, warn: bool = True):
     """The ``AcceptancePredictor`` ``spec.predictor`` names ("auto": the one beside the drafter's
     weights for ``checkpoint``); its ``predict`` scores on the host, its ``probabilities`` on the
-    drafts' device.
+    drafts' device. With ``warn``, a predictor trained on another drafter's logs is logged as such
+    (it runs: the features are the same).
 
     Raises:
         ConfigError: an unreadable predictor, or "auto" without one.
@@ -194,7 +195,7 @@ def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None
         predictor = AcceptancePredictor.load(path, features_only=True)
     except Exception as exc:  # missing file, not safetensors, not a predictor
         raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
-    if predictor.drafter is not None and predictor.drafter != spec.drafter:
+    if warn and predictor.drafter is not None and predictor.drafter != spec.drafter:
         # same features, so it runs; but its calibration is another drafter's acceptance
         log.warning("predictor %s was trained on the %s drafter's verification logs and now scores the %s "
                     "drafter's drafts: its probabilities are not calibrated for them (tandem collect-logs "
@@ -367,7 +368,7 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         target = LocalTarget(checkpoint, replace(runner_config, taps=taps) if taps else runner_config)
     if needs_policy_cost:
         if spec.policy == "predictor":
-            load_predictor(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
+            load_predictor(spec, checkpoint, warn=False)  # a bad one fails before the timing below (which warns)
         if on_measure is not None:
             on_measure()
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,

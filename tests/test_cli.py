@@ -102,7 +102,17 @@ def test_prompts_files_set_prompts_only(run, tmp_path):
     f.write_text('{"prompt": "a", "prompt": "b"}\n')
     res = run("generate", "--prompts-file", str(f))
     assert res.exit_code == 2 and f"{f}:1: the key 'prompt' appears twice" in res.stderr
-    f.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "category": "qa", "reference": "x"}).encode() + b"\n")
+    # a request field spelt wrong is refused with the right name; both prompt and turns are ambiguous
+    f.write_text(json.dumps({"prompt": "hi", "temprature": 0.7, "Max_Token": 3}) + "\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and "'temprature' (did you mean 'temperature'?)" in res.stderr
+    assert "'Max_Token' (did you mean 'max_tokens'?)" in res.stderr
+    f.write_text(json.dumps({"prompt": "apple", "turns": ["banana"]}) + "\n")
+    res = run("generate", "--prompts-file", str(f))
+    assert res.exit_code == 2 and f"{f}:1: both 'prompt' and 'turns': give one" in res.stderr
+    # metadata keys stay free (Spec-Bench rows carry references, ids, categories)
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "category": "qa", "reference": "x", "id": 3,
+                                                "source": "s", "topic": "t"}).encode() + b"\n")
     [record] = load_prompts(f)
     assert (record.text, record.category) == ("hi", "qa")
 

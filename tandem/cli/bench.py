@@ -28,7 +28,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 @click.option("--configs", "configs_spec", default=None, metavar="NAME,...",
               help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
                    "hf-prompt-lookup; target-host, ngram-host, specformer-host run host-drafted rounds instead of "
-                   "chained device rounds; the ablation's rows (fixed-k=<n>, random-length, entropy-threshold, "
+                   "chained device rounds; ngram-router-budget, specformer-router-budget (--mode distributed: "
+                   "the router's batch budget sets the width); the ablation's rows (fixed-k=<n>, random-length, entropy-threshold, "
                    "predictor-fixed-tau, predictor-online-tau, batch-width, budget, full-system) over --ca-drafter "
                    "(target always runs: it is the baseline). Default: target (+ hf-generate).")
 @click.option("--hf-baseline/--no-hf-baseline", default=None,

@@ -172,8 +172,8 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0 or chunk % ATTN_BLOCK_N:
         raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, got {chunk!r}")
     if chunk and (kernels == "reference" or attention_backend_for(kernels) != "triton"):
-        raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear); "
-                          f"this runner's decode attention is {attention_name(kernels)}")
+        raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear, on a "
+                          f"CUDA GPU); this runner's decode attention is {attention_name(kernels)}")
     return kernels
 
 
