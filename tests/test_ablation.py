@@ -106,7 +106,8 @@ def test_ablation_cli_refuses_bad_options(setup, tmp_path):
     for extra, message in ((["--drafter", "draft-model", "--draft-model", str(draft), "--predictor", str(garbage)],
                             "is not a Tandem acceptance predictor"),
                            (["--drafter", "draft-model", "--draft-model", str(draft), "--acceptance-threshold", "0.5"], "drop --acceptance-threshold"),
-                           (["--drafter", "ngram"], "trained on n-gram verification logs")):
+                           (["--drafter", "ngram"], "trained on n-gram verification logs"),
+                           (["--drafter", "none"], "--drafter none has none to compare")):  # not read as the default
         res = CliRunner().invoke(main, base + extra)
         assert res.exit_code == 2 and message in res.output, (extra, res.output)
 

@@ -113,6 +113,9 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
         configs_spec, hf_baseline = ",".join(ablation_configs(num_draft_tokens)), False
         if drafter != "none":
             ca_drafter, drafter = drafter, "none"
+        elif click.get_current_context().get_parameter_source("drafter") is click.core.ParameterSource.COMMANDLINE:
+            fail("--ablation compares draft policies over a drafter: --drafter none has none to compare "
+                 "(--ca-drafter or --drafter ngram, draft-model or specformer)")
         if predictor == "auto":  # the predictor saved next to the drafter's weights
             predictor = None
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
