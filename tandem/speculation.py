@@ -179,11 +179,17 @@ def resolve_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None) ->
     return path
 
 
-def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, warn: bool = True):
+# (predictor path, drafter) pairs already warned about: an engine's build checks its predictor
+# before the cost model's timing and loads it again for the policy, and a bench builds one engine
+# per configuration; the mismatch is said once a process
+_WARNED_PREDICTORS: set[tuple[str, str]] = set()
+
+
+def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None):
     """The ``AcceptancePredictor`` ``spec.predictor`` names ("auto": the one beside the drafter's
     weights for ``checkpoint``); its ``predict`` scores on the host, its ``probabilities`` on the
-    drafts' device. With ``warn``, a predictor trained on another drafter's logs is logged as such
-    (it runs: the features are the same).
+    drafts' device. A predictor trained on another drafter's logs runs (the features are the
+    same) and is logged as such, once a process.
 
     Raises:
         ConfigError: an unreadable predictor, or "auto" without one.
@@ -195,8 +201,10 @@ def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None
         predictor = AcceptancePredictor.load(path, features_only=True)
     except Exception as exc:  # missing file, not safetensors, not a predictor
         raise ConfigError(f"cannot load predictor {path!r}: {exc}") from None
-    if warn and predictor.drafter is not None and predictor.drafter != spec.drafter:
+    if predictor.drafter is not None and predictor.drafter != spec.drafter \
+            and (str(path), spec.drafter) not in _WARNED_PREDICTORS:
         # same features, so it runs; but its calibration is another drafter's acceptance
+        _WARNED_PREDICTORS.add((str(path), spec.drafter))
         log.warning("predictor %s was trained on the %s drafter's verification logs and now scores the %s "
                     "drafter's drafts: its probabilities are not calibrated for them (tandem collect-logs "
                     "--drafter %s, then tandem train predictor)", path, predictor.drafter, spec.drafter, spec.drafter)
@@ -368,7 +376,7 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
         target = LocalTarget(checkpoint, replace(runner_config, taps=taps) if taps else runner_config)
     if needs_policy_cost:
         if spec.policy == "predictor":
-            load_predictor(spec, checkpoint, warn=False)  # a bad one fails before the timing below (which warns)
+            load_predictor(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
         if on_measure is not None:
             on_measure()
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
