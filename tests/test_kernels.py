@@ -464,27 +464,6 @@ def test_fused_linear_kernels_match_plain_ops(where):
                                torch.nn.functional.silu(gate) * up, **tol)
 
 
-def test_fused_linear_split_k_depends_on_k_only_and_leaves_its_counters_at_zero(where):
-    """Decode and verify projections run in K slices chosen from K alone (SmolLM2-135M: 3 over its
-    576 columns, 4 over the down projection's 1,536; one slice in a prefill's 64-row tiles); the
-    slices' arrival counters are back at zero after every launch (so a replayed CUDA graph starts
-    clean), and a launch repeated gives the same bits."""
-    from tandem.models import fused_linear
-
-    assert [fused_linear.split_k(k) for k in (576, 1536, 384, 512, 64, 128)] == [3, 4, 2, 2, 1, 1]
-    assert fused_linear.split_k(1536, fused_linear.PREFILL_BLOCK_M) == 1
-    device, dtype = where
-    torch.manual_seed(1)
-    x, res = torch.randn(2, 5, 384, device=device).to(dtype), torch.randn(2, 5, 384, device=device).to(dtype)
-    w_o, w13 = (torch.randn(384, 384, device=device) * 0.05).to(dtype), (torch.randn(1024, 384, device=device) * 0.05).to(dtype)
-    nw = torch.rand(384, device=device).to(dtype)
-    fused_linear.prepare(device)
-    for fn in (lambda: fused_linear.linear_residual(x, w_o, res), lambda: fused_linear.norm_gate_up(res, nw, 1e-5, w13)):
-        first = fn()
-        assert not fused_linear._COUNTERS[fused_linear._device_key(device)].any()
-        assert torch.equal(fn(), first)
-
-
 def test_fused_linear_prefill_does_not_depend_on_the_prompts_beside_it(tiny_checkpoint, where):
     """With fused-linear a prompt's K/V cache after its prefill is bitwise the same whether it was
     prefilled alone or in one forward with longer and shorter prompts (fixed 64-row tiles; the plain

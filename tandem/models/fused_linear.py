@@ -18,11 +18,7 @@ stands after it, in one kernel:
 
 As in the rest of the fused path every program owns whole rows of a fixed tile (16 rows) and
 reduces over K in a fixed order, so a row's result does not depend on how many rows share the
-launch or on its place among them (batch- and width-invariant). In decode and verify steps each
-projection's K runs in slices (``split_k``: 3-4 for SmolLM2-135M, chosen from K alone), a program
-per (tile, columns, slice), and the last of a tile's programs to finish sums the slices' float32
-partials in slice order and applies the epilogue: a batch-1 step has one row tile, and without
-slices its 15-48 programs a launch leave most of the GPU idle. Values are rounded to the storage
+launch or on its place among them (batch- and width-invariant). Values are rounded to the storage
 dtype where the unfused ops round (each projection's output, the residual sum, the normalised row
 before its weight), so the two fused paths are close but not bitwise equal: losslessness needs one
 path for target-only and speculative rounds alike, which the runner's ``kernels`` choice gives.
@@ -49,66 +45,6 @@ BLOCK_N = 32  # output columns a program of linear_residual / norm_gate_up compu
 BLOCK_K = 64  # the reduction's step
 
 
-MAX_SPLIT_K = 4  # K slices of a decode or verify step's projection (``split_k``)
-MIN_SLICE_STEPS = 3  # BLOCK_K steps a slice keeps, so that its loads still pipeline
-
-
-def split_k(K: int, block_m: int = BLOCK_M) -> int:
-    """K slices a projection over ``K`` input columns runs in: in a decode or verify step (16-row
-    tiles) the largest divisor of ``K / BLOCK_K`` up to ``MAX_SPLIT_K`` that leaves each slice
-    ``MIN_SLICE_STEPS`` steps (SmolLM2-135M: 3 for its 576 columns, 4 for the down projection's
-    1,536), 1 in a prefill (64-row tiles already fill the GPU). A batch-1 step has a row tile per
-    launch and 15-48 column tiles, so slices are what puts programs on the GPU's 132 SMs. The
-    slices of a tile are summed in slice order by whichever of its programs finishes last, so
-    the split depends only on K, never on the batch: a row's result stays batch-invariant."""
-    if block_m != BLOCK_M:
-        return 1
-    steps = K // BLOCK_K
-    return max(s for s in range(1, MAX_SPLIT_K + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_SLICE_STEPS))
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _device_key(device) -> torch.device:
-    """``device`` with its index (``cuda`` is the current CUDA device), as tensors name theirs."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def prepare(device: torch.device, tiles: int = 1 << 16) -> None:
-    """Allocate the split-K arrival counters on ``device`` (``tiles`` int32 zeros; each launch
-    leaves them at zero again). Call outside CUDA-graph capture, before the first decode step:
-    the runner does when its kernels are fused-linear."""
-    device = _device_key(device)
-    if device not in _COUNTERS or _COUNTERS[device].numel() < tiles:
-        _COUNTERS[device] = torch.zeros(tiles, dtype=torch.int32, device=device)
-
-
-def _split_buffers(device: torch.device, tiles: int, accumulators: int, split: int, block_m: int,
-                   block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 partials, arrival counters) of a launch over ``tiles`` output tiles; with one slice
-    a 1-element placeholder for each (the kernel does not touch them).
-
-    Raises:
-        RuntimeError: the counters are missing or too few while a CUDA graph is being captured.
-    """
-    if split == 1:
-        one = torch.empty(1, dtype=torch.int32, device=device)
-        return one, one
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"fused_linear.prepare({device}) was not called before capturing a decode step "
-                               f"({tiles} split-K tiles)")
-        prepare(device, max(tiles, 1 << 16))
-        counters = _COUNTERS[device]
-    parts = torch.empty(tiles * accumulators * split * block_m * block_n, dtype=torch.float32, device=device)
-    return parts, counters
-
-
 def num_warps(block_m: int) -> int:
     """Warps a program of ``block_m`` rows runs with: 4 for a decode tile, 8 for a prefill tile
     (its accumulators and RoPE tables would not fit 4 warps' registers: ptxas spilled them)."""
@@ -128,12 +64,12 @@ def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | N
 
 # The kernels' shared device functions, made with them (``_kernels``): a @triton.jit function calls
 # another through its module's globals, which is where Triton (and its interpreter) look for it.
-_row_rstd = _normed_chunk = _put_partial = _arrive = _sum_partials = None
+_row_rstd = _normed_chunk = None
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    global _row_rstd, _normed_chunk, _put_partial, _arrive, _sum_partials
+    global _row_rstd, _normed_chunk
     triton, tl = _modules()
 
     @triton.jit
@@ -155,46 +91,14 @@ def _kernels():
         return (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
 
     @triton.jit
-    def _put_partial(part_ptr, acc, tile, j, pid_k, SPLIT_K: tl.constexpr, NACC: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # this program's float32 partial sum ``acc`` of accumulator j of its output tile
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(part_ptr + ((tile * NACC + j) * SPLIT_K + pid_k).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
-
-    @triton.jit
-    def _arrive(count_ptr, tile, SPLIT_K: tl.constexpr):
-        # the tile's programs that finished before this one (SPLIT_K - 1: this is the last); its
-        # partials are visible to the last (the CTA's stores, then a gpu-scope acquire-release
-        # count), and the last resets the count for the next launch
-        tl.debug_barrier()
-        n = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        tl.store(count_ptr + tile, 0, mask=n == SPLIT_K - 1)
-        tl.debug_barrier()
-        return n
-
-    @triton.jit
-    def _sum_partials(part_ptr, tile, j, arrived, SPLIT_K: tl.constexpr, NACC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # the tile's accumulator j summed over its K slices in slice order (read by the last only:
-        # ``arrived`` from ``_arrive``)
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        base = part_ptr + ((tile * NACC + j) * SPLIT_K).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
-        read = (offs * 0 + arrived) == SPLIT_K - 1  # [BLOCK_M, BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc += tl.load(base + s * (BLOCK_M * BLOCK_N), mask=read, other=0.0, cache_modifier=".cg")
-        return acc
-
-    @triton.jit
     def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
-                             v_ptr, part_ptr, count_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
+                             v_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
                              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-        # program (row tile, head, K slice): head < HEADS is q head h, then KV_HEADS k heads, then v
-        # heads (the fused projection's column order); its two rotate-half halves are computed apart
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (row tile, head): head < HEADS is q head h, then KV_HEADS k heads, then v heads
+        # (the fused projection's column order); its two rotate-half halves are computed apart
         tile = tl.program_id(0)
         h = tl.program_id(1)
-        pid_k = tl.program_id(2)
         half: tl.constexpr = HEAD_DIM // 2
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
@@ -204,22 +108,13 @@ def _kernels():
         n1 = h * HEAD_DIM + d
         acc1 = tl.zeros([BLOCK_M, half], tl.float32)
         acc2 = tl.zeros([BLOCK_M, half], tl.float32)
-        k_len = K // SPLIT_K
-        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
             w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :])
             w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :])
             acc1 += tl.dot(xs, tl.trans(w1))
             acc2 += tl.dot(xs, tl.trans(w2))
-        if SPLIT_K > 1:  # the tile's last program to finish sums the slices and writes
-            t = tile * tl.num_programs(1) + h
-            _put_partial(part_ptr, acc1, t, 0, pid_k, SPLIT_K, 2, BLOCK_M, half)
-            _put_partial(part_ptr, acc2, t, 1, pid_k, SPLIT_K, 2, BLOCK_M, half)
-            arrived = _arrive(count_ptr, t, SPLIT_K)
-            acc1 = _sum_partials(part_ptr, t, 0, arrived, SPLIT_K, 2, BLOCK_M, half)
-            acc2 = _sum_partials(part_ptr, t, 1, arrived, SPLIT_K, 2, BLOCK_M, half)
-            row_ok = row_ok & ((rows * 0 + arrived) == SPLIT_K - 1)
         dt = q_out_ptr.dtype.element_ty
         if HAS_BIAS:  # (Qwen2's q/k/v bias) added before the rounding, as a GEMM's epilogue adds it
             acc1 += tl.load(b_ptr + n1).to(tl.float32)[None, :]
@@ -252,68 +147,44 @@ def _kernels():
                 tl.store(o + half, r2, mask=row_ok[:, None])
 
     @triton.jit
-    def linear_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, part_ptr, count_ptr, n_rows, K, N,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SPLIT_K: tl.constexpr):
-        # program (row tile, column tile, K slice): out = res + a @ w^T, the product rounded before
-        # the add and the sum after, as a GEMM followed by an add
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    def linear_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, n_rows, K, N,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (row tile, column tile): out = res + a @ w^T, the product rounded before the add
+        # and the sum after, as a GEMM followed by an add
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_len = K // SPLIT_K
-        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :])
             acc += tl.dot(a, tl.trans(w))
-        if SPLIT_K > 1:  # the tile's last program to finish sums the slices and writes
-            t = pid_m * tl.num_programs(1) + pid_n
-            _put_partial(part_ptr, acc, t, 0, pid_k, SPLIT_K, 1, BLOCK_M, BLOCK_N)
-            arrived = _arrive(count_ptr, t, SPLIT_K)
-            acc = _sum_partials(part_ptr, t, 0, arrived, SPLIT_K, 1, BLOCK_M, BLOCK_N)
-            row_ok = row_ok & ((rows * 0 + arrived) == SPLIT_K - 1)
         dt = out_ptr.dtype.element_ty
         r = tl.load(res_ptr + rows[:, None] * N + n[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         y = acc.to(dt).to(tl.float32) + r
         tl.store(out_ptr + rows[:, None] * N + n[None, :], y.to(dt), mask=row_ok[:, None])
 
     @triton.jit
-    def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, part_ptr, count_ptr, n_rows, K, n_inter, eps,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            SPLIT_K: tl.constexpr):
-        # program (row tile, column tile j, K slice): silu(gate_j) * up_j of RMSNorm(x), gate rows j
-        # and up rows n_inter + j of the fused [gate | up] weight; rounded as the unfused ops round
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, n_rows, K, n_inter, eps,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
+        # rows n_inter + j of the fused [gate | up] weight; rounded as the unfused ops round
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rstd = _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_len = K // SPLIT_K
-        for k0 in range(pid_k * k_len, (pid_k + 1) * k_len, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
             wg = tl.load(w_ptr + n[:, None] * K + kk[None, :])
             wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :])
             acc_g += tl.dot(xs, tl.trans(wg))
             acc_u += tl.dot(xs, tl.trans(wu))
-        if SPLIT_K > 1:  # the tile's last program to finish sums the slices and writes
-            t = pid_m * tl.num_programs(1) + pid_n
-            _put_partial(part_ptr, acc_g, t, 0, pid_k, SPLIT_K, 2, BLOCK_M, BLOCK_N)
-            _put_partial(part_ptr, acc_u, t, 1, pid_k, SPLIT_K, 2, BLOCK_M, BLOCK_N)
-            arrived = _arrive(count_ptr, t, SPLIT_K)
-            acc_g = _sum_partials(part_ptr, t, 0, arrived, SPLIT_K, 2, BLOCK_M, BLOCK_N)
-            acc_u = _sum_partials(part_ptr, t, 1, arrived, SPLIT_K, 2, BLOCK_M, BLOCK_N)
-            row_ok = row_ok & ((rows * 0 + arrived) == SPLIT_K - 1)
         dt = out_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
@@ -349,14 +220,12 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
     rows = B * Q
     q = torch.empty((B, Q, heads, hd), dtype=x.dtype, device=x.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and x.is_contiguous()
-    split = split_k(d, block_m)
-    grid = (-(-rows // block_m), heads + 2 * kv_heads, split)
-    parts, counters = _split_buffers(x.device, grid[0] * grid[1], 2, split, block_m, hd // 2)
+    grid = (-(-rows // block_m), heads + 2 * kv_heads)
     norm_qkv_rope_kernel[grid](x, norm_weight, wqkv, wqkv if bias is None else bias, cos, sin, pos.contiguous(),
-                               write_pos.contiguous(), q, k_cache, v_cache, parts, counters, rows, d, eps, Q,
-                               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads,
-                               HEAD_DIM=hd, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                               BLOCK_K=BLOCK_K, SPLIT_K=split, num_warps=num_warps(block_m))
+                               write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
+                               k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
+                               HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                               BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
     return q
 
 
@@ -376,11 +245,8 @@ def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     rows = a.numel() // K
     out = torch.empty_like(residual)
     assert a.is_contiguous() and residual.is_contiguous()
-    split = split_k(K, block_m)
-    grid = (-(-rows // block_m), N // BLOCK_N, split)
-    parts, counters = _split_buffers(a.device, grid[0] * grid[1], 1, split, block_m, BLOCK_N)
-    linear_residual_kernel[grid](a, weight, residual, out, parts, counters, rows, K, N, BLOCK_M=block_m,
-                                 BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split, num_warps=num_warps(block_m))
+    linear_residual_kernel[(-(-rows // block_m), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=block_m,
+                                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
     return out
 
 
@@ -402,10 +268,7 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
     rows = x.numel() // d
     out = torch.empty(x.shape[:-1] + (inter,), dtype=x.dtype, device=x.device)
     assert x.is_contiguous()
-    split = split_k(d, block_m)
-    grid = (-(-rows // block_m), inter // BLOCK_N, split)
-    parts, counters = _split_buffers(x.device, grid[0] * grid[1], 2, split, block_m, BLOCK_N)
-    norm_gate_up_kernel[grid](x, norm_weight, w13, out, parts, counters, rows, d, inter, eps,
-                              BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT_K=split,
-                              num_warps=num_warps(block_m))
+    norm_gate_up_kernel[(-(-rows // block_m), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
+                                                                 BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                                                 num_warps=num_warps(block_m))
     return out

@@ -24,7 +24,6 @@ from ..errors import ConfigError
 from ..profiling import step_timeline
 from .config import ModelConfig
 from .kernels import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason
-from . import fused_linear
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
@@ -239,8 +238,6 @@ class ModelRunner:
         self.model = model.to(device=self.device, dtype=config.dtype).eval()
         self.model.fused = self._kernels != "reference"
         self.model.fused_linear = self._kernels == "fused-linear"
-        if self.model.fused_linear:  # its split-K counters, before any decode step is captured
-            fused_linear.prepare(self.device)
         self.model.attn_backend = attention_backend_for(self._kernels)
         self.attention_chunk = self.model.attn_chunk = resolve_attention_chunk(config, self._kernels)
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
