@@ -60,18 +60,16 @@ def main() -> int:
                             span_stride=i32, max_pos=i32, scratch=i32),
               dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, SPANS=spans), f"rope_kv spans={spans}")
     build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul")
-    attn, combine = kernels._attention_kernel()
+    attn = kernels._attention_kernel()
     for tree in (False, True):
         for chunk in (0, 256):
             part = "*fp32" if chunk else bf
             build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
-                             part_ptr=part, ml_ptr=part, n_tokens=i32, n_chunks=i32, scale_log2=f32, k_sb=i64,
+                             part_ptr=part, ml_ptr=part, count_ptr="*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32, k_sb=i64,
                              k_sh=i64, k_sp=i64),
                   dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=kernels.ATTN_BLOCK_M,
                        BLOCK_N=kernels.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
                   stages=kernels.ATTN_STAGES)
-    build(combine, dict(part_ptr="*fp32", ml_ptr="*fp32", out_ptr=bf, n_tokens=i32, n_chunks=i32),
-          dict(GROUP=3, HEADS=9, HEAD_DIM=64, BLOCK_M=kernels.ATTN_BLOCK_M), "attention_combine")
     build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
           dict(IS_PROBS=False, BLOCK=4096), "draft_features")
     i64p = "*i64"

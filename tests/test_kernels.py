@@ -577,7 +577,9 @@ def test_fused_tree_steps_match_the_reference_and_keep_chain_rows_exact(tiny_che
 def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     """Split-KV over fixed 64-position chunks (``chunk``): the same attention as the unsplit kernel
     within rounding, rows short and long (one chunk, several, a chunk past a row's end); a row's
-    result bitwise the same alone or in a batch, and for its first tokens whatever its width."""
+    result bitwise the same alone or in a batch, and for its first tokens whatever its width. The
+    launch merges its chunks itself (the last program of a tile): its arrival counters are back at
+    zero after it, so a launch repeated (a CUDA graph replayed) gives the same bits."""
     device, dtype = where
     B, Q, heads, kv_heads, hd, positions = 4, 5, 6, 2, 64, 330
     q, k, v = _random_qkv(where, 11, B, Q, heads, kv_heads, hd, positions)
@@ -593,6 +595,8 @@ def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     split = gqa_attention(q, k, v, seqlens, bits, chunk=64)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (split.float() - whole.float()).abs().max().item() < tol
+    assert not kernels.prepare_counters(device).any()
+    assert torch.equal(gqa_attention(q, k, v, seqlens, bits, chunk=64), split)
     for b in range(B):  # alone: the same bits
         alone = gqa_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], seqlens[b:b + 1],
                               None if bits is None else bits[b:b + 1], chunk=64)

@@ -303,13 +303,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # split-KV arrival counters per device (``prepare_counters``)
+COUNTERS = 1 << 16  # (row, KV head, tile) triples a split-KV launch may count: 256 rows x 8 KV heads x 32 tiles
+
+
+def _device_key(device) -> torch.device:
+    """``device`` with its index (``cuda`` is the current CUDA device), as tensors name theirs."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def prepare_counters(device) -> torch.Tensor:
+    """The split-KV attention's arrival counters on ``device`` (``COUNTERS`` int32 zeros; every
+    launch leaves them at zero). Made outside CUDA-graph capture, before the first decode step: the
+    runner calls this when its attention splits."""
+    key = _device_key(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=key)
+    return _COUNTERS[key]
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """``prepare_counters``' buffer for a launch over ``needed`` (row, KV head, tile) triples.
+
+    Raises:
+        ValueError: more triples than ``COUNTERS``.
+        RuntimeError: the buffer was not made before a CUDA graph capture.
+    """
+    if needed > COUNTERS:
+        raise ValueError(f"split-KV attention over {needed} (row, KV head, tile) triples: at most {COUNTERS}")
+    key = _device_key(device)
+    if key not in _COUNTERS and key.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"kernels.prepare_counters({key}) was not called before capturing a split-KV attention")
+    return prepare_counters(key)
+
+
 @functools.lru_cache(maxsize=1)
 def _attention_kernel():
     triton, tl = _modules()
 
     @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
-    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, n_tokens,
-                             n_chunks, scale_log2, k_sb, k_sh, k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr,
+    def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
+                             n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr, CHUNK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
@@ -320,8 +357,10 @@ def _attention_kernel():
         # cache before the new tokens and, of the new tokens, those its token's bits name (a token
         # tree: itself and its ancestors); a chain's bits name the same keys as the causal limit.
         # With CHUNK > 0 the program covers keys [chunk * CHUNK, (chunk + 1) * CHUNK) only (fixed
-        # absolute bounds, whole BLOCK_N blocks) and writes its unnormalised partial (m, l, acc) for
-        # ``attention_combine_kernel``: split-KV whose split points do not depend on the batch.
+        # absolute bounds, whole BLOCK_N blocks) and writes its unnormalised partial (m, l, acc);
+        # the last of the tile's chunk programs to finish (an acquire-release count per (row, KV
+        # head, tile) after the CTA's stores) merges the chunks' partials in chunk order and writes
+        # the output: split-KV whose split points do not depend on the batch, in one launch.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         tile = tl.program_id(2)
@@ -378,45 +417,40 @@ def _attention_kernel():
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         if CHUNK > 0:  # the partial of (b, kvh, chunk) for each packed row of the tile
-            prow = ((b * tl.num_programs(1) + kvh) * n_chunks + chunk) * (tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M) + rows
+            rows_pad = tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M
+            base = (b * tl.num_programs(1) + kvh) * n_chunks
+            prow = (base + chunk) * rows_pad + rows
             tl.store(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc)
             tl.store(ml_ptr + prow * 2, m_i)
             tl.store(ml_ptr + prow * 2 + 1, l_i)
+            tl.debug_barrier()
+            counter = count_ptr + (b * tl.num_programs(1) + kvh) * (tl.num_programs(2) // n_chunks) + tile
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            tl.store(counter, 0, mask=arrived == n_chunks - 1)  # ready for the next launch
+            tl.debug_barrier()
+            merge = (rows * 0 + arrived) == n_chunks - 1  # [BLOCK_M]: this program is the tile's last
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for c in range(0, n_chunks):
+                m = tl.maximum(m, tl.load(ml_ptr + ((base + c) * rows_pad + rows) * 2, mask=merge,
+                                          other=float("-inf"), cache_modifier=".cg"))
+            m_ref = tl.where(m == float("-inf"), 0.0, m)
+            l_sum = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for c in range(0, n_chunks):
+                prow = (base + c) * rows_pad + rows
+                w = tl.exp2(tl.load(ml_ptr + prow * 2, mask=merge, other=float("-inf"), cache_modifier=".cg") - m_ref)
+                l_sum += tl.load(ml_ptr + prow * 2 + 1, mask=merge, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=merge[:, None], other=0.0,
+                               cache_modifier=".cg") * w[:, None]
+            out = acc / tl.where(merge, l_sum, 1.0)[:, None]
+            tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=(live & merge)[:, None])
         else:
             out = acc / l_i[:, None]
             tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
                      mask=live[:, None])
 
-    @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
-    def attention_combine_kernel(part_ptr, ml_ptr, out_ptr, n_tokens, n_chunks, GROUP: tl.constexpr,
-                                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        # program (row b, KV head, tile): the chunks' partials of each packed row merged in chunk
-        # order (a fixed order: the result depends on the row's own length only)
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
-        tile = tl.program_id(2)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = rows // GROUP
-        live = tok < n_tokens
-        d = tl.arange(0, HEAD_DIM)
-        rows_pad = tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M
-        base = (b * tl.num_programs(1) + kvh) * n_chunks
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for c in range(0, n_chunks):
-            m = tl.maximum(m, tl.load(ml_ptr + ((base + c) * rows_pad + rows) * 2))
-        m_ref = tl.where(m == float("-inf"), 0.0, m)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for c in range(0, n_chunks):
-            prow = (base + c) * rows_pad + rows
-            w = tl.exp2(tl.load(ml_ptr + prow * 2) - m_ref)
-            l_sum += tl.load(ml_ptr + prow * 2 + 1) * w
-            acc += tl.load(part_ptr + prow[:, None] * HEAD_DIM + d[None, :]) * w[:, None]
-        q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + rows % GROUP
-        tl.store(out_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=live[:, None])
-
-    return gqa_attention_kernel, attention_combine_kernel
+    return gqa_attention_kernel
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -436,16 +470,21 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             before the new tokens is seen by all. None: causal (a chain), which equals bits
             ``2**(i + 1) - 1`` bitwise.
         chunk: 0, or split-KV over fixed chunks of this many cache positions (a multiple of
-            ``ATTN_BLOCK_N``): one program per (row, KV head, tile, chunk), then a kernel that
-            merges the chunks in order. More programs for few rows or long contexts; the split
-            points are absolute positions, so the result stays batch- and width-invariant (but is
-            not bitwise the unsplit kernel's).
+            ``ATTN_BLOCK_N``): one program per (row, KV head, tile, chunk), the last of a tile's
+            programs to finish merging the chunks in order (one launch; ``prepare_counters``). More
+            programs for few rows or long contexts; the split points are absolute positions, so the
+            result stays batch- and width-invariant (but is not bitwise the unsplit kernel's).
 
     Returns:
         ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
         per KV head (GQA, Ainslie et al. 2023) for all Q tokens; fp32 accumulation.
+
+    Raises:
+        ValueError: ``chunk`` not a multiple of ``ATTN_BLOCK_N``, or more (row, KV head, tile)
+            triples than ``COUNTERS``.
+        RuntimeError: a split-KV launch captured into a CUDA graph before ``prepare_counters``.
     """
-    kernel, combine = _attention_kernel()
+    kernel = _attention_kernel()
     B, Q, heads, hd = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -457,7 +496,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale = math.log2(math.e) / math.sqrt(hd)
     meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M)
     if not chunk:
-        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, Q, 1, scale,
+        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, Q, 1, scale,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      HAS_TREE=tree_bits is not None, CHUNK=0, BLOCK_N=ATTN_BLOCK_N, **meta,
                                      num_warps=4, num_stages=ATTN_STAGES)
@@ -467,11 +506,11 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     n_chunks = -(-k_cache.shape[2] // chunk)  # from the cache's size: the same grid for every step
     part = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, 2), dtype=torch.float32, device=q.device)
-    kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, Q, n_chunks, scale,
-                                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    counters = _counters(q.device, B * kv_heads * tiles)
+    kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, counters, Q, n_chunks,
+                                            scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                             HAS_TREE=tree_bits is not None, CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta,
                                             num_warps=4, num_stages=ATTN_STAGES)
-    combine[(B, kv_heads, tiles)](part, ml, out, Q, n_chunks, **meta, num_warps=4)
     return out
 
 
