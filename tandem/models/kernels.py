@@ -417,26 +417,30 @@ def _attention_kernel():
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         if CHUNK > 0:  # the partial of (b, kvh, chunk) for each packed row of the tile
+            # only the chunks that hold the tile's keys take part: one past them would add an exact
+            # zero to the merge (m = -inf, l = 0), so leaving them out keeps every bit
+            n_used = tl.cdiv(end, CHUNK)
+            used = (rows * 0 + chunk) < n_used  # [BLOCK_M]
             rows_pad = tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M
             base = (b * tl.num_programs(1) + kvh) * n_chunks
             prow = (base + chunk) * rows_pad + rows
-            tl.store(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc)
-            tl.store(ml_ptr + prow * 2, m_i)
-            tl.store(ml_ptr + prow * 2 + 1, l_i)
+            tl.store(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=used[:, None])
+            tl.store(ml_ptr + prow * 2, m_i, mask=used)
+            tl.store(ml_ptr + prow * 2 + 1, l_i, mask=used)
             tl.debug_barrier()
             counter = count_ptr + (b * tl.num_programs(1) + kvh) * (tl.num_programs(2) // n_chunks) + tile
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            tl.store(counter, 0, mask=arrived == n_chunks - 1)  # ready for the next launch
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu", mask=chunk < n_used)
+            tl.store(counter, 0, mask=(chunk < n_used) & (arrived == n_used - 1))  # ready for the next launch
             tl.debug_barrier()
-            merge = (rows * 0 + arrived) == n_chunks - 1  # [BLOCK_M]: this program is the tile's last
+            merge = used & ((rows * 0 + arrived) == n_used - 1)  # [BLOCK_M]: this program is the tile's last
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for c in range(0, n_chunks):
+            for c in range(0, n_used):
                 m = tl.maximum(m, tl.load(ml_ptr + ((base + c) * rows_pad + rows) * 2, mask=merge,
                                           other=float("-inf"), cache_modifier=".cg"))
             m_ref = tl.where(m == float("-inf"), 0.0, m)
             l_sum = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-            for c in range(0, n_chunks):
+            for c in range(0, n_used):
                 prow = (base + c) * rows_pad + rows
                 w = tl.exp2(tl.load(ml_ptr + prow * 2, mask=merge, other=float("-inf"), cache_modifier=".cg") - m_ref)
                 l_sum += tl.load(ml_ptr + prow * 2 + 1, mask=merge, other=0.0, cache_modifier=".cg") * w
