@@ -452,7 +452,8 @@ class DraftPolicy:
     @property
     def chains(self) -> bool:
         """The policy can run in chained rounds (``plan_width``): not with hard-position
-        branching, whose token trees are verified on the host."""
+        branching, whose token trees are built on the host from each draft's features
+        (host-drafted rounds)."""
         return self.branch_top_m <= 1
 
     @property

@@ -33,8 +33,8 @@ from .logprobs import MAX_TOP_LOGPROBS, logprob_columns, logprob_mode, read_logp
 from .structured import with_masks, step_masks
 from .target_items import (ChainedItem, PrefillHandle, PrefillItem, TargetInfo, TargetResult,  # noqa: F401
                            TargetUnavailable, VerifyItem)
-from .verify import (RowSampling, VerifyResult, sample_tokens, target_probs, verify_chains, verify_tree_greedy,
-                     verify_tree_sampling)
+from .verify import (ChainVerification, RowSampling, VerifyResult, sample_tokens, target_probs, tree_path,
+                     verify_chains, verify_tree_sampling, verify_trees_greedy)
 
 
 class Target(ABC):
@@ -141,8 +141,9 @@ class LocalTarget(Target):
     and, when asked, their log-probabilities, in one tensor), non-blocking between
     ``launch_verify`` and ``collect``; verification itself runs on the device (``verify_chains``)
     and updates the device round state (``RoundState``), so a chained round
-    (``launch_chained``) can be queued before the previous one is collected. Token trees are
-    walked on the host (``verify_tree_*``).
+    (``launch_chained``) can be queued before the previous one is collected. Greedy token trees
+    are verified with the chains, on the device (``verify_trees_greedy``); sampled ones are walked
+    on the host (``verify_tree_sampling``).
 
     Args:
         checkpoint: loaded target weights.
@@ -272,9 +273,25 @@ class LocalTarget(Target):
         """Queue the forward, the verification and one non-blocking device-to-host copy of the
         results (into pinned memory, on CUDA); ``collect`` waits for that copy only. Grammar
         ``masks`` still being computed (see ``Target.launch_verify``) are waited for after the
-        forward is queued, so their host work overlaps the device's."""
+        forward is queued, so their host work overlaps the device's. A round with token trees
+        whose rows are all greedy, with no logit adjustment or grammar, verifies inside the step's
+        own graph (``ModelRunner.step``'s epilogue)."""
         trees = {it.slot: [-1] + [x + 1 for x in it.proposal.parents] for it in items if it.proposal.parents is not None}
-        out = self.runner.step({it.slot: [it.last_token] + it.proposal.tokens for it in items}, trees or None)
+        tokens = {it.slot: [it.last_token] + it.proposal.tokens for it in items}
+        flags = self.sampling.flags([it.slot for it in items]) if trees else None
+        if trees and not any(flags) and masks is None and all(it.allowed is None for it in items):
+            # every row greedy, no logit adjustment or grammar: the verification reads only device
+            # state, so it runs as the step's epilogue, captured in its graph (one launch a round)
+            logprobs = logprob_mode(items)
+
+            def verify(out) -> torch.Tensor:
+                n = out.argmax.shape[0]
+                every = self._all_chain[:n]
+                return self._verify_device(out, every, self.sampling.rows(n, flags=flags), None, None, logprobs, every)
+
+            out = self.runner.step(tokens, trees, patch_key=("trees", logprobs), epilogue=verify)
+            return self._launched(items, out, trees, None)
+        out = self.runner.step(tokens, trees or None)
         return self._verify_step(with_masks(items, masks), out, trees)
 
     def launch_chained(self, items: list[ChainedItem], drafter=None, draft_cap: int | None = None) -> "_LaunchedVerify":
@@ -338,14 +355,24 @@ class LocalTarget(Target):
 
     def _verify_step(self, items: list[VerifyItem], out, trees: dict[int, list[int]]) -> "_LaunchedVerify":
         """Verification of a queued host-drafted step (its drafts and q came from the host), the
-        device round state's update and the results' copy."""
+        device round state's update and the results' copy. Greedy token trees are verified with
+        the chains, on the device (``verify_trees_greedy``); sampled ones are walked on the host
+        at collect."""
         n, Q = out.argmax.shape
-        # made on the device: a copy from pageable host memory may make the driver wait for the
-        # stream, i.e. for the round in flight, which would undo the chaining
-        chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
-        if trees:  # tree rows are verified on the host at collect; the chain pass sees them without drafts
-            chain.index_fill_(0, to_device(torch.tensor(sorted(trees), dtype=torch.int64), chain.device), False)
+        walked = {it.slot for it in items if it.slot in trees and not it.params.greedy}
         sampling = self.sampling.rows(n, [it.slot for it in items])
+        tree_rows = None
+        if trees and not sampling.any_sampled:  # every row is verified as a tree (a chain is one)
+            chain = tree_rows = self._all_chain[:n]
+        else:
+            # made on the device: a copy from pageable host memory may make the driver wait for the
+            # stream, i.e. for the round in flight, which would undo the chaining
+            chain = torch.ones(n, dtype=torch.bool, device=out.inputs.device)
+        if trees and sampling.any_sampled:  # tree rows are no chains; the greedy ones are verified as trees
+            chain.index_fill_(0, to_device(torch.tensor(sorted(trees), dtype=torch.int64), chain.device), False)
+            if len(walked) < len(trees):
+                tree_rows = torch.zeros_like(chain).index_fill_(0, to_device(torch.tensor(
+                    sorted(set(trees) - walked), dtype=torch.int64), chain.device), True)
         by_slot = [None] * n
         for it in items:
             by_slot[it.slot] = it
@@ -353,16 +380,54 @@ class LocalTarget(Target):
         if allowed is not None:
             sampling = dataclasses.replace(sampling, allowed=allowed)
         q = self._draft_probs([it for it in items if it.slot not in trees], n, Q - 1, out.inputs[:, 3:2 + Q])
-        packed = self._verify_device(out, chain, sampling, q, None, logprob_mode(items))
-        if trees:  # tree walks read the logits on the host: they must not be overwritten before collect
-            out = out._replace(logits=out.logits.clone(), argmax=out.argmax.clone())
-        return self._launched(items, out._replace(epilogue=packed), trees, sampling)
+        packed = self._verify_device(out, chain, sampling, q, None, logprob_mode(items), tree_rows)
+        if walked:  # host walks read the logits at collect: they must not be overwritten before
+            out = out._replace(logits=out.logits.clone())
+        return self._launched(items, out._replace(epilogue=packed), trees, sampling, walked)
+
+    def _verify_trees(self, out, tree_rows: torch.Tensor | None, sampling: RowSampling, logprobs: int
+                      ) -> tuple[ChainVerification, torch.Tensor | None]:
+        """Every row verified as a greedy token tree on the device (``verify_trees_greedy``, over
+        the logits after the rows' adjustments, each node seeing its ancestors as output; a chain
+        row's tree is its chain), the accepted branches' K/V of rows ``tree_rows`` (``[n]`` bool;
+        None: every row) moved to consecutive positions, and, with ``logprobs``, the logits of
+        each row's kept positions (the last token, then its accepted branch) for
+        ``logprob_columns``, else None."""
+        n, Q = out.argmax.shape
+        inputs = out.inputs  # start, q_len, the Q tokens, their depths, the Q x Q visibility mask
+        tokens, depth = inputs[:, 2:2 + Q], inputs[:, 2 + Q:2 + 2 * Q]
+        visible = inputs[:, 2 + 2 * Q:2 + 2 * Q + Q * Q].view(n, Q, Q) > 0
+        argmax = out.argmax
+        if sampling.adjust is not None or sampling.allowed is not None:
+            j = torch.arange(Q, device=inputs.device)
+            argmax = sampling.constrain(out.logits, inputs[:, :1] + 1 + depth, tokens[:, None, :].expand(n, Q, Q),
+                                        visible & (j > 0)).argmax(-1)
+        res, path = verify_trees_greedy(argmax, tokens, depth, visible, inputs[:, 1])
+        # the accepted token at depth d moves from position start + path[d - 1] to start + d (the
+        # rest copy a row's start onto itself): one gather and one scatter for every row and layer
+        d = torch.arange(1, Q, device=inputs.device)
+        moved = d[None, :] <= res.num_accepted[:, None]
+        if tree_rows is not None:
+            moved = moved & tree_rows[:, None]
+        start = inputs[:, :1]
+        src = torch.where(moved, start + path, start)
+        dst = torch.where(moved, start + d, start)
+        rows = torch.arange(n, device=inputs.device)[:, None]
+        for kv in (self.cache.k, self.cache.v):
+            kv[:, rows, :, dst] = kv[:, rows, :, src]
+        kept = None
+        if logprobs:
+            positions = torch.cat([torch.zeros_like(start), torch.where(moved, path, d)], dim=1)
+            kept = out.logits.gather(1, positions[:, :, None].expand_as(out.logits))
+        return res, kept
 
     def _verify_device(self, out, chain: torch.Tensor, sampling: RowSampling, q: torch.Tensor | None, drafter,
-                       logprobs: int) -> torch.Tensor:
+                       logprobs: int, tree_rows: torch.Tensor | None = None) -> torch.Tensor:
         """A verify round's device work after its forward, with no host synchronisation (a chained
         round captures it in the step's graph): ``verify_chains`` over the chain rows (``chain``
-        ``[n]`` bool; other rows verify no drafts), the round state's update, a verify-pass
+        ``[n]`` bool; other rows verify no drafts), greedy token trees over ``tree_rows`` (``[n]``
+        bool, or None: ``_verify_trees``; in a round without sampled rows every row is verified
+        as a tree, a chain being one), the round state's update, a verify-pass
         drafter's next drafts (``Drafter.device_after_verify``), and the results packed for the
         host: ``[n, 3 + Q (+ Q) (+ L)]`` rows of start, q_len, accepted, the Q emitted-token
         slots, then (``logprobs``: ``_logprob_mode``) their log-probabilities and, for mode 2,
@@ -371,13 +436,23 @@ class LocalTarget(Target):
         for the next round; int64, or float64 where log-probabilities or scores follow."""
         n, Q = out.argmax.shape
         inputs = out.inputs  # [n, 2 + Q (+ tree columns)] on the device: start, q_len, tokens
-        packed = None
-        if _greedy_on_kernel(sampling, inputs.device):  # accept, bonus, round state and pack: one kernel
+        packed = kept = None
+        if tree_rows is not None and not sampling.any_sampled:  # a chain is a tree: one pass verifies every row
+            res, kept = self._verify_trees(out, None, sampling, logprobs)
+            chain = self._all_chain[:n]
+            self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        elif _greedy_on_kernel(sampling, inputs.device):  # accept, bonus, round state and pack: one kernel
             res, packed = verify_kernel.greedy_round(out.argmax, inputs, chain, self.state)
         else:
             draft_lens = (inputs[:, 1] - 1).clamp_min(0) * chain
             res = verify_chains(out.logits, out.argmax, inputs[:, 3:2 + Q], draft_lens, inputs[:, 0] + 1, sampling, q)
+            if tree_rows is not None:  # greedy trees beside sampled rows: merged into the chains' results
+                tree, kept = self._verify_trees(out, tree_rows, sampling, logprobs)
+                res = ChainVerification(torch.where(tree_rows, tree.num_accepted, res.num_accepted),
+                                        torch.where(tree_rows[:, None], tree.tokens, res.tokens))
+                chain = chain | tree_rows
             self.state.advance(inputs[:, :2], chain, res.num_accepted, res.tokens)
+        logits = out.logits if kept is None else kept
         if sampling.adjust is not None:  # the output's token counts, for the penalties of later rounds
             emitted = torch.arange(Q, device=inputs.device)[None, :] <= res.num_accepted[:, None]
             self.sampling.record(res.tokens, emitted & (chain & (inputs[:, 1] > 0))[:, None])
@@ -390,12 +465,13 @@ class LocalTarget(Target):
         if logprobs or scores is not None:  # float columns follow: the whole row is float64
             packed = packed.double()
         if logprobs:  # row j of the forward predicts the token after the j-th input
-            packed = torch.cat([packed, logprob_columns(out.logits, res.tokens, logprobs == 2)], dim=1)
+            packed = torch.cat([packed, logprob_columns(logits, res.tokens, logprobs == 2)], dim=1)
         if scores is not None:  # the next round's drafts' predicted acceptance (a chained draft policy)
             packed = torch.cat([packed, scores.double()], dim=1)
         return packed
 
-    def _launched(self, items: list, out, trees: dict[int, list[int]], sampling) -> "_LaunchedVerify":
+    def _launched(self, items: list, out, trees: dict[int, list[int]], sampling,
+                  walked: set[int] = frozenset()) -> "_LaunchedVerify":
         """Queue the copy of a round's packed results (``out.epilogue``) for ``collect``."""
         steps = [_step_tokens(it) for it in items]
         queued = self._queued
@@ -405,7 +481,7 @@ class LocalTarget(Target):
         Q = out.argmax.shape[1]
         mode = logprob_mode(items)
         scored = out.epilogue.shape[1] - 3 - Q - (Q if mode else 0) - (2 * Q * MAX_TOP_LOGPROBS if mode == 2 else 0)
-        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, steps, scored)
+        return _LaunchedVerify(items, [it.slot for it in items], trees, out, sampling, copy, Q, steps, scored, walked)
 
     def collect(self, handle: "_LaunchedVerify") -> list[TargetResult]:
         """The results of ``launch_verify`` or ``launch_chained``: waits for its copy (the round's
@@ -414,6 +490,7 @@ class LocalTarget(Target):
         round's host work grows with the batch: this is on the host's critical path at large
         batch sizes)."""
         items, slots, trees, out, Q = handle.items, handle.slots, handle.trees, handle.out, handle.width
+        walked = handle.walked
         host = handle.copy.wait()  # per row: start, q_len, accepted, Q tokens, (Q logprobs), (scores)
         ints = handle.copy.host.dtype == torch.int64  # no float columns: token ids need no conversion
         chained = isinstance(items[0], ChainedItem)
@@ -427,20 +504,23 @@ class LocalTarget(Target):
             row = host[slot]
             length = int(row[0])  # what the slot held before the round
             path = None
-            if slot in trees:
+            if slot in walked:  # a sampled tree
                 r = self._verify_tree(it, out, handle.sampling, length)
                 tokens, m, path = r.tokens, r.num_accepted, r.path
                 if path:  # move the accepted branch's K/V to consecutive positions
                     moves = [(length + 1 + i, length + d) for d, i in enumerate(path, start=1) if i + 1 != d]
                     self.cache.move(slot, [a for a, _ in moves], [b for _, b in moves])
                     self.state.set(slot, length, tokens)
-                dev = self.runner.device  # (a chain row's tokens were counted on the device)
-                self.sampling.record(to_device(torch.tensor([tokens]), dev),
-                                     torch.ones(1, len(tokens), dtype=torch.bool, device=dev),
-                                     to_device(torch.tensor([slot]), dev))
+                if self.sampling.adjust is not None:  # (a chain row's tokens were counted on the device)
+                    dev = self.runner.device
+                    self.sampling.record(to_device(torch.tensor([tokens]), dev),
+                                         torch.ones(1, len(tokens), dtype=torch.bool, device=dev),
+                                         to_device(torch.tensor([slot]), dev))
             else:
                 m = int(row[2])
                 tokens = row[3:m + 4] if ints else [int(t) for t in row[3:m + 4]]
+                if slot in trees:  # a greedy tree, verified (and its branch's K/V moved) on the device
+                    path = tree_path(it.proposal.tokens, it.proposal.parents, tokens[:m])
             # drop rejected drafts' KV; a later round still in flight keeps its share of the length
             left = queued[slot] - step
             truncate(slot, length + 1 + m + left)
@@ -454,7 +534,7 @@ class LocalTarget(Target):
                 kept.append(rows)
             lp = top = None
             if it.return_logprobs or it.top_logprobs > 0:  # (wants_logprobs, inline: once a row a round)
-                if slot in trees:
+                if slot in walked:
                     cols = logprob_columns(out.logits[slot, rows][None], torch.tensor(
                         tokens, device=out.logits.device)[None], it.top_logprobs > 0)[0].tolist()
                     lp, top = read_logprob_columns(cols, 0, len(rows), len(rows), it.top_logprobs)
@@ -470,12 +550,12 @@ class LocalTarget(Target):
         return outs
 
     def _verify_tree(self, it: VerifyItem, out, sampling: RowSampling, start: int) -> VerifyResult:
-        """One token tree, walked on the host (``verify_tree_greedy`` / ``verify_tree_sampling``)."""
+        """One sampled token tree, walked on the host (``verify_tree_sampling``)."""
         prop = it.proposal
         width = len(prop.tokens) + 1
         index = to_device(torch.tensor([it.slot], dtype=torch.int64), out.logits.device)
         rows = sampling.rows(index)
-        logits, argmax = out.logits[index, :width], out.argmax[it.slot, :width]
+        logits = out.logits[index, :width]
         if rows.adjust is not None:  # each node sees its ancestors (and itself) as output
             paths = [[]]
             for tok, parent in zip(prop.tokens, prop.parents):
@@ -486,9 +566,6 @@ class LocalTarget(Target):
             positions = torch.tensor([[start + 1 + len(path) for path in paths]], dtype=torch.int64)
             dev = logits.device
             logits = adjust_logits(logits, rows.adjust, positions.to(dev), prefix.to(dev), valid.to(dev))
-            argmax = logits[0].argmax(-1)
-        if it.params.greedy:
-            return verify_tree_greedy(prop.tokens, prop.parents, argmax.tolist())
         p = target_probs(logits, rows)[0]
         return verify_tree_sampling(prop.tokens, prop.parents, prop.probs, p, self.sampling.seeds[it.slot], start + 1)
 
@@ -541,6 +618,7 @@ class _LaunchedVerify:
     width: int
     steps: list[int]  # tokens the round appends to each item's slot (``_step_tokens``)
     num_scores: int = 0  # trailing columns of predicted acceptance of the next drafts (a scoring drafter)
+    walked: set[int] = frozenset()  # slots of the trees walked on the host at collect (sampled ones)
 
 
 def _greedy_on_kernel(sampling: RowSampling, device: torch.device) -> bool:

@@ -13,8 +13,9 @@ top-k / top-p, so every emitted token is distributed exactly as target-only samp
 Chains (every drafter's plain drafts) are verified by ``verify_chains``: the whole batch at once,
 on the device, with no host synchronisation and no per-token host work; its random numbers come
 from ``tandem.sampling.counter_uniform`` keyed by (request seed, sequence position), so a seeded
-request gives the same tokens in any batch. Token trees (hard-position branching) use the
-per-sequence ``verify_tree_*`` functions.
+request gives the same tokens in any batch. Token trees (hard-position branching): greedy
+ones are verified with the batch, on the device (``verify_trees_greedy``); sampled ones walk the
+per-sequence ``verify_tree_sampling`` on the host.
 """
 
 from __future__ import annotations
@@ -263,6 +264,67 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: RowSa
     p = target_probs(logits[:, None], sampling)[:, 0]
     u = counter_uniform(sampling.seed, positions, STREAM_SAMPLE)
     return torch.where(sampling.greedy, out, sample_inverse_cdf(p, u))
+
+
+def verify_trees_greedy(argmax: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
+                        q_len: torch.Tensor) -> tuple[ChainVerification, torch.Tensor]:
+    """``verify_tree_greedy`` of every row at once, on the device, with no host synchronisation:
+    each node's test is vectorised over the batch and the tree (a node is accepted when it and
+    every ancestor equal the target's argmax after their parent, the first such child of a node
+    winning), so a round of token trees costs a few small kernels, not a host walk per tree.
+    A chain is a tree too (each token's parent the one before): its rows give ``verify_chains``'
+    greedy result.
+
+    Args:
+        argmax: ``[B, Q]`` target argmax after each step position (position 0: the last token;
+            position i + 1: tree token i).
+        tokens: ``[B, Q]`` int64 the step's tokens (position 0 the last token).
+        depth: ``[B, Q]`` int64 each position's depth (the last token 0, its children 1, ...).
+        visible: ``[B, Q, Q]`` bool, position i sees j: j is i or an ancestor of i (the tree
+            mask ``ModelRunner.step`` attends with; padding sees only itself).
+        q_len: ``[B]`` int64 positions in use (1 + tree tokens; 0 for idle rows).
+
+    Returns:
+        ``(ChainVerification, path)``: accepted counts ``[B]`` and emitted tokens ``[B, Q]`` (row b
+        emits ``tokens[b, :num_accepted[b] + 1]``, the accepted branch root to leaf, then the
+        argmax after it), and ``[B, Q - 1]`` int64 the step position of the accepted token at each
+        depth (``path[b, d - 1]``; entries past ``num_accepted`` are 0).
+    """
+    B, Q = argmax.shape
+    if Q == 1:  # no tree tokens: the argmax after the last token
+        return ChainVerification(argmax.new_zeros(B), argmax.clone()), argmax.new_zeros(B, 0)
+    j = torch.arange(1, Q, device=argmax.device)  # the tree tokens' positions
+    # a token's parent is its latest proper ancestor (parents precede children); the last token is
+    # every token's ancestor and always kept, so only the tree tokens' own columns are tested
+    parent = (visible[:, 1:, :-1].tril() * (j - 1)).amax(-1)  # [B, Q - 1]
+    match = (j[None, :] < q_len[:, None]) & (tokens[:, 1:] == argmax.gather(1, parent))
+    # several children may equal the argmax only when they repeat a token: the first one wins
+    earlier = ((parent[:, :, None] == parent[:, None, :]) & match[:, None, :]).tril(-1).any(-1)
+    good = match & ~earlier
+    accepted = ~(visible[:, 1:, 1:] & ~good[:, None, :]).any(-1)  # it and every ancestor good: one branch
+    num_accepted = accepted.sum(-1)
+    leaf = (accepted * j).amax(-1, keepdim=True)  # the branch's deepest token (0: none accepted)
+    col = torch.where(accepted, depth[:, 1:] - 1, Q)  # the token at depth d goes to column d - 1; the rest to a spare
+    emitted = torch.zeros(B, Q + 1, dtype=tokens.dtype, device=tokens.device).scatter_(1, col, tokens[:, 1:])
+    emitted = emitted[:, :Q].scatter(1, num_accepted[:, None], argmax.gather(1, leaf))
+    path = torch.zeros(B, Q + 1, dtype=torch.int64, device=tokens.device).scatter_(1, col, j.expand(B, Q - 1))
+    return ChainVerification(num_accepted, emitted), path[:, :Q - 1]
+
+
+def tree_path(draft_tokens: list[int], parents: list[int], accepted: list[int]) -> list[int]:
+    """The indices of a tree's accepted drafts, root to leaf, from the accepted tokens: at each
+    node the first child holding the next token (``verify_tree_greedy``'s rule, so its ``path``).
+
+    Raises:
+        ValueError: ``accepted`` is no branch of the tree.
+    """
+    node, path = -1, []
+    for tok in accepted:
+        node = next((c for c in _children(parents, node) if draft_tokens[c] == tok), None)
+        if node is None:
+            raise ValueError(f"tokens {accepted} are no branch of the tree {draft_tokens} / {parents}")
+        path.append(node)
+    return path
 
 
 def _children(parents: list[int], node: int) -> list[int]:

@@ -1,6 +1,8 @@
 """Token-tree verification (hard-position enhancement): the tree attention pass, greedy and
 sampling verification over trees, KV moves of the accepted branch, and lossless engine output."""
 
+import random
+
 import pytest
 import torch
 from helpers import assert_in_target_top_k, chi_square_pvalue, make_runner, our_logits
@@ -11,7 +13,8 @@ from tandem.engine import Engine
 from tandem.models import load_checkpoint
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
-from tandem.verify import verify_tree_greedy, verify_tree_sampling
+from tandem.models.runner import _tree_columns
+from tandem.verify import tree_path, verify_tree_greedy, verify_tree_sampling, verify_trees_greedy
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +92,86 @@ def test_branched_proposal_shape():
         DraftProposal([1], None, feats[:1]).branched(0, 2)
 
 
+def test_batched_device_tree_verification_equals_the_host_walk():
+    """``verify_trees_greedy`` over a batch of random trees (chains, idle rows and repeated sibling
+    tokens among them, on a 4-token vocabulary so that siblings often match together) gives
+    ``verify_tree_greedy``'s tokens and path for every row, on the step's own tree columns; and
+    ``tree_path`` recovers the path from the accepted tokens."""
+    rng = random.Random(0)
+    for _ in range(400):
+        B, Q = rng.randint(1, 6), rng.randint(1, 8)
+        cols, tokens, argmax, q_len, want = [], [], [], [], []
+        for _ in range(B):
+            am = [rng.randrange(4) for _ in range(Q)]
+            if rng.random() < 0.1:  # an idle row
+                cols.append(_tree_columns(Q, 0, None))
+                tokens.append([0] * Q), argmax.append(am), q_len.append(0), want.append(None)
+                continue
+            n = rng.randint(0, Q - 1)
+            parents = [rng.randint(-1, i - 1) for i in range(n)] if rng.random() < 0.7 else list(range(-1, n - 1))
+            drafts = [rng.randrange(4) for _ in range(n)]
+            cols.append(_tree_columns(Q, n + 1, [-1] + [p + 1 for p in parents]))  # as LocalTarget asks the runner
+            tokens.append([rng.randrange(4)] + drafts + [0] * (Q - 1 - n))
+            argmax.append(am), q_len.append(n + 1)
+            want.append((drafts, parents, verify_tree_greedy(drafts, parents, am[:n + 1])))
+        cols = torch.tensor(cols)
+        res, path = verify_trees_greedy(torch.tensor(argmax), torch.tensor(tokens), cols[:, :Q],
+                                        cols[:, Q:].view(B, Q, Q) > 0, torch.tensor(q_len))
+        for b, w in enumerate(want):
+            if w is None:
+                continue
+            drafts, parents, r = w
+            m = int(res.num_accepted[b])
+            assert m == r.num_accepted and res.tokens[b, :m + 1].tolist() == r.tokens
+            assert [p - 1 for p in path[b, :m].tolist()] == r.path  # step positions: tree index + 1
+            assert tree_path(drafts, parents, r.tokens[:m]) == r.path
+
+
+def test_tree_columns_are_memoised_and_still_checked():
+    """The runner's tree columns come from a memo: equal to a fresh build, and a malformed tree
+    is still refused."""
+    first = _tree_columns(6, 4, [-1, 0, 0, 1])
+    assert _tree_columns(6, 4, [-1, 0, 0, 1]) == first
+    assert first[:6] == (0, 1, 1, 2, 0, 0)  # depths; then row 3 sees 0, 1 and itself
+    assert first[6 + 3 * 6:6 + 4 * 6] == (1, 1, 0, 1, 0, 0)
+    with pytest.raises(ValueError):
+        _tree_columns(6, 3, [-1, 2, 0])
+
+
+def test_greedy_trees_with_logit_adjustments_and_sampled_rows_lossless(small_vocab_checkpoint):
+    """Greedy trees verified on the device under penalties and a logit bias (each node sees its
+    ancestors as output), in batches that also hold sampled trees (walked on the host): every
+    greedy request's output is target-only's."""
+    from tandem.drafters import NgramDrafter
+
+    model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
+    base = Engine(model_dir, cfg)
+    prompts = ["w1 w2 w3 w9 w1 w2 w4 w9 w1 w2 w5 w9 w1 w2 w3 w9 w1", "w7 w8 w7 w6 w7 w8 w7 w5 w7",
+               "w11 w12 w13 w11 w12 w14 w11 w12", "w2 w2 w3 w2 w2 w4 w2"]
+    w3 = base.tokenizer.encode("w3")[-1]
+    greedy = [SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=3.0, presence_penalty=1.5),
+              SamplingParams(max_tokens=20, ignore_eos=True, frequency_penalty=2.0, logit_bias={w3: 2.0}),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    sampled = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=5)
+    params = [greedy[0], greedy[1], sampled, greedy[2]]
+    want = [c.token_ids for c in base.generate(prompts, params)]
+    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
+    eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
+                 draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+    trees = []
+    verify = eng.target.launch_verify
+
+    def spy(items, masks=None):
+        trees.extend(it.params.greedy for it in items if it.proposal.parents is not None)
+        return verify(items, masks)
+
+    eng.target.launch_verify = spy
+    got = [c.token_ids for c in eng.generate(prompts, params)]
+    assert any(trees) and not all(trees)  # greedy trees and sampled ones were verified
+    assert [g for g, q in zip(got, params) if q.greedy] == [w for w, q in zip(want, params) if q.greedy]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("drafter", ["draft-model", "specformer"])
 def test_engine_with_branching_greedy_lossless_sampled_in_target_top_k(tiny_checkpoint, temperature, drafter):
@@ -160,3 +243,40 @@ def test_ngram_branches_at_hard_positions_greedy_lossless(small_vocab_checkpoint
     eng.target.launch_verify = spy
     assert [c.token_ids for c in eng.generate(prompts, params)] == want
     assert max(leaves, default=0) >= 2, leaves  # some trees branched into several continuations
+
+
+def test_greedy_tree_rounds_verify_inside_the_step(small_vocab_checkpoint):
+    """A round with token trees whose rows are all greedy, without logit adjustments, verifies as
+    the step's epilogue (in its CUDA graph on a GPU: one launch), with output equal to
+    target-only's; a round that also holds a sampled tree verifies after the step."""
+    from tandem.drafters import NgramDrafter
+
+    model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
+    cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
+    base = Engine(model_dir, cfg)
+    prompts = ["w1 w2 w3 w9 w1 w2 w4 w9 w1 w2 w5 w9 w1 w2 w3 w9 w1", "w2 w2 w3 w2 w2 w4 w2"]
+    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
+    for params in ([SamplingParams(max_tokens=16, ignore_eos=True)] * 2,
+                   [SamplingParams(max_tokens=16, ignore_eos=True),
+                    SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=2)]):
+        eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
+                     draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+        rounds, step, verify = [], eng.target.runner.step, eng.target.launch_verify
+
+        def spy_verify(items, masks=None):  # (any tree, any sampled row)
+            rounds.append((any(it.proposal.parents is not None for it in items),
+                           any(not it.params.greedy for it in items)))
+            return verify(items, masks)
+
+        def spy_step(tokens, trees=None, **kw):
+            rounds[-1] += (kw.get("epilogue") is not None,)
+            return step(tokens, trees, **kw)
+
+        eng.target.launch_verify, eng.target.runner.step = spy_verify, spy_step
+        got = [c.token_ids for c in eng.generate(prompts, params)]
+        assert any(tree for tree, _, _ in rounds)
+        assert all(inside == (tree and not sampled) for tree, sampled, inside in rounds)
+        if all(p.greedy for p in params):
+            assert got == [c.token_ids for c in base.generate(prompts, params)]
+        else:
+            assert any(tree and sampled for tree, sampled, _ in rounds)

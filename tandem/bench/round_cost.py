@@ -11,7 +11,7 @@ runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a roun
 work. The host's share, ``round_host_ms``, is the wall time less the time the host spent blocked
 waiting for the round's results (``tandem.profiling.blocked_wait_s``): when it reaches
 ``round_gpu_ms`` the rounds are bound by the host's work, not the GPU's. Other blocking reads in a
-round (a host-drafted draft model's rows, token trees walked on the host: ``host_syncs_per_round``
+round (a host-drafted draft model's rows, sampled token trees walked on the host: ``host_syncs_per_round``
 above 1) are not taken off, so there it is an upper bound that includes some GPU time; nor is a
 graph launch that blocks (``step_launch_ms``). The plain run also puts CUDA events around each
 step graph (``tandem.profiling.StepTimeline``): ``step_gpu_span_ms`` is the GPU's time on a

@@ -13,6 +13,7 @@ slot indices); idle slots inside that range run with 0 tokens.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -551,9 +552,16 @@ class StepOutput(NamedTuple):
     epilogue: torch.Tensor | None = None
 
 
-def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
+def _tree_columns(q: int, n: int, parents: list[int] | None) -> tuple[int, ...]:
     """Depth (``q``) and flattened visibility mask (``q * q``) columns of one row; padding and
-    idle positions see only themselves (finite, ignored)."""
+    idle positions see only themselves (finite, ignored). A step asks for them for every row of
+    a round with trees, and a round's shapes recur (chains of each length, the policy's trees of
+    each chain length and width): memoised, so the columns cost a look-up a row."""
+    return _tree_columns_of(q, n, None if parents is None else tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_columns_of(q: int, n: int, parents: tuple[int, ...] | None) -> tuple[int, ...]:
     if parents is None:
         parents = list(range(-1, n - 1))  # a chain
     if len(parents) != n or any(not -1 <= p < i for i, p in enumerate(parents)):
@@ -567,4 +575,4 @@ def _tree_columns(q: int, n: int, parents: list[int] | None) -> list[int]:
         if p >= 0:
             depth[i] = depth[p] + 1
             mask[i][:i] = mask[p][:i]
-    return depth + [x for row in mask for x in row]
+    return tuple(depth + [x for row in mask for x in row])
