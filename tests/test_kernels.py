@@ -573,6 +573,38 @@ def test_fused_tree_steps_match_the_reference_and_keep_chain_rows_exact(tiny_che
     assert torch.equal(chain_only.logits[1, :5], outs[2].logits[1, :5])
 
 
+@pytest.mark.parametrize("chunk", [0, 64], ids=["unsplit", "split64"])
+def test_fused_tree_rows_are_bitwise_the_chain_rows_they_stand_for(tiny_checkpoint, where, chunk):
+    """A token tree's node, verified in one fused step with its siblings and cousins, gets bitwise
+    the logits its path gets as a chain (the node at depth d: the chain's token d), in every layer
+    of the model, unsplit and with split-KV chunks that the new tokens straddle (positions 60-66
+    over 64-position chunks): the attention reads the node's ancestors at the chain's positions, so
+    greedy trees are lossless in bf16 as chains are, not only close."""
+    device, dtype = where
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    rng = random.Random(11)
+    vocab = ckpt.config.vocab_size
+    prompt = {0: [rng.randrange(vocab) for _ in range(60)]}
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    tokens = [rng.randrange(vocab) for _ in parents]
+    runner = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=128,
+                                            kernels="fused", attention_chunk=chunk))
+    runner.cache.allocate()
+    runner.prefill(prompt)
+    tree = runner.step({0: tokens}, trees={0: parents}).logits[0]
+    for node in range(len(parents)):
+        path, i = [], node
+        while i >= 0:
+            path.insert(0, i)
+            i = parents[i]
+        runner.cache.truncate(0, len(prompt[0]))
+        # as wide as the tree step (the tokens after the path change nothing before them), so the
+        # comparison is the attention's alone wherever the projections' bits depend on the width
+        padded = [tokens[i] for i in path] + tokens[:len(parents) - len(path)]
+        chain = runner.step({0: padded}).logits[0]
+        assert torch.equal(chain[len(path) - 1], tree[node]), (node, path)
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     """Split-KV over fixed 64-position chunks (``chunk``): the same attention as the unsplit kernel

@@ -353,9 +353,12 @@ def _attention_kernel():
         # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
         # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
         # row's limit is an exact no-op for it (alpha = 1, p = 0), so its result is the same whatever
-        # the tile holds besides it: batch- and width-invariant. With HAS_TREE a packed row sees the
-        # cache before the new tokens and, of the new tokens, those its token's bits name (a token
-        # tree: itself and its ancestors); a chain's bits name the same keys as the causal limit.
+        # the tile holds besides it: batch- and width-invariant. With HAS_TREE (a token tree) a tile
+        # holds one token's GROUP query heads, and the token sees the cache before the new tokens
+        # then, at the positions a chain would give them, the new tokens its bits name (its
+        # ancestors and itself, in depth order): key position first_new + j reads the K/V of its
+        # ancestor at depth j. So a tree token's attention is the chain's it stands for, term for
+        # term in the same order: its logits are bitwise the chain row's, not merely close.
         # With CHUNK > 0 the program covers keys [chunk * CHUNK, (chunk + 1) * CHUNK) only (fixed
         # absolute bounds, whole BLOCK_N blocks) and writes its unnormalised partial (m, l, acc);
         # the last of the tile's chunk programs to finish (an acquire-release count per (row, KV
@@ -369,22 +372,34 @@ def _attention_kernel():
             chunk = tile % n_chunks
             tile = tile // n_chunks
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = rows // GROUP
-        live = tok < n_tokens
-        q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + rows % GROUP
+        seqlen = tl.load(seqlen_ptr + b)
+        first_new = seqlen - n_tokens  # the position of the first new token
+        if HAS_TREE:  # one token a tile (TPT tiles when GROUP > BLOCK_M)
+            TPT: tl.constexpr = (GROUP + BLOCK_M - 1) // BLOCK_M
+            g = (tile % TPT) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tok = tile // TPT + 0 * rows
+            live = g < GROUP
+            bits = tl.load(tree_ptr + b * n_tokens + tile // TPT)  # int32: the token's ancestors and itself
+            depth = 0
+            for t in range(0, n_tokens):
+                depth += (bits >> t) & 1
+            depth -= 1
+            last = first_new + depth + 0 * rows  # the chain position the token stands for
+            end = first_new + depth + 1
+        else:
+            g = rows % GROUP
+            tok = rows // GROUP
+            live = tok < n_tokens
+            last = first_new + tok  # the last key each packed row sees
+            end = first_new + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_tokens - 1) + 1
+        q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + g
         d = tl.arange(0, HEAD_DIM)
         qv = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-        seqlen = tl.load(seqlen_ptr + b)
-        last = seqlen - n_tokens + tok  # the last key each packed row sees
-        end = seqlen - n_tokens + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_tokens - 1) + 1
         k_base = k_ptr + b * k_sb + kvh * k_sh
         v_base = v_ptr + b * k_sb + kvh * k_sh
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if HAS_TREE:
-            # [BLOCK_M] int32; a dead packed row (past the tokens) sees all, as causally: no empty row
-            bits = tl.load(tree_ptr + b * n_tokens + tok, mask=live, other=-1)
         lo = 0
         hi = end
         if CHUNK > 0:
@@ -393,15 +408,17 @@ def _attention_kernel():
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
-            kb = tl.load(k_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
+            at = n  # the cache position each key is read from
+            if HAS_TREE:  # new-token position first_new + j reads the ancestor at depth j (bit rank j)
+                rel = n - first_new
+                rank = 0
+                for t in range(0, n_tokens):
+                    bit = (bits >> t) & 1
+                    at = tl.where((rel == rank) & (bit != 0), first_new + t, at)
+                    rank += bit
+            kb = tl.load(k_base + at[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(qv, tl.trans(kb)) * scale_log2
-            if HAS_TREE:
-                rel = n - (seqlen - n_tokens)  # the key's index among the new tokens (< 0: the cache)
-                shift = tl.minimum(tl.maximum(rel, 0), 31)
-                named = ((bits[:, None] >> shift[None, :]) & 1) != 0
-                s = tl.where((rel[None, :] < 0) | ((n[None, :] <= last[:, None]) & named), s, float("-inf"))
-            else:
-                s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
+            s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # with a tree or chunks a live row may have seen no key yet (a chunk past its limit): it
             # stays at m = -inf with nothing added, instead of -inf - -inf; a row with a key seen is
@@ -413,7 +430,7 @@ def _attention_kernel():
             alpha = tl.exp2(m_i - m_ref)
             p = tl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(v_base + n[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
+            vb = tl.load(v_base + at[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
             m_i = m_new
         if CHUNK > 0:  # the partial of (b, kvh, chunk) for each packed row of the tile
@@ -421,7 +438,7 @@ def _attention_kernel():
             # zero to the merge (m = -inf, l = 0), so leaving them out keeps every bit
             n_used = tl.cdiv(end, CHUNK)
             used = (rows * 0 + chunk) < n_used  # [BLOCK_M]
-            rows_pad = tl.cdiv(n_tokens * GROUP, BLOCK_M) * BLOCK_M
+            rows_pad = (tl.num_programs(2) // n_chunks) * BLOCK_M  # the launch's tiles x BLOCK_M
             base = (b * tl.num_programs(1) + kvh) * n_chunks
             prow = (base + chunk) * rows_pad + rows
             tl.store(part_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=used[:, None])
@@ -470,9 +487,11 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         seqlens: ``[B]`` int32, keys each row's last token may see (causal alignment at the end);
             ``seqlens[b] >= Q``.
         tree_bits: token-tree verification: ``[B, Q]`` int32, bit j of ``tree_bits[b, i]`` set =
-            new token i may see new token j (itself and its ancestors; j <= i, Q <= 31); the cache
-            before the new tokens is seen by all. None: causal (a chain), which equals bits
-            ``2**(i + 1) - 1`` bitwise.
+            new token i may see new token j (itself and its ancestors; j <= i, Q <= 31; bit 0, the
+            step's first token, set in every row); the cache before the new tokens is seen by all.
+            Token i attends as the chain of its ancestors would (``2**popcount - 1`` tokens at
+            consecutive positions), so its result is bitwise that chain row's. None: causal (a
+            chain), which equals bits ``2**(i + 1) - 1`` bitwise.
         chunk: 0, or split-KV over fixed chunks of this many cache positions (a multiple of
             ``ATTN_BLOCK_N``): one program per (row, KV head, tile, chunk), the last of a tile's
             programs to finish merging the chunks in order (one launch; ``prepare_counters``). More
@@ -495,7 +514,8 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q = q.contiguous()
     out = torch.empty_like(q)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    tiles = -(-Q * group // ATTN_BLOCK_M)
+    # a chain packs its tokens' query heads into tiles; a tree takes a tile (or more) per token
+    tiles = Q * -(-group // ATTN_BLOCK_M) if tree_bits is not None else -(-Q * group // ATTN_BLOCK_M)
     tree = tree_bits.contiguous() if tree_bits is not None else seqlens
     scale = math.log2(math.e) / math.sqrt(hd)
     meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M)
