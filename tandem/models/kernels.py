@@ -489,9 +489,10 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tree_bits: token-tree verification: ``[B, Q]`` int32, bit j of ``tree_bits[b, i]`` set =
             new token i may see new token j (itself and its ancestors; j <= i, Q <= 31; bit 0, the
             step's first token, set in every row); the cache before the new tokens is seen by all.
-            Token i attends as the chain of its ancestors would (``2**popcount - 1`` tokens at
-            consecutive positions), so its result is bitwise that chain row's. None: causal (a
-            chain), which equals bits ``2**(i + 1) - 1`` bitwise.
+            Token i attends as the last token of a chain of its ancestors and itself at
+            consecutive positions would, so its result is bitwise that chain row's; a tree step
+            takes one tile per token. None: causal (a chain), which equals bits ``2**(i + 1) - 1``
+            bitwise.
         chunk: 0, or split-KV over fixed chunks of this many cache positions (a multiple of
             ``ATTN_BLOCK_N``): one program per (row, KV head, tile, chunk), the last of a tile's
             programs to finish merging the chunks in order (one launch; ``prepare_counters``). More
