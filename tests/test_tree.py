@@ -138,12 +138,20 @@ def test_tree_columns_are_memoised_and_still_checked():
         _tree_columns(6, 3, [-1, 2, 0])
 
 
+def _branching_ngram_engine(model_dir: str, cfg: RunnerConfig, tokenizer) -> Engine:
+    """An n-gram engine whose policy keeps one draft and branches position 2 into up to three
+    continuations (a score of 0.95 for a match length <= 1, 0.05 after)."""
+    from tandem.drafters import NgramDrafter
+
+    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # noqa: E731
+    return Engine(model_dir, cfg, tokenizer=tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
+                  draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+
+
 def test_greedy_trees_with_logit_adjustments_and_sampled_rows_lossless(small_vocab_checkpoint):
     """Greedy trees verified on the device under penalties and a logit bias (each node sees its
     ancestors as output), in batches that also hold sampled trees (walked on the host): every
     greedy request's output is target-only's."""
-    from tandem.drafters import NgramDrafter
-
     model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
     base = Engine(model_dir, cfg)
@@ -156,9 +164,7 @@ def test_greedy_trees_with_logit_adjustments_and_sampled_rows_lossless(small_voc
     sampled = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=5)
     params = [greedy[0], greedy[1], sampled, greedy[2]]
     want = [c.token_ids for c in base.generate(prompts, params)]
-    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
-    eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
-                 draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+    eng = _branching_ngram_engine(model_dir, cfg, base.tokenizer)
     trees = []
     verify = eng.target.launch_verify
 
@@ -219,7 +225,6 @@ def test_ngram_branches_at_hard_positions_greedy_lossless(small_vocab_checkpoint
     continuations of the earlier occurrences that agree with the kept drafts
     (``LookupIndex.lookup_with_support``'s candidates). Greedy output is target-only's, and trees
     with several leaves were verified."""
-    from tandem.drafters import NgramDrafter
 
     model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
@@ -229,9 +234,7 @@ def test_ngram_branches_at_hard_positions_greedy_lossless(small_vocab_checkpoint
                "w11 w12 w13 w11 w12 w14 w11 w12", "w2 w2 w3 w2 w2 w4 w2"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [c.token_ids for c in base.generate(prompts, params)]
-    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
-    eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
-                 draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+    eng = _branching_ngram_engine(model_dir, cfg, base.tokenizer)
     leaves = []
     verify = eng.target.launch_verify
 
@@ -249,18 +252,14 @@ def test_greedy_tree_rounds_verify_inside_the_step(small_vocab_checkpoint):
     """A round with token trees whose rows are all greedy, without logit adjustments, verifies as
     the step's epilogue (in its CUDA graph on a GPU: one launch), with output equal to
     target-only's; a round that also holds a sampled tree verifies after the step."""
-    from tandem.drafters import NgramDrafter
-
     model_dir = str(small_vocab_checkpoint(seed=0, logit_scale=2.0))
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96)
     base = Engine(model_dir, cfg)
     prompts = ["w1 w2 w3 w9 w1 w2 w4 w9 w1 w2 w5 w9 w1 w2 w3 w9 w1", "w2 w2 w3 w2 w2 w4 w2"]
-    score = lambda f: torch.where(f[:, 3] <= 1, 0.95, 0.05)  # keep one draft, branch position 2  # noqa: E731
     for params in ([SamplingParams(max_tokens=16, ignore_eos=True)] * 2,
                    [SamplingParams(max_tokens=16, ignore_eos=True),
                     SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=2)]):
-        eng = Engine(model_dir, cfg, tokenizer=base.tokenizer, drafter=NgramDrafter(top_m=3), num_draft_tokens=4,
-                     draft_policy=DraftPolicy(score, acceptance_threshold=0.5, branch_top_m=3))
+        eng = _branching_ngram_engine(model_dir, cfg, base.tokenizer)
         rounds, step, verify = [], eng.target.runner.step, eng.target.launch_verify
 
         def spy_verify(items, masks=None):  # (any tree, any sampled row)
