@@ -24,7 +24,8 @@ import torch
 from ..errors import ConfigError
 from ..profiling import step_timeline
 from .config import ModelConfig
-from .kernels import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason, prepare_counters
+from .kernels import (ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason,
+                      prepare_counters)
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
