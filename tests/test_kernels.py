@@ -605,6 +605,21 @@ def test_fused_tree_rows_are_bitwise_the_chain_rows_they_stand_for(tiny_checkpoi
         assert torch.equal(chain[len(path) - 1], tree[node]), (node, path)
 
 
+def test_split_kv_counters_cover_a_runners_steps_and_grow_without_freeing():
+    """The split attention's arrival counters: sized for a runner's widest decode or tree step and
+    largest prefill bucket (SmolLM2-135M: 3 KV heads of 3 query heads), and a larger need replaces
+    the buffer while the old one stays alive (graphs captured over it keep counting there)."""
+    # 256 rows x 16 tokens (a tree step: a tile per token) x 3 KV heads; a 16,384-position prefill
+    assert kernels.counters_needed(256, 3, 3, 16, 16384) == 3 * max(256 * 16, 16384 * 3 // 16 + 256)
+    assert kernels.counters_needed(8, 8, 32, 16, 64) == 8 * 8 * 16 * 2  # 32 query heads a KV head: 2 tiles
+    device = torch.device("cpu")
+    first = kernels.prepare_counters(device)
+    assert first.numel() >= kernels.COUNTERS and not first.any()
+    bigger = kernels.prepare_counters(device, first.numel() + 1)
+    assert bigger.numel() > first.numel() and any(t is first for t in kernels._RETIRED)
+    assert kernels.prepare_counters(device, 10) is bigger  # a smaller need keeps it
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     """Split-KV over fixed 64-position chunks (``chunk``): the same attention as the unsplit kernel

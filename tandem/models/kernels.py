@@ -304,7 +304,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # split-KV arrival counters per device (``prepare_counters``)
-COUNTERS = 1 << 16  # (row, KV head, tile) triples a split-KV launch may count: 256 rows x 8 KV heads x 32 tiles
+_RETIRED: list[torch.Tensor] = []  # counters replaced by larger ones: graphs captured over them still count there
+COUNTERS = 1 << 16  # the least (row, KV head, tile) triples the counters hold
 
 
 def _device_key(device) -> torch.device:
@@ -315,29 +316,46 @@ def _device_key(device) -> torch.device:
     return device
 
 
-def prepare_counters(device) -> torch.Tensor:
-    """The split-KV attention's arrival counters on ``device`` (``COUNTERS`` int32 zeros; every
-    launch leaves them at zero). Made outside CUDA-graph capture, before the first decode step: the
-    runner calls this when its attention splits."""
+def prepare_counters(device, size: int = COUNTERS) -> torch.Tensor:
+    """The split-KV attention's arrival counters on ``device``: at least ``size`` (and
+    ``COUNTERS``) int32 zeros, one per (row, KV head, tile) of a launch, which every launch leaves
+    at zero. Made outside CUDA-graph capture, before the first step: the runner calls this with
+    what its largest decode, verify and prefill steps need. A larger request replaces the buffer
+    and keeps the old one alive, for the graphs captured over it."""
     key = _device_key(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=key)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < size:
+        if have is not None:
+            _RETIRED.append(have)
+        _COUNTERS[key] = torch.zeros(max(size, COUNTERS), dtype=torch.int32, device=key)
     return _COUNTERS[key]
+
+
+def counters_needed(rows: int, kv_heads: int, group: int, step_tokens: int, prefill_positions: int) -> int:
+    """Counters (``prepare_counters``) that split-KV steps of a runner can use at once: ``rows``
+    rows of at most ``step_tokens`` tokens (a tree step: a tile per token), or a prefill of at most
+    ``prefill_positions`` rows x positions over at most ``rows`` rows, each with ``kv_heads`` KV
+    heads of ``group`` query heads."""
+    per_token = -(-group // ATTN_BLOCK_M)
+    decode = rows * step_tokens * per_token
+    prefill = prefill_positions * group // ATTN_BLOCK_M + rows
+    return kv_heads * max(decode, prefill)
 
 
 def _counters(device: torch.device, needed: int) -> torch.Tensor:
     """``prepare_counters``' buffer for a launch over ``needed`` (row, KV head, tile) triples.
 
     Raises:
-        ValueError: more triples than ``COUNTERS``.
-        RuntimeError: the buffer was not made before a CUDA graph capture.
+        RuntimeError: a CUDA graph capture needs more counters than ``prepare_counters`` made.
     """
-    if needed > COUNTERS:
-        raise ValueError(f"split-KV attention over {needed} (row, KV head, tile) triples: at most {COUNTERS}")
     key = _device_key(device)
-    if key not in _COUNTERS and key.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"kernels.prepare_counters({key}) was not called before capturing a split-KV attention")
-    return prepare_counters(key)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < needed:
+        if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a split-KV attention captured over {needed} (row, KV head, tile) triples: "
+                               f"kernels.prepare_counters({key}, {needed}) was not called before the capture")
+        return prepare_counters(key, needed)
+    return have
 
 
 @functools.lru_cache(maxsize=1)
@@ -504,9 +522,9 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         per KV head (GQA, Ainslie et al. 2023) for all Q tokens; fp32 accumulation.
 
     Raises:
-        ValueError: ``chunk`` not a multiple of ``ATTN_BLOCK_N``, or more (row, KV head, tile)
-            triples than ``COUNTERS``.
-        RuntimeError: a split-KV launch captured into a CUDA graph before ``prepare_counters``.
+        ValueError: ``chunk`` not a multiple of ``ATTN_BLOCK_N``.
+        RuntimeError: a split-KV launch captured into a CUDA graph with more (row, KV head, tile)
+            triples than ``prepare_counters`` made room for.
     """
     kernel = _attention_kernel()
     B, Q, heads, hd = q.shape

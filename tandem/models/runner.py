@@ -24,8 +24,8 @@ import torch
 from ..errors import ConfigError
 from ..profiling import step_timeline
 from .config import ModelConfig
-from .kernels import (ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, fused_unavailable_reason,
-                      prepare_counters)
+from .kernels import (ATTN_BLOCK_N, MAX_FUSED_TOKENS, attention_backend_for, attention_name, counters_needed,
+                      flash_available, fused_unavailable_reason, prepare_counters)
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
@@ -243,7 +243,10 @@ class ModelRunner:
         self.model.attn_backend = attention_backend_for(self._kernels)
         self.attention_chunk = self.model.attn_chunk = resolve_attention_chunk(config, self._kernels)
         if self.attention_chunk:  # the split attention's arrival counters, before any step is captured
-            prepare_counters(self.device)
+            mc = checkpoint.config
+            prepare_counters(self.device, counters_needed(
+                config.max_batch_size, mc.num_kv_heads, mc.num_heads // mc.num_kv_heads, MAX_FUSED_TOKENS,
+                2 * max(config.prefill_tokens, config.prefill_chunk)))
         self.cache = KVCache(checkpoint.config, config.max_batch_size, config.max_seq_len, self.device, config.dtype)
         self._forward = self._forward_logits
         # Compiled forward, used for batch-1 graphs only: measured on an H200 (docs/benchmarks.md),
