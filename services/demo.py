@@ -194,5 +194,5 @@ def _print(console: Console, results: list[DemoResult], wall: float, model: str,
     total = SpecDecodeStats()
     for r in results:
         total.merge(r.spec)
-    for line in draft_length_lines(total, config.policy):
+    for line in draft_length_lines(total, config.policy, config.num_draft_tokens):
         console.print(line, highlight=False)

@@ -142,18 +142,21 @@ def conditional_acceptance(drafted, accepted) -> list[float]:
     return out
 
 
-def draft_length_lines(spec: SpecDecodeStats, policy: str) -> list[str]:
+def draft_length_lines(spec: SpecDecodeStats, policy: str, k: int | None = None) -> list[str]:
     """What the draft policy chose, over every verification step of the run: the share of steps
-    by draft length, and the acceptance at each draft position (no lines without a step)."""
+    by draft length, and the acceptance at each draft position (no lines without a step). With
+    ``k`` (the drafts a step at most), lengths past it are said to be token trees' tokens."""
     counts = spec.draft_length_counts()
     steps = sum(counts)
     if not steps:
         return []
     shares = " | ".join(f"{n}: {c / steps:.0%}" for n, c in enumerate(counts))
     mean = sum(n * c for n, c in enumerate(counts)) / steps
+    trees = (f"; more than k = {k} where a token tree branched (its sibling candidates count as drafts)"
+             if k is not None and len(counts) > k + 1 else "")
     lines = [f"draft lengths chosen (policy {policy}), share of {steps} verification steps: {shares}; "
              f"mean {mean:.2f} drafts a step (fewer than k where the drafter found fewer, e.g. no n-gram match, "
-             f"or the policy or the room left cut them)"]
+             f"or the policy or the room left cut them{trees})"]
     if spec.drafted_per_pos:
         by_pos = " | ".join(f"{i + 1}: {a / d:.2f}" for i, (d, a) in
                             enumerate(zip(spec.drafted_per_pos, spec.accepted_per_pos)) if d)

@@ -1079,3 +1079,19 @@ def test_cli_drafter_errors(tiny_checkpoint, small_vocab_checkpoint, prompts_fil
     assert res.exit_code == 2, res.output
     assert message in res.stderr
     assert "Traceback" not in res.output
+
+
+def test_draft_length_lines_say_why_a_step_verified_more_than_k():
+    """The printed draft lengths: shares of verification steps by length, and, where token trees
+    made a step verify more than k tokens (their sibling candidates count as drafts), a note that
+    says so instead of leaving lengths past k unexplained."""
+    from tandem.metrics import draft_length_lines
+
+    spec = SpecDecodeStats()
+    spec.num_steps = 4
+    spec.drafted_per_pos = [4, 3, 2, 2, 1, 1]  # a step of 6 drafts at k = 4: a tree branched
+    spec.accepted_per_pos = [3, 2, 1, 1, 0, 0]
+    line = draft_length_lines(spec, "predictor-fixed-tau", k=4)[0]
+    assert "1: 25%" in line and "6: 25%" in line and "more than k = 4 where a token tree branched" in line
+    spec.drafted_per_pos, spec.accepted_per_pos = [4, 3, 2, 2], [3, 2, 1, 1]
+    assert "token tree" not in draft_length_lines(spec, "fixed", k=4)[0]

@@ -308,7 +308,7 @@ def _print_results(engine, records, results, wall: float, policy: str) -> None:
     if spec_on:
         from ..metrics import draft_length_lines
 
-        lines = draft_length_lines(engine.stats, policy)
+        lines = draft_length_lines(engine.stats, policy, engine.num_draft_tokens)
         for line in lines or ["nothing drafted"]:
             console.print(line, highlight=False)
 
