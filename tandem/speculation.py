@@ -212,7 +212,7 @@ def load_predictor(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None
 
 
 def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None, cost: CostModel | None = None,
-                       store=None, store_key: str = "acceptance_threshold") -> DraftPolicy | None:
+                       store=None, store_key: str = "acceptance_threshold", predictor=None) -> DraftPolicy | None:
     """The draft policy of ``spec`` (None for policy "fixed").
 
     Args:
@@ -221,6 +221,8 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
         cost: the verifier cost model T(b, q) for the batch allocation; used only when
             ``spec.cost_model``.
         store, store_key: share the threshold controller's state through a ``tandem.state`` store.
+        predictor: ``load_predictor(spec, checkpoint)`` already made (policy "predictor"), so the
+            file is read once; None: loaded here.
 
     Raises:
         ConfigError: an unreadable predictor, or "auto" without one.
@@ -236,7 +238,7 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
 
         return BatchWidthPolicy(cost)
     if spec.policy == "predictor":
-        predictor = load_predictor(spec, checkpoint)
+        predictor = predictor if predictor is not None else load_predictor(spec, checkpoint)
         score, device_score = predictor.predict, predictor.probabilities
     else:
         score = device_score = entropy_score
@@ -249,7 +251,7 @@ def build_draft_policy(spec: SpeculativeConfig, checkpoint: Checkpoint | None = 
 
 def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
                       runner_config: RunnerConfig | None = None, *, drafter: Drafter | None = None, weights=None,
-                      cost: CostModel | None = None, store=None) -> Speculation:
+                      cost: CostModel | None = None, store=None, predictor=None) -> Speculation:
     """Build what ``spec`` describes: the one place speculation is assembled.
 
     Args:
@@ -263,6 +265,7 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
             SpecFormer head), so several engines share one load (the bench).
         cost: the verifier cost model for a context-aware policy (``spec.cost_model``).
         store: θ state kept in a state store (verifier replicas).
+        predictor: the policy's predictor already loaded (``build_draft_policy``).
 
     Raises:
         ConfigError: a remote drafter not given, a drafter given for another kind, a bad predictor.
@@ -280,7 +283,7 @@ def build_speculation(spec: SpeculativeConfig, checkpoint: Checkpoint | None = N
         drafter = build_drafter(spec.drafter, spec.draft_model, checkpoint, runner_config, weights=weights)
     elif spec.drafter != "remote" and drafter.name != spec.drafter:
         raise ConfigError(f"a {drafter.name} drafter given for drafter {spec.drafter!r}")
-    policy = build_draft_policy(spec, checkpoint, cost, store)
+    policy = build_draft_policy(spec, checkpoint, cost, store, predictor=predictor)
     if policy is not None and policy.device_score is not None and spec.chained_rounds and policy.chains:
         # chained rounds: the drafter scores its drafts inside the round, the policy sets widths from them
         drafter.set_acceptance_scorer(policy.device_score, spec.num_draft_tokens)
@@ -375,12 +378,12 @@ def build_engine(spec: SpeculativeConfig, checkpoint: Checkpoint | None = None,
     else:
         target = LocalTarget(checkpoint, replace(runner_config, taps=taps) if taps else runner_config)
     if needs_policy_cost:
-        if spec.policy == "predictor":
-            load_predictor(spec, checkpoint)  # a bad predictor fails before the seconds of timing below
+        # a bad predictor fails before the seconds of timing below, and is read once
+        predictor = load_predictor(spec, checkpoint) if spec.policy == "predictor" else None
         if on_measure is not None:
             on_measure()
         speculation = build_speculation(spec, checkpoint, runner_config, drafter=drafter,
-                                        cost=_policy_cost(spec, drafter, target), store=store)
+                                        cost=_policy_cost(spec, drafter, target), store=store, predictor=predictor)
     return Engine(tokenizer=tokenizer or load_tokenizer(checkpoint), target=target,
                   drafter=speculation.drafter, num_draft_tokens=speculation.num_draft_tokens,
                   draft_policy=speculation.draft_policy, chained_rounds=speculation.chained_rounds,

@@ -275,3 +275,26 @@ def test_a_shared_chained_engine_hands_over_every_slot(tiny_dir):
     assert not engine.has_unfinished() and base.target.num_free() == base.target.info.num_slots == 2
     got = base.generate(["one two one two one", "three four three four"], SamplingParams(max_tokens=6))
     assert all(c.completion_tokens >= 1 for c in got)
+
+
+def test_build_engine_reads_the_predictor_once(word_dir, monkeypatch):
+    """A predictor policy with the batch cost model: ``build_engine`` loads the predictor before it
+    measures T(b, q) (a bad file fails in a second, not after the timing) and hands that predictor
+    to the policy, so the file is read once."""
+    from tandem.drafters.specformer import WEIGHTS_DIR
+    from tandem.predictor import AcceptancePredictor
+
+    loads = []
+    real = AcceptancePredictor.load.__func__
+
+    def counted(cls, *args, **kwargs):
+        loads.append(args[0])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AcceptancePredictor, "load", classmethod(counted))
+    path = str(WEIGHTS_DIR / "ngram-smollm2-135m" / "predictor.safetensors")
+    ck, cfg = load_checkpoint(word_dir), RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=64)
+    engine = build_engine(SpeculativeConfig("ngram", num_draft_tokens=2, policy="predictor", predictor=path,
+                                            cost_model=True), ck, cfg)
+    assert engine.draft_policy is not None and engine.draft_policy.cost is not None
+    assert loads == [path]
