@@ -143,6 +143,21 @@ class Stack:
     logs: dict[str, Path] = field(default_factory=dict)
     temp_log_dir: Path | None = None  # made by start_stack (no StackConfig.log_dir): removed by stop
 
+    def graphs_captured(self, timeout_s: float = 30.0) -> int:
+        """CUDA graphs the stack's verifier replicas have captured since they started (their
+        ``Load`` reports; 0 without CUDA graphs): a pass that raises it met shapes for the first
+        time, and its captures were timed with it."""
+        from services.common import auth_metadata
+        from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
+
+        total = 0
+        for address in self.verifier_addresses:
+            with grpc.insecure_channel(address) as channel:
+                report = verifier_pb2_grpc.VerifierStub(channel).Load(
+                    verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=auth_metadata(self.config.api_key))
+            total += report.graphs_captured
+        return total
+
     def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
         """SIGTERM each process, routers first, then the replicas, then the drafter, each tier
         waited for before the next (SIGKILL for what is still alive ``timeout_s`` after the

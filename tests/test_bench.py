@@ -408,15 +408,17 @@ def test_ablation_over_specformer_chains_every_policy_row(tiny_dir, short_prompt
 
 def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     """--mode distributed runs each configuration through real verifier / drafter / router
-    processes over loopback gRPC: same greedy output as target-only, acceptance reported."""
+    processes over loopback gRPC: same greedy output as target-only, acceptance reported; its
+    warm-up passes counted against the replica's captures (none on a CPU: one pass, none timed)."""
     out = tmp_path / "dist"
     res = CliRunner().invoke(main, [
         "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2",
         "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target,ngram,ngram-router-budget", "--mode", "distributed",
-        "--warmup", "none", "--out", str(out)])
+        "--warmup", "short", "--out", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed"
+    assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
     rows = {r["config"]: r for r in report["results"]}
     assert rows["target"]["speedup"] == 1.0 and rows["ngram"]["lossless_share"] == 1.0
     # the router's budget over the same drafter: lossless too; with 2 prompts it has seen too few drafts to

@@ -1727,3 +1727,25 @@ def test_a_cancelled_streams_cross_context_detach_is_not_logged_as_an_error():
         assert [r.getMessage() for r in records] == ["Failed to detach context"]
     finally:
         logging.getLogger("opentelemetry.context").removeHandler(handler)
+
+
+def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
+    """A replica's ``Load`` report carries the CUDA graphs its process has captured (what the
+    distributed bench's warm-up watches): ``CapturedCall.made``, not a constant."""
+    import asyncio
+
+    from services.proto.tandem.v1 import verifier_pb2
+    from services.verifier.replica import ReplicaEngine
+    from services.verifier.server import VerifierServicer
+    from tandem.engine import Engine
+    from tandem.models.graphs import CapturedCall
+    from tandem.models.runner import RunnerConfig
+
+    replica = ReplicaEngine(Engine(tiny_dir, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=64)))
+    try:
+        servicer = VerifierServicer(replica, eos_token_ids=[0])
+        for made in (0, 7):
+            monkeypatch.setattr(CapturedCall, "made", made)
+            assert asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None)).graphs_captured == made
+    finally:
+        replica.stop()

@@ -22,6 +22,7 @@ from services.common import (Delta, Done, Failed, GrpcServer, check_category, me
 from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 from tandem.errors import InvalidRequestError
 from tandem.metrics import SpecDecodeStats
+from tandem.models.graphs import CapturedCall
 from tandem.requests import Completion, RequestOutput
 from tandem.telemetry import extract_context, span
 
@@ -158,7 +159,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          queued_prompt_tokens=load.queued_prompt_tokens,
                                          state_store=verifier_pb2.StateStoreStatus(**store),
                                          drafter=verifier_pb2.DrafterStatus(**drafter),
-                                         draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap)
+                                         draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap,
+                                         graphs_captured=CapturedCall.made)
         drafted, accepted = self.replica.recent.totals()
         report.recent_drafted_per_pos.extend(drafted)
         report.recent_accepted_per_pos.extend(accepted)

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -97,17 +97,14 @@ def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
 
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
-                    desc: str, progress: bool, warmup: str = "full") -> tuple[list[Completion], float]:
+                    desc: str, progress: bool, warmup: str = "full") -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
     at once through ``Router.Generate`` with the replica's KV slots (``batch_size``) bounding the
-    batch, as in process; a warm-up pass (``warmup_share``), then the timed pass.
-
-    Returns:
-        Completions (record order; TTFT / TPOT measured by the client, network included), the
-        timed pass's wall time (s), and the draft width the router's budget had set on the replica
-        when the pass ended (None: none set).
+    batch, as in process; warm-up passes (``warmup_share``) repeated while the replica captured
+    CUDA graphs during one (``warmup_passes_then_timed`` over its ``Load`` reports, as in
+    process), then the timed pass.
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -123,10 +120,12 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                                             measure_cost=config.uses_cost_model or config.router_budget,
                                             replica_options=replica_runner_options(runner_config)),
                         timeout_s=900)
+    warmup_passes = 0
     try:
-        for label, run in (("warm-up", warmup_share(records, batch_size, warmup)), ("timed", records)):
-            if not run:  # warm-up "none"
-                continue
+        for label, run in warmup_passes_then_timed(warmup_share(records, batch_size, warmup), records,
+                                                   captured=stack.graphs_captured):
+            warmup_passes += label == "warm-up"
+            made0 = stack.graphs_captured()
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
@@ -134,10 +133,25 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                 # replica's batch_size KV slots bound the batch, and its admission policy fills them
                 comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update())
                 wall = time.perf_counter() - t0
+        timed_captures = stack.graphs_captured() - made0
         width = _router_draft_width(stack.http_url)
     finally:
         stack.stop()
-    return comps, wall, width
+    return DistributedRun(comps, wall, width, warmup_passes, timed_captures)
+
+
+@dataclass
+class DistributedRun:
+    """What ``run_distributed`` measured: the timed pass's completions (record order; TTFT / TPOT
+    measured by the client, network included) and wall time (s), the draft width the router's
+    budget had set on the replica when it ended (None: none set), the warm-up passes run before
+    it and the CUDA graphs the replica captured during it (0: none timed)."""
+
+    completions: list[Completion]
+    wall_s: float
+    router_draft_width: int | None
+    warmup_passes: int
+    timed_captures: int
 
 
 def _router_draft_width(http_url: str) -> int | None:
@@ -181,9 +195,11 @@ def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
 MAX_WARMUP_PASSES = 3
 
 
-def warmup_passes_then_timed(warm: list, timed: list, max_passes: int = MAX_WARMUP_PASSES):
-    """Yield ``("warm-up", warm)`` until a warm-up pass captures no CUDA graph (``CapturedCall.made``
-    unchanged across it) or ``max_passes`` ran, then ``("timed", timed)``; no warm-up pass when
+def warmup_passes_then_timed(warm: list, timed: list, max_passes: int = MAX_WARMUP_PASSES,
+                             captured: Callable[[], int] = lambda: CapturedCall.made):
+    """Yield ``("warm-up", warm)`` until a warm-up pass captures no CUDA graph (``captured()``, by
+    default this process's ``CapturedCall.made``, unchanged across it; a distributed run counts its
+    replicas' captures) or ``max_passes`` ran, then ``("timed", timed)``; no warm-up pass when
     ``warm`` is empty. The caller runs each pass before asking for the next.
 
     One full warm-up meets every shape of a fixed draft length, but a policy whose width moves
@@ -195,9 +211,9 @@ def warmup_passes_then_timed(warm: list, timed: list, max_passes: int = MAX_WARM
     """
     if warm:
         for _ in range(max_passes):
-            before = CapturedCall.made
+            before = captured()
             yield "warm-up", warm
-            if CapturedCall.made == before:
+            if captured() == before:
                 break
     yield "timed", timed
 
@@ -303,11 +319,12 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
-                    comps, wall, width = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path),
-                                                         engine.runner_config, prompts, b, params, f"{c.name} b={b}",
-                                                         progress, warmup)
-                    res = replace(_engine_result(c, options, b, prompts, comps, wall, math.nan, base, base_tokens),
-                                  router_draft_width=width)  # peak memory: nan (other processes' memory)
+                    dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
+                                           prompts, b, params, f"{c.name} b={b}", progress, warmup)
+                    comps = dist.completions
+                    res = replace(_engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens),
+                                  router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
+                                  timed_captures=dist.timed_captures)  # peak memory: nan (other processes' memory)
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
