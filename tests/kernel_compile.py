@@ -65,8 +65,8 @@ def main() -> int:
         for chunk in (0, 256):
             part = "*fp32" if chunk else bf
             build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
-                             part_ptr=part, ml_ptr=part, count_ptr="*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32, k_sb=i64,
-                             k_sh=i64, k_sp=i64),
+                             part_ptr=part, ml_ptr=part, count_ptr="*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32,
+                             k_sb=i64, k_sh=i64, k_sp=i64),
                   dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=kernels.ATTN_BLOCK_M,
                        BLOCK_N=kernels.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
                   stages=kernels.ATTN_STAGES)

@@ -322,8 +322,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
                                            prompts, b, params, f"{c.name} b={b}", progress, warmup)
                     comps = dist.completions
-                    res = replace(_engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens),
-                                  router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
+                    res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
+                    res = replace(res, router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
                                   timed_captures=dist.timed_captures)  # peak memory: nan (other processes' memory)
                     if c.name == "target":
                         base = res
