@@ -428,12 +428,13 @@ def _attention_kernel():
             n_ok = n < hi
             at = n  # the cache position each key is read from
             if HAS_TREE:  # new-token position first_new + j reads the ancestor at depth j (bit rank j)
-                rel = n - first_new
-                rank = 0
-                for t in range(0, n_tokens):
-                    bit = (bits >> t) & 1
-                    at = tl.where((rel == rank) & (bit != 0), first_new + t, at)
-                    rank += bit
+                if start + BLOCK_N > first_new:  # a block of the cache alone reads itself
+                    rel = n - first_new
+                    rank = 0
+                    for t in range(0, n_tokens):
+                        bit = (bits >> t) & 1
+                        at = tl.where((rel == rank) & (bit != 0), first_new + t, at)
+                        rank += bit
             kb = tl.load(k_base + at[:, None] * k_sp + d[None, :], mask=n_ok[:, None], other=0.0)
             s = tl.dot(qv, tl.trans(kb)) * scale_log2
             s = tl.where(n[None, :] <= last[:, None], s, float("-inf"))
