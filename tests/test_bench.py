@@ -453,3 +453,20 @@ def test_prompts_read_from_gzip_jsonl(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_text(rows)
     with pytest.raises(InvalidRequestError, match="cannot be read as gzip"):
         load_prompts(tmp_path / "bad.jsonl.gz")
+
+
+def test_summary_line_of_a_distributed_run_names_the_replicas_captures():
+    """A distributed row has no in-process timed-pass figures; its summary line still says how
+    many warm-up passes ran and how many graphs the replica captured inside the timed pass."""
+    import math
+
+    from tandem.bench.results import RunResult
+    from tandem.bench.spec_bench import _summary
+
+    nan = math.nan
+    r = RunResult("target", 64, 0, 256, 1000, 1.0, 1000.0, 1.0, nan, 1.0, 0, 0, 1, 2, 1, 2, nan, 1.0, [],
+                  warmup_passes=3, timed_captures=2)
+    assert _summary(r).endswith("lossless 256/256; 2 graphs captured in the timed pass, after 3 warm-up passes")
+    clean = RunResult("target", 64, 0, 256, 1000, 1.0, 1000.0, 1.0, nan, 1.0, 0, 0, 1, 2, 1, 2, nan, 1.0, [],
+                      warmup_passes=1, timed_captures=0)
+    assert _summary(clean).endswith("lossless 256/256")

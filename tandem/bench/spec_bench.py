@@ -479,6 +479,9 @@ def _summary(r: RunResult) -> str:
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
+    if not r.timed_rounds:  # a distributed run: the replica's captures, counted from its Load reports
+        timed = ((f"; {r.timed_captures} graphs captured in the timed pass" if r.timed_captures else "")
+                 + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}{timed}")
 
