@@ -412,9 +412,7 @@ class LocalTarget(Target):
         start = inputs[:, :1]
         src = torch.where(moved, start + path, start)
         dst = torch.where(moved, start + d, start)
-        rows = torch.arange(n, device=inputs.device)[:, None]
-        for kv in (self.cache.k, self.cache.v):
-            kv[:, rows, :, dst] = kv[:, rows, :, src]
+        self.cache.move_rows(torch.arange(n, device=inputs.device)[:, None], src, dst)
         kept = None
         if logprobs:
             positions = torch.cat([torch.zeros_like(start), torch.where(moved, path, d)], dim=1)

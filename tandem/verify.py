@@ -268,8 +268,9 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: RowSa
 
 def verify_trees_greedy(argmax: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor,
                         q_len: torch.Tensor) -> tuple[ChainVerification, torch.Tensor]:
-    """``verify_tree_greedy`` of every row at once, on the device, with no host synchronisation:
-    each node's test is vectorised over the batch and the tree (a node is accepted when it and
+    """Greedy verification of token trees (SpecInfer, Miao et al. 2024: from the root, follow the
+    child equal to the target's argmax; emit the argmax where no child matches) for every row at
+    once, on the device, with no host synchronisation: each node's test is vectorised over the batch and the tree (a node is accepted when it and
     every ancestor equal the target's argmax after their parent, the first such child of a node
     winning), so a round of token trees costs a few small kernels, not a host walk per tree.
     A chain is a tree too (each token's parent the one before): its rows give ``verify_chains``'
@@ -313,7 +314,7 @@ def verify_trees_greedy(argmax: torch.Tensor, tokens: torch.Tensor, depth: torch
 
 def tree_path(draft_tokens: list[int], parents: list[int], accepted: list[int]) -> list[int]:
     """The indices of a tree's accepted drafts, root to leaf, from the accepted tokens: at each
-    node the first child holding the next token (``verify_tree_greedy``'s rule, so its ``path``).
+    node the first child holding the next token (``verify_trees_greedy``'s rule, so its path).
 
     Raises:
         ValueError: ``accepted`` is no branch of the tree.
@@ -329,25 +330,6 @@ def tree_path(draft_tokens: list[int], parents: list[int], accepted: list[int]) 
 
 def _children(parents: list[int], node: int) -> list[int]:
     return [i for i, p in enumerate(parents) if p == node]
-
-
-def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_argmax: list[int]) -> VerifyResult:
-    """Greedy verification of a token tree (SpecInfer, Miao et al. 2024): from the root, follow
-    the child equal to the target's argmax; emit the argmax where no child matches.
-
-    Args:
-        draft_tokens: n tree tokens; ``parents[i]`` is the index of token i's parent (-1: the
-            last accepted token, row 0). Row ``i + 1`` of ``target_argmax`` is token i's.
-        target_argmax: n + 1 target argmax ids.
-    """
-    node, path = -1, []
-    while True:
-        a = target_argmax[node + 1]
-        nxt = next((c for c in _children(parents, node) if draft_tokens[c] == a), None)
-        if nxt is None:
-            return VerifyResult([draft_tokens[i] for i in path] + [a], len(path), path)
-        path.append(nxt)
-        node = nxt
 
 
 def verify_tree_sampling(draft_tokens: list[int], parents: list[int], draft_probs: torch.Tensor | None,

@@ -130,3 +130,20 @@ def check_acceptance_figures(drafted: int, accepted: int, acceptance_rate: float
     steps = round(steps)
     assert emitted - steps <= accepted <= emitted - steps + prompts, (emitted, steps, accepted)
     assert mean_accepted_length <= k + 1
+
+
+def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_argmax: list[int]):
+    """The greedy tree rule walked on the host, one tree at a time: the reference
+    ``tandem.verify.verify_trees_greedy`` is checked against. From the root, follow the child
+    equal to the target's argmax (row ``i + 1`` of ``target_argmax`` is tree token i's, row 0 the
+    last accepted token's); emit the argmax where no child matches."""
+    from tandem.verify import VerifyResult
+
+    node, path = -1, []
+    while True:
+        a = target_argmax[node + 1]
+        nxt = next((c for c, p in enumerate(parents) if p == node and draft_tokens[c] == a), None)
+        if nxt is None:
+            return VerifyResult([draft_tokens[i] for i in path] + [a], len(path), path)
+        path.append(nxt)
+        node = nxt

@@ -26,7 +26,7 @@ def main() -> int:
 
     from tandem.drafters import lookup_kernel
     from tandem import verify_kernel
-    from tandem.models import fused_linear, kernels
+    from tandem.models import attention, fused_linear, kernels
 
     target = GPUTarget("cuda", 90, 32)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -60,16 +60,16 @@ def main() -> int:
                             span_stride=i32, max_pos=i32, scratch=i32),
               dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, SPANS=spans), f"rope_kv spans={spans}")
     build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul")
-    attn = kernels._attention_kernel()
+    attn = attention._attention_kernel()
     for tree in (False, True):
         for chunk in (0, 256):
             part = "*fp32" if chunk else bf
             build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
                              part_ptr=part, ml_ptr=part, count_ptr="*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32,
                              k_sb=i64, k_sh=i64, k_sp=i64),
-                  dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=kernels.ATTN_BLOCK_M,
-                       BLOCK_N=kernels.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
-                  stages=kernels.ATTN_STAGES)
+                  dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=attention.ATTN_BLOCK_M,
+                       BLOCK_N=attention.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
+                  stages=attention.ATTN_STAGES)
     build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
           dict(IS_PROBS=False, BLOCK=4096), "draft_features")
     i64p = "*i64"

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tandem.errors import ConfigError
-from tandem.models import kernels, load_checkpoint
-from tandem.models.kernels import MAX_FUSED_TOKENS, flash_available, fused_unavailable_reason, gqa_attention
+from tandem.models import attention, kernels, load_checkpoint
+from tandem.models.attention import flash_available, gqa_attention
+from tandem.models.kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
 from tandem.models.runner import DEFAULT_ATTENTION_CHUNK, ModelRunner, RunnerConfig, resolve_attention_chunk
 
 # head_dim 64 with 3 query heads per KV head, as the bundled SmolLM2 (the flash-attn build's shape)
@@ -349,7 +350,7 @@ def test_kernel_rows_are_batch_and_width_invariant(where):
         pos = (start + torch.arange(width, device=device))[None, :].expand(n, -1).contiguous()
         q = kernels.rope_kv_write(qkv[row_ids, :width], cos, sin, pos, pos, k, v, heads, kv_heads)
         seqlens = torch.full((n,), start + width, dtype=torch.int32, device=device)
-        return torch.cat([q.flatten(2), kernels.gqa_attention(q, k, v, seqlens).flatten(2)], -1)
+        return torch.cat([q.flatten(2), attention.gqa_attention(q, k, v, seqlens).flatten(2)], -1)
 
     want = attend([3], Qmax)[0]
     for width in (1, 2, 5, Qmax):
@@ -610,14 +611,14 @@ def test_split_kv_counters_cover_a_runners_steps_and_grow_without_freeing():
     largest prefill bucket (SmolLM2-135M: 3 KV heads of 3 query heads), and a larger need replaces
     the buffer while the old one stays alive (graphs captured over it keep counting there)."""
     # 256 rows x 16 tokens (a tree step: a tile per token) x 3 KV heads; a 16,384-position prefill
-    assert kernels.counters_needed(256, 3, 3, 16, 16384) == 3 * max(256 * 16, 16384 * 3 // 16 + 256)
-    assert kernels.counters_needed(8, 8, 32, 16, 64) == 8 * 8 * 16 * 2  # 32 query heads a KV head: 2 tiles
+    assert attention.counters_needed(256, 3, 3, 16, 16384) == 3 * max(256 * 16, 16384 * 3 // 16 + 256)
+    assert attention.counters_needed(8, 8, 32, 16, 64) == 8 * 8 * 16 * 2  # 32 query heads a KV head: 2 tiles
     device = torch.device("cpu")
-    first = kernels.prepare_counters(device)
-    assert first.numel() >= kernels.COUNTERS and not first.any()
-    bigger = kernels.prepare_counters(device, first.numel() + 1)
-    assert bigger.numel() > first.numel() and any(t is first for t in kernels._RETIRED)
-    assert kernels.prepare_counters(device, 10) is bigger  # a smaller need keeps it
+    first = attention.prepare_counters(device)
+    assert first.numel() >= attention.COUNTERS and not first.any()
+    bigger = attention.prepare_counters(device, first.numel() + 1)
+    assert bigger.numel() > first.numel() and any(t is first for t in attention._RETIRED)
+    assert attention.prepare_counters(device, 10) is bigger  # a smaller need keeps it
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -642,7 +643,7 @@ def test_split_kv_attention_matches_and_is_batch_invariant(where, tree):
     split = gqa_attention(q, k, v, seqlens, bits, chunk=64)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (split.float() - whole.float()).abs().max().item() < tol
-    assert not kernels.prepare_counters(device).any()
+    assert not attention.prepare_counters(device).any()
     assert torch.equal(gqa_attention(q, k, v, seqlens, bits, chunk=64), split)
     for b in range(B):  # alone: the same bits
         alone = gqa_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], seqlens[b:b + 1],

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from helpers import assert_in_target_top_k, chi_square_pvalue, make_runner, our_logits
+from helpers import assert_in_target_top_k, chi_square_pvalue, make_runner, our_logits, verify_tree_greedy
 
 from tandem.control import DraftPolicy
 from tandem.drafters import DraftModelDrafter, DraftProposal
@@ -14,7 +14,7 @@ from tandem.models import load_checkpoint
 from tandem.models.runner import RunnerConfig
 from tandem.sampling import SamplingParams
 from tandem.models.runner import _tree_columns
-from tandem.verify import tree_path, verify_tree_greedy, verify_tree_sampling, verify_trees_greedy
+from tandem.verify import tree_path, verify_tree_sampling, verify_trees_greedy
 
 
 @pytest.fixture(scope="module")

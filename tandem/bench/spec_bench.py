@@ -29,7 +29,8 @@ from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
 from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
-from ..models.kernels import attention_name, round_kernels_on
+from ..models.attention import attention_name
+from ..models.kernels import round_kernels_on
 from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline

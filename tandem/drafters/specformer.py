@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 from torch.nn.utils.rnn import pad_sequence
 
-from ..models import kernels
-from ..models.kernels import FLASH_HEAD_DIMS, FUSED_HEAD_DIMS
+from ..models import attention, kernels
+from ..models.attention import FLASH_HEAD_DIMS
+from ..models.kernels import FUSED_HEAD_DIMS
 from ..models.kv_cache import KV_SLACK
 from ..models.prefill import width_bucket
 from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_device
@@ -120,7 +121,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         """Attach to the target ``ModelRunner`` (its final norm, LM head, RoPE tables, device, dtype)
         and allocate the context-attention KV cache ``[context_layers, slots, kv_heads, capacity + KV_SLACK, head_dim]``.
         On a runner that uses the fused kernels the head uses them too (``use_fused_kernels``; its
-        context attention of chained rounds through ``kernels.attention_with_kvcache``).
+        context attention of chained rounds through ``attention.attention_with_kvcache``).
 
         Raises:
             ModelLoadError: the head was trained for a target of another shape.
@@ -143,7 +144,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         # layer's attention of a round at batch 64 took 30 us unsplit, the target's split one 13 us
         self._attn_chunk = runner.attention_chunk if self._fused and runner.model.attn_backend == "triton" else 0
         if self._attn_chunk:
-            kernels.prepare_counters(dev, kernels.counters_needed(
+            attention.prepare_counters(dev, attention.counters_needed(
                 runner.cache.num_slots, cfg.ctx_kv_heads, cfg.num_heads // cfg.ctx_kv_heads, KV_SLACK, 0))
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
@@ -381,8 +382,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
                 q = kernels.rope_kv_write_spans(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, start,
                                                 q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
-                att = kernels.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,
-                                                     chunk=self._attn_chunk)
+                att = attention.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,
+                                                       chunk=self._attn_chunk)
                 o = layer.o(att.reshape(n, M, -1))
                 h = h + o if layer.mlp is None else layer.mlp.residual_forward(h, o)
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]

@@ -10,7 +10,7 @@ stands after it, in one kernel:
    tile, head of q, k or v); the norm's statistic is recomputed by each program from the whole
    row (a few hundred values), the head's 64 output columns are computed as two rotate-half
    halves so RoPE is applied in registers, and k/v heads go straight to the cache;
-2. attention (``kernels.gqa_attention``);
+2. attention (``attention.gqa_attention``);
 3. O projection + residual add (``linear_residual``);
 4. RMSNorm + gate/up projection + SiLU-multiply (``norm_gate_up``): gate and up columns of the same
    index in one program;

@@ -226,13 +226,17 @@ class KVCache:
 
     def move(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy K/V of positions ``src`` to ``dst`` in every layer of ``slot`` (token-tree
-        verification: the accepted branch moves to consecutive positions)."""
-        if not src:
-            return
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
-        self.k[:, slot, :, d] = self.k[:, slot, :, s]
-        self.v[:, slot, :, d] = self.v[:, slot, :, s]
+        verification walked on the host: the accepted branch moves to consecutive positions)."""
+        if src:
+            self.move_rows(torch.tensor([[slot]], device=self.k.device), torch.tensor([src], device=self.k.device),
+                           torch.tensor([dst], device=self.k.device))
+
+    def move_rows(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``move`` for many slots at once, on the device (no host sync): in every layer, slot
+        ``slots[i, 0]``'s K/V at positions ``src[i]`` is copied to ``dst[i]`` (``[n, 1]`` and
+        ``[n, m]`` int64; a position copied onto itself is a no-op: the rows' unused entries)."""
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
 
     def check_room(self, slot: int, num_new: int) -> None:
         """Raise CacheFullError when ``num_new`` more tokens do not fit in ``slot``."""

@@ -24,8 +24,9 @@ import torch
 from ..errors import ConfigError
 from ..profiling import step_timeline
 from .config import ModelConfig
-from .kernels import (ATTN_BLOCK_N, MAX_FUSED_TOKENS, attention_backend_for, attention_name, counters_needed,
-                      flash_available, fused_unavailable_reason, prepare_counters)
+from .attention import (ATTN_BLOCK_N, attention_backend_for, attention_name, counters_needed, flash_available,
+                        prepare_counters)
+from .kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
@@ -84,7 +85,7 @@ class RunnerConfig:
             room for its attention span. The fused path replaces ``compile`` (which is then
             ignored).
         attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
-            many cache positions (a multiple of 64; ``kernels.gqa_attention``): more programs for
+            many cache positions (a multiple of 64; ``attention.gqa_attention``): more programs for
             few rows or long contexts, still batch- and width-invariant. Fused paths only. None
             (default): ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs, else 0
             (``resolve_attention_chunk``).

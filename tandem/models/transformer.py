@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_linear, kernels
+from . import attention, fused_linear, kernels
 from .config import ModelConfig, ModelLoadError
 from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
@@ -137,8 +137,8 @@ class Transformer(nn.Module):
         self.max_positions = max_positions
         self.fused = False  # decode/verify through tandem.models.kernels (set by the runner on a GPU)
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
-        self.attn_backend = "triton"  # decode/verify attention of the fused path (kernels.ATTN_BACKENDS)
-        self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; kernels.gqa_attention)
+        self.attn_backend = "triton"  # decode/verify attention of the fused path (attention.ATTN_BACKENDS)
+        self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; attention.gqa_attention)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -237,7 +237,7 @@ class Transformer(nn.Module):
 
         Same arguments and result as ``forward_hidden``; a token tree (``depth``, ``tree_mask``;
         not in a prefill) rotates each token for its depth and passes the mask to the attention
-        kernel as per-token bits over the new tokens (``kernels.gqa_attention``'s ``tree_bits``),
+        kernel as per-token bits over the new tokens (``attention.gqa_attention``'s ``tree_bits``),
         so a chain row of a step with trees gets exactly the logits of a chain step. The cache rows need
         ``max(start) + Q`` positions (``KVCache`` keeps ``KV_SLACK`` positions past its capacity,
         enough for any decode or verify step; a prefill checks it: ``forward_hidden``'s ``wide``):
@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         cfg = self.config
         backend = self.attn_backend
         if prefill:
-            backend = "flash" if kernels.flash_available(cfg.head_dim) else "triton"
+            backend = "flash" if attention.flash_available(cfg.head_dim) else "triton"
         B, Q = tokens.shape
         scratch = k_cache.shape[3] - 1
         seqlens = (start + Q).to(torch.int32)
@@ -275,8 +275,8 @@ class Transformer(nn.Module):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
-                att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                     self.attn_chunk)
+                att = attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
+                                                       self.attn_chunk)
                 res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res, block_m=bm)
                 act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
                 res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
@@ -293,8 +293,8 @@ class Transformer(nn.Module):
             else:
                 q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
                                           k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = kernels.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                 self.attn_chunk)
+            att = attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
+                                                   self.attn_chunk)
             x = layer.wo(att.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
