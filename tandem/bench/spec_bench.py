@@ -126,7 +126,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
         for label, run in warmup_passes_then_timed(warmup_share(records, batch_size, warmup), records,
                                                    captured=stack.graphs_captured):
             warmup_passes += label == "warm-up"
-            made0 = stack.graphs_captured()
+            if label == "timed":
+                made0 = stack.graphs_captured()
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
