@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..models import attention, kernels
 from ..models.attention import FLASH_HEAD_DIMS
-from ..models.kernels import FUSED_HEAD_DIMS
+from ..models.kernels import FUSED_HEAD_DIMS, MAX_FUSED_TOKENS
 from ..models.kv_cache import KV_SLACK
 from ..models.prefill import width_bucket
 from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_device
@@ -145,7 +145,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         self._attn_chunk = runner.attention_chunk if self._fused and runner.model.attn_backend == "triton" else 0
         if self._attn_chunk:
             attention.prepare_counters(dev, attention.counters_needed(
-                runner.cache.num_slots, cfg.ctx_kv_heads, cfg.num_heads // cfg.ctx_kv_heads, KV_SLACK, 0))
+                runner.cache.num_slots, cfg.ctx_kv_heads, cfg.num_heads // cfg.ctx_kv_heads, MAX_FUSED_TOKENS, 0))
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=dev, dtype=dtype)
         self._num_slots = runner.cache.num_slots
