@@ -130,6 +130,25 @@ class StackConfig:
                                  policy=self.policy, predictor=self.predictor)
 
 
+@dataclass(frozen=True)
+class ReplicaCounters:
+    """Totals since start over verifier replicas (``LoadReport``): CUDA graphs captured, engine
+    steps run, seconds inside them, and seconds after them handing their events to the streams."""
+
+    graphs_captured: int = 0
+    engine_steps: int = 0
+    engine_step_s: float = 0.0
+    engine_deliver_s: float = 0.0
+
+    def __add__(self, o: "ReplicaCounters") -> "ReplicaCounters":
+        return ReplicaCounters(self.graphs_captured + o.graphs_captured, self.engine_steps + o.engine_steps,
+                               self.engine_step_s + o.engine_step_s, self.engine_deliver_s + o.engine_deliver_s)
+
+    def __sub__(self, o: "ReplicaCounters") -> "ReplicaCounters":
+        return ReplicaCounters(self.graphs_captured - o.graphs_captured, self.engine_steps - o.engine_steps,
+                               self.engine_step_s - o.engine_step_s, self.engine_deliver_s - o.engine_deliver_s)
+
+
 @dataclass
 class Stack:
     """A running stack: addresses, processes and their logs."""
@@ -143,20 +162,38 @@ class Stack:
     logs: dict[str, Path] = field(default_factory=dict)
     temp_log_dir: Path | None = None  # made by start_stack (no StackConfig.log_dir): removed by stop
 
-    def graphs_captured(self, timeout_s: float = 30.0) -> int:
-        """CUDA graphs the stack's verifier replicas have captured since they started (their
-        ``Load`` reports; 0 without CUDA graphs): a pass that raises it met shapes for the first
-        time, and its captures were timed with it."""
+    def replica_counters(self, timeout_s: float = 30.0) -> "ReplicaCounters":
+        """Totals since start over the stack's verifier replicas, from their ``Load`` reports."""
         from services.common import auth_metadata
         from services.proto.tandem.v1 import verifier_pb2, verifier_pb2_grpc
 
-        total = 0
+        total = ReplicaCounters()
         for address in self.verifier_addresses:
             with grpc.insecure_channel(address) as channel:
-                report = verifier_pb2_grpc.VerifierStub(channel).Load(
+                r = verifier_pb2_grpc.VerifierStub(channel).Load(
                     verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=auth_metadata(self.config.api_key))
-            total += report.graphs_captured
+            total = total + ReplicaCounters(r.graphs_captured, r.engine_steps, r.engine_step_s, r.engine_deliver_s)
         return total
+
+    def graphs_captured(self, timeout_s: float = 30.0) -> int:
+        """CUDA graphs the stack's verifier replicas have captured since they started (0 without
+        CUDA graphs): a pass that raises it met shapes for the first time, and its captures were
+        timed with it."""
+        return self.replica_counters(timeout_s).graphs_captured
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, s) each of the stack's processes has used since it started,
+        by name (``router``, ``verifier`` or ``verifier<i>``, ``drafter``; threads included); a process gone reads 0."""
+        import psutil
+
+        out = {}
+        for name, proc in sorted(self.processes.items()):
+            try:
+                t = psutil.Process(proc.pid).cpu_times()
+                out[name] = t.user + t.system
+            except psutil.Error:
+                out[name] = 0.0
+        return out
 
     def stop(self, timeout_s: float = 15.0, keep_logs: bool = False) -> None:
         """SIGTERM each process, routers first, then the replicas, then the drafter, each tier

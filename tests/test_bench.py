@@ -419,6 +419,12 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed"
     assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
+    for r in report["results"]:  # the timed pass as the replica saw it, and the processes' CPU time
+        # two prompts of <= 8 tokens at batch 2: >= 4 steps (each a prefill or a round), <= 2 x 9
+        assert 4 <= r["replica_steps"] <= 18 and 0 < r["replica_step_s"] < r["wall_s"], r
+        assert 0 <= r["replica_deliver_s"] < r["replica_step_s"], r
+        assert set(r["process_cpu_s"]) == {"router", "verifier", "client"}, r["process_cpu_s"]
+        assert all(v > 0 for v in r["process_cpu_s"].values()), r["process_cpu_s"]
     rows = {r["config"]: r for r in report["results"]}
     assert rows["target"]["speedup"] == 1.0 and rows["ngram"]["lossless_share"] == 1.0
     # the router's budget over the same drafter: lossless too; with 2 prompts it has seen too few drafts to
@@ -470,3 +476,8 @@ def test_summary_line_of_a_distributed_run_names_the_replicas_captures():
     clean = RunResult("target", 64, 0, 256, 1000, 1.0, 1000.0, 1.0, nan, 1.0, 0, 0, 1, 2, 1, 2, nan, 1.0, [],
                       warmup_passes=1, timed_captures=0)
     assert _summary(clean).endswith("lossless 256/256")
+    counted = RunResult("target", 64, 0, 256, 1000, 1.0, 1000.0, 1.0, nan, 1.0, 0, 0, 1, 2, 1, 2, nan, 1.0, [],
+                        warmup_passes=1, replica_steps=300, replica_step_s=0.61, replica_deliver_s=0.05,
+                        process_cpu_s={"router": 0.9, "verifier": 1.2, "client": 0.8})
+    assert _summary(counted).endswith("lossless 256/256; replica 300 steps, 0.61 s in them, 0.05 s handing out "
+                                      "events; CPU s router 0.90, verifier 1.20, client 0.80")

@@ -26,7 +26,7 @@ import torch
 from conftest import SMALL_VOCAB, spec_bench_prompts
 from test_speculative import sampling_setup  # noqa: F401  (fixture: small-vocabulary target, draft, exact logits)
 
-from services.common import BackgroundServer, Delta, auth_metadata, params_to_pb
+from services.common import BackgroundServer, Delta, Done, auth_metadata, params_to_pb
 from services.launch import StackConfig, start_stack
 from services.proto.tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tandem.drafters import DraftModelDrafter, NgramDrafter
@@ -1731,7 +1731,8 @@ def test_a_cancelled_streams_cross_context_detach_is_not_logged_as_an_error():
 
 def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
     """A replica's ``Load`` report carries the CUDA graphs its process has captured (what the
-    distributed bench's warm-up watches): ``CapturedCall.made``, not a constant."""
+    distributed bench's warm-up watches): ``CapturedCall.made``, not a constant; and its engine
+    thread's steps and their time, counted as they run."""
     import asyncio
 
     from services.proto.tandem.v1 import verifier_pb2
@@ -1747,5 +1748,14 @@ def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
         for made in (0, 7):
             monkeypatch.setattr(CapturedCall, "made", made)
             assert asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None)).graphs_captured == made
+        # and its engine thread's steps: none yet, then those one request ran, with their time
+        report = asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None))
+        assert (report.engine_steps, report.engine_step_s, report.engine_deliver_s) == (0, 0.0, 0.0)
+        done = threading.Event()
+        req = replica.engine.make_request(prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=3))
+        replica.submit(req, lambda events: done.set() if any(isinstance(e, Done) for _, e in events) else None)
+        assert done.wait(60)
+        report = asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None))
+        assert 2 <= report.engine_steps <= 4 and report.engine_step_s > 0 and report.engine_deliver_s > 0
     finally:
         replica.stop()

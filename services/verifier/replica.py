@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,6 +84,10 @@ class ReplicaEngine:
         self._submitted = 0  # submitted and not yet taken in by the engine thread (read by load())
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # engine thread's totals since start (read by Load without a lock: each a single store)
+        self.steps = 0
+        self.step_s = 0.0  # inside engine.step()
+        self.deliver_s = 0.0  # after each step: completions recorded, events handed to the sinks (messages built)
         engine.on_round = self._observe_round
         engine.cap_rounds = True  # a router's draft width (Load) may cap any round: no graph captures when it comes
         if engine.drafter is not None and not engine.chains_rounds:
@@ -205,12 +210,16 @@ class ReplicaEngine:
             self._note_load()
             if self._stop.is_set() or not engine.has_unfinished():
                 continue
+            t0 = time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug fails the requests, never the replica's thread
                 log.exception("engine step failed")
                 self._fail_all(f"internal error on the verifier replica: {exc}")
                 continue
+            t1 = time.perf_counter()
+            self.steps += 1
+            self.step_s += t1 - t0
             batches = _Batches()
             for out in outputs:
                 sub = self._subs.get(out.request_id)
@@ -223,6 +232,7 @@ class ReplicaEngine:
                     self._on_done(sub, completion)
                     batches.add(sub, out.request_id, Done(completion))
             batches.deliver()
+            self.deliver_s += time.perf_counter() - t1
         for rid in list(self._subs):  # stopping: what is left is aborted (its callers see the stream end)
             self.engine.abort(rid)
 

@@ -90,6 +90,12 @@ class RunResult:
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
     router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)
+    # distributed, the timed pass: the replicas' engine steps, seconds inside them and after them
+    # handing events to the streams, and each process's CPU seconds (``DistributedRun``)
+    replica_steps: int = 0
+    replica_step_s: float = math.nan
+    replica_deliver_s: float = math.nan
+    process_cpu_s: dict[str, float] | None = None
 
     @property
     def round_overhead(self) -> float:

@@ -127,7 +127,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                                                    captured=stack.graphs_captured):
             warmup_passes += label == "warm-up"
             if label == "timed":
-                made0 = stack.graphs_captured()
+                counters0, cpu0, client0 = stack.replica_counters(), stack.cpu_seconds(), time.process_time()
             with tqdm(total=len(run), desc=f"{desc} {label} (distributed)", unit="prompt", leave=False,
                       file=sys.stderr, disable=None if progress else True) as bar:
                 t0 = time.perf_counter()
@@ -135,11 +135,14 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                 # replica's batch_size KV slots bound the batch, and its admission policy fills them
                 comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update())
                 wall = time.perf_counter() - t0
-        timed_captures = stack.graphs_captured() - made0
+        replica = stack.replica_counters() - counters0
+        cpu = {name: s - cpu0.get(name, 0.0) for name, s in stack.cpu_seconds().items()}
+        cpu["client"] = time.process_time() - client0
         width = _router_draft_width(stack.http_url)
     finally:
         stack.stop()
-    return DistributedRun(comps, wall, width, warmup_passes, timed_captures)
+    return DistributedRun(comps, wall, width, warmup_passes, replica.graphs_captured, replica.engine_steps,
+                          replica.engine_step_s, replica.engine_deliver_s, cpu)
 
 
 @dataclass
@@ -147,13 +150,20 @@ class DistributedRun:
     """What ``run_distributed`` measured: the timed pass's completions (record order; TTFT / TPOT
     measured by the client, network included) and wall time (s), the draft width the router's
     budget had set on the replica when it ended (None: none set), the warm-up passes run before
-    it and the CUDA graphs the replica captured during it (0: none timed)."""
+    it, and during it: the CUDA graphs the replicas captured (0: none timed), their engine steps,
+    the seconds their engine threads spent inside steps and after them handing events to the
+    streams, and each process's CPU seconds (``Stack.cpu_seconds`` by name, and ``client``: this
+    process, which sent the requests and read the streams)."""
 
     completions: list[Completion]
     wall_s: float
     router_draft_width: int | None
     warmup_passes: int
     timed_captures: int
+    replica_steps: int
+    replica_step_s: float
+    replica_deliver_s: float
+    process_cpu_s: dict[str, float]
 
 
 def _router_draft_width(http_url: str) -> int | None:
@@ -326,7 +336,9 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     comps = dist.completions
                     res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
                     res = replace(res, router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
-                                  timed_captures=dist.timed_captures)  # peak memory: nan (other processes' memory)
+                                  timed_captures=dist.timed_captures, replica_steps=dist.replica_steps,
+                                  replica_step_s=dist.replica_step_s, replica_deliver_s=dist.replica_deliver_s,
+                                  process_cpu_s=dist.process_cpu_s)  # peak memory: nan (other processes' memory)
                     if c.name == "target":
                         base = res
                         base_tokens = {r.prompt_id: comp.token_ids for r, comp in zip(prompts, comps)}
@@ -481,9 +493,13 @@ def _summary(r: RunResult) -> str:
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
-    if not r.timed_rounds:  # a distributed run: the replica's captures, counted from its Load reports
+    if not r.timed_rounds:  # a distributed run: the replica's counters, from its Load reports
         timed = ((f"; {r.timed_captures} graphs captured in the timed pass" if r.timed_captures else "")
-                 + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else ""))
+                 + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
+                 + (f"; replica {r.replica_steps} steps, {r.replica_step_s:.2f} s in them, "
+                    f"{r.replica_deliver_s:.2f} s handing out events" if r.replica_steps else "")
+                 + ("; CPU s " + ", ".join(f"{n} {v:.2f}" for n, v in r.process_cpu_s.items())
+                    if r.process_cpu_s else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
             f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}{timed}")
 

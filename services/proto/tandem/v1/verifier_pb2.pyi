@@ -117,7 +117,7 @@ class LoadRequest(_message.Message):
     def __init__(self, draft_width: _Optional[int] = ..., acceptance_threshold: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width", "threshold", "acceptance_threshold", "acceptance_threshold_set", "recent_drafted_per_pos", "recent_accepted_per_pos", "graphs_captured")
+    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width", "threshold", "acceptance_threshold", "acceptance_threshold_set", "recent_drafted_per_pos", "recent_accepted_per_pos", "graphs_captured", "engine_steps", "engine_step_s", "engine_deliver_s")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,9 @@ class LoadReport(_message.Message):
     RECENT_DRAFTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     RECENT_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     GRAPHS_CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DELIVER_S_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     running: int
     waiting: int
@@ -146,7 +149,10 @@ class LoadReport(_message.Message):
     recent_drafted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     recent_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     graphs_captured: int
-    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ..., threshold: _Optional[_Union[ThresholdState, _Mapping]] = ..., acceptance_threshold: _Optional[float] = ..., acceptance_threshold_set: _Optional[bool] = ..., recent_drafted_per_pos: _Optional[_Iterable[int]] = ..., recent_accepted_per_pos: _Optional[_Iterable[int]] = ..., graphs_captured: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    engine_step_s: float
+    engine_deliver_s: float
+    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ..., threshold: _Optional[_Union[ThresholdState, _Mapping]] = ..., acceptance_threshold: _Optional[float] = ..., acceptance_threshold_set: _Optional[bool] = ..., recent_drafted_per_pos: _Optional[_Iterable[int]] = ..., recent_accepted_per_pos: _Optional[_Iterable[int]] = ..., graphs_captured: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_s: _Optional[float] = ..., engine_deliver_s: _Optional[float] = ...) -> None: ...
 
 class ThresholdState(_message.Message):
     __slots__ = ("grid", "rounds", "tokens", "ms")
