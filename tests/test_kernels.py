@@ -542,7 +542,13 @@ def test_tree_attention_matches_masked_attention(where):
     err = (got - want).abs().max().item()
     assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
     chain = gqa_attention(q, k, v, seqlens)
-    assert torch.equal(gqa_attention(q, k, v, seqlens, bits)[1], chain[1])  # the chain row: bitwise causal
+    tree_chain = gqa_attention(q, k, v, seqlens, bits)[1]
+    torch.testing.assert_close(tree_chain, chain[1], rtol=1e-5, atol=1e-5)
+    if device.type == "cpu" and not _host_matmul_is_row_invariant():
+        pytest.skip("the interpreter's tl.dot is numpy's matmul, and this host's BLAS gives a row a result that "
+                    "depends on its place in the tile (a tree step gives each token a tile of its own; checked "
+                    "above to 1e-5; bitwise on the GPU)")
+    assert torch.equal(tree_chain, chain[1])  # the chain row: bitwise causal
 
 
 def test_fused_tree_steps_match_the_reference_and_keep_chain_rows_exact(tiny_checkpoint, where):

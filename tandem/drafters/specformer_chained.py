@@ -153,7 +153,7 @@ class ChainedHead:
             cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
         ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
         logits = self._draft_rows(ctx, ids, float32=False)  # [n, ld, V]; sampling_probs upcasts
-        drafts = logits.argmax(-1)
+        drafts = kernels.row_argmax(logits) if self._fused else logits.argmax(-1)
         V = logits.shape[-1]
         q = None
         if sampling.any_sampled:

@@ -331,6 +331,121 @@ def draft_features(x: torch.Tensor, positions: torch.Tensor, probs: bool = False
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _slot_attention_kernel():
+    triton, tl = _modules()
+
+    @triton.jit
+    def slot_attention_kernel(qkv_ptr, out_ptr, L, scale, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_L: tl.constexpr, CAUSAL: tl.constexpr):
+        # program (sequence, head): attention among a sequence's L slots, read straight from its
+        # QKV projection rows [L, 3, HEADS, HEAD_DIM] and written as [L, HEADS * HEAD_DIM] (no
+        # permute copies); float32 scores and softmax, each slot's keys summed in slot order
+        n = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, BLOCK_L)
+        d = tl.arange(0, HEAD_DIM)
+        row = 3 * HEADS * HEAD_DIM
+        base = qkv_ptr + n * L * row + h * HEAD_DIM
+        live = i < L
+        offs = i[:, None] * row + d[None, :]
+        q = tl.load(base + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        k = tl.load(base + HEADS * HEAD_DIM + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * HEADS * HEAD_DIM + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [query slot, key slot]
+        ok = live[None, :]
+        if CAUSAL:
+            ok = ok & (i[None, :] <= i[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        o = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [query slot, HEAD_DIM]
+        dst = out_ptr + n * L * HEADS * HEAD_DIM + h * HEAD_DIM + i[:, None] * (HEADS * HEAD_DIM) + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    return slot_attention_kernel
+
+
+def slot_attention(qkv: torch.Tensor, heads: int, head_dim: int, causal: bool = False) -> torch.Tensor:
+    """Multi-head attention among each sequence's few slots, as SpecFormer's draft part runs it
+    (every draft slot attends to the sequence's slots, or to those up to its own with ``causal``;
+    the scaled dot-product attention of "Attention Is All You Need" with scale ``head_dim ** -0.5``):
+    one launch, one program per (sequence, head), reading q, k and v from the QKV projection's
+    output and writing the layout the output projection reads. Where a generic attention kernel
+    tiles for long sequences, here L is 4-16 and the whole problem fits one program's registers.
+
+    Args:
+        qkv: ``[N, L, 3 * heads * head_dim]`` projection rows laid out ``[3, heads, head_dim]``
+            (q, then k, then v), contiguous; CUDA (or the CPU under Triton's interpreter).
+        heads: attention heads (q, k and v alike); head_dim: a power of two.
+
+    Returns:
+        ``[N, L, heads * head_dim]`` in ``qkv``'s dtype (float32 accumulation).
+
+    Raises:
+        ValueError: a shape that does not match ``heads`` and ``head_dim``, or L > 64.
+    """
+    N, L, width = qkv.shape
+    if width != 3 * heads * head_dim or head_dim & (head_dim - 1) or L > 64:
+        raise ValueError(f"slot_attention: qkv {tuple(qkv.shape)} for {heads} heads of {head_dim} (L <= 64, "
+                         "head_dim a power of two)")
+    qkv = qkv.contiguous()
+    out = torch.empty((N, L, heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    if N:
+        _slot_attention_kernel()[(N, heads)](qkv, out, L, head_dim ** -0.5, HEADS=heads, HEAD_DIM=head_dim,
+                                             BLOCK_L=max(_pow2(L), 2), CAUSAL=causal)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _row_argmax_kernel():
+    triton, tl = _modules()
+
+    @triton.jit
+    def row_argmax_kernel(x_ptr, out_ptr, n_cols, x_stride, BLOCK: tl.constexpr):
+        # one row per program: the first index of the row's maximum (blocks in order, a later
+        # block taken only when strictly greater; within a block the leftmost of equal values)
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * x_stride
+        cols = tl.arange(0, BLOCK)
+        best = tl.full([], float("-inf"), tl.float32)
+        at = tl.full([], 0, tl.int64)
+        for start in range(0, n_cols, BLOCK):
+            idx = start + cols
+            x = tl.load(base + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32)
+            b = tl.max(x, axis=0)
+            i = tl.argmax(x, axis=0).to(tl.int64) + start
+            take = b > best
+            at = tl.where(take, i, at)
+            best = tl.where(take, b, best)
+        tl.store(out_ptr + row, at)
+
+    return row_argmax_kernel
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for ``[..., V]`` logits in one launch, one program per row sweeping the
+    vocabulary in blocks: the first index of each row's maximum, as ``torch.argmax`` gives it
+    (rows without NaN). PyTorch's reduction reaches about a third of the memory bandwidth on a
+    few hundred rows of a 49k vocabulary (docs/benchmarks.md); this one streams them.
+
+    Args:
+        x: ``[..., V]`` float logits, the last dimension contiguous; CUDA (or the CPU under
+            Triton's interpreter).
+
+    Returns:
+        ``[...]`` int64 on ``x``'s device.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    V = x.shape[-1]
+    rows = x.reshape(-1, V)
+    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+    if rows.shape[0]:
+        _row_argmax_kernel()[(rows.shape[0],)](rows, out, V, rows.stride(0), BLOCK=min(_pow2(V), 4096))
+    return out.view(x.shape[:-1])
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:

@@ -26,6 +26,7 @@ from ..profiling import step_timeline
 from .config import ModelConfig
 from .attention import (ATTN_BLOCK_N, attention_backend_for, attention_name, counters_needed, flash_available,
                         prepare_counters)
+from . import kernels
 from .kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
@@ -294,7 +295,8 @@ class ModelRunner:
         hidden, taps = self.model.forward_hidden(packed[:, 2:q + 2], packed[:, 0], packed[:, 1], k_cache, v_cache,
                                                  attn_len, depth, tree_mask, self.config.taps)
         logits = self.model.logits(hidden, float32=False)  # consumers upcast the rows they sample from
-        return StepOutput(logits, logits.argmax(dim=-1), taps)
+        # the fused path's argmax streams the rows in one launch (the same first index of the maximum)
+        return StepOutput(logits, kernels.row_argmax(logits) if self.model.fused else logits.argmax(dim=-1), taps)
 
     @torch.inference_mode()
     def prefill(self, prompts: dict[int, list[int]],

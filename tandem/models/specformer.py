@@ -326,6 +326,8 @@ class SpecFormerHead(nn.Module):
             self.down.weight.zero_()
             self.down.weight[:, -d:] = torch.eye(d)
 
+    fused_attention = False  # the draft slots' attention as one kernel (``use_fused_kernels``)
+
     def context_input(self, taps: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
         """The context stream's input ``[..., d]``: per-tap RMSNorm, concat, downsample of ``taps``
         ``[..., len(taps), d]``, plus (``context_next_token`` heads) the projected embedding of
@@ -368,9 +370,14 @@ class SpecFormerHead(nn.Module):
                 raise ValueError("this SpecFormer head reads the context lookup continuation: pass lookup")
             emb, match = lookup
             x = x + self.lookup_norm(emb) + self.lookup_match(match)[:, None, :]
-        q, k, v = self.draft_qkv(self.draft_norm(x)).view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
-        return self.mlp.residual_forward(x, self.draft_o(att.transpose(1, 2).reshape(N, ld, nh * hd)))
+        qkv = self.draft_qkv(self.draft_norm(x))
+        if self.fused_attention:  # one kernel from the projection's rows to the output projection's
+            att = kernels.slot_attention(qkv, nh, hd, self.config.causal_draft)
+        else:
+            q, k, v = qkv.view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
+            att = att.transpose(1, 2).reshape(N, ld, nh * hd)
+        return self.mlp.residual_forward(x, self.draft_o(att))
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       select: torch.Tensor | None = None, bonus_emb: torch.Tensor | None = None,
@@ -402,12 +409,13 @@ class SpecFormerHead(nn.Module):
 
 
 def use_fused_kernels(head: SpecFormerHead, on: bool = True) -> None:
-    """Run the head's RMSNorms and SwiGLU activations through the fused GPU kernels
-    (``tandem.models.kernels``): serving only (the kernels have no backward), on a target runner
-    that uses them."""
+    """Run the head's RMSNorms, SwiGLU activations and draft-slot attention through the fused GPU
+    kernels (``tandem.models.kernels``; ``slot_attention`` for the slots): serving only (the
+    kernels have no backward), on a target runner that uses them."""
     for m in head.modules():
         if isinstance(m, (RMSNorm, _SwiGLU)):
             m.fused = on
+    head.fused_attention = on
 
 
 def lookup_inputs(embed: nn.Embedding, cont, match) -> tuple[torch.Tensor, torch.Tensor]:
