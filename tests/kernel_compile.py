@@ -72,6 +72,12 @@ def main() -> int:
                   stages=attention.ATTN_STAGES)
     build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
           dict(IS_PROBS=False, BLOCK=4096), "draft_features")
+    for causal in (False, True):  # SpecFormer's draft slots: the shipped heads' l_d of 4, 6 and 8
+        for L in (4, 8):
+            build(kernels._slot_attention_kernel(), dict(qkv_ptr=bf, out_ptr=bf, L=i32, scale=f32),
+                  dict(HEADS=9, HEAD_DIM=64, BLOCK_L=L, CAUSAL=causal), f"slot_attention L<={L} causal={causal}")
+    build(kernels._row_argmax_kernel(), dict(x_ptr=bf, out_ptr="*i64", n_cols=i32, x_stride=i32), dict(BLOCK=4096),
+          "row_argmax")
     i64p = "*i64"
     for k, support in ((4, False), (8, True)):  # n-gram and the head's lookup; the context-aware n-gram's evidence
         build(lookup_kernel._kernel(), dict(hist_ptr=i64p, last_ptr=i64p, room_ptr=i64p, cont_ptr=i64p, lens_ptr=i64p,
