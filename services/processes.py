@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from typing import TYPE_CHECKING
 
 from services.common import api_key as resolve_api_key
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from tandem.speculation import SpeculativeConfig
 
 log = logging.getLogger(__name__)
+
+# a verifier replica process's sys.setswitchinterval (run_verifier; Python's default is 0.005 s)
+GIL_SWITCH_INTERVAL_S = 5e-4
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -117,10 +121,17 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
 def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch_size, max_seq_len, *,
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
-                 key: str | None = None, runner: dict | None = None) -> None:
+                 key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
-    ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``."""
+    ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``.
+
+    ``gil_switch_interval_s`` is the process's ``sys.setswitchinterval``: the engine thread and the
+    gRPC event loop share one interpreter, and grpc's asyncio I/O (its socket writes included)
+    runs holding it; a thread that waits for the interpreter asks its holder to let go only after
+    this interval, so Python's 5 ms default can hold a round's launch back by up to that much."""
     from services.verifier.server import serve
+
+    sys.setswitchinterval(gil_switch_interval_s)
 
     for p in (port, metrics_port):
         if p:

@@ -298,3 +298,20 @@ def test_build_engine_reads_the_predictor_once(word_dir, monkeypatch):
                                             cost_model=True), ck, cfg)
     assert engine.draft_policy is not None and engine.draft_policy.cost is not None
     assert loads == [path]
+
+
+def test_verifier_gil_switch_interval_from_its_option_or_the_environment(monkeypatch):
+    """``tandem serve verifier`` hands its process's GIL switch interval to ``run_verifier``: the
+    replica's default (``GIL_SWITCH_INTERVAL_S``), ``--gil-switch-interval`` or
+    ``TANDEM_GIL_SWITCH_INTERVAL``; a value out of range is a usage error."""
+    import services.processes
+
+    seen = []
+    monkeypatch.setattr(services.processes, "run_verifier", lambda *a, **k: seen.append(k["gil_switch_interval_s"]))
+    base = ["serve", "verifier", "--port", "50051"]
+    assert CliRunner().invoke(main, base).exit_code == 0
+    assert CliRunner().invoke(main, [*base, "--gil-switch-interval", "0.005"]).exit_code == 0
+    assert CliRunner().invoke(main, base, env={"TANDEM_GIL_SWITCH_INTERVAL": "0.0002"}).exit_code == 0
+    assert seen == [services.processes.GIL_SWITCH_INTERVAL_S, 0.005, 0.0002]
+    res = CliRunner().invoke(main, [*base, "--gil-switch-interval", "0"])
+    assert res.exit_code == 2 and "--gil-switch-interval" in res.stderr

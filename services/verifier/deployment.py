@@ -230,6 +230,9 @@ class VerifierDeployment(GrpcReplica):
             to all interfaces, else ``host``).
         api_key: bearer token required on this replica's gRPC and sent to the drafter service
             (None: ``TANDEM_API_KEY``, else none).
+        gil_switch_interval_s: the actor process's ``sys.setswitchinterval`` (None: the
+            replica's default, ``services.processes.GIL_SWITCH_INTERVAL_S``; ``run_verifier``
+            says why).
 
     Raises:
         ConfigError / ModelLoadError / InvalidRequestError: bad model, device or speculation.
@@ -244,13 +247,18 @@ class VerifierDeployment(GrpcReplica):
                        measure_cost: bool = False, redis_url: str | None = None,
                        drafter_service: DeploymentHandle | None = None, drafter_timeout_s: float = 10.0,
                        overlap: bool = True, port: int = 0, host: str = "127.0.0.1",
-                       advertise_host: str | None = None, api_key: str | None = None) -> None:
-        from services.processes import build_replica
+                       advertise_host: str | None = None, api_key: str | None = None,
+                       gil_switch_interval_s: float | None = None) -> None:
+        import sys
+
+        from services.processes import GIL_SWITCH_INTERVAL_S, build_replica
         from services.verifier.server import serve as serve_verifier
         from tandem.speculation import SpeculativeConfig
         from tandem.telemetry import init_tracing
 
         init_tracing("tandem-verifier")
+        # the engine thread beside the gRPC loop, as in ``run_verifier`` (its docstring says why)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S if gil_switch_interval_s is None else gil_switch_interval_s)
         key = resolve_api_key(api_key)
         spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens, policy=policy,
                                  predictor=predictor)

@@ -77,6 +77,10 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
               help="Seconds to wait for one round from the drafter service before decoding target-only.")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Ask the drafter service for the next round while the target verifies this one.")
+@click.option("--gil-switch-interval", type=click.FloatRange(min=1e-6, max=1.0), default=5e-4, show_default=True,  # GIL_SWITCH_INTERVAL_S
+              envvar="TANDEM_GIL_SWITCH_INTERVAL", callback=finite, metavar="SECONDS",
+              help="The replica process's GIL switch interval (sys.setswitchinterval; Python's default is 0.005): "
+                   "how long its engine thread can wait for the interpreter while the gRPC thread holds it.")
 @click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
               help="Serve this replica's Prometheus metrics on http://HOST:PORT/metrics.")
 @dtype_option
@@ -85,7 +89,8 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   metrics_port, dtype, kernels, cuda_graphs, compile_, prefill_graphs, api_key) -> None:
+                   gil_switch_interval, metrics_port, dtype, kernels, cuda_graphs, compile_, prefill_graphs,
+                   api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
@@ -100,7 +105,7 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
                   prefill_graphs=prefill_graphs)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
-                 metrics_port=metrics_port, key=api_key, runner=runner)
+                 metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval)
 
 
 @serve.command("drafter")
