@@ -183,7 +183,8 @@ class Stack:
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system, s) each of the stack's processes has used since it started,
-        by name (``router``, ``verifier`` or ``verifier<i>``, ``drafter``; threads included); a process gone reads 0."""
+        by name (``router``, ``verifier`` or ``verifier<i>``, ``drafter``; threads included); a
+        process gone reads 0."""
         import psutil
 
         out = {}

@@ -77,7 +77,8 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
               help="Seconds to wait for one round from the drafter service before decoding target-only.")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Ask the drafter service for the next round while the target verifies this one.")
-@click.option("--gil-switch-interval", type=click.FloatRange(min=1e-6, max=1.0), default=5e-4, show_default=True,  # GIL_SWITCH_INTERVAL_S
+# default: services.processes.GIL_SWITCH_INTERVAL_S (a test keeps them equal; the CLI imports the stack lazily)
+@click.option("--gil-switch-interval", type=click.FloatRange(min=1e-6, max=1.0), default=5e-4, show_default=True,
               envvar="TANDEM_GIL_SWITCH_INTERVAL", callback=finite, metavar="SECONDS",
               help="The replica process's GIL switch interval (sys.setswitchinterval; Python's default is 0.005): "
                    "how long its engine thread can wait for the interpreter while the gRPC thread holds it.")
