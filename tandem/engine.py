@@ -107,6 +107,8 @@ class Engine(HostDrafting, EngineConveniences):
                 raise ValueError(f"the {drafter.name} drafter reads the target's hidden states; it needs a local target")
             drafter.bind(self.runner)
         self.num_draft_tokens = num_draft_tokens
+        if drafter is not None:
+            drafter.set_draft_limit(self.configured_draft_limit)
         # drafts per sequence per round at most, set from outside (a verifier replica applies its
         # router's draft-token budget here; read at each round, so a plain int assignment from
         # another thread is safe); None: the configuration's limit alone
@@ -362,6 +364,10 @@ class Engine(HostDrafting, EngineConveniences):
                                       for r, ex, nx in zip(reqs, handle.extras, nexts)])
                 if self.chains_rounds:  # their first drafts, on the device, before their first round
                     self.target.prime_drafts([r.slot for r in reqs], self.drafter)
+            elif self.chains_rounds and self.drafter is not None and self.drafter.drafts_from_verify:
+                # a draft model: its own cache filled with the prompts, then their first drafts
+                self.drafter.admit({r.slot: list(r.prompt_ids) for r in reqs})
+                self.target.prime_drafts([r.slot for r in reqs], self.drafter)
             self.admission.note_prefill(time.perf_counter() - t_admit)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)

@@ -378,6 +378,16 @@ class Drafter(ABC):
         ``device_drafts`` finds them. Queues device work only, with no host synchronisation: it
         is captured in the round's CUDA graph. The default does nothing."""
 
+    def set_draft_limit(self, k: int) -> None:
+        """The engine's draft limit (k, ``Engine.configured_draft_limit``): a drafter that drafts a
+        chained round's tokens before the round that verifies them (the draft model, inside the
+        previous round) drafts this many. The default ignores it."""
+
+    def admit(self, prompts: dict[int, list[int]]) -> None:
+        """Slots just prefilled, with their prompts (resumed output included), before their first
+        chained round (``drafts_from_verify`` drafters without ``target_taps``: a draft model fills
+        its own cache here, then ``device_prime`` drafts). The default does nothing."""
+
     def bind(self, runner) -> None:
         """Attach to the in-process target ``ModelRunner`` (drafters with ``target_taps`` only)."""
 

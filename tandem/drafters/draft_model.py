@@ -1,11 +1,20 @@
 """Draft-model drafter: a small causal LM sharing the target's tokenizer, run by our own model
 runner with its own KV cache (slot numbering mirrors the target's) and rollback.
 
-Each round it syncs its cache to the sequence (truncating to the longest common prefix: the
-rejected drafts of the previous round are dropped in O(1)), then drafts autoregressively, one
-batched forward per draft position across all sequences. Greedy requests draft by argmax;
-sampled requests draw from q = the request's sampling transform of the draft logits, and q is
-returned for speculative sampling.
+Host-drafted rounds: each round it syncs its cache to the sequence (truncating to the longest
+common prefix: the rejected drafts of the previous round are dropped in O(1)), then drafts
+autoregressively, one batched forward per draft position across all sequences. Greedy requests
+draft by argmax; sampled requests draw from q = the request's sampling transform of the draft
+logits, and q is returned for speculative sampling.
+
+Chained rounds (``Engine.chains_rounds``): the same drafting runs on the device inside the round
+that verifies, right after verification (``device_after_verify``), as gpt-fast and SGLang's
+speculative worker run their draft model's steps: from the target's device round state it feeds
+the token before the new last one and the new last one (a two-token step, which also writes the
+last accepted draft's K/V when every draft was accepted, and rewrites an accepted position with
+the same token otherwise: the rejected drafts' positions are simply overwritten later), then one
+token a step for the remaining drafts; the drafts (and their q) stay in device buffers the next
+round reads. No host round trip and no host bookkeeping of the draft cache a round.
 """
 
 from __future__ import annotations
@@ -16,10 +25,13 @@ from pathlib import Path
 
 import torch
 
+from ..models import kernels
 from ..models.config import ModelLoadError
+from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
+from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, draft_rows, sync_tokens
+from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep, draft_rows, sync_tokens
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -152,17 +164,135 @@ class DraftModelDrafter(Drafter):
     """
 
     name = "draft-model"
+    drafts_on_device = True  # chained rounds: it drafts inside the round that verifies (module docstring)
+    drafts_from_verify = True
 
     def __init__(self, checkpoint: Checkpoint, config: RunnerConfig, top_m: int = 4) -> None:
         self.top_m = top_m  # candidates kept per position for hard-position branching
         # Draft numerics never change the output, so the draft runner skips exact-kernel padding.
         self.runner = ModelRunner(checkpoint, replace(config, compile=False, fixed_step_tokens=0))
-        self.cached: dict[int, list[int]] = {}  # slot -> tokens held in the draft cache
+        # slot -> tokens the host knows the draft cache holds (chained rounds write past them
+        # unrecorded: a host-drafted round after them syncs from there, which stays correct)
+        self.cached: dict[int, list[int]] = {}
+        self._k = 0  # drafts a chained round makes (the engine's limit, ``set_draft_limit``)
+        self._draft_tokens: torch.Tensor | None = None  # [slots, k] the next chained round's drafts
+        self._draft_lens: torch.Tensor | None = None  # [slots] how many of them
+        self._draft_q: torch.Tensor | None = None  # [slots, k, V] float32 q of sampled rows' drafts
 
     def release(self, slot: int) -> None:
         if slot in self.cached:
             del self.cached[slot]
             self.runner.cache.free(slot)
+
+    # ------------------------------------------------------------------ chained rounds (device)
+
+    def set_draft_limit(self, k: int) -> None:
+        self._k = k
+
+    def admit(self, prompts: dict[int, list[int]]) -> None:
+        """Claim the slots and fill the draft cache with each prompt but its last token (the first
+        chained step feeds that one with the first generated token: ``device_prime``)."""
+        cache = self.runner.cache
+        for slot in prompts:
+            if slot in self.cached:  # (a slot is released before it is reused; a stale view is dropped)
+                self.release(slot)
+            cache.claim(slot)
+            self.cached[slot] = []
+        body = {s: p[:-1] for s, p in prompts.items() if len(p) > 1}
+        if body:
+            self.runner.prefill(body)
+            for s, p in body.items():
+                self.cached[s] = list(p)
+
+    def prepare_round(self, sampled: bool) -> None:
+        """The draft buffers (and, for sampled requests, the q buffer) before a round is captured."""
+        self._buffers(sampled)
+
+    def _buffers(self, sampled: bool) -> None:
+        cache = self.runner.cache
+        k = max(self._k, 1)
+        dev = cache.k.device
+        if self._draft_tokens is None or self._draft_tokens.shape[1] < k:
+            self._draft_tokens = torch.zeros((cache.num_slots, k), dtype=torch.long, device=dev)
+            self._draft_lens = torch.zeros(cache.num_slots, dtype=torch.long, device=dev)
+            self._draft_q = None
+        if sampled and self._draft_q is None:
+            V = self.runner.model_config.vocab_size
+            self._draft_q = torch.zeros((cache.num_slots, k, V), dtype=torch.float32, device=dev)
+
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the previous chained round (or ``device_prime``) left for rows ``0 .. n-1``,
+        at most ``room`` each (``history``, ``last`` and ``score_room`` are not read)."""
+        n = room.shape[0]
+        self._buffers(False)
+        tokens = self._draft_tokens[:n, :k]
+        if tokens.shape[1] < k:
+            tokens = torch.cat([tokens, tokens.new_zeros(n, k - tokens.shape[1])], dim=1)
+        return tokens, torch.minimum(room, self._draft_lens[:n])
+
+    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
+        """``[n, k, V]`` q of rows ``0 .. n-1``'s device drafts (greedy rows' are not read); None
+        before any sampled request drafted."""
+        q = self._draft_q
+        if q is None:
+            return None
+        q = q[:n, :k]
+        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+
+    @torch.inference_mode()
+    def device_after_verify(self, step: VerifiedStep) -> None:
+        """The next round's drafts of the rows that ran (``step.keep``), from the round state the
+        verification left, inside the round's graph (module docstring)."""
+        self._draft_chain(step.keep, step.state, step.sampling, step.attn_len + self._k)
+
+    @torch.inference_mode()
+    def device_prime(self, keep: torch.Tensor, state, sampling, width: int) -> None:
+        """First drafts for slots just prefilled (``keep`` ``[n]`` bool; their prompts ``admit``ted),
+        so their first chained round verifies drafts; ``width`` > every kept row's length."""
+        self._buffers(sampling.any_sampled)
+        self._draft_chain(keep, state, sampling, width + self._k)
+
+    def _draft_chain(self, keep: torch.Tensor, state, sampling, attn_len: int) -> None:
+        """``k`` drafts for the kept rows from the round state (``state.length``: each row's
+        cached tokens, ``state.last``: its new last token, at position ``length``), written to
+        the draft buffers: one two-token forward (the token at ``length - 1`` and the last one),
+        then one a draft. Device work only (a chained round captures it)."""
+        k = self._k
+        if k < 1:
+            return
+        n = keep.shape[0]
+        attn_len = min(attn_len, self.runner.cache.capacity + KV_SLACK)
+        length = state.length[:n]
+        before = state.history[:n].gather(1, (length - 1).clamp_min(0)[:, None])
+        rows = keep.long()
+        packed = torch.cat([(length - 1).clamp_min(0)[:, None], (2 * rows)[:, None], before,
+                            state.last[:n, None]], dim=1)
+        logits = self.runner.forward_packed(packed, attn_len).logits[:, 1]
+        drafts = []
+        for i in range(k):
+            drafts.append(self._pick(logits, length + 1 + i, sampling, keep, i))
+            if i + 1 < k:
+                packed = torch.stack([length + 1 + i, rows, drafts[-1]], dim=1)
+                logits = self.runner.forward_packed(packed, attn_len).logits[:, 0]
+        tokens = torch.stack(drafts, dim=1)
+        self._draft_tokens[:n, :k] = torch.where(keep[:, None], tokens, self._draft_tokens[:n, :k])
+        self._draft_lens[:n] = torch.where(keep, k, self._draft_lens[:n])
+
+    def _pick(self, logits: torch.Tensor, position: torch.Tensor, sampling, keep: torch.Tensor,
+              i: int) -> torch.Tensor:
+        """Draft ``i`` of each row from its logits ``[n, V]``: the argmax for greedy rows; for
+        sampled rows a draw from q (the request's sampling transform) with
+        ``counter_uniform(seed, position, STREAM_DRAFT)``, q kept for verification."""
+        fused = self.runner.model.fused
+        drafts = kernels.row_argmax(logits) if fused else logits.argmax(-1)
+        if sampling.any_sampled:
+            q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
+            drawn = sample_inverse_cdf(q, counter_uniform(sampling.seed, position, STREAM_DRAFT))
+            drafts = torch.where(sampling.greedy, drafts, drawn)
+            n = keep.shape[0]
+            self._draft_q[:n, i] = torch.where(keep[:, None], q, self._draft_q[:n, i])
+        return drafts
 
     def _sync(self, reqs: list[DraftRequest]) -> dict[int, torch.Tensor]:
         """Bring each slot's cache to ``token_ids`` and return the logits after its last token."""

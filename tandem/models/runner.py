@@ -412,6 +412,23 @@ class ModelRunner:
             self.cache.lengths[slot] += len(toks)
         return out
 
+    def forward_packed(self, packed: torch.Tensor, attn_len: int) -> "StepOutput":
+        """One forward over device-resident packed rows, without the host's bookkeeping (its
+        slots' lengths are not advanced, nothing is checked on the host): for device work inside
+        another runner's captured round (a draft model drafting a chained round's next drafts).
+
+        Args:
+            packed: ``[n, 2 + q]`` int64 on this runner's device: each row's start position and
+                token count (0: an idle row, whose tokens write to the scratch position), then
+                ``q`` tokens; row = KV slot.
+            attn_len: attended context length (>= every row's start + count).
+
+        Returns:
+            ``StepOutput`` as ``step``'s (``logits`` ``[n, q, vocab]``).
+        """
+        n, q = packed.shape[0], packed.shape[1] - 2
+        return self._forward(packed, self.cache.k[:, :n], self.cache.v[:, :n], attn_len, q)
+
     # ------------------------------------------------------------------ CUDA graphs
 
     def _step_fn(self, n: int, q: int, attn_len: int, patch=None, epilogue=None,
