@@ -577,3 +577,66 @@ def test_chained_context_aware_ngram_scores_on_the_device_and_stays_lossless(wor
     tokens, lens = drafter.device_drafts(history, last, torch.full_like(last, 4), 4, score_room=torch.full_like(last, 4))
     assert tokens[0, :int(lens[0])].tolist() == drafts
     assert torch.allclose(drafter.device_draft_scores(1)[0, :len(drafts)], host)
+
+
+def _draft_model_engine(target_dir: str, chained: bool, same_as_target: bool = False, slots: int = 4) -> Engine:
+    """The tiny target with a draft model: its first layer (correlated), or the target itself."""
+    from tandem.drafters import DraftModelDrafter
+    from tandem.drafters.draft_model import truncated_checkpoint
+    from tandem.models import load_checkpoint
+
+    cfg = RunnerConfig(device="cpu", max_batch_size=slots, max_seq_len=96)
+    ck = load_checkpoint(target_dir)
+    engine = Engine(ck, cfg, drafter=DraftModelDrafter(ck if same_as_target else truncated_checkpoint(ck, 1), cfg),
+                    num_draft_tokens=3)
+    if not chained:
+        engine.target.chains_rounds = False
+    assert engine.chains_rounds is chained
+    return engine
+
+
+def test_chained_draft_model_drafts_what_the_host_path_drafts(target_dir):
+    """A chained round runs the draft model's k steps on the device after verification (a
+    two-token step from the round state, then one a draft) and primes a new slot after its
+    prefill: the same tokens, text, stop cuts, logprobs and stream as host-drafted rounds, the
+    same drafts verified (equal drafted and accepted counts, in float32), slots reused; and a
+    draft model equal to the target has every draft accepted (its cache holds exactly the
+    accepted sequence each round, the all-accepted round's last draft included)."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 1, 30, 20, 12, 40, 9)]
+    params[3] = SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True)
+    prompts, params = PROMPTS * 2, params * 2  # twice the slots: slots freed and reused mid-run
+    host = _draft_model_engine(target_dir, chained=False)
+    want, _ = _run(host, prompts, params)
+    engine = _draft_model_engine(target_dir, chained=True)
+    got, overlapped = _run(engine, prompts, params)
+    assert host.stats.num_drafted > 100 and host.stats.num_accepted > 0
+    assert (engine.stats.num_drafted, engine.stats.num_accepted) == (host.stats.num_drafted, host.stats.num_accepted)
+    assert overlapped > 5
+    for (g, gs), (w, _), p in zip(got, want, prompts):
+        assert g[:3] == w[:3], p
+        assert g[3] == pytest.approx(w[3], abs=1e-5)
+        assert gs == g[0]
+    assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
+    assert not engine.drafter.cached and engine.drafter.runner.cache.num_free() == engine.cache.num_slots
+    same = _draft_model_engine(target_dir, chained=True, same_as_target=True)
+    twenty = SamplingParams(max_tokens=20, ignore_eos=True)
+    base = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96))
+    assert [c.token_ids for c in same.generate(PROMPTS, twenty)] == [c.token_ids for c in base.generate(PROMPTS, twenty)]
+    assert same.stats.num_drafted > 50 and same.stats.num_accepted == same.stats.num_drafted
+
+
+def test_chained_draft_model_sampled_requests_draw_their_drafts_on_the_device(target_dir):
+    """Sampled requests in chained draft-model rounds draw their drafts from q on the device
+    (``STREAM_DRAFT``) and are verified against that q: drafts are accepted, a seeded request
+    gives the same tokens alone and in a batch with others, greedy neighbours keep the target's
+    own output."""
+    seeded = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = _draft_model_engine(target_dir, chained=True).generate([PROMPTS[0]], seeded)[0].token_ids
+    engine = _draft_model_engine(target_dir, chained=True)
+    outs = engine.generate(PROMPTS[:4], [seeded, greedy, SamplingParams(max_tokens=25, temperature=1.2, seed=9), greedy])
+    assert outs[0].token_ids == alone
+    base = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96))
+    want = base.generate([PROMPTS[1], PROMPTS[3]], greedy)
+    assert [outs[1].token_ids, outs[3].token_ids] == [w.token_ids for w in want]
+    assert engine.stats.num_accepted > 0 and engine.drafter._draft_q is not None

@@ -493,6 +493,7 @@ def _greedy_spec_vs_target(tiny_checkpoint) -> tuple[list[list[int]], list[list[
     base = Engine(target_dir, cfg)
     spec = Engine(base.checkpoint, cfg, tokenizer=base.tokenizer, drafter=DraftModelDrafter(draft, cfg),
                   num_draft_tokens=3)
+    spec.chained_rounds = False  # host-drafted rounds: the target's rollback is KVCache.truncate
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [3, 4], [7] * 10]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = [base.add_request(prompt_ids=p, params=params) for p in prompts]

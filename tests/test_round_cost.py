@@ -97,13 +97,23 @@ def test_host_drafted_specformer_reads_are_counted(target_dir):
     assert rounds >= 5 and rounds < reads <= 2 * rounds, sites
 
 
-def test_draft_model_reads_are_counted(target_dir, tiny_checkpoint):
-    """The draft model drafts step by step on the host today: its reads are counted (per draft
-    position, not per token of the batch), which the bench reports as host_syncs_per_round."""
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_draft_model_reads_are_counted(target_dir, tiny_checkpoint, temperature):
+    """In chained rounds the draft model drafts inside the round that verifies: at most one
+    blocking read a round, greedy and sampled. Host-drafted rounds (kept for draft policies that
+    score on the host) draft step by step: their reads are counted (per draft position, not per
+    token of the batch), which the bench reports as host_syncs_per_round."""
     cfg = RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128)
     draft = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, seed=1))
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, top_k=3, seed=1)
     engine = Engine(target_dir, cfg, drafter=DraftModelDrafter(draft, cfg), num_draft_tokens=3)
-    reads, rounds, sites = _decode_reads(engine, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert engine.chains_rounds
+    reads, rounds, sites = _decode_reads(engine, params)
+    assert rounds >= 5 and reads <= rounds, f"{reads} host reads in {rounds} rounds: {sites}"
+    assert engine.stats.num_drafted > 0
+    engine = Engine(target_dir, cfg, drafter=DraftModelDrafter(draft, cfg), num_draft_tokens=3)
+    engine.chained_rounds = False
+    reads, rounds, sites = _decode_reads(engine, params)
     per_round = reads / rounds
     assert 1 < per_round <= 1 + 3 * 3, sites  # the verify copy + at most 3 reads per draft position
 

@@ -280,6 +280,7 @@ def test_draft_model_stops_drafting_below_threshold(tiny, tiny_drafters, tiny_re
         drafter.runner.step = lambda batch, *a, **kw: (calls.append(len(batch)), real_step(batch, *a, **kw))[1]
         eng = make_engine(tiny, drafter)
         eng.draft_policy = policy
+        eng.chained_rounds = False  # the host-drafted path, where the rule cuts the draft model's steps
         rule_set = []
         real_propose = drafter.propose
 
