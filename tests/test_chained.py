@@ -274,9 +274,18 @@ def test_chained_specformer_drafts_what_the_host_path_drafts(target_dir, real_to
     prompts = PROMPTS
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 1, 30, 20, 12, 40, 9)]
     params[3] = SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True)
-    host = _specformer_engine(target_dir, chained=False, variant=variant)
+    _same_as_host_rounds(lambda chained: _specformer_engine(target_dir, chained=chained, variant=variant),
+                         prompts, params)
+
+
+def _same_as_host_rounds(make, prompts: list[str], params: list[SamplingParams]) -> tuple[Engine, Engine]:
+    """Run ``prompts`` on ``make(chained=False)`` and ``make(chained=True)``: the chained engine
+    gives every request the host path's tokens, text, finish reason, logprobs and stream, with the
+    same drafts verified (equal drafted and accepted counts) and rounds really in flight; returns
+    (host, chained) engines."""
+    host = make(False)
     want, _ = _run(host, prompts, params)
-    engine = _specformer_engine(target_dir, chained=True, variant=variant)
+    engine = make(True)
     got, overlapped = _run(engine, prompts, params)
     assert host.stats.num_drafted > 50
     assert (engine.stats.num_drafted, engine.stats.num_accepted) == (host.stats.num_drafted, host.stats.num_accepted)
@@ -286,22 +295,27 @@ def test_chained_specformer_drafts_what_the_host_path_drafts(target_dir, real_to
         assert g[3] == pytest.approx(w[3], abs=1e-5)
         assert gs == g[0]
     assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
+    return host, engine
 
 
-def test_chained_specformer_sampled_requests_draw_their_drafts_on_the_device(target_dir):
-    """Sampled requests in chained SpecFormer rounds draft from q on the device (``STREAM_DRAFT``)
-    and are verified against that q: drafts are accepted, a seeded request gives the same tokens
-    alone and in a batch with others, and greedy neighbours keep the target's own output."""
+@pytest.mark.parametrize("drafter", ["specformer", "draft-model"])
+def test_chained_sampled_requests_draw_their_drafts_on_the_device(target_dir, drafter):
+    """Sampled requests in chained SpecFormer or draft-model rounds draft from q on the device
+    (``STREAM_DRAFT``) and are verified against that q: drafts are accepted, a seeded request gives
+    the same tokens alone and in a batch with others, and greedy neighbours keep the target's own
+    output."""
+    make = (lambda: _specformer_engine(target_dir, chained=True)) if drafter == "specformer" else (
+        lambda: _draft_model_engine(target_dir, chained=True))
     seeded = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
-    alone = _specformer_engine(target_dir, chained=True).generate([PROMPTS[0]], seeded)[0].token_ids
-    engine = _specformer_engine(target_dir, chained=True)
+    alone = make().generate([PROMPTS[0]], seeded)[0].token_ids
+    engine = make()
     outs = engine.generate(PROMPTS[:4], [seeded, greedy, SamplingParams(max_tokens=25, temperature=1.2, seed=9), greedy])
     assert outs[0].token_ids == alone
     base = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128))
     want = base.generate([PROMPTS[1], PROMPTS[3]], greedy)
     assert [outs[1].token_ids, outs[3].token_ids] == [w.token_ids for w in want]
-    assert engine.stats.num_drafted > 0 and engine.drafter._draft_q is not None
+    assert engine.stats.num_accepted > 0 and engine.drafter._draft_q is not None
 
 
 def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
@@ -605,18 +619,9 @@ def test_chained_draft_model_drafts_what_the_host_path_drafts(target_dir):
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (24, 5, 1, 30, 20, 12, 40, 9)]
     params[3] = SamplingParams(max_tokens=30, stop=["e"], ignore_eos=True)
     prompts, params = PROMPTS * 2, params * 2  # twice the slots: slots freed and reused mid-run
-    host = _draft_model_engine(target_dir, chained=False)
-    want, _ = _run(host, prompts, params)
-    engine = _draft_model_engine(target_dir, chained=True)
-    got, overlapped = _run(engine, prompts, params)
-    assert host.stats.num_drafted > 100 and host.stats.num_accepted > 0
-    assert (engine.stats.num_drafted, engine.stats.num_accepted) == (host.stats.num_drafted, host.stats.num_accepted)
-    assert overlapped > 5
-    for (g, gs), (w, _), p in zip(got, want, prompts):
-        assert g[:3] == w[:3], p
-        assert g[3] == pytest.approx(w[3], abs=1e-5)
-        assert gs == g[0]
-    assert not engine.target._queued and engine.cache.num_free() == engine.cache.num_slots
+    host, engine = _same_as_host_rounds(lambda chained: _draft_model_engine(target_dir, chained=chained),
+                                        prompts, params)
+    assert host.stats.num_accepted > 0
     assert not engine.drafter.cached and engine.drafter.runner.cache.num_free() == engine.cache.num_slots
     same = _draft_model_engine(target_dir, chained=True, same_as_target=True)
     twenty = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -624,19 +629,3 @@ def test_chained_draft_model_drafts_what_the_host_path_drafts(target_dir):
     assert [c.token_ids for c in same.generate(PROMPTS, twenty)] == [c.token_ids for c in base.generate(PROMPTS, twenty)]
     assert same.stats.num_drafted > 50 and same.stats.num_accepted == same.stats.num_drafted
 
-
-def test_chained_draft_model_sampled_requests_draw_their_drafts_on_the_device(target_dir):
-    """Sampled requests in chained draft-model rounds draw their drafts from q on the device
-    (``STREAM_DRAFT``) and are verified against that q: drafts are accepted, a seeded request
-    gives the same tokens alone and in a batch with others, greedy neighbours keep the target's
-    own output."""
-    seeded = SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=5, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
-    alone = _draft_model_engine(target_dir, chained=True).generate([PROMPTS[0]], seeded)[0].token_ids
-    engine = _draft_model_engine(target_dir, chained=True)
-    outs = engine.generate(PROMPTS[:4], [seeded, greedy, SamplingParams(max_tokens=25, temperature=1.2, seed=9), greedy])
-    assert outs[0].token_ids == alone
-    base = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=96))
-    want = base.generate([PROMPTS[1], PROMPTS[3]], greedy)
-    assert [outs[1].token_ids, outs[3].token_ids] == [w.token_ids for w in want]
-    assert engine.stats.num_accepted > 0 and engine.drafter._draft_q is not None

@@ -282,6 +282,27 @@ class VerifiedStep:
     sampling: object
 
 
+def buffered_drafts(tokens: torch.Tensor, lens: torch.Tensor, room: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chained round's drafts from the buffers a drafter filled inside the previous round
+    (``device_after_verify`` drafters): ``[n, k]`` tokens (zero-padded past the buffer's width)
+    and ``[n]`` lengths capped by ``room`` (``[n]``), for rows ``0 .. n-1``; device work only."""
+    n = room.shape[0]
+    out = tokens[:n, :k]
+    if out.shape[1] < k:
+        out = torch.cat([out, out.new_zeros(n, k - out.shape[1])], dim=1)
+    return out, torch.minimum(room, lens[:n])
+
+
+def buffered_draft_probs(q: torch.Tensor | None, n: int, k: int) -> torch.Tensor | None:
+    """``[n, k, V]`` q of rows ``0 .. n-1``'s buffered drafts (zeros past the buffer's width),
+    or None when the buffer was never made (every draft so far an argmax)."""
+    if q is None:
+        return None
+    q = q[:n, :k]
+    return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+
+
 # ``keep_drafting(slots, features) -> [bool]``: called with the ``[n, NUM_FEATURES]`` features of
 # the position just drafted for the sequences in ``slots``; False = stop drafting that sequence.
 KeepDrafting = Callable[[list[int], torch.Tensor], list[bool]]

@@ -31,7 +31,8 @@ from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
-from .base import DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep, draft_rows, sync_tokens
+from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep, buffered_draft_probs,
+                   buffered_drafts, draft_rows, sync_tokens)
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -224,21 +225,12 @@ class DraftModelDrafter(Drafter):
                       k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts the previous chained round (or ``device_prime``) left for rows ``0 .. n-1``,
         at most ``room`` each (``history``, ``last`` and ``score_room`` are not read)."""
-        n = room.shape[0]
-        self._buffers(False)
-        tokens = self._draft_tokens[:n, :k]
-        if tokens.shape[1] < k:
-            tokens = torch.cat([tokens, tokens.new_zeros(n, k - tokens.shape[1])], dim=1)
-        return tokens, torch.minimum(room, self._draft_lens[:n])
+        return buffered_drafts(self._draft_tokens, self._draft_lens, room, k)
 
     def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
         """``[n, k, V]`` q of rows ``0 .. n-1``'s device drafts (greedy rows' are not read); None
         before any sampled request drafted."""
-        q = self._draft_q
-        if q is None:
-            return None
-        q = q[:n, :k]
-        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+        return buffered_draft_probs(self._draft_q, n, k)
 
     @torch.inference_mode()
     def device_after_verify(self, step: VerifiedStep) -> None:

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models import kernels
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import VerifiedStep, device_features
+from .base import VerifiedStep, buffered_draft_probs, buffered_drafts, device_features
 from .lookup import lookup_drafts
 
 # Attention backends for the drafter's attention calls while serving. Their shapes change from
@@ -35,13 +35,7 @@ class ChainedHead:
         """The drafts the previous chained round left for rows ``0 .. B-1`` (``history``,
         ``last`` and ``score_room`` are not read: the head drafted, and scored, from the verify
         pass), at most ``room`` each."""
-        n = room.shape[0]
-        ld = self.head.config.num_draft_tokens
-        lens = torch.minimum(room, self._draft_lens[:n])
-        tokens = self._draft_tokens[:n, :k]
-        if k > ld:
-            tokens = torch.cat([tokens, tokens.new_zeros(n, k - ld)], dim=1)
-        return tokens, lens
+        return buffered_drafts(self._draft_tokens, self._draft_lens, room, k)
 
     def set_acceptance_scorer(self, score, width: int = 0) -> None:
         """Score the drafts of chained rounds on the device: ``score`` maps predictor features
@@ -68,11 +62,7 @@ class ChainedHead:
     def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
         """``[n, k, V]`` q of the device drafts of rows ``0 .. n-1`` (rows of greedy requests are
         not read); None before any sampled request drafted (every draft so far is an argmax)."""
-        q = self._draft_q
-        if q is None:
-            return None
-        q = q[:n, :k]
-        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+        return buffered_draft_probs(self._draft_q, n, k)
 
     @torch.inference_mode()
     @sdpa_kernel(SERVING_SDPA)
