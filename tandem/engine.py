@@ -107,8 +107,6 @@ class Engine(HostDrafting, EngineConveniences):
                 raise ValueError(f"the {drafter.name} drafter reads the target's hidden states; it needs a local target")
             drafter.bind(self.runner)
         self.num_draft_tokens = num_draft_tokens
-        if drafter is not None:
-            drafter.set_draft_limit(self.configured_draft_limit)
         # drafts per sequence per round at most, set from outside (a verifier replica applies its
         # router's draft-token budget here; read at each round, so a plain int assignment from
         # another thread is safe); None: the configuration's limit alone
@@ -366,6 +364,7 @@ class Engine(HostDrafting, EngineConveniences):
                     self.target.prime_drafts([r.slot for r in reqs], self.drafter)
             elif self.chains_rounds and self.drafter is not None and self.drafter.drafts_from_verify:
                 # a draft model: its own cache filled with the prompts, then their first drafts
+                self.drafter.set_draft_limit(self.configured_draft_limit)
                 self.drafter.admit({r.slot: list(r.prompt_ids) for r in reqs})
                 self.target.prime_drafts([r.slot for r in reqs], self.drafter)
             self.admission.note_prefill(time.perf_counter() - t_admit)

@@ -102,10 +102,8 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
         # the timed pass's rounds, each with at most the batch's rows, their tokens the pass's
         assert r["timed_rounds"] * b * (r["k"] + 1) >= r["output_tokens"] - r["prompts"]  # (prefills make the rest)
         assert 1.0 <= r["timed_rows_per_round"] <= b and r["timed_gpu_span_ms"] is None and r["timed_gpu_idle_p50_ms"] is None
-        if name in ("target", "ngram"):  # the verify round's one copy; the draft model drafts on the host
-            assert r["host_syncs_per_round"] <= 1.0, r
-        else:
-            assert r["host_syncs_per_round"] > 1.0, r
+        # the verify round's one copy: every configuration chains (the draft model drafts inside the round)
+        assert r["host_syncs_per_round"] <= 1.0, r
     # the n-gram rows count exactly the drafts and acceptances of the same decoding run in-process on
     # the same prompts (per request they do not depend on the batch: greedy tokens, and lookups and
     # the draft room rule that read only the request's own tokens)

@@ -400,9 +400,9 @@ class Drafter(ABC):
         is captured in the round's CUDA graph. The default does nothing."""
 
     def set_draft_limit(self, k: int) -> None:
-        """The engine's draft limit (k, ``Engine.configured_draft_limit``): a drafter that drafts a
-        chained round's tokens before the round that verifies them (the draft model, inside the
-        previous round) drafts this many. The default ignores it."""
+        """The engine's draft limit (k, ``Engine.configured_draft_limit``), given before each
+        ``admit``: a drafter that drafts a chained round's tokens before the round that verifies
+        them (the draft model, inside the previous round) drafts this many. The default ignores it."""
 
     def admit(self, prompts: dict[int, list[int]]) -> None:
         """Slots just prefilled, with their prompts (resumed output included), before their first
