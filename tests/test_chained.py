@@ -629,3 +629,39 @@ def test_chained_draft_model_drafts_what_the_host_path_drafts(target_dir):
     assert [c.token_ids for c in same.generate(PROMPTS, twenty)] == [c.token_ids for c in base.generate(PROMPTS, twenty)]
     assert same.stats.num_drafted > 50 and same.stats.num_accepted == same.stats.num_drafted
 
+
+
+def test_chained_draft_model_scores_its_drafts_as_the_host_path_does(target_dir):
+    """Under a draft policy with a device scorer the draft model scores each chained round's
+    drafts on the device (``set_acceptance_scorer``, as ``build_speculation`` sets it up), so the
+    context-aware policy over it chains: the drafts and their scores equal the host path's
+    (``propose`` from the same sequence: its drafts, ``AcceptancePredictor.predict`` of its
+    features), and the output is target-only's."""
+    from tandem.control import DraftPolicy
+    from tandem.drafters import DraftModelDrafter, DraftRequest
+    from tandem.drafters.draft_model import truncated_checkpoint
+    from tandem.models import load_checkpoint
+    from tandem.predictor import AcceptancePredictor
+
+    torch.manual_seed(0)
+    predictor = AcceptancePredictor(hidden=8)
+    policy = DraftPolicy(predictor.predict, acceptance_threshold=0.0, device_score=predictor.probabilities)
+    ck = load_checkpoint(target_dir)
+    cfg = RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=96)
+    drafter = DraftModelDrafter(truncated_checkpoint(ck, 1), cfg)
+    drafter.set_acceptance_scorer(policy.device_score)
+    engine = Engine(ck, cfg, drafter=drafter, num_draft_tokens=3, draft_policy=policy)
+    assert engine.chains_rounds and drafter.scores_on_device
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    rid = engine.add_request(PROMPTS[0], params)
+    engine.step()  # admission: the prompt's first drafts (and the first round, queued from them)
+    slot = engine.requests[rid].slot
+    state = engine.target.state
+    seq = state.history[slot, :int(state.length[slot]) + 1].tolist()  # the sequence the current drafts follow
+    host = DraftModelDrafter(truncated_checkpoint(ck, 1), cfg).propose([DraftRequest(slot, seq, 3, SamplingParams())])[0]
+    assert drafter._draft_tokens[slot, :3].tolist() == host.tokens
+    assert torch.allclose(drafter.device_draft_scores(slot + 1)[slot], predictor.predict(host.features), atol=1e-5)
+    while engine.has_unfinished():
+        engine.step()
+    want = Engine(ck, cfg).generate([PROMPTS[0]], params)[0].token_ids
+    assert engine.completion(rid).token_ids == want and engine.stats.num_drafted > 0

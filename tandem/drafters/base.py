@@ -282,6 +282,19 @@ class VerifiedStep:
     sampling: object
 
 
+def chained_draft_features(x: torch.Tensor, pos: torch.Tensor, probs: bool, fused: bool) -> torch.Tensor:
+    """Predictor features ``[R, NUM_FEATURES]`` of a chained round's draft distributions: of
+    softmax(``x``) for draft logits ``x`` ``[R, V]``, or of ``x`` itself with ``probs`` (a
+    sampling transform's q); ``pos`` ``[R]`` the 1-based draft positions. One fused kernel a call
+    with ``fused`` (``kernels.draft_features``), the same definition in plain ops otherwise
+    (``device_features``, what the host path's ``draft_rows`` computes)."""
+    if fused:
+        from ..models import kernels
+
+        return kernels.draft_features(x, pos, probs=probs)
+    return device_features(x if probs else x.float().softmax(-1), pos)
+
+
 def buffered_drafts(tokens: torch.Tensor, lens: torch.Tensor, room: torch.Tensor,
                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A chained round's drafts from the buffers a drafter filled inside the previous round

@@ -31,8 +31,8 @@ from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
-from .base import (DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep, buffered_draft_probs,
-                   buffered_drafts, draft_rows, sync_tokens)
+from .base import (NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
+                   buffered_draft_probs, buffered_drafts, chained_draft_features, draft_rows, sync_tokens)
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -179,6 +179,8 @@ class DraftModelDrafter(Drafter):
         self._draft_tokens: torch.Tensor | None = None  # [slots, k] the next chained round's drafts
         self._draft_lens: torch.Tensor | None = None  # [slots] how many of them
         self._draft_q: torch.Tensor | None = None  # [slots, k, V] float32 q of sampled rows' drafts
+        self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
+        self._draft_scores: torch.Tensor | None = None  # [slots, k] float32 their predicted acceptance
 
     def release(self, slot: int) -> None:
         if slot in self.cached:
@@ -189,6 +191,26 @@ class DraftModelDrafter(Drafter):
 
     def set_draft_limit(self, k: int) -> None:
         self._k = k
+
+    def set_acceptance_scorer(self, score, width: int = 0) -> None:
+        """Score the drafts of chained rounds on the device: ``score`` maps predictor features
+        ``[N, NUM_FEATURES]`` (of each draft's distribution, as the host path's ``draft_rows``
+        gives them: softmax of the draft logits for greedy requests, the sampling transform for
+        sampled ones; position 1..k) to acceptance probabilities ``[N]`` (``DraftPolicy.device_score``);
+        each round then leaves ``[slots, k]`` scores beside its drafts (``device_draft_scores``).
+        Call before the first round (``width`` is not read: the engine's k is)."""
+        self._scorer = score
+        self._draft_scores = None
+
+    @property
+    def scores_on_device(self) -> bool:
+        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
+        return self._scorer is not None
+
+    def device_draft_scores(self, n: int) -> torch.Tensor | None:
+        """``[n, k]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
+        without a scorer."""
+        return None if self._draft_scores is None else self._draft_scores[:n]
 
     def admit(self, prompts: dict[int, list[int]]) -> None:
         """Claim the slots and fill the draft cache with each prompt but its last token (the first
@@ -220,6 +242,10 @@ class DraftModelDrafter(Drafter):
         if sampled and self._draft_q is None:
             V = self.runner.model_config.vocab_size
             self._draft_q = torch.zeros((cache.num_slots, k, V), dtype=torch.float32, device=dev)
+        if self._scorer is not None and (self._draft_scores is None or self._draft_scores.shape[1] < k):
+            self._draft_scores = torch.zeros((cache.num_slots, k), dtype=torch.float32, device=dev)
+            with torch.inference_mode():  # once outside any capture: a scorer may place its weights on first use
+                self._scorer(torch.zeros((1, NUM_FEATURES), dtype=torch.float32, device=dev))
 
     def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
                       k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,13 +303,21 @@ class DraftModelDrafter(Drafter):
         sampled rows a draw from q (the request's sampling transform) with
         ``counter_uniform(seed, position, STREAM_DRAFT)``, q kept for verification."""
         fused = self.runner.model.fused
+        n = keep.shape[0]
         drafts = kernels.row_argmax(logits) if fused else logits.argmax(-1)
+        q = None
         if sampling.any_sampled:
             q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
             drawn = sample_inverse_cdf(q, counter_uniform(sampling.seed, position, STREAM_DRAFT))
             drafts = torch.where(sampling.greedy, drafts, drawn)
-            n = keep.shape[0]
             self._draft_q[:n, i] = torch.where(keep[:, None], q, self._draft_q[:n, i])
+        if self._scorer is not None:  # the predictor's features of each draft's distribution, as draft_rows makes them
+            pos = torch.full((n,), float(i + 1), device=logits.device)
+            feats = chained_draft_features(logits, pos, False, fused)
+            if q is not None:
+                feats = torch.where(sampling.greedy[:, None], feats, chained_draft_features(q, pos, True, fused))
+            scores = self._scorer(feats).float()
+            self._draft_scores[:n, i] = torch.where(keep, scores, self._draft_scores[:n, i])
         return drafts
 
     def _sync(self, reqs: list[DraftRequest]) -> dict[int, torch.Tensor]:

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models import kernels
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import VerifiedStep, buffered_draft_probs, buffered_drafts, device_features
+from .base import VerifiedStep, buffered_draft_probs, buffered_drafts, chained_draft_features
 from .lookup import lookup_drafts
 
 # Attention backends for the drafter's attention calls while serving. Their shapes change from
@@ -167,8 +167,5 @@ class ChainedHead:
 
     def _features(self, x: torch.Tensor, pos: torch.Tensor, probs: bool) -> torch.Tensor:
         """Predictor features ``[R, 4]`` of draft logits ``x`` ``[R, V]`` (or probabilities, with
-        ``probs``): one fused kernel a round on the fused path (``kernels.draft_features``), the
-        same definition in plain ops elsewhere (``device_features``)."""
-        if self._fused:
-            return kernels.draft_features(x, pos, probs=probs)
-        return device_features(x if probs else x.float().softmax(-1), pos)
+        ``probs``): ``chained_draft_features`` on the head's path."""
+        return chained_draft_features(x, pos, probs, self._fused)
