@@ -29,8 +29,8 @@ from ..models import kernels
 from ..models.config import ModelLoadError
 from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
-from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
+from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from .base import (NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
                    buffered_draft_probs, buffered_drafts, chained_draft_features, draft_rows, sync_tokens)
 
