@@ -155,7 +155,7 @@ def draft_length_lines(spec: SpecDecodeStats, policy: str, k: int | None = None)
     trees = (f"; more than k = {k} where a token tree branched (its sibling candidates count as drafts)"
              if k is not None and len(counts) > k + 1 else "")
     lines = [f"draft lengths chosen (policy {policy}), share of {steps} verification steps: {shares}; "
-             f"mean {mean:.2f} drafts a step (fewer than k where the drafter found fewer, e.g. no n-gram match, "
+             f"mean {mean:.2f} drafts a step (fewer than k where the drafter proposed fewer, as n-gram does without a match, "
              f"or the policy or the room left cut them{trees})"]
     if spec.drafted_per_pos:
         by_pos = " | ".join(f"{i + 1}: {a / d:.2f}" for i, (d, a) in
