@@ -295,25 +295,50 @@ def chained_draft_features(x: torch.Tensor, pos: torch.Tensor, probs: bool, fuse
     return device_features(x if probs else x.float().softmax(-1), pos)
 
 
-def buffered_drafts(tokens: torch.Tensor, lens: torch.Tensor, room: torch.Tensor,
-                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chained round's drafts from the buffers a drafter filled inside the previous round
-    (``device_after_verify`` drafters): ``[n, k]`` tokens (zero-padded past the buffer's width)
-    and ``[n]`` lengths capped by ``room`` (``[n]``), for rows ``0 .. n-1``; device work only."""
-    n = room.shape[0]
-    out = tokens[:n, :k]
-    if out.shape[1] < k:
-        out = torch.cat([out, out.new_zeros(n, k - out.shape[1])], dim=1)
-    return out, torch.minimum(room, lens[:n])
+class BufferedDrafts:
+    """Mixed into drafters whose chained rounds draft inside the round before the one that
+    verifies the drafts (``Drafter.drafts_from_verify``: SpecFormer, the draft model): the next
+    round reads them from device buffers the drafter keeps, ``_draft_tokens`` ``[slots, L]``,
+    ``_draft_lens`` ``[slots]``, ``_draft_q`` ``[slots, L, V]`` (sampled requests' q; None until
+    one drafted) and, with a scorer (``_scorer``, set by ``set_acceptance_scorer``),
+    ``_draft_scores`` ``[slots, L]``."""
 
+    _draft_tokens: torch.Tensor
+    _draft_lens: torch.Tensor
+    _draft_q: torch.Tensor | None = None
+    _scorer = None
+    _draft_scores: torch.Tensor | None = None
 
-def buffered_draft_probs(q: torch.Tensor | None, n: int, k: int) -> torch.Tensor | None:
-    """``[n, k, V]`` q of rows ``0 .. n-1``'s buffered drafts (zeros past the buffer's width),
-    or None when the buffer was never made (every draft so far an argmax)."""
-    if q is None:
-        return None
-    q = q[:n, :k]
-    return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
+                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the previous chained round (or the slot's priming) left for rows ``0 ..
+        n-1``: ``[n, k]`` tokens (zero-padded past the buffer's width) and ``[n]`` lengths, at
+        most ``room`` each (``history``, ``last`` and ``score_room`` are not read: the drafting
+        and scoring happened in the previous round). Device work only."""
+        n = room.shape[0]
+        out = self._draft_tokens[:n, :k]
+        if out.shape[1] < k:
+            out = torch.cat([out, out.new_zeros(n, k - out.shape[1])], dim=1)
+        return out, torch.minimum(room, self._draft_lens[:n])
+
+    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
+        """``[n, k, V]`` q of rows ``0 .. n-1``'s device drafts (zeros past the buffer's width;
+        greedy rows' are not read), or None before any sampled request drafted."""
+        q = self._draft_q
+        if q is None:
+            return None
+        q = q[:n, :k]
+        return q if q.shape[1] == k else torch.cat([q, q.new_zeros(n, k - q.shape[1], q.shape[2])], dim=1)
+
+    @property
+    def scores_on_device(self) -> bool:
+        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
+        return self._scorer is not None
+
+    def device_draft_scores(self, n: int) -> torch.Tensor | None:
+        """``[n, L]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
+        without a scorer."""
+        return None if self._draft_scores is None else self._draft_scores[:n]
 
 
 # ``keep_drafting(slots, features) -> [bool]``: called with the ``[n, NUM_FEATURES]`` features of

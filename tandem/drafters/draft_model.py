@@ -31,8 +31,8 @@ from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import (NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
-                   buffered_draft_probs, buffered_drafts, chained_draft_features, draft_rows, sync_tokens)
+from .base import (NUM_FEATURES, BufferedDrafts, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
+                   chained_draft_features, draft_rows, sync_tokens)
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -156,7 +156,7 @@ def check_compatible(draft: Checkpoint, target: Checkpoint) -> None:
         raise ModelLoadError(f"draft model BOS id {d.bos_token_id} differs from the target's {t.bos_token_id}")
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(BufferedDrafts, Drafter):
     """Autoregressive drafting with a small LM.
 
     Args:
@@ -202,16 +202,6 @@ class DraftModelDrafter(Drafter):
         self._scorer = score
         self._draft_scores = None
 
-    @property
-    def scores_on_device(self) -> bool:
-        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
-        return self._scorer is not None
-
-    def device_draft_scores(self, n: int) -> torch.Tensor | None:
-        """``[n, k]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
-        without a scorer."""
-        return None if self._draft_scores is None else self._draft_scores[:n]
-
     def admit(self, prompts: dict[int, list[int]]) -> None:
         """Claim the slots and fill the draft cache with each prompt but its last token (the first
         chained step feeds that one with the first generated token: ``device_prime``)."""
@@ -246,17 +236,6 @@ class DraftModelDrafter(Drafter):
             self._draft_scores = torch.zeros((cache.num_slots, k), dtype=torch.float32, device=dev)
             with torch.inference_mode():  # once outside any capture: a scorer may place its weights on first use
                 self._scorer(torch.zeros((1, NUM_FEATURES), dtype=torch.float32, device=dev))
-
-    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
-                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts the previous chained round (or ``device_prime``) left for rows ``0 .. n-1``,
-        at most ``room`` each (``history``, ``last`` and ``score_room`` are not read)."""
-        return buffered_drafts(self._draft_tokens, self._draft_lens, room, k)
-
-    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
-        """``[n, k, V]`` q of rows ``0 .. n-1``'s device drafts (greedy rows' are not read); None
-        before any sampled request drafted."""
-        return buffered_draft_probs(self._draft_q, n, k)
 
     @torch.inference_mode()
     def device_after_verify(self, step: VerifiedStep) -> None:

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models import kernels
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
-from .base import VerifiedStep, buffered_draft_probs, buffered_drafts, chained_draft_features
+from .base import BufferedDrafts, VerifiedStep, chained_draft_features
 from .lookup import lookup_drafts
 
 # Attention backends for the drafter's attention calls while serving. Their shapes change from
@@ -26,16 +26,9 @@ from .lookup import lookup_drafts
 SERVING_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-class ChainedHead:
+class ChainedHead(BufferedDrafts):
     """Mixed into ``SpecFormerDrafter``: reads its ``head``, ``_target``, ``_state``, caches,
     draft buffers and ``_replay``."""
-
-    def device_drafts(self, history: torch.Tensor, last: torch.Tensor, room: torch.Tensor,
-                      k: int, score_room: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafts the previous chained round left for rows ``0 .. B-1`` (``history``,
-        ``last`` and ``score_room`` are not read: the head drafted, and scored, from the verify
-        pass), at most ``room`` each."""
-        return buffered_drafts(self._draft_tokens, self._draft_lens, room, k)
 
     def set_acceptance_scorer(self, score, width: int = 0) -> None:
         """Score the drafts of chained rounds on the device: ``score`` maps predictor features
@@ -48,21 +41,6 @@ class ChainedHead:
         if self._target is not None:
             raise RuntimeError("set_acceptance_scorer after bind()")
         self._scorer = score
-
-    @property
-    def scores_on_device(self) -> bool:
-        """Chained rounds score the drafts they make (``set_acceptance_scorer``)."""
-        return self._scorer is not None
-
-    def device_draft_scores(self, n: int) -> torch.Tensor | None:
-        """``[n, l_d]`` float32 predicted acceptance of rows ``0 .. n-1``'s device drafts, or None
-        without a scorer."""
-        return None if self._draft_scores is None else self._draft_scores[:n]
-
-    def device_draft_probs(self, n: int, k: int) -> torch.Tensor | None:
-        """``[n, k, V]`` q of the device drafts of rows ``0 .. n-1`` (rows of greedy requests are
-        not read); None before any sampled request drafted (every draft so far is an argmax)."""
-        return buffered_draft_probs(self._draft_q, n, k)
 
     @torch.inference_mode()
     @sdpa_kernel(SERVING_SDPA)
