@@ -90,9 +90,10 @@ def test_stack_serves_through_a_redis_outage(redis_proc, tiny_checkpoint):
     # adaptive draft lengths: threshold controller over exp(-entropy) scores. No cost model here: T(b, q)
     # timed on a loaded 2-core CI machine can be noisy enough for the allocator to draft nothing,
     # and this test is about what reaches the state store (the allocator has its own tests). A draft
-    # model inside the replica: its rounds are host-drafted, which is where verification logs are
-    # kept (device-chained rounds, n-gram's under a policy included, keep no per-draft features)
-    stack = start_stack(StackConfig(model=model, drafter="draft-model", draft_model="truncate:1", drafter_service=False,
+    # model behind a drafter service: the replica's rounds are host-drafted, which is where
+    # verification logs are kept (device-chained rounds keep no per-draft features: the in-replica
+    # draft model and SpecFormer, n-gram under a policy)
+    stack = start_stack(StackConfig(model=model, drafter="draft-model", draft_model="truncate:1", drafter_service=True,
                                     max_batch_size=4, max_seq_len=256, redis_url=redis_proc.url, policy="entropy"),
                         timeout_s=180)
     try:

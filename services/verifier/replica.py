@@ -67,7 +67,8 @@ class ReplicaEngine:
         engine: the engine over the local target, with the replica's speculation.
         metrics: Prometheus metrics fed per round and per finished request (None: none).
         store: shared state for acceptance counters (None: in-memory).
-        drafter_name: names the acceptance counters (``acceptance:<drafter>:<category>``).
+        drafter_name: names the acceptance counters (``acceptance:<drafter>:<category>``) of a
+            replica without a drafter; with one, its current name does (a drafter service's own).
     """
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, store: StateStore | None = None,
@@ -158,7 +159,10 @@ class ReplicaEngine:
         if self.metrics is not None:
             self.metrics.observe_request(c.ttft_s, c.tpot_s if c.completion_tokens > 1 else None, c.latency_s,
                                          c.prompt_tokens, c.completion_tokens, c.finish_reason)
-        best_effort(self.store.incr, f"acceptance:{self.drafter_name}:{self.categories.key(sub.category)}", {
+        # the drafter's name as it is now: a drafter service's own (e.g. draft-model) once its stream
+        # is up, as the verification logs name it (``VerificationRecord.drafter``)
+        drafter = self.engine.drafter.name if self.engine.drafter is not None else self.drafter_name
+        best_effort(self.store.incr, f"acceptance:{drafter}:{self.categories.key(sub.category)}", {
             "requests": 1, "num_drafted": c.spec.num_drafted, "num_accepted": c.spec.num_accepted,
             "num_emitted": c.spec.num_emitted, "num_steps": c.spec.num_steps}, why="acceptance counters not counted")
 
