@@ -241,6 +241,7 @@ def test_config_registry_errors(tiny_dir, tmp_path):
     (["--configs", "specformer", "--specformer", "README.md"], "cannot read SpecFormer head"),
     (["--mode", "distributed", "--configs", "ngram,ngram-host"], "not 'ngram-host' (the ablations"),
     (["--configs", "ngram-router-budget"], "ngram-router-budget runs only with --mode distributed"),
+    (["--stream"], "--stream applies to --mode distributed"),
 ])
 def test_bench_cli_config_errors(tiny_dir, args, message):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])
@@ -415,7 +416,8 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
         "--warmup", "short", "--out", str(out)])
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
-    assert report["meta"]["mode"] == "distributed"
+    assert report["meta"]["mode"] == "distributed" and report["meta"]["stream"] is False  # answers taken whole
+    assert "answers whole" in (out / "results.md").read_text()
     assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
     for r in report["results"]:  # the timed pass as the replica saw it, and the processes' CPU time
         # two prompts of <= 8 tokens at batch 2: >= 4 steps (each a prefill or a round), <= 2 x 9
@@ -441,6 +443,16 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
         stats.merge(c.spec)
     assert (r["drafted"], r["accepted"]) == (stats.num_drafted, stats.num_accepted) and r["drafted"] > 0
     assert r["ttft_p50_ms"] > 0
+
+    # clients that stream each step's tokens: the same output
+    res = CliRunner().invoke(main, [
+        "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "2",
+        "--batch-sizes", "2", "--max-tokens", "8", "--configs", "target", "--mode", "distributed", "--stream",
+        "--warmup", "none", "--out", str(tmp_path / "streamed")])
+    assert res.exit_code == 0, res.output
+    streamed = json.loads((tmp_path / "streamed" / "results.json").read_text())
+    assert streamed["meta"]["stream"] is True and streamed["results"][0]["ttft_p50_ms"] > 0
+    assert streamed["results"][0]["output_tokens"] == rows["target"]["output_tokens"]
 
 
 def test_prompts_read_from_gzip_jsonl(tmp_path):

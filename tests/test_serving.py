@@ -334,6 +334,25 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
     assert [x for m in msgs for x in m.logprobs] == pytest.approx(ref.logprobs, abs=1e-5)
 
 
+def test_an_answer_taken_whole_comes_in_one_message(stack, local_engine, prompts):
+    """``GenerateRequest.final_only`` (a client that does not stream): one message, finished, with
+    every token, the text, the log-probabilities and usage, equal to the in-process answer; the
+    replica sent nothing for it before then, and its time to first token still reaches usage."""
+    ref = run_with_logprobs(local_engine, prompts[1])
+    with grpc.insecure_channel(stack.grpc_address) as ch:
+        msgs = list(router_pb2_grpc.RouterStub(ch).Generate(
+            router_pb2.GenerateRequest(prompt=prompts[1], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
+                                       logprobs=True, top_logprobs=2, final_only=True),
+            metadata=auth_metadata(KEY), timeout=60))
+    assert len(msgs) == 1 and msgs[0].finished
+    m = msgs[0]
+    assert list(m.token_ids) == ref.token_ids and m.text == ref.text and m.finish_reason == ref.finish_reason
+    assert list(m.logprobs) == pytest.approx(ref.logprobs, abs=1e-5) and len(m.top_logprobs) == len(ref.token_ids)
+    assert m.usage.completion_tokens == len(ref.token_ids) and 0 < m.usage.ttft_s <= m.usage.e2e_s
+    if len(ref.token_ids) > 2:  # decoding took more than one step: the first token came well before the end
+        assert m.usage.ttft_s < m.usage.e2e_s
+
+
 def test_logit_adjustments_through_router(stack, client, model_id, local_engine, prompts):
     """logit_bias, presence / frequency / repetition penalties and min_tokens reach the replica
     (HTTP and gRPC) and give the in-process engine's output; each changes the output."""
@@ -1017,7 +1036,8 @@ class Streams:
     """Greedy chat streams run in threads, to their full length (ignore_eos): what each received,
     how many text chunks so far, and the error of those that failed."""
 
-    def __init__(self, client, model_id: str, prompts: list[str], max_tokens: int) -> None:
+    def __init__(self, client, model_id: str, prompts: list[str], max_tokens: int, whole=()) -> None:
+        self.whole = set(whole)  # these are not streamed (stream = false): the answer comes in one piece
         self.texts: dict[int, str] = {}
         self.errors: dict[int, Exception] = {}
         self.chunks = [0] * len(prompts)
@@ -1029,6 +1049,11 @@ class Streams:
     def _run(self, client, model_id: str, i: int, prompt: str, max_tokens: int) -> None:
         parts = []
         try:
+            if i in self.whole:
+                r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+                self.texts[i] = r.choices[0].message.content
+                return
             for chunk in client.chat.completions.create(
                     model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                     temperature=0, stream=True, extra_body={"ignore_eos": True}):
@@ -1040,11 +1065,14 @@ class Streams:
             self.errors[i] = exc
 
     def wait_running(self, chunks: int = 3, timeout_s: float = 120) -> None:
-        """Until every stream has received ``chunks`` text chunks (all decoding, none finished)."""
+        """Until every stream has received ``chunks`` text chunks (all decoding, none finished); the
+        answers taken whole are not waited for."""
+        streamed = [c for i, c in enumerate(self.chunks) if i not in self.whole]
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and min(self.chunks) < chunks:
+        while time.monotonic() < deadline and min(streamed) < chunks:
             time.sleep(0.02)
-        assert min(self.chunks) >= chunks and not self.texts and not self.errors, self.chunks
+            streamed = [c for i, c in enumerate(self.chunks) if i not in self.whole]
+        assert min(streamed) >= chunks and not self.texts and not self.errors, self.chunks
 
     def join(self, timeout_s: float = 180) -> None:
         for t in self.threads:
@@ -1053,8 +1081,9 @@ class Streams:
 
 def test_a_dead_or_hung_replica_loses_no_request(tiny_dir, local_engine, prompts):
     """Two verifier replicas, 2 x SLOTS long greedy streams spread over them. SIGKILL one mid-stream:
-    its requests resume on the other from their accepted prefix, and every stream completes with
-    exactly the no-fault output, no error. Restarted, the replica serves again. SIGSTOP one (hung,
+    its requests resume on the other from their accepted prefix (those not streamed, whose replica
+    sent nothing yet, from their prompt), and every request completes with exactly the no-fault
+    output, no error. Restarted, the replica serves again. SIGSTOP one (hung,
     not dead) mid-stream: its requests move within the router's keepalive deadline and again
     complete unchanged. The replicas own their slots: none is left held."""
     deadline_s = 2.0
@@ -1068,7 +1097,7 @@ def test_a_dead_or_hung_replica_loses_no_request(tiny_dir, local_engine, prompts
         n = 64
         want = [r.text for r in reference(local_engine, work, n, ignore_eos=True)]
 
-        runs = Streams(client, model_id, work, n)
+        runs = Streams(client, model_id, work, n, whole=range(1, len(work), 3))
         runs.wait_running()
         assert wait_held(stack, SLOTS, replica=0) == SLOTS and wait_held(stack, SLOTS, replica=1) == SLOTS
         stack.processes["verifier0"].send_signal(signal.SIGKILL)
@@ -1638,6 +1667,7 @@ def test_a_replica_steps_events_become_one_message_per_stream():
     b = by_id["b"]
     assert list(b.token_ids) == [7, 8, 9] and b.text == "xyz" and b.finished and b.finish_reason == "stop"
     assert b.stop_string == "\n" and (b.spec.num_drafted, b.spec.num_accepted) == (8, 2)
+    assert b.since_first_token_s == pytest.approx(0.1)  # latency less TTFT: the router's TTFT of a whole answer
     assert list(b.spec.accepted_per_pos) == [1, 1, 0]
     assert by_id["c"].error == "bad prompt" and by_id["c"].invalid
     assert list(by_id["d"].token_ids) == [4] and list(by_id["d"].logprobs) == [-0.25]

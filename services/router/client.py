@@ -1,5 +1,6 @@
-"""A ``tandem.v1.Router`` gRPC client that turns streamed answers into ``Completion`` objects
-(what ``tandem bench --mode distributed`` measures), with at most N requests in flight."""
+"""A ``tandem.v1.Router`` gRPC client that turns answers, streamed or whole (``final_only``), into
+``Completion`` objects (what ``tandem bench --mode distributed`` measures), with at most N requests
+in flight."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from tandem.sampling import SamplingParams
 
 
 async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.Semaphore,
-               timeout_s: float) -> Completion:
+               timeout_s: float, final_only: bool) -> Completion:
     async with sem:
         req = router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=record.text)],
-                                         params=params_to_pb(params), category=record.category)
+                                         params=params_to_pb(params), category=record.category,
+                                         final_only=final_only)
         t0 = time.perf_counter()
         ttft = None
         ids: list[int] = []
@@ -29,6 +31,8 @@ async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.
         async for msg in stub.Generate(req, timeout=timeout_s):
             if msg.token_ids and ttft is None:
                 ttft = time.perf_counter() - t0
+                if msg.finished:  # all of it at once (final_only): the first token came as long before the
+                    ttft -= max(0.0, msg.usage.e2e_s - msg.usage.ttft_s)  # end as the router saw it
             ids.extend(msg.token_ids)
             text.append(msg.text)
             if msg.finished:
@@ -46,10 +50,12 @@ async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.
 
 
 def generate_all(address: str, records: list[PromptRecord], params: SamplingParams, concurrency: int,
-                 timeout_s: float = 600.0, on_finish=None) -> list[Completion]:
+                 timeout_s: float = 600.0, on_finish=None, final_only: bool = False) -> list[Completion]:
     """Send every record (first turn, chat template) to ``Router.Generate`` at ``address`` with at
     most ``concurrency`` in flight; completions in record order. TTFT / latency are measured on
-    the client (s), so they include the network.
+    the client (s), so they include the network; with ``final_only`` (each answer in one message,
+    no per-step messages) the first token's time is the answer's arrival less the router's
+    first-token-to-end interval.
 
     Raises:
         grpc.RpcError: a request failed (e.g. UNAVAILABLE when the verifier is down).
@@ -61,7 +67,7 @@ def generate_all(address: str, records: list[PromptRecord], params: SamplingPara
             stub = router_pb2_grpc.RouterStub(ch)
 
             async def run(r: PromptRecord) -> Completion:
-                c = await _one(stub, r, params, sem, timeout_s)
+                c = await _one(stub, r, params, sem, timeout_s, final_only)
                 if on_finish is not None:
                     on_finish(c)
                 return c

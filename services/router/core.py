@@ -239,10 +239,12 @@ class Router:
 
     def make_request(self, prompt: Prompt | None, params: SamplingParams, *, prompt_ids: list[int] | None = None,
                      chat: bool = True, request_id: str | None = None, logprobs: bool = False,
-                     top_logprobs: int = 0) -> Request:
+                     top_logprobs: int = 0, final_only: bool = False) -> Request:
         """Validate and tokenize (``tandem.requests.new_request`` with the served model's tokenizer,
         vocabulary and context limit). A sampled request gets its seed here, so a replica that
-        resumes it draws the same numbers.
+        resumes it draws the same numbers. ``final_only``: a client that does not stream; the
+        replica sends nothing for it until it finishes (``generate`` then yields one ``Delta`` with
+        the whole output), and a replica lost meanwhile has it rerun from its prompt.
 
         Raises:
             InvalidRequestError: bad prompt or parameters (a malformed schema or grammar included).
@@ -250,7 +252,7 @@ class Router:
         rid = request_id or f"req-{uuid.uuid4().hex}"
         return new_request(self.tokenizer, self.vocab_size, self.context_limit, rid, prompt, params,
                            prompt_ids=prompt_ids, chat=chat, logprobs=logprobs, top_logprobs=top_logprobs,
-                           grammars=self.grammars if params.structure is not None else None)
+                           grammars=self.grammars if params.structure is not None else None, final_only=final_only)
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -366,7 +368,8 @@ class Router:
         msg = verifier_pb2.ReplicaRequest(request_id=rid, prompt_ids=[*request.prompt_ids, *progress.token_ids],
                                           params=params_to_pb(params), logprobs=request.logprobs is not None,
                                           top_logprobs=request.top_logprobs, output_tokens=done,
-                                          category=category or "default", trace_context=trace)
+                                          category=category or "default", trace_context=trace,
+                                          final_only=request.final_only)
         link = replica.link()
         wire_id, events = link.submit(msg)
         replica.open_calls += 1
@@ -388,7 +391,8 @@ class Router:
                     return
                 now = time.perf_counter()
                 if ev.token_ids and progress.first_token_time is None:
-                    progress.first_token_time = now
+                    # a final_only request's one event: its first token came since_first_token_s earlier
+                    progress.first_token_time = now - (ev.since_first_token_s if ev.finished else 0.0)
                 progress.token_ids.extend(ev.token_ids)
                 progress.text.append(ev.text)
                 progress.logprobs.extend(ev.logprobs)

@@ -303,12 +303,13 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                 raise InvalidRequestError("send one prompt per request (a list of one string)", param="prompt")
             prompt = prompt[0]
         rid = ("chatcmpl-" if chat_api else "cmpl-") + uuid.uuid4().hex
-        # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing
+        # tokenizing a long prompt takes a while: off the event loop, so other streams keep flowing;
+        # a response that is not streamed asks the replica for its output once, when it finishes
         logprobs, top = req.wants_logprobs()
         try:
             engine_req = await asyncio.to_thread(router.make_request, prompt, params, prompt_ids=prompt_ids, chat=chat,
                                                  request_id=rid if req.n == 1 else f"{rid}-0", logprobs=logprobs,
-                                                 top_logprobs=top)
+                                                 top_logprobs=top, final_only=not req.stream)
         except InvalidRequestError as exc:
             if exc.param == "prompt" and chat_api:  # the chat API's prompt is its messages
                 raise InvalidRequestError(str(exc), param="messages") from exc
@@ -317,7 +318,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         engine_reqs = [engine_req] + [
             router.make_request(None, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)),
                                 prompt_ids=engine_req.prompt_ids, chat=False, request_id=f"{rid}-{i}",
-                                logprobs=logprobs, top_logprobs=top)
+                                logprobs=logprobs, top_logprobs=top, final_only=not req.stream)
             for i in range(1, req.n)]
         if requested is not None:
             router.check_room(len(engine_req.prompt_ids), *requested)

@@ -58,7 +58,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
             req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
                                            request_id=request.request_id or None, logprobs=request.logprobs,
-                                           top_logprobs=request.top_logprobs)
+                                           top_logprobs=request.top_logprobs, final_only=request.final_only)
             if explicit:
                 self.router.check_room(len(req.prompt_ids), "max_tokens", explicit)
             category = check_category(request.category)
@@ -70,14 +70,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                 "chat" if request.messages else "text_completion"):
             if isinstance(event, Delta):
                 out = event.output
-                if out.new_token_ids or out.text_delta:
+                if (out.new_token_ids or out.text_delta) and not request.final_only:  # final_only: sent with the end
                     yield router_pb2.GenerateResponse(request_id=req.request_id, token_ids=out.new_token_ids,
                                                       text=out.text_delta, logprobs=out.logprobs or [],
                                                       top_logprobs=[top_to_pb(a) for a in out.top_logprobs or ()])
             elif isinstance(event, Done):
-                yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
-                                                  finish_reason=event.completion.finish_reason,
-                                                  usage=_usage_pb(event.completion))
+                c = event.completion
+                if request.final_only:
+                    yield router_pb2.GenerateResponse(
+                        request_id=req.request_id, token_ids=c.token_ids, text=c.text, logprobs=c.logprobs or [],
+                        top_logprobs=[top_to_pb(a) for a in c.top_logprobs or ()], finished=True,
+                        finish_reason=c.finish_reason, usage=_usage_pb(c))
+                else:
+                    yield router_pb2.GenerateResponse(request_id=req.request_id, finished=True,
+                                                      finish_reason=c.finish_reason, usage=_usage_pb(c))
             elif isinstance(event, Failed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT if event.invalid
                                     else grpc.StatusCode.UNAVAILABLE, event.message)

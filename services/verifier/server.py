@@ -82,7 +82,8 @@ def spec_from_pb(m: verifier_pb2.SpecStats) -> SpecDecodeStats:
 def fill_event(msg: verifier_pb2.ReplicaEvent, out: RequestOutput,
                completion: Completion | None = None) -> verifier_pb2.ReplicaEvent:
     """Write ``out``'s tokens into ``msg``; with ``completion`` also the end (finish and stop
-    reasons, the request's speculative-decoding counters). Returns ``msg``."""
+    reasons, the request's speculative-decoding counters, the seconds since its first token).
+    Returns ``msg``."""
     msg.token_ids.extend(out.new_token_ids)
     msg.text = out.text_delta
     if out.logprobs:
@@ -98,6 +99,7 @@ def fill_event(msg: verifier_pb2.ReplicaEvent, out: RequestOutput,
         elif completion.stop_reason is not None:
             msg.stop_token_id = int(completion.stop_reason)
         msg.spec.CopyFrom(spec_to_pb(completion.spec))
+        msg.since_first_token_s = max(0.0, completion.latency_s - completion.ttft_s)
     return msg
 
 
@@ -201,7 +203,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 category = check_category(r.category)
                 req = self.replica.engine.make_request(prompt_ids=list(r.prompt_ids), params=params_from_pb(r.params),
                                                        request_id=prefix + rid, logprobs=r.logprobs,
-                                                       top_logprobs=r.top_logprobs, resumed=r.output_tokens)
+                                                       top_logprobs=r.top_logprobs, resumed=r.output_tokens,
+                                                       final_only=r.final_only)
             except InvalidRequestError as exc:
                 batches.put_nowait(self._events([(prefix + rid, Failed(str(exc), invalid=True))], prefix))
                 return

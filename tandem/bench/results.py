@@ -130,6 +130,9 @@ class BenchMeta:
     # a round's prompt lookup and greedy verification: "triton" (lookup_kernel, verify_kernel: CUDA with
     # Triton) or "plain" (PyTorch ops; the CPU, and every result before the kernels)
     round_kernels: str = "plain"
+    # distributed mode: the clients streamed each step's tokens (True) or took each answer whole, as
+    # the in-process engine's generate does (False); distributed results before the option streamed
+    stream: bool = False
 
 
 @dataclass
@@ -172,7 +175,8 @@ class BenchReport:
                                     "per_task": [TaskStats(**floats(TaskStats, t)) for t in r["per_task"]]})
                        for r in data["results"]]
             table = data.get("cost_table")
-            meta = BenchMeta(**_checked_meta(data["meta"]))
+            meta = _checked_meta(data["meta"])
+            meta = BenchMeta(**{"stream": meta.get("mode") == "distributed"} | meta)
             unknown = sorted({r.config for r in results} - set(meta.configs))
             if unknown:
                 raise TypeError(f"results of {', '.join(unknown)}, not among meta.configs")
@@ -219,7 +223,8 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0].meta
-    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels")
+    same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
+            "stream")
     for r in reports[1:]:
         diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:

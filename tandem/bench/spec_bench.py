@@ -98,14 +98,15 @@ def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
 
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
-                    desc: str, progress: bool, warmup: str = "full") -> "DistributedRun":
+                    desc: str, progress: bool, warmup: str = "full", stream: bool = False) -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
     at once through ``Router.Generate`` with the replica's KV slots (``batch_size``) bounding the
     batch, as in process; warm-up passes (``warmup_share``) repeated while the replica captured
     CUDA graphs during one (``warmup_passes_then_timed`` over its ``Load`` reports, as in
-    process), then the timed pass.
+    process), then the timed pass. Each answer comes whole (``final_only``), as the in-process
+    ``Engine.generate`` takes it; with ``stream`` the clients stream each step's tokens instead.
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -133,7 +134,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                 t0 = time.perf_counter()
                 # every request in flight at once, as the in-process engine holds them all queued: the
                 # replica's batch_size KV slots bound the batch, and its admission policy fills them
-                comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update())
+                comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update(),
+                                     final_only=not stream)
                 wall = time.perf_counter() - t0
         replica = stack.replica_counters() - counters0
         cpu = {name: s - cpu0.get(name, 0.0) for name, s in stack.cpu_seconds().items()}
@@ -254,7 +256,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
-                  warmup: str = "full",
+                  warmup: str = "full", stream: bool = False,
                   say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy, chat template, first turns).
@@ -274,6 +276,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         mode: "inproc" (this process) or "distributed" (``run_distributed``).
         progress: tqdm bars on stderr (shown only on a terminal).
         warmup: "full", "short" or "none" (``warmup_share``).
+        stream: distributed mode: the clients stream each step's tokens (else each answer comes whole).
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -311,7 +314,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      warmup=warmup, kernels=kernels, attention=attention_name(kernels, resolve_attention_chunk(rc, kernels)),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
-                     round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain")
+                     round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
+                     stream=stream and mode == "distributed")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
@@ -332,7 +336,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
                     dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
-                                           prompts, b, params, f"{c.name} b={b}", progress, warmup)
+                                           prompts, b, params, f"{c.name} b={b}", progress, warmup, stream)
                     comps = dist.completions
                     res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
                     res = replace(res, router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,

@@ -52,6 +52,9 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                    "output checks).")
 @click.option("--mode", type=click.Choice(["inproc", "distributed"]), default="inproc", show_default=True,
               help="inproc: one process; distributed: through the gRPC services (tandem serve).")
+@click.option("--stream", is_flag=True,
+              help="--mode distributed: the clients stream each step's tokens through the router (TTFT and TPOT as a "
+                   "streaming client sees them) instead of taking each answer whole, as the in-process run does.")
 @model_option
 @device_option
 @graph_options
@@ -75,7 +78,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, warmup, mode, model, device, cuda_graphs, compile_, prefill_graphs, max_seq_len, dtype,
+          exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs, max_seq_len, dtype,
           kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
@@ -123,13 +126,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-                   out, warmup, kernels, prefill_graphs, attention_chunk)
+                   out, warmup, kernels, prefill_graphs, attention_chunk, stream)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
-                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=None) -> None:
+                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -152,6 +155,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     check_mode(mode)
     if attention_chunk is not None and mode != "inproc":
         fail("--attention-chunk applies to --mode inproc (the services take the default attention)")
+    if stream and mode != "distributed":
+        fail("--stream applies to --mode distributed (in process, each answer is taken whole)")
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
     options = BenchOptions(num_draft_tokens=num_draft_tokens, draft_model=draft_model, specformer=specformer_path,
                            ca_drafter=ca_drafter, predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
@@ -168,7 +173,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                       soft_wrap=True)
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
-                           cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup,
+                           cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup, stream=stream,
                            say=lambda msg: tqdm.write(msg, file=sys.stderr),
                            on_result=(lambda partial: write_json(partial, out)) if out else None)
     for t in tables(report):

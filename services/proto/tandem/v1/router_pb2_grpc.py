@@ -45,7 +45,8 @@ class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Stream the generated text as it is accepted; the last message has finished = true and usage.
+        """Stream the generated text as it is accepted; the last message has finished = true and usage
+        (with final_only, that message is the only one and carries the whole output).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

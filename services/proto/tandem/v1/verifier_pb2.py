@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"K\n\x0fReplicaCommands\x12)\n\x06submit\x18\x01 \x03(\x0b\x32\x19.tandem.v1.ReplicaRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xad\x02\n\x0eReplicaRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x05 \x01(\t\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.tandem.v1.ReplicaRequest.TraceContextEntry\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\tSpecStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x13\n\x0bnum_emitted\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x06 \x03(\r\"_\n\rReplicaEvents\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tandem.v1.ReplicaEvent\x12%\n\x06\x64\x65ltas\x18\x02 \x01(\x0b\x32\x15.tandem.v1.StepDeltas\"W\n\nStepDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05texts\x18\x04 \x03(\t\"\xc4\x02\n\x0cReplicaEvent\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x04 \x03(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07invalid\x18\x0c \x01(\x08\x12,\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobsB\r\n\x0bstop_reason\"s\n\x0bLoadRequest\x12\x18\n\x0b\x64raft_width\x18\x01 \x01(\rH\x00\x88\x01\x01\x12!\n\x14\x61\x63\x63\x65ptance_threshold\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\x0e\n\x0c_draft_widthB\x17\n\x15_acceptance_threshold\"\xa8\x04\n\nLoadReport\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x30\n\x0bstate_store\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StateStoreStatus\x12)\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x18.tandem.v1.DrafterStatus\x12\x13\n\x0b\x64raft_limit\x18\x07 \x01(\r\x12\x18\n\x0b\x64raft_width\x18\x08 \x01(\rH\x00\x88\x01\x01\x12,\n\tthreshold\x18\t \x01(\x0b\x32\x19.tandem.v1.ThresholdState\x12!\n\x14\x61\x63\x63\x65ptance_threshold\x18\n \x01(\x02H\x01\x88\x01\x01\x12 \n\x18\x61\x63\x63\x65ptance_threshold_set\x18\x0b \x01(\x08\x12\x1e\n\x16recent_drafted_per_pos\x18\x0c \x03(\x04\x12\x1f\n\x17recent_accepted_per_pos\x18\r \x03(\x04\x12\x17\n\x0fgraphs_captured\x18\x0e \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x0f \x01(\x04\x12\x15\n\rengine_step_s\x18\x10 \x01(\x01\x12\x18\n\x10\x65ngine_deliver_s\x18\x11 \x01(\x01\x42\x0e\n\x0c_draft_widthB\x17\n\x15_acceptance_threshold\"J\n\x0eThresholdState\x12\x0c\n\x04grid\x18\x01 \x03(\x02\x12\x0e\n\x06rounds\x18\x02 \x03(\x01\x12\x0e\n\x06tokens\x18\x03 \x03(\x01\x12\n\n\x02ms\x18\x04 \x03(\x01\"A\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tavailable\x18\x03 \x01(\x08\"G\n\x10StateStoreStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x16\n\x0epending_writes\x18\x03 \x01(\x04\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\xa9\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xc8\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1a.tandem.v1.ReplicaCommands\x1a\x18.tandem.v1.ReplicaEvents(\x01\x30\x01\x12\x35\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.LoadReport\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/verifier.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"K\n\x0fReplicaCommands\x12)\n\x06submit\x18\x01 \x03(\x0b\x32\x19.tandem.v1.ReplicaRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"\xc1\x02\n\x0eReplicaRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08logprobs\x18\x04 \x01(\x08\x12\x10\n\x08\x63\x61tegory\x18\x05 \x01(\t\x12\x42\n\rtrace_context\x18\x06 \x03(\x0b\x32+.tandem.v1.ReplicaRequest.TraceContextEntry\x12\x14\n\x0ctop_logprobs\x18\x07 \x01(\r\x12\x15\n\routput_tokens\x18\x08 \x01(\r\x12\x12\n\nfinal_only\x18\t \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x91\x01\n\tSpecStats\x12\x11\n\tnum_steps\x18\x01 \x01(\r\x12\x13\n\x0bnum_emitted\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafted_per_pos\x18\x05 \x03(\r\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x06 \x03(\r\"_\n\rReplicaEvents\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.tandem.v1.ReplicaEvent\x12%\n\x06\x64\x65ltas\x18\x02 \x01(\x0b\x32\x15.tandem.v1.StepDeltas\"W\n\nStepDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\r\n\x05texts\x18\x04 \x03(\t\"\xe1\x02\n\x0cReplicaEvent\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x13\n\x0btoken_texts\x18\x04 \x03(\t\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\"\n\x04spec\x18\t \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07invalid\x18\x0c \x01(\x08\x12,\n\x0ctop_logprobs\x18\r \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12\x1b\n\x13since_first_token_s\x18\x0e \x01(\x01\x42\r\n\x0bstop_reason\"s\n\x0bLoadRequest\x12\x18\n\x0b\x64raft_width\x18\x01 \x01(\rH\x00\x88\x01\x01\x12!\n\x14\x61\x63\x63\x65ptance_threshold\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\x0e\n\x0c_draft_widthB\x17\n\x15_acceptance_threshold\"\xa8\x04\n\nLoadReport\x12\x11\n\tnum_slots\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x04 \x01(\x04\x12\x30\n\x0bstate_store\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.StateStoreStatus\x12)\n\x07\x64rafter\x18\x06 \x01(\x0b\x32\x18.tandem.v1.DrafterStatus\x12\x13\n\x0b\x64raft_limit\x18\x07 \x01(\r\x12\x18\n\x0b\x64raft_width\x18\x08 \x01(\rH\x00\x88\x01\x01\x12,\n\tthreshold\x18\t \x01(\x0b\x32\x19.tandem.v1.ThresholdState\x12!\n\x14\x61\x63\x63\x65ptance_threshold\x18\n \x01(\x02H\x01\x88\x01\x01\x12 \n\x18\x61\x63\x63\x65ptance_threshold_set\x18\x0b \x01(\x08\x12\x1e\n\x16recent_drafted_per_pos\x18\x0c \x03(\x04\x12\x1f\n\x17recent_accepted_per_pos\x18\r \x03(\x04\x12\x17\n\x0fgraphs_captured\x18\x0e \x01(\x04\x12\x14\n\x0c\x65ngine_steps\x18\x0f \x01(\x04\x12\x15\n\rengine_step_s\x18\x10 \x01(\x01\x12\x18\n\x10\x65ngine_deliver_s\x18\x11 \x01(\x01\x42\x0e\n\x0c_draft_widthB\x17\n\x15_acceptance_threshold\"J\n\x0eThresholdState\x12\x0c\n\x04grid\x18\x01 \x03(\x02\x12\x0e\n\x06rounds\x18\x02 \x03(\x01\x12\x0e\n\x06tokens\x18\x03 \x03(\x01\x12\n\n\x02ms\x18\x04 \x03(\x01\"A\n\rDrafterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tavailable\x18\x03 \x01(\x08\"G\n\x10StateStoreStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\n\n\x02up\x18\x02 \x01(\x08\x12\x16\n\x0epending_writes\x18\x03 \x01(\x04\"\x15\n\x13VerifierInfoRequest\"H\n\tCostPoint\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x1b\n\x13tokens_per_sequence\x18\x02 \x01(\r\x12\n\n\x02ms\x18\x03 \x01(\x01\"\xa9\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\"\n\x04\x63ost\x18\x06 \x03(\x0b\x32\x14.tandem.v1.CostPoint\x12\x13\n\x0bspeculation\x18\x07 \x01(\t2\xc8\x01\n\x08Verifier\x12\x44\n\x08Generate\x12\x1a.tandem.v1.ReplicaCommands\x1a\x18.tandem.v1.ReplicaEvents(\x01\x30\x01\x12\x35\n\x04Load\x12\x16.tandem.v1.LoadRequest\x1a\x15.tandem.v1.LoadReport\x12?\n\x04Info\x12\x1e.tandem.v1.VerifierInfoRequest\x1a\x17.tandem.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICACOMMANDS']._serialized_start=63
   _globals['_REPLICACOMMANDS']._serialized_end=138
   _globals['_REPLICAREQUEST']._serialized_start=141
-  _globals['_REPLICAREQUEST']._serialized_end=442
-  _globals['_REPLICAREQUEST_TRACECONTEXTENTRY']._serialized_start=391
-  _globals['_REPLICAREQUEST_TRACECONTEXTENTRY']._serialized_end=442
-  _globals['_SPECSTATS']._serialized_start=445
-  _globals['_SPECSTATS']._serialized_end=590
-  _globals['_REPLICAEVENTS']._serialized_start=592
-  _globals['_REPLICAEVENTS']._serialized_end=687
-  _globals['_STEPDELTAS']._serialized_start=689
-  _globals['_STEPDELTAS']._serialized_end=776
-  _globals['_REPLICAEVENT']._serialized_start=779
-  _globals['_REPLICAEVENT']._serialized_end=1103
-  _globals['_LOADREQUEST']._serialized_start=1105
-  _globals['_LOADREQUEST']._serialized_end=1220
-  _globals['_LOADREPORT']._serialized_start=1223
-  _globals['_LOADREPORT']._serialized_end=1775
-  _globals['_THRESHOLDSTATE']._serialized_start=1777
-  _globals['_THRESHOLDSTATE']._serialized_end=1851
-  _globals['_DRAFTERSTATUS']._serialized_start=1853
-  _globals['_DRAFTERSTATUS']._serialized_end=1918
-  _globals['_STATESTORESTATUS']._serialized_start=1920
-  _globals['_STATESTORESTATUS']._serialized_end=1991
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=1993
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=2014
-  _globals['_COSTPOINT']._serialized_start=2016
-  _globals['_COSTPOINT']._serialized_end=2088
-  _globals['_VERIFIERINFO']._serialized_start=2091
-  _globals['_VERIFIERINFO']._serialized_end=2260
-  _globals['_VERIFIER']._serialized_start=2263
-  _globals['_VERIFIER']._serialized_end=2463
+  _globals['_REPLICAREQUEST']._serialized_end=462
+  _globals['_REPLICAREQUEST_TRACECONTEXTENTRY']._serialized_start=411
+  _globals['_REPLICAREQUEST_TRACECONTEXTENTRY']._serialized_end=462
+  _globals['_SPECSTATS']._serialized_start=465
+  _globals['_SPECSTATS']._serialized_end=610
+  _globals['_REPLICAEVENTS']._serialized_start=612
+  _globals['_REPLICAEVENTS']._serialized_end=707
+  _globals['_STEPDELTAS']._serialized_start=709
+  _globals['_STEPDELTAS']._serialized_end=796
+  _globals['_REPLICAEVENT']._serialized_start=799
+  _globals['_REPLICAEVENT']._serialized_end=1152
+  _globals['_LOADREQUEST']._serialized_start=1154
+  _globals['_LOADREQUEST']._serialized_end=1269
+  _globals['_LOADREPORT']._serialized_start=1272
+  _globals['_LOADREPORT']._serialized_end=1824
+  _globals['_THRESHOLDSTATE']._serialized_start=1826
+  _globals['_THRESHOLDSTATE']._serialized_end=1900
+  _globals['_DRAFTERSTATUS']._serialized_start=1902
+  _globals['_DRAFTERSTATUS']._serialized_end=1967
+  _globals['_STATESTORESTATUS']._serialized_start=1969
+  _globals['_STATESTORESTATUS']._serialized_end=2040
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=2042
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=2063
+  _globals['_COSTPOINT']._serialized_start=2065
+  _globals['_COSTPOINT']._serialized_end=2137
+  _globals['_VERIFIERINFO']._serialized_start=2140
+  _globals['_VERIFIERINFO']._serialized_end=2309
+  _globals['_VERIFIER']._serialized_start=2312
+  _globals['_VERIFIER']._serialized_end=2512
 # @@protoc_insertion_point(module_scope)

@@ -16,7 +16,7 @@ class ReplicaCommands(_message.Message):
     def __init__(self, submit: _Optional[_Iterable[_Union[ReplicaRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context", "top_logprobs", "output_tokens")
+    __slots__ = ("request_id", "prompt_ids", "params", "logprobs", "category", "trace_context", "top_logprobs", "output_tokens", "final_only")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ReplicaRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -40,7 +41,8 @@ class ReplicaRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     top_logprobs: int
     output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_logprobs: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    final_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., category: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., top_logprobs: _Optional[int] = ..., output_tokens: _Optional[int] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class SpecStats(_message.Message):
     __slots__ = ("num_steps", "num_emitted", "num_drafted", "num_accepted", "drafted_per_pos", "accepted_per_pos")
@@ -79,7 +81,7 @@ class StepDeltas(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec", "error", "invalid", "top_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "token_texts", "finished", "finish_reason", "stop_string", "stop_token_id", "spec", "error", "invalid", "top_logprobs", "since_first_token_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class ReplicaEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -106,7 +109,8 @@ class ReplicaEvent(_message.Message):
     error: str
     invalid: bool
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    since_first_token_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_texts: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., since_first_token_s: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("draft_width", "acceptance_threshold")
