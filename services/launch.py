@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -133,20 +133,23 @@ class StackConfig:
 @dataclass(frozen=True)
 class ReplicaCounters:
     """Totals since start over verifier replicas (``LoadReport``): CUDA graphs captured, engine
-    steps run, seconds inside them, and seconds after them handing their events to the streams."""
+    steps run, seconds inside them, seconds after them handing their events to the streams,
+    decode rounds and their rows, prefills and their host seconds."""
 
     graphs_captured: int = 0
     engine_steps: int = 0
     engine_step_s: float = 0.0
     engine_deliver_s: float = 0.0
+    engine_rounds: int = 0
+    engine_round_rows: int = 0
+    engine_prefills: int = 0
+    engine_prefill_s: float = 0.0
 
     def __add__(self, o: "ReplicaCounters") -> "ReplicaCounters":
-        return ReplicaCounters(self.graphs_captured + o.graphs_captured, self.engine_steps + o.engine_steps,
-                               self.engine_step_s + o.engine_step_s, self.engine_deliver_s + o.engine_deliver_s)
+        return ReplicaCounters(*(getattr(self, f.name) + getattr(o, f.name) for f in fields(self)))
 
     def __sub__(self, o: "ReplicaCounters") -> "ReplicaCounters":
-        return ReplicaCounters(self.graphs_captured - o.graphs_captured, self.engine_steps - o.engine_steps,
-                               self.engine_step_s - o.engine_step_s, self.engine_deliver_s - o.engine_deliver_s)
+        return ReplicaCounters(*(getattr(self, f.name) - getattr(o, f.name) for f in fields(self)))
 
 
 @dataclass
@@ -172,7 +175,7 @@ class Stack:
             with grpc.insecure_channel(address) as channel:
                 r = verifier_pb2_grpc.VerifierStub(channel).Load(
                     verifier_pb2.LoadRequest(), timeout=timeout_s, metadata=auth_metadata(self.config.api_key))
-            total = total + ReplicaCounters(r.graphs_captured, r.engine_steps, r.engine_step_s, r.engine_deliver_s)
+            total = total + ReplicaCounters(*(getattr(r, f.name) for f in fields(ReplicaCounters)))
         return total
 
     def graphs_captured(self, timeout_s: float = 30.0) -> int:

@@ -1762,7 +1762,7 @@ def test_a_cancelled_streams_cross_context_detach_is_not_logged_as_an_error():
 def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
     """A replica's ``Load`` report carries the CUDA graphs its process has captured (what the
     distributed bench's warm-up watches): ``CapturedCall.made``, not a constant; and its engine
-    thread's steps and their time, counted as they run."""
+    thread's steps and their time, its rounds, their rows and its prefills, counted as they run."""
     import asyncio
 
     from services.proto.tandem.v1 import verifier_pb2
@@ -1781,11 +1781,15 @@ def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
         # and its engine thread's steps: none yet, then those one request ran, with their time
         report = asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None))
         assert (report.engine_steps, report.engine_step_s, report.engine_deliver_s) == (0, 0.0, 0.0)
+        assert (report.engine_rounds, report.engine_round_rows, report.engine_prefills) == (0, 0, 0)
         done = threading.Event()
         req = replica.engine.make_request(prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=3))
         replica.submit(req, lambda events: done.set() if any(isinstance(e, Done) for _, e in events) else None)
         assert done.wait(60)
         report = asyncio.run(servicer.Load(verifier_pb2.LoadRequest(), None))
         assert 2 <= report.engine_steps <= 4 and report.engine_step_s > 0 and report.engine_deliver_s > 0
+        # one prefill (its first token), then rounds of one row for the other two tokens
+        assert report.engine_prefills == 1 and report.engine_prefill_s > 0
+        assert 1 <= report.engine_rounds <= 3 and report.engine_round_rows == report.engine_rounds
     finally:
         replica.stop()

@@ -163,7 +163,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          drafter=verifier_pb2.DrafterStatus(**drafter),
                                          draft_limit=engine.configured_draft_limit, draft_width=engine.width_cap,
                                          graphs_captured=CapturedCall.made, engine_steps=self.replica.steps,
-                                         engine_step_s=self.replica.step_s, engine_deliver_s=self.replica.deliver_s)
+                                         engine_step_s=self.replica.step_s, engine_deliver_s=self.replica.deliver_s,
+                                         engine_rounds=engine.num_rounds, engine_round_rows=engine.round_rows,
+                                         engine_prefills=engine.admission.prefills,
+                                         engine_prefill_s=engine.admission.prefill_total_s)
         drafted, accepted = self.replica.recent.totals()
         report.recent_drafted_per_pos.extend(drafted)
         report.recent_accepted_per_pos.extend(accepted)

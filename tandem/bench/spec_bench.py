@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from .configs import BenchConfig, BenchOptions, BuildContext, prepare_configs
 from .results import BenchMeta, BenchReport, RunResult, TaskStats
 from .round_cost import RoundCost, measure_round_cost
 from .throughput import bench_hf_generate
+
+if TYPE_CHECKING:  # the serving stack is optional (tandem[serve])
+    from services.launch import ReplicaCounters
 
 MODES = ("inproc", "distributed")
 
@@ -143,8 +147,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
         width = _router_draft_width(stack.http_url)
     finally:
         stack.stop()
-    return DistributedRun(comps, wall, width, warmup_passes, replica.graphs_captured, replica.engine_steps,
-                          replica.engine_step_s, replica.engine_deliver_s, cpu)
+    return DistributedRun(comps, wall, width, warmup_passes, replica, cpu)
 
 
 @dataclass
@@ -152,19 +155,17 @@ class DistributedRun:
     """What ``run_distributed`` measured: the timed pass's completions (record order; TTFT / TPOT
     measured by the client, network included) and wall time (s), the draft width the router's
     budget had set on the replica when it ended (None: none set), the warm-up passes run before
-    it, and during it: the CUDA graphs the replicas captured (0: none timed), their engine steps,
-    the seconds their engine threads spent inside steps and after them handing events to the
-    streams, and each process's CPU seconds (``Stack.cpu_seconds`` by name, and ``client``: this
-    process, which sent the requests and read the streams)."""
+    it, and during it: the replicas' counters (``services.launch.ReplicaCounters``: CUDA graphs
+    captured, 0 when none was timed; engine steps, the seconds inside them and after them handing
+    events to the streams; decode rounds and their rows; prefills and their host seconds), and
+    each process's CPU seconds (``Stack.cpu_seconds`` by name, and ``client``: this process,
+    which sent the requests and read the answers)."""
 
     completions: list[Completion]
     wall_s: float
     router_draft_width: int | None
     warmup_passes: int
-    timed_captures: int
-    replica_steps: int
-    replica_step_s: float
-    replica_deliver_s: float
+    replica: ReplicaCounters
     process_cpu_s: dict[str, float]
 
 
@@ -339,9 +340,15 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                                            prompts, b, params, f"{c.name} b={b}", progress, warmup, stream)
                     comps = dist.completions
                     res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
+                    rep = dist.replica  # the timed pass as the replica's engine ran it
                     res = replace(res, router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
-                                  timed_captures=dist.timed_captures, replica_steps=dist.replica_steps,
-                                  replica_step_s=dist.replica_step_s, replica_deliver_s=dist.replica_deliver_s,
+                                  timed_captures=rep.graphs_captured, replica_steps=rep.engine_steps,
+                                  replica_step_s=rep.engine_step_s, replica_deliver_s=rep.engine_deliver_s,
+                                  timed_rounds=rep.engine_rounds,
+                                  timed_rows_per_round=rep.engine_round_rows / rep.engine_rounds if rep.engine_rounds
+                                  else math.nan, prefills=rep.engine_prefills,
+                                  prefill_host_ms=1e3 * rep.engine_prefill_s / rep.engine_prefills
+                                  if rep.engine_prefills else math.nan,
                                   process_cpu_s=dist.process_cpu_s)  # peak memory: nan (other processes' memory)
                     if c.name == "target":
                         base = res
@@ -497,11 +504,12 @@ def _summary(r: RunResult) -> str:
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
-    if not r.timed_rounds:  # a distributed run: the replica's counters, from its Load reports
+    if r.replica_steps:  # a distributed run: the replica's counters, from its Load reports
         timed = ((f"; {r.timed_captures} graphs captured in the timed pass" if r.timed_captures else "")
                  + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
-                 + (f"; replica {r.replica_steps} steps, {r.replica_step_s:.2f} s in them, "
-                    f"{r.replica_deliver_s:.2f} s handing out events" if r.replica_steps else "")
+                 + f"; replica {r.replica_steps} steps, {r.replica_step_s:.2f} s in them, "
+                   f"{r.replica_deliver_s:.2f} s handing out events, {r.timed_rounds} rounds of "
+                   f"{r.timed_rows_per_round:.1f} rows, {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
                  + ("; CPU s " + ", ".join(f"{n} {v:.2f}" for n, v in r.process_cpu_s.items())
                     if r.process_cpu_s else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "

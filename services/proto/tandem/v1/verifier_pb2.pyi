@@ -121,7 +121,7 @@ class LoadRequest(_message.Message):
     def __init__(self, draft_width: _Optional[int] = ..., acceptance_threshold: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width", "threshold", "acceptance_threshold", "acceptance_threshold_set", "recent_drafted_per_pos", "recent_accepted_per_pos", "graphs_captured", "engine_steps", "engine_step_s", "engine_deliver_s")
+    __slots__ = ("num_slots", "running", "waiting", "queued_prompt_tokens", "state_store", "drafter", "draft_limit", "draft_width", "threshold", "acceptance_threshold", "acceptance_threshold_set", "recent_drafted_per_pos", "recent_accepted_per_pos", "graphs_captured", "engine_steps", "engine_step_s", "engine_deliver_s", "engine_rounds", "engine_round_rows", "engine_prefills", "engine_prefill_s")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,10 @@ class LoadReport(_message.Message):
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DELIVER_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ROUND_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     running: int
     waiting: int
@@ -156,7 +160,11 @@ class LoadReport(_message.Message):
     engine_steps: int
     engine_step_s: float
     engine_deliver_s: float
-    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ..., threshold: _Optional[_Union[ThresholdState, _Mapping]] = ..., acceptance_threshold: _Optional[float] = ..., acceptance_threshold_set: _Optional[bool] = ..., recent_drafted_per_pos: _Optional[_Iterable[int]] = ..., recent_accepted_per_pos: _Optional[_Iterable[int]] = ..., graphs_captured: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_s: _Optional[float] = ..., engine_deliver_s: _Optional[float] = ...) -> None: ...
+    engine_rounds: int
+    engine_round_rows: int
+    engine_prefills: int
+    engine_prefill_s: float
+    def __init__(self, num_slots: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., state_store: _Optional[_Union[StateStoreStatus, _Mapping]] = ..., drafter: _Optional[_Union[DrafterStatus, _Mapping]] = ..., draft_limit: _Optional[int] = ..., draft_width: _Optional[int] = ..., threshold: _Optional[_Union[ThresholdState, _Mapping]] = ..., acceptance_threshold: _Optional[float] = ..., acceptance_threshold_set: _Optional[bool] = ..., recent_drafted_per_pos: _Optional[_Iterable[int]] = ..., recent_accepted_per_pos: _Optional[_Iterable[int]] = ..., graphs_captured: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_step_s: _Optional[float] = ..., engine_deliver_s: _Optional[float] = ..., engine_rounds: _Optional[int] = ..., engine_round_rows: _Optional[int] = ..., engine_prefills: _Optional[int] = ..., engine_prefill_s: _Optional[float] = ...) -> None: ...
 
 class ThresholdState(_message.Message):
     __slots__ = ("grid", "rounds", "tokens", "ms")
