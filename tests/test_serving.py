@@ -337,11 +337,13 @@ def test_logprobs_through_router(stack, client, model_id, local_engine, prompts)
 def test_an_answer_taken_whole_comes_in_one_message(stack, local_engine, prompts):
     """``GenerateRequest.final_only`` (a client that does not stream): one message, finished, with
     every token, the text, the log-probabilities and usage, equal to the in-process answer; the
-    replica sent nothing for it before then, and its time to first token still reaches usage."""
+    replica sent nothing for it before then, and its time to first token still reaches usage. The
+    prompt goes as token ids (``prompt_ids``: tokenized by the client, chat template included)."""
     ref = run_with_logprobs(local_engine, prompts[1])
     with grpc.insecure_channel(stack.grpc_address) as ch:
         msgs = list(router_pb2_grpc.RouterStub(ch).Generate(
-            router_pb2.GenerateRequest(prompt=prompts[1], params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
+            router_pb2.GenerateRequest(prompt_ids=local_engine.encode_prompt(prompts[1]),
+                                       params=params_to_pb(SamplingParams(max_tokens=MAX_TOKENS)),
                                        logprobs=True, top_logprobs=2, final_only=True),
             metadata=auth_metadata(KEY), timeout=60))
     assert len(msgs) == 1 and msgs[0].finished
@@ -766,7 +768,11 @@ def test_grpc_invalid_argument(stack, local_engine, prompts):
                                            category="c" * 65),
                 router_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=4, temperature=2.5)),
                 router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=" ")],
-                                           params=common_pb2.SamplingParams(max_tokens=4))):
+                                           params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt="hi", prompt_ids=[1, 2], params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt_ids=[1, 2], raw_prompt=True, params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt_ids=[1, 10 ** 9], params=common_pb2.SamplingParams(max_tokens=4)),
+                router_pb2.GenerateRequest(prompt_ids=[1, -3], params=common_pb2.SamplingParams(max_tokens=4))):
         with grpc.insecure_channel(stack.grpc_address) as ch, pytest.raises(grpc.RpcError) as err:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, metadata=auth_metadata(KEY), timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()

@@ -18,10 +18,11 @@ from tandem.sampling import SamplingParams
 
 
 async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.Semaphore,
-               timeout_s: float, final_only: bool) -> Completion:
+               timeout_s: float, final_only: bool, prompt_ids: list[int] | None) -> Completion:
     async with sem:
-        req = router_pb2.GenerateRequest(messages=[router_pb2.ChatMessage(role="user", content=record.text)],
-                                         params=params_to_pb(params), category=record.category,
+        prompt = ({"prompt_ids": prompt_ids} if prompt_ids is not None
+                  else {"messages": [router_pb2.ChatMessage(role="user", content=record.text)]})
+        req = router_pb2.GenerateRequest(**prompt, params=params_to_pb(params), category=record.category,
                                          final_only=final_only)
         t0 = time.perf_counter()
         ttft = None
@@ -50,9 +51,12 @@ async def _one(stub, record: PromptRecord, params: SamplingParams, sem: asyncio.
 
 
 def generate_all(address: str, records: list[PromptRecord], params: SamplingParams, concurrency: int,
-                 timeout_s: float = 600.0, on_finish=None, final_only: bool = False) -> list[Completion]:
+                 timeout_s: float = 600.0, on_finish=None, final_only: bool = False,
+                 prompt_ids: dict[str, list[int]] | None = None) -> list[Completion]:
     """Send every record (first turn, chat template) to ``Router.Generate`` at ``address`` with at
-    most ``concurrency`` in flight; completions in record order. TTFT / latency are measured on
+    most ``concurrency`` in flight; completions in record order. ``prompt_ids``: each record's
+    prompt already tokenized (chat template included), by prompt id, sent as
+    ``GenerateRequest.prompt_ids`` (the router then tokenizes nothing). TTFT / latency are measured on
     the client (s), so they include the network; with ``final_only`` (each answer in one message,
     no per-step messages) the first token's time is the answer's arrival less the router's
     first-token-to-end interval.
@@ -67,7 +71,8 @@ def generate_all(address: str, records: list[PromptRecord], params: SamplingPara
             stub = router_pb2_grpc.RouterStub(ch)
 
             async def run(r: PromptRecord) -> Completion:
-                c = await _one(stub, r, params, sem, timeout_s, final_only)
+                c = await _one(stub, r, params, sem, timeout_s, final_only,
+                               None if prompt_ids is None else prompt_ids[r.prompt_id])
                 if on_finish is not None:
                     on_finish(c)
                 return c

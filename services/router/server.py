@@ -47,16 +47,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         try:
-            if bool(request.prompt) == bool(request.messages):
-                raise InvalidRequestError("give exactly one of prompt or messages")
+            if bool(request.prompt) + bool(request.messages) + bool(request.prompt_ids) != 1:
+                raise InvalidRequestError("give exactly one of prompt, messages or prompt_ids")
+            if request.prompt_ids and request.raw_prompt:
+                raise InvalidRequestError("raw_prompt is for a text prompt: prompt_ids are the whole prompt already",
+                                          param="raw_prompt")
             if not 0.0 <= request.params.temperature <= MAX_TEMPERATURE:  # as over HTTP (NaN fails too)
                 raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
                                           f"{request.params.temperature}", param="temperature")
             explicit = request.params.max_tokens  # 0 (unset): the default, and the output stops at the context
             pb = request.params if explicit else _with_max_tokens(request.params, self.default_max_tokens)
             params = params_from_pb(pb)
-            prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages]
-            req = self.router.make_request(prompt, params, chat=not request.raw_prompt,
+            prompt = request.prompt or [{"role": m.role, "content": m.content} for m in request.messages] or None
+            req = self.router.make_request(prompt, params, prompt_ids=list(request.prompt_ids) or None,
+                                           chat=not request.raw_prompt and not request.prompt_ids,
                                            request_id=request.request_id or None, logprobs=request.logprobs,
                                            top_logprobs=request.top_logprobs, final_only=request.final_only)
             if explicit:

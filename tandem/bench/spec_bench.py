@@ -102,7 +102,8 @@ def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
 
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
-                    desc: str, progress: bool, warmup: str = "full", stream: bool = False) -> "DistributedRun":
+                    desc: str, progress: bool, warmup: str = "full", stream: bool = False,
+                    prompt_ids: dict[str, list[int]] | None = None) -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
@@ -111,6 +112,8 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     CUDA graphs during one (``warmup_passes_then_timed`` over its ``Load`` reports, as in
     process), then the timed pass. Each answer comes whole (``final_only``), as the in-process
     ``Engine.generate`` takes it; with ``stream`` the clients stream each step's tokens instead.
+    ``prompt_ids`` (by prompt id): the prompts tokenized before the timer, as in process, sent as
+    token ids (``GenerateRequest.prompt_ids``); without them the router tokenizes each prompt.
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -139,7 +142,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                 # every request in flight at once, as the in-process engine holds them all queued: the
                 # replica's batch_size KV slots bound the batch, and its admission policy fills them
                 comps = generate_all(stack.grpc_address, run, params, len(run), on_finish=lambda _: bar.update(),
-                                     final_only=not stream)
+                                     final_only=not stream, prompt_ids=prompt_ids)
                 wall = time.perf_counter() - t0
         replica = stack.replica_counters() - counters0
         cpu = {name: s - cpu0.get(name, 0.0) for name, s in stack.cpu_seconds().items()}
@@ -336,8 +339,10 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
+                    # tokenized before the timer, as in process (``_engine_pass``)
+                    ids = {r.prompt_id: engine.encode_prompt(r.text) for r in prompts}
                     dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
-                                           prompts, b, params, f"{c.name} b={b}", progress, warmup, stream)
+                                           prompts, b, params, f"{c.name} b={b}", progress, warmup, stream, ids)
                     comps = dist.completions
                     res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
                     rep = dist.replica  # the timed pass as the replica's engine ran it

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.proto.tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x63\x61tegory\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x12\n\nfinal_only\x18\t \x01(\x08\"\xe0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_verify_steps\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x80\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x12\n\nprompt_ids\x18\n \x03(\x05\x12)\n\x06params\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x63\x61tegory\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\x12\x12\n\nfinal_only\x18\t \x01(\x08\"\xe0\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12\x18\n\x10num_verify_steps\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x07 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs2O\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=61
   _globals['_CHATMESSAGE']._serialized_end=105
   _globals['_GENERATEREQUEST']._serialized_start=108
-  _globals['_GENERATEREQUEST']._serialized_end=344
-  _globals['_USAGE']._serialized_start=347
-  _globals['_USAGE']._serialized_end=571
-  _globals['_GENERATERESPONSE']._serialized_start=574
-  _globals['_GENERATERESPONSE']._serialized_end=783
-  _globals['_ROUTER']._serialized_start=785
-  _globals['_ROUTER']._serialized_end=864
+  _globals['_GENERATEREQUEST']._serialized_end=364
+  _globals['_USAGE']._serialized_start=367
+  _globals['_USAGE']._serialized_end=591
+  _globals['_GENERATERESPONSE']._serialized_start=594
+  _globals['_GENERATERESPONSE']._serialized_end=803
+  _globals['_ROUTER']._serialized_start=805
+  _globals['_ROUTER']._serialized_end=884
 # @@protoc_insertion_point(module_scope)
