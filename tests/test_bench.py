@@ -421,7 +421,8 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
     for r in report["results"]:  # the timed pass as the replica saw it, and the processes' CPU time
         # two prompts of <= 8 tokens at batch 2: >= 4 steps (each a prefill or a round), <= 2 x 9
-        assert 4 <= r["replica_steps"] <= 18 and 0 < r["replica_step_s"] < r["wall_s"], r
+        # (and a step more for a request admitted while the other ran: it joins the round after)
+        assert 4 <= r["replica_steps"] <= 19 and 0 < r["replica_step_s"] < r["wall_s"], r
         assert 0 <= r["replica_deliver_s"] < r["replica_step_s"], r
         # its decode rounds (<= the steps: a step may only admit) over both rows, and its admissions
         assert 4 <= r["timed_rounds"] <= r["replica_steps"] and 1 <= r["timed_rows_per_round"] <= 2, r
@@ -492,6 +493,8 @@ def test_summary_line_of_a_distributed_run_names_the_replicas_captures():
     assert _summary(clean).endswith("lossless 256/256")
     counted = RunResult("target", 64, 0, 256, 1000, 1.0, 1000.0, 1.0, nan, 1.0, 0, 0, 1, 2, 1, 2, nan, 1.0, [],
                         warmup_passes=1, replica_steps=300, replica_step_s=0.61, replica_deliver_s=0.05,
+                        timed_rounds=290, timed_rows_per_round=48.5, prefills=10, prefill_host_ms=3.25,
                         process_cpu_s={"router": 0.9, "verifier": 1.2, "client": 0.8})
     assert _summary(counted).endswith("lossless 256/256; replica 300 steps, 0.61 s in them, 0.05 s handing out "
-                                      "events; CPU s router 0.90, verifier 1.20, client 0.80")
+                                      "events, 290 rounds of 48.5 rows, 10 prefills of 3.2 ms host; CPU s router "
+                                      "0.90, verifier 1.20, client 0.80")

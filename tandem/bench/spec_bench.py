@@ -509,12 +509,13 @@ def _summary(r: RunResult) -> str:
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
-    if r.replica_steps:  # a distributed run: the replica's counters, from its Load reports
+    if math.isnan(r.round_wall_ms):  # a distributed run (no in-process round cost): the replica's Load reports
         timed = ((f"; {r.timed_captures} graphs captured in the timed pass" if r.timed_captures else "")
                  + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
-                 + f"; replica {r.replica_steps} steps, {r.replica_step_s:.2f} s in them, "
-                   f"{r.replica_deliver_s:.2f} s handing out events, {r.timed_rounds} rounds of "
-                   f"{r.timed_rows_per_round:.1f} rows, {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
+                 + (f"; replica {r.replica_steps} steps, {r.replica_step_s:.2f} s in them, "
+                    f"{r.replica_deliver_s:.2f} s handing out events" if r.replica_steps else "")
+                 + (f", {r.timed_rounds} rounds of {r.timed_rows_per_round:.1f} rows, {r.prefills} prefills of "
+                    f"{r.prefill_host_ms:.1f} ms host" if r.replica_steps and r.timed_rounds else "")
                  + ("; CPU s " + ", ".join(f"{n} {v:.2f}" for n, v in r.process_cpu_s.items())
                     if r.process_cpu_s else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
