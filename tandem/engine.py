@@ -128,10 +128,6 @@ class Engine(HostDrafting, EngineConveniences):
         self._in_flight: set[int] = set()  # slots of launched rounds (between launch and collect)
         self._last_collect = 0.0  # perf_counter at the end of the last collect (round wall times)
         self._deferred_release: list[Request] = []  # finished while their slot was in flight
-        # requests admitted while a round was in flight, after the running ones' next round was queued:
-        # (requests, prefill handle, results) whose first tokens the next step reads once it queued
-        # the round they join (``_step``)
-        self._admitted_late: tuple | None = None
         self._structured: set[str] = set()  # structured requests holding a slot: rounds are host-driven meanwhile
         self.num_rounds = 0  # decode rounds run (verify steps over the running batch)
         self.round_wall_s = 0.0  # their wall time, draft to observe (s)
@@ -312,8 +308,7 @@ class Engine(HostDrafting, EngineConveniences):
 
     def has_unfinished(self) -> bool:
         pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
-        return bool(self.waiting or self.running or pending or self._launched is not None or self._held_outputs
-                    or self._admitted_late is not None)
+        return bool(self.waiting or self.running or pending or self._launched is not None or self._held_outputs)
 
     # ------------------------------------------------------------------ stepping
 
@@ -331,7 +326,7 @@ class Engine(HostDrafting, EngineConveniences):
         admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
         while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running
-               and self._admitted_late is None and (admitted or self._admission_due())):
+               and (admitted or self._admission_due())):
             req = self.waiting.popleft()
             req.slot = self.target.allocate()
             admitted[req.slot] = req
@@ -340,14 +335,6 @@ class Engine(HostDrafting, EngineConveniences):
         prefilled = None
         if self.waiting and self.running and not admitted:
             self.admission.note_round(self._free_slots(), len(self.waiting))
-        # Admitting while a chained round is in flight: the running requests' next round is queued
-        # first (and the round in flight collected, its stop rules run), so the device runs it while
-        # the host does the admission's work (prefill launch, a drafter's prompt observe and first
-        # drafts: several milliseconds, where a round takes one or two); the admitted requests join
-        # the round after, whose step reads their first tokens once it has queued that round.
-        late = bool(admitted) and self.chains_rounds and self._launched is not None and bool(self.running)
-        if late:
-            outputs.extend(self._step_chained(None))
         if admitted:
             t_admit = time.perf_counter()
             reqs = [admitted[s] for s in sorted(admitted)]
@@ -384,14 +371,9 @@ class Engine(HostDrafting, EngineConveniences):
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)
                 prefilled = (reqs, handle, results)
-                if late:
-                    self._admitted_late = prefilled
-                    return outputs
             else:
                 outputs.extend(self._admit(reqs, results or self.target.collect_prefill(handle)))
-        if prefilled is None and self._admitted_late is not None:
-            prefilled, self._admitted_late = self._admitted_late, None
-        if self.chains_rounds or self._launched is not None or prefilled is not None:
+        if self.chains_rounds or self._launched is not None:
             outputs.extend(self._step_chained(prefilled))
             return outputs
         # Overlapped rounds: launch round n + 1 (its inputs need only round n's token ids), run the
@@ -420,8 +402,6 @@ class Engine(HostDrafting, EngineConveniences):
         ones it does not finish run."""
         outputs = []
         for req, res in zip(reqs, results):
-            if req.slot is None or self.requests.get(req.request_id) is not req:  # aborted since its prefill
-                continue
             if req.grammar is not None:
                 req.grammar.advance(res.tokens[:1])
             self._append(outputs, req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs)

@@ -126,43 +126,6 @@ def test_more_requests_than_slots_and_abort_in_flight(target_dir, word_dir, real
     assert engine.cache.num_free() == engine.cache.num_slots
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_requests_admitted_while_a_round_runs_join_the_round_after(target_dir, word_dir, real_tokenizer, drafter):
-    """Requests admitted while a chained round is in flight: the running requests' next round is
-    queued before the admission's host work (that step already emits their tokens), and the
-    admitted requests join the round after, whose step brings their first token. One of them
-    aborted before that step is dropped with its slot; every other request gets what the
-    host-driven path gives it (seeded sampled requests included)."""
-    model, prompts, params = _case(drafter, target_dir, word_dir, real_tokenizer.eos_token_ids[0])
-    want = {p: w for p, (w, _) in zip(prompts, _run(_engine(model, chained=False, drafter=drafter), prompts,
-                                                     params)[0])}
-    engine = _engine(model, chained=True, drafter=drafter, slots=8)
-    first = [engine.add_request(p, sp, logprobs=True, top_logprobs=3 * (i % 2))
-             for i, (p, sp) in enumerate(zip(prompts[:2], params[:2]))]
-    outs = engine.step() + engine.step()  # the first two run, a round in flight
-    assert engine._launched is not None
-    late = [engine.add_request(p, sp, logprobs=True, top_logprobs=3 * (i % 2))
-            for i, (p, sp) in enumerate(zip(prompts[2:], params[2:]), start=2)]
-    admitting = engine.step()
-    assert engine._admitted_late is not None and {late[0], late[1]} <= {r.request_id for r in engine.running.values()}
-    assert any(o.request_id == first[0] and o.new_token_ids for o in admitting)  # the running one's round came back
-    assert not any(o.request_id in late for o in outs + admitting)  # their first tokens come with the next step
-    engine.abort(late[1])
-    done: dict[str, tuple] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                c = engine.completion(out.request_id)
-                done[out.request_id] = (c.token_ids, c.text, c.finish_reason)
-    for rid, p in zip(first + late, prompts):
-        if rid == late[1]:
-            assert rid not in done
-            continue
-        assert done[rid] == want[p][:3], p
-    assert not engine.running and engine._admitted_late is None
-    assert engine.cache.num_free() == engine.cache.num_slots
-
-
 def test_host_and_device_lengths_agree_between_rounds(target_dir):
     """While a request runs with one round in flight, its slot's host-side KV length
     (``KVCache.lengths``) less that round's tokens is what the collected output implies, and the
