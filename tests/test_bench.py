@@ -456,6 +456,7 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     assert res.exit_code == 0, res.output
     streamed = json.loads((tmp_path / "streamed" / "results.json").read_text())
     assert streamed["meta"]["stream"] is True and streamed["results"][0]["ttft_p50_ms"] > 0
+    assert "mode distributed, clients streaming" in res.stderr
     assert streamed["results"][0]["output_tokens"] == rows["target"]["output_tokens"]
 
 

@@ -177,6 +177,8 @@ def test_completions_endpoint_and_stop_strings(stack, client, model_id, local_en
     ref_stop = local_engine.generate([prompts[3]], SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)), chat=False)[0]
     r = client.completions.create(model=model_id, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
     assert r.choices[0].text == ref_stop.text and r.choices[0].finish_reason == "stop"
+    status, payload = _post(stack, "/v1/completions", {"prompt": [], "max_tokens": 4})  # no token ids at all
+    assert status == 400 and "prompt is empty" in payload["error"]["message"] and payload["error"]["param"] == "prompt"
 
 
 def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, local_engine, prompts):
@@ -1224,7 +1226,8 @@ def test_replica_crash_then_router_restart_leaks_no_slot(tiny_dir, local_engine,
         # up front, not a 200 then an error
         assert sorted(refused) == [False, True]
         for exc, waited in refused.values():
-            assert exc.status_code == 503 and "no verifier replica is available" in exc.message
+            # (streamed or not, the same reason: the wait, and each replica's last error)
+            assert exc.status_code == 503 and "no verifier replica is available after" in exc.message
             assert 15 < waited < 60, waited
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -230,6 +230,13 @@ class Router:
             replica = self._choose(set())
         return replica
 
+    def unavailable_message(self) -> str:
+        """Why no request can be served now: no replica answered within the failover wait, and
+        each replica's last error (what a 503 / UNAVAILABLE says)."""
+        errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas if r.last_error)
+        return f"no verifier replica is available after {self.config.failover_wait_s:g} s" + (
+            f" ({errors})" if errors else "")
+
     async def wait_available(self) -> bool:
         """Whether a replica is healthy, waiting up to ``failover_wait_s`` for one to come back
         (a front door that must answer before the first token, e.g. a stream's 200)."""
@@ -315,9 +322,7 @@ class Router:
                 replica = await self._wait_for_replica(failed_on)
                 if replica is None:
                     outcome = "failed"
-                    errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas if r.last_error)
-                    yield Failed(f"no verifier replica is available after {self.config.failover_wait_s:g} s"
-                                 + (f" ({errors})" if errors else ""))
+                    yield Failed(self.unavailable_message())
                     return
                 try:
                     async with aclosing(self._run_on(replica, request, progress, category)) as attempt:

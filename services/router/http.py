@@ -299,6 +299,8 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt) and not chat_api:
             prompt_ids, prompt = prompt, None
         elif isinstance(prompt, list) and not chat_api:
+            if not prompt:
+                raise InvalidRequestError("prompt is empty (give a string, or a list of token ids)", param="prompt")
             if len(prompt) != 1:
                 raise InvalidRequestError("send one prompt per request (a list of one string)", param="prompt")
             prompt = prompt[0]
@@ -325,7 +327,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         created = int(time.time())
         if req.stream:
             if not await router.wait_available():  # none comes back in time: say so before the 200 of a stream
-                return _error(503, "no verifier replica is available; retry later", "server_error")
+                return _error(503, router.unavailable_message() + "; retry later", "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,
                                                include_usage, tools), ping=15)

@@ -169,7 +169,9 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
                       predictor=predictor_path(options, checkpoint) if uses_predictor else None)
     err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
-                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}", highlight=False,
+                      f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}"
+                      + (f"; mode distributed, {'clients streaming' if stream else 'answers whole'}"
+                         if mode == "distributed" else ""), highlight=False,
                       soft_wrap=True)
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
