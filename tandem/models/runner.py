@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -24,194 +23,19 @@ import torch
 from ..errors import ConfigError
 from ..profiling import step_timeline
 from .config import ModelConfig
-from .attention import (ATTN_BLOCK_N, attention_backend_for, attention_name, counters_needed, flash_available,
-                        prepare_counters)
+from .attention import attention_backend_for, attention_name, counters_needed, prepare_counters
 from . import kernels
-from .kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
-from .fused_linear import unsupported_reason as linear_unsupported_reason
+from .kernels import MAX_FUSED_TOKENS
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
 from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
 from .prefill import Prefiller
 from .transformer import Transformer
+from .runner_config import (DEFAULT_ATTENTION_CHUNK, KERNEL_CHOICES, RunnerConfig,  # noqa: F401 (re-exported)
+                            check_runner_config, default_runner_config, resolve_attention_chunk,
+                            resolve_kernels)
 from .weights import Checkpoint
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """How the runner is built.
-
-    Attributes:
-        device: "cpu", "cuda", "cuda:1", ...
-        dtype: float32 on CPU, bfloat16 on GPU by default.
-        max_batch_size: KV cache slots.
-        max_seq_len: tokens per slot (prompt + output), the context limit.
-        cuda_graphs: capture decode steps into CUDA graphs (CUDA only).
-        fixed_step_tokens: exact kernels (``tandem bench --exact-kernels``); 0 = off. When > 0,
-            every ``step`` runs all ``max_batch_size`` cache slots as rows with exactly this many
-            tokens per row (real tokens first, padding ignored; a longer row widens that step)
-            and attends over context + this many positions whatever the real token count, and
-            the engine prefills one prompt per forward. Why: in bf16 on a GPU the GEMM kernel
-            (tiling, split-K) is chosen by the shape, and different kernels round differently, so
-            target-only decoding ([b, 1] per step) and verification ([b, k + 1]) can flip a
-            near-tied argmax and disagree although both are exact greedy decoding. With one
-            decode shape and per-prompt prefill, every token's logits come out of the same
-            kernels in both modes, so greedy speculative output is identical token for token.
-            Costs speed (every step verifies k + 1 positions of every slot); on CPU float32 it
-            changes nothing but the time.
-        compile: ``torch.compile`` the batch-1 decode graph (CUDA only; falls back to the
-            uncompiled forward if compilation fails).
-        prefill_chunk: prompt positions per eager prefill forward (the static path takes a whole
-            prompt in one forward, bounded by its bucket's rows x positions).
-        prefill_tokens: padded tokens (rows x positions) per prefill forward; bounds activation
-            and attention-mask memory while letting many short prompts share one forward.
-        prefill_graphs: run prefills of fresh slots from CUDA graphs, one per (rows, positions)
-            bucket, positions up to the context (``tandem.models.prefill``; dense K/V buffers of
-            the largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the
-            same as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
-        taps: residual-stream depths whose hidden states every forward also returns (for a
-            SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
-        kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
-            they can run: CUDA with Triton, a head size of 64 or 128, no QK-norm), "fused" (the same,
-            or a ConfigError saying why not), "fused-flash" (the fused kernels with flash-attn's
-            attention for decode and verify instead of our GQA-packed one; needs flash-attn),
-            "fused-heuristic" ("fused-flash" with flash-attn's own split-KV heuristic, which depends
-            on the batch size: not batch-invariant, so greedy speculative output may differ from
-            target-only; it exists to measure what invariance costs), "fused-linear" ("fused" with
-            the four projections of a decode or verify step fused with their neighbours, five
-            kernels a layer: ``tandem.models.fused_linear``), "reference" (plain PyTorch
-            ops with a masked SDPA, the path a CPU always takes). Token trees take the fused path
-            too (tree bits in our attention kernel, whatever the attention backend); a prefill
-            takes the fused one (flash-attn's attention where it is importable) when every row has
-            room for its attention span. The fused path replaces ``compile`` (which is then
-            ignored).
-        attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
-            many cache positions (a multiple of 64; ``attention.gqa_attention``): more programs for
-            few rows or long contexts, still batch- and width-invariant. Fused paths only. None
-            (default): ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs, else 0
-            (``resolve_attention_chunk``).
-    """
-
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    max_batch_size: int = 8
-    max_seq_len: int = 2048
-    cuda_graphs: bool = False
-    fixed_step_tokens: int = 0
-    compile: bool = False
-    prefill_chunk: int = 1024
-    prefill_tokens: int = 8192
-    prefill_graphs: bool | None = None
-    taps: tuple[int, ...] = ()
-    kernels: str = "auto"
-    attention_chunk: int | None = None
-
-
-KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
-
-
-def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
-    """The decode/verify path ``config.kernels`` gives for ``model`` here: "fused", "fused-flash",
-    "fused-heuristic", "fused-linear" or "reference".
-
-    Raises:
-        ConfigError: an unknown choice, or a fused choice where the fused path cannot run (the
-            message says why: no CUDA, no triton, dtype, head size, QK-norm; no flash-attn for
-            the flash choices).
-    """
-    choice = config.kernels
-    if choice not in KERNEL_CHOICES:
-        raise ConfigError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
-    if choice == "reference":
-        return "reference"
-    device = torch.device(config.device)
-    if choice == "auto" and device.type != "cuda":  # a CPU runs the kernels only when asked (the interpreter)
-        return "reference"
-    reason = "QK-norm models" if model.qk_norm else fused_unavailable_reason(device, model.head_dim, config.dtype)
-    if reason is not None and choice.startswith("fused"):
-        raise ConfigError(f"the fused kernels cannot run here: {reason}")
-    if reason is not None and device.type == "cuda":
-        log.warning("decode kernels: reference PyTorch path (%s)", reason)
-    if reason is not None:
-        return "reference"
-    if choice == "fused-linear":
-        why = linear_unsupported_reason(model.hidden_size, model.intermediate_size, model.head_dim)
-        if why is not None:
-            raise ConfigError(f"kernels=fused-linear cannot run this model: {why}")
-    if choice in ("fused-flash", "fused-heuristic") and not flash_available(model.head_dim):
-        raise ConfigError(f"kernels={choice} needs flash-attn built for head dim {model.head_dim} "
-                          "(pip install 'tandem[flash-attn]' on a GPU machine)")
-    return "fused" if choice == "auto" else choice
-
-
-# Split-KV chunk of our attention kernel by default. Measured on an H200 (2026-12-06,
-# docs/benchmarks.md), against the unsplit kernel in one lease: target-only +18% at batch 64 and
-# +14% at 128, n-gram and SpecFormer +7-9% there, and -2% / -3% / 0% at batch 1. A fixed chunk
-# keeps a row's reduction order whatever the batch or width, so the choice cannot depend on them.
-DEFAULT_ATTENTION_CHUNK = 256
-
-
-def resolve_attention_chunk(config: RunnerConfig, kernels: str) -> int:
-    """The split-KV chunk a runner of ``config`` uses on the resolved ``kernels`` path: the
-    configured one, or for None ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs
-    (fused, fused-linear) and 0 elsewhere."""
-    if config.attention_chunk is not None:
-        return config.attention_chunk
-    return DEFAULT_ATTENTION_CHUNK if kernels != "reference" and attention_backend_for(kernels) == "triton" else 0
-
-
-def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
-    """The kernel settings of ``config`` checked for ``model`` here, before any weight is placed:
-    ``resolve_kernels``'s path, and an ``attention_chunk`` that the path uses.
-
-    Raises:
-        ConfigError: as ``resolve_kernels``; an ``attention_chunk`` that is not a multiple of
-            ``ATTN_BLOCK_N``, or one set where our attention kernel does not run (the reference
-            path, flash-attn's attention).
-    """
-    kernels = resolve_kernels(config, model)
-    if config.attention_chunk is None:
-        return kernels
-    chunk = config.attention_chunk
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0 or chunk % ATTN_BLOCK_N:
-        raise ConfigError(f"--attention-chunk must be 0 or a positive multiple of {ATTN_BLOCK_N}, got {chunk!r}")
-    if chunk and (kernels == "reference" or attention_backend_for(kernels) != "triton"):
-        raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear, on a "
-                          f"CUDA GPU); this runner's decode attention is {attention_name(kernels)}")
-    return kernels
-
-
-def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:
-    """CUDA with bf16, graphs and compile when a GPU is present; else CPU float32 eager.
-
-    Raises:
-        ConfigError: an unknown device, CUDA on a machine without it, or CUDA graphs, compile or
-            prefill graphs asked for on a CPU.
-    """
-    from ..errors import ConfigError
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"device {device!r} is not available here (torch {torch.__version__}, "
-                          f"{torch.cuda.device_count()} CUDA devices)")
-    on_gpu = dev.type == "cuda"
-    asked = [flag for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--compile", "compile"),
-                                    ("--prefill-graphs", "prefill_graphs")) if overrides.get(key)]
-    if asked and not on_gpu:
-        named = " and ".join([", ".join(asked[:-1]), asked[-1]] if len(asked) > 1 else asked)
-        raise ConfigError(f"{named} need{'s' if len(asked) == 1 else ''} a CUDA device; the device is {device}")
-    base = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32,
-                max_batch_size=64 if on_gpu else 8, cuda_graphs=on_gpu, compile=on_gpu)
-    base.update({k: v for k, v in overrides.items() if v is not None})
-    return RunnerConfig(**base)
-
 
 class ModelRunner:
     """Runs the target over a static KV cache.
