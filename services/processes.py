@@ -61,7 +61,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                   max_batch_size: int | None = None, max_seq_len: int = 2048, *, drafter_address: str | None = None,
                   key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
                   redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
-                  metrics: bool = True, runner: dict | None = None):
+                  metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True):
     """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
@@ -79,6 +79,9 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs); None values keep the device's defaults.
+        capture_rounds: with CUDA graphs and rounds chained on the device, capture every round
+            shape's graph before serving (``tandem.warmup.capture_round_shapes``: a few seconds),
+            so no request waits on a capture mid-traffic.
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -112,6 +115,11 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     if cost is None and measure_cost and engine.drafter is not None and isinstance(engine.target, LocalTarget):
         # a fixed-k replica measures T(b, q) too: its router budgets its draft width with it (Info.cost)
         cost = measure_target_cost(engine.target, engine.configured_draft_limit + 1)
+    if capture_rounds and cfg.cuda_graphs and engine.chains_rounds:
+        from tandem.warmup import capture_round_shapes
+
+        engine.cap_rounds = True  # as the replica runs its rounds (ReplicaEngine): the graphs it will replay
+        capture_round_shapes(engine)
     name = engine.drafter.name if engine.drafter is not None else "none"
     words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
     replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name)
@@ -121,7 +129,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
 def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch_size, max_seq_len, *,
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
-                 key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S) -> None:
+                 key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
+                 capture_rounds: bool = True) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
     ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``.
 
@@ -141,7 +150,8 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
     replica, eos, cost, words = build_replica(spec, model, device, max_batch_size, max_seq_len,
                                               drafter_address=drafter_address, key=key,
                                               drafter_timeout_s=drafter_timeout_s, redis_url=redis_url,
-                                              overlap=overlap, measure_cost=measure_cost, runner=runner)
+                                              overlap=overlap, measure_cost=measure_cost, runner=runner,
+                                              capture_rounds=capture_rounds)
     if metrics_port:
         from prometheus_client import start_http_server
 

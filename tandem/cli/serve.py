@@ -84,14 +84,17 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
                    "how long its engine thread can wait for the interpreter while the gRPC thread holds it.")
 @click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=None,
               help="Serve this replica's Prometheus metrics on http://HOST:PORT/metrics.")
+@click.option("--capture-rounds/--no-capture-rounds", default=True, show_default=True,
+              help="With CUDA graphs: capture every decode-round shape's graph (batch bucket x context bucket) "
+                   "at start-up, a few seconds, so no request waits on a capture once serving.")
 @dtype_option
 @kernels_option
 @graph_options
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   gil_switch_interval, metrics_port, dtype, kernels, cuda_graphs, compile_, prefill_graphs,
-                   api_key) -> None:
+                   gil_switch_interval, metrics_port, capture_rounds, dtype, kernels, cuda_graphs, compile_,
+                   prefill_graphs, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
@@ -106,7 +109,8 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
                   prefill_graphs=prefill_graphs)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
-                 metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval)
+                 metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval,
+                 capture_rounds=capture_rounds)
 
 
 @serve.command("drafter")
