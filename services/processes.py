@@ -119,7 +119,10 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         from tandem.warmup import capture_round_shapes
 
         engine.cap_rounds = True  # as the replica runs its rounds (ReplicaEngine): the graphs it will replay
-        capture_round_shapes(engine)
+        try:
+            capture_round_shapes(engine)
+        except Exception as exc:  # noqa: BLE001 - the replica still serves: its rounds capture as they come
+            log.warning("decode-round graphs not captured at start-up (%s); each is captured when first met", exc)
     name = engine.drafter.name if engine.drafter is not None else "none"
     words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
     replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name)

@@ -57,7 +57,8 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
         The CUDA graphs captured (0 without CUDA graphs: the rounds then ran eagerly).
 
     Raises:
-        RuntimeError: the engine is not idle.
+        RuntimeError: the engine is not idle. A step that fails raises its error after the
+            synthetic requests left are aborted and the engine's state restored.
     """
     if engine.has_unfinished():
         raise RuntimeError("capture_round_shapes needs an idle engine (requests are queued or running)")
@@ -72,6 +73,7 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
     engine.draft_policy, engine.on_round, engine.verification_sink = None, None, None
     made0, t0 = CapturedCall.made, time.perf_counter()
     params = SamplingParams(max_tokens=ROUNDS_PER_SHAPE, ignore_eos=True)
+    ids: list[str] = []
     try:
         engine.max_running = num_slots
         for b, c in round_shapes(num_slots, capacity):
@@ -86,6 +88,8 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
             for rid in ids:
                 engine.completion(rid)
     finally:
+        for rid in ids:  # (a failed step: the synthetic requests left are dropped with their slots)
+            engine.abort(rid)
         (engine.num_rounds, engine.round_wall_s, engine.round_rows, engine.stats, engine.admission,
          engine.draft_policy, engine.on_round, engine.verification_sink, engine.max_running) = saved
     made = CapturedCall.made - made0

@@ -59,3 +59,29 @@ def test_only_an_idle_engine_is_warmed_up(target_dir):
     engine.add_request("hello", SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
         capture_round_shapes(engine)
+
+
+def test_a_failed_step_leaves_no_synthetic_request(target_dir):
+    """A step that fails mid-warm-up: its error comes out, the synthetic requests are dropped with
+    their slots, the engine's counters are restored, and it serves as before."""
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=300),
+                    drafter=NgramDrafter(), num_draft_tokens=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = engine.generate(["Name a colour."], params)[0].token_ids
+    rounds, step, calls = engine.num_rounds, engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing
+    with pytest.raises(RuntimeError, match="device lost"):
+        capture_round_shapes(engine)
+    engine.step = step
+    assert not engine.requests and not engine.waiting and engine.num_rounds == rounds
+    while engine.has_unfinished():  # a round still in flight for the dropped requests settles
+        engine.step()
+    assert engine.cache.num_free() == engine.cache.num_slots
+    assert engine.generate(["Name a colour."], params)[0].token_ids == want
