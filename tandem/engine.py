@@ -21,6 +21,7 @@ from .drafters.base import DraftProposal, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
+from .profiling import step_timeline
 from .models.kv_cache import KVCache
 from .models.runner import ModelRunner, RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
@@ -337,6 +338,8 @@ class Engine(HostDrafting, EngineConveniences):
             self.admission.note_round(self._free_slots(), len(self.waiting))
         if admitted:
             t_admit = time.perf_counter()
+            timeline = step_timeline()  # a bench timing the admissions' device work
+            window = timeline.open_admission() if timeline is not None else None
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
@@ -367,6 +370,8 @@ class Engine(HostDrafting, EngineConveniences):
                 self.drafter.set_draft_limit(self.configured_draft_limit)
                 self.drafter.admit({r.slot: list(r.prompt_ids) for r in reqs})
                 self.target.prime_drafts([r.slot for r in reqs], self.drafter)
+            if window is not None:
+                timeline.close_admission(window)
             self.admission.note_prefill(time.perf_counter() - t_admit)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)

@@ -140,15 +140,39 @@ class StepTimeline:
     - span: GPU time from a step graph's start to its end, the gaps between its kernels included;
     - idle: GPU time from one step graph's end to the next one's start (the copies between them,
       a few microseconds, included): the device waiting for the host;
-    - launch: host time inside the launch call.
+    - launch: host time inside the launch call;
+    - admission: GPU time from an admission's first device work to its last (``Engine`` marks
+      them: the prefill, a drafter's prompt work and first drafts, and any wait for the host in
+      between), which lies between step graphs and so inside their idle time.
 
     Attributes:
-        marks: ``(start event, end event)`` per launch; ``launch_s``: host seconds in launches.
+        marks: ``(start event, end event)`` per launch; ``launch_s``: host seconds in launches;
+        admissions: ``(start event, end event)`` per admission.
     """
 
     def __init__(self) -> None:
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.admissions: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.launch_s = 0.0
+
+    def open_admission(self) -> torch.cuda.Event:
+        """An event on the stream before an admission's device work (pass it to ``close_admission``)."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def close_admission(self, start: torch.cuda.Event) -> None:
+        """An event after the admission's device work: the window from ``start`` is recorded."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.admissions.append((start, end))
+
+    def admission_ms(self) -> float:
+        """GPU ms inside the recorded admissions' windows, in all (0 without any); waits for the device."""
+        if not self.admissions:
+            return 0.0
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.admissions)
 
     def __enter__(self) -> "StepTimeline":
         _TIMELINES.append(self)

@@ -275,3 +275,33 @@ def test_cuda_admission_and_rounds_never_wait_for_the_stream(target_dir, drafter
     assert not syncs, syncs[:3]
     if drafter != "none":
         assert engine.stats.num_drafted > 0
+
+
+def test_admissions_are_marked_on_the_step_timeline(target_dir, monkeypatch):
+    """While a ``StepTimeline`` records (the bench's timed pass), each admission's device work is
+    bracketed by two events: one window per prefill, whose GPU time ``admission_ms`` sums (here
+    with stand-in events that take 1.5 ms each, on a CPU)."""
+    from tandem.profiling import StepTimeline
+
+    class Event:  # torch.cuda.Event's surface that StepTimeline uses
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.recorded = False
+
+        def record(self) -> None:
+            self.recorded = True
+
+        def elapsed_time(self, other: "Event") -> float:
+            assert self.recorded and other.recorded
+            return 1.5
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=128))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prefills = engine.admission.prefills
+    with StepTimeline() as timeline:
+        engine.generate([f"Prompt {i}: tell me something" for i in range(5)], params)
+    admitted = engine.admission.prefills - prefills
+    assert admitted >= 3 and len(timeline.admissions) == admitted  # 5 requests through 2 slots
+    assert timeline.admission_ms() == pytest.approx(1.5 * admitted)
+    assert StepTimeline().admission_ms() == 0.0

@@ -85,6 +85,9 @@ class RunResult:
     timed_gpu_span_ms: float = math.nan
     timed_gpu_idle_ms: float = math.nan
     timed_gpu_idle_p50_ms: float = math.nan
+    # GPU ms an admission's window took (``StepTimeline.admission_ms`` over the timed pass's
+    # admissions): its prefill and a drafter's prompt work, inside the idle time above
+    timed_admission_gpu_ms: float = math.nan
     timed_captures: int = 0
     warmup_passes: int = 0  # warm-up passes run before the timed pass (``warmup_passes_then_timed``)
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine

@@ -417,9 +417,11 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
     rounds = engine.num_rounds - r0
     span_ms, idle_ms, _ = timeline.summary() if timeline is not None else (math.nan,) * 3
     idle_p50 = timeline.idle_median_ms() if timeline is not None else math.nan
+    admission_gpu = timeline.admission_ms() / n if timeline is not None and n else math.nan
     admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan, timed_rounds=rounds,
                     timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan,
                     timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_gpu_idle_p50_ms=idle_p50,
+                    timed_admission_gpu_ms=admission_gpu,
                     timed_captures=CapturedCall.made - made0, warmup_passes=warmup_passes)
     cost = measure_round_cost(engine, ids[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
@@ -506,6 +508,7 @@ def _summary(r: RunResult) -> str:
            f" ({r.timed_gpu_span_ms:.2f} ms GPU span, {r.timed_gpu_idle_ms:.3f} ms GPU idle after, "
            f"median {r.timed_gpu_idle_p50_ms:.3f})")
         + f", {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
+        + ("" if math.isnan(r.timed_admission_gpu_ms) else f" / {r.timed_admission_gpu_ms:.1f} ms GPU")
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
