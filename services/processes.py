@@ -79,9 +79,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs); None values keep the device's defaults.
-        capture_rounds: with CUDA graphs and rounds chained on the device, capture every round
-            shape's graph before serving (``tandem.warmup.capture_round_shapes``: a few seconds),
-            so no request waits on a capture mid-traffic.
+        capture_rounds: capture every round shape's graph before serving (``ReplicaEngine``).
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -115,17 +113,10 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     if cost is None and measure_cost and engine.drafter is not None and isinstance(engine.target, LocalTarget):
         # a fixed-k replica measures T(b, q) too: its router budgets its draft width with it (Info.cost)
         cost = measure_target_cost(engine.target, engine.configured_draft_limit + 1)
-    if capture_rounds and cfg.cuda_graphs and engine.chains_rounds:
-        from tandem.warmup import capture_round_shapes
-
-        engine.cap_rounds = True  # as the replica runs its rounds (ReplicaEngine): the graphs it will replay
-        try:
-            capture_round_shapes(engine)
-        except Exception as exc:  # noqa: BLE001 - the replica still serves: its rounds capture as they come
-            log.warning("decode-round graphs not captured at start-up (%s); each is captured when first met", exc)
     name = engine.drafter.name if engine.drafter is not None else "none"
     words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
-    replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name)
+    replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name,
+                            capture_rounds=capture_rounds)
     return replica, list(engine.tokenizer.eos_token_ids), cost.table if cost is not None else None, words
 
 

@@ -21,9 +21,8 @@ from .drafters.base import DraftProposal, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
-from .profiling import step_timeline
-from .models.kv_cache import KVCache
-from .models.runner import ModelRunner, RunnerConfig, default_runner_config
+from .profiling import close_admission, open_admission
+from .models.runner import RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
 from .structured import GrammarCompiler, constrain_drafts
@@ -192,20 +191,6 @@ class Engine(HostDrafting, EngineConveniences):
         return (self.drafter is not None and bool(self.drafter.target_taps) and self.runner_config is not None
                 and bool(self.runner_config.taps))
 
-    @property
-    def runner(self) -> ModelRunner:
-        """The local target's model runner (AttributeError for a remote target)."""
-        return self.target.runner
-
-    @property
-    def cache(self) -> KVCache:
-        """The local target's KV cache (AttributeError for a remote target)."""
-        return self.target.cache
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.target.info.max_seq_len
-
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
@@ -338,8 +323,7 @@ class Engine(HostDrafting, EngineConveniences):
             self.admission.note_round(self._free_slots(), len(self.waiting))
         if admitted:
             t_admit = time.perf_counter()
-            timeline = step_timeline()  # a bench timing the admissions' device work
-            window = timeline.open_admission() if timeline is not None else None
+            window = open_admission()  # (a bench timing the admissions' device work)
             reqs = [admitted[s] for s in sorted(admitted)]
             try:
                 with span("prefill", batch_size=len(reqs)):
@@ -370,8 +354,7 @@ class Engine(HostDrafting, EngineConveniences):
                 self.drafter.set_draft_limit(self.configured_draft_limit)
                 self.drafter.admit({r.slot: list(r.prompt_ids) for r in reqs})
                 self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-            if window is not None:
-                timeline.close_admission(window)
+            close_admission(window)
             self.admission.note_prefill(time.perf_counter() - t_admit)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)

@@ -1,15 +1,21 @@
 """The engine's whole-request conveniences: tokenize a prompt, run prompts to completion, stream
-one request, and hand out a finished request's result. They use only ``Engine``'s public stepping
-API (``add_request``, ``step``, ``abort``, ``requests``) and its ``tokenizer``."""
+one request, and hand out a finished request's result; and shortcuts to its target's runner,
+KV cache and context limit. They use only ``Engine``'s public stepping API (``add_request``,
+``step``, ``abort``, ``requests``), its ``tokenizer`` and its ``target``."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .requests import Completion, RequestOutput
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .models.kv_cache import KVCache
+    from .models.runner import ModelRunner
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages
 
@@ -27,6 +33,21 @@ def _is_int(x, bools: bool = False) -> bool:
 
 class EngineConveniences:
     """Mixed into ``tandem.engine.Engine``."""
+
+    @property
+    def runner(self) -> "ModelRunner":
+        """The local target's model runner (AttributeError for a remote target)."""
+        return self.target.runner
+
+    @property
+    def cache(self) -> "KVCache":
+        """The local target's KV cache (AttributeError for a remote target)."""
+        return self.target.cache
+
+    @property
+    def max_seq_len(self) -> int:
+        """The context limit: tokens per request, prompt and output."""
+        return self.target.info.max_seq_len
 
     def encode_prompt(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Tokenize a prompt (``Tokenizer.encode_prompt``).

@@ -131,6 +131,18 @@ def step_timeline() -> "StepTimeline | None":
     return _TIMELINES[-1] if _TIMELINES else None
 
 
+def open_admission() -> "tuple[StepTimeline, torch.cuda.Event] | None":
+    """Mark the start of an admission's device work on the recording ``StepTimeline`` (None when
+    none records); give the result to ``close_admission`` after its last device work."""
+    timeline = step_timeline()
+    return None if timeline is None else (timeline, timeline.open_admission())
+
+
+def close_admission(mark: "tuple[StepTimeline, torch.cuda.Event] | None") -> None:
+    if mark is not None:
+        mark[0].close_admission(mark[1])
+
+
 class StepTimeline:
     """Record the step graphs launched while active (``with StepTimeline() as tl:``), CUDA only.
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .models.kv_cache import padded_rows, to_device
+from .models.kv_cache import padded_rows
+from .models.transfer import to_device
 from .sampling import LogitAdjustments, SamplingParams, new_seed
 from .stopping import draft_room_end
 from .verify import RowSampling

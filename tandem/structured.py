@@ -33,7 +33,7 @@ from functools import cached_property
 import torch
 
 from .errors import InvalidRequestError
-from .models.kv_cache import to_device
+from .models.transfer import to_device
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from . import verify_kernel
 from .drafters.base import VerifiedStep
 from .models import kernels
 from .models.kv_cache import KVCache
-from .models.runner import ModelRunner, RunnerConfig, to_device
+from .models.runner import ModelRunner, RunnerConfig
+from .models.transfer import HostCopy, to_device
 from .models.weights import Checkpoint
-from .profiling import blocking_wait
 from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: the target's device state)
 from .sampling import adjust_logits
 from .logprobs import MAX_TOP_LOGPROBS, logprob_columns, logprob_mode, read_logprob_columns, wants_logprobs
@@ -162,11 +162,11 @@ class LocalTarget(Target):
         # most two rounds are in flight, so an entry's copy has run before the entry is written again)
         self._draft_cap = torch.zeros((), dtype=torch.int64, device=self.runner.device)
         pin = self.runner.device.type == "cuda"
-        self._cap_host = [torch.zeros((), dtype=torch.int64, pin_memory=pin) for _ in range(_HostCopy.RING)]
+        self._cap_host = [torch.zeros((), dtype=torch.int64, pin_memory=pin) for _ in range(HostCopy.RING)]
         self._cap_turn = 0
         self._all_chain = torch.ones(self.cache.num_slots, dtype=torch.bool, device=self.runner.device)  # read only
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
-        self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (_HostCopy)
+        self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (HostCopy)
 
     @property
     def cache(self) -> KVCache:
@@ -214,7 +214,7 @@ class LocalTarget(Target):
         if taps:  # what a SpecFormer head's observe needs, all on the device: no wait for the first tokens
             nexts = self._next_tokens(slots, prompts, firsts)
             extras = [{"taps": taps[it.slot], "next_tokens": nexts[it.slot]} for it in items]
-        return PrefillHandle(extras, (items, order, extras, _HostCopy(out, self._pinned)))
+        return PrefillHandle(extras, (items, order, extras, HostCopy(out, self._pinned)))
 
     @staticmethod
     def _next_tokens(slots: list[int], prompts: dict[int, list[int]], firsts: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -475,7 +475,7 @@ class LocalTarget(Target):
         queued = self._queued
         for it, step in zip(items, steps):  # the runner grew the host lengths by the step's tokens; collect corrects them
             queued[it.slot] = queued.get(it.slot, 0) + step
-        copy = _HostCopy(out.epilogue, self._pinned)
+        copy = HostCopy(out.epilogue, self._pinned)
         Q = out.argmax.shape[1]
         mode = logprob_mode(items)
         scored = out.epilogue.shape[1] - 3 - Q - (Q if mode else 0) - (2 * Q * MAX_TOP_LOGPROBS if mode == 2 else 0)
@@ -573,36 +573,6 @@ def _step_tokens(it) -> int:
     return 1 + (len(it.proposal.tokens) if isinstance(it, VerifyItem) else it.max_draft)
 
 
-class _HostCopy:
-    """One non-blocking device-to-host copy of a small tensor: into a pinned buffer of ``pinned``
-    with an event on CUDA, so the host goes on until ``wait``; a plain read on the CPU. Buffers are
-    reused per shape in a ring of ``RING``: rounds are collected in launch order and at most two
-    are in flight (chained rounds), so a buffer is read before a copy into it is queued again."""
-
-    RING = 3
-
-    def __init__(self, t: torch.Tensor, pinned: dict[tuple, list]) -> None:
-        self.event = None
-        if t.device.type == "cuda":
-            key = (tuple(t.shape), t.dtype)
-            if key not in pinned:
-                pinned[key] = [0, [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for _ in range(self.RING)]]
-            entry = pinned[key]
-            entry[0] = (entry[0] + 1) % self.RING
-            self.host = entry[1][entry[0]]
-            self.host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = t
-
-    def wait(self) -> list:
-        if self.event is not None:
-            with blocking_wait():
-                self.event.synchronize()
-        return self.host.tolist()
-
-
 @dataclass
 class _LaunchedVerify:
     """A verify round between ``LocalTarget.launch_verify`` and ``collect``."""
@@ -612,7 +582,7 @@ class _LaunchedVerify:
     trees: dict[int, list[int]]
     out: object  # the runner's StepOutput (static buffers in graph mode: read before the next step)
     sampling: RowSampling
-    copy: _HostCopy
+    copy: HostCopy
     width: int
     steps: list[int]  # tokens the round appends to each item's slot (``_step_tokens``)
     num_scores: int = 0  # trailing columns of predicted acceptance of the next drafts (a scoring drafter)

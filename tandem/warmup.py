@@ -71,14 +71,15 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
              copy.deepcopy(engine.admission), engine.draft_policy, engine.on_round, engine.verification_sink,
              engine.max_running)
     engine.draft_policy, engine.on_round, engine.verification_sink = None, None, None
+    shapes = round_shapes(num_slots, capacity)
     made0, t0 = CapturedCall.made, time.perf_counter()
     params = SamplingParams(max_tokens=ROUNDS_PER_SHAPE, ignore_eos=True)
     ids: list[str] = []
     try:
         engine.max_running = num_slots
-        for b, c in round_shapes(num_slots, capacity):
-            low = c - CONTEXT_BUCKET if c % CONTEXT_BUCKET == 0 else c - c % CONTEXT_BUCKET
-            length = max(1, min(low + 1, capacity - span))  # just past the bucket below, room for the rounds
+        for b, c in shapes:
+            below = (c - 1) // CONTEXT_BUCKET * CONTEXT_BUCKET  # the bucket below's end
+            length = max(1, min(below + 1, capacity - span))  # just past it, with room for the rounds
             if length + span > capacity:  # a context too small for any round of this width
                 continue
             prompt = [vocab_token if vocab_token is not None else first + i % 97 for i in range(length)]
@@ -93,6 +94,6 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
         (engine.num_rounds, engine.round_wall_s, engine.round_rows, engine.stats, engine.admission,
          engine.draft_policy, engine.on_round, engine.verification_sink, engine.max_running) = saved
     made = CapturedCall.made - made0
-    log.info("captured %d decode-round CUDA graphs for %d round shapes in %.1f s", made,
-             len(round_shapes(num_slots, capacity)), time.perf_counter() - t0)
+    log.info("captured %d decode-round CUDA graphs for %d round shapes in %.1f s", made, len(shapes),
+             time.perf_counter() - t0)
     return made

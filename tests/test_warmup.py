@@ -85,3 +85,35 @@ def test_a_failed_step_leaves_no_synthetic_request(target_dir):
         engine.step()
     assert engine.cache.num_free() == engine.cache.num_slots
     assert engine.generate(["Name a colour."], params)[0].token_ids == want
+
+
+def test_a_replica_captures_before_its_engine_thread_starts(target_dir, monkeypatch, caplog):
+    """``ReplicaEngine(capture_rounds=True)`` warms a CUDA-graph engine up once, after it caps its
+    rounds (the graphs its rounds will replay) and before its thread runs; a warm-up that fails is
+    logged and the replica serves on. Without CUDA graphs nothing is captured."""
+    from dataclasses import replace
+
+    import services.verifier.replica as replica_mod
+
+    calls = []
+
+    def spy(engine):
+        calls.append(engine.cap_rounds)
+        if len(calls) == 2:
+            raise RuntimeError("capture failed")
+        return 0
+
+    monkeypatch.setattr(replica_mod, "capture_round_shapes", spy)
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=96))
+    replica_mod.ReplicaEngine(engine, capture_rounds=True).stop()
+    assert calls == []  # no CUDA graphs: nothing to capture
+    engine.runner_config = replace(engine.runner_config, cuda_graphs=True)  # (as a GPU replica's)
+    replica_mod.ReplicaEngine(engine, capture_rounds=True).stop()
+    assert calls == [True]
+    with caplog.at_level("WARNING"):
+        replica = replica_mod.ReplicaEngine(engine, capture_rounds=True)
+    try:
+        assert calls == [True, True] and "not captured at start-up (capture failed)" in caplog.text
+        assert replica._thread.is_alive()
+    finally:
+        replica.stop()

@@ -30,6 +30,7 @@ from tandem.metrics import AcceptanceWindow
 from tandem.predictor import VerificationRecord
 from tandem.state import FallbackStore, InMemoryStore, StateStore, best_effort
 from tandem.telemetry import Metrics
+from tandem.warmup import capture_round_shapes
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,14 @@ class ReplicaEngine:
         store: shared state for acceptance counters (None: in-memory).
         drafter_name: names the acceptance counters (``acceptance:<drafter>:<category>``) of a
             replica without a drafter; with one, its current name does (a drafter service's own).
+        capture_rounds: with CUDA graphs and rounds chained on the device, capture every round
+            shape's graph before the engine thread starts (``tandem.warmup.capture_round_shapes``:
+            a few seconds), so no request waits on a capture mid-traffic; a failure is logged and
+            the replica serves on, capturing shapes as they come.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, store: StateStore | None = None,
-                 drafter_name: str = "none") -> None:
+                 drafter_name: str = "none", capture_rounds: bool = False) -> None:
         self.engine = engine
         self.metrics = metrics
         self.store = store or InMemoryStore()
@@ -91,6 +96,12 @@ class ReplicaEngine:
         self.deliver_s = 0.0  # after each step: completions recorded, events handed to the sinks (messages built)
         engine.on_round = self._observe_round
         engine.cap_rounds = True  # a router's draft width (Load) may cap any round: no graph captures when it comes
+        config = engine.runner_config
+        if capture_rounds and config is not None and config.cuda_graphs and engine.chains_rounds:
+            try:  # (after cap_rounds: the graphs captured are the ones its rounds will replay)
+                capture_round_shapes(engine)
+            except Exception as exc:  # noqa: BLE001 - the replica still serves: its rounds capture as they come
+                log.warning("decode-round graphs not captured at start-up (%s); each is captured when first met", exc)
         if engine.drafter is not None and not engine.chains_rounds:
             # verification logs (the predictor's training data) need host-side draft features:
             # kept where rounds run on the host anyway, never at the cost of device-chained rounds

@@ -26,7 +26,8 @@ from ..models.attention import FLASH_HEAD_DIMS
 from ..models.kernels import FUSED_HEAD_DIMS, MAX_FUSED_TOKENS
 from ..models.kv_cache import KV_SLACK
 from ..models.prefill import width_bucket
-from ..models.runner import CapturedCall, batch_bucket, context_bucket, to_device
+from ..models.runner import CapturedCall, batch_bucket, context_bucket
+from ..models.transfer import to_device
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
 # imported from here by the CLI
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401

@@ -20,15 +20,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import ModelConfig
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (a host tensor) on ``device`` without waiting for the device: on CUDA through pinned
-    memory with a non-blocking copy (a copy from pageable memory makes the driver wait for the
-    stream, i.e. for a round in flight); a plain move elsewhere."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from .transfer import to_device
 
 
 def padded_rows(rows: list[list[int]], width: int, extra: int = 0) -> torch.Tensor:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kv_cache import padded_rows, to_device
+from .kv_cache import padded_rows
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .runner import ModelRunner

@@ -27,7 +27,7 @@ from .attention import attention_backend_for, attention_name, counters_needed, p
 from . import kernels
 from .kernels import MAX_FUSED_TOKENS
 from .graphs import CONTEXT_BUCKET, CapturedCall, batch_bucket, context_bucket  # noqa: F401 (re-exported)
-from .kv_cache import KVCache, to_device  # noqa: F401 (to_device re-exported)
+from .kv_cache import KVCache
 from .prefill import Prefiller
 from .transformer import Transformer
 from .runner_config import (DEFAULT_ATTENTION_CHUNK, KERNEL_CHOICES, RunnerConfig,  # noqa: F401 (re-exported)
