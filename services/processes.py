@@ -78,7 +78,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
             and routers budget the replica's draft width with it (``VerifierInfo.cost``).
         metrics: feed Prometheus metrics (``ReplicaEngine.metrics``).
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
-            prefill_graphs); None values keep the device's defaults.
+            prefill_graphs, prefill_varlen); None values keep the device's defaults.
         capture_rounds: capture every round shape's graph before serving (``ReplicaEngine``).
 
     Returns:

@@ -1,5 +1,7 @@
 """Prefill paths (``tandem.models.prefill``): the static, bucketed path (from CUDA graphs on a GPU,
-eager here) leaves each prompt the same KV cache, logits and tapped states as the eager path."""
+eager here) leaves each prompt the same KV cache, logits and tapped states as the eager path, and
+so does the varlen path (prompts packed end to end), whose results do not depend on a prompt's
+neighbours."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from tandem.engine import Engine
 from tandem.models import load_checkpoint
-from tandem.models.prefill import GROUP_COST, MIN_WIDTH, width_bucket
+from tandem.models.prefill import GROUP_COST, MIN_WIDTH, varlen_seq_buckets, varlen_token_buckets, width_bucket
 from tandem.models.runner import ModelRunner, RunnerConfig
 from tandem.sampling import SamplingParams
 
@@ -26,10 +28,10 @@ def _prompts(vocab: int, lengths: dict[int, int], seed: int = 0) -> dict[int, li
 
 
 def _runner(checkpoint, static: bool, device: str = "cpu", **kw) -> ModelRunner:
-    cfg = RunnerConfig(device=device, dtype=torch.float32, max_batch_size=8, max_seq_len=128, prefill_graphs=static,
-                       taps=(0, 2), **kw)
+    kw = {"max_batch_size": 8, **kw}
+    cfg = RunnerConfig(device=device, dtype=torch.float32, max_seq_len=128, prefill_graphs=static, taps=(0, 2), **kw)
     runner = ModelRunner(checkpoint, cfg)
-    for _ in range(8):
+    for _ in range(cfg.max_batch_size):
         runner.cache.allocate()
     return runner
 
@@ -196,8 +198,8 @@ def test_prefill_graphs_equal_eager_on_the_gpu(checkpoint):
     """From CUDA graphs (float32, the fused kernels): every bucket captured when the runner is
     built (none during a prefill), and the same results as eager prefills, twice."""
     prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
-    graphs = _runner(checkpoint, True, device="cuda", cuda_graphs=True)
-    eager = _runner(checkpoint, False, device="cuda", cuda_graphs=True)
+    graphs = _runner(checkpoint, True, device="cuda", cuda_graphs=True, prefill_varlen=False)
+    eager = _runner(checkpoint, False, device="cuda", cuda_graphs=True, prefill_varlen=False)
     made = {k for k in graphs._graphs if k[0] == "prefill"}  # every bucket, at construction
     assert made == {("prefill", r, w) for r, w in graphs._prefiller.buckets()}
     for _ in range(2):
@@ -207,3 +209,120 @@ def test_prefill_graphs_equal_eager_on_the_gpu(checkpoint):
         _check_same(graphs, eager, prompts, _prefill(graphs, prompts), _prefill(eager, prompts), atol=1e-4)
     assert graphs._prefiller.launches >= 2 and {k for k in graphs._graphs if k[0] == "prefill"} == made
     assert not any(k[0] == "prefill" for k in eager._graphs)
+
+
+def test_varlen_buckets():
+    tokens = varlen_token_buckets(8192)
+    assert tokens[:6] == [64, 96, 128, 192, 256, 384] and tokens[-1] == 8192
+    assert all(b / a <= 1.5 for a, b in zip(tokens, tokens[1:]))  # padding at most half the tokens
+    assert varlen_token_buckets(100) == [64, 96, 100] and varlen_token_buckets(64) == [64]
+    assert varlen_seq_buckets(65) == [2, 4, 8, 16, 32, 64, 65] and varlen_seq_buckets(2) == [2]
+
+
+def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
+    """Each prompt's tokens, positions, slot and last index; the padding in dummy sequences of at
+    most max_len tokens that write nothing (slot -1); empty sequences after them."""
+    pre = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4)._prefiller  # context 128
+    T, S, max_len = pre.varlen_shape([3, 5])
+    assert (T, S, max_len) == (64, 4, 64)  # 2 prompts + 1 dummy of 56 tokens -> the 4-sequence bucket
+    p = pre._varlen_inputs(T, S, max_len, [(2, [7, 8, 9]), (0, [1, 2, 3, 4, 5])])
+    tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
+    cu, last = p[4 * T:4 * T + S + 1], p[4 * T + S + 1:]
+    assert tokens[:8].tolist() == [7, 8, 9, 1, 2, 3, 4, 5] and not tokens[8:].any()
+    assert positions[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and torch.equal(where, positions)
+    assert slots[:8].tolist() == [2, 2, 2, 0, 0, 0, 0, 0] and (slots[8:] == -1).all()
+    assert cu.tolist() == [0, 3, 8, 64, 64] and last.tolist() == [2, 7, 0, 0]
+    wide = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4, prefill_tokens=512)._prefiller
+    T, S, max_len = wide.varlen_shape([130, 60])  # 190 tokens -> the 192 bucket; max_len = the context
+    assert (T, S, max_len) == (192, 4, 128)
+    T, S, max_len = wide.varlen_shape([100, 100, 100])  # 300 -> 384: 84 padded tokens, one dummy
+    assert (T, S) == (384, 4)
+    worst = wide.varlen_shape([97, 96, 96, 96])  # every slot, just past the 384 bucket: 127 padded, one dummy
+    assert worst == (512, 5, 128) and worst[:2] in wide.varlen_buckets()
+    with pytest.raises(ValueError, match="exceed"):
+        wide.varlen_shape([128] * 5)
+
+
+def test_varlen_prefill_equals_padded(checkpoint):
+    """Scattered slots, four lengths, taps: logits, K/V rows, lengths and tapped states as the
+    padded path's, in one forward; a slot already holding tokens takes the padded path; more
+    tokens than the limit run in more forwards, each prompt whole."""
+    prompts = _prompts(checkpoint.config.vocab_size, LENGTHS)
+    varlen, padded = _runner(checkpoint, True, prefill_varlen=True), _runner(checkpoint, True, prefill_varlen=False)
+    assert varlen._prefiller.varlen and not padded._prefiller.varlen
+    _check_same(varlen, padded, prompts, _prefill(varlen, prompts), _prefill(padded, prompts), atol=1e-5)
+    assert varlen._prefiller.launches == 1 and [k[0] for k in varlen._graphs] == ["prefill-varlen"]
+    more = {s: p[:5] for s, p in _prompts(checkpoint.config.vocab_size, {3: 5, 6: 5}, seed=1).items()}
+    _check_same(varlen, padded, {3: prompts[3] + more[3], 6: prompts[6] + more[6]},
+                _prefill(varlen, more), _prefill(padded, more), atol=1e-5)
+    assert varlen._prefiller.launches == 1  # slots holding tokens: not varlen
+    lengths = {0: 60, 2: 50, 5: 45, 7: 30}  # 185 tokens, limit 128 (the context): two forwards
+    prompts = _prompts(checkpoint.config.vocab_size, lengths, seed=2)
+    varlen, padded = (_runner(checkpoint, True, prefill_varlen=True, prefill_tokens=64),
+                      _runner(checkpoint, True, prefill_varlen=False, prefill_tokens=64))
+    assert varlen._prefiller.varlen_groups(lengths) == [[0, 2], [5, 7]]
+    _check_same(varlen, padded, prompts, _prefill(varlen, prompts), _prefill(padded, prompts), atol=1e-5)
+    assert varlen._prefiller.launches == 2
+
+
+def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
+    """The same prompt prefilled alone and packed after others of other lengths: the same logits
+    and cache (float32 on a CPU: to rounding; the GPU test checks bit for bit)."""
+    vocab = checkpoint.config.vocab_size
+    target = _prompts(vocab, {1: 37}, seed=3)[1]
+    alone = _runner(checkpoint, True, prefill_varlen=True)
+    packed = _runner(checkpoint, True, prefill_varlen=True)
+    logits_alone = alone.prefill({1: target})
+    others = _prompts(vocab, {0: 50, 4: 9}, seed=4)
+    logits_packed = packed.prefill({**others, 1: target})  # slot order 0, 1, 4: packed between the two
+    torch.testing.assert_close(logits_packed[1], logits_alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed.cache.k[:, 1, :, :37], alone.cache.k[:, 1, :, :37], atol=1e-5, rtol=0)
+
+
+def test_engine_output_same_with_varlen_prefill(tiny_checkpoint):
+    """Greedy generation over the tiny model is the same token for token with either prefill path."""
+    d = str(tiny_checkpoint("llama", with_tokenizer=True))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = ["a b c d e f", "hello there, how are you today?", "x" * 50]
+    outs = []
+    for varlen in (True, False):
+        engine = Engine(d, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=True,
+                                        prefill_varlen=varlen))
+        assert engine.runner._prefiller.varlen is varlen
+        outs.append([c.token_ids for c in engine.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_prefill_on_the_gpu(real_checkpoint):
+    """The bundled model in bf16 with CUDA graphs and flash-attn: varlen on by default, every bucket
+    captured when the runner is built (none in a prefill), logits, K/V and tapped states as the
+    padded path's to bf16 rounding (cosine > 0.999), and a prompt's logits and cache bit for bit
+    the same alone as packed with others."""
+    from tandem.models.attention import varlen_available
+
+    if not varlen_available(real_checkpoint.config.head_dim):
+        pytest.skip("flash-attn's variable-length kernel is not importable here")
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        assert torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
+
+    kw = dict(device="cuda", cuda_graphs=True, dtype=torch.bfloat16)
+    varlen = _runner(real_checkpoint, True, **kw)
+    padded = _runner(real_checkpoint, True, prefill_varlen=False, **kw)
+    made = {k for k in varlen._graphs if k[0] == "prefill-varlen"}
+    assert varlen._prefiller.varlen and made == {("prefill-varlen", t, s) for t, s in varlen._prefiller.varlen_buckets()}
+    prompts = _prompts(real_checkpoint.config.vocab_size, LENGTHS)
+    (got, got_taps), (want, want_taps) = _prefill(varlen, prompts), _prefill(padded, prompts)
+    close(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for s, ids in prompts.items():
+        close(varlen.cache.k[:, s, :, :len(ids)], padded.cache.k[:, s, :, :len(ids)])
+        close(varlen.cache.v[:, s, :, :len(ids)], padded.cache.v[:, s, :, :len(ids)])
+        close(got_taps[s], want_taps[s])
+    alone = _runner(real_checkpoint, True, **kw)
+    logits_alone = alone.prefill({6: prompts[6]})
+    assert torch.equal(got[sorted(prompts).index(6)], logits_alone[0])
+    assert torch.equal(varlen.cache.k[:, 6, :, :70], alone.cache.k[:, 6, :, :70])
+    assert {k for k in varlen._graphs if k[0] == "prefill-varlen"} == made

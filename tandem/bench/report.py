@@ -197,7 +197,8 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, "
-            f"prefill graphs {m.prefill_graphs}, round kernels {m.round_kernels}), mode {m.mode}"
+            f"prefill graphs {m.prefill_graphs}{', varlen prefills' if m.prefill_varlen else ''}, round kernels "
+            f"{m.round_kernels}), mode {m.mode}"
             f"{(', streamed' if m.stream else ', answers whole') if m.mode == 'distributed' else ''}, {m.date_utc}, "
             f"torch {m.torch}.\n"
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "

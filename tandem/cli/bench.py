@@ -78,7 +78,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs, max_seq_len, dtype,
+          exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs, prefill_varlen, max_seq_len,
+          dtype,
           kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
@@ -126,13 +127,14 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-                   out, warmup, kernels, prefill_graphs, attention_chunk, stream)
+                   out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen)
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
-                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False) -> None:
+                   warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False,
+                   prefill_varlen=None) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -162,7 +164,8 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
                            ca_drafter=ca_drafter, predictor=predictor, acceptance_threshold=acceptance_threshold, branch_top_m=branch_top_m)
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
-                                prefill_graphs=prefill_graphs, attention_chunk=attention_chunk)
+                                prefill_graphs=prefill_graphs, prefill_varlen=prefill_varlen,
+                                attention_chunk=attention_chunk)
     checkpoint = load_checkpoint(model)
     check_runner_config(cfg, checkpoint.config)  # the kernel settings, before anything is printed or built
     uses_predictor = any(c.uses_predictor for c in configs)

@@ -130,7 +130,12 @@ kernels_option = click.option(
 
 
 def graph_options(fn):
-    """``--cuda-graphs``, ``--compile`` and ``--prefill-graphs`` (runner settings; None = the device's default)."""
+    """``--cuda-graphs``, ``--compile``, ``--prefill-graphs`` and ``--prefill-varlen`` (runner settings;
+    None = the device's default)."""
+    fn = click.option("--prefill-varlen/--no-prefill-varlen", default=None,
+                      help="Prefills of new requests packed end to end (flash-attn's variable-length attention), "
+                           "no padding between prompts; off: padded to (rows, positions) buckets. Default: on "
+                           "where flash-attn and the fused kernels run with prefill graphs.")(fn)
     fn = click.option("--prefill-graphs/--no-prefill-graphs", default=None,
                       help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
                            "Default: as --cuda-graphs.")(fn)

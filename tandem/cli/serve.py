@@ -94,7 +94,7 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
                    gil_switch_interval, metrics_port, capture_rounds, dtype, kernels, cuda_graphs, compile_,
-                   prefill_graphs, api_key) -> None:
+                   prefill_graphs, prefill_varlen, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
@@ -106,7 +106,7 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
                               predictor, policy=policy)
     replace(spec, cost_model=measure_cost)  # what the replica runs (run_verifier): checked before anything loads
     runner = dict(dtype=torch_dtype(dtype), kernels=kernels, cuda_graphs=cuda_graphs, compile=compile_,
-                  prefill_graphs=prefill_graphs)
+                  prefill_graphs=prefill_graphs, prefill_varlen=prefill_varlen)
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
                  metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval,

@@ -24,6 +24,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import _modules
 
@@ -51,6 +52,54 @@ def _flash():
 def flash_available(head_dim: int) -> bool:
     """Whether flash-attn's kernel is importable here and built for ``head_dim``."""
     return head_dim in FLASH_HEAD_DIMS and _flash() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_varlen():
+    """flash-attn's ``flash_attn_varlen_func``, or None when it is not importable."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as exc:
+        log.info("flash-attn varlen unavailable (prefills stay padded): %s", exc)
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_available(head_dim: int) -> bool:
+    """Whether flash-attn's variable-length kernel is importable here and built for ``head_dim``."""
+    return head_dim in FLASH_HEAD_DIMS and _flash_varlen() is not None
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_len: int) -> torch.Tensor:
+    """Causal self-attention of packed sequences (a varlen prefill): sequence i is tokens
+    ``cu_seqlens[i] : cu_seqlens[i + 1]`` and attends only to itself, GQA without expanding K/V.
+
+    FlashAttention-2's ``flash_attn_varlen_func`` (Dao 2023) where it is importable: its forward
+    kernel for more than one query token per sequence never splits the keys, so a sequence's result
+    does not depend on the others packed with it. Elsewhere (a CPU) the reference: one causal
+    ``scaled_dot_product_attention`` per sequence (it reads ``cu_seqlens`` on the host).
+
+    Args:
+        q: ``[T, heads, head_dim]``; k, v: ``[T, kv_heads, head_dim]`` (last dim contiguous).
+        cu_seqlens: ``[S + 1]`` int32, ascending, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] <= T``
+            (tokens past it are not attended and their output is undefined).
+        max_len: a bound on every sequence's length (flash-attn sizes its grid by it).
+
+    Returns:
+        ``[T, heads, head_dim]``.
+    """
+    fn = _flash_varlen() if q.is_cuda else None
+    if fn is not None:
+        return fn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi > lo:
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1),
+                is_causal=True, enable_gqa=True).transpose(0, 1)
+    return out
 
 
 _BACKEND_OF = {"fused": "triton", "fused-flash": "flash", "fused-heuristic": "flash-heuristic",  # kernels choice

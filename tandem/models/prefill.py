@@ -20,6 +20,16 @@ padded tokens, one row per prompt. A group runs one of two ways:
 
 A row's results do not depend on its padding (padded tokens write their K/V to the scratch position
 and causal attention never reads a later position), so both paths give a prompt the same cache.
+
+- varlen (``RunnerConfig.prefill_varlen``, on by default where flash-attn's variable-length kernel
+  runs and the fused kernels do): the prompts of fresh slots packed end to end, no padding between
+  them (``Transformer.forward_varlen``: the projections and the MLP, most of a prefill's work, run
+  over the real tokens only; the padded path ran them over ~1.6-1.8x as many positions and one
+  forward per group). Up to ``varlen_limit`` tokens a forward, from a CUDA graph per (packed
+  tokens, sequences) bucket (``varlen_token_buckets``, ``varlen_seq_buckets``): the tokens past
+  the real ones form dummy sequences of at most ``max_len`` tokens that write nothing to the cache,
+  and the graph copies each prompt's K/V into its slot itself. Every fresh-slot prefill takes this
+  path when it is on, so a prompt's cache never depends on which path or which neighbours it had.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_cache import padded_rows
+from .runner_config import resolve_prefill_varlen
 from .transfer import to_device
 
 if TYPE_CHECKING:
@@ -43,6 +54,25 @@ MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
 # (docs/benchmarks.md, 2026-12-04 profile) and a forward ~0.9 ms whatever its size, plus the
 # host's launch and row copies; 2,048 positions covers both
 GROUP_COST = 2048
+
+
+def varlen_token_buckets(limit: int) -> list[int]:
+    """Packed-token buckets of the varlen path: 64, 96, 128, 192, ... (steps of 1.5x and 4/3x,
+    so a prefill pads at most half its tokens, ~20% on average), up to and including ``limit``."""
+    out, n = [], 64
+    while n < limit:
+        out.append(n)
+        n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3  # 2^k -> 1.5 x 2^k -> 2^(k+1)
+    return out + [limit]
+
+
+def varlen_seq_buckets(top: int) -> list[int]:
+    """Sequence-count buckets of the varlen path: powers of two from 2, and ``top`` itself."""
+    out, n = [], 2
+    while n < top:
+        out.append(n)
+        n *= 2
+    return out + [top]
 
 
 def width_bucket(n: int, limit: int) -> int:
@@ -63,6 +93,13 @@ class Prefiller:
         self.static = cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
         self.launches = 0  # static prefill groups run (graph replays on CUDA)
+        self.varlen = resolve_prefill_varlen(cfg, runner.model.config)
+
+    @property
+    def varlen_limit(self) -> int:
+        """Packed tokens of one varlen forward at most (the widest bucket): ``prefill_tokens``,
+        or the context when that is longer, so any prompt fits one forward."""
+        return max(self.runner.config.prefill_tokens, self.max_width)
 
     @property
     def max_width(self) -> int:
@@ -85,9 +122,13 @@ class Prefiller:
         slots = sorted(prompts)
         last_hidden: dict[int, torch.Tensor] = {}
         pieces: dict[int, list[torch.Tensor]] | None = {} if taps_out is not None else None
-        for group in self.groups({s: len(prompts[s]) for s in slots}):
-            if not self._static_group(group, prompts, last_hidden, pieces):
-                self._eager_group(group, prompts, last_hidden, pieces)
+        if self.varlen and not any(runner.cache.lengths[s] for s in slots):
+            for group in self.varlen_groups({s: len(prompts[s]) for s in slots}):
+                self._varlen_group(group, prompts, last_hidden, pieces)
+        else:
+            for group in self.groups({s: len(prompts[s]) for s in slots}):
+                if not self._static_group(group, prompts, last_hidden, pieces):
+                    self._eager_group(group, prompts, last_hidden, pieces)
         hidden = torch.stack([last_hidden[s] for s in slots])
         if taps_out is not None and runner.config.taps:
             taps_out.update({s: p[0] if len(p) == 1 else torch.cat(p) for s, p in pieces.items()})
@@ -133,6 +174,126 @@ class Prefiller:
             out.append(sorted(order[cut[j]:j]))
             j = cut[j]
         return out[::-1]
+
+    def varlen_groups(self, lengths: dict[int, int]) -> list[list[int]]:
+        """The prompts of one varlen prefill (slot -> prompt tokens) in forwards of at most
+        ``varlen_limit`` packed tokens: filled in ascending slot order, each group in slot order."""
+        out: list[list[int]] = []
+        used = self.varlen_limit
+        for s in sorted(lengths):
+            if used + lengths[s] > self.varlen_limit:
+                out.append([])
+                used = 0
+            out[-1].append(s)
+            used += lengths[s]
+        return out
+
+    def varlen_shape(self, lengths: list[int]) -> tuple[int, int, int]:
+        """``(packed tokens, sequences, max_len)`` of the varlen graph that runs prompts of these
+        lengths: the smallest token bucket that holds them, then room for them and the dummy
+        sequences (each at most ``max_len`` = min(tokens, context) long) that cover the padding.
+
+        Raises:
+            ValueError: more tokens than ``varlen_limit``.
+        """
+        total = sum(lengths)
+        if total > self.varlen_limit:
+            raise ValueError(f"{total} tokens exceed one varlen prefill's {self.varlen_limit}")
+        tokens = next(b for b in varlen_token_buckets(self.varlen_limit) if b >= total)
+        max_len = min(tokens, self.max_width)
+        seqs = len(lengths) + -(-(tokens - total) // max_len)
+        return tokens, next(b for b in varlen_seq_buckets(self._varlen_top(tokens)) if b >= seqs), max_len
+
+    def _varlen_top(self, tokens: int) -> int:
+        """The most sequences a ``tokens`` bucket can be asked for: every slot's prompt (at most one
+        token each within the bucket) and the dummy sequences of the largest padding it can have
+        (a total just above the next smaller bucket)."""
+        buckets = varlen_token_buckets(self.varlen_limit)
+        i = buckets.index(tokens)
+        pad = tokens - (buckets[i - 1] + 1 if i else 1)
+        return min(self.runner.cache.num_slots, tokens) + -(-pad // min(tokens, self.max_width))
+
+    def _varlen_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
+                      taps_out: dict[int, list[torch.Tensor]] | None) -> None:
+        """Prefill the fresh slots of ``group`` (ascending) in one varlen forward (module docstring)."""
+        runner = self.runner
+        lengths = [len(prompts[s]) for s in group]
+        T, S, max_len = self.varlen_shape(lengths)
+        inputs = self._varlen_inputs(T, S, max_len, [(s, prompts[s]) for s in group])
+        key = ("prefill-varlen", T, S)
+        captured = runner._graphs.get(key) or self._capture_varlen(T, S, max_len)
+        runner._stage(key, inputs, captured.inputs[0])
+        ends, taps = captured()
+        self.launches += 1
+        ends = ends[:len(group)].clone()  # copies: the next replay of this bucket overwrites the outputs
+        total = sum(lengths)
+        kept = taps[:total].clone() if taps_out is not None and taps is not None else None
+        at = 0
+        for r, s in enumerate(group):
+            out[s] = ends[r]
+            if kept is not None:
+                taps_out.setdefault(s, []).append(kept[at:at + lengths[r]])
+            at += lengths[r]
+            runner.cache.lengths[s] = lengths[r]
+
+    def _varlen_inputs(self, T: int, S: int, max_len: int, prompts: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """The host inputs of a varlen graph, one int64 tensor ``[4 T + 2 S + 1]``: tokens ``[T]``,
+        positions ``[T]``, destination slots ``[T]`` (-1 for the padding), the cache positions
+        ``[T]``, ``cu_seqlens`` ``[S + 1]`` (the prompts, then dummy sequences of at most
+        ``max_len`` tokens covering the padding, then empty ones) and each prompt's last token
+        index ``[S]`` (0 past the prompts)."""
+        out = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)
+        tokens, positions, slots, cu, last = (out[:T], out[T:2 * T], out[2 * T:3 * T], out[4 * T:4 * T + S + 1],
+                                               out[4 * T + S + 1:])
+        slots.fill_(-1)
+        at = 0
+        for i, (slot, ids) in enumerate(prompts):
+            n = len(ids)
+            tokens[at:at + n] = torch.tensor(ids, dtype=torch.long)
+            positions[at:at + n] = torch.arange(n)
+            slots[at:at + n] = slot
+            at += n
+            cu[i + 1] = at
+            last[i] = at - 1
+        out[3 * T:4 * T] = positions  # real tokens' cache positions; the graph sends the padding to scratch
+        for i in range(len(prompts) + 1, S + 1):  # dummy sequences, then empty ones
+            at = min(at + max_len, T)
+            cu[i] = at
+        return out
+
+    def _capture_varlen(self, T: int, S: int, max_len: int):
+        """The varlen call of bucket ``T`` tokens x ``S`` sequences (a CUDA graph with CUDA graphs,
+        else an eager call), kept in the runner's graphs under ``("prefill-varlen", T, S)``."""
+        from .runner import CapturedCall
+
+        runner = self.runner
+        cache = runner.cache
+        k_buf, v_buf = self._buffers(1, T - 1)  # [layers, 1, kv_heads, T, head_dim]
+        scratch = cache.k.shape[3] - 1
+        taps = runner.config.taps
+
+        def run(p: torch.Tensor):
+            tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
+            cu, last = p[4 * T:4 * T + S + 1].to(torch.int32), p[4 * T + S + 1:]
+            hidden, tapped = runner.model.forward_varlen(tokens, positions, cu, max_len, k_buf, v_buf, taps)
+            real = slots >= 0
+            rows, at = slots.clamp(min=0), torch.where(real, where, torch.full_like(where, scratch))
+            for buf, dest in ((k_buf, cache.k), (v_buf, cache.v)):  # each prompt's K/V into its slot
+                kv = buf[:, 0, :, :T].permute(2, 0, 1, 3)  # [T, layers, kv_heads, head_dim]
+                dest[:, rows, :, at] = torch.where(real[:, None, None, None], kv, torch.zeros_like(kv))
+            return hidden[last], tapped
+
+        idle = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)  # all padding: the warm-up runs write scratch only
+        idle[2 * T:3 * T] = -1
+        idle[4 * T + 1:4 * T + S + 1] = T
+        captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs,
+                                pool=runner._graph_pool)
+        runner._graphs[("prefill-varlen", T, S)] = captured
+        return captured
+
+    def varlen_buckets(self) -> list[tuple[int, int]]:
+        """Every (packed tokens, sequences) bucket the varlen path can run."""
+        return [(t, s) for t in varlen_token_buckets(self.varlen_limit) for s in varlen_seq_buckets(self._varlen_top(t))]
 
     def _eager_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                      taps_out: dict[int, list[torch.Tensor]] | None) -> None:
@@ -251,6 +412,8 @@ class Prefiller:
         would stall every request. Returns the number captured."""
         if not (self.static and self.runner.config.cuda_graphs):
             return 0
+        if self.varlen:
+            return self._capture_all_varlen()
         made = 0
         for r, w in self.buckets():
             if ("prefill", r, w) not in self.runner._graphs:
@@ -266,6 +429,25 @@ class Prefiller:
                 made += 1
         return made
 
+    def _capture_all_varlen(self) -> int:
+        """``capture_all`` for the varlen path: every (tokens, sequences) bucket; on a failure the
+        prefills fall back to the padded path (whose buckets are captured then)."""
+        made = 0
+        for t, s in self.varlen_buckets():
+            if ("prefill-varlen", t, s) in self.runner._graphs:
+                continue
+            try:
+                self._capture_varlen(t, s, min(t, self.max_width))
+            except Exception as exc:
+                log.warning("varlen prefill CUDA graph capture failed for %d tokens x %d sequences (%s); prefills "
+                            "run padded", t, s, exc)
+                self.varlen = False
+                for key in [k for k in self.runner._graphs if k[0] == "prefill-varlen"]:
+                    del self.runner._graphs[key]
+                return self.capture_all()
+            made += 1
+        return made
+
     def _buffers(self, R: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V of a ``R`` x ``W`` bucket, ``[num_layers, R, num_kv_heads, W + 1, head_dim]``
         each (the last position is the scratch one padded tokens write to): views of the shared store."""
@@ -274,7 +456,8 @@ class Prefiller:
         layers, kv_heads, head_dim = full.shape[0], full.shape[2], full.shape[4]
         per_position = layers * kv_heads * head_dim
         if self._store is None:
-            positions = self.max_bucket_tokens + runner.cache.num_slots  # R x (W + 1) at most
+            positions = max(self.max_bucket_tokens + runner.cache.num_slots,  # R x (W + 1) at most,
+                            self.varlen_limit if self.varlen else 0)  # or a varlen forward's tokens
             # zeros, not garbage: masked attention (the reference path) multiplies the values of
             # positions it does not attend by 0, and 0 x NaN is NaN
             self._store = tuple(full.new_zeros(positions * per_position) for _ in range(2))

@@ -90,7 +90,8 @@ class ModelRunner:
         self._prefiller = Prefiller(self)
         made = self._prefiller.capture_all()
         if made:
-            log.info("captured %d prefill CUDA graphs (rows x positions buckets)", made)
+            log.info("captured %d prefill CUDA graphs (%s buckets)", made,
+                     "packed tokens x sequences" if self._prefiller.varlen else "rows x positions")
 
     @property
     def kernels(self) -> str:
@@ -126,8 +127,9 @@ class ModelRunner:
     def prefill(self, prompts: dict[int, list[int]],
                 taps_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Append prompts to their slots in as few forwards as the token budget allows
-        (``tandem.models.prefill``: grouped by length, one row per prompt, from a CUDA graph per
-        bucket with ``prefill_graphs``). Other slots are untouched.
+        (``tandem.models.prefill``: packed end to end with ``prefill_varlen``, else grouped by
+        length, one row per prompt; from a CUDA graph per bucket with ``prefill_graphs``). Other
+        slots are untouched.
 
         Args:
             prompts: slot -> prompt tokens (>= 1 each).

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .attention import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available
+from .attention import ATTN_BLOCK_N, attention_backend_for, attention_name, flash_available, varlen_available
 from .config import ModelConfig
 from .fused_linear import unsupported_reason as linear_unsupported_reason
 from .kernels import fused_unavailable_reason
@@ -51,6 +51,10 @@ class RunnerConfig:
             bucket, positions up to the context (``tandem.models.prefill``; dense K/V buffers of
             the largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the
             same as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
+        prefill_varlen: prefills of fresh slots packed end to end, no padding between prompts,
+            through flash-attn's variable-length attention (``tandem.models.prefill``, varlen);
+            None = on where that kernel is importable, the fused kernels run and prefills are
+            static; True on a CPU runs the same path with a reference attention (tests).
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
@@ -84,6 +88,7 @@ class RunnerConfig:
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
     prefill_graphs: bool | None = None
+    prefill_varlen: bool | None = None
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
     attention_chunk: int | None = None
@@ -193,3 +198,14 @@ def default_runner_config(device: str | None = None, **overrides) -> RunnerConfi
                 max_batch_size=64 if on_gpu else 8, cuda_graphs=on_gpu, compile=on_gpu)
     base.update({k: v for k, v in overrides.items() if v is not None})
     return RunnerConfig(**base)
+
+
+def resolve_prefill_varlen(config: RunnerConfig, model: ModelConfig) -> bool:
+    """Whether prefills of fresh slots take the varlen path (``RunnerConfig.prefill_varlen``,
+    resolved): as asked, or (None) on a CUDA device in bf16 or fp16 whose static prefills run the
+    fused kernels and whose flash-attn has the variable-length kernel for ``model``'s head size."""
+    if config.prefill_varlen is not None:
+        return config.prefill_varlen
+    static = config.cuda_graphs if config.prefill_graphs is None else config.prefill_graphs
+    return (bool(static) and torch.device(config.device).type == "cuda" and config.dtype in (torch.bfloat16, torch.float16)
+            and resolve_kernels(config, model) != "reference" and varlen_available(model.head_dim))

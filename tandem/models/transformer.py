@@ -265,19 +265,89 @@ class Transformer(nn.Module):
         if tree_mask is not None:  # bit j of token i: i may see new token j (Q <= MAX_FUSED_TOKENS < 31)
             offs = torch.arange(Q, device=tokens.device, dtype=torch.int32)
             tree_bits = (tree_mask.to(torch.int32) << offs[None, None, :]).sum(-1, dtype=torch.int32)
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
+                                                    self.attn_chunk)
+
+        write = (start, q_lens, scratch) if spans else (rope_pos, write_pos)
+        return self._fused_layers(self.embed(tokens), k_cache, v_cache, write, attend, taps, prefill)
+
+    def forward_varlen(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                       k_buf: torch.Tensor, v_buf: torch.Tensor,
+                       taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A varlen prefill: prompts packed end to end, no padding between them.
+
+        Every projection, norm and MLP runs over the packed tokens only (a padded prefill runs them
+        over rows x its widest prompt); attention is ``attention.varlen_causal_attention`` (each
+        prompt attends only to itself). Each token's K/V is written at its own index of
+        ``k_buf``/``v_buf``, from which the caller copies them into cache slots. A prompt's result
+        does not depend on what it is packed with: the fused projections compute each token's row
+        alone, and the attention of one sequence never reads another's.
+
+        Args:
+            tokens: ``[T]`` token ids.
+            positions: ``[T]`` int64 rotary position of each token (its index in its prompt).
+            cu_seqlens: ``[S + 1]`` int32 prompt boundaries (``varlen_causal_attention``).
+            max_len: a bound on every prompt's length.
+            k_buf, v_buf: ``[num_layers, 1, kv_heads, >= T, head_dim]`` (last dim contiguous).
+            taps: as in ``forward_hidden``.
+
+        Returns:
+            ``[T, d]`` hidden states after the final RMSNorm and ``[T, len(taps), d]`` tapped
+            states (None when ``taps`` is empty).
+        """
+        T = tokens.shape[0]
+        pos = positions.clamp(max=self.max_positions - 1)[None]
+        where = torch.arange(T, device=tokens.device)[None]
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:  # [1, T, heads, hd] -> [1, T, heads, hd]
+            return attention.varlen_causal_attention(q[0], k_buf[i, 0, :, :T].transpose(0, 1),
+                                                     v_buf[i, 0, :, :T].transpose(0, 1), cu_seqlens, max_len)[None]
+
+        x = self.embed(tokens)[None]
+        if self.fused:
+            hidden, tapped = self._fused_layers(x, k_buf, v_buf, (pos, where), attend, taps, True)
+        else:
+            cos = self.rope_cos[pos].to(x.dtype)
+            sin = self.rope_sin[pos].to(x.dtype)
+            kept = [x] if _is_tap(0, taps) else []
+            for i, layer in enumerate(self.layers):
+                q, k, v = layer._qkv(x, cos, sin)
+                k_buf[i, 0, :, :T] = k[0].transpose(0, 1).to(k_buf.dtype)
+                v_buf[i, 0, :, :T] = v[0].transpose(0, 1).to(v_buf.dtype)
+                x = layer._finish(x, attend(i, q).reshape(1, T, layer.q_size))
+                if _is_tap(i + 1, taps):
+                    kept.append(x)
+            hidden, tapped = self.norm(x), _stack_taps(kept, taps)
+        return hidden[0], None if tapped is None else tapped[0]
+
+    def _fused_layers(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: tuple,
+                      attend, taps: tuple[int, ...], prefill: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers of ``forward_fused`` / ``forward_varlen`` over the embedded ``x`` ``[B, Q, d]``.
+
+        Args:
+            write: ``(rope_pos, write_pos)``, ``[B, Q]`` each, or ``(start, q_lens, scratch)`` for
+                rows of consecutive positions (``kernels.rope_kv_write_spans``; not with
+                ``fused_linear``).
+            attend: ``(layer index, rotated q [B, Q, heads, hd]) -> [B, Q, heads, hd]``, over the
+                K/V this layer just wrote.
+            prefill: take the prefill tiles of the fused projections.
+        """
+        cfg = self.config
         eps = cfg.rms_norm_eps
-        x = self.embed(tokens)
+        B, Q = x.shape[:2]
         tapped = [x] if _is_tap(0, taps) else []
         if self.fused_linear:  # five kernels a layer: the projections fused with their neighbours
+            rope_pos, write_pos = write
             bm = fused_linear.PREFILL_BLOCK_M if prefill else fused_linear.BLOCK_M
             res = x.contiguous()  # the residual stream
             for i, layer in enumerate(self.layers):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
-                att = attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                       self.attn_chunk)
-                res = fused_linear.linear_residual(att.reshape(B, Q, layer.q_size), layer.wo.weight, res, block_m=bm)
+                res = fused_linear.linear_residual(attend(i, q).reshape(B, Q, layer.q_size), layer.wo.weight, res,
+                                                   block_m=bm)
                 act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
                 res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
                 if _is_tap(i + 1, taps):
@@ -287,15 +357,13 @@ class Transformer(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
-            if spans:
-                q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, start, q_lens, scratch,
-                                                k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+            if len(write) == 3:
+                q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i],
+                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads)
             else:
-                q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, rope_pos, write_pos,
-                                          k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads)
-            att = attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                   self.attn_chunk)
-            x = layer.wo(att.reshape(B, Q, layer.q_size))
+                q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i], v_cache[i],
+                                          cfg.num_heads, cfg.num_kv_heads)
+            x = layer.wo(attend(i, q).reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
             if _is_tap(i + 1, taps):
