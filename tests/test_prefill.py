@@ -298,8 +298,8 @@ def test_engine_output_same_with_varlen_prefill(tiny_checkpoint):
 def test_varlen_prefill_on_the_gpu(real_checkpoint):
     """The bundled model in bf16 with CUDA graphs and flash-attn: varlen on by default, every bucket
     captured when the runner is built (none in a prefill), logits, K/V and tapped states as the
-    padded path's to bf16 rounding (cosine > 0.999), and a prompt's logits and cache bit for bit
-    the same alone as packed with others."""
+    padded path's to bf16 rounding (cosine > 0.999), and with the fused-linear kernels a prompt's
+    logits and cache bit for bit the same alone as packed with others."""
     from tandem.models.attention import varlen_available
 
     if not varlen_available(real_checkpoint.config.head_dim):
@@ -321,8 +321,10 @@ def test_varlen_prefill_on_the_gpu(real_checkpoint):
         close(varlen.cache.k[:, s, :, :len(ids)], padded.cache.k[:, s, :, :len(ids)])
         close(varlen.cache.v[:, s, :, :len(ids)], padded.cache.v[:, s, :, :len(ids)])
         close(got_taps[s], want_taps[s])
-    alone = _runner(real_checkpoint, True, **kw)
-    logits_alone = alone.prefill({6: prompts[6]})
-    assert torch.equal(got[sorted(prompts).index(6)], logits_alone[0])
-    assert torch.equal(varlen.cache.k[:, 6, :, :70], alone.cache.k[:, 6, :, :70])
     assert {k for k in varlen._graphs if k[0] == "prefill-varlen"} == made
+    kw["kernels"] = "fused-linear"  # every projection row by row (cuBLAS picks its GEMM by the row count)
+    packed, alone = _runner(real_checkpoint, True, **kw), _runner(real_checkpoint, True, **kw)
+    logits = packed.prefill(prompts)
+    logits_alone = alone.prefill({6: prompts[6]})
+    assert torch.equal(logits[sorted(prompts).index(6)], logits_alone[0])
+    assert torch.equal(packed.cache.k[:, 6, :, :70], alone.cache.k[:, 6, :, :70])

@@ -29,7 +29,8 @@ and causal attention never reads a later position), so both paths give a prompt 
   tokens, sequences) bucket (``varlen_token_buckets``, ``varlen_seq_buckets``): the tokens past
   the real ones form dummy sequences of at most ``max_len`` tokens that write nothing to the cache,
   and the graph copies each prompt's K/V into its slot itself. Every fresh-slot prefill takes this
-  path when it is on, so a prompt's cache never depends on which path or which neighbours it had.
+  path when it is on, so a prompt's cache never depends on which path it took; with the
+  fused-linear kernels it does not depend on its neighbours either (``Transformer.forward_varlen``).
 """
 
 from __future__ import annotations

@@ -281,9 +281,11 @@ class Transformer(nn.Module):
         Every projection, norm and MLP runs over the packed tokens only (a padded prefill runs them
         over rows x its widest prompt); attention is ``attention.varlen_causal_attention`` (each
         prompt attends only to itself). Each token's K/V is written at its own index of
-        ``k_buf``/``v_buf``, from which the caller copies them into cache slots. A prompt's result
-        does not depend on what it is packed with: the fused projections compute each token's row
-        alone, and the attention of one sequence never reads another's.
+        ``k_buf``/``v_buf``, from which the caller copies them into cache slots. The attention of
+        one sequence never reads another's, and with ``fused_linear`` every projection computes
+        each token's row alone, so a prompt's result does not depend on what it is packed with
+        (the plain fused path's cuBLAS GEMMs pick their kernel by the number of rows, as they do
+        in a padded prefill).
 
         Args:
             tokens: ``[T]`` token ids.
