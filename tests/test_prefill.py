@@ -180,16 +180,19 @@ def test_static_prefill_reuses_its_bucket_and_keeps_outputs(checkpoint):
     assert static._prefiller.launches == 4 and len([k for k in static._graphs if k[0] == "prefill"]) == 1
 
 
-def test_engine_output_same_with_static_prefill(tiny_checkpoint):
-    """Greedy generation over the tiny model is the same token for token with either prefill path."""
+def test_engine_output_same_with_every_prefill_path(tiny_checkpoint):
+    """Greedy generation over the tiny model is the same token for token with eager, padded static
+    and varlen prefills."""
     d = str(tiny_checkpoint("llama", with_tokenizer=True))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = ["a b c d e f", "hello there, how are you today?", "x" * 50]
     outs = []
-    for static in (True, False):
-        engine = Engine(d, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=static))
+    for static, varlen in ((False, False), (True, False), (True, True)):
+        engine = Engine(d, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=static,
+                                        prefill_varlen=varlen))
+        assert engine.runner._prefiller.varlen is varlen
         outs.append([c.token_ids for c in engine.generate(prompts, params)])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 @pytest.mark.gpu
@@ -277,20 +280,6 @@ def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     logits_packed = packed.prefill({**others, 1: target})  # slot order 0, 1, 4: packed between the two
     torch.testing.assert_close(logits_packed[1], logits_alone[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(packed.cache.k[:, 1, :, :37], alone.cache.k[:, 1, :, :37], atol=1e-5, rtol=0)
-
-
-def test_engine_output_same_with_varlen_prefill(tiny_checkpoint):
-    """Greedy generation over the tiny model is the same token for token with either prefill path."""
-    d = str(tiny_checkpoint("llama", with_tokenizer=True))
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    prompts = ["a b c d e f", "hello there, how are you today?", "x" * 50]
-    outs = []
-    for varlen in (True, False):
-        engine = Engine(d, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=True,
-                                        prefill_varlen=varlen))
-        assert engine.runner._prefiller.varlen is varlen
-        outs.append([c.token_ids for c in engine.generate(prompts, params)])
-    assert outs[0] == outs[1]
 
 
 @pytest.mark.gpu
