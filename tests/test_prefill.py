@@ -268,6 +268,21 @@ def test_varlen_prefill_equals_padded(checkpoint):
     assert varlen._prefiller.launches == 2
 
 
+def test_varlen_is_refused_where_it_cannot_run(checkpoint):
+    """On a GPU the varlen prefill needs flash-attn, the fused kernels and bf16/fp16: asked for
+    without them, the runner's config check says which is missing (no CUDA device needed)."""
+    from tandem.errors import ConfigError
+    from tandem.models.runner_config import check_runner_config
+
+    cfg = RunnerConfig(device="cuda", dtype=torch.float32, kernels="reference", prefill_varlen=True)
+    with pytest.raises(ConfigError, match="--prefill-varlen cannot run here: flash-attn runs in bf16 or fp16"):
+        check_runner_config(cfg, checkpoint.config)
+    with pytest.raises(ConfigError, match="the reference kernels"):
+        check_runner_config(RunnerConfig(device="cuda", dtype=torch.bfloat16, kernels="reference",
+                                         prefill_varlen=True), checkpoint.config)
+    assert check_runner_config(RunnerConfig(prefill_varlen=True), checkpoint.config) == "reference"  # a CPU: runs
+
+
 def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     """The same prompt prefilled alone and packed after others of other lengths: the same logits
     and cache (float32 on a CPU: to rounding; the GPU test checks bit for bit)."""
@@ -285,8 +300,8 @@ def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_varlen_prefill_on_the_gpu(real_checkpoint):
-    """The bundled model in bf16 with CUDA graphs and flash-attn: varlen on by default, every bucket
-    captured when the runner is built (none in a prefill), logits, K/V and tapped states as the
+    """The bundled model in bf16 with CUDA graphs and flash-attn: every varlen bucket captured when
+    the runner is built (none in a prefill), logits, K/V and tapped states as the
     padded path's to bf16 rounding (cosine > 0.999), and with the fused-linear kernels a prompt's
     logits and cache bit for bit the same alone as packed with others."""
     from tandem.models.attention import varlen_available
@@ -297,9 +312,9 @@ def test_varlen_prefill_on_the_gpu(real_checkpoint):
     def close(a: torch.Tensor, b: torch.Tensor) -> None:
         assert torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) > 0.999
 
-    kw = dict(device="cuda", cuda_graphs=True, dtype=torch.bfloat16)
+    kw = dict(device="cuda", cuda_graphs=True, dtype=torch.bfloat16, prefill_varlen=True)
     varlen = _runner(real_checkpoint, True, **kw)
-    padded = _runner(real_checkpoint, True, prefill_varlen=False, **kw)
+    padded = _runner(real_checkpoint, True, **{**kw, "prefill_varlen": False})
     made = {k for k in varlen._graphs if k[0] == "prefill-varlen"}
     assert varlen._prefiller.varlen and made == {("prefill-varlen", t, s) for t, s in varlen._prefiller.varlen_buckets()}
     prompts = _prompts(real_checkpoint.config.vocab_size, LENGTHS)

@@ -134,8 +134,9 @@ def graph_options(fn):
     None = the device's default)."""
     fn = click.option("--prefill-varlen/--no-prefill-varlen", default=None,
                       help="Prefills of new requests packed end to end (flash-attn's variable-length attention), "
-                           "no padding between prompts; off: padded to (rows, positions) buckets. Default: on "
-                           "where flash-attn and the fused kernels run with prefill graphs.")(fn)
+                           "no padding between prompts; off: padded to (rows, positions) buckets. Default: off "
+                           "(not yet measured on a GPU); on a GPU it needs flash-attn, the fused kernels and "
+                           "bf16/fp16.")(fn)
     fn = click.option("--prefill-graphs/--no-prefill-graphs", default=None,
                       help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
                            "Default: as --cuda-graphs.")(fn)

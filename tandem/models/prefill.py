@@ -21,8 +21,8 @@ padded tokens, one row per prompt. A group runs one of two ways:
 A row's results do not depend on its padding (padded tokens write their K/V to the scratch position
 and causal attention never reads a later position), so both paths give a prompt the same cache.
 
-- varlen (``RunnerConfig.prefill_varlen``, on by default where flash-attn's variable-length kernel
-  runs and the fused kernels do): the prompts of fresh slots packed end to end, no padding between
+- varlen (``RunnerConfig.prefill_varlen``, opt-in until measured on a GPU; there it takes
+  flash-attn's variable-length kernel): the prompts of fresh slots packed end to end, no padding between
   them (``Transformer.forward_varlen``: the projections and the MLP, most of a prefill's work, run
   over the real tokens only; the padded path ran them over ~1.6-1.8x as many positions and one
   forward per group). Up to ``varlen_limit`` tokens a forward, from a CUDA graph per (packed
@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_cache import padded_rows
-from .runner_config import resolve_prefill_varlen
 from .transfer import to_device
 
 if TYPE_CHECKING:
@@ -94,7 +93,7 @@ class Prefiller:
         self.static = cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
         self.launches = 0  # static prefill groups run (graph replays on CUDA)
-        self.varlen = resolve_prefill_varlen(cfg, runner.model.config)
+        self.varlen = cfg.prefill_varlen
 
     @property
     def varlen_limit(self) -> int:
@@ -287,8 +286,8 @@ class Prefiller:
         idle = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)  # all padding: the warm-up runs write scratch only
         idle[2 * T:3 * T] = -1
         idle[4 * T + 1:4 * T + S + 1] = T
-        captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs,
-                                pool=runner._graph_pool)
+        captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs and self.static,
+                                pool=runner._graph_pool)  # (without prefill graphs: eager, same kernels)
         runner._graphs[("prefill-varlen", T, S)] = captured
         return captured
 

@@ -52,9 +52,10 @@ class RunnerConfig:
             the largest bucket, 2 x ``prefill_tokens`` positions, are kept for them); None = the
             same as ``cuda_graphs``. Without ``cuda_graphs`` the same padded path runs eagerly.
         prefill_varlen: prefills of fresh slots packed end to end, no padding between prompts,
-            through flash-attn's variable-length attention (``tandem.models.prefill``, varlen);
-            None = on where that kernel is importable, the fused kernels run and prefills are
-            static; True on a CPU runs the same path with a reference attention (tests).
+            through flash-attn's variable-length attention (``tandem.models.prefill``, varlen).
+            Opt-in until it is measured on a GPU (docs/benchmarks.md, "Not measured"); on a GPU it
+            needs flash-attn, the fused kernels and bf16 or fp16 (``check_runner_config``); on a
+            CPU the same path runs with a reference attention (tests).
         taps: residual-stream depths whose hidden states every forward also returns (for a
             SpecFormer drafter; see ``Transformer.forward_hidden``); empty = none.
         kernels: "auto" (the fused decode/verify kernels of ``tandem.models.kernels`` wherever
@@ -88,7 +89,7 @@ class RunnerConfig:
     prefill_chunk: int = 1024
     prefill_tokens: int = 8192
     prefill_graphs: bool | None = None
-    prefill_varlen: bool | None = None
+    prefill_varlen: bool = False
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
     attention_chunk: int | None = None
@@ -152,11 +153,15 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
     ``resolve_kernels``'s path, and an ``attention_chunk`` that the path uses.
 
     Raises:
-        ConfigError: as ``resolve_kernels``; an ``attention_chunk`` that is not a multiple of
+        ConfigError: as ``resolve_kernels``; ``prefill_varlen`` where it cannot run
+            (``varlen_unavailable_reason``); an ``attention_chunk`` that is not a multiple of
             ``ATTN_BLOCK_N``, or one set where our attention kernel does not run (the reference
             path, flash-attn's attention).
     """
     kernels = resolve_kernels(config, model)
+    why = varlen_unavailable_reason(config, model) if config.prefill_varlen else None
+    if why is not None:
+        raise ConfigError(f"--prefill-varlen cannot run here: {why}")
     if config.attention_chunk is None:
         return kernels
     chunk = config.attention_chunk
@@ -200,12 +205,15 @@ def default_runner_config(device: str | None = None, **overrides) -> RunnerConfi
     return RunnerConfig(**base)
 
 
-def resolve_prefill_varlen(config: RunnerConfig, model: ModelConfig) -> bool:
-    """Whether prefills of fresh slots take the varlen path (``RunnerConfig.prefill_varlen``,
-    resolved): as asked, or (None) on a CUDA device in bf16 or fp16 whose static prefills run the
-    fused kernels and whose flash-attn has the variable-length kernel for ``model``'s head size."""
-    if config.prefill_varlen is not None:
-        return config.prefill_varlen
-    static = config.cuda_graphs if config.prefill_graphs is None else config.prefill_graphs
-    return (bool(static) and torch.device(config.device).type == "cuda" and config.dtype in (torch.bfloat16, torch.float16)
-            and resolve_kernels(config, model) != "reference" and varlen_available(model.head_dim))
+def varlen_unavailable_reason(config: RunnerConfig, model: ModelConfig) -> str | None:
+    """Why the varlen prefill cannot run on ``config``'s GPU for ``model`` (None: it can, or the
+    device is a CPU, where it runs with the reference attention)."""
+    if torch.device(config.device).type != "cuda":
+        return None
+    if config.dtype not in (torch.bfloat16, torch.float16):
+        return f"flash-attn runs in bf16 or fp16, not {str(config.dtype).removeprefix('torch.')}"
+    if resolve_kernels(config, model) == "reference":
+        return "the reference kernels (the varlen forward is the fused kernels')"
+    if not varlen_available(model.head_dim):
+        return f"no flash-attn variable-length kernel for head size {model.head_dim} here (pip install tandem[flash-attn])"
+    return None
