@@ -297,6 +297,37 @@ def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     torch.testing.assert_close(packed.cache.k[:, 1, :, :37], alone.cache.k[:, 1, :, :37], atol=1e-5, rtol=0)
 
 
+def test_specformer_rounds_same_with_varlen_prefill(tiny_checkpoint):
+    """A SpecFormer head observes the prompts' tapped states from a varlen prefill (sliced per
+    prompt from the packed forward): its context cache (every prompt position of every slot), its
+    drafts' accepted counts and the greedy output are those it gets from a padded prefill."""
+    from tandem.drafters.specformer import SpecFormerDrafter
+    from tandem.train.specformer import new_head
+
+    ck = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["a b c d e f a b c d e f", "hello there, how are you today?", "x" * 40, "one two three"]
+    runs = []
+    for varlen in (False, True):
+        head = new_head(ck.config, 4, None, False, 0, True)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (1.0 if p.ndim == 1 else 0.0))
+        engine = Engine(ck, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=128, prefill_graphs=True,
+                                         prefill_varlen=varlen), drafter=SpecFormerDrafter(head.eval()),
+                        num_draft_tokens=4)
+        outs = [c.token_ids for c in engine.generate(prompts, params)]
+        lens = [len(engine.make_request(p, params).prompt_ids) for p in prompts]
+        drafter = engine.drafter
+        runs.append((outs, engine.stats.num_drafted, engine.stats.accepted_per_pos,
+                     [drafter.k_cache[:, s, :, :n].clone() for s, n in enumerate(lens)]))
+    (outs, drafted, accepted, cache), (outs_v, drafted_v, accepted_v, cache_v) = runs
+    assert (outs, drafted, accepted) == (outs_v, drafted_v, accepted_v) and drafted > 0
+    for a, b in zip(cache, cache_v):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_varlen_prefill_on_the_gpu(real_checkpoint):
