@@ -228,7 +228,7 @@ def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     pre = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4)._prefiller  # context 128
     T, S, max_len = pre.varlen_shape([3, 5])
     assert (T, S, max_len) == (64, 4, 64)  # 2 prompts + 1 dummy of 56 tokens -> the 4-sequence bucket
-    p = pre._varlen_inputs(T, S, max_len, [(2, [7, 8, 9]), (0, [1, 2, 3, 4, 5])])
+    p = pre.varlen_inputs(T, S, max_len, [(2, [7, 8, 9]), (0, [1, 2, 3, 4, 5])])
     tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
     cu, last = p[4 * T:4 * T + S + 1], p[4 * T + S + 1:]
     assert tokens[:8].tolist() == [7, 8, 9, 1, 2, 3, 4, 5] and not tokens[8:].any()
@@ -297,10 +297,12 @@ def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     torch.testing.assert_close(packed.cache.k[:, 1, :, :37], alone.cache.k[:, 1, :, :37], atol=1e-5, rtol=0)
 
 
-def test_specformer_rounds_same_with_varlen_prefill(tiny_checkpoint):
-    """A SpecFormer head observes the prompts' tapped states from a varlen prefill (sliced per
-    prompt from the packed forward): its context cache (every prompt position of every slot), its
-    drafts' accepted counts and the greedy output are those it gets from a padded prefill."""
+@pytest.mark.parametrize("shape", [{}, {"context_next_token": True, "context_layers": 2, "context_mlp": True}])
+def test_specformer_rounds_same_with_varlen_prefill(tiny_checkpoint, shape):
+    """With the varlen prefill a SpecFormer head observes the prompts packed end to end as well
+    (``specformer_prompts``; a head reading each position's next token with two context layers
+    too): its context cache (every prompt position of every slot), its drafts' accepted counts and
+    the greedy output are those of the padded prefill and padded observe."""
     from tandem.drafters.specformer import SpecFormerDrafter
     from tandem.train.specformer import new_head
 
@@ -309,7 +311,7 @@ def test_specformer_rounds_same_with_varlen_prefill(tiny_checkpoint):
     prompts = ["a b c d e f a b c d e f", "hello there, how are you today?", "x" * 40, "one two three"]
     runs = []
     for varlen in (False, True):
-        head = new_head(ck.config, 4, None, False, 0, True)
+        head = new_head(ck.config, 4, None, False, 0, True, **shape)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in head.parameters():
@@ -320,6 +322,7 @@ def test_specformer_rounds_same_with_varlen_prefill(tiny_checkpoint):
         outs = [c.token_ids for c in engine.generate(prompts, params)]
         lens = [len(engine.make_request(p, params).prompt_ids) for p in prompts]
         drafter = engine.drafter
+        assert any(k[0] == "observe-varlen" for k in drafter._captured) is varlen
         runs.append((outs, engine.stats.num_drafted, engine.stats.accepted_per_pos,
                      [drafter.k_cache[:, s, :, :n].clone() for s, n in enumerate(lens)]))
     (outs, drafted, accepted, cache), (outs_v, drafted_v, accepted_v, cache_v) = runs
@@ -363,3 +366,29 @@ def test_varlen_prefill_on_the_gpu(real_checkpoint):
     logits_alone = alone.prefill({6: prompts[6]})
     assert torch.equal(logits[sorted(prompts).index(6)], logits_alone[0])
     assert torch.equal(packed.cache.k[:, 6, :, :70], alone.cache.k[:, 6, :, :70])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_specformer_over_varlen_prefills_is_lossless_on_the_gpu(real_checkpoint):
+    """The bundled model and shipped head in bf16 with CUDA graphs and varlen prefills: the head's
+    packed prompt observes captured at start-up (none in a prefill), its drafts accepted, and the
+    greedy output of every prompt that of target-only decoding with the same prefills."""
+    from conftest import spec_bench_prompts
+    from tandem.drafters.specformer import SpecFormerDrafter
+    from tandem.models.attention import varlen_available
+
+    if not varlen_available(real_checkpoint.config.head_dim):
+        pytest.skip("flash-attn's variable-length kernel is not importable here")
+    cfg = RunnerConfig(device="cuda", dtype=torch.bfloat16, cuda_graphs=True, max_batch_size=16, max_seq_len=2048,
+                       prefill_varlen=True)
+    prompts = spec_bench_prompts(24)
+    params = SamplingParams(max_tokens=48)
+    target = Engine(real_checkpoint, cfg)
+    want = [c.token_ids for c in target.generate(prompts, params)]
+    engine = Engine(real_checkpoint, cfg, drafter=SpecFormerDrafter.load(), num_draft_tokens=4)
+    made = {k for k in engine.drafter._captured if k[0] == "observe-varlen"}
+    assert made == {("observe-varlen", t, s) for t, s in engine.runner.prefiller.varlen_buckets()}
+    assert [c.token_ids for c in engine.generate(prompts, params)] == want
+    assert engine.stats.num_accepted > 0
+    assert {k for k in engine.drafter._captured if k[0] == "observe-varlen"} == made

@@ -34,6 +34,7 @@ from ..models.specformer import (SpecFormerHead, init_context_from_target, load_
                                  lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
 from .base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, synced_index
 from .lookup import LookupIndex
+from .specformer_prompts import capture_varlen_observes, observe_prompts_varlen
 from .specformer_chained import SERVING_SDPA, ChainedHead
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -173,6 +174,10 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         self._wide_rows = runner.prefill_bucket_tokens
         self._prefill_groups = runner.prefill_groups
         self._wide_store: torch.Tensor | None = None
+        # with the target's varlen prefill, the prompts observed packed as well (specformer_prompts.py)
+        self.prefiller = runner.prefiller
+        self._varlen = bool(self.prefiller.varlen)
+        self._varlen_store: torch.Tensor | None = None
         self._graph_pool = torch.cuda.graph_pool_handle() if self._static else None
         made = self.capture_prompt_observes()
         if made:
@@ -220,6 +225,11 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 s.next_tokens is None or len(s.next_tokens) != m for s, m in zip(states, lens)):
             raise ValueError("this SpecFormer head needs each row's next token (TargetStates.next_tokens, one per row)")
         rows_m = cfg.num_draft_tokens + 1  # a decode round accepts at most l_d drafts + the bonus token
+        if self._varlen and max(lens) > rows_m and not any(s.start for s in states):
+            last = observe_prompts_varlen(self, states)  # the prompts packed, as the target's varlen prefill
+            if last is not None:
+                self._keep_last(states, lens, last, to_device(torch.tensor([s.slot for s in states]), last.device))
+                return
         if n > 1 and max(lens) > rows_m:  # a prefill's prompts: in the target prefill's groups of similar
             groups = self._prefill_groups(dict(enumerate(lens)))  # lengths, so short rows are not padded to long ones
             if len(groups) > 1:
@@ -271,12 +281,17 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         if last is None:  # eager: no graphs, rows past the static bound, or a failed capture
             x = pad_sequence([s.taps.to(dtype) for s in states], batch_first=True)  # [n, M, taps, d]
             last = self._observe_rows(x, packed[:n, :3 + x.shape[1]], attn_len)
+        self._keep_last(states, lens, last, header.view(n, 3)[:, 2])
+
+    def _keep_last(self, states: list[TargetStates], lens: list[int], last: torch.Tensor, index: torch.Tensor) -> None:
+        """After an observe: each sequence's context state at its last new position (``last``
+        ``[n, d]``; ``index`` ``[n]`` their slots on the device), for host-drafted proposals and
+        chained rounds alike."""
         for i, (s, m) in enumerate(zip(states, lens)):
             bonus = None if s.next_tokens is None else s.next_tokens[-1]
             self.pending[s.slot] = _Pending(s.start + m, last[i], bonus if torch.is_tensor(bonus) or bonus is None
                                             else int(bonus))
         # chained rounds start from here: these slots' device drafts are stale until their next round
-        index = header.view(n, 3)[:, 2]
         self._state.index_copy_(0, index, last.to(self._state.dtype))
         # index_fill_ takes the 0 as a scalar: ``t[index] = 0`` would make it a host tensor whose
         # copy to the device waits for the stream, i.e. for the prefill and the round in flight
@@ -326,8 +341,13 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         leaves the head eager (``_replay``)."""
         if not (self._static and self.k_cache.is_cuda):
             return 0
+        if self._varlen:
+            made = capture_varlen_observes(self)
+            if not self._static:  # a failed capture: eager from now on
+                return made
+        else:
+            made = 0
         rows_m = self.head.config.num_draft_tokens + 1
-        made = 0
         for nb, attn_len, M in self.prompt_observe_shapes():
             key = ("observe", nb, attn_len, M)
             if key in self._captured:

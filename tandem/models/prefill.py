@@ -219,7 +219,7 @@ class Prefiller:
         runner = self.runner
         lengths = [len(prompts[s]) for s in group]
         T, S, max_len = self.varlen_shape(lengths)
-        inputs = self._varlen_inputs(T, S, max_len, [(s, prompts[s]) for s in group])
+        inputs = self.varlen_inputs(T, S, max_len, [(s, prompts[s]) for s in group])
         key = ("prefill-varlen", T, S)
         captured = runner._graphs.get(key) or self._capture_varlen(T, S, max_len)
         runner._stage(key, inputs, captured.inputs[0])
@@ -236,7 +236,7 @@ class Prefiller:
             at += lengths[r]
             runner.cache.lengths[s] = lengths[r]
 
-    def _varlen_inputs(self, T: int, S: int, max_len: int, prompts: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def varlen_inputs(self, T: int, S: int, max_len: int, prompts: list[tuple[int, list[int]]]) -> torch.Tensor:
         """The host inputs of a varlen graph, one int64 tensor ``[4 T + 2 S + 1]``: tokens ``[T]``,
         positions ``[T]``, destination slots ``[T]`` (-1 for the padding), the cache positions
         ``[T]``, ``cu_seqlens`` ``[S + 1]`` (the prompts, then dummy sequences of at most

@@ -147,6 +147,12 @@ class ModelRunner:
         return self._prefiller.prefill(prompts, taps_out)
 
     @property
+    def prefiller(self) -> Prefiller:
+        """The prefill half of the runner, for a drafter that mirrors the prefill's shapes (a
+        SpecFormer head observing the prompts: ``Prefiller.varlen`` and its buckets)."""
+        return self._prefiller
+
+    @property
     def prefill_bucket_tokens(self) -> int:
         """rows x positions of the largest static prefill bucket: the bound a drafter that mirrors
         the prefill's static shapes (a SpecFormer head observing the prompts) keeps to as well."""
