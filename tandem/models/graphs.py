@@ -42,9 +42,9 @@ class CapturedCall:
 
     def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2) -> None:
         self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
-        CapturedCall.made += 1
         if not capture:
             return
+        CapturedCall.made += 1
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -56,7 +56,7 @@ class CapturedCall:
             self.out = fn(*inputs)
 
     replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)
-    made = 0  # CapturedCalls made (graphs captured, on CUDA): a bench checks none is made while it times
+    made = 0  # CUDA graphs captured (eager calls, capture=False, not counted): a bench checks none is made while it times
 
     def __call__(self):
         if self.graph is None:
