@@ -136,7 +136,7 @@ def graph_options(fn):
                       help="Prefills of new requests packed end to end (flash-attn's variable-length attention), "
                            "no padding between prompts; off: padded to (rows, positions) buckets. Default: off "
                            "(not yet measured on a GPU); on a GPU it needs flash-attn, the fused kernels and "
-                           "bf16/fp16.")(fn)
+                           "bf16/fp16; a CPU runs it with a reference attention.")(fn)
     fn = click.option("--prefill-graphs/--no-prefill-graphs", default=None,
                       help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
                            "Default: as --cuda-graphs.")(fn)
