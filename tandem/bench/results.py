@@ -130,7 +130,7 @@ class BenchMeta:
     kernels: str = "reference"  # decode/verify path (RunnerConfig.kernels resolved); older results ran the reference
     attention: str = "sdpa-masked"  # attention backend of decode/verify steps
     prefill_graphs: bool = False  # prefills from CUDA graphs (RunnerConfig.prefill_graphs, resolved); older results: eager
-    prefill_varlen: bool = False  # fresh prompts packed end to end (RunnerConfig.prefill_varlen, resolved); older: padded
+    prefill_varlen: bool = False  # fresh prompts packed end to end (RunnerConfig.prefill_varlen); older results: padded
     # a round's prompt lookup and greedy verification: "triton" (lookup_kernel, verify_kernel: CUDA with
     # Triton) or "plain" (PyTorch ops; the CPU, and every result before the kernels)
     round_kernels: str = "plain"

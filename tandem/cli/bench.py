@@ -78,9 +78,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
-          exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs, prefill_varlen, max_seq_len,
-          dtype,
-          kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
+          exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
+          prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if out is not None:
