@@ -24,7 +24,10 @@ def check_utf8(text: str, what: str = "prompt", param: str | None = "prompt") ->
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})",
+        code = ord(text[exc.start])
+        # a byte no UTF-8 decoder accepted reaches Python as U+DC80..U+DCFF (surrogateescape)
+        found = (f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}")
+        raise InvalidRequestError(f"{what} is not valid UTF-8 text ({found} at character {exc.start})",
                                   param=param) from None
 
 

@@ -324,3 +324,15 @@ def test_info_names_the_model_the_device_and_the_kernels_a_round_runs(run, tiny_
     for needle in ("architecture", "llama", "device / dtype", "cpu / float32", "decode kernels / attention",
                    "reference / sdpa-masked", "round kernels", "plain PyTorch ops", "2 slots x 64 tokens"):
         assert needle in res.stdout, (needle, res.stdout)
+
+
+def test_a_prompt_that_is_not_utf8_names_the_byte():
+    """An undecodable byte on a command line (Python's surrogateescape) and a lone surrogate from
+    JSON are named as what they are, with their position."""
+    from tandem.errors import InvalidRequestError, check_utf8
+
+    with pytest.raises(InvalidRequestError, match=r"prompt is not valid UTF-8 text \(byte 0xff at character 2\)"):
+        check_utf8("hi" + b"\xff".decode("utf-8", "surrogateescape"))
+    with pytest.raises(InvalidRequestError, match=r"a lone surrogate U\+D800 at character 0"):
+        check_utf8("\ud800", "the stop string", "stop")
+    check_utf8("héllo, 世界")
