@@ -34,8 +34,8 @@ from ..models.specformer import (SpecFormerHead, init_context_from_target, load_
                                  lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
 from .base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, synced_index
 from .lookup import LookupIndex
-from .specformer_prompts import capture_varlen_observes, observe_prompts_varlen
 from .specformer_chained import SERVING_SDPA, ChainedHead
+from .specformer_prompts import capture_varlen_observes, observe_prompts_varlen
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_SPECFORMER = WEIGHTS_DIR / "specformer-smollm2-135m"  # shipped head for the bundled target
