@@ -214,6 +214,17 @@ def test_prefill_graphs_equal_eager_on_the_gpu(checkpoint):
     assert not any(k[0] == "prefill" for k in eager._graphs)
 
 
+def test_an_eager_call_is_not_counted_as_a_capture(checkpoint):
+    """``CapturedCall.made`` counts CUDA graphs captured (what a bench checks its timed pass for):
+    a runner built on a CPU, whose prefill and step calls run eagerly, captures none."""
+    from tandem.models.graphs import CapturedCall
+
+    made = CapturedCall.made
+    runner = _runner(checkpoint, True, prefill_varlen=True)
+    _prefill(runner, _prompts(checkpoint.config.vocab_size, LENGTHS))
+    assert runner._graphs and CapturedCall.made == made
+
+
 def test_varlen_buckets():
     tokens = varlen_token_buckets(8192)
     assert tokens[:6] == [64, 96, 128, 192, 256, 384] and tokens[-1] == 8192
