@@ -400,6 +400,8 @@ def test_specformer_over_varlen_prefills_is_lossless_on_the_gpu(real_checkpoint)
     engine = Engine(real_checkpoint, cfg, drafter=SpecFormerDrafter.load(), num_draft_tokens=4)
     made = {k for k in engine.drafter._captured if k[0] == "observe-varlen"}
     assert made == {("observe-varlen", t, s) for t, s in engine.runner.prefiller.varlen_buckets()}
+    rows_m = engine.drafter.head.config.num_draft_tokens + 1  # no padded prompt-width observe graphs beside them
+    assert not any(k[0] == "observe" and k[3] != rows_m for k in engine.drafter._captured)
     assert [c.token_ids for c in engine.generate(prompts, params)] == want
     assert engine.stats.num_accepted > 0
     assert {k for k in engine.drafter._captured if k[0] == "observe-varlen"} == made

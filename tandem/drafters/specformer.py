@@ -337,8 +337,9 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         twice eagerly first, stalling the running batch (at batch 64 SpecFormer admissions took 23
         ms of host time each in a run whose warm-up had not met every prompt shape, 9.5 ms in one
         whose warm-up had; docs/benchmarks.md). The rows are empty (row count 0: every K/V write
-        goes to the scratch position). Returns the number captured; a failed capture is logged and
-        leaves the head eager (``_replay``)."""
+        goes to the scratch position). With the target's varlen prefill, its packed buckets instead of
+        the padded prompt widths (``specformer_prompts``). Returns the number captured; a failed
+        capture is logged and leaves the head eager (``_replay``)."""
         if not (self._static and self.k_cache.is_cuda):
             return 0
         if self._varlen:
@@ -350,7 +351,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         rows_m = self.head.config.num_draft_tokens + 1
         for nb, attn_len, M in self.prompt_observe_shapes():
             key = ("observe", nb, attn_len, M)
-            if key in self._captured:
+            if key in self._captured or (self._varlen and M != rows_m):  # varlen: longer prompts go packed
                 continue
 
             def inputs(nb=nb, M=M):
