@@ -239,13 +239,15 @@ def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     pre = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4)._prefiller  # context 128
     T, S, max_len = pre.varlen_shape([3, 5])
     assert (T, S, max_len) == (64, 4, 64)  # 2 prompts + 1 dummy of 56 tokens -> the 4-sequence bucket
-    p = pre.varlen_inputs(T, S, max_len, [(2, [7, 8, 9]), (0, [1, 2, 3, 4, 5])])
+    p = pre.varlen_inputs(T, S, max_len, [2, 0], [3, 5], [[7, 8, 9], [1, 2, 3, 4, 5]])
     tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
     cu, last = p[4 * T:4 * T + S + 1], p[4 * T + S + 1:]
     assert tokens[:8].tolist() == [7, 8, 9, 1, 2, 3, 4, 5] and not tokens[8:].any()
     assert positions[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and torch.equal(where, positions)
     assert slots[:8].tolist() == [2, 2, 2, 0, 0, 0, 0, 0] and (slots[8:] == -1).all()
     assert cu.tolist() == [0, 3, 8, 64, 64] and last.tolist() == [2, 7, 0, 0]
+    bare = pre.varlen_inputs(T, S, max_len, [2, 0], [3, 5])  # no ids (a drafter's layout): the same, tokens 0
+    assert not bare[:T].any() and torch.equal(bare[T:], p[T:])
     wide = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4, prefill_tokens=512)._prefiller
     T, S, max_len = wide.varlen_shape([130, 60])  # 190 tokens -> the 192 bucket; max_len = the context
     assert (T, S, max_len) == (192, 4, 128)

@@ -334,6 +334,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
             ctx.engine = engine
             base: RunResult | None = None
             base_tokens: dict[str, list[int]] = {}
+            # distributed: the prompts tokenized once, before any timer, as in process (``_engine_pass``)
+            ids = {r.prompt_id: engine.encode_prompt(r.text) for r in prompts} if mode == "distributed" else None
             for c in configs:
                 if c.is_reference and b != 1:
                     continue
@@ -341,8 +343,6 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 if c.is_reference:
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
-                    # tokenized before the timer, as in process (``_engine_pass``)
-                    ids = {r.prompt_id: engine.encode_prompt(r.text) for r in prompts}
                     dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
                                            prompts, b, params, f"{c.name} b={b}", progress, warmup, stream, ids)
                     comps = dist.completions

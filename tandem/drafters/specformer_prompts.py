@@ -46,7 +46,7 @@ def observe_prompts_varlen(drafter: "SpecFormerDrafter", states: list["TargetSta
         part = [states[i] for i in group]
         sizes = [lens[i] for i in group]
         T, S, max_len = pre.varlen_shape(sizes)
-        host = pre.varlen_inputs(T, S, max_len, [(s.slot, [0] * m) for s, m in zip(part, sizes)])
+        host = pre.varlen_inputs(T, S, max_len, [s.slot for s in part], sizes)
         total = sum(sizes)
         flat = torch.cat([s.taps for s in part])  # [total, taps, d]
         nexts = (torch.cat([s.next_tokens.to(torch.long) if torch.is_tensor(s.next_tokens)

@@ -35,6 +35,7 @@ and causal attention never reads a later position), so both paths give a prompt 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,11 @@ class Prefiller:
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
         self.launches = 0  # static prefill groups run (graph replays on CUDA)
         self.varlen = cfg.prefill_varlen
+
+    @functools.cached_property
+    def varlen_tokens(self) -> list[int]:
+        """``varlen_token_buckets(varlen_limit)``, made once."""
+        return varlen_token_buckets(self.varlen_limit)
 
     @property
     def varlen_limit(self) -> int:
@@ -199,7 +205,7 @@ class Prefiller:
         total = sum(lengths)
         if total > self.varlen_limit:
             raise ValueError(f"{total} tokens exceed one varlen prefill's {self.varlen_limit}")
-        tokens = next(b for b in varlen_token_buckets(self.varlen_limit) if b >= total)
+        tokens = next(b for b in self.varlen_tokens if b >= total)
         max_len = min(tokens, self.max_width)
         seqs = len(lengths) + -(-(tokens - total) // max_len)
         return tokens, next(b for b in varlen_seq_buckets(self._varlen_top(tokens)) if b >= seqs), max_len
@@ -208,7 +214,7 @@ class Prefiller:
         """The most sequences a ``tokens`` bucket can be asked for: every slot's prompt (at most one
         token each within the bucket) and the dummy sequences of the largest padding it can have
         (a total just above the next smaller bucket)."""
-        buckets = varlen_token_buckets(self.varlen_limit)
+        buckets = self.varlen_tokens
         i = buckets.index(tokens)
         pad = tokens - (buckets[i - 1] + 1 if i else 1)
         return min(self.runner.cache.num_slots, tokens) + -(-pad // min(tokens, self.max_width))
@@ -219,7 +225,7 @@ class Prefiller:
         runner = self.runner
         lengths = [len(prompts[s]) for s in group]
         T, S, max_len = self.varlen_shape(lengths)
-        inputs = self.varlen_inputs(T, S, max_len, [(s, prompts[s]) for s in group])
+        inputs = self.varlen_inputs(T, S, max_len, group, lengths, [prompts[s] for s in group])
         key = ("prefill-varlen", T, S)
         captured = runner._graphs.get(key) or self._capture_varlen(T, S, max_len)
         runner._stage(key, inputs, captured.inputs[0])
@@ -236,27 +242,29 @@ class Prefiller:
             at += lengths[r]
             runner.cache.lengths[s] = lengths[r]
 
-    def varlen_inputs(self, T: int, S: int, max_len: int, prompts: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """The host inputs of a varlen graph, one int64 tensor ``[4 T + 2 S + 1]``: tokens ``[T]``,
+    def varlen_inputs(self, T: int, S: int, max_len: int, slots: list[int], lengths: list[int],
+                      prompts: list[list[int]] | None = None) -> torch.Tensor:
+        """The host inputs of a varlen graph, one int64 tensor ``[4 T + 2 S + 1]``: tokens ``[T]``
+        (``prompts``' ids; zeros without them: a drafter that reads the target's states instead),
         positions ``[T]``, destination slots ``[T]`` (-1 for the padding), the cache positions
         ``[T]``, ``cu_seqlens`` ``[S + 1]`` (the prompts, then dummy sequences of at most
         ``max_len`` tokens covering the padding, then empty ones) and each prompt's last token
         index ``[S]`` (0 past the prompts)."""
         out = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)
-        tokens, positions, slots, cu, last = (out[:T], out[T:2 * T], out[2 * T:3 * T], out[4 * T:4 * T + S + 1],
-                                               out[4 * T + S + 1:])
-        slots.fill_(-1)
+        tokens, positions, dest, cu, last = (out[:T], out[T:2 * T], out[2 * T:3 * T], out[4 * T:4 * T + S + 1],
+                                              out[4 * T + S + 1:])
+        dest.fill_(-1)
         at = 0
-        for i, (slot, ids) in enumerate(prompts):
-            n = len(ids)
-            tokens[at:at + n] = torch.tensor(ids, dtype=torch.long)
+        for i, (slot, n) in enumerate(zip(slots, lengths)):
+            if prompts is not None:
+                tokens[at:at + n] = torch.tensor(prompts[i], dtype=torch.long)
             positions[at:at + n] = torch.arange(n)
-            slots[at:at + n] = slot
+            dest[at:at + n] = slot
             at += n
             cu[i + 1] = at
             last[i] = at - 1
         out[3 * T:4 * T] = positions  # real tokens' cache positions; the graph sends the padding to scratch
-        for i in range(len(prompts) + 1, S + 1):  # dummy sequences, then empty ones
+        for i in range(len(slots) + 1, S + 1):  # dummy sequences, then empty ones
             at = min(at + max_len, T)
             cu[i] = at
         return out
@@ -293,7 +301,7 @@ class Prefiller:
 
     def varlen_buckets(self) -> list[tuple[int, int]]:
         """Every (packed tokens, sequences) bucket the varlen path can run."""
-        return [(t, s) for t in varlen_token_buckets(self.varlen_limit) for s in varlen_seq_buckets(self._varlen_top(t))]
+        return [(t, s) for t in self.varlen_tokens for s in varlen_seq_buckets(self._varlen_top(t))]
 
     def _eager_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                      taps_out: dict[int, list[torch.Tensor]] | None) -> None:
