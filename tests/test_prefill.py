@@ -28,8 +28,8 @@ def _prompts(vocab: int, lengths: dict[int, int], seed: int = 0) -> dict[int, li
 
 
 def _runner(checkpoint, static: bool, device: str = "cpu", **kw) -> ModelRunner:
-    kw = {"max_batch_size": 8, **kw}
-    cfg = RunnerConfig(device=device, dtype=torch.float32, max_seq_len=128, prefill_graphs=static, taps=(0, 2), **kw)
+    kw = {"max_batch_size": 8, "dtype": torch.float32, **kw}
+    cfg = RunnerConfig(device=device, max_seq_len=128, prefill_graphs=static, taps=(0, 2), **kw)
     runner = ModelRunner(checkpoint, cfg)
     for _ in range(cfg.max_batch_size):
         runner.cache.allocate()
@@ -295,6 +295,24 @@ def test_varlen_is_refused_where_it_cannot_run(checkpoint):
                                          prefill_varlen=True), checkpoint.config)
     assert check_runner_config(RunnerConfig(prefill_varlen=True), checkpoint.config) == "reference"  # a CPU: runs
 
+
+
+def test_varlen_by_default_only_where_it_can_run(checkpoint):
+    """Unset, the varlen prefill is on where it can run on a GPU with more than one slot and off
+    elsewhere: never on a CPU or for one slot, and on a GPU without what it needs the padded path
+    serves instead of a refusal (no CUDA device needed: the reasons come from the config)."""
+    from tandem.models.runner_config import check_runner_config, resolve_prefill_varlen
+
+    mc = checkpoint.config
+    assert resolve_prefill_varlen(RunnerConfig(), mc) is False  # a CPU
+    assert resolve_prefill_varlen(RunnerConfig(prefill_varlen=True), mc) is True  # asked for: the reference attention
+    for cfg in (RunnerConfig(device="cuda", dtype=torch.float32, kernels="reference"),
+                RunnerConfig(device="cuda", dtype=torch.bfloat16, kernels="reference")):
+        assert resolve_prefill_varlen(cfg, mc) is False
+        assert check_runner_config(cfg, mc) == "reference"  # unset: no refusal
+    assert resolve_prefill_varlen(RunnerConfig(device="cuda", prefill_varlen=False), mc) is False
+    one_slot = RunnerConfig(device="cuda", dtype=torch.bfloat16, kernels="fused", max_batch_size=1)
+    assert resolve_prefill_varlen(one_slot, mc) is False  # one prompt an admission: the padded buckets
 
 def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     """The same prompt prefilled alone and packed after others of other lengths: the same logits

@@ -33,6 +33,7 @@ from ..metrics import SpecDecodeStats
 from ..models.attention import attention_name
 from ..models.kernels import round_kernels_on
 from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels
+from ..models.runner_config import resolve_prefill_varlen
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
 from ..sampling import SamplingParams
@@ -98,7 +99,7 @@ def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
     return (("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
              f"{on[bool(cfg.cuda_graphs)]}cuda-graphs", f"{on[bool(cfg.compile)]}compile",
              f"{on[bool(cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs)]}prefill-graphs")
-            + (f"{on[bool(cfg.prefill_varlen)]}prefill-varlen",))
+            + ((f"{on[cfg.prefill_varlen]}prefill-varlen",) if cfg.prefill_varlen is not None else ()))
 
 
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
@@ -319,7 +320,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      warmup=warmup, kernels=kernels, attention=attention_name(kernels, resolve_attention_chunk(rc, kernels)),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
-                     prefill_varlen=rc.prefill_varlen,
+                     prefill_varlen=resolve_prefill_varlen(rc, checkpoint.config),
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)

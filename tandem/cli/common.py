@@ -134,9 +134,10 @@ def graph_options(fn):
     None = the device's default)."""
     fn = click.option("--prefill-varlen/--no-prefill-varlen", default=None,
                       help="Prefills of new requests packed end to end (flash-attn's variable-length attention), "
-                           "no padding between prompts; off: padded to (rows, positions) buckets. Default: off "
-                           "(not yet measured on a GPU); on a GPU it needs flash-attn, the fused kernels and "
-                           "bf16/fp16; a CPU runs it with a reference attention.")(fn)
+                           "no padding between prompts; off: padded to (rows, positions) buckets. Default: on "
+                           "where it can run on a GPU (flash-attn, the fused kernels, bf16/fp16) with a batch "
+                           "size above 1, off elsewhere; asked for where it cannot run, an error says why. A "
+                           "CPU runs it with a reference attention.")(fn)
     fn = click.option("--prefill-graphs/--no-prefill-graphs", default=None,
                       help="Prefills from CUDA graphs, one per (rows, positions) bucket; off: eager prefills. "
                            "Default: as --cuda-graphs.")(fn)

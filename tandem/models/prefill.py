@@ -21,9 +21,10 @@ padded tokens, one row per prompt. A group runs one of two ways:
 A row's results do not depend on its padding (padded tokens write their K/V to the scratch position
 and causal attention never reads a later position), so both paths give a prompt the same cache.
 
-- varlen (``RunnerConfig.prefill_varlen``, opt-in until measured on a GPU; there it takes
-  flash-attn's variable-length kernel): the prompts of fresh slots packed end to end, no padding between
-  them (``Transformer.forward_varlen``: the projections and the MLP, most of a prefill's work, run
+- varlen (``RunnerConfig.prefill_varlen``; by default on a GPU with flash-attn's
+  variable-length kernel for runners of more than one slot, ``resolve_prefill_varlen``): the
+  prompts of fresh slots packed end to end, no padding between them
+  (``Transformer.forward_varlen``: the projections and the MLP, most of a prefill's work, run
   over the real tokens only; the padded path ran them over ~1.6-1.8x as many positions and one
   forward per group). Up to ``varlen_limit`` tokens a forward, from a CUDA graph per (packed
   tokens, sequences) bucket (``varlen_token_buckets``, ``varlen_seq_buckets``): the tokens past
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv_cache import padded_rows
+from .runner_config import resolve_prefill_varlen
 from .transfer import to_device
 
 if TYPE_CHECKING:
@@ -94,7 +96,7 @@ class Prefiller:
         self.static = cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None  # flat K and V storage of the buckets
         self.launches = 0  # static prefill groups run (graph replays on CUDA)
-        self.varlen = cfg.prefill_varlen
+        self.varlen = resolve_prefill_varlen(cfg, runner.model_config)
 
     @functools.cached_property
     def varlen_tokens(self) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -88,10 +89,12 @@ class ModelRunner:
         self._staging_turn: dict[tuple, int] = {}
         self._warmed: set[tuple] = set()  # keys of steps with an epilogue that ran eagerly once
         self._prefiller = Prefiller(self)
+        t0 = time.perf_counter()
         made = self._prefiller.capture_all()
         if made:
-            log.info("captured %d prefill CUDA graphs (%s buckets)", made,
-                     "packed tokens x sequences" if self._prefiller.varlen else "rows x positions")
+            log.info("captured %d prefill CUDA graphs (%s buckets) in %.1f s", made,
+                     "packed tokens x sequences" if self._prefiller.varlen else "rows x positions",
+                     time.perf_counter() - t0)
 
     @property
     def kernels(self) -> str:
