@@ -156,6 +156,8 @@ def test_replay_cli_checks_its_input(setup, tmp_path):
                            (["--traces", str(tmp_path / "t.jsonl"), "--out", str(tmp_path / "no" / "r.json")],
                             "directory does not exist"),
                            (["--drafter", "ngram:/x"], "takes no weights path"),
-                           (["--drafter", "specformer:"], "the weights path after ':' is empty")):
+                           (["--drafter", "specformer:"], "the weights path after ':' is empty"),
+                           (["--branch-ceiling", "2"], "applies to SpecFormer heads"),
+                           (["--drafter", "specformer", "--branch-ceiling", "1"], "--branch-ceiling")):
         res = CliRunner().invoke(main, base + extra)
         assert res.exit_code == 2 and message in res.output, (extra, res.output)

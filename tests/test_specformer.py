@@ -1254,3 +1254,31 @@ def test_the_shipped_longer_heads_draft_all_slots_and_are_lossless(real_engine, 
     drafted = [sum(c.spec.drafted_per_pos[i] for c in got) for i in range(slots)]
     accepted = [sum(c.spec.accepted_per_pos[i] for c in got) for i in range(slots)]
     assert drafted[-1] > 0 and accepted[-2] > 0 and accepted[-1] > 0, (drafted, accepted)
+
+
+def test_branch_ceiling_rules():
+    """``branch_ceiling`` over a hand-made trace whose drafts miss at slot 2 with the right token
+    second: the chain accepts one draft a round, a sibling at the first miss (and any top-2 path)
+    accepts all four; its chain rule is ``walk``'s count over the top-1 drafts, round for round."""
+    import numpy as np
+
+    from tandem.bench.replay import GreedyTrace, branch_ceiling, walk
+
+    trace = GreedyTrace("c", [1, 2, 3], list(range(10, 40)), 30)
+    x = trace.tokens
+    T, k = len(x), 4
+    drafts = np.zeros((T, k, 2), dtype=np.int64)
+    for p in range(T):
+        for j in range(k):
+            want = x[p + 2 + j] if p + 2 + j < T else 0
+            drafts[p, j] = [99, want] if j == 1 else [want, 98]
+    got = branch_ceiling([trace], [drafts], k)
+    assert json.dumps(got["chain"], sort_keys=True) == json.dumps(walk(trace, drafts[..., 0], k).to_dict(), sort_keys=True)
+    assert got["chain"]["acceptance_per_pos"][:2] == [1.0, 0.0]
+    for rule in ("branch-at-cut", "any-top-m"):
+        assert got[rule]["num_emitted"] == len(trace.output_ids) - 1  # the first comes from the prefill
+        assert got[rule]["mean_accepted_length"] > 4 > 2 >= got["chain"]["mean_accepted_length"]
+    drafts[:, 2, :] = 97  # slot 3 wrong in both candidates: a sibling at the miss now adds one token
+    got = branch_ceiling([trace], [drafts], k)
+    assert got["chain"]["num_accepted"] < got["branch-at-cut"]["num_accepted"] == got["any-top-m"]["num_accepted"]
+    assert got["branch-at-cut"]["acceptance_per_pos"][:3] == [1.0, 1.0, 0.0]

@@ -239,10 +239,22 @@ def _argmax_tokens(model, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([model.logits(h).argmax(-1) for h in flat.split(rows)]).view(hidden.shape[:-1])
 
 
+def _top_tokens(model, hidden: torch.Tensor, m: int) -> torch.Tensor:
+    """``[..., m]`` ids of the ``m`` largest logits for ``hidden`` ``[..., d]``, best first, in
+    ``_argmax_tokens``'s chunks."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    budget = torch.cuda.mem_get_info(flat.device)[0] // 2 if flat.is_cuda else CPU_LOGITS_BYTES
+    rows = max(1, budget // (model.config.vocab_size * 6))
+    return torch.cat([model.logits(h).float().topk(m, dim=-1).indices for h in flat.split(rows)]).view(
+        *hidden.shape[:-1], m)
+
+
 @torch.inference_mode()
-def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int = 32768) -> list[np.ndarray]:
+def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int = 32768,
+                      top_m: int = 1) -> list[np.ndarray]:
     """Every position's SpecFormer drafts, ``[T, l_d]`` per trace (teacher-forced, the training
-    objective's ``teacher_forced_states``).
+    objective's ``teacher_forced_states``); with ``top_m`` > 1, ``[T, l_d, top_m]``: each slot's
+    ``top_m`` most likely tokens, best first (``branch_ceiling``).
 
     Args:
         head: a ``SpecFormerHead`` on the target's device and dtype.
@@ -254,10 +266,71 @@ def specformer_drafts(head, target, traces: list[GreedyTrace], batch_tokens: int
     for idx in _batches(traces, batch_tokens):
         tokens = _padded(traces, idx, target.embed.weight.device)
         B, T = tokens.shape
-        y = teacher_forced_states(head, target, tokens)  # [B*T, l_d, d]
-        ids = _argmax_tokens(target, target.norm(y)).view(B, T, -1).cpu().numpy()
+        y = target.norm(teacher_forced_states(head, target, tokens))  # [B*T, l_d, d]
+        ids = (_argmax_tokens(target, y).view(B, T, -1) if top_m == 1
+               else _top_tokens(target, y, top_m).view(B, T, -1, top_m)).cpu().numpy()
         for row, i in enumerate(idx):
             out[i] = ids[row, :len(traces[i].tokens)]
+    return out
+
+
+CEILING_RULES = ("chain", "branch-at-cut", "any-top-m")
+
+
+def _accepted(rule: str, slots: np.ndarray, nxt: list[int]) -> int:
+    """Drafts accepted in one greedy round under ``rule`` (``branch_ceiling``): ``slots`` ``[room,
+    m]`` the round's top-m tokens per slot, ``nxt`` the target's tokens the slots stand for."""
+    a, room = 0, min(len(slots), len(nxt))
+    if rule == "any-top-m":
+        while a < room and nxt[a] in slots[a]:
+            a += 1
+        return a
+    while a < room and slots[a][0] == nxt[a]:
+        a += 1
+    if rule == "branch-at-cut" and a < room and nxt[a] in slots[a][1:]:
+        a += 1  # a sibling at the first miss, then the chain's later slots below it
+        while a < room and slots[a][0] == nxt[a]:
+            a += 1
+    return a
+
+
+def branch_ceiling(traces: list[GreedyTrace], drafts: list[np.ndarray], k: int) -> dict[str, dict]:
+    """What token trees could add to a SpecFormer head's chains, by exact greedy replay: the
+    mean accepted length (tokens a round, the bonus token included) of each rule in
+    ``CEILING_RULES`` over ``traces``, each replayed with the engine's draft-room rule and stop cut
+    as ``walk_all`` (a rule changes where later rounds start, so each is its own walk):
+
+    - ``chain``: the head's top-1 tokens, as the engine verifies them at ``k``;
+    - ``branch-at-cut``: the best tree that adds the head's other top-m tokens at the chain's
+      first miss (the hard-position enhancement of the context-aware design, with a predictor
+      that always knew where the miss is), the chain's later slots continuing below the sibling;
+    - ``any-top-m``: every path through the slots' top-m tokens verified at once (m^k leaves): no
+      tree over this head's top-m candidates accepts more.
+
+    A length policy cannot add accepted tokens to a chain (it only verifies fewer of them), so
+    ``branch-at-cut`` / ``chain`` bounds what the context-aware system's trees can add to fixed k.
+
+    Args:
+        drafts: ``specformer_drafts(..., top_m=m)`` per trace, ``[T, l_d, m]``.
+        k: draft tokens per round (at most l_d).
+
+    Returns:
+        rule -> ``SpecDecodeStats.to_dict()`` over every trace.
+    """
+    out = {}
+    for rule in CEILING_RULES:
+        total = SpecDecodeStats()
+        for t, d in zip(traces, drafts):
+            x, prompt = t.tokens, len(t.prompt_ids)
+            width = min(k, d.shape[1])
+            out_len, p = 1, prompt - 1
+            while out_len < len(t.output_ids):
+                room = max(0, draft_room(width, len(x) + width + 2, prompt, out_len, t.max_tokens))
+                a = _accepted(rule, d[p][:room].tolist(), x[p + 2:p + 2 + room])
+                kept = min(a + 1, len(t.output_ids) - out_len)
+                total.record_run(room, a, a + 1, kept)
+                out_len, p = out_len + kept, p + kept
+        out[rule] = total.to_dict()
     return out
 
 
@@ -352,8 +425,9 @@ class Replayer:
         model.load_weights(checkpoint.tensors)
         return model.to(self.device, self.dtype).eval()
 
-    def drafts(self, kind: str, drafter, k: int) -> list:
-        """``walk``'s drafts for ``drafter`` (what ``load_drafter`` returned for ``kind``)."""
+    def drafts(self, kind: str, drafter, k: int, top_m: int = 1) -> list:
+        """``walk``'s drafts for ``drafter`` (what ``load_drafter`` returned for ``kind``); for a
+        SpecFormer head with ``top_m`` > 1, each slot's top-m tokens (``branch_ceiling``)."""
         if kind == "ngram":
             from ..drafters import NgramDrafter
 
@@ -361,5 +435,6 @@ class Replayer:
         if kind == "specformer":
             if self._target is None:
                 self._target = self._model(self.checkpoint)
-            return specformer_drafts(drafter.to(self.device, self.dtype).eval(), self._target, self.traces)
+            return specformer_drafts(drafter.to(self.device, self.dtype).eval(), self._target, self.traces,
+                                     top_m=top_m)
         return draft_model_drafts(self._model(drafter), self.traces, k)

@@ -30,23 +30,30 @@ from .common import _engine, console, device_option, fail, fmt, model_option
 @click.option("--save-traces", type=click.Path(dir_okay=False), default=None, help="Write the traces here (JSONL).")
 @click.option("-k", "--num-draft-tokens", type=click.IntRange(min=1, max=16), default=None,
               help="Draft tokens per round (default: a head's l_d, 4 for the others; a head drafts at most l_d).")
+@click.option("--branch-ceiling", "branch_m", type=click.IntRange(min=2, max=8), default=None, metavar="M",
+              help="For SpecFormer heads, also what token trees over each slot's top M tokens could add to the "
+                   "chain: the mean accepted length with a sibling at the chain's first miss, and with every "
+                   "top-M path (tandem.bench.replay.branch_ceiling).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @model_option
 @device_option
 def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_size, save_traces, num_draft_tokens,
-               out, model, device) -> None:
+               branch_m, out, model, device) -> None:
     """Acceptance of drafters on a prompt set by exact greedy replay: one teacher-forced pass over
     the target's own greedy outputs gives every round's accepted length (the engine's counters,
     see tandem.bench.replay), so drafter variants compare in seconds, not decode runs."""
     import torch  # and the torch-backed modules:
 
-    from ..bench.replay import Replayer, load_drafter, load_traces, record_traces, replay, save_traces as write_traces
+    from ..bench.replay import (Replayer, branch_ceiling, load_drafter, load_traces, record_traces, replay,
+                                save_traces as write_traces)
     from ..bench.results import json_safe
     from ..models.config import ModelLoadError
     from ..models.runner import default_runner_config
     from ..models.weights import load_checkpoint
     from ..train.distill import model_fingerprint
 
+    if branch_m and not any(d.partition(":")[0] == "specformer" for d in drafters):
+        fail("--branch-ceiling applies to SpecFormer heads (--drafter specformer[:PATH])")
     if traces_file and (prompts_file or max_tokens or batch_size):
         fail("--traces replays saved traces: --prompts, --max-tokens and --batch-size do not apply")
     for path in (out, save_traces):
@@ -98,6 +105,9 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
                 k = min(num_draft_tokens or 99, loaded[spec].config.num_draft_tokens)
             overall, per_cat = replay(traces, replayer.drafts(kind, loaded[spec], k), k)
             results[spec] = {"kind": kind, "path": path, "k": k, "overall": overall, "per_category": per_cat}
+            if branch_m and kind == "specformer":
+                top = replayer.drafts(kind, loaded[spec], k, top_m=branch_m)
+                results[spec]["branch_ceiling"] = {"top_m": branch_m, **branch_ceiling(traces, top, k)}
     except (InvalidRequestError, ModelLoadError, ValueError, OSError) as exc:
         fail(str(exc))
         return
@@ -113,6 +123,17 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             cells.append(f"{fmt(st['acceptance_rate'], '.3f')} / {st['mean_accepted_length']:.2f}")
         table.add_row(cat or "(none)", *cells)
     console.print(table)
+    ceilings = {spec: r["branch_ceiling"] for spec, r in results.items() if "branch_ceiling" in r}
+    if ceilings:
+        table = Table(title="mean accepted length: the chain against token trees over each slot's top M tokens")
+        for name in ("drafter", "chain", "sibling at the first miss", "every top-M path"):
+            table.add_column(name, justify="left" if name == "drafter" else "right")
+        for spec, c in ceilings.items():
+            chain = c["chain"]["mean_accepted_length"]
+            table.add_row(f"{spec} (M = {c['top_m']})", f"{chain:.3f}", *(
+                f"{c[rule]['mean_accepted_length']:.3f} ({c[rule]['mean_accepted_length'] / chain:.3f}x)"
+                for rule in ("branch-at-cut", "any-top-m")))
+        console.print(table)
     if out:  # strict JSON: an undefined rate (nothing drafted) is null
         Path(out).write_text(json.dumps(json_safe({"prompts": len(traces), "drafters": results}), indent=1,
                                         allow_nan=False))
