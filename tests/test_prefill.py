@@ -230,7 +230,7 @@ def test_varlen_buckets():
     assert tokens[:6] == [64, 96, 128, 192, 256, 384] and tokens[-1] == 8192
     assert all(b / a <= 1.5 for a, b in zip(tokens, tokens[1:]))  # padding at most half the tokens
     assert varlen_token_buckets(100) == [64, 96, 100] and varlen_token_buckets(64) == [64]
-    assert varlen_seq_buckets(65) == [2, 4, 8, 16, 32, 64, 65] and varlen_seq_buckets(2) == [2]
+    assert varlen_seq_buckets(65) == [2, 8, 32, 65] and varlen_seq_buckets(2) == [2]
 
 
 def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
@@ -238,21 +238,21 @@ def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     most max_len tokens that write nothing (slot -1); empty sequences after them."""
     pre = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4)._prefiller  # context 128
     T, S, max_len = pre.varlen_shape([3, 5])
-    assert (T, S, max_len) == (64, 4, 64)  # 2 prompts + 1 dummy of 56 tokens -> the 4-sequence bucket
+    assert (T, S, max_len) == (64, 5, 64)  # 2 prompts + 1 dummy of 56 tokens -> the top bucket (2, 5)
     p = pre.varlen_inputs(T, S, max_len, [2, 0], [3, 5], [[7, 8, 9], [1, 2, 3, 4, 5]])
     tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
     cu, last = p[4 * T:4 * T + S + 1], p[4 * T + S + 1:]
     assert tokens[:8].tolist() == [7, 8, 9, 1, 2, 3, 4, 5] and not tokens[8:].any()
     assert positions[:8].tolist() == [0, 1, 2, 0, 1, 2, 3, 4] and torch.equal(where, positions)
     assert slots[:8].tolist() == [2, 2, 2, 0, 0, 0, 0, 0] and (slots[8:] == -1).all()
-    assert cu.tolist() == [0, 3, 8, 64, 64] and last.tolist() == [2, 7, 0, 0]
+    assert cu.tolist() == [0, 3, 8, 64, 64, 64] and last.tolist() == [2, 7, 0, 0, 0]
     bare = pre.varlen_inputs(T, S, max_len, [2, 0], [3, 5])  # no ids (a drafter's layout): the same, tokens 0
     assert not bare[:T].any() and torch.equal(bare[T:], p[T:])
     wide = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4, prefill_tokens=512)._prefiller
     T, S, max_len = wide.varlen_shape([130, 60])  # 190 tokens -> the 192 bucket; max_len = the context
-    assert (T, S, max_len) == (192, 4, 128)
+    assert (T, S, max_len) == (192, 5, 128)
     T, S, max_len = wide.varlen_shape([100, 100, 100])  # 300 -> 384: 84 padded tokens, one dummy
-    assert (T, S) == (384, 4)
+    assert (T, S) == (384, 5)
     worst = wide.varlen_shape([97, 96, 96, 96])  # every slot, just past the 384 bucket: 127 padded, one dummy
     assert worst == (512, 5, 128) and worst[:2] in wide.varlen_buckets()
     with pytest.raises(ValueError, match="exceed"):
