@@ -74,6 +74,7 @@ def test_bench_cli_writes_results_tables_and_plots(tiny_dir, short_prompts, tmp_
     assert set(rows) == {(c, b) for c in ("target", "ngram", "draft-model") for b in (1, 2)}
     assert data["meta"]["configs"] == ["target", "ngram", "draft-model"] and data["meta"]["exact_kernels"] is False
     assert data["meta"]["warmup"] == "full"
+    assert data["meta"]["prefill_varlen"] is False and data["meta"]["prefill_varlen_batch_sizes"] == []  # a CPU: padded
     for (name, b), r in rows.items():
         assert r["prompts"] == (3 if b == 1 else 4)  # max(limit, 2b)
         assert r["tps"] > 0 and r["output_tokens"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
@@ -315,7 +316,16 @@ def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts,
     res = CliRunner().invoke(main, ["bench", "--from-results", files, "--out", str(tmp_path / "all")])
     assert res.exit_code == 0, res.output + str(res.exception)
     data = json.loads((tmp_path / "all" / "results.json").read_text())
-    assert data["meta"]["batch_sizes"] == [1, 2]
+    assert data["meta"]["batch_sizes"] == [1, 2] and data["meta"]["prefill_varlen_batch_sizes"] == []
+    packed = json.loads((tmp_path / "b2" / "results.json").read_text())  # as a GPU run packs at batch 2 only
+    packed["meta"].update(prefill_varlen=True, prefill_varlen_batch_sizes=[2])
+    (tmp_path / "packed.json").write_text(json.dumps(packed))
+    res = CliRunner().invoke(main, ["bench", "--from-results", f"{tmp_path / 'b1' / 'results.json'},{tmp_path / 'packed.json'}",
+                                    "--out", str(tmp_path / "mixed")])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    mixed = json.loads((tmp_path / "mixed" / "results.json").read_text())["meta"]
+    assert mixed["prefill_varlen"] is True and mixed["prefill_varlen_batch_sizes"] == [2]
+    assert "varlen prefills at batch 2," in (tmp_path / "mixed" / "results.md").read_text()
     assert sorted((r["config"], r["batch_size"]) for r in data["results"]) == [
         ("ngram", 1), ("ngram", 2), ("target", 1), ("target", 2)]
     assert (tmp_path / "all" / "speedup.png").is_file() and "| ngram | 2 |" in (tmp_path / "all" / "results.md").read_text()

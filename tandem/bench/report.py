@@ -197,7 +197,7 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, "
-            f"prefill graphs {m.prefill_graphs}{', varlen prefills' if m.prefill_varlen else ''}, round kernels "
+            f"prefill graphs {m.prefill_graphs}{_varlen_note(m)}, round kernels "
             f"{m.round_kernels}), mode {m.mode}"
             f"{(', streamed' if m.stream else ', answers whole') if m.mode == 'distributed' else ''}, {m.date_utc}, "
             f"torch {m.torch}.\n"
@@ -221,3 +221,11 @@ def _description(name: str) -> str | None:
         return config(name).description
     except ConfigError:
         return None
+
+
+def _varlen_note(m) -> str:
+    """", varlen prefills" and, where some batch sizes kept the padded buckets, the ones that packed."""
+    if not m.prefill_varlen:
+        return ""
+    sizes = m.prefill_varlen_batch_sizes
+    return ", varlen prefills" + (f" at batch {', '.join(map(str, sizes))}" if sizes and sizes != m.batch_sizes else "")

@@ -130,7 +130,9 @@ class BenchMeta:
     kernels: str = "reference"  # decode/verify path (RunnerConfig.kernels resolved); older results ran the reference
     attention: str = "sdpa-masked"  # attention backend of decode/verify steps
     prefill_graphs: bool = False  # prefills from CUDA graphs (RunnerConfig.prefill_graphs, resolved); older results: eager
-    prefill_varlen: bool = False  # fresh prompts packed end to end (RunnerConfig.prefill_varlen); older results: padded
+    prefill_varlen: bool = False  # fresh prompts packed end to end at some batch size (RunnerConfig.prefill_varlen)
+    prefill_varlen_batch_sizes: list[int] = field(default_factory=list)  # the batch sizes that packed them (resolved
+    # per engine: one slot keeps the padded buckets); older results: every batch size when prefill_varlen
     # a round's prompt lookup and greedy verification: "triton" (lookup_kernel, verify_kernel: CUDA with
     # Triton) or "plain" (PyTorch ops; the CPU, and every result before the kernels)
     round_kernels: str = "plain"
@@ -240,7 +242,10 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
         table.update(r.cost_table or {})
     configs = list(dict.fromkeys(c for r in reports for c in r.meta.configs))
     sizes = sorted({b for r in reports for b in r.meta.batch_sizes})
-    return BenchReport(replace(first, configs=configs, batch_sizes=sizes), list(results.values()), table or None)
+    packed = sorted({b for r in reports for b in (r.meta.prefill_varlen_batch_sizes
+                                                   or (r.meta.batch_sizes if r.meta.prefill_varlen else []))})
+    return BenchReport(replace(first, configs=configs, batch_sizes=sizes, prefill_varlen=bool(packed),
+                               prefill_varlen_batch_sizes=packed), list(results.values()), table or None)
 
 
 def json_safe(x):

@@ -311,6 +311,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
         ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
     rc = config  # the settings every engine shares (batch size aside)
+    packed = [b for b in sizes if resolve_prefill_varlen(replace(rc, max_batch_size=b), checkpoint.config)]
     kernels = resolve_kernels(rc, checkpoint.config)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
@@ -320,7 +321,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      warmup=warmup, kernels=kernels, attention=attention_name(kernels, resolve_attention_chunk(rc, kernels)),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
-                     prefill_varlen=resolve_prefill_varlen(rc, checkpoint.config),
+                     prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed")
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)

@@ -74,8 +74,8 @@ def varlen_seq_buckets(top: int) -> list[int]:
 
     A bucket's sequences past the real and dummy ones are empty: flash-attn's programs for them
     exit at once and each sequence's attention does not depend on how many there are, so coarse
-    steps cost almost nothing at run time and halve the graphs captured at start-up (powers of two
-    made 105 graphs in 8.7 s on an H100 at 64 slots)."""
+    steps cost almost nothing at run time and make fewer graphs (60 against 105 for powers of two
+    at 64 slots; their capture time, ~9 s on an H100, is the large buckets' and did not move)."""
     out, n = [], 2
     while n < top:
         out.append(n)
