@@ -215,10 +215,10 @@ def resolve_prefill_varlen(config: RunnerConfig, model: ModelConfig) -> bool:
     Measured on an H100 (docs/benchmarks.md, "Varlen prefill by default"), side by side at batch 64
     over 256 prompts: an admission's GPU window 5.9 ms against 8.9 (target-only) and 8.5 against
     10.9 (SpecFormer), 3% and 5% more tok/s, every output identical. With one slot every
-    admission is one prompt, which the padded buckets hold with little waste: there the packed
-    graph measured slower (2.4 against 2.0 ms of GPU a target prefill, 5.9 against 4.2 with a
-    SpecFormer head), so a one-slot runner keeps the padded path. The choice is per runner, never
-    per admission: a prompt's cache never depends on what it was admitted with."""
+    admission is one prompt, which the padded buckets hold with little waste: there packing gained
+    nothing (2.4 against 2.5 ms of GPU a target prefill, 5.9 against 5.4 with a SpecFormer head,
+    in two calls of one day), so a one-slot runner keeps the padded path. The choice is per runner,
+    never per admission: a prompt's cache never depends on what it was admitted with."""
     if config.prefill_varlen is not None:
         return config.prefill_varlen
     return (torch.device(config.device).type == "cuda" and config.max_batch_size > 1
