@@ -301,7 +301,7 @@ def test_varlen_by_default_only_where_it_can_run(checkpoint):
     """Unset, the varlen prefill is on where it can run on a GPU with more than one slot and off
     elsewhere: never on a CPU or for one slot, and on a GPU without what it needs the padded path
     serves instead of a refusal (no CUDA device needed: the reasons come from the config)."""
-    from tandem.models.runner_config import check_runner_config, resolve_prefill_varlen
+    from tandem.models.runner_config import check_runner_config, resolve_prefill_varlen, varlen_batch_sizes
 
     mc = checkpoint.config
     assert resolve_prefill_varlen(RunnerConfig(), mc) is False  # a CPU
@@ -313,6 +313,8 @@ def test_varlen_by_default_only_where_it_can_run(checkpoint):
     assert resolve_prefill_varlen(RunnerConfig(device="cuda", prefill_varlen=False), mc) is False
     one_slot = RunnerConfig(device="cuda", dtype=torch.bfloat16, kernels="fused", max_batch_size=1)
     assert resolve_prefill_varlen(one_slot, mc) is False  # one prompt an admission: the padded buckets
+    assert varlen_batch_sizes(RunnerConfig(prefill_varlen=True), mc, [1, 4]) == [1, 4]  # asked for: every size
+    assert varlen_batch_sizes(RunnerConfig(), mc, [1, 4]) == []
 
 def test_a_prompt_does_not_depend_on_its_neighbours(checkpoint):
     """The same prompt prefilled alone and packed after others of other lengths: the same logits

@@ -33,7 +33,7 @@ from ..metrics import SpecDecodeStats
 from ..models.attention import attention_name
 from ..models.kernels import round_kernels_on
 from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels
-from ..models.runner_config import resolve_prefill_varlen
+from ..models.runner_config import varlen_batch_sizes
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
 from ..sampling import SamplingParams
@@ -311,7 +311,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         say(f"measuring the verifier cost model T(b, q), q = 1..{max_q}")
         ctx.cost = measure_cost_table(checkpoint, config, sizes, max_q)
     rc = config  # the settings every engine shares (batch size aside)
-    packed = [b for b in sizes if resolve_prefill_varlen(replace(rc, max_batch_size=b), checkpoint.config)]
+    packed = varlen_batch_sizes(rc, checkpoint.config, sizes)
     kernels = resolve_kernels(rc, checkpoint.config)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",

@@ -140,6 +140,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     from ..bench.report import tables, write_json, write_report
     from ..bench.spec_bench import check_mode, run_benchmark
     from ..models.runner import check_runner_config, default_runner_config
+    from ..models.runner_config import varlen_batch_sizes
     from ..models.weights import load_checkpoint
     from ..tokenizer import load_tokenizer
 
@@ -170,7 +171,9 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     uses_predictor = any(c.uses_predictor for c in configs)
     options = replace(options,  # the results record which predictor ran (none when no configuration uses one)
                       predictor=predictor_path(options, checkpoint) if uses_predictor else None)
-    err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}; "
+    packed = varlen_batch_sizes(cfg, checkpoint.config, sizes)
+    err_console.print(f"device {cfg.device}, dtype {cfg.dtype}, CUDA graphs {cfg.cuda_graphs}, compile {cfg.compile}, "
+                      f"prefills {'varlen (packed)' if packed == sizes else f'varlen at batch {packed}' if packed else 'padded'}; "
                       f"configurations {', '.join(c.name for c in configs)}; batch sizes {sizes}"
                       + (f"; mode distributed, {'clients streaming' if stream else 'answers whole'}"
                          if mode == "distributed" else ""), highlight=False,

@@ -6,7 +6,7 @@ and the defaults for a device (``default_runner_config``)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -223,6 +223,12 @@ def resolve_prefill_varlen(config: RunnerConfig, model: ModelConfig) -> bool:
         return config.prefill_varlen
     return (torch.device(config.device).type == "cuda" and config.max_batch_size > 1
             and varlen_unavailable_reason(config, model) is None)
+
+
+def varlen_batch_sizes(config: RunnerConfig, model: ModelConfig, sizes: list[int]) -> list[int]:
+    """The batch sizes among ``sizes`` whose runners (``config`` with that ``max_batch_size``)
+    pack their prefills (``resolve_prefill_varlen``)."""
+    return [b for b in sizes if resolve_prefill_varlen(replace(config, max_batch_size=b), model)]
 
 
 def varlen_unavailable_reason(config: RunnerConfig, model: ModelConfig) -> str | None:
