@@ -13,7 +13,7 @@ import click
 from services.demo import run_demo
 from services.launch import StackConfig
 
-from ..data import bundled_spec_bench, load_prompts
+from ..data import bundled_spec_bench, load_prompts, round_robin_by_category, spec_bench_task
 from ..speculation import SpeculativeConfig
 from .common import (console, device_option, dtype_option, fail, finite, graph_options, host_port, kernels_option,
                      model_option, policy_option, speculative_config, torch_dtype)
@@ -168,7 +168,8 @@ def serve_router(verifiers, model, model_name, http_port, grpc_port, host, defau
 @click.command()
 @click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
               help="JSONL of prompts (default: the bundled Spec-Bench questions).")
-@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Prompts to send, taken round-robin over the file's Spec-Bench tasks (file order within one).")
 @model_option
 @click.option("--drafter", type=click.Choice(["none", "ngram", "specformer", "draft-model"]), default="ngram",
               show_default=True, help="Runs in the verifier replica; draft-model runs as a drafter service of its own.")
@@ -197,7 +198,10 @@ def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max
     for flag, path in (("--model", model), ("--draft-model", draft_model)):
         if path is not None and not path.startswith("truncate:") and not Path(path).expanduser().exists():
             fail(f"{flag} {path!r} does not exist")
-    records = load_prompts(prompts_file or bundled_spec_bench(), limit)
+    # round-robin over the Spec-Bench tasks, as the bench takes them: the first 20 rows of the
+    # bundled file are all writing and roleplay, where prompt lookup finds little to draft
+    records = round_robin_by_category(load_prompts(prompts_file or bundled_spec_bench()), limit,
+                                      key=lambda r: spec_bench_task(r.category))
     spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     config = StackConfig.serving(spec, model=model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                  redis_url=os.environ.get("TANDEM_REDIS_URL"), overlap=overlap, log_dir=log_dir)
