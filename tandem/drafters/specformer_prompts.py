@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models import attention
+from ..models.prefill import varlen_fields, varlen_idle, varlen_kv_targets
 from ..models.transfer import to_device
 
 if TYPE_CHECKING:
@@ -78,14 +79,9 @@ def capture_varlen_observes(drafter: "SpecFormerDrafter") -> int:
         if varlen_observe_key(T, S) in drafter._captured:
             continue
 
-        def idle(inputs, T=T, S=S):
-            packed = inputs[2]
-            packed.zero_()
-            packed[2 * T:3 * T] = -1
-            packed[4 * T + 1:4 * T + S + 1] = T
-
         if drafter._replay(varlen_observe_key(T, S), _observe_fn(drafter, T, S, min(T, pre.max_width)),
-                           lambda T=T, S=S: _inputs(drafter, T, S), idle) is None:
+                           lambda T=T, S=S: _inputs(drafter, T, S),
+                           lambda inputs, T=T, S=S: varlen_idle(inputs[2], T, S)) is None:
             break
         made += 1
     return made
@@ -112,14 +108,13 @@ def _observe_fn(drafter: "SpecFormerDrafter", T: int, S: int, max_len: int):
     scratch = drafter.k_cache.shape[3] - 1
 
     def run(x: torch.Tensor, nxt: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        positions, slots, where = p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
-        cu, last = p[4 * T:4 * T + S + 1].to(torch.int32), p[4 * T + S + 1:]
+        _, positions, slots, where, cu, last = varlen_fields(p, T, S)
+        cu = cu.to(torch.int32)
         next_emb = target.embed(nxt)[None] if head.config.context_next_token else None
         h = head.context_input(x[None], next_emb)  # [1, T, d]
         pos = positions.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[pos][None].to(h.dtype), target.rope_sin[pos][None].to(h.dtype)
-        real = slots >= 0
-        rows, at = slots.clamp(min=0), torch.where(real, where, torch.full_like(where, scratch))
+        real, rows, at = varlen_kv_targets(slots, where, scratch)
         keep = real[:, None, None]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [1, T, heads, hd], [1, T, kv_heads, hd]

@@ -83,6 +83,30 @@ def varlen_seq_buckets(top: int) -> list[int]:
     return out + [top]
 
 
+def varlen_fields(p: torch.Tensor, T: int, S: int) -> tuple[torch.Tensor, ...]:
+    """Views of a varlen layout ``p`` ``[4 T + 2 S + 1]`` (``Prefiller.varlen_inputs``): tokens,
+    positions, destination slots and cache positions ``[T]`` each, ``cu_seqlens`` ``[S + 1]`` and
+    each prompt's last token index ``[S]``."""
+    return p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T], p[4 * T:4 * T + S + 1], p[4 * T + S + 1:]
+
+
+def varlen_idle(p: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """Fill the layout ``p`` with no prompt: every token padding (slot -1) in one dummy sequence,
+    so a run over it (a capture's warm-up) writes only scratch positions. Returns ``p``."""
+    p.zero_()
+    _, _, slots, _, cu, _ = varlen_fields(p, T, S)
+    slots.fill_(-1)
+    cu[1:] = T
+    return p
+
+
+def varlen_kv_targets(slots: torch.Tensor, where: torch.Tensor, scratch: int) -> tuple[torch.Tensor, ...]:
+    """Where each packed token's K/V goes in a slot cache: ``(real [T] bool, slot rows [T],
+    positions [T])``; padding (slot -1) goes to slot 0's ``scratch`` position, to be written zero."""
+    real = slots >= 0
+    return real, slots.clamp(min=0), torch.where(real, where, torch.full_like(where, scratch))
+
+
 def width_bucket(n: int, limit: int) -> int:
     """Positions of the static bucket for a prompt of ``n`` tokens: a power of two, at least
     ``MIN_WIDTH``, at most ``limit`` (``Prefiller.max_width``) but never below ``n``."""
@@ -258,8 +282,7 @@ class Prefiller:
         ``max_len`` tokens covering the padding, then empty ones) and each prompt's last token
         index ``[S]`` (0 past the prompts)."""
         out = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)
-        tokens, positions, dest, cu, last = (out[:T], out[T:2 * T], out[2 * T:3 * T], out[4 * T:4 * T + S + 1],
-                                              out[4 * T + S + 1:])
+        tokens, positions, dest, where, cu, last = varlen_fields(out, T, S)
         dest.fill_(-1)
         at = 0
         for i, (slot, n) in enumerate(zip(slots, lengths)):
@@ -270,7 +293,7 @@ class Prefiller:
             at += n
             cu[i + 1] = at
             last[i] = at - 1
-        out[3 * T:4 * T] = positions  # real tokens' cache positions; the graph sends the padding to scratch
+        where.copy_(positions)  # real tokens' cache positions; the graph sends the padding to scratch
         for i in range(len(slots) + 1, S + 1):  # dummy sequences, then empty ones
             at = min(at + max_len, T)
             cu[i] = at
@@ -288,19 +311,16 @@ class Prefiller:
         taps = runner.config.taps
 
         def run(p: torch.Tensor):
-            tokens, positions, slots, where = p[:T], p[T:2 * T], p[2 * T:3 * T], p[3 * T:4 * T]
-            cu, last = p[4 * T:4 * T + S + 1].to(torch.int32), p[4 * T + S + 1:]
-            hidden, tapped = runner.model.forward_varlen(tokens, positions, cu, max_len, k_buf, v_buf, taps)
-            real = slots >= 0
-            rows, at = slots.clamp(min=0), torch.where(real, where, torch.full_like(where, scratch))
+            tokens, positions, slots, where, cu, last = varlen_fields(p, T, S)
+            hidden, tapped = runner.model.forward_varlen(tokens, positions, cu.to(torch.int32), max_len, k_buf, v_buf,
+                                                         taps)
+            real, rows, at = varlen_kv_targets(slots, where, scratch)
             for buf, dest in ((k_buf, cache.k), (v_buf, cache.v)):  # each prompt's K/V into its slot
                 kv = buf[:, 0, :, :T].permute(2, 0, 1, 3)  # [T, layers, kv_heads, head_dim]
                 dest[:, rows, :, at] = torch.where(real[:, None, None, None], kv, torch.zeros_like(kv))
             return hidden[last], tapped
 
-        idle = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)  # all padding: the warm-up runs write scratch only
-        idle[2 * T:3 * T] = -1
-        idle[4 * T + 1:4 * T + S + 1] = T
+        idle = varlen_idle(torch.empty(4 * T + 2 * S + 1, dtype=torch.long), T, S)  # the warm-up runs write scratch only
         captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs and self.static,
                                 pool=runner._graph_pool)  # (without prefill graphs: eager, same kernels)
         runner._graphs[("prefill-varlen", T, S)] = captured
