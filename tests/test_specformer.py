@@ -1098,6 +1098,9 @@ def test_replay_equals_engine_counters(trained, tiny_ck, kind, k, monkeypatch):
         target = Transformer(tiny_ck.config, 256)
         target.load_weights(tiny_ck.tensors)
         drafts = specformer_drafts(load_specformer(out / kind), target.eval(), traces)
+        top = specformer_drafts(load_specformer(out / kind), target.eval(), traces, top_m=3)  # --branch-ceiling's
+        assert all(d.shape == t.shape[:2] and (t[..., 0] == d).all() and (t[..., 1] != d).all()
+                   for d, t in zip(drafts, top))  # its first column is the chain's argmax, the others differ
     elif kind == "ngram":
         drafter = NgramDrafter()
         drafts = token_drafter_drafts(NgramDrafter(), traces)

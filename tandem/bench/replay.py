@@ -233,20 +233,29 @@ def _argmax_tokens(model, hidden: torch.Tensor) -> torch.Tensor:
     entry) fit in half the free CUDA memory, or ``CPU_LOGITS_BYTES`` on the CPU: a batch of
     32,768 positions x 4 draft slots is 25 GB of float32 logits at a 49,152-token vocabulary.
     On a large GPU the whole batch is one chunk."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    budget = torch.cuda.mem_get_info(flat.device)[0] // 2 if flat.is_cuda else CPU_LOGITS_BYTES
-    rows = max(1, budget // (model.config.vocab_size * 6))
-    return torch.cat([model.logits(h).argmax(-1) for h in flat.split(rows)]).view(hidden.shape[:-1])
+    return torch.cat([model.logits(h).argmax(-1) for h in _logit_chunks(model, hidden)]).view(hidden.shape[:-1])
 
 
 def _top_tokens(model, hidden: torch.Tensor, m: int) -> torch.Tensor:
     """``[..., m]`` ids of the ``m`` largest logits for ``hidden`` ``[..., d]``, best first, in
-    ``_argmax_tokens``'s chunks."""
+    ``_argmax_tokens``'s chunks; the first is always ``_argmax_tokens``'s (on a tie topk may order
+    the tied tokens otherwise), so column 0 replays the chain exactly."""
+    def top(h: torch.Tensor) -> torch.Tensor:
+        logits = model.logits(h)
+        idx, best = logits.float().topk(m, dim=-1).indices, logits.argmax(-1, keepdim=True)
+        idx = torch.where(idx == best, idx[:, :1].expand_as(idx), idx)  # the argmax's place takes topk's first
+        idx[:, :1] = best
+        return idx
+
+    return torch.cat([top(h) for h in _logit_chunks(model, hidden)]).view(*hidden.shape[:-1], m)
+
+
+def _logit_chunks(model, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``hidden`` ``[..., d]`` as ``[rows, d]`` chunks whose logits fit the memory budget of
+    ``_argmax_tokens``."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     budget = torch.cuda.mem_get_info(flat.device)[0] // 2 if flat.is_cuda else CPU_LOGITS_BYTES
-    rows = max(1, budget // (model.config.vocab_size * 6))
-    return torch.cat([model.logits(h).float().topk(m, dim=-1).indices for h in flat.split(rows)]).view(
-        *hidden.shape[:-1], m)
+    return flat.split(max(1, budget // (model.config.vocab_size * 6)))
 
 
 @torch.inference_mode()

@@ -103,10 +103,11 @@ def replay_cmd(drafters, traces_file, prompts_file, limit, max_tokens, batch_siz
             k = num_draft_tokens or 4
             if kind == "specformer":  # a head drafts l_d tokens at most
                 k = min(num_draft_tokens or 99, loaded[spec].config.num_draft_tokens)
-            overall, per_cat = replay(traces, replayer.drafts(kind, loaded[spec], k), k)
+            top = replayer.drafts(kind, loaded[spec], k, top_m=branch_m) if branch_m and kind == "specformer" else None
+            drafts = [d[..., 0] for d in top] if top is not None else replayer.drafts(kind, loaded[spec], k)
+            overall, per_cat = replay(traces, drafts, k)  # (a top-M pass's first column is the chain's argmax)
             results[spec] = {"kind": kind, "path": path, "k": k, "overall": overall, "per_category": per_cat}
-            if branch_m and kind == "specformer":
-                top = replayer.drafts(kind, loaded[spec], k, top_m=branch_m)
+            if top is not None:
                 results[spec]["branch_ceiling"] = {"top_m": branch_m, **branch_ceiling(traces, top, k)}
     except (InvalidRequestError, ModelLoadError, ValueError, OSError) as exc:
         fail(str(exc))
