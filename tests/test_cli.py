@@ -289,6 +289,15 @@ def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_p
     assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
 
 
+def test_demo_refuses_a_prompts_file_without_prompts(run, tmp_path):
+    """An empty prompts file is a one-line error before any process starts, not a traceback after."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    res = run("demo", "--prompts-file", str(empty))
+    assert res.exit_code == 2 and f"the prompts file {empty} has no prompts" in res.output, res.output
+    assert "stack up" not in res.output
+
+
 def test_demo_names_the_speculation_and_the_draft_lengths_it_chose(run, tiny_checkpoint, tmp_path):
     """``tandem demo`` (``make run``) through real processes (a drafter service with a one-layer
     draft model: it drafts every step): it names the drafter and the draft policy, and prints the draft lengths chosen per verification step (shares that add up) beside

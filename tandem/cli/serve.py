@@ -202,6 +202,8 @@ def demo(prompts_file, limit, model, drafter, draft_model, num_draft_tokens, max
     # bundled file are all writing and roleplay, where prompt lookup finds little to draft
     records = round_robin_by_category(load_prompts(prompts_file or bundled_spec_bench()), limit,
                                       key=lambda r: spec_bench_task(r.category))
+    if not records:
+        fail(f"the prompts file {prompts_file} has no prompts")
     spec = SpeculativeConfig(drafter, draft_model=draft_model, num_draft_tokens=num_draft_tokens)
     config = StackConfig.serving(spec, model=model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                  redis_url=os.environ.get("TANDEM_REDIS_URL"), overlap=overlap, log_dir=log_dir)
