@@ -1,6 +1,8 @@
 """Where an admission's host time goes: the prefill launch, a SpecFormer head's observe of the
 prompts and its first drafts, and the rounds, timed on the host (no device sync added) over a
-Spec-Bench run like `tandem bench`'s; then the same run under cProfile (the host's Python
+Spec-Bench run like `tandem bench`'s; then the same run with the device synchronised around each
+call site, so CUDA events give each one's own GPU time (what an admission's GPU window is made
+of); then the same run under cProfile (the host's Python
 functions by own time: where a round's host work goes) and under torch.profiler, writing the
 operator tables (by self CPU time and by CUDA time) of the admission calls only.
 
@@ -50,12 +52,23 @@ def main() -> None:
     prompts = [r.text for r in bench_prompts(load_prompts(bundled_spec_bench()), a.batch_size, a.limit)]
     params = SamplingParams(max_tokens=a.max_tokens)
     times: dict[str, list[float]] = defaultdict(list)
+    gpu: dict[str, list[float]] = defaultdict(list)
     recording = [False]
+    fenced = [False]  # synchronise around each call and time its device work with events
 
     def wrap(obj, name: str, label: str) -> None:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
+            if fenced[0] and cuda:
+                sync()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                res = fn(*args, **kwargs)
+                end.record()
+                sync()
+                gpu[label].append(start.elapsed_time(end))
+                return res
             t0 = time.perf_counter()
             with record_function(label) if recording[0] else nullcontext():
                 res = fn(*args, **kwargs)
@@ -82,6 +95,13 @@ def main() -> None:
     for label, ts in sorted(times.items()):
         lines.append(f"  {label:28s} calls {len(ts):5d}  mean {1e3 * sum(ts) / len(ts):7.2f} ms  total {sum(ts):6.3f} s")
     times.clear()
+    if cuda:
+        fenced[0] = True
+        engine.generate(prompts, params)
+        fenced[0] = False
+        lines.append("  GPU time per call, the device synchronised around each (ms; rounds serialised too):")
+        for label, ts in sorted(gpu.items()):
+            lines.append(f"  {label:28s} calls {len(ts):5d}  mean {sum(ts) / len(ts):7.2f} ms  total {1e-3 * sum(ts):6.3f} s")
     host = cProfile.Profile()
     host.enable()
     engine.generate(prompts, params)
