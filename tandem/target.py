@@ -343,10 +343,11 @@ class LocalTarget(Target):
     def prime_drafts(self, slots: list[int], drafter) -> None:
         """After ``prefill`` of ``slots`` and the drafter's ``observe`` of it: a drafter that drafts
         from the verify pass makes those slots' first drafts on the device
-        (``SpecFormerDrafter.device_prime``), so their first chained round verifies drafts."""
+        (``SpecFormerDrafter.device_prime``: from a CUDA graph), so their first chained round
+        verifies drafts."""
         if not slots or not drafter.drafts_from_verify:
             return
-        n = max(slots) + 1
+        n = self.cache.num_slots  # every row, the admitted ones kept: one shape whatever the slots
         keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
         # a scalar fill: ``keep[index] = True`` would copy a host scalar to the device and wait for the stream
         keep.index_fill_(0, to_device(torch.tensor(slots, dtype=torch.int64), keep.device), True)

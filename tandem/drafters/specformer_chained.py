@@ -90,8 +90,25 @@ class ChainedHead(BufferedDrafts):
     def device_prime(self, keep: torch.Tensor, state, sampling, width: int) -> None:
         """Drafts for slots just prefilled (``keep`` ``[n]`` bool over rows ``0 .. n-1``), from the
         context states ``observe`` left, so their first chained round already verifies drafts.
-        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length."""
+        ``state``/``sampling`` as in ``VerifiedStep``; ``width`` > every kept row's length.
+
+        With CUDA graphs and every slot's row (``n`` = slots), one graph per sampling flags
+        replays it, captured at its first use (a warm-up's admissions, ``tandem.warmup``, meet the
+        greedy one): its lookup reads each row's whole history (a row's continuation depends only
+        on its tokens up to its last), so no shape depends on the prompts. Eagerly it is ~50
+        launches of host work an admission."""
         self._ensure_q(sampling.any_sampled)
+        if self._static and self.k_cache.is_cuda and keep.shape[0] == self._num_slots:
+            full = state.history.shape[1] - 1  # the last column is scratch
+
+            def fill(inputs):
+                inputs[0].copy_(keep)
+
+            self._replay(("prime", sampling.any_sampled, sampling.filtered, self._scorer is not None),
+                         lambda k: self._draft_next(k, state, sampling, full),
+                         lambda: (torch.zeros_like(keep),), fill)
+            if self._static:  # else the capture failed (logged): from now on the head runs eagerly
+                return
         self._draft_next(keep, state, sampling, width)
 
     def prepare_round(self, sampled: bool) -> None:
