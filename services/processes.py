@@ -61,8 +61,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                   max_batch_size: int | None = None, max_seq_len: int = 2048, *, drafter_address: str | None = None,
                   key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
                   redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
-                  metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True,
-                  burst_gap_s: float | None = None):
+                  metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True):
     """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
@@ -81,7 +80,6 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs, prefill_varlen); None values keep the device's defaults.
         capture_rounds: capture every round shape's graph before serving (``ReplicaEngine``).
-        burst_gap_s: ``ReplicaEngine.burst_gap_s`` (None: its default).
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -118,8 +116,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     name = engine.drafter.name if engine.drafter is not None else "none"
     words = f"drafter={name} k={spec.num_draft_tokens} policy={spec.policy}"
     replica = ReplicaEngine(engine, Metrics(checkpoint.path.name) if metrics else None, store, name,
-                            capture_rounds=capture_rounds,
-                            **({} if burst_gap_s is None else {"burst_gap_s": burst_gap_s}))
+                            capture_rounds=capture_rounds)
     return replica, list(engine.tokenizer.eos_token_ids), cost.table if cost is not None else None, words
 
 
@@ -127,7 +124,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
                  key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
-                 capture_rounds: bool = True, burst_gap_s: float | None = None) -> None:
+                 capture_rounds: bool = True) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
     ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``.
 
@@ -148,7 +145,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
                                               drafter_address=drafter_address, key=key,
                                               drafter_timeout_s=drafter_timeout_s, redis_url=redis_url,
                                               overlap=overlap, measure_cost=measure_cost, runner=runner,
-                                              capture_rounds=capture_rounds, burst_gap_s=burst_gap_s)
+                                              capture_rounds=capture_rounds)
     if metrics_port:
         from prometheus_client import start_http_server
 

@@ -1802,35 +1802,3 @@ def test_load_report_counts_the_replicas_graph_captures(tiny_dir, monkeypatch):
         assert 1 <= report.engine_rounds <= 3 and report.engine_round_rows == report.engine_rounds
     finally:
         replica.stop()
-
-
-def test_an_idle_replica_prefills_a_burst_together(tiny_dir):
-    """Requests that reach an idle replica less than ``burst_gap_s`` apart are prefilled in one
-    group; it stops waiting once they fill its free slots (not at ``burst_max_s``). With no gap,
-    the first is admitted alone. Every request completes either way."""
-    from services.verifier.replica import ReplicaEngine
-
-    def run(gap: float, n: int) -> tuple[int, float]:
-        replica = ReplicaEngine(Engine(tiny_dir, RunnerConfig(device="cpu", max_batch_size=4, max_seq_len=64)),
-                                burst_gap_s=gap, burst_max_s=30.0)
-        finished = threading.Semaphore(0)
-
-        def sink(events):
-            for _, e in events:
-                if isinstance(e, Done):
-                    finished.release()
-        try:
-            t0 = time.perf_counter()
-            for i in range(n):
-                replica.submit(replica.engine.make_request(prompt_ids=[1, 2, 3 + i], params=SamplingParams(max_tokens=3)),
-                               sink)
-                time.sleep(0.1)
-            assert all(finished.acquire(timeout=60) for _ in range(n))
-            return replica.engine.admission.prefills, time.perf_counter() - t0
-        finally:
-            replica.stop()
-
-    prefills, took = run(gap=5.0, n=4)  # 0.1 s apart, inside the gap; four fill the four slots
-    assert prefills == 1 and took < 20
-    prefills, _ = run(gap=0.0, n=3)
-    assert prefills >= 2

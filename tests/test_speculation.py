@@ -315,20 +315,3 @@ def test_verifier_gil_switch_interval_from_its_option_or_the_environment(monkeyp
     assert seen == [services.processes.GIL_SWITCH_INTERVAL_S, 0.005, 0.0002]
     res = CliRunner().invoke(main, [*base, "--gil-switch-interval", "0"])
     assert res.exit_code == 2 and "--gil-switch-interval" in res.stderr
-
-
-def test_verifier_burst_gap_from_its_option(monkeypatch):
-    """``tandem serve verifier --burst-gap`` (or ``TANDEM_BURST_GAP``) reaches the replica
-    (``ReplicaEngine.burst_gap_s``); its default is the replica's own; a negative gap is a usage error."""
-    import services.processes
-    from services.verifier.replica import BURST_GAP_S
-
-    seen = []
-    monkeypatch.setattr(services.processes, "run_verifier", lambda *a, **k: seen.append(k["burst_gap_s"]))
-    base = ["serve", "verifier", "--port", "50051"]
-    assert CliRunner().invoke(main, base).exit_code == 0
-    assert CliRunner().invoke(main, [*base, "--burst-gap", "0"]).exit_code == 0
-    assert CliRunner().invoke(main, base, env={"TANDEM_BURST_GAP": "0.004"}).exit_code == 0
-    assert seen == [BURST_GAP_S, 0.0, 0.004]
-    res = CliRunner().invoke(main, [*base, "--burst-gap", "-1"])
-    assert res.exit_code == 2 and "--burst-gap" in res.stderr

@@ -9,11 +9,6 @@ streamed deltas through a per-request sink: nothing crosses the network per roun
 drafter's traffic. Cancelling a request (``abort``) frees its slot at the next step, so a router
 that dies mid-stream leaks nothing.
 
-Requests of a burst (a client's batch, spread over a few milliseconds by the router and the
-network) reach the replica one message at a time. An idle engine admitting the first of them at
-once would prefill the burst in several small groups, each paying a prefill's fixed cost while the
-others wait, where a process holding them all queued admits them in one (``burst_gap_s``).
-
 Shared state (``tandem.state``): the draft policy's threshold state (through ``DraftPolicy``),
 acceptance counters per drafter and category, and the verification-log stream, in the replica's
 store (Redis when configured, in-memory otherwise; a store that is down degrades to local state).
@@ -40,8 +35,6 @@ from tandem.warmup import capture_round_shapes
 log = logging.getLogger(__name__)
 
 VERIFICATION_LOG = "vlog"  # stream prefix: vlog:<drafter>, as `tandem collect-logs` reads it
-BURST_GAP_S = 0.001  # ReplicaEngine.burst_gap_s
-BURST_MAX_S = 0.01  # ReplicaEngine.burst_max_s
 
 
 @dataclass(frozen=True)
@@ -81,24 +74,11 @@ class ReplicaEngine:
             shape's graph before the engine thread starts (``tandem.warmup.capture_round_shapes``:
             a few seconds), so no request waits on a capture mid-traffic; a failure is logged and
             the replica serves on, capturing shapes as they come.
-        burst_gap_s: an idle engine (nothing running) that receives requests waits for more while
-            they keep coming less than this apart (s), then admits them together; it stops waiting
-            once they fill its free slots or after ``burst_max_s``. 0: admit at once. A lone
-            request's first token comes this much later.
-        burst_max_s: the longest such wait (s).
-
-    Raises:
-        ValueError: a negative ``burst_gap_s`` or ``burst_max_s``.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None, store: StateStore | None = None,
-                 drafter_name: str = "none", capture_rounds: bool = False, burst_gap_s: float = BURST_GAP_S,
-                 burst_max_s: float = BURST_MAX_S) -> None:
-        if not (burst_gap_s >= 0 and burst_max_s >= 0):
-            raise ValueError(f"burst_gap_s and burst_max_s must be >= 0 (got {burst_gap_s}, {burst_max_s})")
+                 drafter_name: str = "none", capture_rounds: bool = False) -> None:
         self.engine = engine
-        self.burst_gap_s = burst_gap_s
-        self.burst_max_s = burst_max_s
         self.metrics = metrics
         self.store = store or InMemoryStore()
         self.drafter_name = drafter_name
@@ -199,13 +179,11 @@ class ReplicaEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _drain(self, timeout: float = 0.0) -> bool:
-        """Take in what the inbox holds, waiting up to ``timeout`` (s) for the first item; whether
-        anything came."""
+    def _drain(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return False
+            return
         while item is not None:
             kind, arg = item
             if kind == "add":
@@ -223,19 +201,6 @@ class ReplicaEngine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return True
-        return True
-
-    def _gather_burst(self) -> None:
-        """An idle engine with requests queued: take in the rest of their burst first (the module
-        docstring; ``burst_gap_s``)."""
-        e = self.engine
-        if self.burst_gap_s <= 0 or e.running or not e.waiting:
-            return
-        deadline = time.perf_counter() + self.burst_max_s
-        while len(e.waiting) < min(e.target.num_free(), e.max_running) and not self._stop.is_set():
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self._drain(min(self.burst_gap_s, left)):
                 return
 
     def _note_load(self) -> None:
@@ -256,8 +221,7 @@ class ReplicaEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
-            self._drain(0.0 if engine.has_unfinished() else 0.05)
-            self._gather_burst()
+            self._drain(block=not engine.has_unfinished())
             self._note_load()
             if self._stop.is_set() or not engine.has_unfinished():
                 continue

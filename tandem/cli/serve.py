@@ -87,19 +87,14 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @click.option("--capture-rounds/--no-capture-rounds", default=True, show_default=True,
               help="With CUDA graphs: capture every decode-round shape's graph (batch bucket x context bucket) "
                    "at start-up, a few seconds, so no request waits on a capture once serving.")
-@click.option("--burst-gap", type=click.FloatRange(min=0.0, max=1.0), default=1e-3, show_default=True,
-              envvar="TANDEM_BURST_GAP", callback=finite, metavar="SECONDS",
-              help="An idle replica that receives requests waits for more while they keep coming less than this "
-                   "apart (at most 10 ms, or until they fill its slots), then prefills them together; 0: at once "
-                   "(env TANDEM_BURST_GAP).")
 @dtype_option
 @kernels_option
 @graph_options
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   gil_switch_interval, metrics_port, capture_rounds, burst_gap, dtype, kernels, cuda_graphs,
-                   compile_, prefill_graphs, prefill_varlen, api_key) -> None:
+                   gil_switch_interval, metrics_port, capture_rounds, dtype, kernels, cuda_graphs, compile_,
+                   prefill_graphs, prefill_varlen, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
@@ -115,7 +110,7 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
                  metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval,
-                 capture_rounds=capture_rounds, burst_gap_s=burst_gap)
+                 capture_rounds=capture_rounds)
 
 
 @serve.command("drafter")
