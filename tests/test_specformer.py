@@ -1014,8 +1014,9 @@ def test_specformer_cuda_graphs_lossless(tiny_ck, variant, chained):
     got, want = engine.generate(PROMPTS[:6], params), ref.generate(PROMPTS[:6], params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert engine.stats.num_drafted > 0
-    # chained: the rounds' graphs plus the prompts' observe graphs (admission); host-drafted: observe and draft
-    assert {k[0] for k in drafter._captured} == ({"chained", "observe"} if chained else {"observe", "draft"})
+    # chained: the rounds' graphs plus the prompts' observe graphs and the first drafts' (admission);
+    # host-drafted: observe and draft
+    assert {k[0] for k in drafter._captured} == ({"chained", "observe", "prime"} if chained else {"observe", "draft"})
     eager_engine.generate(PROMPTS[:6], params)
     assert (eager_engine.stats.num_drafted, eager_engine.stats.num_accepted) == \
         (engine.stats.num_drafted, engine.stats.num_accepted)
