@@ -57,6 +57,8 @@ def run():
     (["serve", "router", "--port", "18000", "--verifier", "h:1", "--failover-wait", "inf"], "must be a finite number"),
     (["train", "specformer", "--out", "x", "--lr", "nan"], "must be a finite number"),
     (["generate", "--prompt", "hi", "--temperature", "1e30"], "is not in the range 0<=x<=2"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "must be a finite number, got nan"),
+    (["generate", "--prompt", "hi", "--top-p", "nan"], "must be a finite number, got nan"),
     (["generate", "--prompt", "hi", "--batch-size", "3"], "with --prompt there is one"),
     (["generate", "--prompt", "hi", "--regex", ""], "--regex: the regular expression is empty"),
     (["bench", "--batch-sizes", "1,64,1"], "names a batch size twice"),
@@ -75,6 +77,18 @@ def test_user_errors_are_one_line(run, args, message):
     assert message in res.stderr
     assert "Traceback" not in res.output, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+
+
+def test_a_bad_seed_is_refused_without_the_greedy_note(run, tiny_checkpoint):
+    """An invalid setting is the one error; the note that a valid one does nothing under greedy
+    decoding comes only once every setting is valid."""
+    res = run("generate", "--prompt", "hi", "--seed", "-1")
+    assert res.exit_code == 2 and "seed" in res.stderr
+    assert "nothing under greedy" not in res.stderr
+    model = str(tiny_checkpoint("llama", with_tokenizer=True))
+    res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "2", "--seed", "3")
+    assert res.exit_code == 0, res.output
+    assert "--seed does nothing under greedy decoding" in " ".join(res.stderr.split())
 
 
 def test_prompts_file_errors_name_the_line(run, tmp_path):

@@ -17,8 +17,8 @@ from ..cache import current_umask
 from ..data import PromptRecord, load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
-from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
-                     kernels_option, model_option, policy_option, speculative_config, with_drafter_options)
+from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, finite,
+                     fmt, kernels_option, model_option, policy_option, speculative_config, with_drafter_options)
 
 MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after the first
 
@@ -31,9 +31,10 @@ MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after t
 @model_option
 @device_option
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True, callback=finite,
               help="[0, 2] (OpenAI's); 0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              callback=finite)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped.")
@@ -93,10 +94,6 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         fail("--limit takes the first N prompts of --prompts-file; with --prompt there is one")
     if _given("batch_size") and prompts_file is None:
         fail("--batch-size runs a prompts file's prompts that many at a time; with --prompt there is one")
-    if temperature == 0 and (seed is not None or top_p < 1 or top_k > 0):
-        given = [f for f, on in (("--seed", seed is not None), ("--top-p", top_p < 1), ("--top-k", top_k > 0)) if on]
-        err_console.print(f"note: {', '.join(given)} do{'es' if len(given) == 1 else ''} nothing under greedy decoding "
-                          "(--temperature 0)", highlight=False, soft_wrap=True)
     if output is not None and prompts_file is None:
         fail("--output writes a prompts file's completions; with --prompt the text goes to stdout")
     if output is not None:
@@ -114,6 +111,10 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
                                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                                 min_tokens=min_tokens, logit_bias=_logit_bias(logit_bias),
                                 structure=_structure(json_object, json_schema, regex, grammar))
+        if temperature == 0 and (seed is not None or top_p < 1 or top_k > 0):  # (valid, but without effect)
+            given = [f for f, on in (("--seed", seed is not None), ("--top-p", top_p < 1), ("--top-k", top_k > 0)) if on]
+            err_console.print(f"note: {', '.join(given)} do{'es' if len(given) == 1 else ''} nothing under greedy "
+                              "decoding (--temperature 0)", highlight=False, soft_wrap=True)
         records = load_prompts(prompts_file, limit) if prompts_file else None
         if compare and prompt is not None:  # one prompt compared: run as a file of one (no streaming)
             records, prompt = [PromptRecord("prompt", "-", prompt)], None
