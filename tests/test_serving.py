@@ -1228,6 +1228,7 @@ def test_replica_crash_then_router_restart_leaks_no_slot(tiny_dir, local_engine,
         for exc, waited in refused.values():
             # (streamed or not, the same reason: the wait, and each replica's last error)
             assert exc.status_code == 503 and "no verifier replica is available after" in exc.message
+            assert exc.message.endswith("; retry later")
             assert 15 < waited < 60, waited
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -235,7 +235,7 @@ class Router:
         each replica's last error (what a 503 / UNAVAILABLE says)."""
         errors = "; ".join(f"{r.address}: {r.last_error}" for r in self.replicas if r.last_error)
         return f"no verifier replica is available after {self.config.failover_wait_s:g} s" + (
-            f" ({errors})" if errors else "")
+            f" ({errors})" if errors else "") + "; retry later"
 
     async def wait_available(self) -> bool:
         """Whether a replica is healthy, waiting up to ``failover_wait_s`` for one to come back

@@ -327,7 +327,7 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
         created = int(time.time())
         if req.stream:
             if not await router.wait_available():  # none comes back in time: say so before the 200 of a stream
-                return _error(503, router.unavailable_message() + "; retry later", "server_error")
+                return _error(503, router.unavailable_message(), "server_error")
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventSourceResponse(_stream(router, engine_reqs, req.category, rid, created, chat_api,
                                                include_usage, tools), ping=15)
