@@ -347,7 +347,9 @@ class LocalTarget(Target):
         verifies drafts."""
         if not slots or not drafter.drafts_from_verify:
             return
-        n = self.cache.num_slots  # every row, the admitted ones kept: one shape whatever the slots
+        # with CUDA graphs every row, the admitted ones kept (one shape whatever the slots: the head
+        # replays one graph); eagerly only the rows up to the highest admitted slot
+        n = self.cache.num_slots if self.runner.config.cuda_graphs else max(slots) + 1
         keep = torch.zeros(n, dtype=torch.bool, device=self.runner.device)
         # a scalar fill: ``keep[index] = True`` would copy a host scalar to the device and wait for the stream
         keep.index_fill_(0, to_device(torch.tensor(slots, dtype=torch.int64), keep.device), True)

@@ -336,6 +336,25 @@ def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
     assert any(key[0] == "chained" for key in engine.drafter._captured)
 
 
+def test_first_drafts_cover_every_row_only_for_graphs(target_dir, monkeypatch):
+    """An admission's first drafts (``LocalTarget.prime_drafts``) run over every slot's row where
+    CUDA graphs replay them (one shape), and eagerly over the rows up to the highest admitted slot
+    only (no draft work for the empty rows above it)."""
+    engine = _specformer_engine(target_dir, chained=True, slots=8)
+    rows = []
+    prime = engine.drafter.device_prime
+    monkeypatch.setattr(engine.drafter, "device_prime", lambda keep, *a: (rows.append(keep.tolist()), prime(keep, *a)))
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert rows == [[True, True]]  # slots 0 and 1, admitted together
+    rows.clear()
+    from dataclasses import replace
+
+    # (the shape only: prime_drafts reads the flag; on the CPU the head still runs eagerly)
+    monkeypatch.setattr(engine.runner, "config", replace(engine.runner.config, cuda_graphs=True))
+    engine.target.prime_drafts([2], engine.drafter)
+    assert rows == [[False, False, True] + [False] * 5]
+
+
 def test_device_lookup_at_full_width_in_a_padded_batch():
     """``lookup_drafts`` at full width (SpecFormer's chained rounds read l_d tokens) gives
     ``LookupIndex``'s answer at the end of random rows of a padded batch over several vocabulary
