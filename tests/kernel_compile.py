@@ -26,7 +26,7 @@ def main() -> int:
 
     from tandem.drafters import lookup_kernel
     from tandem import verify_kernel
-    from tandem.models import attention, fused_linear, kernels
+    from tandem.models import attention, fused_linear, head_kernels, kernels
 
     target = GPUTarget("cuda", 90, 32)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -79,6 +79,13 @@ def main() -> int:
     build(kernels._row_argmax_kernel(), dict(x_ptr=bf, out_ptr="*i64", n_cols=i32, x_stride=i32), dict(BLOCK=4096),
           "row_argmax")
     i64p = "*i64"
+    tap_rmsnorm, draft_input = head_kernels._kernels()
+    build(tap_rmsnorm, dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, n_cols=i32, n_taps=i32, eps=f32), dict(BLOCK=1024),
+          "tap_rmsnorm")
+    for lookup in (False, True):
+        build(draft_input, dict(h_ptr=bf, pos_ptr=bf, cont_ptr=i64p, match_ptr=i64p, emb_ptr=bf, lw_ptr=bf, mt_ptr=bf,
+                                dw_ptr=bf, x_ptr=bf, out_ptr=bf, n_cols=i32, slots=i32, max_match=i32, eps=f32),
+              dict(LOOKUP=lookup, BLOCK=1024), f"draft_input lookup={lookup}")
     for k, support in ((4, False), (8, True)):  # n-gram and the head's lookup; the context-aware n-gram's evidence
         build(lookup_kernel._kernel(), dict(hist_ptr=i64p, last_ptr=i64p, room_ptr=i64p, cont_ptr=i64p, lens_ptr=i64p,
                                             match_ptr=i64p, support_ptr=i64p, survivors_ptr=i64p, C=i32,

@@ -31,7 +31,7 @@ from ..models.transfer import to_device
 # the head as a model; init_context_from_target, save_specformer and specformer_file are also
 # imported from here by the CLI
 from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
-                                 lookup_inputs, save_specformer, specformer_file, use_fused_kernels)
+                                 save_specformer, specformer_file, use_fused_kernels)
 from .base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, synced_index
 from .lookup import LookupIndex
 from .specformer_chained import SERVING_SDPA, ChainedHead
@@ -397,18 +397,23 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         start, q_lens, slots = packed[:, 0], packed[:, 1], packed[:, 2]
         next_emb = target.embed(packed[:, 3:]) if head.config.context_next_token else None  # [n, M, d]
         scratch = self.k_cache.shape[3] - 1
-        h = head.context_input(x, next_emb)
         if rows_are_slots and self._fused:  # chained rounds on the fused path: no mask, the fused attention
+            # the stream as (h, delta) with h + delta added inside the next norm's kernel
+            h, delta = head.context_input_parts(x, next_emb)
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
             for i, layer in enumerate(head.ctx):  # (the RoPE/KV kernel makes the positions from start, q_lens)
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
-                q = kernels.rope_kv_write_spans(layer.qkv(layer.norm(h)), target.rope_cos, target.rope_sin, start,
+                normed, h = kernels.add_rmsnorm((h if delta is None else delta).contiguous(),
+                                                None if delta is None else h.contiguous(), layer.norm.weight, layer.norm.eps)
+                q = kernels.rope_kv_write_spans(layer.qkv(normed), target.rope_cos, target.rope_sin, start,
                                                 q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
                 att = attention.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,
                                                        chunk=self._attn_chunk)
                 o = layer.o(att.reshape(n, M, -1))
-                h = h + o if layer.mlp is None else layer.mlp.residual_forward(h, o)
+                h, delta = (h, o) if layer.mlp is None else layer.mlp.residual_parts(h, o)
+            h = h if delta is None else h + delta
             return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
+        h = head.context_input(x, next_emb)
         offs = torch.arange(M, device=dev)
         pos = start[:, None] + offs[None, :]  # [n, M]
         write = torch.where(offs[None, :] < q_lens[:, None], pos, scratch)
@@ -488,12 +493,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         cfg = head.config
         ld = cfg.num_draft_tokens
         bonus = target.embed(ids[:, ld + 1]) if cfg.bonus_token else None
-        lookup = lookup_inputs(target.embed, ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else None
-        x = head.draft(states, bonus, lookup)
-        if self._fused:  # the target's final norm as one kernel, as the target's fused forward runs it
-            norm = target.norm
-            return kernels.add_rmsnorm(x.contiguous(), None, norm.weight, norm.eps)[0]
-        return target.norm(x)
+        lookup = (ids[:, :ld], ids[:, ld]) if cfg.lookup_tokens else ()
+        return head.draft_from_ids(states, target.embed, target.norm, bonus, *lookup)
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
         ready: list[tuple[int, DraftRequest]] = []

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..drafters.lookup import MAX_N
-from . import kernels
+from . import head_kernels, kernels
 from .config import ModelConfig, ModelLoadError
 from .rope import apply_rope
 from .transformer import RMSNorm
@@ -276,8 +276,14 @@ class _SwiGLU(nn.Module):
         (``kernels.add_rmsnorm`` with a residual), one kernel fewer."""
         if not self.fused:
             return self(x + delta)
+        r, out = self.residual_parts(x, delta)
+        return r + out
+
+    def residual_parts(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual_forward`` as ``(r, out)`` with the result ``r + out``, left to the next
+        norm's kernel to add (fused only)."""
         normed, r = kernels.add_rmsnorm(delta.contiguous(), x.contiguous(), self.norm.weight, self.norm.eps)
-        return r + self.w2(kernels.silu_mul(self.w13(normed)))
+        return r, self.w2(kernels.silu_mul(self.w13(normed)))
 
 
 # parameter names of heads saved before context layers were stacked (one layer, no MLP)
@@ -299,6 +305,9 @@ class SpecFormerHead(nn.Module):
         d, nh, hd = config.hidden_size, config.num_heads, config.head_dim
         eps = config.rms_norm_eps
         self.tap_norms = nn.ModuleList(RMSNorm(d, eps) for _ in config.taps)
+        # [taps, d] the tap norms' weights stacked for the fused path (``use_fused_kernels``; a
+        # buffer, so it follows the head's device and dtype; not saved)
+        self.register_buffer("_tap_weight", None, persistent=False)
         self.down = nn.Linear(len(config.taps) * d, d, bias=False)
         if config.context_next_token:
             self.next_norm = RMSNorm(d, eps)
@@ -326,7 +335,7 @@ class SpecFormerHead(nn.Module):
             self.down.weight.zero_()
             self.down.weight[:, -d:] = torch.eye(d)
 
-    fused_attention = False  # the draft slots' attention as one kernel (``use_fused_kernels``)
+    fused = False  # the glue kernels and the draft slots' attention as one kernel (``use_fused_kernels``)
 
     def context_input(self, taps: torch.Tensor, next_emb: torch.Tensor | None = None) -> torch.Tensor:
         """The context stream's input ``[..., d]``: per-tap RMSNorm, concat, downsample of ``taps``
@@ -336,13 +345,23 @@ class SpecFormerHead(nn.Module):
         Raises:
             ValueError: a ``context_next_token`` head without ``next_emb``.
         """
-        normed = [norm(taps[..., i, :]) for i, norm in enumerate(self.tap_norms)]
-        h = self.down(torch.cat(normed, dim=-1))
-        if self.config.context_next_token:
-            if next_emb is None:
-                raise ValueError("this SpecFormer head reads each position's next token: pass next_emb")
-            h = h + self.next_proj(self.next_norm(next_emb))
-        return h
+        h, delta = self.context_input_parts(taps, next_emb)
+        return h if delta is None else h + delta
+
+    def context_input_parts(self, taps: torch.Tensor, next_emb: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``context_input`` as ``(h, delta)`` with the input ``h + delta`` (``delta`` the next
+        token's projection, None for a head without): the fused path adds it inside the first
+        context layer's norm (``kernels.add_rmsnorm``). Raises as ``context_input``."""
+        if self.fused:  # one kernel writes the concatenated norms (``head_kernels.tap_rmsnorm``)
+            h = self.down(head_kernels.tap_rmsnorm(taps, self._tap_weight, self.tap_norms[0].eps))
+        else:
+            h = self.down(torch.cat([norm(taps[..., i, :]) for i, norm in enumerate(self.tap_norms)], dim=-1))
+        if not self.config.context_next_token:
+            return h, None
+        if next_emb is None:
+            raise ValueError("this SpecFormer head reads each position's next token: pass next_emb")
+        return h, self.next_proj(self.next_norm(next_emb))
 
     def draft(self, h: torch.Tensor, bonus_emb: torch.Tensor | None = None,
               lookup: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -363,20 +382,66 @@ class SpecFormerHead(nn.Module):
             if bonus_emb is None:
                 raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
             h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
-        ld, nh, hd = self.config.num_draft_tokens, self.config.num_heads, self.config.head_dim
+        ld = self.config.num_draft_tokens
         x = h[:, None, :] + self.pos_ffn(self.pos_norm(h)).view(N, ld, d)
         if self.config.lookup_tokens:
             if lookup is None:
                 raise ValueError("this SpecFormer head reads the context lookup continuation: pass lookup")
             emb, match = lookup
             x = x + self.lookup_norm(emb) + self.lookup_match(match)[:, None, :]
-        qkv = self.draft_qkv(self.draft_norm(x))
-        if self.fused_attention:  # one kernel from the projection's rows to the output projection's
+        return self._draft_slots(x, self.draft_norm(x))
+
+    def draft_from_ids(self, h: torch.Tensor, embed: nn.Embedding, final_norm: RMSNorm,
+                       bonus_emb: torch.Tensor | None = None, cont: torch.Tensor | None = None,
+                       match: torch.Tensor | None = None) -> torch.Tensor:
+        """``final_norm(draft(...))`` with the lookup continuation as token ids, as serving holds
+        it: ``[N, d]`` context states -> ``[N, l_d, d]`` draft states after the target's final
+        norm (what its LM head reads). With ``fused`` the slots' input stream and its norm are one
+        kernel (``head_kernels.draft_input``, which reads the continuation's embeddings itself) and
+        the MLP's residual add runs inside the final norm's kernel.
+
+        Args:
+            embed: the target's token embedding (frozen); final_norm: the target's final norm.
+            bonus_emb: as in ``draft``.
+            cont: (``lookup_tokens`` heads) ``[N, l_d]`` long continuation ids, -1 where none;
+                match: ``[N]`` long match lengths (``lookup_inputs``).
+
+        Raises:
+            ValueError: as ``draft``.
+        """
+        lookup_ids = cont is not None and match is not None
+        if not self.fused:
+            return final_norm(self.draft(h, bonus_emb, lookup_inputs(embed, cont, match) if lookup_ids else None))
+        N, d = h.shape
+        if self.config.bonus_token:
+            if bonus_emb is None:
+                raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
+            h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
+        lookup = None
+        if self.config.lookup_tokens:
+            if not lookup_ids:
+                raise ValueError("this SpecFormer head reads the context lookup continuation: pass cont and match")
+            lookup = (cont, match, embed.weight, self.lookup_norm.weight, self.lookup_match.weight)
+        pos = self.pos_ffn(self.pos_norm(h)).view(N, self.config.num_draft_tokens, d)
+        x, normed = head_kernels.draft_input(h, pos, self.draft_norm.weight, self.draft_norm.eps, lookup)
+        r, delta = self._draft_slots(x, normed, parts=True)
+        return kernels.add_rmsnorm(delta.contiguous(), r.contiguous(), final_norm.weight, final_norm.eps)[0]
+
+    def _draft_slots(self, x: torch.Tensor, normed: torch.Tensor, parts: bool = False):
+        """The draft slots' attention and MLP over their input stream ``x`` ``[N, l_d, d]`` and its
+        draft norm ``normed``: ``[N, l_d, d]`` draft states; with ``parts`` (fused only) as
+        ``(r, delta)`` whose sum they are (``_SwiGLU.residual_parts``)."""
+        N, ld, _ = x.shape
+        nh, hd = self.config.num_heads, self.config.head_dim
+        qkv = self.draft_qkv(normed)
+        if self.fused:  # one kernel from the projection's rows to the output projection's
             att = kernels.slot_attention(qkv, nh, hd, self.config.causal_draft)
         else:
             q, k, v = qkv.view(N, ld, 3, nh, hd).permute(2, 0, 3, 1, 4)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal_draft)
             att = att.transpose(1, 2).reshape(N, ld, nh * hd)
+        if parts:
+            return self.mlp.residual_parts(x, self.draft_o(att))
         return self.mlp.residual_forward(x, self.draft_o(att))
 
     def forward_train(self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -410,12 +475,21 @@ class SpecFormerHead(nn.Module):
 
 def use_fused_kernels(head: SpecFormerHead, on: bool = True) -> None:
     """Run the head's RMSNorms, SwiGLU activations and draft-slot attention through the fused GPU
-    kernels (``tandem.models.kernels``; ``slot_attention`` for the slots): serving only (the
-    kernels have no backward), on a target runner that uses them."""
+    kernels (``tandem.models.kernels``; ``slot_attention`` for the slots), and its glue between
+    matmuls through ``tandem.models.head_kernels`` (the tap norms, the draft slots' input): serving
+    only (the kernels have no backward), on a target runner that uses them. Call after the head
+    has its weights (the tap norms' weights are stacked here).
+
+    Raises:
+        ValueError: tap norms with different epsilons (the fused tap norm takes one)."""
     for m in head.modules():
         if isinstance(m, (RMSNorm, _SwiGLU)):
             m.fused = on
-    head.fused_attention = on
+    head.fused = on
+    eps = {norm.eps for norm in head.tap_norms}
+    if len(eps) != 1:
+        raise ValueError(f"the tap norms' epsilons differ ({sorted(eps)}): tap_rmsnorm takes one")
+    head._tap_weight = torch.stack([norm.weight.detach() for norm in head.tap_norms]) if on else None
 
 
 def lookup_inputs(embed: nn.Embedding, cont, match) -> tuple[torch.Tensor, torch.Tensor]:
