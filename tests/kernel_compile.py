@@ -76,8 +76,11 @@ def main() -> int:
         for L in (4, 8):
             build(kernels._slot_attention_kernel(), dict(qkv_ptr=bf, out_ptr=bf, L=i32, scale=f32),
                   dict(HEADS=9, HEAD_DIM=64, BLOCK_L=L, CAUSAL=causal), f"slot_attention L<={L} causal={causal}")
-    build(kernels._row_argmax_kernel(), dict(x_ptr=bf, out_ptr="*i64", n_cols=i32, x_stride=i32), dict(BLOCK=4096),
-          "row_argmax")
+    argmax_part, argmax_merge = kernels._row_argmax_kernels()
+    build(argmax_part, dict(x_ptr=bf, val_ptr="*fp32", idx_ptr="*i64", n_cols=i32, x_stride=i32, parts=i32),
+          dict(BLOCK=kernels.ARGMAX_BLOCK), "row_argmax part")
+    build(argmax_merge, dict(val_ptr="*fp32", idx_ptr="*i64", out_ptr="*i64", parts=i32), dict(PARTS=32),
+          "row_argmax merge", warps=1)
     i64p = "*i64"
     tap_rmsnorm, draft_input = head_kernels._kernels()
     build(tap_rmsnorm, dict(x_ptr=bf, w_ptr=bf, out_ptr=bf, n_cols=i32, n_taps=i32, eps=f32), dict(BLOCK=1024),

@@ -692,8 +692,9 @@ def test_head_glue_kernels_equal_the_fused_ops_they_replace(where):
 
 def test_row_argmax_is_torch_argmax_with_its_ties(where):
     """``row_argmax`` gives ``torch.argmax``'s index for every row of ``[..., V]`` logits, ties
-    included (the first maximum, also when equal maxima sit in different blocks of the sweep),
-    for a vocabulary that is not a multiple of the block, and rows of a strided view."""
+    included (the first maximum, also when equal maxima sit in different parts of the first pass),
+    for a vocabulary that is not a multiple of a part, rows whose maximum is in the last, partial
+    part, rows of -inf, and rows of a strided view."""
     device, dtype = where
     gen = torch.Generator(device=device).manual_seed(5)
     V = 3 * 4096 + 123
@@ -702,6 +703,8 @@ def test_row_argmax_is_torch_argmax_with_its_ties(where):
     x[2, 17] = x[2, 18] = 50.0  # equal maxima in one block
     x[3, V - 1] = 50.0  # the last column
     x[4] = 1.0  # all equal: index 0
+    x[5] = float("-inf")  # all -inf: index 0, as torch.argmax
+    x[6, V - 100] = x[6, V - 50] = 60.0  # equal maxima in the last, partial part
     assert torch.equal(kernels.row_argmax(x), x.argmax(-1))
     assert kernels.row_argmax(x)[1].item() == 5000
     three = x[:6].view(2, 3, V)

@@ -397,37 +397,48 @@ def slot_attention(qkv: torch.Tensor, heads: int, head_dim: int, causal: bool = 
     return out
 
 
+# columns a program of row_argmax's first pass reads: 24 programs a row over a 49,152 vocabulary
+ARGMAX_BLOCK = 2048
+
+
 @functools.lru_cache(maxsize=1)
-def _row_argmax_kernel():
+def _row_argmax_kernels():
     triton, tl = _modules()
 
     @triton.jit
-    def row_argmax_kernel(x_ptr, out_ptr, n_cols, x_stride, BLOCK: tl.constexpr):
-        # one row per program: the first index of the row's maximum (blocks in order, a later
-        # block taken only when strictly greater; within a block the leftmost of equal values)
+    def argmax_part_kernel(x_ptr, val_ptr, idx_ptr, n_cols, x_stride, parts, BLOCK: tl.constexpr):
+        # program (row, part): the maximum of one BLOCK of the row's columns and its first index
         row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * x_stride
-        cols = tl.arange(0, BLOCK)
-        best = tl.full([], float("-inf"), tl.float32)
-        at = tl.full([], 0, tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            idx = start + cols
-            x = tl.load(base + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32)
-            b = tl.max(x, axis=0)
-            i = tl.argmax(x, axis=0).to(tl.int64) + start
-            take = b > best
-            at = tl.where(take, i, at)
-            best = tl.where(take, b, best)
-        tl.store(out_ptr + row, at)
+        part = tl.program_id(1)
+        idx = part * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * x_stride + idx, mask=idx < n_cols, other=float("-inf")).to(tl.float32)
+        tl.store(val_ptr + row * parts + part, tl.max(x, axis=0))
+        tl.store(idx_ptr + row * parts + part, tl.argmax(x, axis=0).to(tl.int64) + part * BLOCK)
 
-    return row_argmax_kernel
+    @triton.jit
+    def argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, parts, PARTS: tl.constexpr):
+        # one row per program: the parts in column order; of equal maxima the first part's index,
+        # so the row's first maximum, as torch.argmax gives it
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, PARTS)
+        live = p < parts
+        v = tl.load(val_ptr + row * parts + p, mask=live, other=float("-inf"))
+        i = tl.load(idx_ptr + row * parts + p, mask=live, other=0)
+        best = tl.max(v, axis=0)
+        first = tl.min(tl.where(live & (v == best), p, PARTS), axis=0)
+        tl.store(out_ptr + row, tl.sum(tl.where(p == first, i, 0), axis=0))
+
+    return argmax_part_kernel, argmax_merge_kernel
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` for ``[..., V]`` logits in one launch, one program per row sweeping the
-    vocabulary in blocks: the first index of each row's maximum, as ``torch.argmax`` gives it
-    (rows without NaN). PyTorch's reduction reaches about a third of the memory bandwidth on a
-    few hundred rows of a 49k vocabulary (docs/benchmarks.md); this one streams them.
+    """``x.argmax(-1)`` for ``[..., V]`` logits in two launches: the first reads each row in
+    ``ARGMAX_BLOCK``-column parts, one program a part (the maximum and its first index), the second
+    merges a row's parts in column order. The first index of each row's maximum, as
+    ``torch.argmax`` gives it (rows without NaN). PyTorch's reduction reaches about a third of the
+    memory bandwidth on a few hundred rows of a 49k vocabulary, and one program a row sweeping the
+    vocabulary waits on 24 dependent loads (14 µs for one row on an H100, docs/benchmarks.md);
+    here every part loads at once.
 
     Args:
         x: ``[..., V]`` float logits, the last dimension contiguous; CUDA (or the CPU under
@@ -440,9 +451,15 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     V = x.shape[-1]
     rows = x.reshape(-1, V)
-    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
-    if rows.shape[0]:
-        _row_argmax_kernel()[(rows.shape[0],)](rows, out, V, rows.stride(0), BLOCK=min(_pow2(V), 4096))
+    n = rows.shape[0]
+    out = torch.empty(n, dtype=torch.long, device=x.device)
+    if n:
+        part_kernel, merge_kernel = _row_argmax_kernels()
+        parts = -(-V // ARGMAX_BLOCK)
+        vals = torch.empty((n, parts), dtype=torch.float32, device=x.device)
+        idx = torch.empty((n, parts), dtype=torch.long, device=x.device)
+        part_kernel[(n, parts)](rows, vals, idx, V, rows.stride(0), parts, BLOCK=ARGMAX_BLOCK)
+        merge_kernel[(n,)](vals, idx, out, parts, PARTS=max(_pow2(parts), 2), num_warps=1)
     return out.view(x.shape[:-1])
 
 
