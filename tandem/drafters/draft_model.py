@@ -273,8 +273,9 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
                 packed = torch.stack([length + 1 + i, rows, drafts[-1]], dim=1)
                 logits = self.runner.forward_packed(packed, attn_len).logits[:, 0]
         tokens = torch.stack(drafts, dim=1)
-        self._draft_tokens[:n, :k] = torch.where(keep[:, None], tokens, self._draft_tokens[:n, :k])
-        self._draft_lens[:n] = torch.where(keep, k, self._draft_lens[:n])
+        token_rows = self._draft_tokens[:n, :k]
+        torch.where(keep[:, None], tokens, token_rows, out=token_rows)  # in place: one launch, no copy
+        self._draft_lens[:n].masked_fill_(keep, k)
 
     def _pick(self, logits: torch.Tensor, position: torch.Tensor, sampling, keep: torch.Tensor,
               i: int) -> torch.Tensor:

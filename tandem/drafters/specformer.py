@@ -157,6 +157,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         self._state = torch.zeros((self._num_slots, cfg.hidden_size), device=dev, dtype=dtype)
         self._draft_tokens = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.long, device=dev)
         self._draft_lens = torch.zeros(self._num_slots, dtype=torch.long, device=dev)
+        self._slot_ids = torch.arange(self._num_slots, device=dev)  # row i is slot i (chained rounds)
         self._draft_q: torch.Tensor | None = None
         self._draft_scores = None
         if self._scorer is not None:
@@ -412,7 +413,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
                 o = layer.o(att.reshape(n, M, -1))
                 h, delta = (h, o) if layer.mlp is None else layer.mlp.residual_parts(h, o)
             h = h if delta is None else h + delta
-            return h[torch.arange(n, device=dev), (q_lens - 1).clamp(min=0)]
+            # each row's last accepted position (a row of none, not kept, reads its last position: -1)
+            return h[self._slot_ids[:n], q_lens - 1]
         h = head.context_input(x, next_emb)
         offs = torch.arange(M, device=dev)
         pos = start[:, None] + offs[None, :]  # [n, M]

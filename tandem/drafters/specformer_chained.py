@@ -79,11 +79,11 @@ class ChainedHead(BufferedDrafts):
                       tokens: torch.Tensor, keep: torch.Tensor, attn_len: int, state, sampling) -> None:
         """``device_after_verify``'s device work (see ``VerifiedStep`` for the arguments)."""
         n = tokens.shape[0]
-        dev = tokens.device
         q_lens = (num_accepted + 1) * keep
-        packed = torch.cat([start[:, None], q_lens[:, None], torch.arange(n, device=dev)[:, None], tokens], dim=1)
+        packed = torch.cat([start[:, None], q_lens[:, None], self._slot_ids[:n, None], tokens], dim=1)
         h = self._observe_rows(taps.to(self._state.dtype), packed, attn_len, rows_are_slots=True)  # [n, d]
-        self._state[:n] = torch.where(keep[:, None], h, self._state[:n])
+        state_rows = self._state[:n]
+        torch.where(keep[:, None], h, state_rows, out=state_rows)  # in place: one launch, no copy
         self._draft_next(keep, state, sampling, attn_len + 1)
 
     @torch.inference_mode()
@@ -148,7 +148,8 @@ class ChainedHead(BufferedDrafts):
             u = counter_uniform(sampling.seed, length[:, None] + 1 + torch.arange(ld, device=dev)[None, :], STREAM_DRAFT)
             drawn = sample_inverse_cdf(q, u.reshape(-1)).view(n, ld)
             drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
-            self._draft_q[:n] = torch.where(keep[:, None, None], q.view(n, ld, V), self._draft_q[:n])
+            q_rows = self._draft_q[:n]
+            torch.where(keep[:, None, None], q.view(n, ld, V), q_rows, out=q_rows)
         if self._scorer is not None:  # the predictor's features of each draft's q, as draft_rows makes them
             pos = torch.arange(1, ld + 1, dtype=torch.float32, device=dev).repeat(n)
             feats = self._features(logits.reshape(n * ld, V), pos, probs=False)  # greedy rows: softmax(logits)
@@ -156,9 +157,12 @@ class ChainedHead(BufferedDrafts):
                 feats = torch.where(sampling.greedy[:, None].expand(n, ld).reshape(-1, 1), feats,
                                     self._features(q, pos, probs=True))
             scores = self._scorer(feats).view(n, ld)
-            self._draft_scores[:n] = torch.where(keep[:, None], scores.float(), self._draft_scores[:n])
-        self._draft_tokens[:n] = torch.where(keep[:, None], drafts, self._draft_tokens[:n])
-        self._draft_lens[:n] = torch.where(keep, ld, self._draft_lens[:n])
+            score_rows = self._draft_scores[:n]
+            torch.where(keep[:, None], scores.float(), score_rows, out=score_rows)
+        # the kept rows' drafts written in place (a where into its own input row by row, then no copy)
+        token_rows = self._draft_tokens[:n]
+        torch.where(keep[:, None], drafts, token_rows, out=token_rows)
+        self._draft_lens[:n].masked_fill_(keep, ld)
 
     def _features(self, x: torch.Tensor, pos: torch.Tensor, probs: bool) -> torch.Tensor:
         """Predictor features ``[R, 4]`` of draft logits ``x`` ``[R, V]`` (or probabilities, with
