@@ -14,8 +14,10 @@ and the draft norm). Two kernels take their place:
 
 Each reproduces the plain ops' roundings (every add and every norm rounded to the storage dtype
 where the unfused op would round), so the fused head drafts as the plain one does (within the
-reduction order of the norms' sums); checked on the CPU under Triton's interpreter against the
-plain ops (``tests/test_specformer_fused.py``). CUDA, or the CPU under the interpreter.
+reduction order of the norms' sums): ``tests/test_kernels.py`` checks each against the launches it
+replaces (bitwise under Triton's interpreter, within a bf16 rounding on a GPU) and
+``tests/test_specformer_fused.py`` the fused head's drafts against the plain ops'. CUDA, or the CPU
+under the interpreter.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def draft_input(h: torch.Tensor, pos: torch.Tensor, draft_weight: torch.Tensor, 
         if lookup is not None:
             cont, match, embed, lookup_w, table = lookup
             args = (cont.contiguous(), match.contiguous(), embed, lookup_w, table, table.shape[0] - 1)
-        else:
-            args = (h, h, h, draft_weight, h, 0)  # unread
+        else:  # LOOKUP off: the kernel never reads these pointers
+            args = (h, h, h, draft_weight, h, 0)
         cont, match, embed, lookup_w, table, max_match = args
         _kernels()[1][(N * L,)](h.contiguous(), pos, cont, match, embed, lookup_w, table, draft_weight, x, out,
                                 d, L, max_match, eps, LOOKUP=lookup is not None, BLOCK=_pow2(d))
