@@ -158,6 +158,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         self._draft_tokens = torch.zeros((self._num_slots, cfg.num_draft_tokens), dtype=torch.long, device=dev)
         self._draft_lens = torch.zeros(self._num_slots, dtype=torch.long, device=dev)
         self._slot_ids = torch.arange(self._num_slots, device=dev)  # row i is slot i (chained rounds)
+        self._full_room = torch.full((self._num_slots,), cfg.num_draft_tokens, dtype=torch.long, device=dev)  # l_d each
         self._draft_q: torch.Tensor | None = None
         self._draft_scores = None
         if self._scorer is not None:

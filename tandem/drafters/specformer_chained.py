@@ -133,7 +133,7 @@ class ChainedHead(BufferedDrafts):
         length = state.length[:n]  # the new last token sits at history[length]
         last = (length * keep).clamp(max=width - 1)
         if cfg.lookup_tokens:
-            cont, _, match = lookup_drafts(state.history[:n, :width], last, torch.full_like(last, ld), ld)
+            cont, _, match = lookup_drafts(state.history[:n, :width], last, self._full_room[:n], ld)
         else:
             cont, match = torch.full((n, ld), -1, dtype=torch.long, device=dev), torch.zeros_like(last)
         ids = torch.cat([cont, match[:, None], state.last[:n, None]], dim=1)
