@@ -18,15 +18,14 @@ from tandem.engine import Engine
 from tandem.errors import InvalidRequestError
 from tandem.models.config import ModelLoadError
 from tandem.models.runner import RunnerConfig
-from tandem.models.specformer import (SpecFormerConfig, SpecFormerHead, init_context_from_target, load_specformer,
-                                      save_specformer)
+from tandem.models.specformer import SpecFormerConfig, SpecFormerHead, load_specformer, save_specformer
 from tandem.models.transformer import Transformer
 from tandem.models.weights import load_checkpoint
 from tandem.sampling import SamplingParams
 from tandem.train.distill import distill, iter_batches, read_distilled
 from tandem.train.draft_model import DraftModelObjective, init_draft_model
 from tandem.train.loop import TrainConfig, train
-from tandem.train.specformer import SpecFormerObjective, new_head, specformer_labels
+from tandem.train.specformer import SpecFormerObjective, init_context_from_target, new_head, specformer_labels
 
 from conftest import spec_bench_prompts
 from helpers import assert_in_target_top_k, make_runner

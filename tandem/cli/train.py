@@ -295,7 +295,8 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
                          lookup_tokens, intermediate_size, soft_weight, init_from) -> None:
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from ..drafters.base import weights_file  # torch-backed
-    from ..drafters.specformer import init_context_from_target, load_specformer, save_specformer
+    from ..drafters.specformer import load_specformer, save_specformer
+    from ..train.specformer import init_context_from_target
     from ..train.distill import model_fingerprint
     from ..train.loop import TrainConfig, train as run_training
     from ..train.run import load_train_target

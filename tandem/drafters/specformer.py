@@ -28,10 +28,9 @@ from ..models.kv_cache import KV_SLACK
 from ..models.prefill import width_bucket
 from ..models.runner import CapturedCall, batch_bucket, context_bucket
 from ..models.transfer import to_device
-# the head as a model; init_context_from_target, save_specformer and specformer_file are also
-# imported from here by the CLI
-from ..models.specformer import (SpecFormerHead, init_context_from_target, load_specformer,  # noqa: F401
-                                 save_specformer, specformer_file, use_fused_kernels)
+# the head as a model; save_specformer and specformer_file are also imported from here by the CLI
+from ..models.specformer import (SpecFormerHead, load_specformer, save_specformer, specformer_file,  # noqa: F401
+                                 use_fused_kernels)
 from .base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter, KeepDrafting, TargetStates, draft_rows, synced_index
 from .lookup import LookupIndex
 from .specformer_chained import SERVING_SDPA, ChainedHead
@@ -405,8 +404,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
             for i, layer in enumerate(head.ctx):  # (the RoPE/KV kernel makes the positions from start, q_lens)
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
-                normed, h = kernels.add_rmsnorm((h if delta is None else delta).contiguous(),
-                                                None if delta is None else h.contiguous(), layer.norm.weight, layer.norm.eps)
+                x_in, res = (h, None) if delta is None else (delta, h.contiguous())
+                normed, h = kernels.add_rmsnorm(x_in.contiguous(), res, layer.norm.weight, layer.norm.eps)
                 q = kernels.rope_kv_write_spans(layer.qkv(normed), target.rope_cos, target.rope_sin, start,
                                                 q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
                 att = attention.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,

@@ -17,8 +17,9 @@ adds, at every position ``t`` of the context stream, the embedding of the token 
 next token against the history (copying, as n-gram lookup does). ``context_layers`` stacks more
 context attention sub-layers (``context_mlp`` adds a SwiGLU after each). ``context_init`` makes
 the context sub-layers whole decoder blocks of the target's shape (grouped-query attention and the
-target's MLP width), initialised from chosen target blocks (``init_context_from_target``), the
-way the context-aware paper's draft model starts from target blocks: a pretrained start that a few
+target's MLP width), initialised from chosen target blocks
+(``train.specformer.init_context_from_target``), the way the context-aware paper's draft model
+starts from target blocks: a pretrained start that a few
 million distilled tokens can refine without memorising them. ``lookup_tokens`` gives every draft
 slot one more input, the context lookup continuation (``tandem.drafters.lookup``, the n-gram
 drafter's rule: what followed an earlier occurrence of the sequence's last 1-4 tokens, as prompt
@@ -128,8 +129,8 @@ class SpecFormerConfig:
 
         ``context_init``: target block indices; the head gets one context decoder block per index,
         shaped like the target's blocks (its key/value heads and MLP width, ``context_mlp`` on),
-        ready for ``init_context_from_target``; ``context_layers`` (default 1, the paper's) is then
-        ``len(context_init)`` and may be given only as that.
+        ready for ``train.specformer.init_context_from_target``; ``context_layers`` (default 1, the
+        paper's) is then ``len(context_init)`` and may be given only as that.
 
         Raises:
             ValueError: ``num_draft_tokens`` or ``context_layers`` < 1, ``intermediate_size`` < 1,
@@ -224,7 +225,7 @@ class ContextLayer(nn.Module):
     """One context causal attention sub-layer (pre-norm, RoPE at the target's positions, residual,
     grouped-query attention when ``context_kv_heads`` < ``num_heads``), optionally followed by a
     SwiGLU MLP. Its output projections start at zero (identity layer) unless copied from a target
-    block (``init_context_from_target``)."""
+    block (``train.specformer.init_context_from_target``)."""
 
     def __init__(self, config: "SpecFormerConfig") -> None:
         super().__init__()
@@ -508,48 +509,6 @@ def lookup_inputs(embed: nn.Embedding, cont, match) -> tuple[torch.Tensor, torch
     cont = torch.as_tensor(cont, dtype=torch.long, device=dev)
     emb = embed(cont.clamp(min=0)) * (cont >= 0)[..., None].to(embed.weight.dtype)
     return emb, torch.as_tensor(match, dtype=torch.long, device=dev).clamp(0, MAX_N)
-
-
-@torch.no_grad()
-def init_context_from_target(head: SpecFormerHead, target) -> None:
-    """Start a ``context_init`` head from the target: context block i copies target block
-    ``config.context_init[i]`` (attention norm, fused q/k/v, output projection, MLP norm and
-    SwiGLU weights; the shapes match by construction), so the context stack begins as a pruned
-    copy of the target, as the context-aware paper's draft model does.
-
-    For ``context_next_token`` heads the stream then starts as the draft model's input: the
-    downsampler starts at zero (the taps enter as training finds them useful) and the next-token
-    branch passes each embedding through at its typical scale (``next_proj`` = identity,
-    ``next_norm`` = the embeddings' mean RMS), so at step 0 every draft slot reads the pruned
-    target's prediction after x[t+1].
-
-    Args:
-        head: a head made with ``SpecFormerConfig.for_target(..., context_init=...)``.
-        target: the target ``Transformer`` (any device and dtype; copied to the head's).
-
-    Raises:
-        ValueError: the head has no ``context_init`` blocks, or they do not fit the target.
-    """
-    cfg = head.config
-    if not cfg.context_init:
-        raise ValueError("this SpecFormer head has no context init blocks (SpecFormerConfig.context_init)")
-    if (len(target.layers), target.config.hidden_size) != (cfg.target_layers, cfg.hidden_size):
-        raise ValueError("the target does not match the head's config")
-    pairs = {"norm.weight": "attn_norm.weight", "qkv.weight": "wqkv.weight", "o.weight": "wo.weight",
-             "mlp.norm.weight": "ffn_norm.weight", "mlp.w13.weight": "w13.weight", "mlp.w2.weight": "w2.weight"}
-    for layer, idx in zip(head.ctx, cfg.context_init):
-        src = dict(target.layers[idx].named_parameters())
-        dst = dict(layer.named_parameters())
-        for ours, theirs in pairs.items():
-            if dst[ours].shape != src[theirs].shape:
-                raise ValueError(f"context block {ours} {tuple(dst[ours].shape)} cannot copy target block {idx} "
-                                 f"{theirs} {tuple(src[theirs].shape)}")
-            dst[ours].copy_(src[theirs].to(dst[ours].dtype))
-    if cfg.context_next_token:
-        head.down.weight.zero_()
-        head.next_proj.weight.copy_(torch.eye(cfg.hidden_size))
-        emb = target.embed.weight.float()
-        head.next_norm.weight.fill_(float(emb.pow(2).mean(-1).sqrt().mean()))
 
 
 def save_specformer(head: SpecFormerHead, path: str | Path, extra: dict | None = None,

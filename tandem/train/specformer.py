@@ -18,6 +18,48 @@ from .distill import DistilledSequence
 from .loop import pad_batch
 
 
+@torch.no_grad()
+def init_context_from_target(head: SpecFormerHead, target) -> None:
+    """Start a ``context_init`` head from the target: context block i copies target block
+    ``config.context_init[i]`` (attention norm, fused q/k/v, output projection, MLP norm and
+    SwiGLU weights; the shapes match by construction), so the context stack begins as a pruned
+    copy of the target, as the context-aware paper's draft model does.
+
+    For ``context_next_token`` heads the stream then starts as the draft model's input: the
+    downsampler starts at zero (the taps enter as training finds them useful) and the next-token
+    branch passes each embedding through at its typical scale (``next_proj`` = identity,
+    ``next_norm`` = the embeddings' mean RMS), so at step 0 every draft slot reads the pruned
+    target's prediction after x[t+1].
+
+    Args:
+        head: a head made with ``SpecFormerConfig.for_target(..., context_init=...)``.
+        target: the target ``Transformer`` (any device and dtype; copied to the head's).
+
+    Raises:
+        ValueError: the head has no ``context_init`` blocks, or they do not fit the target.
+    """
+    cfg = head.config
+    if not cfg.context_init:
+        raise ValueError("this SpecFormer head has no context init blocks (SpecFormerConfig.context_init)")
+    if (len(target.layers), target.config.hidden_size) != (cfg.target_layers, cfg.hidden_size):
+        raise ValueError("the target does not match the head's config")
+    pairs = {"norm.weight": "attn_norm.weight", "qkv.weight": "wqkv.weight", "o.weight": "wo.weight",
+             "mlp.norm.weight": "ffn_norm.weight", "mlp.w13.weight": "w13.weight", "mlp.w2.weight": "w2.weight"}
+    for layer, idx in zip(head.ctx, cfg.context_init):
+        src = dict(target.layers[idx].named_parameters())
+        dst = dict(layer.named_parameters())
+        for ours, theirs in pairs.items():
+            if dst[ours].shape != src[theirs].shape:
+                raise ValueError(f"context block {ours} {tuple(dst[ours].shape)} cannot copy target block {idx} "
+                                 f"{theirs} {tuple(src[theirs].shape)}")
+            dst[ours].copy_(src[theirs].to(dst[ours].dtype))
+    if cfg.context_next_token:
+        head.down.weight.zero_()
+        head.next_proj.weight.copy_(torch.eye(cfg.hidden_size))
+        emb = target.embed.weight.float()
+        head.next_norm.weight.fill_(float(emb.pow(2).mean(-1).sqrt().mean()))
+
+
 def specformer_labels(tokens: torch.Tensor, lengths: torch.Tensor, prompt_lens: torch.Tensor,
                       num_draft: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and validity of every (position, draft slot).
