@@ -253,6 +253,14 @@ def test_generate_says_when_the_context_limit_cut_the_output(run, tiny_checkpoin
               "--max-seq-len", "24", "--min-tokens", "500")
     assert res.exit_code == 0, res.output
     assert "2 of 2 prompts stopped at the context limit (--max-seq-len 24)" in " ".join(res.stderr.split())
+    # a --max-tokens past the context is said before it binds, whether or not it does (the HTTP API refuses it)
+    res = run("generate", "--model", model, "--prompt", "hi", "--no-chat", "--max-tokens", "100000",
+              "--max-seq-len", "24", "--min-tokens", "3")
+    assert res.exit_code == 0, res.output
+    assert "note: --max-tokens 100000 is past the context (--max-seq-len 24" in " ".join(res.stderr.split())
+    res = run("generate", "--model", model, "--prompts-file", str(prompts), "--no-chat", "--max-tokens", "20",
+              "--max-seq-len", "24")
+    assert res.exit_code == 0 and "past the context" not in res.stderr, res.output
 
 
 def test_generate_takes_a_draft_policy(run, tiny_checkpoint, tmp_path):
@@ -300,6 +308,7 @@ def test_generate_writes_a_prompts_files_completions(run, tiny_checkpoint, tmp_p
     prompts.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
     res = run("generate", "--model", model, "--prompts-file", str(prompts), "--max-seq-len", "64", "--output", str(out))
     assert res.exit_code == 2 and "context limit" in res.stderr
+    assert "generating" not in res.stderr  # no progress bar left beside the error on a stderr that is no terminal
     assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "p.jsonl"]
 
 

@@ -271,7 +271,8 @@ def _engine(model, device, max_batch_size, max_seq_len, spec: SpeculativeConfig 
 def _run_file(engine, records, params, chat: bool, desc: str = "generating"):
     """Run every record through the engine with a progress bar; returns (completions, wall s)."""
     engine.stats = SpecDecodeStats()
-    with tqdm(total=len(records), desc=desc, unit="prompt", file=sys.stderr) as bar:
+    # (disable=None: a bar only on a terminal; on a redirected stderr its \r-rewrites stay as text)
+    with tqdm(total=len(records), desc=desc, unit="prompt", file=sys.stderr, disable=None) as bar:
         t0 = time.perf_counter()
         try:
             results = engine.generate([r.text for r in records], params, chat=chat, on_finish=lambda c: bar.update())

@@ -127,6 +127,10 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
     except InvalidRequestError as exc:
         fail(str(exc))
         return
+    if params.max_tokens >= engine.max_seq_len:  # said before it binds (the HTTP API refuses such a request)
+        err_console.print(f"note: --max-tokens {params.max_tokens} is past the context (--max-seq-len "
+                          f"{engine.max_seq_len}, the prompt included): generation stops at the context limit",
+                          highlight=False, soft_wrap=True)
     if prompt is not None:
         emitted, out = 0, None
         try:

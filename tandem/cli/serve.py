@@ -24,9 +24,9 @@ def serve() -> None:
     """Run one Tandem service (drafter, verifier, router) as a standalone process.
 
     Start order: a drafter service if any, then the verifier replica(s), then the router (it asks
-    the replicas for their model at start-up). Services log at INFO (a "gRPC serving <services>
-    on HOST:PORT" line when ready); -v adds engine events.
-    """
+    the replicas for their model at start-up). Services log their own INFO lines (a "gRPC serving
+    <services> on HOST:PORT" line when ready, a replica's drafter and policy); -v adds the
+    libraries' INFO lines (the router's HTTP server: a line per request)."""
     for name in ("services", "tandem"):
         logger = logging.getLogger(name)
         if logger.getEffectiveLevel() > logging.INFO:
