@@ -296,11 +296,10 @@ def train_specformer_cmd(data_dir, out, epochs, max_steps, lr, batch_tokens, see
     """Train a SpecFormer head on self-distilled data (the target frozen)."""
     from ..drafters.base import weights_file  # torch-backed
     from ..drafters.specformer import load_specformer, save_specformer
-    from ..train.specformer import init_context_from_target
     from ..train.distill import model_fingerprint
     from ..train.loop import TrainConfig, train as run_training
     from ..train.run import load_train_target
-    from ..train.specformer import SpecFormerObjective, load_start, new_head
+    from ..train.specformer import SpecFormerObjective, init_context_from_target, load_start, new_head
 
     try:
         tap_list = tuple(int(t) for t in taps.split(",")) if taps is not None else None

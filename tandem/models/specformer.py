@@ -19,8 +19,8 @@ context attention sub-layers (``context_mlp`` adds a SwiGLU after each). ``conte
 the context sub-layers whole decoder blocks of the target's shape (grouped-query attention and the
 target's MLP width), initialised from chosen target blocks
 (``train.specformer.init_context_from_target``), the way the context-aware paper's draft model
-starts from target blocks: a pretrained start that a few
-million distilled tokens can refine without memorising them. ``lookup_tokens`` gives every draft
+starts from target blocks: a pretrained start that a few million distilled tokens can refine
+without memorising them. ``lookup_tokens`` gives every draft
 slot one more input, the context lookup continuation (``tandem.drafters.lookup``, the n-gram
 drafter's rule: what followed an earlier occurrence of the sequence's last 1-4 tokens, as prompt
 lookup decoding drafts it) and its match length, so the head learns where copying from the context beats its
