@@ -437,8 +437,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     merges a row's parts in column order. The first index of each row's maximum, as
     ``torch.argmax`` gives it (rows without NaN). PyTorch's reduction reaches about a third of the
     memory bandwidth on a few hundred rows of a 49k vocabulary, and one program a row sweeping the
-    vocabulary waits on 24 dependent loads (14 µs for one row on an H100, docs/benchmarks.md);
-    here every part loads at once.
+    vocabulary waits on 12 dependent 4,096-column loads (14 µs for one row on an H100,
+    docs/benchmarks.md); here every part loads at once.
 
     Args:
         x: ``[..., V]`` float logits, the last dimension contiguous; CUDA (or the CPU under
