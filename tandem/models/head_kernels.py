@@ -26,12 +26,16 @@ import functools
 
 import torch
 
-from .kernels import _modules, _pow2
+from . import kernels
+from .kernels import _jit_helpers, _modules, _pow2
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
     triton, tl = _modules()
+    global rms_scaled  # the kernels below call it by this global name (kernels._jit_helpers)
+    _jit_helpers()
+    rms_scaled = kernels.rms_scaled  # the norm as the plain ops round it
 
     @triton.jit
     def tap_rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_cols, n_taps, eps, BLOCK: tl.constexpr):
@@ -41,10 +45,8 @@ def _kernels():
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + (row % n_taps) * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + row * n_cols + cols, rms_scaled(x, w, n_cols, eps, out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def draft_input_kernel(h_ptr, pos_ptr, cont_ptr, match_ptr, emb_ptr, lw_ptr, mt_ptr, dw_ptr,
@@ -64,18 +66,14 @@ def _kernels():
             tok = tl.load(cont_ptr + row)
             e = tl.load(emb_ptr + tl.maximum(tok, 0) * n_cols + cols, mask=m, other=0.0).to(tl.float32)
             e = tl.where(tok >= 0, e, 0.0)  # no continuation: a zero row, whose norm is zero
-            ev = tl.sum(e * e, axis=0) / n_cols
-            en = (e * tl.rsqrt(ev + eps)).to(dt).to(tl.float32)
             lw = tl.load(lw_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            x = (x + (lw * en).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x = (x + rms_scaled(e, lw, n_cols, eps, dt).to(tl.float32)).to(dt).to(tl.float32)
             k = tl.minimum(tl.maximum(tl.load(match_ptr + seq), 0), max_match)
             me = tl.load(mt_ptr + k * n_cols + cols, mask=m, other=0.0).to(tl.float32)
             x = (x + me).to(dt).to(tl.float32)
         tl.store(x_ptr + row * n_cols + cols, x.to(dt), mask=m)
-        var = tl.sum(x * x, axis=0) / n_cols
-        y = (x * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
         dw = tl.load(dw_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (dw * y).to(dt), mask=m)
+        tl.store(out_ptr + row * n_cols + cols, rms_scaled(x, dw, n_cols, eps, dt), mask=m)
 
     return tap_rmsnorm_kernel, draft_input_kernel
 

@@ -87,8 +87,25 @@ def fused_unavailable_reason(device: torch.device, head_dim: int, dtype: torch.d
 
 
 @functools.lru_cache(maxsize=1)
+def _jit_helpers() -> None:
+    """Define the device functions the kernels share as module globals (a Triton kernel resolves a
+    called ``@triton.jit`` function by its global name, not through a closure)."""
+    triton, tl = _modules()
+    global rms_scaled
+
+    @triton.jit
+    def rms_scaled(x, w, n_cols, eps, DT: tl.constexpr):
+        # RMSNorm of a float32 row as the plain ops round it: x / rms(x) rounded to the storage
+        # dtype DT, then times the weight w (float32), rounded to DT
+        var = tl.sum(x * x, axis=0) / n_cols
+        y = (x * tl.rsqrt(var + eps)).to(DT).to(tl.float32)
+        return (w * y).to(DT)
+
+
+@functools.lru_cache(maxsize=1)
 def _kernels():
     triton, tl = _modules()
+    _jit_helpers()
 
     @triton.jit
     def add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
@@ -104,10 +121,8 @@ def _kernels():
             x = (x + r).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * n_cols + cols, x, mask=m)
             x = x.to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        y = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + row * n_cols + cols, rms_scaled(x, w, n_cols, eps, out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr, v_ptr,

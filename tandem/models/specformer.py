@@ -378,13 +378,8 @@ class SpecFormerHead(nn.Module):
             ValueError: a ``bonus_token`` head without ``bonus_emb`` or a ``lookup_tokens`` head
                 without ``lookup``.
         """
-        N, d = h.shape
-        if self.config.bonus_token:
-            if bonus_emb is None:
-                raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
-            h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
-        ld = self.config.num_draft_tokens
-        x = h[:, None, :] + self.pos_ffn(self.pos_norm(h)).view(N, ld, d)
+        h, pos = self._slot_inputs(h, bonus_emb)
+        x = h[:, None, :] + pos
         if self.config.lookup_tokens:
             if lookup is None:
                 raise ValueError("this SpecFormer head reads the context lookup continuation: pass lookup")
@@ -413,20 +408,25 @@ class SpecFormerHead(nn.Module):
         lookup_ids = cont is not None and match is not None
         if not self.fused:
             return final_norm(self.draft(h, bonus_emb, lookup_inputs(embed, cont, match) if lookup_ids else None))
-        N, d = h.shape
-        if self.config.bonus_token:
-            if bonus_emb is None:
-                raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
-            h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
         lookup = None
         if self.config.lookup_tokens:
             if not lookup_ids:
                 raise ValueError("this SpecFormer head reads the context lookup continuation: pass cont and match")
             lookup = (cont, match, embed.weight, self.lookup_norm.weight, self.lookup_match.weight)
-        pos = self.pos_ffn(self.pos_norm(h)).view(N, self.config.num_draft_tokens, d)
+        h, pos = self._slot_inputs(h, bonus_emb)
         x, normed = head_kernels.draft_input(h, pos, self.draft_norm.weight, self.draft_norm.eps, lookup)
         r, delta = self._draft_slots(x, normed, parts=True)
         return kernels.add_rmsnorm(delta.contiguous(), r.contiguous(), final_norm.weight, final_norm.eps)[0]
+
+    def _slot_inputs(self, h: torch.Tensor, bonus_emb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context states with the bonus token's projection added (``bonus_token`` heads) and
+        the position rows ``[N, l_d, d]`` made from them: the two terms every draft slot's input
+        starts from. Raises ValueError for a ``bonus_token`` head without ``bonus_emb``."""
+        if self.config.bonus_token:
+            if bonus_emb is None:
+                raise ValueError("this SpecFormer head conditions on the bonus token: pass bonus_emb")
+            h = h + self.bonus_proj(self.bonus_norm(bonus_emb))
+        return h, self.pos_ffn(self.pos_norm(h)).view(h.shape[0], self.config.num_draft_tokens, h.shape[1])
 
     def _draft_slots(self, x: torch.Tensor, normed: torch.Tensor, parts: bool = False):
         """The draft slots' attention and MLP over their input stream ``x`` ``[N, l_d, d]`` and its
@@ -479,17 +479,11 @@ def use_fused_kernels(head: SpecFormerHead, on: bool = True) -> None:
     kernels (``tandem.models.kernels``; ``slot_attention`` for the slots), and its glue between
     matmuls through ``tandem.models.head_kernels`` (the tap norms, the draft slots' input): serving
     only (the kernels have no backward), on a target runner that uses them. Call after the head
-    has its weights (the tap norms' weights are stacked here).
-
-    Raises:
-        ValueError: tap norms with different epsilons (the fused tap norm takes one)."""
+    has its weights (the tap norms' weights are stacked here; they share the config's epsilon)."""
     for m in head.modules():
         if isinstance(m, (RMSNorm, _SwiGLU)):
             m.fused = on
     head.fused = on
-    eps = {norm.eps for norm in head.tap_norms}
-    if len(eps) != 1:
-        raise ValueError(f"the tap norms' epsilons differ ({sorted(eps)}): tap_rmsnorm takes one")
     head._tap_weight = torch.stack([norm.weight.detach() for norm in head.tap_norms]) if on else None
 
 
