@@ -10,7 +10,8 @@ import torch
 
 from tandem.engine import Engine
 from tandem.models import load_checkpoint
-from tandem.models.prefill import GROUP_COST, MIN_WIDTH, varlen_seq_buckets, varlen_token_buckets, width_bucket
+from tandem.models.prefill import (DUMMY_LEN, GROUP_COST, MIN_WIDTH, varlen_fields, varlen_seq_buckets,
+                                   varlen_token_buckets, width_bucket)
 from tandem.models.runner import ModelRunner, RunnerConfig
 from tandem.sampling import SamplingParams
 
@@ -235,7 +236,8 @@ def test_varlen_buckets():
 
 def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     """Each prompt's tokens, positions, slot and last index; the padding in dummy sequences of at
-    most max_len tokens that write nothing (slot -1); empty sequences after them."""
+    most DUMMY_LEN tokens that write nothing (slot -1); empty sequences after them; prompts that
+    do not fit the bucket refused."""
     pre = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=4)._prefiller  # context 128
     T, S, max_len = pre.varlen_shape([3, 5])
     assert (T, S, max_len) == (64, 5, 64)  # 2 prompts + 1 dummy of 56 tokens -> the top bucket (2, 5)
@@ -257,6 +259,16 @@ def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     assert worst == (512, 5, 128) and worst[:2] in wide.varlen_buckets()
     with pytest.raises(ValueError, match="exceed"):
         wide.varlen_shape([128] * 5)
+    with pytest.raises(ValueError, match="do not fit"):
+        wide.varlen_inputs(*wide.varlen_shape([100, 100]), [0, 1, 2], [100, 100, 100])  # more tokens than the bucket
+    # 800 tokens -> the 1,024 bucket: 224 padded tokens in two dummy sequences (128 + 96), not one
+    many = _runner(checkpoint, True, prefill_varlen=True, max_batch_size=8, prefill_tokens=2048)._prefiller
+    T, S, max_len = many.varlen_shape([100] * 8)
+    assert (T, S, max_len) == (1024, 10, 128) and (T, S) in many.varlen_buckets()
+    cu = varlen_fields(many.varlen_inputs(T, S, max_len, list(range(8)), [100] * 8), T, S)[4]
+    assert cu.tolist() == [100 * i for i in range(9)] + [800 + DUMMY_LEN, 1024]
+    with pytest.raises(ValueError, match="do not fit"):
+        many.varlen_inputs(T, S, 64, [0], [100])  # a prompt longer than the bound
 
 
 def test_varlen_prefill_equals_padded(checkpoint):

@@ -28,7 +28,7 @@ and causal attention never reads a later position), so both paths give a prompt 
   over the real tokens only; the padded path ran them over ~1.6-1.8x as many positions and one
   forward per group). Up to ``varlen_limit`` tokens a forward, from a CUDA graph per (packed
   tokens, sequences) bucket (``varlen_token_buckets``, ``varlen_seq_buckets``): the tokens past
-  the real ones form dummy sequences of at most ``max_len`` tokens that write nothing to the cache,
+  the real ones form dummy sequences of at most ``DUMMY_LEN`` tokens that write nothing to the cache,
   and the graph copies each prompt's K/V into its slot itself. Every fresh-slot prefill takes this
   path when it is on, so a prompt's cache never depends on which path it took; with the
   fused-linear kernels it does not depend on its neighbours either (``Transformer.forward_varlen``).
@@ -57,6 +57,11 @@ MIN_WIDTH = 32  # the narrowest static prefill bucket (positions)
 # (docs/benchmarks.md, 2026-12-04 profile) and a forward ~0.9 ms whatever its size, plus the
 # host's launch and row copies; 2,048 positions covers both
 GROUP_COST = 2048
+# the longest dummy sequence of a varlen bucket's padding (tokens): causal attention costs a
+# sequence the square of its length, so the padding (up to a third of a bucket, a sixth on average
+# over Spec-Bench's prompts) as one sequence cost ~30% of the real prompts' attention in a prefill of
+# ten; in sequences of one flash-attn query block each it costs ~1/(2 x 128) of its length squared
+DUMMY_LEN = 128
 
 
 def varlen_token_buckets(limit: int) -> list[int]:
@@ -228,7 +233,8 @@ class Prefiller:
     def varlen_shape(self, lengths: list[int]) -> tuple[int, int, int]:
         """``(packed tokens, sequences, max_len)`` of the varlen graph that runs prompts of these
         lengths: the smallest token bucket that holds them, then room for them and the dummy
-        sequences (each at most ``max_len`` = min(tokens, context) long) that cover the padding.
+        sequences that cover the padding (each at most ``DUMMY_LEN`` long); ``max_len`` =
+        min(tokens, context) bounds every sequence's length.
 
         Raises:
             ValueError: more tokens than ``varlen_limit``.
@@ -238,7 +244,7 @@ class Prefiller:
             raise ValueError(f"{total} tokens exceed one varlen prefill's {self.varlen_limit}")
         tokens = next(b for b in self.varlen_tokens if b >= total)
         max_len = min(tokens, self.max_width)
-        seqs = len(lengths) + -(-(tokens - total) // max_len)
+        seqs = len(lengths) + -(-(tokens - total) // DUMMY_LEN)
         return tokens, next(b for b in varlen_seq_buckets(self._varlen_top(tokens)) if b >= seqs), max_len
 
     def _varlen_top(self, tokens: int) -> int:
@@ -248,7 +254,7 @@ class Prefiller:
         buckets = self.varlen_tokens
         i = buckets.index(tokens)
         pad = tokens - (buckets[i - 1] + 1 if i else 1)
-        return min(self.runner.cache.num_slots, tokens) + -(-pad // min(tokens, self.max_width))
+        return min(self.runner.cache.num_slots, tokens) + -(-pad // DUMMY_LEN)
 
     def _varlen_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                       taps_out: dict[int, list[torch.Tensor]] | None) -> None:
@@ -279,8 +285,15 @@ class Prefiller:
         (``prompts``' ids; zeros without them: a drafter that reads the target's states instead),
         positions ``[T]``, destination slots ``[T]`` (-1 for the padding), the cache positions
         ``[T]``, ``cu_seqlens`` ``[S + 1]`` (the prompts, then dummy sequences of at most
-        ``max_len`` tokens covering the padding, then empty ones) and each prompt's last token
-        index ``[S]`` (0 past the prompts)."""
+        ``DUMMY_LEN`` tokens covering the padding, then empty ones) and each prompt's last token
+        index ``[S]`` (0 past the prompts). ``max_len`` bounds the prompts' lengths (checked).
+
+        Raises:
+            ValueError: a prompt longer than ``max_len``, or more tokens or sequences than the bucket.
+        """
+        if max(lengths, default=0) > max_len or sum(lengths) > T or len(slots) > S:
+            raise ValueError(f"prompts of {lengths} tokens do not fit a varlen bucket of {T} tokens, {S} sequences "
+                             f"and {max_len} tokens a sequence")
         out = torch.zeros(4 * T + 2 * S + 1, dtype=torch.long)
         tokens, positions, dest, where, cu, last = varlen_fields(out, T, S)
         dest.fill_(-1)
@@ -295,8 +308,10 @@ class Prefiller:
             last[i] = at - 1
         where.copy_(positions)  # real tokens' cache positions; the graph sends the padding to scratch
         for i in range(len(slots) + 1, S + 1):  # dummy sequences, then empty ones
-            at = min(at + max_len, T)
+            at = min(at + DUMMY_LEN, T)
             cu[i] = at
+        if at < T:
+            raise ValueError(f"{T - at} padding tokens past the {S} sequences of the bucket")
         return out
 
     def _capture_varlen(self, T: int, S: int, max_len: int):
