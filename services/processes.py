@@ -61,7 +61,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                   max_batch_size: int | None = None, max_seq_len: int = 2048, *, drafter_address: str | None = None,
                   key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
                   redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
-                  metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True):
+                  metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True,
+                  admission: tuple[float, int] | None = None):
     """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
@@ -80,6 +81,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs, prefill_varlen); None values keep the device's defaults.
         capture_rounds: capture every round shape's graph before serving (``ReplicaEngine``).
+        admission: ``(share, wait_rounds)`` of the engine's ``AdmissionPolicy`` (None: its defaults).
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -91,6 +93,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
 
     from services.drafter.client import RemoteDrafter
     from services.verifier.replica import ReplicaEngine
+    from tandem.admission import AdmissionPolicy
     from tandem.models.runner import default_runner_config
     from tandem.models.weights import load_checkpoint
     from tandem.speculation import build_engine, measure_target_cost
@@ -108,6 +111,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                                 resolve=drafter_resolver)
     engine = build_engine(replace(spec, cost_model=measure_cost), checkpoint, cfg, drafter=drafter, store=store)
     engine.overlap_drafting = overlap
+    if admission is not None:
+        engine.admission = AdmissionPolicy(*admission)
     policy = engine.draft_policy
     cost = getattr(policy, "cost", None)
     if cost is None and measure_cost and engine.drafter is not None and isinstance(engine.target, LocalTarget):
@@ -124,7 +129,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
                  key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
-                 capture_rounds: bool = True) -> None:
+                 capture_rounds: bool = True, admission: tuple[float, int] | None = None) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
     ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``.
 
@@ -145,7 +150,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
                                               drafter_address=drafter_address, key=key,
                                               drafter_timeout_s=drafter_timeout_s, redis_url=redis_url,
                                               overlap=overlap, measure_cost=measure_cost, runner=runner,
-                                              capture_rounds=capture_rounds)
+                                              capture_rounds=capture_rounds, admission=admission)
     if metrics_port:
         from prometheus_client import start_http_server
 

@@ -9,6 +9,10 @@ waiting for many free slots pays the second. ``AdmissionPolicy`` balances the tw
 
 from __future__ import annotations
 
+# (share, wait_rounds) by default: ``tandem serve verifier`` and ``tandem bench`` take them as
+# ``--admission-share`` / ``--admission-wait-rounds``
+ADMISSION_DEFAULTS = (1 / 8, 64)
+
 
 class AdmissionPolicy:
     """Whether the waiting requests are admitted now, while others run.
@@ -35,7 +39,13 @@ class AdmissionPolicy:
         prefills, prefill_total_s: prefills noted and their host time in all (s).
     """
 
-    def __init__(self, share: float = 1 / 8, wait_rounds: int = 64, balance: bool = True) -> None:
+    def __init__(self, share: float = ADMISSION_DEFAULTS[0], wait_rounds: int = ADMISSION_DEFAULTS[1],
+                 balance: bool = True) -> None:
+        """Raises: ValueError: ``share`` outside [0, 1] (or NaN), ``wait_rounds`` < 0."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"admission share must be in [0, 1], got {share}")
+        if wait_rounds < 0:
+            raise ValueError(f"admission wait_rounds must be >= 0, got {wait_rounds}")
         self.share = share
         self.wait_rounds = wait_rounds
         self.balance = balance

@@ -78,3 +78,26 @@ def test_wait_cap_counts_rounds_with_a_slot_idle():
     policy.note_prefill(0.01)
     assert not policy.due(free=1, waiting=30, max_running=64, round_s=0.002)
 
+
+
+@pytest.mark.parametrize("share, wait", [(-0.1, 64), (1.5, 64), (float("nan"), 64), (0.5, -1)])
+def test_bad_settings_are_refused(share, wait):
+    """A share outside [0, 1] (NaN included) or a negative wait is a ValueError, not a policy
+    that admits at random; the bounds themselves are allowed."""
+    with pytest.raises(ValueError, match="admission"):
+        AdmissionPolicy(share, wait)
+    assert AdmissionPolicy(0.0, 0).share == 0.0 and AdmissionPolicy(1.0, 0).share == 1.0
+
+
+def test_a_replica_and_the_bench_take_the_admission_settings():
+    """``tandem bench`` hands its admission settings to a distributed run's verifier replica as
+    ``tandem serve verifier`` options (the in-process engines take them directly)."""
+    from tandem.bench.spec_bench import replica_runner_options
+    from tandem.cli import main
+
+    opts = replica_runner_options(RunnerConfig(device="cpu"), (0.25, 16))
+    at = opts.index("--admission-share")
+    assert opts[at:at + 4] == ("--admission-share", "0.25", "--admission-wait-rounds", "16")
+    from click.testing import CliRunner
+    res = CliRunner().invoke(main, ["serve", "verifier", "--help"])
+    assert "--admission-share" in res.output and "--admission-wait-rounds" in res.output

@@ -191,8 +191,9 @@ def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):
     configs = parse_configs("context-aware,hf-generate,hf-prompt-lookup")
     report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=256), records, configs, [1],
                            BenchOptions(num_draft_tokens=3, ca_drafter="ngram"), max_tokens=8, limit=2, hf_limit=2,
-                           progress=False, warmup="none")
+                           progress=False, warmup="none", admission=(0.5, 8))
     assert [r.config for r in report.results] == ["target", "context-aware", "hf-generate", "hf-prompt-lookup"]
+    assert report.meta.admission == {"share": 0.5, "wait_rounds": 8}
     ca = report.get("context-aware", 1)
     assert ca.lossless_share == 1.0 and ca.k == 3 and ca.speedup == pytest.approx(ca.tps / report.get("target", 1).tps)
     check_acceptance_figures(ca.drafted, ca.accepted, ca.acceptance_rate, ca.mean_accepted_length, ca.output_tokens,
@@ -427,7 +428,8 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed" and report["meta"]["stream"] is False  # answers taken whole
-    assert "answers whole" in (out / "results.md").read_text()
+    assert report["meta"]["admission"] == {"share": 0.125, "wait_rounds": 64}  # the defaults, the replica's too
+    assert "answers whole, admission share 0.125, wait 64 rounds" in (out / "results.md").read_text()
     assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
     for r in report["results"]:  # the timed pass as the replica saw it, and the processes' CPU time
         # two prompts of <= 8 tokens at batch 2: >= 4 steps (each a prefill or a round), <= 2 x 9

@@ -68,6 +68,9 @@ def run():
     (["serve", "verifier", "--port", "50000", "--policy", "batch-width"], "add --measure-cost"),
     (["serve", "router", "--port", "18000", "--verifier", "http://127.0.0.1:50051"], "expected HOST:PORT"),
     (["bench", "--out", ""], "--out is empty"),
+    (["bench", "--admission-share", "1.5"], "1.5 is not in the range 0.0<=x<=1.0"),
+    (["bench", "--admission-share", "nan"], "must be a finite number, got nan"),
+    (["serve", "verifier", "--port", "50000", "--admission-wait-rounds", "-1"], "-1 is not in the range x>=0"),
     (["generate", "--prompt", "hi", "--policy", "fixed"], "--policy needs a --drafter"),
     (["generate", "--prompt", "hi", "--drafter", "ngram", "--predictor", ""], "--predictor is empty"),
 ])

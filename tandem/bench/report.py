@@ -42,6 +42,12 @@ def _f(x: float, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _admission_note(m) -> str:
+    """The header's admission settings (none for results written before they were recorded)."""
+    a = m.admission
+    return f", admission share {a['share']:g}, wait {a['wait_rounds']} rounds" if a else ""
+
+
 def main_table(report: BenchReport) -> TextTable:
     """Shaped like the papers' tables: method, batch size, k, τ_acc (the
     papers' κ), TPS, speedup, acceptance,
@@ -199,7 +205,8 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
             f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, "
             f"prefill graphs {m.prefill_graphs}{_varlen_note(m)}, round kernels "
             f"{m.round_kernels}), mode {m.mode}"
-            f"{(', streamed' if m.stream else ', answers whole') if m.mode == 'distributed' else ''}, {m.date_utc}, "
+            f"{(', streamed' if m.stream else ', answers whole') if m.mode == 'distributed' else ''}"
+            f"{_admission_note(m)}, {m.date_utc}, "
             f"torch {m.torch}.\n"
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size, in TPS over the whole timed pass (prefills included); the per-task "

@@ -139,6 +139,9 @@ class BenchMeta:
     # distributed mode: the clients streamed each step's tokens (True) or took each answer whole, as
     # the in-process engine's generate does (False); distributed results before the option streamed
     stream: bool = False
+    # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ...};
+    # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
+    admission: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -223,14 +226,14 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
 
     Raises:
         ValueError: no reports, or reports of different models / devices / dtypes / token limits /
-            exact-kernel settings / modes / decode, attention or round kernels (the merged header
-            names one of each).
+            exact-kernel settings / modes / decode, attention or round kernels / admission settings
+            (the merged header names one of each).
     """
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0].meta
     same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
-            "stream")
+            "stream", "admission")
     for r in reports[1:]:
         diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:

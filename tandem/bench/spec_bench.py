@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..admission import ADMISSION_DEFAULTS, AdmissionPolicy
 from ..control import CostModel
 from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
@@ -92,11 +93,13 @@ def check_inproc(configs: list[BenchConfig]) -> None:
             raise ConfigError(f"{c.name} runs only with --mode distributed: the router's draft budget sets its widths")
 
 
-def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
-    """``tandem serve verifier`` options that give a replica the bench's own runner settings, so
-    the distributed run differs from the in-process one only by the processes and the network."""
+def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int] = ADMISSION_DEFAULTS) -> tuple[str, ...]:
+    """``tandem serve verifier`` options that give a replica the bench's own runner and admission
+    settings, so the distributed run differs from the in-process one only by the processes and the
+    network."""
     on = {True: "--", False: "--no-"}
     return (("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
+             "--admission-share", repr(float(admission[0])), "--admission-wait-rounds", str(int(admission[1])),
              f"{on[bool(cfg.cuda_graphs)]}cuda-graphs", f"{on[bool(cfg.compile)]}compile",
              f"{on[bool(cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs)]}prefill-graphs")
             + ((f"{on[cfg.prefill_varlen]}prefill-varlen",) if cfg.prefill_varlen is not None else ()))
@@ -105,7 +108,8 @@ def replica_runner_options(cfg: RunnerConfig) -> tuple[str, ...]:
 def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: BenchOptions, model: str,
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
                     desc: str, progress: bool, warmup: str = "full", stream: bool = False,
-                    prompt_ids: dict[str, list[int]] | None = None) -> "DistributedRun":
+                    prompt_ids: dict[str, list[int]] | None = None,
+                    admission: tuple[float, int] = ADMISSION_DEFAULTS) -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
@@ -116,6 +120,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     ``Engine.generate`` takes it; with ``stream`` the clients stream each step's tokens instead.
     ``prompt_ids`` (by prompt id): the prompts tokenized before the timer, as in process, sent as
     token ids (``GenerateRequest.prompt_ids``); without them the router tokenizes each prompt.
+    ``admission``: the replica's ``AdmissionPolicy`` (share, wait_rounds).
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -129,7 +134,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     stack = start_stack(StackConfig.serving(replace(spec, acceptance_threshold="auto"), model=model, max_batch_size=batch_size,
                                             max_seq_len=runner_config.max_seq_len,
                                             measure_cost=config.uses_cost_model or config.router_budget,
-                                            replica_options=replica_runner_options(runner_config)),
+                                            replica_options=replica_runner_options(runner_config, admission)),
                         timeout_s=900)
     warmup_passes = 0
     try:
@@ -262,7 +267,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
-                  warmup: str = "full", stream: bool = False,
+                  warmup: str = "full", stream: bool = False, admission: tuple[float, int] = ADMISSION_DEFAULTS,
                   say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy, chat template, first turns).
@@ -283,6 +288,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         progress: tqdm bars on stderr (shown only on a terminal).
         warmup: "full", "short" or "none" (``warmup_share``).
         stream: distributed mode: the clients stream each step's tokens (else each answer comes whole).
+        admission: ``(share, wait_rounds)`` of every engine's ``AdmissionPolicy`` (a replica's too).
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -295,6 +301,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     """
     check_mode(mode)
     warmup_share([], 1, warmup)  # an unknown mode fails before anything is built
+    AdmissionPolicy(*admission)  # bad settings fail here too
     if not configs or configs[0].name != "target":
         raise ValueError("configs must start with target (configs.parse_configs orders them)")
     sizes = sorted(set(batch_sizes))
@@ -323,7 +330,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
                      prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
-                     stream=stream and mode == "distributed")
+                     stream=stream and mode == "distributed",
+                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1])})
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
@@ -346,7 +354,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     res = _reference_run(c, engine, prompts[:hf_limit], max_tokens, options, base, base_tokens)
                 elif mode == "distributed":
                     dist = run_distributed(c, c.speculation(ctx), options, str(checkpoint.path), engine.runner_config,
-                                           prompts, b, params, f"{c.name} b={b}", progress, warmup, stream, ids)
+                                           prompts, b, params, f"{c.name} b={b}", progress, warmup, stream, ids,
+                                           admission)
                     comps = dist.completions
                     res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
                     rep = dist.replica  # the timed pass as the replica's engine ran it
@@ -365,6 +374,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                 else:
                     spec = c.speculation(ctx)  # on this batch size's target (SpecFormer: a tapping one of its own)
                     run_on = build_engine(spec, share=engine, weights=ctx.weights(spec), cost=ctx.cost)
+                    run_on.admission = AdmissionPolicy(*admission)
                     comps, wall, peak, cost, admitted = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}",
                                                                      progress, warmup)
                     res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),

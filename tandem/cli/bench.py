@@ -11,11 +11,12 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from ..admission import ADMISSION_DEFAULTS
 from ..data import bundled_spec_bench, load_prompts
 from ..errors import InvalidRequestError
 from .common import (console, device_option, dtype_option, err_console, fail, graph_options, init_tracing, kernels_option,
                      model_option, out_dir,
-                     torch_dtype, with_drafter_options)
+                     torch_dtype, with_admission_options, with_drafter_options)
 
 
 @click.command()
@@ -72,6 +73,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                    "full-system over --drafter (or --ca-drafter) at k = --num-draft-tokens; the predictor rows "
                    "use --predictor PATH|auto.")
 @with_drafter_options
+@with_admission_options
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write results.json, results.md and the PNG plots here.")
 @click.option("--from-results", "from_results", default=None, metavar="FILE,...",
@@ -79,7 +81,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
-          prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out, from_results) -> None:
+          prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
+          admission_wait_rounds, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if out is not None:
@@ -126,14 +129,15 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
     _bench_configs(records, str(prompts_file or bundled_spec_bench()), limit, sizes, max_tokens, configs_spec,
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
-                   out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen)
+                   out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen,
+                   (admission_share, admission_wait_rounds))
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
                    warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False,
-                   prefill_varlen=None) -> None:
+                   prefill_varlen=None, admission=ADMISSION_DEFAULTS) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -181,6 +185,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
                            cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup, stream=stream,
+                           admission=admission,
                            say=lambda msg: tqdm.write(msg, file=sys.stderr),
                            on_result=(lambda partial: write_json(partial, out)) if out else None)
     for t in tables(report):

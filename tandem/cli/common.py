@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from tqdm import tqdm
 
+from ..admission import ADMISSION_DEFAULTS
 from ..control import parse_acceptance_threshold
 from ..errors import ConfigError, InvalidRequestError
 from ..metrics import SpecDecodeStats
@@ -208,6 +209,25 @@ policy_option = click.option(
          "acceptance predictor, allocated across the batch under the verifier cost model); batch-width (one "
          "width a round from the batch size, the cost model and the acceptance per position so far; nothing "
          "scored). Default: predictor with --predictor, else fixed.")
+
+
+admission_options = [
+    click.option("--admission-share", type=click.FloatRange(0.0, 1.0), default=ADMISSION_DEFAULTS[0], show_default=True,
+                 callback=finite,
+                 help="Continuous batching: waiting requests join a running batch once this share of its slots "
+                      "is free or all of them fit (0: at every free slot), or sooner when the slot-rounds left "
+                      "idle outweigh a prefill's cost; a larger share means fewer, larger prefills."),
+    click.option("--admission-wait-rounds", type=click.IntRange(min=0), default=ADMISSION_DEFAULTS[1], show_default=True,
+                 help="Admit anyway once a free slot has waited this many decode rounds for a waiting request "
+                      "(a bound on the time to first token beyond queueing)."),
+]
+
+
+def with_admission_options(fn):
+    """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share and wait_rounds)."""
+    for opt in reversed(admission_options):
+        fn = opt(fn)
+    return fn
 
 
 def with_drafter_options(fn):

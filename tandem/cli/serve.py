@@ -16,7 +16,7 @@ from services.launch import StackConfig
 from ..data import bundled_spec_bench, load_prompts, round_robin_by_category, spec_bench_task
 from ..speculation import SpeculativeConfig
 from .common import (console, device_option, dtype_option, fail, finite, graph_options, host_port, kernels_option,
-                     model_option, policy_option, speculative_config, torch_dtype)
+                     model_option, policy_option, speculative_config, torch_dtype, with_admission_options)
 
 
 @click.group()
@@ -87,14 +87,15 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @click.option("--capture-rounds/--no-capture-rounds", default=True, show_default=True,
               help="With CUDA graphs: capture every decode-round shape's graph (batch bucket x context bucket) "
                    "at start-up, a few seconds, so no request waits on a capture once serving.")
+@with_admission_options
 @dtype_option
 @kernels_option
 @graph_options
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   gil_switch_interval, metrics_port, capture_rounds, dtype, kernels, cuda_graphs, compile_,
-                   prefill_graphs, prefill_varlen, api_key) -> None:
+                   gil_switch_interval, metrics_port, capture_rounds, admission_share, admission_wait_rounds, dtype,
+                   kernels, cuda_graphs, compile_, prefill_graphs, prefill_varlen, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
     from services.processes import run_verifier  # torch
@@ -110,7 +111,7 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
                  metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval,
-                 capture_rounds=capture_rounds)
+                 capture_rounds=capture_rounds, admission=(admission_share, admission_wait_rounds))
 
 
 @serve.command("drafter")
