@@ -114,12 +114,13 @@ def _observe_fn(drafter: "SpecFormerDrafter", T: int, S: int, max_len: int):
         h = head.context_input(x[None], next_emb)  # [1, T, d]
         pos = positions.clamp(max=target.rope_cos.shape[0] - 1)
         cos, sin = target.rope_cos[pos][None].to(h.dtype), target.rope_sin[pos][None].to(h.dtype)
-        rows, at = varlen_kv_targets(slots, where, scratch)
+        real, rows, at = varlen_kv_targets(slots, where, scratch)
+        keep = real[:, None, None]
         for i, layer in enumerate(head.ctx):
             q, k, v = layer.qkv_rotated(h, cos, sin)  # [1, T, heads, hd], [1, T, kv_heads, hd]
             k_cache, v_cache = drafter.k_cache[i], drafter.v_cache[i]
-            k_cache[rows, :, at] = k[0].to(k_cache.dtype)
-            v_cache[rows, :, at] = v[0].to(v_cache.dtype)
+            k_cache[rows, :, at] = torch.where(keep, k[0], torch.zeros_like(k[0])).to(k_cache.dtype)
+            v_cache[rows, :, at] = torch.where(keep, v[0], torch.zeros_like(v[0])).to(v_cache.dtype)
             att = attention.varlen_causal_attention(q[0], k[0], v[0], cu, max_len)  # [T, heads, hd]
             h = layer.finish(h, att[None].transpose(1, 2))
         return h[0, last]

@@ -105,11 +105,11 @@ def varlen_idle(p: torch.Tensor, T: int, S: int) -> torch.Tensor:
     return p
 
 
-def varlen_kv_targets(slots: torch.Tensor, where: torch.Tensor, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each packed token's K/V goes in a slot cache: ``(slot rows [T], positions [T])``;
-    padding (slot -1) goes to slot 0's ``scratch`` position, which no attention reads (its value
-    is whatever a padding token wrote last, finite, as the decode kernels' padding leaves it)."""
-    return slots.clamp(min=0), torch.where(slots >= 0, where, torch.full_like(where, scratch))
+def varlen_kv_targets(slots: torch.Tensor, where: torch.Tensor, scratch: int) -> tuple[torch.Tensor, ...]:
+    """Where each packed token's K/V goes in a slot cache: ``(real [T] bool, slot rows [T],
+    positions [T])``; padding (slot -1) goes to slot 0's ``scratch`` position, to be written zero."""
+    real = slots >= 0
+    return real, slots.clamp(min=0), torch.where(real, where, torch.full_like(where, scratch))
 
 
 def width_bucket(n: int, limit: int) -> int:
@@ -329,9 +329,10 @@ class Prefiller:
             tokens, positions, slots, where, cu, last = varlen_fields(p, T, S)
             hidden, tapped = runner.model.forward_varlen(tokens, positions, cu.to(torch.int32), max_len, k_buf, v_buf,
                                                          taps)
-            rows, at = varlen_kv_targets(slots, where, scratch)
+            real, rows, at = varlen_kv_targets(slots, where, scratch)
             for buf, dest in ((k_buf, cache.k), (v_buf, cache.v)):  # each prompt's K/V into its slot
-                dest[:, rows, :, at] = buf[:, 0, :, :T].permute(2, 0, 1, 3)  # [T, layers, kv_heads, head_dim]
+                kv = buf[:, 0, :, :T].permute(2, 0, 1, 3)  # [T, layers, kv_heads, head_dim]
+                dest[:, rows, :, at] = torch.where(real[:, None, None, None], kv, torch.zeros_like(kv))
             return hidden[last], tapped
 
         idle = varlen_idle(torch.empty(4 * T + 2 * S + 1, dtype=torch.long), T, S)  # the warm-up runs write scratch only
