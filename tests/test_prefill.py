@@ -10,7 +10,7 @@ import torch
 
 from tandem.engine import Engine
 from tandem.models import load_checkpoint
-from tandem.models.prefill import (DUMMY_LEN, GROUP_COST, MIN_WIDTH, varlen_fields, varlen_seq_buckets,
+from tandem.models.prefill import (DUMMY_LEN, GROUP_COST, MIN_WIDTH, dummy_len, varlen_fields, varlen_seq_buckets,
                                    varlen_token_buckets, width_bucket)
 from tandem.models.runner import ModelRunner, RunnerConfig
 from tandem.sampling import SamplingParams
@@ -267,6 +267,8 @@ def test_inputs_cover_the_padding_with_dummy_sequences(checkpoint):
     assert (T, S, max_len) == (1024, 10, 128) and (T, S) in many.varlen_buckets()
     cu = varlen_fields(many.varlen_inputs(T, S, max_len, list(range(8)), [100] * 8), T, S)[4]
     assert cu.tolist() == [100 * i for i in range(9)] + [800 + DUMMY_LEN, 1024]
+    # never longer than the graph's bound on a sequence (flash-attn's grid), as in a short context
+    assert dummy_len(max_len) == DUMMY_LEN and dummy_len(64) == 64
     with pytest.raises(ValueError, match="do not fit"):
         many.varlen_inputs(T, S, 64, [0], [100])  # a prompt longer than the bound
 

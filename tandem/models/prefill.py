@@ -64,6 +64,12 @@ GROUP_COST = 2048
 DUMMY_LEN = 128
 
 
+def dummy_len(max_len: int) -> int:
+    """The longest dummy sequence of a varlen graph whose sequences are bounded by ``max_len``
+    (flash-attn sizes its grid by that bound and leaves a longer sequence's later rows undone)."""
+    return min(DUMMY_LEN, max_len)
+
+
 def varlen_token_buckets(limit: int) -> list[int]:
     """Packed-token buckets of the varlen path: 64, 96, 128, 192, ... (steps of 1.5x and 4/3x,
     so a prefill pads at most half its tokens, ~20% on average), up to and including ``limit``."""
@@ -233,8 +239,8 @@ class Prefiller:
     def varlen_shape(self, lengths: list[int]) -> tuple[int, int, int]:
         """``(packed tokens, sequences, max_len)`` of the varlen graph that runs prompts of these
         lengths: the smallest token bucket that holds them, then room for them and the dummy
-        sequences that cover the padding (each at most ``DUMMY_LEN`` long); ``max_len`` =
-        min(tokens, context) bounds every sequence's length.
+        sequences that cover the padding (each at most ``DUMMY_LEN`` long, and ``max_len``);
+        ``max_len`` = min(tokens, context) bounds every sequence's length (flash-attn's grid).
 
         Raises:
             ValueError: more tokens than ``varlen_limit``.
@@ -244,7 +250,7 @@ class Prefiller:
             raise ValueError(f"{total} tokens exceed one varlen prefill's {self.varlen_limit}")
         tokens = next(b for b in self.varlen_tokens if b >= total)
         max_len = min(tokens, self.max_width)
-        seqs = len(lengths) + -(-(tokens - total) // DUMMY_LEN)
+        seqs = len(lengths) + -(-(tokens - total) // dummy_len(max_len))
         return tokens, next(b for b in varlen_seq_buckets(self._varlen_top(tokens)) if b >= seqs), max_len
 
     def _varlen_top(self, tokens: int) -> int:
@@ -254,7 +260,7 @@ class Prefiller:
         buckets = self.varlen_tokens
         i = buckets.index(tokens)
         pad = tokens - (buckets[i - 1] + 1 if i else 1)
-        return min(self.runner.cache.num_slots, tokens) + -(-pad // DUMMY_LEN)
+        return min(self.runner.cache.num_slots, tokens) + -(-pad // dummy_len(min(tokens, self.max_width)))
 
     def _varlen_group(self, group: list[int], prompts: dict[int, list[int]], out: dict[int, torch.Tensor],
                       taps_out: dict[int, list[torch.Tensor]] | None) -> None:
@@ -285,8 +291,8 @@ class Prefiller:
         (``prompts``' ids; zeros without them: a drafter that reads the target's states instead),
         positions ``[T]``, destination slots ``[T]`` (-1 for the padding), the cache positions
         ``[T]``, ``cu_seqlens`` ``[S + 1]`` (the prompts, then dummy sequences of at most
-        ``DUMMY_LEN`` tokens covering the padding, then empty ones) and each prompt's last token
-        index ``[S]`` (0 past the prompts). ``max_len`` bounds the prompts' lengths (checked).
+        ``dummy_len(max_len)`` tokens covering the padding, then empty ones) and each prompt's last
+        token index ``[S]`` (0 past the prompts). ``max_len`` bounds the prompts' lengths (checked).
 
         Raises:
             ValueError: a prompt longer than ``max_len``, or more tokens or sequences than the bucket.
@@ -308,7 +314,7 @@ class Prefiller:
             last[i] = at - 1
         where.copy_(positions)  # real tokens' cache positions; the graph sends the padding to scratch
         for i in range(len(slots) + 1, S + 1):  # dummy sequences, then empty ones
-            at = min(at + DUMMY_LEN, T)
+            at = min(at + dummy_len(max_len), T)
             cu[i] = at
         if at < T:
             raise ValueError(f"{T - at} padding tokens past the {S} sequences of the bucket")
