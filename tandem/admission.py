@@ -9,9 +9,10 @@ waiting for many free slots pays the second. ``AdmissionPolicy`` balances the tw
 
 from __future__ import annotations
 
-# (share, wait_rounds) by default: ``tandem serve verifier`` and ``tandem bench`` take them as
-# ``--admission-share`` / ``--admission-wait-rounds``
-ADMISSION_DEFAULTS = (1 / 8, 64)
+# (share, wait_rounds, overlap) by default: ``tandem serve verifier`` and ``tandem bench`` take them
+# as ``--admission-share`` / ``--admission-wait-rounds`` / ``--[no-]admission-overlap``
+# (overlap off until its GPU figures are in: docs/benchmarks.md, "Not measured")
+ADMISSION_DEFAULTS = (1 / 8, 64, False)
 
 
 class AdmissionPolicy:
@@ -29,9 +30,15 @@ class AdmissionPolicy:
       when a request arrives: requests queued long before a slot frees (a burst) would otherwise
       all be "late" at once and every freed slot would be filled alone.
 
+    An admission's prefill overlaps the rounds where the target can run it on a second stream
+    (``overlap`` and ``LocalTarget.overlaps_admission``): the rounds of the running requests go
+    on while it runs, and the admitted requests join the first round after it is done.
+
     Attributes:
         share: fraction of ``max_running`` in (0, 1] (0: admit whenever a slot is free).
         wait_rounds: rounds, >= 0.
+        overlap: run prefills beside the rounds where the target can (off: every prefill stops
+            the rounds until it is done).
         balance: use the cost balance (off: share and wait_rounds only).
         prefill_s: smoothed host time of a prefill (s), None before the first one.
         idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
@@ -40,7 +47,7 @@ class AdmissionPolicy:
     """
 
     def __init__(self, share: float = ADMISSION_DEFAULTS[0], wait_rounds: int = ADMISSION_DEFAULTS[1],
-                 balance: bool = True) -> None:
+                 overlap: bool = ADMISSION_DEFAULTS[2], balance: bool = True) -> None:
         """Raises: ValueError: ``share`` outside [0, 1] (or NaN), ``wait_rounds`` < 0."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"admission share must be in [0, 1], got {share}")
@@ -48,6 +55,7 @@ class AdmissionPolicy:
             raise ValueError(f"admission wait_rounds must be >= 0, got {wait_rounds}")
         self.share = share
         self.wait_rounds = wait_rounds
+        self.overlap = bool(overlap)
         self.balance = balance
         self.prefill_s: float | None = None
         self.idle_slot_rounds = 0.0

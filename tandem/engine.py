@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from .admission import AdmissionPolicy
+from .engine_admission import Admissions
 from .control import DraftPolicy
 from .drafters.base import DraftProposal, Drafter, TargetStates
 from .errors import InvalidRequestError
 from .metrics import SpecDecodeStats
 from .predictor import VerificationRecord
-from .profiling import close_admission, open_admission
 from .models.runner import RunnerConfig, default_runner_config
 from .models.weights import Checkpoint, load_checkpoint
 from .sampling import SamplingParams
@@ -30,7 +30,7 @@ from .requests import Completion, Request, RequestOutput, RoundSummary, _Round, 
 from .engine_api import EngineConveniences, Prompt
 from .host_drafting import HostDrafting
 from .target import LocalTarget, Target
-from .target_items import ChainedItem, PrefillItem, VerifyItem
+from .target_items import ChainedItem, VerifyItem
 from .telemetry import span
 from .tokenizer import CHAT_ROLES, Tokenizer, load_tokenizer  # noqa: F401 (CHAT_ROLES re-exported)
 
@@ -43,7 +43,7 @@ _NO_PROPOSAL = DraftProposal.empty()
 WIDTH_WINDOW = 64
 
 
-class Engine(HostDrafting, EngineConveniences):
+class Engine(Admissions, HostDrafting, EngineConveniences):
     """Continuous-batching generation over one target model.
 
     Args:
@@ -273,6 +273,8 @@ class Engine(HostDrafting, EngineConveniences):
 
     def _release(self, req: Request) -> None:
         self.running.pop(req.slot, None)
+        if self._holds_for_admission(req):  # its prefill still runs beside the rounds: freed at the join
+            return
         if req.slot in self._in_flight:  # a launched round still uses the slot: free it when it is back
             self._deferred_release.append(req)
             return
@@ -281,20 +283,10 @@ class Engine(HostDrafting, EngineConveniences):
             self.drafter.release(req.slot)
         req.slot = None
 
-    def _free_slots(self) -> int:
-        """Slots a waiting request could take now (free KV slots within the running limit)."""
-        return min(self.target.num_free(), self.max_running - len(self.running))
-
-    def _admission_due(self) -> bool:
-        """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
-        if not self.running:
-            return True
-        return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,
-                                  self.round_wall_s / self.num_rounds if self.num_rounds else 0.0)
-
     def has_unfinished(self) -> bool:
         pending = self._collected is not None and any(r.pending is not None for r in self._collected.reqs)
-        return bool(self.waiting or self.running or pending or self._launched is not None or self._held_outputs)
+        return bool(self.waiting or self.running or pending or self._launched is not None or self._held_outputs
+                    or self._admitting is not None)
 
     # ------------------------------------------------------------------ stepping
 
@@ -309,53 +301,16 @@ class Engine(HostDrafting, EngineConveniences):
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        admitted: dict[int, Request] = {}
         self.max_running = max(1, min(self.max_running, self.target.info.num_slots))
-        while (self.waiting and self.target.num_free() and len(self.running) + len(admitted) < self.max_running
-               and (admitted or self._admission_due())):
-            req = self.waiting.popleft()
-            req.slot = self.target.allocate()
-            admitted[req.slot] = req
-            if req.grammar is not None:  # from now on its rounds need the host between them
-                self._structured.add(req.request_id)
+        if self._overlaps_admission():  # admissions beside the rounds: _step_chained runs them
+            return self._step_chained(overlap=True)
+        reqs = self._take_waiting()
+        admitted = {r.slot for r in reqs}
         prefilled = None
-        if self.waiting and self.running and not admitted:
+        if self.waiting and self.running and not reqs:
             self.admission.note_round(self._free_slots(), len(self.waiting))
-        if admitted:
-            t_admit = time.perf_counter()
-            window = open_admission()  # (a bench timing the admissions' device work)
-            reqs = [admitted[s] for s in sorted(admitted)]
-            try:
-                with span("prefill", batch_size=len(reqs)):
-                    handle = self.target.launch_prefill(
-                        [PrefillItem(r.slot, r.prompt_ids, r.params, r.logprobs is not None, r.top_logprobs,
-                                     tuple(sorted(r.output.stop_ids)),
-                                     r.grammar.masks([])[0] if r.grammar is not None else None, r.resumed)
-                         for r in reqs])
-            except BaseException:
-                for r in reqs:  # give the slots back; the caller decides what happens to the requests
-                    self.target.free(r.slot)
-                    r.slot = None
-                    self._structured.discard(r.request_id)
-                raise
-            results = None
-            if self._observes:  # SpecFormer: the prompt's target states (and the first token) seed its context
-                if all("next_tokens" in ex for ex in handle.extras):  # on the device: no wait for the prefill
-                    nexts = [ex["next_tokens"] for ex in handle.extras]
-                else:
-                    results = self.target.collect_prefill(handle)
-                    nexts = [[*r.prompt_ids[1:], res.tokens[0]] for r, res in zip(reqs, results)]
-                self.drafter.observe([TargetStates(r.slot, 0, ex["taps"], nx)
-                                      for r, ex, nx in zip(reqs, handle.extras, nexts)])
-                if self.chains_rounds:  # their first drafts, on the device, before their first round
-                    self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-            elif self.chains_rounds and self.drafter is not None and self.drafter.drafts_from_verify:
-                # a draft model: its own cache filled with the prompts, then their first drafts
-                self.drafter.set_draft_limit(self.configured_draft_limit)
-                self.drafter.admit({r.slot: list(r.prompt_ids) for r in reqs})
-                self.target.prime_drafts([r.slot for r in reqs], self.drafter)
-            close_admission(window)
-            self.admission.note_prefill(time.perf_counter() - t_admit)
+        if reqs:
+            reqs, handle, results = self._admit_now(reqs)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)
                 prefilled = (reqs, handle, results)
@@ -385,37 +340,31 @@ class Engine(HostDrafting, EngineConveniences):
                 self._collected = self._collect(launched)
         return outputs
 
-    def _admit(self, reqs: list[Request], results: list) -> list[RequestOutput]:
-        """Append the prefill's first token of each admitted request (stop rules included); the
-        ones it does not finish run."""
-        outputs = []
-        for req, res in zip(reqs, results):
-            if req.grammar is not None:
-                req.grammar.advance(res.tokens[:1])
-            self._append(outputs, req, res.tokens[:1], logprobs=res.logprobs, top=res.top_logprobs)
-            if not req.finished:
-                self.running[req.slot] = req
-        return outputs
-
-    def _step_chained(self, prefilled=None) -> list[RequestOutput]:
+    def _step_chained(self, prefilled=None, overlap: bool = False) -> list[RequestOutput]:
         """One step of chained rounds: queue round n + 1 from the target's device state while
         round n is still in flight, then wait for round n and run its stop rules, detokenisation
         and metrics while the device runs n + 1. A request that round n finishes ran n + 1 for
         nothing: that result is discarded and its slot freed when it is back. Requests admitted
         this step (``prefilled``: the requests, their ``PrefillHandle`` and its results if already
         read) join at once: their prefill left their first token on the device, and the host reads
-        it after queueing n + 1, so admission never leaves the device idle."""
+        it after queueing n + 1, so admission never leaves the device idle.
+
+        With ``overlap`` (``tandem.engine_admission``): an admission whose prefill ran beside the
+        rounds joins first if it is done (or nothing else runs), so its requests are in round
+        n + 1; after n + 1 is queued, waiting requests due for admission start theirs."""
         outputs: list[RequestOutput] = []
         if self._collected is not None:  # a host-drafted round's results (the drafter was just removed)
             outputs.extend(self._finish(self._collected))
             self._collected = None
+        if overlap and self._admitting is not None:
+            prefilled = self._join_admission(wait=not self.running and self._launched is None)
         previous, self._launched = self._launched, None
         # a round emits at least one token: a request that the round in flight brings to its token
         # limit even so surely finishes there and stays out of the next one
         decoding = {} if not self.chains_rounds else {
             s: r for s, r in self.running.items()
             if not (previous is not None and s in previous.slots and r.num_tokens + 1 >= r.output.max_new_tokens)}
-        launched = None
+        launched = admit_error = None
         with span("round", batch_size=len(decoding)) if decoding else contextlib.nullcontext():
             if decoding:
                 t0 = time.perf_counter()
@@ -438,6 +387,15 @@ class Engine(HostDrafting, EngineConveniences):
                     raise
                 launched = _Round(reqs, [_NO_PROPOSAL] * len(reqs), [], handle, t0, chained=True, plan=plan)
                 self._in_flight |= launched.slots
+            if overlap and self._admitting is None:  # the next admission's prefill, behind one or two rounds queued
+                try:
+                    reqs_new = self._take_waiting(overlap=True)
+                    if reqs_new:
+                        self._start_admission(reqs_new)
+                    elif self.waiting and self.running:
+                        self.admission.note_round(self._free_slots(), len(self.waiting))
+                except BaseException as exc:  # raised once the rounds in flight are collected: nothing lost
+                    admit_error = exc
             if prefilled is not None:  # the admitted requests' first tokens, read after the round was queued
                 reqs_in, handle_in, results = prefilled
                 outputs.extend(self._admit(reqs_in, results or self.target.collect_prefill(handle_in)))
@@ -450,6 +408,9 @@ class Engine(HostDrafting, EngineConveniences):
                     self._launched = launched
                 outputs.extend(self._finish(rnd))
         self._settle()  # (also a round queued only for requests their prefill finished)
+        if admit_error is not None:
+            self._held_outputs.extend(outputs)  # (``step`` gives them with the next step's)
+            raise admit_error
         return outputs
 
     def _settle(self) -> None:

@@ -131,16 +131,18 @@ def step_timeline() -> "StepTimeline | None":
     return _TIMELINES[-1] if _TIMELINES else None
 
 
-def open_admission() -> "tuple[StepTimeline, torch.cuda.Event] | None":
-    """Mark the start of an admission's device work on the recording ``StepTimeline`` (None when
-    none records); give the result to ``close_admission`` after its last device work."""
+def open_admission(side: bool = False) -> "tuple[StepTimeline, torch.cuda.Event, bool] | None":
+    """Mark the start of an admission's device work on the current stream for the recording
+    ``StepTimeline`` (None when none records); give the result to ``close_admission`` after its
+    last device work there. ``side``: work beside the rounds (an overlapped prefill), recorded
+    apart from the work that stops them."""
     timeline = step_timeline()
-    return None if timeline is None else (timeline, timeline.open_admission())
+    return None if timeline is None else (timeline, timeline.open_admission(), side)
 
 
-def close_admission(mark: "tuple[StepTimeline, torch.cuda.Event] | None") -> None:
+def close_admission(mark: "tuple[StepTimeline, torch.cuda.Event, bool] | None") -> None:
     if mark is not None:
-        mark[0].close_admission(mark[1])
+        mark[0].close_admission(mark[1], mark[2])
 
 
 class StepTimeline:
@@ -153,18 +155,21 @@ class StepTimeline:
     - idle: GPU time from one step graph's end to the next one's start (the copies between them,
       a few microseconds, included): the device waiting for the host;
     - launch: host time inside the launch call;
-    - admission: GPU time from an admission's first device work to its last (``Engine`` marks
-      them: the prefill, a drafter's prompt work and first drafts, and any wait for the host in
-      between), which lies between step graphs and so inside their idle time.
+    - admission: GPU time from an admission's first device work on the rounds' stream to its
+      last (``Engine`` marks them: the prefill, a drafter's prompt work and first drafts, and any
+      wait for the host in between), which lies between step graphs and so inside their idle
+      time; an overlapped prefill's own window, on the admission stream beside the rounds, is
+      recorded apart (``side_admissions``).
 
     Attributes:
         marks: ``(start event, end event)`` per launch; ``launch_s``: host seconds in launches;
-        admissions: ``(start event, end event)`` per admission.
+        admissions, side_admissions: ``(start event, end event)`` per admission window.
     """
 
     def __init__(self) -> None:
         self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.admissions: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.side_admissions: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.launch_s = 0.0
 
     def open_admission(self) -> torch.cuda.Event:
@@ -173,18 +178,21 @@ class StepTimeline:
         start.record()
         return start
 
-    def close_admission(self, start: torch.cuda.Event) -> None:
-        """An event after the admission's device work: the window from ``start`` is recorded."""
+    def close_admission(self, start: torch.cuda.Event, side: bool = False) -> None:
+        """An event after the admission's device work: the window from ``start`` is recorded
+        (in ``side_admissions`` for work beside the rounds)."""
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self.admissions.append((start, end))
+        (self.side_admissions if side else self.admissions).append((start, end))
 
-    def admission_ms(self) -> float:
-        """GPU ms inside the recorded admissions' windows, in all (0 without any); waits for the device."""
-        if not self.admissions:
+    def admission_ms(self, side: bool = False) -> float:
+        """GPU ms inside the recorded admission windows on the rounds' stream (``side``: beside
+        them), in all (0 without any); waits for the device."""
+        windows = self.side_admissions if side else self.admissions
+        if not windows:
             return 0.0
         torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.admissions)
+        return sum(s.elapsed_time(e) for s, e in windows)
 
     def __enter__(self) -> "StepTimeline":
         _TIMELINES.append(self)

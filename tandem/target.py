@@ -31,9 +31,10 @@ from .round_state import RoundState, SlotSampling  # noqa: F401 (re-exported: th
 from .sampling import adjust_logits
 from .logprobs import MAX_TOP_LOGPROBS, logprob_columns, logprob_mode, read_logprob_columns, wants_logprobs
 from .structured import with_masks, step_masks
+from .target_prefill import LocalPrefill
 from .target_items import (ChainedItem, PrefillHandle, PrefillItem, TargetInfo, TargetResult,  # noqa: F401
                            TargetUnavailable, VerifyItem)
-from .verify import (ChainVerification, RowSampling, VerifyResult, sample_tokens, target_probs, tree_path,
+from .verify import (ChainVerification, RowSampling, VerifyResult, target_probs, tree_path,
                      verify_chains, verify_tree_sampling, verify_trees_greedy)
 
 
@@ -71,17 +72,30 @@ class Target(ABC):
             CacheFullError: a prompt does not fit its slot. TargetUnavailable: remote failure.
         """
 
-    def launch_prefill(self, items: list[PrefillItem]) -> "PrefillHandle":
+    def launch_prefill(self, items: list[PrefillItem], overlap: bool = False) -> "PrefillHandle":
         """Start ``prefill(items)``: a target that can queue the work (the GPU) returns before the
         first tokens are known, so a chained round can be queued behind it before the host reads
         them (``collect_prefill``). The handle's ``extras`` (per item, as ``TargetResult.extras``)
         are usable at once. The default runs ``prefill`` now.
+
+        Args:
+            overlap: where the target can (``overlaps_admission``), run it beside the rounds in
+                flight; then no round may include these slots before ``join_prefill``.
 
         Raises:
             As ``prefill``.
         """
         results = self.prefill(items)
         return PrefillHandle([r.extras for r in results], results)
+
+    overlaps_admission = False  # ``launch_prefill(..., overlap=True)`` runs beside the rounds
+
+    def prefill_ready(self, handle: "PrefillHandle") -> bool:
+        """Whether an overlapped prefill is done on the device (never waits)."""
+        return True
+
+    def join_prefill(self, handle: "PrefillHandle") -> None:
+        """Make an overlapped prefill's slots ready for rounds (a no-op where nothing overlaps)."""
 
     def collect_prefill(self, handle: "PrefillHandle") -> list[TargetResult]:
         """The results of a ``launch_prefill`` (blocks until its first tokens are on the host)."""
@@ -134,7 +148,7 @@ class Target(ABC):
         ``slots`` on the target's device (chaining targets; a no-op elsewhere)."""
 
 
-class LocalTarget(Target):
+class LocalTarget(LocalPrefill, Target):
     """The target model in this process: model runner, KV cache, ``tandem.verify``.
 
     A verify round makes one device-to-host copy (start positions, accepted lengths, emitted tokens
@@ -167,6 +181,7 @@ class LocalTarget(Target):
         self._all_chain = torch.ones(self.cache.num_slots, dtype=torch.bool, device=self.runner.device)  # read only
         self._queued: dict[int, int] = {}  # slot -> tokens of its launched, uncollected rounds
         self._pinned: dict[tuple, list] = {}  # result buffers by shape, used in turn (HostCopy)
+        self._pinned_admission: dict[tuple, list] = {}  # the same for overlapped prefills' first tokens
 
     @property
     def cache(self) -> KVCache:
@@ -176,69 +191,9 @@ class LocalTarget(Target):
         return self.cache
 
     def prefill(self, items: list[PrefillItem]) -> list[TargetResult]:
-        """See ``Target.prefill``; with a tapping runner (``RunnerConfig.taps``) each result's
+        """See ``Target.prefill`` (``LocalPrefill``); with a tapping runner (``RunnerConfig.taps``) each result's
         ``extras["taps"]`` holds the prompt's tapped states ``[len(prompt), len(taps), d]``."""
         return self.collect_prefill(self.launch_prefill(items))
-
-    def launch_prefill(self, items: list[PrefillItem]) -> PrefillHandle:
-        """See ``Target.launch_prefill``: the prompts' forward, the first tokens (sampled on the
-        device), the device round state's admission, and one non-blocking copy of the first tokens
-        (and their log-probabilities) to the host; every host-to-device copy goes through pinned
-        memory, so nothing here waits for a round in flight."""
-        order = sorted(range(len(items)), key=lambda i: items[i].slot)
-        slots = [items[i].slot for i in order]
-        self.sampling.admit(slots, [items[i].params for i in order], [items[i].prompt_ids for i in order],
-                            [items[i].stop_ids for i in order], [items[i].resumed for i in order])
-        taps: dict[int, torch.Tensor] | None = {} if self.runner.config.taps else None
-        prompts = {it.slot: it.prompt_ids for it in items}
-        if self.runner.config.fixed_step_tokens:  # exact kernels: one prompt per forward (RunnerConfig)
-            logits = torch.cat([self.runner.prefill({s: prompts[s]}, taps) for s in sorted(prompts)])
-        else:
-            logits = self.runner.prefill(prompts, taps)  # rows in ascending slot order
-        dev = logits.device
-        index = to_device(torch.tensor(slots, dtype=torch.int64), dev)
-        positions = to_device(torch.tensor([len(prompts[s]) for s in slots], dtype=torch.int64), dev)
-        sampling = self.sampling.rows(self.cache.num_slots, slots).rows(index)
-        allowed = step_masks([items[i] for i in order], 1, self._info.vocab_size, dev)
-        if allowed is not None:
-            sampling = dataclasses.replace(sampling, allowed=allowed)
-        firsts = sample_tokens(logits, positions, sampling)
-        self.sampling.record(firsts[:, None], torch.ones_like(firsts[:, None], dtype=torch.bool), index)
-        self.state.admit(index, firsts, [prompts[s] for s in slots],
-                         [min(items[i].params.max_tokens, self.cache.capacity - len(items[i].prompt_ids)) for i in order])
-        out = firsts[:, None].double()
-        if any(wants_logprobs(it) for it in items):
-            out = torch.cat([out, logprob_columns(logits[:, None], firsts[:, None],
-                                                  any(it.top_logprobs for it in items))], dim=1)
-        extras = [{} for _ in items]
-        if taps:  # what a SpecFormer head's observe needs, all on the device: no wait for the first tokens
-            nexts = self._next_tokens(slots, prompts, firsts)
-            extras = [{"taps": taps[it.slot], "next_tokens": nexts[it.slot]} for it in items]
-        return PrefillHandle(extras, (items, order, extras, HostCopy(out, self._pinned)))
-
-    @staticmethod
-    def _next_tokens(slots: list[int], prompts: dict[int, list[int]], firsts: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Slot -> ``[len(prompt)]`` int64 on the device: each prompt position's next token, i.e.
-        the prompt shifted by one and ended by the first generated token (``firsts`` ``[n]``, row
-        i for ``slots[i]``, still on the device: written there, never read back)."""
-        lens = [len(prompts[s]) for s in slots]
-        flat = to_device(torch.tensor([t for s in slots for t in prompts[s][1:] + [0]], dtype=torch.int64),
-                         firsts.device)
-        ends = to_device(torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1, firsts.device)
-        flat[ends] = firsts
-        return dict(zip(slots, flat.split(lens)))
-
-    def collect_prefill(self, handle: PrefillHandle) -> list[TargetResult]:
-        """See ``Target.collect_prefill``: waits for the first tokens' copy."""
-        items, order, extras, copy = handle.payload
-        host = copy.wait()
-        results: list[TargetResult | None] = [None] * len(items)
-        for row, i in enumerate(order):
-            lp = top = None
-            if wants_logprobs(items[i]):
-                lp, top = read_logprob_columns(host[row], 1, 1, 1, items[i].top_logprobs)
-            results[i] = TargetResult([int(host[row][0])], logprobs=lp, extras=extras[i], top_logprobs=top)
-        return results  # type: ignore[return-value]
 
     def _draft_probs(self, items: list[VerifyItem], n: int, K: int, draft_tokens: torch.Tensor) -> torch.Tensor | None:
         """``[n, K, V]`` q of every row's drafts (row = slot), or None when every draft is

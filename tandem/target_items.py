@@ -117,7 +117,11 @@ class TargetResult:
 @dataclass
 class PrefillHandle:
     """A prefill between ``Target.launch_prefill`` and ``collect_prefill``: ``extras`` per item
-    (e.g. the prompt's tapped states, on the device) and the target's own ``payload``."""
+    (e.g. the prompt's tapped states, on the device) and the target's own ``payload``; for one
+    that overlaps the rounds (``launch_prefill(..., overlap=True)``), what ``prefill_ready`` polls
+    (``ready``: a CUDA event) and what ``join_prefill`` still writes (``admit``; None once joined)."""
 
     extras: list[dict[str, torch.Tensor]]
     payload: object
+    ready: object = None
+    admit: tuple | None = None

@@ -97,7 +97,8 @@ def test_a_replica_and_the_bench_take_the_admission_settings():
 
     opts = replica_runner_options(RunnerConfig(device="cpu"), (0.25, 16))
     at = opts.index("--admission-share")
-    assert opts[at:at + 4] == ("--admission-share", "0.25", "--admission-wait-rounds", "16")
+    assert opts[at:at + 5] == ("--admission-share", "0.25", "--admission-wait-rounds", "16", "--no-admission-overlap")
+    assert "--admission-overlap" in replica_runner_options(RunnerConfig(device="cpu"), (0.25, 16, True))
     from click.testing import CliRunner
     res = CliRunner().invoke(main, ["serve", "verifier", "--help"])
-    assert "--admission-share" in res.output and "--admission-wait-rounds" in res.output
+    assert all(o in res.output for o in ("--admission-share", "--admission-wait-rounds", "--admission-overlap"))

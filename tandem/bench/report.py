@@ -45,7 +45,10 @@ def _f(x: float, spec: str) -> str:
 def _admission_note(m) -> str:
     """The header's admission settings (none for results written before they were recorded)."""
     a = m.admission
-    return f", admission share {a['share']:g}, wait {a['wait_rounds']} rounds" if a else ""
+    if not a:
+        return ""
+    overlap = {True: ", prefills overlapped", False: ", prefills serial"}.get(a.get("overlap"), "")
+    return f", admission share {a['share']:g}, wait {a['wait_rounds']} rounds{overlap}"
 
 
 def main_table(report: BenchReport) -> TextTable:

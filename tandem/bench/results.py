@@ -85,9 +85,13 @@ class RunResult:
     timed_gpu_span_ms: float = math.nan
     timed_gpu_idle_ms: float = math.nan
     timed_gpu_idle_p50_ms: float = math.nan
-    # GPU ms an admission's window took (``StepTimeline.admission_ms`` over the timed pass's
-    # admissions): its prefill and a drafter's prompt work, inside the idle time above
+    # GPU ms an admission's window took on the rounds' stream (``StepTimeline.admission_ms`` over
+    # the timed pass's admissions): its prefill and a drafter's prompt work, inside the idle time
+    # above; with overlapped prefills (``AdmissionPolicy.overlap``) what is left there (the round
+    # state's admission, the drafter's prompt work), the prefill's own window beside the rounds in
+    # ``timed_admission_side_gpu_ms`` (NaN without any)
     timed_admission_gpu_ms: float = math.nan
+    timed_admission_side_gpu_ms: float = math.nan
     timed_captures: int = 0
     warmup_passes: int = 0  # warm-up passes run before the timed pass (``warmup_passes_then_timed``)
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
@@ -139,7 +143,7 @@ class BenchMeta:
     # distributed mode: the clients streamed each step's tokens (True) or took each answer whole, as
     # the in-process engine's generate does (False); distributed results before the option streamed
     stream: bool = False
-    # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ...};
+    # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...};
     # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
     admission: dict = field(default_factory=dict)
 

@@ -93,13 +93,15 @@ def check_inproc(configs: list[BenchConfig]) -> None:
             raise ConfigError(f"{c.name} runs only with --mode distributed: the router's draft budget sets its widths")
 
 
-def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int] = ADMISSION_DEFAULTS) -> tuple[str, ...]:
+def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int, bool] = ADMISSION_DEFAULTS) -> tuple[str, ...]:
     """``tandem serve verifier`` options that give a replica the bench's own runner and admission
     settings, so the distributed run differs from the in-process one only by the processes and the
     network."""
     on = {True: "--", False: "--no-"}
+    admission = (*admission, *ADMISSION_DEFAULTS[len(admission):])
     return (("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
              "--admission-share", repr(float(admission[0])), "--admission-wait-rounds", str(int(admission[1])),
+             f"{on[bool(admission[2])]}admission-overlap",
              f"{on[bool(cfg.cuda_graphs)]}cuda-graphs", f"{on[bool(cfg.compile)]}compile",
              f"{on[bool(cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs)]}prefill-graphs")
             + ((f"{on[cfg.prefill_varlen]}prefill-varlen",) if cfg.prefill_varlen is not None else ()))
@@ -109,7 +111,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
                     desc: str, progress: bool, warmup: str = "full", stream: bool = False,
                     prompt_ids: dict[str, list[int]] | None = None,
-                    admission: tuple[float, int] = ADMISSION_DEFAULTS) -> "DistributedRun":
+                    admission: tuple[float, int, bool] = ADMISSION_DEFAULTS) -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
@@ -120,7 +122,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     ``Engine.generate`` takes it; with ``stream`` the clients stream each step's tokens instead.
     ``prompt_ids`` (by prompt id): the prompts tokenized before the timer, as in process, sent as
     token ids (``GenerateRequest.prompt_ids``); without them the router tokenizes each prompt.
-    ``admission``: the replica's ``AdmissionPolicy`` (share, wait_rounds).
+    ``admission``: the replica's ``AdmissionPolicy`` (share, wait_rounds, overlap).
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -267,7 +269,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
-                  warmup: str = "full", stream: bool = False, admission: tuple[float, int] = ADMISSION_DEFAULTS,
+                  warmup: str = "full", stream: bool = False, admission: tuple[float, int, bool] = ADMISSION_DEFAULTS,
                   say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy, chat template, first turns).
@@ -288,7 +290,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         progress: tqdm bars on stderr (shown only on a terminal).
         warmup: "full", "short" or "none" (``warmup_share``).
         stream: distributed mode: the clients stream each step's tokens (else each answer comes whole).
-        admission: ``(share, wait_rounds)`` of every engine's ``AdmissionPolicy`` (a replica's too).
+        admission: ``(share, wait_rounds, overlap)`` of every engine's ``AdmissionPolicy`` (a replica's too).
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -301,6 +303,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     """
     check_mode(mode)
     warmup_share([], 1, warmup)  # an unknown mode fails before anything is built
+    admission = (*admission, *ADMISSION_DEFAULTS[len(admission):])  # (share, wait_rounds) alone: overlap's default
     AdmissionPolicy(*admission)  # bad settings fail here too
     if not configs or configs[0].name != "target":
         raise ValueError("configs must start with target (configs.parse_configs orders them)")
@@ -331,7 +334,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed",
-                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1])})
+                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]),
+                                "overlap": bool(admission[2])})
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
@@ -432,10 +436,12 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
     span_ms, idle_ms, _ = timeline.summary() if timeline is not None else (math.nan,) * 3
     idle_p50 = timeline.idle_median_ms() if timeline is not None else math.nan
     admission_gpu = timeline.admission_ms() / n if timeline is not None and n else math.nan
+    side = timeline.side_admissions if timeline is not None else []
+    admission_side = timeline.admission_ms(side=True) / len(side) if side else math.nan
     admitted = dict(prefills=n, prefill_host_ms=1e3 * s / n if n else math.nan, timed_rounds=rounds,
                     timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan,
                     timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_gpu_idle_p50_ms=idle_p50,
-                    timed_admission_gpu_ms=admission_gpu,
+                    timed_admission_gpu_ms=admission_gpu, timed_admission_side_gpu_ms=admission_side,
                     timed_captures=CapturedCall.made - made0, warmup_passes=warmup_passes)
     cost = measure_round_cost(engine, ids[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
@@ -523,6 +529,8 @@ def _summary(r: RunResult) -> str:
            f"median {r.timed_gpu_idle_p50_ms:.3f})")
         + f", {r.prefills} prefills of {r.prefill_host_ms:.1f} ms host"
         + ("" if math.isnan(r.timed_admission_gpu_ms) else f" / {r.timed_admission_gpu_ms:.1f} ms GPU")
+        + ("" if math.isnan(r.timed_admission_side_gpu_ms) else
+           f" + {r.timed_admission_side_gpu_ms:.1f} ms GPU beside the rounds")
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))

@@ -82,7 +82,7 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
           prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
-          admission_wait_rounds, out, from_results) -> None:
+          admission_wait_rounds, admission_overlap, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
     if out is not None:
@@ -130,7 +130,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
                    out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen,
-                   (admission_share, admission_wait_rounds))
+                   (admission_share, admission_wait_rounds, admission_overlap))
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,

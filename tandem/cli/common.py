@@ -220,11 +220,15 @@ admission_options = [
     click.option("--admission-wait-rounds", type=click.IntRange(min=0), default=ADMISSION_DEFAULTS[1], show_default=True,
                  help="Admit anyway once a free slot has waited this many decode rounds for a waiting request "
                       "(a bound on the time to first token beyond queueing)."),
+    click.option("--admission-overlap/--no-admission-overlap", default=ADMISSION_DEFAULTS[2], show_default=True,
+                 help="Run an admission's prefill on a second CUDA stream beside the running requests' rounds "
+                      "(CUDA graphs with the varlen prefill); the admitted requests join the first round after it. "
+                      "Off: every prefill stops the rounds until it is done."),
 ]
 
 
 def with_admission_options(fn):
-    """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share and wait_rounds)."""
+    """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share, wait_rounds, overlap)."""
     for opt in reversed(admission_options):
         fn = opt(fn)
     return fn

@@ -38,21 +38,26 @@ class CapturedCall:
         capture: capture a CUDA graph (CUDA only).
         pool: graph memory pool shared with other captures (``torch.cuda.graph_pool_handle()``).
         warmup: eager runs before the capture (0 when ``fn`` updates state and already ran once).
+        stream: the stream to warm up and capture on (default: a pool stream to warm up, the
+            capture on torch's one capture stream). A graph's cuBLAS calls keep the workspace of
+            the stream it was captured on: graphs replayed at the same time on two streams must
+            be captured on two streams (``ModelRunner.admission_stream``).
     """
 
-    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2) -> None:
+    def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
         if not capture:
             return
         CapturedCall.made += 1
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        side = stream or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
             for _ in range(warmup):
                 fn(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.out = fn(*inputs)
 
     replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)

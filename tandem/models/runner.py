@@ -83,6 +83,11 @@ class ModelRunner:
                                   if config.compile and not self.model.fused else None)
         self._graphs: dict[tuple, CapturedCall] = {}  # (batch, tokens/row, context, tree, patch key)
         self._graph_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
+        # prefill graphs: a pool and a capture stream of their own, so a prefill can replay on that
+        # stream while a round's graph replays on the main one (``admission_stream``)
+        self._prefill_pool = torch.cuda.graph_pool_handle() if config.cuda_graphs else None
+        self._admission_stream = (torch.cuda.Stream(self.device) if config.cuda_graphs and not config.fixed_step_tokens
+                                  else None)
         # pinned host inputs per graph, two per shape: with a round in flight (chained rounds) the next
         # round's inputs are staged while the previous copy may not have run yet
         self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
@@ -148,6 +153,19 @@ class ModelRunner:
             ValueError: an empty prompt.
         """
         return self._prefiller.prefill(prompts, taps_out)
+
+    @property
+    def admission_stream(self) -> "torch.cuda.Stream | None":
+        """The stream a prefill may run on beside the rounds (``LocalTarget.launch_prefill`` with
+        ``overlap``), or None where it may not: without CUDA graphs, with exact kernels, or when
+        prefills are not the varlen path from CUDA graphs. That path shares nothing mutable with a
+        round: its graphs have their own memory pool and were captured on this stream (a graph's
+        cuBLAS calls keep the workspace of the stream it was captured on), its attention is
+        flash-attn's varlen kernel (no split-KV arrival counters, which our decode attention
+        shares between launches), and it writes only its own slots' K/V rows (a round's idle rows
+        write their scratch position)."""
+        p = self._prefiller
+        return self._admission_stream if p.varlen and p.static and self.device.type == "cuda" else None
 
     @property
     def prefiller(self) -> Prefiller:
