@@ -126,8 +126,9 @@ def test_overlapped_admissions_on_the_gpu_are_lossless(real_checkpoint, drafter)
     from tandem.engine import Engine
     from tandem.models.runner import default_runner_config
 
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
     prompts = spec_bench_prompts(48)
+    # lengths that differ, so requests finish (and slots free) while others run
+    params = [SamplingParams(max_tokens=16 + (13 * i) % 48, ignore_eos=True) for i in range(len(prompts))]
 
     def run(overlap: bool) -> tuple[list[list[int]], int, int]:
         cfg = default_runner_config("cuda", max_batch_size=8, max_seq_len=1024)
@@ -135,8 +136,8 @@ def test_overlapped_admissions_on_the_gpu_are_lossless(real_checkpoint, drafter)
         assert engine.target.overlaps_admission, "no admission stream (varlen prefill from CUDA graphs)"
         engine.admission.overlap = overlap
         launched, beside = 0, 0
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, request_id=f"r{i}")
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"r{i}")
         while engine.has_unfinished():
             pending, rounds = engine._admitting, engine.num_rounds
             engine.step()

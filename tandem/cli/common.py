@@ -223,7 +223,7 @@ admission_options = [
     click.option("--admission-overlap/--no-admission-overlap", default=ADMISSION_DEFAULTS[2], show_default=True,
                  help="Run an admission's prefill on a second CUDA stream beside the running requests' rounds "
                       "(CUDA graphs with the varlen prefill); the admitted requests join the first round after it. "
-                      "Off: every prefill stops the rounds until it is done."),
+                      "Off (the default; measured, +1-2% at batch 64): every prefill stops the rounds until it is done."),
 ]
 
 
