@@ -113,6 +113,9 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     engine.overlap_drafting = overlap
     if admission is not None:
         engine.admission = AdmissionPolicy(*admission)
+        if engine.admission.overlap and not engine.target.overlaps_admission:
+            log.warning("--admission-overlap has no effect on this replica (it needs CUDA graphs and the varlen "
+                        "prefill): every prefill runs in line")
     policy = engine.draft_policy
     cost = getattr(policy, "cost", None)
     if cost is None and measure_cost and engine.drafter is not None and isinstance(engine.target, LocalTarget):

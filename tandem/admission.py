@@ -36,7 +36,7 @@ class AdmissionPolicy:
     on while it runs, and the admitted requests join the first round after it is done.
 
     Attributes:
-        share: fraction of ``max_running`` in (0, 1] (0: admit whenever a slot is free).
+        share: fraction of ``max_running`` in [0, 1] (0: admit whenever a slot is free).
         wait_rounds: rounds, >= 0.
         overlap: run prefills beside the rounds where the target can (off: every prefill stops
             the rounds until it is done).

@@ -7,6 +7,7 @@ polls. What a user sees never depends on it."""
 from __future__ import annotations
 
 import pytest
+from test_bench import short_prompts, tiny_dir  # noqa: F401 (fixtures)
 from test_chained import _case, _engine, _run, _specformer_engine
 
 from tandem.sampling import SamplingParams
@@ -150,3 +151,21 @@ def test_overlapped_admissions_on_the_gpu_are_lossless(real_checkpoint, drafter)
     assert serial_launched == 0 and launched >= 3 and beside >= 3
     same = sum(g == w for g, w in zip(got, want))
     assert same == len(prompts), f"{len(prompts) - same} of {len(prompts)} outputs differ"
+
+
+def test_the_bench_reports_overlap_only_where_it_ran(tiny_dir, short_prompts, capsys):
+    """``--admission-overlap`` on a CPU (no CUDA graphs, no varlen prefill) runs every prefill in
+    line: the bench says so and its report records what ran (``meta.admission["overlap"]`` False)."""
+    from tandem.bench.configs import BenchOptions, parse_configs
+    from tandem.bench.spec_bench import run_benchmark
+    from tandem.data import load_prompts
+    from tandem.models.runner import RunnerConfig
+    from tandem.models.weights import load_checkpoint
+    from tandem.tokenizer import load_tokenizer
+
+    ck = load_checkpoint(tiny_dir)
+    report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=256),
+                           load_prompts(short_prompts), parse_configs("target"), [2], BenchOptions(), max_tokens=4,
+                           limit=2, progress=False, warmup="none", admission=(0.125, 64, True))
+    assert report.meta.admission == {"share": 0.125, "wait_rounds": 64, "overlap": False}
+    assert "--admission-overlap has no effect here" in capsys.readouterr().err

@@ -323,6 +323,13 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     rc = config  # the settings every engine shares (batch size aside)
     packed = varlen_batch_sizes(rc, checkpoint.config, sizes)
     kernels = resolve_kernels(rc, checkpoint.config)
+    # overlapped admissions run only with CUDA graphs and the varlen prefill (``ModelRunner.admission_stream``):
+    # the report says what ran, not what was asked for
+    overlap = bool(admission[2] and rc.device.startswith("cuda") and rc.cuda_graphs and rc.prefill_graphs is not False
+                   and not fixed and packed)
+    if admission[2] and not overlap:
+        print("note: --admission-overlap has no effect here (it needs CUDA graphs and the varlen prefill): every "
+              "prefill runs in line", file=sys.stderr)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
                      dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
@@ -335,7 +342,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed",
                      admission={"share": float(admission[0]), "wait_rounds": int(admission[1]),
-                                "overlap": bool(admission[2])})
+                                "overlap": overlap})
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")

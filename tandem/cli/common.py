@@ -222,8 +222,9 @@ admission_options = [
                       "(a bound on the time to first token beyond queueing)."),
     click.option("--admission-overlap/--no-admission-overlap", default=ADMISSION_DEFAULTS[2], show_default=True,
                  help="Run an admission's prefill on a second CUDA stream beside the running requests' rounds "
-                      "(CUDA graphs with the varlen prefill); the admitted requests join the first round after it. "
-                      "Off (the default; measured, +1-2% at batch 64): every prefill stops the rounds until it is done."),
+                      "(only with CUDA graphs and the varlen prefill; elsewhere it has no effect); the admitted "
+                      "requests join the first round after it. Off by default: measured on an H100, overlapping "
+                      "gained only 1-2% at batch 64 (docs/benchmarks.md); off, a prefill stops the rounds until done."),
 ]
 
 

@@ -273,7 +273,7 @@ def _convert_gguf(path: Path) -> Checkpoint:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the gguf package raises bare ValueErrors on bad magic
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
+        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt: {exc})") from None
 
     def field(key: str, default=None):
         f = reader.fields.get(key)
