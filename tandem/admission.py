@@ -16,6 +16,18 @@ from __future__ import annotations
 ADMISSION_DEFAULTS = (1 / 8, 64, False)
 
 
+def admission_settings(settings: tuple = ADMISSION_DEFAULTS) -> tuple[float, int, bool]:
+    """``(share, wait_rounds, overlap)``: ``settings`` with what they leave out at its default
+    (``(share, wait_rounds)`` alone: overlap's), checked as ``AdmissionPolicy`` checks them.
+
+    Raises:
+        ValueError: as ``AdmissionPolicy``.
+    """
+    full = (*settings, *ADMISSION_DEFAULTS[len(settings):])
+    AdmissionPolicy(*full)
+    return full
+
+
 class AdmissionPolicy:
     """Whether the waiting requests are admitted now, while others run.
 

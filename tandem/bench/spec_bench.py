@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..admission import ADMISSION_DEFAULTS, AdmissionPolicy
+from ..admission import ADMISSION_DEFAULTS, AdmissionPolicy, admission_settings
 from ..control import CostModel
 from ..data import PromptRecord, round_robin_by_category, spec_bench_task
 from ..engine import Completion, Engine
@@ -98,7 +98,7 @@ def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int, bool]
     settings, so the distributed run differs from the in-process one only by the processes and the
     network."""
     on = {True: "--", False: "--no-"}
-    admission = (*admission, *ADMISSION_DEFAULTS[len(admission):])
+    admission = admission_settings(admission)
     return (("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
              "--admission-share", repr(float(admission[0])), "--admission-wait-rounds", str(int(admission[1])),
              f"{on[bool(admission[2])]}admission-overlap",
@@ -303,8 +303,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     """
     check_mode(mode)
     warmup_share([], 1, warmup)  # an unknown mode fails before anything is built
-    admission = (*admission, *ADMISSION_DEFAULTS[len(admission):])  # (share, wait_rounds) alone: overlap's default
-    AdmissionPolicy(*admission)  # bad settings fail here too
+    admission = admission_settings(admission)  # bad settings fail here too
     if not configs or configs[0].name != "target":
         raise ValueError("configs must start with target (configs.parse_configs orders them)")
     sizes = sorted(set(batch_sizes))
@@ -323,13 +322,6 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
     rc = config  # the settings every engine shares (batch size aside)
     packed = varlen_batch_sizes(rc, checkpoint.config, sizes)
     kernels = resolve_kernels(rc, checkpoint.config)
-    # overlapped admissions run only with CUDA graphs and the varlen prefill (``ModelRunner.admission_stream``):
-    # the report says what ran, not what was asked for
-    overlap = bool(admission[2] and rc.device.startswith("cuda") and rc.cuda_graphs and rc.prefill_graphs is not False
-                   and not fixed and packed)
-    if admission[2] and not overlap:
-        print("note: --admission-overlap has no effect here (it needs CUDA graphs and the varlen prefill): every "
-              "prefill runs in line", file=sys.stderr)
     meta = BenchMeta(model=str(checkpoint.path), device=rc.device,
                      gpu=torch.cuda.get_device_name(rc.device) if rc.device.startswith("cuda") else "cpu",
                      dtype=str(rc.dtype).removeprefix("torch."), cuda_graphs=rc.cuda_graphs, compile=rc.compile,
@@ -341,8 +333,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed",
-                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]),
-                                "overlap": overlap})
+                     # "overlap": whether any engine's target could run it (set below): what ran, not what was asked
+                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]), "overlap": False})
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
@@ -353,6 +345,12 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
             prompts = bench_prompts(records, b, limit)
             engine = Engine(checkpoint, replace(config, max_batch_size=b, fixed_step_tokens=fixed), tokenizer=tokenizer)
             ctx.engine = engine
+            if admission[2]:  # (a distributed run's replica gets this runner's settings, hence the same answer)
+                if engine.target.overlaps_admission:
+                    meta.admission["overlap"] = True
+                else:
+                    say(f"batch {b}: --admission-overlap has no effect here (it needs CUDA graphs and the varlen "
+                        "prefill): every prefill runs in line")
             base: RunResult | None = None
             base_tokens: dict[str, list[int]] = {}
             # distributed: the prompts tokenized once, before any timer, as in process (``_engine_pass``)
