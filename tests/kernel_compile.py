@@ -101,17 +101,18 @@ def main() -> int:
                                             tokens_ptr=i64p, argmax_stride=i32, in_stride=i32, hist_stride=i32),
               dict(Q=q, QP=kernels._pow2(q)), f"greedy_round q={q}", warps=1)
     qkv, linear, gate_up = fused_linear._kernels()
-    for bm in (fused_linear.BLOCK_M, fused_linear.PREFILL_BLOCK_M):
+    for t in (fused_linear.DECODE_TILES, fused_linear.PREFILL_TILES):
+        tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)
         for bias in (False, True):
             build(qkv, dict(x_ptr=bf, nw_ptr=bf, w_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, pos_ptr="*i64",
                             write_ptr="*i64", q_out_ptr=bf, k_ptr=bf, v_ptr=bf, n_rows=i32, K=i32, eps=f32,
                             tokens_per_row=i32, k_sb=i64, k_sh=i64, k_sp=i64),
-                  dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, HAS_BIAS=bias, BLOCK_M=bm, BLOCK_K=fused_linear.BLOCK_K),
-                  f"norm_qkv_rope block_m={bm} bias={bias}", warps=fused_linear.num_warps(bm))
-        build(linear, dict(a_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, N=i32),
-              dict(BLOCK_M=bm, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K), f"linear_residual block_m={bm}", warps=fused_linear.num_warps(bm))
-        build(gate_up, dict(x_ptr=bf, nw_ptr=bf, w_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, n_inter=i32, eps=f32),
-              dict(BLOCK_M=bm, BLOCK_N=fused_linear.BLOCK_N, BLOCK_K=fused_linear.BLOCK_K), f"norm_gate_up block_m={bm}", warps=fused_linear.num_warps(bm))
+                  dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, HAS_BIAS=bias, **{**tile, "BLOCK_N": min(t.block_n, 32)}),
+                  f"norm_qkv_rope block_m={t.block_m} bias={bias}", warps=t.warps, stages=t.stages)
+        build(linear, dict(a_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, N=i32), tile,
+              f"linear_residual block_m={t.block_m}", warps=t.warps, stages=t.stages)
+        build(gate_up, dict(x_ptr=bf, nw_ptr=bf, w_ptr=bf, out_ptr=bf, n_rows=i32, K=i32, n_inter=i32, eps=f32), tile,
+              f"norm_gate_up block_m={t.block_m}", warps=t.warps, stages=t.stages)
     return 1 if failed else 0
 
 

@@ -7,33 +7,42 @@ per-kernel table docs/results/2026-12-03/rope-logits/tables/target-b1.txt). Here
 stands after it, in one kernel:
 
 1. RMSNorm + QKV projection + RoPE + K/V-cache write (``norm_qkv_rope``): a program per (16-row
-   tile, head of q, k or v); the norm's statistic is recomputed by each program from the whole
-   row (a few hundred values), the head's 64 output columns are computed as two rotate-half
-   halves so RoPE is applied in registers, and k/v heads go straight to the cache;
+   tile, head of q, k or v, part of the head); the norm's statistic is gathered from the row in the
+   same pass as the projection and applied to its accumulators (``RMSNorm(x) @ W^T = rstd * ((x *
+   w_norm) @ W^T)``), each part's columns of the two rotate-half halves are computed together so
+   RoPE is applied in registers, and k/v heads go straight to the cache;
 2. attention (``attention.gqa_attention``);
 3. O projection + residual add (``linear_residual``);
 4. RMSNorm + gate/up projection + SiLU-multiply (``norm_gate_up``): gate and up columns of the same
    index in one program;
 5. down projection + residual add (``linear_residual``).
 
+A batch-1 step is latency-bound (a layer's 7 MB of weights read in ~2 µs at full bandwidth, a
+small kernel costs about that much by itself), so a decode launch runs many narrow programs (16
+output columns each: 96 for the bundled model's gate/up projection at batch 1) with several wide
+reduction steps of loads in flight (``DECODE_TILES``); a first version with 32 columns a program,
+a separate pass for the norm's statistic and one step of loads in flight ran each kernel in 5.5-8.8
+µs, slower than cuBLAS plus the elementwise kernels.
+
 As in the rest of the fused path every program owns whole rows of a fixed tile (16 rows) and
 reduces over K in a fixed order, so a row's result does not depend on how many rows share the
 launch or on its place among them (batch- and width-invariant). Values are rounded to the storage
-dtype where the unfused ops round (each projection's output, the residual sum, the normalised row
-before its weight), so the two fused paths are close but not bitwise equal: losslessness needs one
-path for target-only and speculative rounds alike, which the runner's ``kernels`` choice gives.
+dtype where the unfused ops round (each projection's output, the residual sum), so the two fused
+paths are close but not bitwise equal: losslessness needs one path for target-only and
+speculative rounds alike, which the runner's ``kernels`` choice gives.
 
 Decode and verify steps run 16-row tiles; prefills run 64-row tiles (``PREFILL_BLOCK_M``: a
 prefill has thousands of rows, and each tile reads the layer's weights once). Either way the
 tile size is fixed, so a prompt's K/V and first token do not depend on the prompts it was
 prefilled with: the cuBLAS GEMMs of the plain fused path choose their kernel by the number of
-rows, which can move a row's last bits with the batch. Shapes: hidden size and intermediate size
-multiples of ``BLOCK_K`` and ``BLOCK_N``, head size 64 or 128 (``unsupported_reason``).
+rows, which can move a row's last bits with the batch. Shapes: hidden and intermediate sizes
+multiples of the widest column tile (32), head size 64 or 128 (``unsupported_reason``).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -41,80 +50,92 @@ from .kernels import _modules
 
 BLOCK_M = 16  # rows a program holds in a decode or verify step: the smallest tensor-core tile
 PREFILL_BLOCK_M = 64  # rows a program holds in a prefill: each weight tile is read once per 64 rows
-BLOCK_N = 32  # output columns a program of linear_residual / norm_gate_up computes
-BLOCK_K = 64  # the reduction's step
 
 
-def num_warps(block_m: int) -> int:
-    """Warps a program of ``block_m`` rows runs with: 4 for a decode tile, 8 for a prefill tile
-    (its accumulators and RoPE tables would not fit 4 warps' registers: ptxas spilled them)."""
-    return 4 if block_m <= BLOCK_M else 8
+class Tiles(NamedTuple):
+    """How a launch of these kernels is cut: ``block_m`` rows by ``block_n`` output columns a program
+    (``norm_qkv_rope``: ``block_n`` columns of each rotate-half half of a head), the reduction in
+    ``block_k`` steps (a last partial step masked: a masked column adds an exact zero), ``stages``
+    steps of loads in flight (Triton's software pipelining), ``warps`` warps a program."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+
+
+# Decode and verify (16-row tiles): a batch-1 step is latency-bound, so many narrow programs (the
+# bundled model's gate/up projection runs 96 at batch 1) each with a few wide steps in flight.
+DECODE_TILES = Tiles(BLOCK_M, 16, 64, 6, 4)
+# Prefill (64-row tiles): thousands of rows, so each program's weight tile serves 64 of them.
+PREFILL_TILES = Tiles(PREFILL_BLOCK_M, 32, 64, 3, 8)
+
+
+def tiles_for(block_m: int) -> Tiles:
+    """The tiles of a launch whose programs hold ``block_m`` rows (``BLOCK_M`` or ``PREFILL_BLOCK_M``).
+
+    Raises:
+        ValueError: another ``block_m``.
+    """
+    for t in (DECODE_TILES, PREFILL_TILES):
+        if t.block_m == block_m:
+            return t
+    raise ValueError(f"fused-linear tiles hold {BLOCK_M} or {PREFILL_BLOCK_M} rows, got {block_m}")
 
 
 def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | None:
     """Why a model's shapes do not fit these kernels, or None when they do."""
-    if hidden % BLOCK_K or hidden % BLOCK_N:
-        return f"hidden size {hidden} (the fused-linear kernels take multiples of {max(BLOCK_K, BLOCK_N)})"
-    if intermediate % BLOCK_K or intermediate % BLOCK_N:
-        return f"intermediate size {intermediate} (the fused-linear kernels take multiples of {max(BLOCK_K, BLOCK_N)})"
+    widest = max(t.block_n for t in (DECODE_TILES, PREFILL_TILES))
+    if hidden % widest:
+        return f"hidden size {hidden} (the fused-linear kernels take multiples of {widest})"
+    if intermediate % widest:
+        return f"intermediate size {intermediate} (the fused-linear kernels take multiples of {widest})"
     if head_dim not in (64, 128):
         return f"head dim {head_dim} (the fused-linear kernels take 64 or 128)"
     return None
 
 
-# The kernels' shared device functions, made with them (``_kernels``): a @triton.jit function calls
-# another through its module's globals, which is where Triton (and its interpreter) look for it.
-_row_rstd = _normed_chunk = None
-
-
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    global _row_rstd, _normed_chunk
     triton, tl = _modules()
-
-    @triton.jit
-    def _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # [BLOCK_M] 1 / rms of each row, its squares summed chunk by chunk (a fixed order)
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            xr = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-            sq += tl.sum(xr * xr, axis=1)
-        return tl.rsqrt(sq / K + eps)
-
-    @triton.jit
-    def _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K):
-        # RMSNorm of the rows' columns kk, rounded as RMSNorm rounds: the normalised value before
-        # the weight, the product after
-        xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
-        y = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
-        return (y * tl.load(nw_ptr + kk).to(tl.float32)[None, :]).to(xk.dtype)
 
     @triton.jit
     def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
                              v_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
                              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        # program (row tile, head): head < HEADS is q head h, then KV_HEADS k heads, then v heads
-        # (the fused projection's column order); its two rotate-half halves are computed apart
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr):
+        # program (row tile, head, part): head < HEADS is q head h, then KV_HEADS k heads, then v
+        # heads (the fused projection's column order); the part's columns d of the first rotate-half
+        # half and d + HEAD_DIM / 2 of the second are computed together, so RoPE runs in registers
         tile = tl.program_id(0)
         h = tl.program_id(1)
         half: tl.constexpr = HEAD_DIM // 2
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
-        rstd = _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
-        d = tl.arange(0, half)
+        d = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         n1 = h * HEAD_DIM + d
-        acc1 = tl.zeros([BLOCK_M, half], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, half], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            # RMSNorm(x) @ w^T = rstd * ((x * norm weight) @ w^T): the row's statistic gathered in
+            # the same pass, applied to the accumulators after it
             kk = k0 + tl.arange(0, BLOCK_K)
-            xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
-            w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :])
-            w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :])
-            acc1 += tl.dot(xs, tl.trans(w1))
-            acc2 += tl.dot(xs, tl.trans(w2))
+            k_ok = kk < K
+            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xf = xk.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            xs = (xf * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
+            w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            acc1 = tl.dot(xs, tl.trans(w1), acc1)
+            acc2 = tl.dot(xs, tl.trans(w2), acc2)
+        rstd = tl.rsqrt(sq / K + eps)[:, None]
+        acc1 = acc1 * rstd
+        acc2 = acc2 * rstd
         dt = q_out_ptr.dtype.element_ty
         if HAS_BIAS:  # (Qwen2's q/k/v bias) added before the rounding, as a GEMM's epilogue adds it
             acc1 += tl.load(b_ptr + n1).to(tl.float32)[None, :]
@@ -148,7 +169,8 @@ def _kernels():
 
     @triton.jit
     def linear_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, n_rows, K, N,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               STAGES: tl.constexpr):
         # program (row tile, column tile): out = res + a @ w^T, the product rounded before the add
         # and the sum after, as a GEMM followed by an add
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -156,11 +178,12 @@ def _kernels():
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr + n[:, None] * K + kk[None, :])
-            acc += tl.dot(a, tl.trans(w))
+            k_ok = kk < K
+            a = tl.load(a_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
         dt = out_ptr.dtype.element_ty
         r = tl.load(res_ptr + rows[:, None] * N + n[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         y = acc.to(dt).to(tl.float32) + r
@@ -168,26 +191,33 @@ def _kernels():
 
     @triton.jit
     def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, n_rows, K, n_inter, eps,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            STAGES: tl.constexpr):
         # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
-        # rows n_inter + j of the fused [gate | up] weight; rounded as the unfused ops round
+        # rows n_inter + j of the fused [gate | up] weight; the norm's statistic gathered in the same
+        # pass (as in norm_qkv_rope_kernel), each projection rounded before the activation
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rstd = _row_rstd(x_ptr, rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
-            xs = _normed_chunk(x_ptr, nw_ptr, rows, row_ok, rstd, kk, K)
-            wg = tl.load(w_ptr + n[:, None] * K + kk[None, :])
-            wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :])
-            acc_g += tl.dot(xs, tl.trans(wg))
-            acc_u += tl.dot(xs, tl.trans(wu))
+            k_ok = kk < K
+            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xf = xk.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            xs = (xf * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
+            wg = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            acc_g = tl.dot(xs, tl.trans(wg), acc_g)
+            acc_u = tl.dot(xs, tl.trans(wu), acc_u)
+        rstd = tl.rsqrt(sq / K + eps)[:, None]
         dt = out_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
+        g = (acc_g * rstd).to(dt).to(tl.float32)
+        u = (acc_u * rstd).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + rows[:, None] * n_inter + n[None, :], (s * u).to(dt), mask=row_ok[:, None])
 
@@ -197,7 +227,7 @@ def _kernels():
 def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor,
                   bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-                  block_m: int = BLOCK_M) -> torch.Tensor:
+                  block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """RMSNorm(x) @ wqkv^T, RoPE on q and k, k and v written into the cache: one kernel.
 
     Args:
@@ -210,6 +240,7 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
             position its K/V goes to.
         k_cache, v_cache: one layer's ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
+        tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
 
     Returns:
         Rotated q ``[B, Q, heads, head_dim]``.
@@ -220,22 +251,26 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
     rows = B * Q
     q = torch.empty((B, Q, heads, hd), dtype=x.dtype, device=x.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and x.is_contiguous()
-    grid = (-(-rows // block_m), heads + 2 * kv_heads)
+    t = tiles or tiles_for(block_m)
+    half = hd // 2
+    bn = min(t.block_n, half)
+    grid = (-(-rows // t.block_m), heads + 2 * kv_heads, half // bn)
     norm_qkv_rope_kernel[grid](x, norm_weight, wqkv, wqkv if bias is None else bias, cos, sin, pos.contiguous(),
                                write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
-                               HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                               BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
+                               HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_K=t.block_k,
+                               STAGES=t.stages, num_warps=t.warps)
     return q
 
 
 def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                    block_m: int = BLOCK_M) -> torch.Tensor:
+                    block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """``residual + a @ weight^T`` in one kernel (the O and down projections with their residual add).
 
     Args:
         a: ``[..., K]`` contiguous; weight: ``[N, K]``; residual: ``[..., N]`` contiguous.
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
+        tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
 
     Returns:
         The new residual stream ``[..., N]`` (a new tensor: earlier ones stay valid as taps).
@@ -245,19 +280,22 @@ def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     rows = a.numel() // K
     out = torch.empty_like(residual)
     assert a.is_contiguous() and residual.is_contiguous()
-    linear_residual_kernel[(-(-rows // block_m), N // BLOCK_N)](a, weight, residual, out, rows, K, N, BLOCK_M=block_m,
-                                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps(block_m))
+    t = tiles or tiles_for(block_m)
+    linear_residual_kernel[(-(-rows // t.block_m), N // t.block_n)](
+        a, weight, residual, out, rows, K, N, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        STAGES=t.stages, num_warps=t.warps)
     return out
 
 
 def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor,
-                 block_m: int = BLOCK_M) -> torch.Tensor:
+                 block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """SwiGLU's activation ``silu(h @ gate^T) * (h @ up^T)`` of ``h = RMSNorm(x)`` in one kernel.
 
     Args:
         x: ``[..., d]`` the residual stream (contiguous); norm_weight ``[d]`` and ``eps``: the FFN norm.
         w13: ``[2 * I, d]`` the fused [gate | up] weight.
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
+        tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
 
     Returns:
         ``[..., I]``, the input of the down projection.
@@ -268,7 +306,8 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
     rows = x.numel() // d
     out = torch.empty(x.shape[:-1] + (inter,), dtype=x.dtype, device=x.device)
     assert x.is_contiguous()
-    norm_gate_up_kernel[(-(-rows // block_m), inter // BLOCK_N)](x, norm_weight, w13, out, rows, d, inter, eps,
-                                                                 BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                                                 num_warps=num_warps(block_m))
+    t = tiles or tiles_for(block_m)
+    norm_gate_up_kernel[(-(-rows // t.block_m), inter // t.block_n)](
+        x, norm_weight, w13, out, rows, d, inter, eps, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        STAGES=t.stages, num_warps=t.warps)
     return out
