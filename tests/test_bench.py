@@ -510,3 +510,16 @@ def test_summary_line_of_a_distributed_run_names_the_replicas_captures():
     assert _summary(counted).endswith("lossless 256/256; replica 300 steps, 0.61 s in them, 0.05 s handing out "
                                       "events, 290 rounds of 48.5 rows, 10 prefills of 3.2 ms host; CPU s router "
                                       "0.90, verifier 1.20, client 0.80")
+
+
+def test_bench_meta_names_each_batch_sizes_attention():
+    """The split-KV chunk is the runner's, by its slot count: the bench's metadata names the attention
+    of each batch size when they differ, one name when they do not."""
+    from tandem.bench.spec_bench import _attention_names
+
+    cfg = RunnerConfig(device="cuda", dtype=torch.bfloat16)
+    assert _attention_names(cfg, "fused", [1, 16, 64]) == ("triton-gqa-split128 (batch 1), "
+                                                           "triton-gqa-split256 (batch 16, 64)")
+    assert _attention_names(cfg, "fused", [64, 128]) == "triton-gqa-split256"
+    assert _attention_names(RunnerConfig(attention_chunk=0), "fused", [1, 64]) == "triton-gqa"
+    assert _attention_names(cfg, "reference", [1, 64]) == "sdpa-masked"

@@ -21,6 +21,7 @@ from tandem.models import attention, kernels, load_checkpoint
 from tandem.models.attention import flash_available, gqa_attention
 from tandem.models.kernels import MAX_FUSED_TOKENS, fused_unavailable_reason
 from tandem.models.runner import DEFAULT_ATTENTION_CHUNK, ModelRunner, RunnerConfig, resolve_attention_chunk
+from tandem.models.runner_config import SMALL_BATCH, SMALL_BATCH_ATTENTION_CHUNK, default_attention_chunk
 
 # head_dim 64 with 3 query heads per KV head, as the bundled SmolLM2 (the flash-attn build's shape)
 FUSED_SHAPE = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, intermediate_size=512)
@@ -71,6 +72,11 @@ def test_kernel_choice_on_cpu(tiny_checkpoint, monkeypatch):
     assert resolve_attention_chunk(RunnerConfig(), "reference") == 0
     assert resolve_attention_chunk(RunnerConfig(attention_chunk=0), "fused") == 0  # asked for: kept
     assert resolve_attention_chunk(RunnerConfig(attention_chunk=128), "fused") == 128
+    # a runner of few slots splits finer by default (more, shorter programs for one row); asked-for chunks stay
+    assert resolve_attention_chunk(RunnerConfig(max_batch_size=SMALL_BATCH), "fused") == SMALL_BATCH_ATTENTION_CHUNK
+    assert resolve_attention_chunk(RunnerConfig(max_batch_size=SMALL_BATCH + 1), "fused") == DEFAULT_ATTENTION_CHUNK
+    assert resolve_attention_chunk(RunnerConfig(max_batch_size=1, attention_chunk=256), "fused") == 256
+    assert resolve_attention_chunk(RunnerConfig(max_batch_size=1), "reference") == 0
 
 
 def _runner(ckpt, kernels: str, slots: int, graphs: bool = False, taps: tuple[int, ...] = (),
@@ -92,7 +98,7 @@ def test_kernel_choice_under_the_interpreter(tiny_checkpoint):
     ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
     assert _runner(ckpt, "auto", 1, dtype=torch.float32, device="cpu", max_seq_len=32).kernels == "reference"
     runner = _runner(ckpt, "fused", 1, dtype=torch.float32, device="cpu", max_seq_len=32)
-    assert runner.kernels == "fused" and runner.attention_backend == f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"
+    assert runner.kernels == "fused" and runner.attention_backend == f"triton-gqa-split{default_attention_chunk(1)}"
     with pytest.raises(ConfigError, match="NumPy has no bfloat16"):
         _runner(ckpt, "fused", 1, dtype=torch.bfloat16, device="cpu", max_seq_len=32)
 
@@ -247,7 +253,7 @@ def test_fused_forward_is_as_accurate_as_the_reference(tiny_checkpoint, where, k
     exact, ref, fused = (_runner(ckpt, "reference", 4, taps=taps, dtype=torch.float32, device=device),
                          _runner(ckpt, "reference", 4, taps=taps, dtype=dtype, device=device),
                          _runner(ckpt, kernels_path, 4, taps=taps, dtype=dtype, device=device))
-    split = f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"  # our kernel splits the KV by default
+    split = f"triton-gqa-split{default_attention_chunk(4)}"  # our kernel splits the KV by default
     attention = {"fused": split, "fused-flash": "flash-attn", "fused-linear": split}[kernels_path]
     assert fused.kernels == kernels_path and fused.attention_backend == attention and ref.kernels == "reference"
     rng = random.Random(0)
@@ -812,8 +818,8 @@ def test_runner_with_split_kv_attention(tiny_checkpoint, where):
     with pytest.raises(ConfigError, match="multiple of 64"):
         ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
                                        kernels="fused", attention_chunk=96))
-    # unset, the chunk is DEFAULT_ATTENTION_CHUNK where our kernel runs and none on the reference path
-    for kernels, backend in (("fused", f"triton-gqa-split{DEFAULT_ATTENTION_CHUNK}"), ("reference", "sdpa-masked")):
+    # unset, the chunk is the runner's default (by its slots) where our kernel runs, none on the reference path
+    for kernels, backend in (("fused", f"triton-gqa-split{SMALL_BATCH_ATTENTION_CHUNK}"), ("reference", "sdpa-masked")):
         runner = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
                                                 kernels=kernels))
         assert runner.attention_backend == backend

@@ -51,6 +51,19 @@ if TYPE_CHECKING:  # the serving stack is optional (tandem[serve])
 MODES = ("inproc", "distributed")
 
 
+def _attention_names(config: RunnerConfig, kernels: str, sizes: list[int]) -> str:
+    """The decode/verify attention of the engines at each batch size, for the bench's metadata:
+    one name when every size takes the same (``attention_name``), else ``name (batch b, ...)`` per
+    name (the split-KV chunk is the runner's, by its slot count: ``resolve_attention_chunk``)."""
+    by_name: dict[str, list[int]] = {}
+    for b in sizes:
+        name = attention_name(kernels, resolve_attention_chunk(replace(config, max_batch_size=b), kernels))
+        by_name.setdefault(name, []).append(b)
+    if len(by_name) == 1:
+        return next(iter(by_name))
+    return ", ".join(f"{n} (batch {', '.join(map(str, bs))})" for n, bs in by_name.items())
+
+
 def check_mode(mode: str) -> None:
     """Fail early for a mode this installation cannot run.
 
@@ -328,7 +341,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      exact_kernels=exact_kernels, fixed_step_tokens=fixed, mode=mode, configs=[c.name for c in configs],
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                     warmup=warmup, kernels=kernels, attention=attention_name(kernels, resolve_attention_chunk(rc, kernels)),
+                     warmup=warmup, kernels=kernels, attention=_attention_names(rc, kernels, sizes),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
                      prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",

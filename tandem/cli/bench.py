@@ -65,8 +65,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
 @click.option("--attention-chunk", type=click.IntRange(min=0), default=None,
               help="Split-KV for our decode/verify attention over fixed chunks of this many cache positions (a "
                    "multiple of 64; 0 = none): more programs for few rows or long contexts, still batch-invariant. "
-                   "Default: 256 where our attention kernel runs (fused, fused-linear), else none. In-process "
-                   "mode only.")
+                   "Default: where our attention kernel runs (fused, fused-linear), 128 for a batch size up to 4 "
+                   "and 256 above (the runner's, never the step's), else none. In-process mode only.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
                    "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, batch-width, budget, "

@@ -17,12 +17,14 @@ stands after it, in one kernel:
    index in one program;
 5. down projection + residual add (``linear_residual``).
 
-A batch-1 step is latency-bound (a layer's 7 MB of weights read in ~2 µs at full bandwidth, a
-small kernel costs about that much by itself), so a decode launch runs many narrow programs (16
-output columns each: 96 for the bundled model's gate/up projection at batch 1) with several wide
-reduction steps of loads in flight (``DECODE_TILES``); a first version with 32 columns a program,
-a separate pass for the norm's statistic and one step of loads in flight ran each kernel in 5.5-8.8
-µs, slower than cuBLAS plus the elementwise kernels.
+A batch-1 step is latency-bound (a layer's 7 MB of weights read in ~2 µs at full bandwidth, and a
+small kernel costs about that much by itself). Each launch gathers the norm's statistic in the
+projection's own pass and keeps several reduction steps of loads in flight (``DECODE_TILES``, the
+best of a sweep of cuts: ``scripts/time_fused_linear.py``). Measured on an H100 (2026-12-07,
+docs/benchmarks.md) it does not beat the cuBLAS path it replaces: a layer's projections and what
+stands around them take 24 µs against 23 at 1-16 rows, 28 against 24 at 64 and 2-3x as long at
+320-640 rows (a 16-row tile re-reads the weights for every 16 rows), so it stays a choice
+(``kernels="fused-linear"``), not the default.
 
 As in the rest of the fused path every program owns whole rows of a fixed tile (16 rows) and
 reduces over K in a fixed order, so a row's result does not depend on how many rows share the
@@ -65,9 +67,10 @@ class Tiles(NamedTuple):
     warps: int
 
 
-# Decode and verify (16-row tiles): a batch-1 step is latency-bound, so many narrow programs (the
-# bundled model's gate/up projection runs 96 at batch 1) each with a few wide steps in flight.
-DECODE_TILES = Tiles(BLOCK_M, 16, 64, 6, 4)
+# Decode and verify (16-row tiles): five reduction steps of loads in flight beside the one in use.
+# The best cut of the sweep at every row count from 1 to 640 (H100): 16 columns a program (twice
+# the programs) was no faster at 1-16 rows and 1.2-2x slower from 64 rows on, 8 warps slower still.
+DECODE_TILES = Tiles(BLOCK_M, 32, 64, 6, 4)
 # Prefill (64-row tiles): thousands of rows, so each program's weight tile serves 64 of them.
 PREFILL_TILES = Tiles(PREFILL_BLOCK_M, 32, 64, 3, 8)
 

@@ -77,8 +77,8 @@ class RunnerConfig:
         attention_chunk: 0, or split-KV for our decode/verify attention over fixed chunks of this
             many cache positions (a multiple of 64; ``attention.gqa_attention``): more programs for
             few rows or long contexts, still batch- and width-invariant. Fused paths only. None
-            (default): ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs, else 0
-            (``resolve_attention_chunk``).
+            (default): ``default_attention_chunk(max_batch_size)`` where our attention kernel
+            runs (128 positions up to 4 slots, else 256), else 0 (``resolve_attention_chunk``).
     """
 
     device: str = "cpu"
@@ -136,18 +136,33 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
 
 # Split-KV chunk of our attention kernel by default. Measured on an H200 (2026-12-06,
 # docs/benchmarks.md), against the unsplit kernel in one lease: target-only +18% at batch 64 and
-# +14% at 128, n-gram and SpecFormer +7-9% there, and -2% / -3% / 0% at batch 1. A fixed chunk
-# keeps a row's reduction order whatever the batch or width, so the choice cannot depend on them.
+# +14% at 128, n-gram and SpecFormer +7-9% there, and -2% / -3% / 0% at batch 1. A runner of at
+# most SMALL_BATCH slots takes SMALL_BATCH_ATTENTION_CHUNK instead: measured on an H100 (2026-12-07),
+# chunks of 128 against 256 at batch 1 gave target-only +4% (a layer's attention 6.2 -> 4.5 µs: more,
+# shorter programs for one row) and cost target-only 3-5% at batch 64. The chunk is the runner's,
+# fixed by its slot count, never by a step's batch or width, so a row's reduction order is the same
+# in every step a runner takes (target-only and speculative engines of one size alike).
 DEFAULT_ATTENTION_CHUNK = 256
+SMALL_BATCH = 4
+SMALL_BATCH_ATTENTION_CHUNK = 128
+
+
+def default_attention_chunk(max_batch_size: int) -> int:
+    """The split-KV chunk of our attention kernel for a runner of ``max_batch_size`` slots when
+    none is configured: ``SMALL_BATCH_ATTENTION_CHUNK`` up to ``SMALL_BATCH`` slots, else
+    ``DEFAULT_ATTENTION_CHUNK``."""
+    return SMALL_BATCH_ATTENTION_CHUNK if max_batch_size <= SMALL_BATCH else DEFAULT_ATTENTION_CHUNK
 
 
 def resolve_attention_chunk(config: RunnerConfig, kernels: str) -> int:
     """The split-KV chunk a runner of ``config`` uses on the resolved ``kernels`` path: the
-    configured one, or for None ``DEFAULT_ATTENTION_CHUNK`` where our attention kernel runs
-    (fused, fused-linear) and 0 elsewhere."""
+    configured one, or for None ``default_attention_chunk(config.max_batch_size)`` where our
+    attention kernel runs (fused, fused-linear) and 0 elsewhere."""
     if config.attention_chunk is not None:
         return config.attention_chunk
-    return DEFAULT_ATTENTION_CHUNK if kernels != "reference" and attention_backend_for(kernels) == "triton" else 0
+    if kernels == "reference" or attention_backend_for(kernels) != "triton":
+        return 0
+    return default_attention_chunk(config.max_batch_size)
 
 
 def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
