@@ -138,7 +138,7 @@ def resolve_kernels(config: RunnerConfig, model: ModelConfig) -> str:
 # docs/benchmarks.md), against the unsplit kernel in one lease: target-only +18% at batch 64 and
 # +14% at 128, n-gram and SpecFormer +7-9% there, and -2% / -3% / 0% at batch 1. A runner of at
 # most SMALL_BATCH slots takes SMALL_BATCH_ATTENTION_CHUNK instead: measured on an H100 (2026-12-07),
-# chunks of 128 against 256 at batch 1 gave target-only +4% (a layer's attention 6.2 -> 4.5 µs: more,
+# chunks of 128 against 256 at batch 1 gave target-only +4% (a layer's attention 6.3 -> 5.1 µs: more,
 # shorter programs for one row) and cost target-only 3-5% at batch 64. The chunk is the runner's,
 # fixed by its slot count, never by a step's batch or width, so a row's reduction order is the same
 # in every step a runner takes (target-only and speculative engines of one size alike).
