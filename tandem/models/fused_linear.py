@@ -99,9 +99,37 @@ def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | N
     return None
 
 
+# The kernels' shared device function, made with them (``_kernels``): a @triton.jit function calls
+# another through its module's globals, which is where Triton (and its interpreter) look for it.
+_norm_dot2 = None
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
+    global _norm_dot2
     triton, tl = _modules()
+
+    @triton.jit
+    def _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, na, nb, K,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        # (x * norm weight) @ w[na]^T and @ w[nb]^T over the row tile, and each row's sum of squares:
+        # RMSNorm(x) @ w^T = rstd * ((x * norm weight) @ w^T), so the row's statistic is gathered in
+        # the projection's own pass and applied to the accumulators after it
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        sq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xf = xk.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            xs = (xf * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
+            wa = tl.load(w_ptr + na[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            wb = tl.load(w_ptr + nb[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
+            acc_a = tl.dot(xs, tl.trans(wa), acc_a)
+            acc_b = tl.dot(xs, tl.trans(wb), acc_b)
+        return acc_a, acc_b, sq
 
     @triton.jit
     def norm_qkv_rope_kernel(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, write_ptr, q_out_ptr, k_ptr,
@@ -120,22 +148,8 @@ def _kernels():
         rows = rows.to(tl.int64)
         d = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         n1 = h * HEAD_DIM + d
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            # RMSNorm(x) @ w^T = rstd * ((x * norm weight) @ w^T): the row's statistic gathered in
-            # the same pass, applied to the accumulators after it
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xf = xk.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-            xs = (xf * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
-            w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w2 = tl.load(w_ptr + (n1 + half)[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
-            acc1 = tl.dot(xs, tl.trans(w1), acc1)
-            acc2 = tl.dot(xs, tl.trans(w2), acc2)
+        acc1, acc2, sq = _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, n1, n1 + half, K,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
         acc1 = acc1 * rstd
         acc2 = acc2 * rstd
@@ -198,25 +212,13 @@ def _kernels():
                             STAGES: tl.constexpr):
         # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
         # rows n_inter + j of the fused [gate | up] weight; the norm's statistic gathered in the same
-        # pass (as in norm_qkv_rope_kernel), each projection rounded before the activation
+        # pass (``_norm_dot2``), each projection rounded before the activation
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            xk = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xf = xk.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-            xs = (xf * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(xk.dtype)
-            wg = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
-            wu = tl.load(w_ptr + (n + n_inter)[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
-            acc_g = tl.dot(xs, tl.trans(wg), acc_g)
-            acc_u = tl.dot(xs, tl.trans(wu), acc_u)
+        acc_g, acc_u, sq = _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, n, n + n_inter, K,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
         dt = out_ptr.dtype.element_ty
         g = (acc_g * rstd).to(dt).to(tl.float32)
