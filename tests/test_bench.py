@@ -523,3 +523,32 @@ def test_bench_meta_names_each_batch_sizes_attention():
     assert _attention_names(cfg, "fused", [64, 128]) == "triton-gqa-split256"
     assert _attention_names(RunnerConfig(attention_chunk=0), "fused", [1, 64]) == "triton-gqa"
     assert _attention_names(cfg, "reference", [1, 64]) == "sdpa-masked"
+
+
+def test_cost_table_times_each_batch_size_with_its_engines_attention(tiny_dir, monkeypatch):
+    """The bench's T(b, q) table is timed on a runner per split-KV chunk the batch sizes' engines
+    take (a runner of few slots splits finer), each sized for the largest batch of its group; the
+    table covers every batch size."""
+    from tandem.bench import spec_bench
+    from tandem.control import CostModel
+    from tandem.models.runner_config import SMALL_BATCH, SMALL_BATCH_ATTENTION_CHUNK, DEFAULT_ATTENTION_CHUNK
+
+    built = []
+
+    class Runner:  # records the settings the table's runners are built with
+        def __init__(self, checkpoint, config):
+            built.append(config)
+            self.config = config
+
+    def measure(runner, sizes, max_q, iters):
+        return CostModel({b: {q: runner.config.attention_chunk + b + q for q in range(1, max_q + 1)} for b in sizes})
+
+    monkeypatch.setattr(spec_bench, "ModelRunner", Runner)
+    monkeypatch.setattr(spec_bench, "resolve_kernels", lambda config, model: "fused")
+    monkeypatch.setattr(CostModel, "measure", staticmethod(measure))
+    ck = load_checkpoint(tiny_dir)
+    cost = spec_bench.measure_cost_table(ck, RunnerConfig(device="cpu"), [1, SMALL_BATCH, 16, 64], 2)
+    assert [(c.max_batch_size, c.attention_chunk) for c in built] == [(SMALL_BATCH, SMALL_BATCH_ATTENTION_CHUNK),
+                                                                     (64, DEFAULT_ATTENTION_CHUNK)]
+    assert cost.table[1][2] == SMALL_BATCH_ATTENTION_CHUNK + 3 and cost.table[64][1] == DEFAULT_ATTENTION_CHUNK + 65
+    assert sorted(cost.table) == [1, SMALL_BATCH, 16, 64]

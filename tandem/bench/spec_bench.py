@@ -268,14 +268,25 @@ def bench_prompts(records: list[PromptRecord], batch_size: int, limit: int) -> l
 def measure_cost_table(checkpoint: Checkpoint, config: RunnerConfig, batch_sizes: list[int], max_q: int,
                        iters: int = 10) -> CostModel:
     """T(b, q) in ms for every b in ``batch_sizes`` and q = 1..``max_q`` (``runner.measure_step_ms``
-    via ``CostModel.measure``, context 512), on a runner of the engine's settings without exact-kernel
-    padding (which would flatten the table). The runner is freed afterwards."""
-    runner = ModelRunner(checkpoint, replace(config, max_batch_size=max(batch_sizes), fixed_step_tokens=0))
-    try:
-        return CostModel.measure(runner, batch_sizes, max_q, iters=iters)
-    finally:
-        del runner
-        _free_memory()
+    via ``CostModel.measure``, context 512), on runners of the engines' settings without exact-kernel
+    padding (which would flatten the table): one per split-KV chunk the batch sizes' engines take
+    (``resolve_attention_chunk``: a runner of few slots splits finer), sized for the largest batch
+    of its group, so each T(b, q) is timed with the attention its engine runs. The runners are
+    freed afterwards."""
+    kernels = resolve_kernels(config, checkpoint.config)
+    groups: dict[int, list[int]] = {}
+    for b in batch_sizes:
+        groups.setdefault(resolve_attention_chunk(replace(config, max_batch_size=b), kernels), []).append(b)
+    table: dict[int, dict[int, float]] = {}
+    for chunk, sizes in groups.items():
+        runner = ModelRunner(checkpoint, replace(config, max_batch_size=max(sizes), fixed_step_tokens=0,
+                                                 attention_chunk=chunk))
+        try:
+            table.update(CostModel.measure(runner, sizes, max_q, iters=iters).table)
+        finally:
+            del runner
+            _free_memory()
+    return CostModel(table)
 
 
 def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerConfig, records: list[PromptRecord],
