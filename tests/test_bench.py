@@ -361,12 +361,6 @@ def test_runs_split_by_batch_size_merge_into_one_report(tiny_dir, short_prompts,
     assert res.exit_code == 2 and "cannot merge runs that differ in round_kernels" in res.stderr
 
 
-def test_bad_ca_drafter_is_a_one_line_error(tiny_dir):
-    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline",
-                                    "--configs", "context-aware", "--ca-drafter", "target"])
-    assert res.exit_code == 2 and "--ca-drafter must be one of ngram, draft-model, specformer" in res.stderr
-
-
 def test_specformer_runs_on_its_own_engine_and_is_lossless(tiny_dir, short_prompts, tmp_path):
     """SpecFormer (drafts from the verify pass: the engine taps the target) beside target-only,
     also under exact kernels and under the context-aware policy; a random head is enough to check
@@ -552,3 +546,15 @@ def test_cost_table_times_each_batch_size_with_its_engines_attention(tiny_dir, m
                                                                      (64, DEFAULT_ATTENTION_CHUNK)]
     assert cost.table[1][2] == SMALL_BATCH_ATTENTION_CHUNK + 3 and cost.table[64][1] == DEFAULT_ATTENTION_CHUNK + 65
     assert sorted(cost.table) == [1, SMALL_BATCH, 16, 64]
+
+
+def test_bench_rejects_an_unknown_ca_drafter_when_it_parses():
+    """--ca-drafter is checked with the options, before any model loads, whichever configurations run;
+    its choices are the context-aware drafters the configurations build."""
+    from tandem.bench.configs import CA_DRAFTERS
+    from tandem.cli.bench import CA_DRAFTER_CHOICES
+
+    assert sorted(CA_DRAFTER_CHOICES) == sorted(CA_DRAFTERS)
+    for configs in ("target", "context-aware"):
+        res = CliRunner().invoke(main, ["bench", "--configs", configs, "--ca-drafter", "target"])
+        assert res.exit_code == 2 and "Invalid value for '--ca-drafter'" in res.stderr and "'target'" in res.stderr

@@ -18,6 +18,10 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
                      model_option, out_dir,
                      torch_dtype, with_admission_options, with_drafter_options)
 
+# tandem.bench.configs.CA_DRAFTERS, spelled here so the options parse without importing torch
+# (tests/test_bench.py checks that the two agree)
+CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
+
 
 @click.command()
 @click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), default=None,
@@ -39,8 +43,8 @@ from .common import (console, device_option, dtype_option, err_console, fail, gr
               help="Prompts for the HF references (batch 1 only: they are slow).")
 @click.option("--specformer", "specformer_path", default=None, metavar="PATH",
               help="SpecFormer head for the specformer configuration (default: the one shipped for the bundled model).")
-@click.option("--ca-drafter", default="draft-model", show_default=True, metavar="NAME",
-              help="Drafter the context-aware configuration controls: draft-model, ngram or specformer.")
+@click.option("--ca-drafter", type=click.Choice(CA_DRAFTER_CHOICES), default="draft-model", show_default=True,
+              help="Drafter the context-aware configuration controls.")
 @click.option("--exact-kernels", is_flag=True,
               help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
                    "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")
