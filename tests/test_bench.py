@@ -558,3 +558,32 @@ def test_bench_rejects_an_unknown_ca_drafter_when_it_parses():
     for configs in ("target", "context-aware"):
         res = CliRunner().invoke(main, ["bench", "--configs", configs, "--ca-drafter", "target"])
         assert res.exit_code == 2 and "Invalid value for '--ca-drafter'" in res.stderr and "'target'" in res.stderr
+
+
+def test_an_in_process_rows_summary_names_the_graphs_its_timed_pass_captured():
+    """Graphs captured inside a timed pass distort it: the row counts them and names each
+    (``CapturedCall.labels``), in its summary line and through results.json; an eager call (no
+    capture) names nothing."""
+    import math
+
+    from tandem.bench.results import BenchMeta, BenchReport, RunResult
+    from tandem.bench.spec_bench import _summary
+
+    made, labels = CapturedCall.made, list(CapturedCall.labels)
+    CapturedCall(lambda x: x + 1, (torch.zeros(2),), capture=False, label="round b1 q1 ctx256")
+    assert (CapturedCall.made, CapturedCall.labels) == (made, labels)
+    nan = math.nan
+    r = RunResult("specformer", 64, 4, 256, 1000, 1.0, 1000.0, 1.0, 0.3, 2.4, 10, 3, 1, 2, 1, 2, nan, 1.0, [],
+                  round_wall_ms=1.7, timed_rounds=350, timed_rows_per_round=41.1, prefills=8, prefill_host_ms=15.4,
+                  timed_captures=2, timed_capture_labels=["round b64 q5 ctx1536", "specformer prime False False False"],
+                  warmup_passes=3)
+    assert ("8 prefills of 15.4 ms host, 2 graphs captured (round b64 q5 ctx1536, specformer prime False False "
+            "False), after 3 warm-up passes") in _summary(r)
+    meta = BenchMeta(model="m", device="cpu", gpu="cpu", dtype="float32", cuda_graphs=False, compile=False,
+                     exact_kernels=False, fixed_step_tokens=0, mode="inproc", configs=["specformer"], batch_sizes=[64],
+                     max_tokens=256, prompts_file="p", options={}, torch="2", date_utc="2026-12-07T00:00:00+00:00")
+    back = BenchReport.from_dict(json.loads(json.dumps(BenchReport(meta, [r]).to_dict())))
+    assert back.results[0].timed_capture_labels == r.timed_capture_labels
+    from tandem.bench.spec_bench import _first_labels
+
+    assert _first_labels([f"g{i}" for i in range(9)]) == "g0, g1, g2, g3, g4, g5 and 3 more"

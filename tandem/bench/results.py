@@ -93,6 +93,9 @@ class RunResult:
     timed_admission_gpu_ms: float = math.nan
     timed_admission_side_gpu_ms: float = math.nan
     timed_captures: int = 0
+    # what those graphs were (``CapturedCall.labels``: "round b64 q5 ctx768", "specformer prime ...");
+    # in process only (a replica reports its count)
+    timed_capture_labels: list[str] = field(default_factory=list)
     warmup_passes: int = 0  # warm-up passes run before the timed pass (``warmup_passes_then_timed``)
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None

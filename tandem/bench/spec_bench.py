@@ -451,6 +451,7 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
                 torch.cuda.reset_peak_memory_stats(dev)
             n0, s0 = engine.admission.prefills, engine.admission.prefill_total_s
             r0, rows0, made0 = engine.num_rounds, engine.round_rows, CapturedCall.made
+            labels0 = len(CapturedCall.labels)
             timeline = (StepTimeline() if label == "timed" and dev.type == "cuda" and engine.runner.config.cuda_graphs
                         else None)
             t0 = time.perf_counter()
@@ -471,7 +472,8 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
                     timed_rows_per_round=(engine.round_rows - rows0) / rounds if rounds else math.nan,
                     timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_gpu_idle_p50_ms=idle_p50,
                     timed_admission_gpu_ms=admission_gpu, timed_admission_side_gpu_ms=admission_side,
-                    timed_captures=CapturedCall.made - made0, warmup_passes=warmup_passes)
+                    timed_captures=CapturedCall.made - made0, timed_capture_labels=CapturedCall.labels[labels0:],
+                    warmup_passes=warmup_passes)
     cost = measure_round_cost(engine, ids[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
 
@@ -541,6 +543,12 @@ def _reference_run(c: BenchConfig, engine: Engine, prompts: list[PromptRecord], 
                      peak_mem_gib=res.peak_mem_gib, lossless_share=share, mismatched_prompt_ids=bad)
 
 
+def _first_labels(labels: list[str], most: int = 6) -> str:
+    """The first ``most`` graph labels, then how many more (results.json keeps them all)."""
+    more = len(labels) - most
+    return ", ".join(labels[:most]) + (f" and {more} more" if more > 0 else "")
+
+
 def _summary(r: RunResult) -> str:
     acc = "" if math.isnan(r.acceptance_rate) else f", acceptance {r.acceptance_rate:.2f}, τ_acc {r.mean_accepted_length:.2f}"
     rounds = "" if math.isnan(r.round_wall_ms) else (
@@ -561,6 +569,7 @@ def _summary(r: RunResult) -> str:
         + ("" if math.isnan(r.timed_admission_side_gpu_ms) else
            f" + {r.timed_admission_side_gpu_ms:.1f} ms GPU beside the rounds")
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
+        + (f" ({_first_labels(r.timed_capture_labels)})" if r.timed_capture_labels else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
     if math.isnan(r.round_wall_ms):  # a distributed run (no in-process round cost): the replica's Load reports

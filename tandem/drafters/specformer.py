@@ -196,7 +196,8 @@ class SpecFormerDrafter(ChainedHead, Drafter):
         inputs = make_inputs()
         fill(inputs)
         try:
-            call = CapturedCall(fn, inputs, capture=self.k_cache.is_cuda, pool=self._graph_pool)
+            call = CapturedCall(fn, inputs, capture=self.k_cache.is_cuda, pool=self._graph_pool,
+                                label="specformer " + " ".join(map(str, key)))
         except RuntimeError as exc:
             log.warning("SpecFormer head: CUDA graph capture failed (%s); running it eagerly", exc)
             self._static = False

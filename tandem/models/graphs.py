@@ -42,14 +42,16 @@ class CapturedCall:
             capture on torch's one capture stream). A graph's cuBLAS calls keep the workspace of
             the stream it was captured on: graphs replayed at the same time on two streams must
             be captured on two streams (``ModelRunner.admission_stream``).
+        label: what the graph is, for ``CapturedCall.labels`` (e.g. ``round b64 q5 ctx768``).
     """
 
     def __init__(self, fn, inputs: tuple, capture: bool = True, pool=None, warmup: int = 2,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, label: str = "") -> None:
         self.fn, self.inputs, self.graph, self.out = fn, inputs, None, None
         if not capture:
             return
         CapturedCall.made += 1
+        CapturedCall.labels.append(label or getattr(fn, "__name__", "graph"))
         side = stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -62,6 +64,7 @@ class CapturedCall:
 
     replays = 0  # CUDA-graph launches by every CapturedCall (a per-round figure for benches)
     made = 0  # CUDA graphs captured (eager calls, capture=False, not counted): a bench checks none is made while it times
+    labels: list[str] = []  # each captured graph's label, in capture order (``made`` of them): which shapes a pass met
 
     def __call__(self):
         if self.graph is None:

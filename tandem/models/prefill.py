@@ -343,7 +343,8 @@ class Prefiller:
 
         idle = varlen_idle(torch.empty(4 * T + 2 * S + 1, dtype=torch.long), T, S)  # the warm-up runs write scratch only
         captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs and self.static,
-                                pool=runner._prefill_pool, stream=runner._admission_stream)  # (without graphs: eager)
+                                pool=runner._prefill_pool, stream=runner._admission_stream,  # (without graphs: eager)
+                                label=f"prefill-varlen tokens{T} seqs{S}")
         runner._graphs[("prefill-varlen", T, S)] = captured
         return captured
 
@@ -447,7 +448,7 @@ class Prefiller:
 
         idle = torch.zeros((R, 1 + W), dtype=torch.long)  # every row empty: the warm-up runs write scratch only
         captured = CapturedCall(run, (to_device(idle, runner.device),), capture=runner.config.cuda_graphs,
-                                pool=runner._prefill_pool, stream=runner._admission_stream)
+                                pool=runner._prefill_pool, stream=runner._admission_stream, label=f"prefill rows{R} width{W}")
         captured.kv = (k, v)
         runner._graphs[("prefill", R, W)] = captured
         return captured

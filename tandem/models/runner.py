@@ -344,12 +344,13 @@ class ModelRunner:
         if self._forward_compiled is not None and n == 1:
             compiled = self._step_fn(n, q, attn_len, patch, epilogue, forward=self._forward_compiled)
             try:
-                return CapturedCall(compiled, (packed,), pool=self._graph_pool, warmup=warmup)
+                return CapturedCall(compiled, (packed,), pool=self._graph_pool, warmup=warmup,
+                                    label=f"round b{n} q{q} ctx{attn_len} (compiled)")
             except Exception as exc:  # compiler failure: keep serving on the uncompiled forward
                 log.warning("torch.compile failed (%s); using the uncompiled forward", exc)
                 self._forward_compiled = None
         return CapturedCall(self._step_fn(n, q, attn_len, patch, epilogue), (packed,), pool=self._graph_pool,
-                            warmup=warmup)
+                            warmup=warmup, label=f"round b{n} q{q} ctx{attn_len}")
 
     def warmup(self, batch_sizes: list[int], tokens_per_row: int = 1, contexts: tuple[int, ...] = (CONTEXT_BUCKET,)) -> None:
         """Compile and capture the decode graphs for these shapes ahead of serving (CUDA only)."""
