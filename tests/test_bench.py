@@ -160,6 +160,7 @@ def test_warmup_share():
     assert warmup_share(items, 1, "short") == items[:4] and warmup_share(items, 3, "short") == items[:6]
     assert warmup_share(items, 64, "short") == items
     assert warmup_share(items, 4, "none") == []
+    assert warmup_share(items, 1, "server") == items  # (after every round shape is captured: the engine's part)
     with pytest.raises(ValueError, match="warm-up mode 'cold'"):
         warmup_share(items, 1, "cold")
     # results.json written before the option existed load as the short warm-up they ran
@@ -587,3 +588,31 @@ def test_an_in_process_rows_summary_names_the_graphs_its_timed_pass_captured():
     from tandem.bench.spec_bench import _first_labels
 
     assert _first_labels([f"g{i}" for i in range(9)]) == "g0, g1, g2, g3, g4, g5 and 3 more"
+
+
+def test_server_warmup_runs_every_round_shape_first_and_changes_no_output(tiny_dir, short_prompts, monkeypatch):
+    """--warmup server: before its warm-up pass each in-process engine meets every decode-round shape
+    (``capture_round_shapes``, as a verifier replica before it serves; on a CPU the rounds run
+    eagerly and nothing is captured), leaves nothing behind, and the outputs stay target-only's;
+    the CLI offers exactly the bench's warm-up modes."""
+    from tandem import warmup as warmup_mod
+    from tandem.bench import spec_bench
+    from tandem.cli.bench import bench as bench_cmd
+
+    engines = []
+
+    def spy(engine, *args, **kw):
+        engines.append(engine)
+        return warmup_mod.capture_round_shapes(engine, *args, **kw)
+
+    monkeypatch.setattr(spec_bench, "capture_round_shapes", spy)
+    ck = load_checkpoint(tiny_dir)
+    report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_batch_size=2, max_seq_len=256),
+                           load_prompts(short_prompts), parse_configs("ngram"), [2], BenchOptions(num_draft_tokens=3),
+                           max_tokens=8, limit=2, progress=False, warmup="server")
+    assert len(engines) == 2 and all(e.chains_rounds for e in engines)  # target-only and n-gram
+    ngram = report.get("ngram", 2)
+    assert ngram.lossless_share == 1.0 and ngram.warmup_passes == 1 and ngram.startup_captures == 0
+    assert report.meta.warmup == "server"
+    choices = next(p for p in bench_cmd.params if p.name == "warmup").type.choices
+    assert tuple(choices) == spec_bench.WARMUP_MODES

@@ -97,6 +97,7 @@ class RunResult:
     # in process only (a replica reports its count)
     timed_capture_labels: list[str] = field(default_factory=list)
     warmup_passes: int = 0  # warm-up passes run before the timed pass (``warmup_passes_then_timed``)
+    startup_captures: int = 0  # round graphs captured before the warm-up (``--warmup server``: every round shape)
     # rounds queued from the device round state (``Engine.chains_rounds``); None: not our in-process engine
     chained: bool | None = None
     router_draft_width: int | None = None  # distributed: the width the router's budget last set (None: none set)

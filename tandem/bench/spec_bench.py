@@ -39,6 +39,7 @@ from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
+from ..warmup import capture_round_shapes
 from ..speculation import SpeculativeConfig, build_engine
 from .configs import BenchConfig, BenchOptions, BuildContext, prepare_configs
 from .results import BenchMeta, BenchReport, RunResult, TaskStats
@@ -204,7 +205,7 @@ def _router_draft_width(http_url: str) -> int | None:
     return verifiers[0]["draft_width"] if verifiers else None
 
 
-WARMUP_MODES = ("full", "short", "none")
+WARMUP_MODES = ("full", "short", "none", "server")
 
 
 def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
@@ -221,6 +222,11 @@ def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
     ``short`` a fresh engine's captures and its batch-1 compile fell inside the timed pass.
     ``none``: no warm-up pass (a CPU run with nothing to capture or compile, or a check of outputs
     rather than speed: timings then include first-call costs, and an online threshold starts cold).
+    ``server``: as ``full``, after capturing every decode-round shape of the engine first, as a
+    verifier replica does before it serves (``tandem.warmup.capture_round_shapes``, in process with
+    CUDA graphs and device-chained rounds; a distributed run's replica always does): shapes a pass
+    meets only in some runs (larger admission groups, other context buckets) are made before any
+    pass, so in-process and distributed runs start from the same graphs.
 
     Raises:
         ValueError: an unknown mode.
@@ -229,7 +235,7 @@ def warmup_share(items: list, batch_size: int, mode: str = "full") -> list:
         raise ValueError(f"warm-up mode {mode!r}: expected one of {', '.join(WARMUP_MODES)}")
     if mode == "none":
         return []
-    return list(items) if mode == "full" else list(items[:max(2 * batch_size, 4)])
+    return list(items[:max(2 * batch_size, 4)]) if mode == "short" else list(items)
 
 
 MAX_WARMUP_PASSES = 3
@@ -439,6 +445,9 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
     # batch 128), which only dilutes the ratios between them
     ids = [engine.encode_prompt(r.text) for r in prompts]
     dev = engine.runner.device
+    startup = 0
+    if warmup == "server" and engine.chains_rounds:  # (without CUDA graphs its rounds run eagerly: 0 captured)
+        startup = capture_round_shapes(engine)
     warm = warmup_share(ids, batch_size, warmup)
     warmup_passes = 0
     for label, run in warmup_passes_then_timed(warm, ids):
@@ -473,7 +482,7 @@ def _engine_pass(engine: Engine, prompts: list[PromptRecord], batch_size: int, p
                     timed_gpu_span_ms=span_ms, timed_gpu_idle_ms=idle_ms, timed_gpu_idle_p50_ms=idle_p50,
                     timed_admission_gpu_ms=admission_gpu, timed_admission_side_gpu_ms=admission_side,
                     timed_captures=CapturedCall.made - made0, timed_capture_labels=CapturedCall.labels[labels0:],
-                    warmup_passes=warmup_passes)
+                    warmup_passes=warmup_passes, startup_captures=startup)
     cost = measure_round_cost(engine, ids[:batch_size], params, label=desc.replace(' b=', '-b'))
     return comps, wall, peak, cost, admitted
 
@@ -571,6 +580,7 @@ def _summary(r: RunResult) -> str:
         + (f", {r.timed_captures} graphs captured" if r.timed_captures else "")
         + (f" ({_first_labels(r.timed_capture_labels)})" if r.timed_capture_labels else "")
         + (f", after {r.warmup_passes} warm-up passes" if r.warmup_passes > 1 else "")
+        + (f", {r.startup_captures} round graphs captured before them" if r.startup_captures else "")
         + (f"; round cost run twice ({r.round_cost_captures} graphs captured)" if r.round_cost_captures else ""))
     if math.isnan(r.round_wall_ms):  # a distributed run (no in-process round cost): the replica's Load reports
         timed = ((f"; {r.timed_captures} graphs captured in the timed pass" if r.timed_captures else "")

@@ -49,12 +49,13 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
               help="Run every decode step of every configuration (target-only too) with one shape, [b, k+1], and "
                    "prefill prompts one by one, so bf16 GPU outputs are identical token for token (slower).")
 @click.option("--cost-table", is_flag=True, help="Also measure the verifier step time T(b, q) for q = 1..k+1.")
-@click.option("--warmup", type=click.Choice(["full", "short", "none"]), default="full", show_default=True,
+@click.option("--warmup", type=click.Choice(["full", "short", "none", "server"]), default="full", show_default=True,
               help="Warm-up passes before each timed pass, repeated (at most 3) while one captures CUDA graphs "
                    "(in the bench's process, or the verifier replica's with --mode distributed): full = the same "
                    "prompts (every CUDA graph and compile is made before timing); short = max(2b, 4) of them "
                    "(faster; later context lengths are captured inside the timing); none = no warm-up (CPU runs, "
-                   "output checks).")
+                   "output checks); server = full, after capturing every decode-round shape first as a verifier "
+                   "replica does before it serves (in process with CUDA graphs; a replica always does).")
 @click.option("--mode", type=click.Choice(["inproc", "distributed"]), default="inproc", show_default=True,
               help="inproc: one process; distributed: through the gRPC services (tandem serve).")
 @click.option("--stream", is_flag=True,
