@@ -238,7 +238,7 @@ def test_chained_ngram_through_the_graph_path(word_dir, monkeypatch, policy):
     object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
     made, real = [], runner_mod.CapturedCall
     monkeypatch.setattr(runner_mod, "CapturedCall",
-                        lambda fn, inputs, capture=True, pool=None, warmup=2: made.append(1) or real(fn, inputs, capture=False))
+                        lambda fn, inputs, capture=True, pool=None, warmup=2, label="": made.append(1) or real(fn, inputs, capture=False))
     assert [c.token_ids for c in engine.generate(prompts, params)] == want
     assert engine.stats.num_accepted > 0
     assert made and len(made) == len(engine.runner._graphs)
@@ -330,7 +330,7 @@ def test_chained_specformer_through_the_graph_path(target_dir, monkeypatch):
     engine = _specformer_engine(target_dir, chained=True)
     engine.drafter._static = True
     real = sf.CapturedCall
-    monkeypatch.setattr(sf, "CapturedCall", lambda fn, inputs, capture=True, pool=None, warmup=2: real(fn, inputs, capture=False))
+    monkeypatch.setattr(sf, "CapturedCall", lambda fn, inputs, capture=True, pool=None, warmup=2, label="": real(fn, inputs, capture=False))
     assert [c.token_ids for c in engine.generate(PROMPTS[:3], params)] == want
     assert engine.stats.num_drafted == plain.stats.num_drafted
     assert any(key[0] == "chained" for key in engine.drafter._captured)
@@ -518,7 +518,7 @@ def test_chained_policy_widths_reuse_one_graph_per_shape(target_dir, monkeypatch
     engine.drafter._static = True
     for mod in (runner_mod, sf):
         real = mod.CapturedCall
-        monkeypatch.setattr(mod, "CapturedCall", lambda fn, inputs, capture=True, pool=None, warmup=2, real=real:
+        monkeypatch.setattr(mod, "CapturedCall", lambda fn, inputs, capture=True, pool=None, warmup=2, label="", real=real:
                             real(fn, inputs, capture=False))
     launched = _widths(engine)
     assert [c.token_ids for c in engine.generate(PROMPTS[:3], params)] == want

@@ -729,6 +729,6 @@ def test_runner_graph_bookkeeping_runs_on_cpu(tiny_checkpoint, monkeypatch):
     object.__setattr__(engine.runner.config, "cuda_graphs", True)  # RunnerConfig refuses it on a CPU
     made, real = [], runner_mod.CapturedCall
     monkeypatch.setattr(runner_mod, "CapturedCall",
-                        lambda fn, inputs, capture=True, pool=None, warmup=2: made.append(1) or real(fn, inputs, capture=False))
+                        lambda fn, inputs, capture=True, pool=None, warmup=2, label="": made.append(1) or real(fn, inputs, capture=False))
     assert [c.token_ids for c in engine.generate(prompts, params)] == want
     assert made and len(made) == len(engine.runner._graphs)
