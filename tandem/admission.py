@@ -11,8 +11,8 @@ from __future__ import annotations
 
 # (share, wait_rounds, overlap) by default: ``tandem serve verifier`` and ``tandem bench`` take them
 # as ``--admission-share`` / ``--admission-wait-rounds`` / ``--[no-]admission-overlap``
-# (overlap off: lossless on a GPU, but +1-2% at batch 64, a round slowing while a prefill runs
-# beside it: docs/benchmarks.md, "Admissions beside the rounds")
+# (overlap off: lossless on a GPU, but +1-2% at batch 64 in one run and -6% / -13% (target-only /
+# SpecFormer) in another, a round slowing while a prefill runs beside it: docs/benchmarks.md)
 ADMISSION_DEFAULTS = (1 / 8, 64, False)
 
 

@@ -310,7 +310,7 @@ class Engine(Admissions, HostDrafting, EngineConveniences):
         if self.waiting and self.running and not reqs:
             self.admission.note_round(self._free_slots(), len(self.waiting))
         if reqs:
-            reqs, handle, results = self._admit_now(reqs)
+            handle, results = self._admit_now(reqs)
             if self.chains_rounds:  # they join the round queued next; their first tokens are read after that launch
                 self.running.update((r.slot, r) for r in reqs)
                 prefilled = (reqs, handle, results)

@@ -34,8 +34,7 @@ class _Admission:
     reqs: list[Request]  # in slot order
     handle: PrefillHandle
     host_s: float  # host time of its launch
-    slots: set[int] = field(default_factory=set)
-    dropped: list[Request] = field(default_factory=list)  # aborted before the join
+    dropped: dict[int, Request] = field(default_factory=dict)  # slot -> request aborted before the join
 
 
 class Admissions:
@@ -86,7 +85,7 @@ class Admissions:
                                  r.grammar.masks([])[0] if r.grammar is not None else None, r.resumed)
                      for r in reqs]
             with span("prefill", batch_size=len(reqs), overlapped=overlap):
-                return self.target.launch_prefill(items, overlap=True) if overlap else self.target.launch_prefill(items)
+                return self.target.launch_prefill(items, overlap=overlap)
         except BaseException:
             for r in reqs:
                 self.target.free(r.slot)
@@ -117,21 +116,22 @@ class Admissions:
             self.target.prime_drafts([r.slot for r in reqs], self.drafter)
         return results
 
-    def _admit_now(self, reqs: list[Request]) -> tuple[list[Request], PrefillHandle, list | None]:
-        """An admission in line: prefill, the drafter's prompt work; returns ``(reqs, handle, results)``."""
+    def _admit_now(self, reqs: list[Request]) -> tuple[PrefillHandle, list | None]:
+        """An admission in line: prefill, the drafter's prompt work; returns ``(handle, results)``
+        (the results when the drafter's work had to read them, else None)."""
         t0 = time.perf_counter()
         window = open_admission()  # (a bench timing the admissions' device work)
         handle = self._launch_prefill(reqs)
         results = self._seed_drafter(reqs, handle)
         close_admission(window)
         self.admission.note_prefill(time.perf_counter() - t0)
-        return reqs, handle, results
+        return handle, results
 
     def _start_admission(self, reqs: list[Request]) -> None:
         """Launch an overlapped admission of ``reqs`` (their prefill beside the rounds)."""
         t0 = time.perf_counter()
         handle = self._launch_prefill(reqs, overlap=True)
-        self._admitting = _Admission(reqs, handle, time.perf_counter() - t0, {r.slot for r in reqs})
+        self._admitting = _Admission(reqs, handle, time.perf_counter() - t0)
 
     def _join_admission(self, wait: bool) -> tuple[list[Request], PrefillHandle, list | None] | None:
         """The admission in flight joins if its prefill is done (or ``wait``: nothing else would
@@ -147,19 +147,17 @@ class Admissions:
         close_admission(window)
         self._admitting = None
         self.admission.note_prefill(adm.host_s + time.perf_counter() - t0)
-        for req in adm.dropped:
+        self.running.update((r.slot, r) for r in adm.reqs if r.slot not in adm.dropped)
+        for req in adm.dropped.values():  # (after: a release forgets the request's slot)
             self._release(req)
-        live = [r for r in adm.reqs if r not in adm.dropped]
-        self.running.update((r.slot, r) for r in live)
         return adm.reqs, adm.handle, results
 
     def _holds_for_admission(self, req: Request) -> bool:
         """``_release`` of a request whose overlapped prefill is in flight: its slot is freed at the join."""
         adm = self._admitting
-        if adm is None or req.slot not in adm.slots:
+        if adm is None or all(r.slot != req.slot for r in adm.reqs):  # (a slot is one request's until freed)
             return False
-        if req not in adm.dropped:
-            adm.dropped.append(req)
+        adm.dropped[req.slot] = req
         return True
 
     def _admit(self, reqs: list[Request], results: list) -> list[RequestOutput]:

@@ -21,7 +21,7 @@ def _run(target_dir: str, share: float, chained: bool, wait: int = 1000) -> tupl
     engine.admission = AdmissionPolicy(share, wait, balance=False)
     sizes: list[int] = []
     launch = engine.target.launch_prefill
-    engine.target.launch_prefill = lambda items: sizes.append(len(items)) or launch(items)
+    engine.target.launch_prefill = lambda items, overlap=False: sizes.append(len(items)) or launch(items, overlap=overlap)
     prompts = (PROMPTS * 5)[:40]
     params = [SamplingParams(max_tokens=3 + (7 * i) % 17, ignore_eos=True) for i in range(len(prompts))]
     return [c.token_ids for c in engine.generate(prompts, params)], sizes

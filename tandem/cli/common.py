@@ -223,8 +223,9 @@ admission_options = [
     click.option("--admission-overlap/--no-admission-overlap", default=ADMISSION_DEFAULTS[2], show_default=True,
                  help="Run an admission's prefill on a second CUDA stream beside the running requests' rounds "
                       "(only with CUDA graphs and the varlen prefill; elsewhere it has no effect); the admitted "
-                      "requests join the first round after it. Off by default: measured on an H100, overlapping "
-                      "gained only 1-2% at batch 64 (docs/benchmarks.md); off, a prefill stops the rounds until done."),
+                      "requests join the first round after it. Off by default: measured on an H100 at batch 64, "
+                      "overlapping gained 1-2% in one run and lost 6-13% in another (docs/benchmarks.md); off, a "
+                      "prefill stops the rounds until done."),
 ]
 
 
