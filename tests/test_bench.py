@@ -559,6 +559,9 @@ def test_bench_rejects_an_unknown_ca_drafter_when_it_parses():
     for configs in ("target", "context-aware"):
         res = CliRunner().invoke(main, ["bench", "--configs", configs, "--ca-drafter", "target"])
         assert res.exit_code == 2 and "Invalid value for '--ca-drafter'" in res.stderr and "'target'" in res.stderr
+    # called from Python (no CLI), the configurations still refuse it, with the same one-line reason
+    with pytest.raises(ConfigError, match="--ca-drafter must be one of ngram, draft-model, specformer"):
+        bench_configs._ca_base(BuildContext(None, BenchOptions(ca_drafter="target")))
 
 
 def test_an_in_process_rows_summary_names_the_graphs_its_timed_pass_captured():
