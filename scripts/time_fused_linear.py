@@ -12,9 +12,13 @@ checks that a row's output is bitwise the same at every row count (batch invaria
 Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's; weights are random.
 
     python3 scripts/time_fused_linear.py [--rows 1,5,16,64,320,640] [--layers 30] [--tiles default|grid]
+                                         [--part cuts|prefetch|both]
 
 Prints a table per kernel (µs a call) and one per layer, then the cut each row count does best
-with; exit code 1 when a cut is not batch-invariant.
+with; exit code 1 when a cut is not batch-invariant. ``--part prefetch`` (or ``both``) also times
+whole layers in sequence, both paths, with and without the next layer's weights prefetched into
+L2 from a side stream (``tandem.models.prefetch``), and checks the prefetch leaves every output
+bit as it was.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--tiles", choices=("default", "grid"), default="grid",
                     help="default: the shipped decode tiles only; grid: a sweep of cuts beside them")
+    ap.add_argument("--part", choices=("cuts", "prefetch", "both"), default="both",
+                    help="cuts: the kernels and their cuts; prefetch: whole layers with and without L2 prefetch")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -135,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         return {"qkv": qkv, "o": lambda: [F.linear(att, wo[i]) for i in range(L)], "gate_up": gate_up,
                 "down": lambda: [F.linear(act, w2[i]) for i in range(L)]}
 
+    if args.part in ("prefetch", "both"):
+        ok = _time_prefetch(rows_list, L, locals())
+        if args.part == "prefetch":
+            return 0 if ok else 1
+
     names = ("qkv", "o", "gate_up", "down")
     table: dict[str, dict[tuple[str, int], float]] = {n: {} for n in names}
     invariant: dict[str, bool] = {}
@@ -180,6 +191,62 @@ def main(argv: list[str] | None = None) -> int:
         best = min(labels[1:], key=lambda lab: layer[lab][j])
         print(f"  {r} rows: {best}: {layer[best][j]:.2f} µs a layer against {layer['cublas path'][j]:.2f} on the cuBLAS path")
     return 0 if all(invariant.values()) else 1
+
+
+def _time_prefetch(rows_list: list[int], L: int, env: dict) -> bool:
+    """Whole layers (attention aside) over ``L`` layers' weights, both paths, without and with the
+    next layer's weights prefetched into L2 (side stream, 64 or 132 programs; or this layer's
+    weights on the main stream). Prints µs a layer; returns whether every output bit matched."""
+    from tandem.models import fused_linear, kernels
+    from tandem.models.prefetch import LayerPrefetcher, l2_prefetch
+
+    nw, fw, wqkv, wo, w13, w2 = (env[k] for k in ("nw", "fw", "wqkv", "wo", "w13", "w2"))
+    cos, sin, k_cache, v_cache, H, KVH = (env[k] for k in ("cos", "sin", "k_cache", "v_cache", "H", "KVH"))
+    weights = [[wqkv[i], wo[i], w13[i], w2[i]] for i in range(L)]
+    variants = {"off": None, "side 64": 64, "side 132": 132, "main stream": "main"}
+
+    def chain(path: str, rows: int, how):
+        x0, att, pos = env["x_all"][:rows], env["att_all"][:rows], env["pos_all"][:rows]
+        pre = LayerPrefetcher(weights, enabled=isinstance(how, int), programs=how if isinstance(how, int) else 64)
+
+        def run():
+            res, x, out = x0.contiguous(), x0.contiguous(), []
+            pre.begin()
+            for i in range(L):
+                pre.layer(i)
+                if how == "main":
+                    l2_prefetch(weights[i])
+                if path == "cublas path":  # the plain fused path's eight kernels
+                    h, res = kernels.add_rmsnorm(x, res, nw[i], 1e-5)
+                    kernels.rope_kv_write(F.linear(h, wqkv[i]), cos, sin, pos, pos, k_cache[:rows], v_cache[:rows], H, KVH)
+                    x = F.linear(att, wo[i])
+                    h, res = kernels.add_rmsnorm(x, res, fw[i], 1e-5)
+                    x = F.linear(kernels.silu_mul(F.linear(h, w13[i])), w2[i])
+                else:
+                    fused_linear.norm_qkv_rope(res, nw[i], 1e-5, wqkv[i], None, cos, sin, pos, pos, k_cache[:rows],
+                                               v_cache[:rows], H, KVH)
+                    res = fused_linear.linear_residual(att, wo[i], res)
+                    act = fused_linear.norm_gate_up(res, fw[i], 1e-5, w13[i])
+                    res = fused_linear.linear_residual(act, w2[i], res)
+            pre.end()
+            out.append(res)
+            return out
+        return run
+
+    ok = True
+    print("\nwhole layers, attention aside, with the next layer's weights prefetched into L2 (µs a layer)")
+    print("| path | prefetch | " + " | ".join(f"{r} rows" for r in rows_list) + " |\n|---|---|" + "---:|" * len(rows_list))
+    for path in ("cublas path", "fused-linear"):
+        for name, how in variants.items():
+            cells = []
+            for rows in rows_list:
+                run = chain(path, rows, how)
+                cells.append(_time_graph(run) * 1000 / L)
+                ref = chain(path, rows, None)()[0].clone()
+                ok &= torch.equal(run()[0], ref)
+            print(f"| {path} | {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    print(f"prefetch left every output bit as it was: {'yes' if ok else 'NO'}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ class RunnerConfig:
             few rows or long contexts, still batch- and width-invariant. Fused paths only. None
             (default): ``default_attention_chunk(max_batch_size)`` where our attention kernel
             runs (128 positions up to 4 slots, else 256), else 0 (``resolve_attention_chunk``).
+        weight_prefetch: decode and verify steps of a fused path prefetch each layer's weights into
+            the GPU's L2 from a side stream while the layer before runs (``tandem.models.prefetch``;
+            numerics untouched). None (default): ``WEIGHT_PREFETCH_DEFAULT`` on CUDA fused paths.
+            True off those paths is a ConfigError.
     """
 
     device: str = "cpu"
@@ -95,6 +99,7 @@ class RunnerConfig:
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
     attention_chunk: int | None = None
+    weight_prefetch: bool | None = None
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
@@ -173,12 +178,15 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
         ConfigError: as ``resolve_kernels``; ``prefill_varlen`` where it cannot run
             (``varlen_unavailable_reason``); an ``attention_chunk`` that is not a multiple of
             ``ATTN_BLOCK_N``, or one set where our attention kernel does not run (the reference
-            path, flash-attn's attention).
+            path, flash-attn's attention); ``weight_prefetch`` True off a fused path on CUDA.
     """
     kernels = resolve_kernels(config, model)
     why = varlen_unavailable_reason(config, model) if config.prefill_varlen is True else None
     if why is not None:
         raise ConfigError(f"--prefill-varlen cannot run here: {why}")
+    if config.weight_prefetch and (kernels == "reference" or torch.device(config.device).type != "cuda"):
+        raise ConfigError("--weight-prefetch needs a fused path on a CUDA GPU (it prefetches into the GPU's L2); "
+                          f"this runner's decode path is {kernels} on {config.device}")
     if config.attention_chunk is None:
         return kernels
     chunk = config.attention_chunk
@@ -188,6 +196,20 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
         raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear, on a "
                           f"CUDA GPU); this runner's decode attention is {attention_name(kernels)}")
     return kernels
+
+
+# Decode and verify steps prefetch the next layer's weights into L2 by default where they can
+# (``resolve_weight_prefetch``). Not yet measured end to end: off until it is.
+WEIGHT_PREFETCH_DEFAULT = False
+
+
+def resolve_weight_prefetch(config: RunnerConfig, kernels: str) -> bool:
+    """Whether the runner's decode and verify steps prefetch weights into L2: ``config.weight_prefetch``,
+    or for None ``WEIGHT_PREFETCH_DEFAULT`` where a fused path runs on CUDA."""
+    can = kernels != "reference" and torch.device(config.device).type == "cuda"
+    if config.weight_prefetch is not None:
+        return bool(config.weight_prefetch) and can
+    return WEIGHT_PREFETCH_DEFAULT and can
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:

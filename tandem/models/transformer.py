@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention, fused_linear, kernels
+from .prefetch import LayerPrefetcher
 from .config import ModelConfig, ModelLoadError
 from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
@@ -139,6 +140,8 @@ class Transformer(nn.Module):
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (attention.ATTN_BACKENDS)
         self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; attention.gqa_attention)
+        self.weight_prefetch = False  # decode/verify steps prefetch each layer's weights into L2 (prefetch.py)
+        self._prefetcher: LayerPrefetcher | None = None  # made at the first step that prefetches
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -335,16 +338,24 @@ class Transformer(nn.Module):
             attend: ``(layer index, rotated q [B, Q, heads, hd]) -> [B, Q, heads, hd]``, over the
                 K/V this layer just wrote.
             prefill: take the prefill tiles of the fused projections.
+
+        A decode or verify step (not ``prefill``) with ``weight_prefetch`` prefetches each layer's
+        weights into L2 while the layer before it runs (``LayerPrefetcher``).
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
         B, Q = x.shape[:2]
         tapped = [x] if _is_tap(0, taps) else []
+        pre = self._layer_prefetcher() if self.weight_prefetch and not prefill else None
+        if pre is not None:
+            pre.begin()
         if self.fused_linear:  # five kernels a layer: the projections fused with their neighbours
             rope_pos, write_pos = write
             bm = fused_linear.PREFILL_BLOCK_M if prefill else fused_linear.BLOCK_M
             res = x.contiguous()  # the residual stream
             for i, layer in enumerate(self.layers):
+                if pre is not None:
+                    pre.layer(i)
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
@@ -354,10 +365,14 @@ class Transformer(nn.Module):
                 res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
                 if _is_tap(i + 1, taps):
                     tapped.append(res)
+            if pre is not None:
+                pre.end()
             hidden, _ = kernels.add_rmsnorm(res, None, self.norm.weight, eps)
             return hidden, _stack_taps(tapped, taps)
         residual = None
         for i, layer in enumerate(self.layers):
+            if pre is not None:
+                pre.layer(i)
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             if len(write) == 3:
                 q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i],
@@ -370,8 +385,18 @@ class Transformer(nn.Module):
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
             if _is_tap(i + 1, taps):
                 tapped.append(residual + x)
+        if pre is not None:
+            pre.end()
         hidden, _ = kernels.add_rmsnorm(x, residual, self.norm.weight, eps)
         return hidden, _stack_taps(tapped, taps)
+
+    def _layer_prefetcher(self) -> LayerPrefetcher:
+        """The prefetcher of the layers' projection weights where they now live (made once, after
+        the runner placed the model)."""
+        if self._prefetcher is None:
+            self._prefetcher = LayerPrefetcher([[b.wqkv.weight, b.wo.weight, b.w13.weight, b.w2.weight]
+                                                for b in self.layers])
+        return self._prefetcher
 
     def forward_causal(self, tokens: torch.Tensor, taps: tuple[int, ...] = (),
                        num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
