@@ -203,11 +203,13 @@ def _time_prefetch(rows_list: list[int], L: int, env: dict) -> bool:
     nw, fw, wqkv, wo, w13, w2 = (env[k] for k in ("nw", "fw", "wqkv", "wo", "w13", "w2"))
     cos, sin, k_cache, v_cache, H, KVH = (env[k] for k in ("cos", "sin", "k_cache", "v_cache", "H", "KVH"))
     weights = [[wqkv[i], wo[i], w13[i], w2[i]] for i in range(L)]
-    variants = {"off": None, "side 64": 64, "side 132": 132, "main stream": "main"}
+    variants = {"off": None, "side 64": 64, "side 132": 132, "side 64 evict-last": (64, True), "main stream": "main"}
 
     def chain(path: str, rows: int, how):
         x0, att, pos = env["x_all"][:rows], env["att_all"][:rows], env["pos_all"][:rows]
-        pre = LayerPrefetcher(weights, enabled=isinstance(how, int), programs=how if isinstance(how, int) else 64)
+        side = how if isinstance(how, tuple) else (how, False) if isinstance(how, int) else None
+        pre = LayerPrefetcher(weights, enabled=side is not None, programs=side[0] if side else 64,
+                              evict_last=bool(side and side[1]))
 
         def run():
             res, x, out = x0.contiguous(), x0.contiguous(), []

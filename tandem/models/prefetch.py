@@ -40,34 +40,39 @@ def _kernel():
     triton, tl = _modules()
 
     @triton.jit
-    def _prefetch_lines(ptr, nbytes, pid, nprog, BLOCK: tl.constexpr, LINE: tl.constexpr):
+    def _prefetch_lines(ptr, nbytes, pid, nprog, BLOCK: tl.constexpr, LINE: tl.constexpr, EVICT_LAST: tl.constexpr):
         # lines pid*BLOCK ... of the byte range [ptr, ptr + nbytes), a stride of nprog*BLOCK lines;
         # a lane past the end re-asks for the last line (a prefetch has no mask)
         nlines = tl.cdiv(nbytes, LINE)
         for start in range(pid * BLOCK, nlines, nprog * BLOCK):
             line = tl.minimum(start + tl.arange(0, BLOCK), nlines - 1).to(tl.int64)
-            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptr + line * LINE],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            if EVICT_LAST:  # kept over lines of normal priority (a batch's K/V streaming past)
+                tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2::evict_last [$1];", "=r,l",
+                                          [ptr + line * LINE], dtype=tl.int32, is_pure=False, pack=1)
+            else:
+                tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptr + line * LINE],
+                                          dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def l2_prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, COUNT: tl.constexpr, BLOCK: tl.constexpr,
-                           LINE: tl.constexpr):
+                           LINE: tl.constexpr, EVICT_LAST: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
-        _prefetch_lines(p0, n0, pid, nprog, BLOCK, LINE)
+        _prefetch_lines(p0, n0, pid, nprog, BLOCK, LINE, EVICT_LAST)
         if COUNT > 1:
-            _prefetch_lines(p1, n1, pid, nprog, BLOCK, LINE)
+            _prefetch_lines(p1, n1, pid, nprog, BLOCK, LINE, EVICT_LAST)
         if COUNT > 2:
-            _prefetch_lines(p2, n2, pid, nprog, BLOCK, LINE)
+            _prefetch_lines(p2, n2, pid, nprog, BLOCK, LINE, EVICT_LAST)
         if COUNT > 3:
-            _prefetch_lines(p3, n3, pid, nprog, BLOCK, LINE)
+            _prefetch_lines(p3, n3, pid, nprog, BLOCK, LINE, EVICT_LAST)
 
     return l2_prefetch_kernel
 
 
-def l2_prefetch(tensors: Sequence[torch.Tensor], programs: int = PROGRAMS) -> None:
+def l2_prefetch(tensors: Sequence[torch.Tensor], programs: int = PROGRAMS, evict_last: bool = False) -> None:
     """Ask the L2 for every line of ``tensors`` (CUDA, contiguous, at most ``MAX_TENSORS``) on the
     current stream, without waiting for the lines: the kernel returns once its requests are issued.
+    ``evict_last``: the lines come in at the L2's evict-last priority (PTX ``L2::evict_last``).
 
     Raises:
         ValueError: more than ``MAX_TENSORS`` tensors, or one not contiguous on a CUDA device.
@@ -86,7 +91,7 @@ def l2_prefetch(tensors: Sequence[torch.Tensor], programs: int = PROGRAMS) -> No
     args += [tensors[0], 0] * (MAX_TENSORS - len(tensors))
     # byte pointers: each tensor's storage seen as uint8, so a line is LINE_BYTES elements away
     args = [a.detach().view(-1).view(torch.uint8) if isinstance(a, torch.Tensor) else a for a in args]
-    _kernel()[(programs,)](*args, COUNT=len(tensors), BLOCK=128, LINE=LINE_BYTES, num_warps=4)
+    _kernel()[(programs,)](*args, COUNT=len(tensors), BLOCK=128, LINE=LINE_BYTES, EVICT_LAST=evict_last, num_warps=4)
 
 
 class LayerPrefetcher:
@@ -102,12 +107,14 @@ class LayerPrefetcher:
         layers: per layer, the weight tensors to prefetch (``[[wqkv, wo, w13, w2], ...]``).
         enabled: prefetch at all.
         programs: programs of each prefetch launch.
+        evict_last: prefetch at the L2's evict-last priority.
     """
 
     def __init__(self, layers: Sequence[Sequence[torch.Tensor]], enabled: bool = True,
-                 programs: int = PROGRAMS) -> None:
+                 programs: int = PROGRAMS, evict_last: bool = False) -> None:
         self.layers = [list(ws) for ws in layers]
         self.programs = programs
+        self.evict_last = evict_last
         on_cuda = bool(self.layers) and all(w.device.type == "cuda" for ws in self.layers for w in ws)
         self.enabled = enabled and on_cuda and _modules() is not None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -125,7 +132,7 @@ class LayerPrefetcher:
         side = self._side()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            l2_prefetch(self.layers[index], self.programs)
+            l2_prefetch(self.layers[index], self.programs, self.evict_last)
         self._forked = True
 
     def begin(self) -> None:
