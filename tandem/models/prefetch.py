@@ -28,6 +28,9 @@ from .kernels import _modules
 LINE_BYTES = 128  # an L2 line (the unit a prefetch asks for)
 PROGRAMS = 64  # programs of a prefetch launch: each issues a share of the lines, 128 a loop step
 MAX_TENSORS = 4  # tensors one launch prefetches (a layer's four projection weights)
+# Of the LM head (the bundled model's is 57 MB, past the L2), the first rows prefetched beside the
+# last layer: about half an H100's L2, which the last layer's own weights leave free.
+TAIL_BYTES = 24 << 20
 
 # The kernel's device function, made with it (``_kernel``): a @triton.jit function calls another
 # through its module's globals, which is where Triton looks for it.
@@ -98,21 +101,23 @@ class LayerPrefetcher:
     """Prefetches each layer's weights into L2 from a side stream while the layer before it runs.
 
     Call ``begin()`` before the first layer, ``layer(i)`` at the start of layer ``i`` (it prefetches
-    layer ``i + 1``), and ``end()`` after the last: the side stream forks from the current stream at
+    layer ``i + 1``, or at the last layer the ``tail``), and ``end()`` after the last: the side stream forks from the current stream at
     each call (so a prefetch never runs ahead of the step that asked for it) and joins it at
     ``end`` (a CUDA-graph capture needs every forked stream joined). With ``enabled`` False, or off
     CUDA, every call does nothing.
 
     Args:
         layers: per layer, the weight tensors to prefetch (``[[wqkv, wo, w13, w2], ...]``).
+        tail: what the step reads after the layers (the LM head's first rows), prefetched beside
+            the last layer.
         enabled: prefetch at all.
         programs: programs of each prefetch launch.
         evict_last: prefetch at the L2's evict-last priority.
     """
 
-    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], enabled: bool = True,
-                 programs: int = PROGRAMS, evict_last: bool = False) -> None:
-        self.layers = [list(ws) for ws in layers]
+    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], tail: Sequence[torch.Tensor] = (),
+                 enabled: bool = True, programs: int = PROGRAMS, evict_last: bool = False) -> None:
+        self.layers = [list(ws) for ws in layers] + ([list(tail)] if tail else [])
         self.programs = programs
         self.evict_last = evict_last
         on_cuda = bool(self.layers) and all(w.device.type == "cuda" for ws in self.layers for w in ws)

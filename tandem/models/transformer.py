@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention, fused_linear, kernels
-from .prefetch import LayerPrefetcher
+from .prefetch import TAIL_BYTES, LayerPrefetcher
 from .config import ModelConfig, ModelLoadError
 from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
@@ -391,11 +391,13 @@ class Transformer(nn.Module):
         return hidden, _stack_taps(tapped, taps)
 
     def _layer_prefetcher(self) -> LayerPrefetcher:
-        """The prefetcher of the layers' projection weights where they now live (made once, after
-        the runner placed the model)."""
+        """The prefetcher of the layers' projection weights, and of the LM head's first
+        ``TAIL_BYTES``, where they now live (made once, after the runner placed the model)."""
         if self._prefetcher is None:
+            head = self.lm_head.weight
+            rows = max(1, min(head.shape[0], TAIL_BYTES // (head.shape[1] * head.element_size())))
             self._prefetcher = LayerPrefetcher([[b.wqkv.weight, b.wo.weight, b.w13.weight, b.w2.weight]
-                                                for b in self.layers])
+                                                for b in self.layers], tail=[head[:rows]])
         return self._prefetcher
 
     def forward_causal(self, tokens: torch.Tensor, taps: tuple[int, ...] = (),
