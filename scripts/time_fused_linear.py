@@ -12,13 +12,12 @@ checks that a row's output is bitwise the same at every row count (batch invaria
 Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's; weights are random.
 
     python3 scripts/time_fused_linear.py [--rows 1,5,16,64,320,640] [--layers 30] [--tiles default|grid]
-                                         [--part cuts|prefetch|both]
+                                         [--part cuts|layers|both]
 
 Prints a table per kernel (µs a call) and one per layer, then the cut each row count does best
-with; exit code 1 when a cut is not batch-invariant. ``--part prefetch`` (or ``both``) also times
-whole layers in sequence, both paths, with and without the next layer's weights prefetched into
-L2 from a side stream (``tandem.models.prefetch``), and checks the prefetch leaves every output
-bit as it was.
+with; exit code 1 when a cut is not batch-invariant. ``--part layers`` (or ``both``) also times
+whole layers in sequence, our attention included, on both paths, with and without programmatic
+dependent launch (``pdl``), and checks the dependent launches leave every output bit as it was.
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--tiles", choices=("default", "grid"), default="grid",
                     help="default: the shipped decode tiles only; grid: a sweep of cuts beside them")
-    ap.add_argument("--part", choices=("cuts", "prefetch", "both"), default="both",
-                    help="cuts: the kernels and their cuts; prefetch: whole layers with and without L2 prefetch")
+    ap.add_argument("--part", choices=("cuts", "layers", "both"), default="both",
+                    help="cuts: the kernels and their cuts; layers: whole layers, with and without dependent launch")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -141,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"qkv": qkv, "o": lambda: [F.linear(att, wo[i]) for i in range(L)], "gate_up": gate_up,
                 "down": lambda: [F.linear(act, w2[i]) for i in range(L)]}
 
-    if args.part in ("prefetch", "both"):
-        ok = _time_prefetch(rows_list, L, locals())
-        if args.part == "prefetch":
+    if args.part in ("layers", "both"):
+        ok = _time_layers(rows_list, L, locals())
+        if args.part == "layers":
             return 0 if ok else 1
 
     names = ("qkv", "o", "gate_up", "down")
@@ -193,61 +192,55 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(invariant.values()) else 1
 
 
-def _time_prefetch(rows_list: list[int], L: int, env: dict) -> bool:
-    """Whole layers (attention aside) over ``L`` layers' weights, both paths, without and with the
-    next layer's weights prefetched into L2 (side stream, 64 or 132 programs; or this layer's
-    weights on the main stream). Prints µs a layer; returns whether every output bit matched."""
-    from tandem.models import fused_linear, kernels
-    from tandem.models.prefetch import LayerPrefetcher, l2_prefetch
+def _time_layers(rows_list: list[int], L: int, env: dict) -> bool:
+    """Whole layers, our attention included, over ``L`` layers' weights: the cuBLAS path, and the
+    fused-linear path with and without programmatic dependent launch (``pdl``: each kernel lets the
+    next start while it runs; a fused-linear program asks the L2 for its weights before it waits).
+    Prints µs a layer; returns whether the dependent launches left every output bit as it was."""
+    from tandem.models import attention, fused_linear, kernels
 
     nw, fw, wqkv, wo, w13, w2 = (env[k] for k in ("nw", "fw", "wqkv", "wo", "w13", "w2"))
     cos, sin, k_cache, v_cache, H, KVH = (env[k] for k in ("cos", "sin", "k_cache", "v_cache", "H", "KVH"))
-    weights = [[wqkv[i], wo[i], w13[i], w2[i]] for i in range(L)]
-    variants = {"off": None, "side 64": 64, "side 132": 132, "side 64 evict-last": (64, True), "main stream": "main"}
+    chunk = 256
+    attention.prepare_counters(torch.device("cuda"), attention.counters_needed(max(rows_list), KVH, H // KVH, 16, 0))
 
-    def chain(path: str, rows: int, how):
-        x0, att, pos = env["x_all"][:rows], env["att_all"][:rows], env["pos_all"][:rows]
-        side = how if isinstance(how, tuple) else (how, False) if isinstance(how, int) else None
-        pre = LayerPrefetcher(weights, enabled=side is not None, programs=side[0] if side else 64,
-                              evict_last=bool(side and side[1]))
+    def chain(path: str, rows: int, pdl: bool):
+        x0, pos = env["x_all"][:rows], env["pos_all"][:rows]
+        seqlens = (pos[:, 0] + 1).to(torch.int32)
+        kc, vc = k_cache[:rows], v_cache[:rows]
+
+        def attend(q):
+            return attention.gqa_attention(q, kc, vc, seqlens, chunk=chunk, pdl=pdl).reshape(rows, 1, H * q.shape[-1])
 
         def run():
-            res, x, out = x0.contiguous(), x0.contiguous(), []
-            pre.begin()
+            res, x = x0.contiguous(), x0.contiguous()
             for i in range(L):
-                pre.layer(i)
-                if how == "main":
-                    l2_prefetch(weights[i])
-                if path == "cublas path":  # the plain fused path's eight kernels
+                if path == "cublas path":  # the plain fused path's nine kernels
                     h, res = kernels.add_rmsnorm(x, res, nw[i], 1e-5)
-                    kernels.rope_kv_write(F.linear(h, wqkv[i]), cos, sin, pos, pos, k_cache[:rows], v_cache[:rows], H, KVH)
-                    x = F.linear(att, wo[i])
+                    q = kernels.rope_kv_write(F.linear(h, wqkv[i]), cos, sin, pos, pos, kc, vc, H, KVH)
+                    x = F.linear(attend(q), wo[i])
                     h, res = kernels.add_rmsnorm(x, res, fw[i], 1e-5)
                     x = F.linear(kernels.silu_mul(F.linear(h, w13[i])), w2[i])
                 else:
-                    fused_linear.norm_qkv_rope(res, nw[i], 1e-5, wqkv[i], None, cos, sin, pos, pos, k_cache[:rows],
-                                               v_cache[:rows], H, KVH)
-                    res = fused_linear.linear_residual(att, wo[i], res)
-                    act = fused_linear.norm_gate_up(res, fw[i], 1e-5, w13[i])
-                    res = fused_linear.linear_residual(act, w2[i], res)
-            pre.end()
-            out.append(res)
-            return out
+                    q = fused_linear.norm_qkv_rope(res, nw[i], 1e-5, wqkv[i], None, cos, sin, pos, pos, kc, vc, H, KVH,
+                                                   pdl=pdl)
+                    res = fused_linear.linear_residual(attend(q), wo[i], res, pdl=pdl)
+                    act = fused_linear.norm_gate_up(res, fw[i], 1e-5, w13[i], pdl=pdl)
+                    res = fused_linear.linear_residual(act, w2[i], res, pdl=pdl)
+            return [res]
         return run
 
     ok = True
-    print("\nwhole layers, attention aside, with the next layer's weights prefetched into L2 (µs a layer)")
-    print("| path | prefetch | " + " | ".join(f"{r} rows" for r in rows_list) + " |\n|---|---|" + "---:|" * len(rows_list))
-    for path in ("cublas path", "fused-linear"):
-        for name, how in variants.items():
-            cells = []
-            for rows in rows_list:
-                run = chain(path, rows, how)
-                cells.append(_time_graph(run) * 1000 / L)
-                ref = chain(path, rows, None)()[0].clone()
-                ok &= torch.equal(run()[0], ref)
-            print(f"| {path} | {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    print(f"prefetch left every output bit as it was: {'yes' if ok else 'NO'}")
+    print(f"\nwhole layers with our attention (split-KV {chunk}), µs a layer; pdl: programmatic dependent launch")
+    print("| path | " + " | ".join(f"{r} rows" for r in rows_list) + " |\n|---|" + "---:|" * len(rows_list))
+    for path, pdl in (("cublas path", False), ("cublas path", True), ("fused-linear", False), ("fused-linear", True)):
+        cells = []
+        for rows in rows_list:
+            run = chain(path, rows, pdl)
+            cells.append(_time_graph(run) * 1000 / L)
+            ok &= torch.equal(run()[0], chain(path, rows, False)()[0])
+        print(f"| {path}{', pdl' if pdl else ''} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    print(f"dependent launches left every output bit as it was: {'yes' if ok else 'NO'}")
     return ok
 
 

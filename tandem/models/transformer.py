@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import attention, fused_linear, kernels
-from .prefetch import TAIL_BYTES, LayerPrefetcher
 from .config import ModelConfig, ModelLoadError
 from .kernels import MAX_FUSED_TOKENS
 from .rope import apply_rope, rope_tables
@@ -140,8 +139,7 @@ class Transformer(nn.Module):
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (attention.ATTN_BACKENDS)
         self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; attention.gqa_attention)
-        self.weight_prefetch = False  # decode/verify steps prefetch each layer's weights into L2 (prefetch.py)
-        self._prefetcher: LayerPrefetcher | None = None  # made at the first step that prefetches
+        self.pdl = False  # decode/verify launch our kernels with programmatic dependent launch (RunnerConfig.pdl)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -269,9 +267,11 @@ class Transformer(nn.Module):
             offs = torch.arange(Q, device=tokens.device, dtype=torch.int32)
             tree_bits = (tree_mask.to(torch.int32) << offs[None, None, :]).sum(-1, dtype=torch.int32)
 
+        pdl = self.pdl and not prefill
+
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             return attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                    self.attn_chunk)
+                                                    self.attn_chunk, pdl=pdl)
 
         write = (start, q_lens, scratch) if spans else (rope_pos, write_pos)
         return self._fused_layers(self.embed(tokens), k_cache, v_cache, write, attend, taps, prefill)
@@ -337,42 +337,33 @@ class Transformer(nn.Module):
                 ``fused_linear``).
             attend: ``(layer index, rotated q [B, Q, heads, hd]) -> [B, Q, heads, hd]``, over the
                 K/V this layer just wrote.
-            prefill: take the prefill tiles of the fused projections.
-
-        A decode or verify step (not ``prefill``) with ``weight_prefetch`` prefetches each layer's
-        weights into L2 while the layer before it runs (``LayerPrefetcher``).
+            prefill: take the prefill tiles of the fused projections. A decode or verify step (not a
+                prefill) launches fused-linear's kernels with ``pdl`` (``RunnerConfig.pdl``).
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
         B, Q = x.shape[:2]
         tapped = [x] if _is_tap(0, taps) else []
-        pre = self._layer_prefetcher() if self.weight_prefetch and not prefill else None
-        if pre is not None:
-            pre.begin()
         if self.fused_linear:  # five kernels a layer: the projections fused with their neighbours
             rope_pos, write_pos = write
             bm = fused_linear.PREFILL_BLOCK_M if prefill else fused_linear.BLOCK_M
+            pdl = self.pdl and not prefill
             res = x.contiguous()  # the residual stream
             for i, layer in enumerate(self.layers):
-                if pre is not None:
-                    pre.layer(i)
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
-                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
+                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm, pdl=pdl)
                 res = fused_linear.linear_residual(attend(i, q).reshape(B, Q, layer.q_size), layer.wo.weight, res,
-                                                   block_m=bm)
-                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
-                res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
+                                                   block_m=bm, pdl=pdl)
+                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm,
+                                                pdl=pdl)
+                res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm, pdl=pdl)
                 if _is_tap(i + 1, taps):
                     tapped.append(res)
-            if pre is not None:
-                pre.end()
             hidden, _ = kernels.add_rmsnorm(res, None, self.norm.weight, eps)
             return hidden, _stack_taps(tapped, taps)
         residual = None
         for i, layer in enumerate(self.layers):
-            if pre is not None:
-                pre.layer(i)
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
             if len(write) == 3:
                 q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i],
@@ -385,20 +376,8 @@ class Transformer(nn.Module):
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
             if _is_tap(i + 1, taps):
                 tapped.append(residual + x)
-        if pre is not None:
-            pre.end()
         hidden, _ = kernels.add_rmsnorm(x, residual, self.norm.weight, eps)
         return hidden, _stack_taps(tapped, taps)
-
-    def _layer_prefetcher(self) -> LayerPrefetcher:
-        """The prefetcher of the layers' projection weights, and of the LM head's first
-        ``TAIL_BYTES``, where they now live (made once, after the runner placed the model)."""
-        if self._prefetcher is None:
-            head = self.lm_head.weight
-            rows = max(1, min(head.shape[0], TAIL_BYTES // (head.shape[1] * head.element_size())))
-            self._prefetcher = LayerPrefetcher([[b.wqkv.weight, b.wo.weight, b.w13.weight, b.w2.weight]
-                                                for b in self.layers], tail=[head[:rows]])
-        return self._prefetcher
 
     def forward_causal(self, tokens: torch.Tensor, taps: tuple[int, ...] = (),
                        num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
