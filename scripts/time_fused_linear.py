@@ -16,8 +16,7 @@ Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's; weig
 
 Prints a table per kernel (µs a call) and one per layer, then the cut each row count does best
 with; exit code 1 when a cut is not batch-invariant. ``--part layers`` (or ``both``) also times
-whole layers in sequence, our attention included, on both paths, with and without programmatic
-dependent launch (``pdl``), and checks the dependent launches leave every output bit as it was.
+whole layers in sequence, our attention included, on both paths.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiles", choices=("default", "grid"), default="grid",
                     help="default: the shipped decode tiles only; grid: a sweep of cuts beside them")
     ap.add_argument("--part", choices=("cuts", "layers", "both"), default="both",
-                    help="cuts: the kernels and their cuts; layers: whole layers, with and without dependent launch")
+                    help="cuts: the kernels and their cuts; layers: whole layers, attention included, both paths")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -141,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 "down": lambda: [F.linear(act, w2[i]) for i in range(L)]}
 
     if args.part in ("layers", "both"):
-        ok = _time_layers(rows_list, L, locals())
+        _time_layers(rows_list, L, locals())
         if args.part == "layers":
-            return 0 if ok else 1
+            return 0
 
     names = ("qkv", "o", "gate_up", "down")
     table: dict[str, dict[tuple[str, int], float]] = {n: {} for n in names}
@@ -192,11 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(invariant.values()) else 1
 
 
-def _time_layers(rows_list: list[int], L: int, env: dict) -> bool:
-    """Whole layers, our attention included, over ``L`` layers' weights: the cuBLAS path, and the
-    fused-linear path with and without programmatic dependent launch (``pdl``: each kernel lets the
-    next start while it runs; a fused-linear program asks the L2 for its weights before it waits).
-    Prints µs a layer; returns whether the dependent launches left every output bit as it was."""
+def _time_layers(rows_list: list[int], L: int, env: dict) -> None:
+    """Whole layers, our attention included, over ``L`` layers' weights: the cuBLAS path (nine
+    kernels a layer) against the fused-linear path (five). Prints µs a layer."""
     from tandem.models import attention, fused_linear, kernels
 
     nw, fw, wqkv, wo, w13, w2 = (env[k] for k in ("nw", "fw", "wqkv", "wo", "w13", "w2"))
@@ -204,13 +201,13 @@ def _time_layers(rows_list: list[int], L: int, env: dict) -> bool:
     chunk = 256
     attention.prepare_counters(torch.device("cuda"), attention.counters_needed(max(rows_list), KVH, H // KVH, 16, 0))
 
-    def chain(path: str, rows: int, pdl: bool):
+    def chain(path: str, rows: int):
         x0, pos = env["x_all"][:rows], env["pos_all"][:rows]
         seqlens = (pos[:, 0] + 1).to(torch.int32)
         kc, vc = k_cache[:rows], v_cache[:rows]
 
         def attend(q):
-            return attention.gqa_attention(q, kc, vc, seqlens, chunk=chunk, pdl=pdl).reshape(rows, 1, H * q.shape[-1])
+            return attention.gqa_attention(q, kc, vc, seqlens, chunk=chunk).reshape(rows, 1, H * q.shape[-1])
 
         def run():
             res, x = x0.contiguous(), x0.contiguous()
@@ -222,26 +219,18 @@ def _time_layers(rows_list: list[int], L: int, env: dict) -> bool:
                     h, res = kernels.add_rmsnorm(x, res, fw[i], 1e-5)
                     x = F.linear(kernels.silu_mul(F.linear(h, w13[i])), w2[i])
                 else:
-                    q = fused_linear.norm_qkv_rope(res, nw[i], 1e-5, wqkv[i], None, cos, sin, pos, pos, kc, vc, H, KVH,
-                                                   pdl=pdl)
-                    res = fused_linear.linear_residual(attend(q), wo[i], res, pdl=pdl)
-                    act = fused_linear.norm_gate_up(res, fw[i], 1e-5, w13[i], pdl=pdl)
-                    res = fused_linear.linear_residual(act, w2[i], res, pdl=pdl)
+                    q = fused_linear.norm_qkv_rope(res, nw[i], 1e-5, wqkv[i], None, cos, sin, pos, pos, kc, vc, H, KVH)
+                    res = fused_linear.linear_residual(attend(q), wo[i], res)
+                    act = fused_linear.norm_gate_up(res, fw[i], 1e-5, w13[i])
+                    res = fused_linear.linear_residual(act, w2[i], res)
             return [res]
         return run
 
-    ok = True
-    print(f"\nwhole layers with our attention (split-KV {chunk}), µs a layer; pdl: programmatic dependent launch")
+    print(f"\nwhole layers with our attention (split-KV {chunk}), µs a layer")
     print("| path | " + " | ".join(f"{r} rows" for r in rows_list) + " |\n|---|" + "---:|" * len(rows_list))
-    for path, pdl in (("cublas path", False), ("cublas path", True), ("fused-linear", False), ("fused-linear", True)):
-        cells = []
-        for rows in rows_list:
-            run = chain(path, rows, pdl)
-            cells.append(_time_graph(run) * 1000 / L)
-            ok &= torch.equal(run()[0], chain(path, rows, False)()[0])
-        print(f"| {path}{', pdl' if pdl else ''} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
-    print(f"dependent launches left every output bit as it was: {'yes' if ok else 'NO'}")
-    return ok
+    for path in ("cublas path", "fused-linear"):
+        cells = [_time_graph(chain(path, rows)) * 1000 / L for rows in rows_list]
+        print(f"| {path} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

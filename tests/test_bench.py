@@ -245,8 +245,6 @@ def test_config_registry_errors(tiny_dir, tmp_path):
     (["--mode", "distributed", "--configs", "ngram,ngram-host"], "not 'ngram-host' (the ablations"),
     (["--configs", "ngram-router-budget"], "ngram-router-budget runs only with --mode distributed"),
     (["--stream"], "--stream applies to --mode distributed"),
-    (["--mode", "distributed", "--pdl"], "--pdl applies to --mode inproc"),
-    (["--pdl"], "--pdl cannot run here: the reference path launches none of our kernels"),
 ])
 def test_bench_cli_config_errors(tiny_dir, args, message):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", "--no-hf-baseline", *args])

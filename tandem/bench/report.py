@@ -60,8 +60,7 @@ def main_table(report: BenchReport) -> TextTable:
     and memory; then the timed pass's prefills and their mean host time."""
     m = report.meta
     title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
-             f"({m.attention}{', programmatic dependent launch' if m.pdl else ''})"
-             + (", exact kernels" if m.exact_kernels else ""))
+             f"({m.attention})" + (", exact kernels" if m.exact_kernels else ""))
     headers = ["method", "batch", "k", "τ_acc", "TPS", "speedup", "acceptance", "lossless", "round ms", "GPU ms",
                "wall/GPU", "host ms", "span ms", "idle ms", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB",
                "prefills", "prefill ms"]
@@ -207,7 +206,6 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
     m = report.meta
     head = (f"# tandem bench\n\nModel `{m.model}` on {m.gpu} ({m.dtype}, CUDA graphs {m.cuda_graphs}, compile "
             f"{m.compile}, exact kernels {m.exact_kernels}, {m.kernels} decode kernels, attention {m.attention}, "
-            f"dependent launch {m.pdl}, "
             f"prefill graphs {m.prefill_graphs}{_varlen_note(m)}, round kernels "
             f"{m.round_kernels}), mode {m.mode}"
             f"{(', streamed' if m.stream else ', answers whole') if m.mode == 'distributed' else ''}"

@@ -150,9 +150,6 @@ class BenchMeta:
     # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...};
     # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
     admission: dict = field(default_factory=dict)
-    # our decode/verify kernels launched with programmatic dependent launch (RunnerConfig.pdl,
-    # resolved); results before the option launched them plainly
-    pdl: bool = False
 
 
 @dataclass
@@ -237,14 +234,14 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
 
     Raises:
         ValueError: no reports, or reports of different models / devices / dtypes / token limits /
-            exact-kernel settings / modes / decode, attention or round kernels / admission settings /
-            dependent launch (the merged header names one of each).
+            exact-kernel settings / modes / decode, attention or round kernels / admission settings
+            (the merged header names one of each).
     """
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0].meta
     same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
-            "stream", "admission", "pdl")
+            "stream", "admission")
     for r in reports[1:]:
         diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:

@@ -33,8 +33,7 @@ from ..errors import ConfigError
 from ..metrics import SpecDecodeStats
 from ..models.attention import attention_name
 from ..models.kernels import round_kernels_on
-from ..models.runner import (CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels,
-                             resolve_pdl)
+from ..models.runner import CapturedCall, ModelRunner, RunnerConfig, resolve_attention_chunk, resolve_kernels
 from ..models.runner_config import varlen_batch_sizes
 from ..models.weights import Checkpoint
 from ..profiling import StepTimeline
@@ -302,7 +301,6 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      batch_sizes=sizes, max_tokens=max_tokens, prompts_file=prompts_file, options=asdict(options),
                      torch=torch.__version__, date_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      warmup=warmup, kernels=kernels, attention=_attention_names(rc, kernels, sizes),
-                     pdl=resolve_pdl(rc, kernels),
                      prefill_graphs=rc.cuda_graphs if rc.prefill_graphs is None else rc.prefill_graphs,
                      prefill_varlen=bool(packed), prefill_varlen_batch_sizes=packed,
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",

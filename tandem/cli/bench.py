@@ -72,10 +72,6 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
                    "multiple of 64; 0 = none): more programs for few rows or long contexts, still batch-invariant. "
                    "Default: where our attention kernel runs (fused, fused-linear), 128 for a batch size up to 4 "
                    "and 256 above (the runner's, never the step's), else none. In-process mode only.")
-@click.option("--pdl/--no-pdl", "pdl", default=None,
-              help="Our decode/verify kernels (fused-linear's projections, our attention) launch with programmatic "
-                   "dependent launch: each lets the next start while it runs (CUDA, Hopper or newer; numerics "
-                   "untouched). Default: the runner's (tandem.models.runner_config.PDL_DEFAULT). In-process mode only.")
 @click.option("--ablation", is_flag=True,
               help="The context-aware ablation as the configuration set: target, fixed-k=1 .. fixed-k=<k>, "
                    "random-length, entropy-threshold, predictor-fixed-tau, predictor-online-tau, batch-width, budget, "
@@ -90,7 +86,7 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
                    "the tables and plots to --out.")
 def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
-          prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, pdl, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
+          prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
           admission_wait_rounds, admission_overlap, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size."""
@@ -139,14 +135,14 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
                    out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen,
-                   (admission_share, admission_wait_rounds, admission_overlap), pdl)
+                   (admission_share, admission_wait_rounds, admission_overlap))
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
                    warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False,
-                   prefill_varlen=None, admission=ADMISSION_DEFAULTS, pdl=None) -> None:
+                   prefill_varlen=None, admission=ADMISSION_DEFAULTS) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -170,8 +166,6 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     check_mode(mode)
     if attention_chunk is not None and mode != "inproc":
         fail("--attention-chunk applies to --mode inproc (the services take the default attention)")
-    if pdl is not None and mode != "inproc":
-        fail("--pdl applies to --mode inproc (the services take the runner's default)")
     if stream and mode != "distributed":
         fail("--stream applies to --mode distributed (in process, each answer is taken whole)")
     predictor = None if predictor == "auto" else predictor  # None: the one saved next to the drafter, if any
@@ -180,7 +174,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     cfg = default_runner_config(device, max_batch_size=max(sizes), max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
                                 compile=compile_, dtype=torch_dtype(dtype), kernels=kernels,
                                 prefill_graphs=prefill_graphs, prefill_varlen=prefill_varlen,
-                                attention_chunk=attention_chunk, pdl=pdl)
+                                attention_chunk=attention_chunk)
     checkpoint = load_checkpoint(model)
     check_runner_config(cfg, checkpoint.config)  # the kernel settings, before anything is printed or built
     uses_predictor = any(c.uses_predictor for c in configs)

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kernels import _modules, pdl_launch
+from .kernels import _modules
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _attention_kernel():
     def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
                              n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
         # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
         # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
@@ -202,11 +202,6 @@ def _attention_kernel():
         # the last of the tile's chunk programs to finish (an acquire-release count per (row, KV
         # head, tile) after the CTA's stores) merges the chunks' partials in chunk order and writes
         # the output: split-KV whose split points do not depend on the batch, in one launch.
-        # With PDL (a programmatic dependent launch) the next kernel may start now, and this one
-        # waits for the kernel before it (which wrote q and the new K/V) before reading anything.
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         tile = tl.program_id(2)
@@ -319,8 +314,7 @@ def _attention_kernel():
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None, chunk: int = 0,
-                  pdl: bool = False) -> torch.Tensor:
+                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its KV cache, query heads packed per KV head.
 
     Args:
@@ -343,8 +337,6 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             programs to finish merging the chunks in order (one launch; ``prepare_counters``). More
             programs for few rows or long contexts; the split points are absolute positions, so the
             result stays batch- and width-invariant (but is not bitwise the unsplit kernel's).
-        pdl: launch with programmatic dependent launch (CUDA, compute capability 9.0+): the next
-            kernel may start while this one runs; this one waits for the kernel before it first.
 
     Returns:
         ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
@@ -366,7 +358,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tiles = Q * -(-group // ATTN_BLOCK_M) if tree_bits is not None else -(-Q * group // ATTN_BLOCK_M)
     tree = tree_bits.contiguous() if tree_bits is not None else seqlens
     scale = math.log2(math.e) / math.sqrt(hd)
-    meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M, PDL=pdl, **pdl_launch(pdl))
+    meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M)
     if not chunk:
         kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, Q, 1, scale,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -388,7 +380,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqlens: torch.Tensor, backend: str = "triton",
-                           tree_bits: torch.Tensor | None = None, chunk: int = 0, pdl: bool = False) -> torch.Tensor:
+                           tree_bits: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Causal attention of new tokens over their rows' KV cache, GQA-aware, no mask tensor.
 
     Args:
@@ -403,7 +395,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         tree_bits: a token tree's visibility (``gqa_attention``); flash-attn has no tree mask, so a
             step with one takes ``gqa_attention`` whatever the backend.
         chunk: ``gqa_attention``'s fixed split-KV chunk (0: none); flash-attn's split is its own.
-        pdl: ``gqa_attention``'s programmatic dependent launch (flash-attn launches its own way).
 
     Returns:
         ``[B, Q, heads, head_dim]``.
@@ -414,6 +405,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if backend not in ATTN_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {backend!r}")
     if backend == "triton" or tree_bits is not None:
-        return gqa_attention(q, k_cache, v_cache, seqlens, tree_bits, chunk, pdl)
+        return gqa_attention(q, k_cache, v_cache, seqlens, tree_bits, chunk)
     return _flash()(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), cache_seqlens=seqlens, causal=True,
                     num_splits=ATTN_SPLITS if backend == "flash" else 0)

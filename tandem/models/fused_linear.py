@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import _modules, pdl_launch
+from .kernels import _modules
 
 BLOCK_M = 16  # rows a program holds in a decode or verify step: the smallest tensor-core tile
 PREFILL_BLOCK_M = 64  # rows a program holds in a prefill: each weight tile is read once per 64 rows
@@ -99,34 +99,15 @@ def unsupported_reason(hidden: int, intermediate: int, head_dim: int) -> str | N
     return None
 
 
-# The kernels' shared device functions, made with them (``_kernels``): a @triton.jit function calls
+# The kernels' shared device function, made with them (``_kernels``): a @triton.jit function calls
 # another through its module's globals, which is where Triton (and its interpreter) look for it.
 _norm_dot2 = None
-_dependent_start = None
 
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    global _norm_dot2, _dependent_start
+    global _norm_dot2
     triton, tl = _modules()
-
-    @triton.jit
-    def _dependent_start(w_ptr, na, nb, K, TWO: tl.constexpr):
-        # a programmatic dependent launch's start: let the next kernel launch, ask the L2 for this
-        # program's weight rows na (and nb with TWO) (every 64th element: a 128-byte line of bf16;
-        # no kernel writes weights, so this needs no wait), then wait for the kernel before (whose
-        # outputs this one reads)
-        tl.extra.cuda.gdc_launch_dependents()
-        for k0 in range(0, K, 256):
-            kk = tl.minimum(k0 + tl.arange(0, 4) * 64, K - 1)
-            tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-                                      [w_ptr + na[:, None].to(tl.int64) * K + kk[None, :]], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            if TWO:
-                tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l",
-                                          [w_ptr + nb[:, None].to(tl.int64) * K + kk[None, :]], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, na, nb, K,
@@ -155,7 +136,7 @@ def _kernels():
                              v_ptr, n_rows, K, eps, tokens_per_row, k_sb, k_sh, k_sp,
                              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             STAGES: tl.constexpr, PDL: tl.constexpr):
+                             STAGES: tl.constexpr):
         # program (row tile, head, part): head < HEADS is q head h, then KV_HEADS k heads, then v
         # heads (the fused projection's column order); the part's columns d of the first rotate-half
         # half and d + HEAD_DIM / 2 of the second are computed together, so RoPE runs in registers
@@ -167,8 +148,6 @@ def _kernels():
         rows = rows.to(tl.int64)
         d = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         n1 = h * HEAD_DIM + d
-        if PDL:
-            _dependent_start(w_ptr, n1, n1 + half, K, True)
         acc1, acc2, sq = _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, n1, n1 + half, K,
                                     BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
@@ -208,15 +187,13 @@ def _kernels():
     @triton.jit
     def linear_residual_kernel(a_ptr, w_ptr, res_ptr, out_ptr, n_rows, K, N,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               STAGES: tl.constexpr, PDL: tl.constexpr):
+                               STAGES: tl.constexpr):
         # program (row tile, column tile): out = res + a @ w^T, the product rounded before the add
         # and the sum after, as a GEMM followed by an add
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:
-            _dependent_start(w_ptr, n, n, K, False)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -232,7 +209,7 @@ def _kernels():
     @triton.jit
     def norm_gate_up_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, n_rows, K, n_inter, eps,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            STAGES: tl.constexpr, PDL: tl.constexpr):
+                            STAGES: tl.constexpr):
         # program (row tile, column tile j): silu(gate_j) * up_j of RMSNorm(x), gate rows j and up
         # rows n_inter + j of the fused [gate | up] weight; the norm's statistic gathered in the same
         # pass (``_norm_dot2``), each projection rounded before the activation
@@ -240,8 +217,6 @@ def _kernels():
         row_ok = rows < n_rows
         rows = rows.to(tl.int64)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:
-            _dependent_start(w_ptr, n, n + n_inter, K, True)
         acc_g, acc_u, sq = _norm_dot2(x_ptr, nw_ptr, w_ptr, rows, row_ok, n, n + n_inter, K,
                                       BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
         rstd = tl.rsqrt(sq / K + eps)[:, None]
@@ -257,7 +232,7 @@ def _kernels():
 def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: torch.Tensor,
                   bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-                  block_m: int = BLOCK_M, tiles: Tiles | None = None, pdl: bool = False) -> torch.Tensor:
+                  block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """RMSNorm(x) @ wqkv^T, RoPE on q and k, k and v written into the cache: one kernel.
 
     Args:
@@ -271,9 +246,6 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
         k_cache, v_cache: one layer's ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
         tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
-        pdl: launch with programmatic dependent launch (CUDA, compute capability 9.0+;
-            ``RunnerConfig.pdl``): the next kernel may start while this one runs, and each program
-            asks the L2 for its weight rows before it waits for the kernel before it.
 
     Returns:
         Rotated q ``[B, Q, heads, head_dim]``.
@@ -292,21 +264,18 @@ def norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wqkv: 
                                write_pos.contiguous(), q, k_cache, v_cache, rows, d, eps, Q, k_cache.stride(0),
                                k_cache.stride(1), k_cache.stride(2), HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd,
                                HAS_BIAS=bias is not None, BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_K=t.block_k,
-                               STAGES=t.stages, PDL=pdl, **pdl_launch(pdl), num_warps=t.warps)
+                               STAGES=t.stages, num_warps=t.warps)
     return q
 
 
 def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                    block_m: int = BLOCK_M, tiles: Tiles | None = None, pdl: bool = False) -> torch.Tensor:
+                    block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """``residual + a @ weight^T`` in one kernel (the O and down projections with their residual add).
 
     Args:
         a: ``[..., K]`` contiguous; weight: ``[N, K]``; residual: ``[..., N]`` contiguous.
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
         tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
-        pdl: launch with programmatic dependent launch (CUDA, compute capability 9.0+;
-            ``RunnerConfig.pdl``): the next kernel may start while this one runs, and each program
-            asks the L2 for its weight rows before it waits for the kernel before it.
 
     Returns:
         The new residual stream ``[..., N]`` (a new tensor: earlier ones stay valid as taps).
@@ -319,12 +288,12 @@ def linear_residual(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     t = tiles or tiles_for(block_m)
     linear_residual_kernel[(-(-rows // t.block_m), N // t.block_n)](
         a, weight, residual, out, rows, K, N, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        STAGES=t.stages, PDL=pdl, **pdl_launch(pdl), num_warps=t.warps)
+        STAGES=t.stages, num_warps=t.warps)
     return out
 
 
 def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: torch.Tensor,
-                 block_m: int = BLOCK_M, tiles: Tiles | None = None, pdl: bool = False) -> torch.Tensor:
+                 block_m: int = BLOCK_M, tiles: Tiles | None = None) -> torch.Tensor:
     """SwiGLU's activation ``silu(h @ gate^T) * (h @ up^T)`` of ``h = RMSNorm(x)`` in one kernel.
 
     Args:
@@ -332,9 +301,6 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
         w13: ``[2 * I, d]`` the fused [gate | up] weight.
         block_m: rows a program holds (``BLOCK_M``, or ``PREFILL_BLOCK_M`` in a prefill).
         tiles: the launch's cut, when not ``tiles_for(block_m)`` (for timing other cuts).
-        pdl: launch with programmatic dependent launch (CUDA, compute capability 9.0+;
-            ``RunnerConfig.pdl``): the next kernel may start while this one runs, and each program
-            asks the L2 for its weight rows before it waits for the kernel before it.
 
     Returns:
         ``[..., I]``, the input of the down projection.
@@ -348,5 +314,5 @@ def norm_gate_up(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w13: to
     t = tiles or tiles_for(block_m)
     norm_gate_up_kernel[(-(-rows // t.block_m), inter // t.block_n)](
         x, norm_weight, w13, out, rows, d, inter, eps, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        STAGES=t.stages, PDL=pdl, **pdl_launch(pdl), num_warps=t.warps)
+        STAGES=t.stages, num_warps=t.warps)
     return out

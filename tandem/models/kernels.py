@@ -62,13 +62,6 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """A Triton launch's options for a programmatic dependent launch (``RunnerConfig.pdl``: the
-    kernel may start before the one ahead of it ends, and waits for it with ``gdc_wait``); none
-    without, since Triton's interpreter takes no launch options."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def round_kernels_on(device: torch.device) -> bool:
     """Whether a round's own Triton kernels (``tandem.drafters.lookup_kernel``'s prompt lookup,
     ``tandem.verify_kernel``'s greedy verification) run by default for tensors on ``device``: on

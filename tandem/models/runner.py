@@ -33,7 +33,6 @@ from .prefill import Prefiller
 from .transformer import Transformer
 from .runner_config import (DEFAULT_ATTENTION_CHUNK, KERNEL_CHOICES, RunnerConfig,  # noqa: F401 (re-exported)
                             check_runner_config, default_runner_config, resolve_attention_chunk,
-                            resolve_pdl,
                             resolve_kernels)
 from .weights import Checkpoint
 
@@ -70,7 +69,6 @@ class ModelRunner:
         self.model.fused_linear = self._kernels == "fused-linear"
         self.model.attn_backend = attention_backend_for(self._kernels)
         self.attention_chunk = self.model.attn_chunk = resolve_attention_chunk(config, self._kernels)
-        self.pdl = self.model.pdl = resolve_pdl(config, self._kernels)
         if self.attention_chunk:  # the split attention's arrival counters, before any step is captured
             mc = checkpoint.config
             prepare_counters(self.device, counters_needed(

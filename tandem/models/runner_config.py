@@ -79,12 +79,6 @@ class RunnerConfig:
             few rows or long contexts, still batch- and width-invariant. Fused paths only. None
             (default): ``default_attention_chunk(max_batch_size)`` where our attention kernel
             runs (128 positions up to 4 slots, else 256), else 0 (``resolve_attention_chunk``).
-        pdl: our Triton kernels of decode and verify steps (fused-linear's projections, our
-            attention) launch with programmatic dependent launch (CUDA, compute capability 9.0+):
-            each lets the next kernel start while it runs, and the next waits for it only before it
-            reads what it wrote (a fused-linear program first asks the L2 for its weight tile, which
-            no kernel writes). Numerics untouched. None (default): ``PDL_DEFAULT`` where it can run
-            (``resolve_pdl``); True where it cannot is a ConfigError.
     """
 
     device: str = "cpu"
@@ -101,7 +95,6 @@ class RunnerConfig:
     taps: tuple[int, ...] = ()
     kernels: str = "auto"
     attention_chunk: int | None = None
-    pdl: bool | None = None
 
 
 KERNEL_CHOICES = ("auto", "fused", "fused-flash", "fused-heuristic", "fused-linear", "reference")
@@ -180,15 +173,12 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
         ConfigError: as ``resolve_kernels``; ``prefill_varlen`` where it cannot run
             (``varlen_unavailable_reason``); an ``attention_chunk`` that is not a multiple of
             ``ATTN_BLOCK_N``, or one set where our attention kernel does not run (the reference
-            path, flash-attn's attention); ``pdl`` True where it cannot run (``pdl_unavailable_reason``).
+            path, flash-attn's attention).
     """
     kernels = resolve_kernels(config, model)
     why = varlen_unavailable_reason(config, model) if config.prefill_varlen is True else None
     if why is not None:
         raise ConfigError(f"--prefill-varlen cannot run here: {why}")
-    why = pdl_unavailable_reason(config, kernels) if config.pdl else None
-    if why is not None:
-        raise ConfigError(f"--pdl cannot run here: {why}")
     if config.attention_chunk is None:
         return kernels
     chunk = config.attention_chunk
@@ -198,32 +188,6 @@ def check_runner_config(config: RunnerConfig, model: ModelConfig) -> str:
         raise ConfigError(f"--attention-chunk applies to our attention kernel (kernels fused or fused-linear, on a "
                           f"CUDA GPU); this runner's decode attention is {attention_name(kernels)}")
     return kernels
-
-
-# Our decode/verify kernels launch with programmatic dependent launch by default where they can
-# (``resolve_pdl``). Not yet measured end to end: off until it is.
-PDL_DEFAULT = False
-
-
-def pdl_unavailable_reason(config: RunnerConfig, kernels: str) -> str | None:
-    """Why programmatic dependent launch cannot run for this runner, or None when it can: a fused
-    path (our kernels) on a CUDA device of compute capability 9.0 or newer (Hopper)."""
-    device = torch.device(config.device)
-    if kernels == "reference":
-        return "the reference path launches none of our kernels (kernels fused or fused-linear, on a CUDA GPU)"
-    if device.type != "cuda":
-        return f"it is a CUDA launch attribute; the device is {config.device}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"it needs compute capability 9.0 or newer (Hopper); this GPU is {major}.{minor}"
-    return None
-
-
-def resolve_pdl(config: RunnerConfig, kernels: str) -> bool:
-    """Whether the runner's decode and verify kernels launch with programmatic dependent launch:
-    ``config.pdl``, or for None ``PDL_DEFAULT``, where it can run (``pdl_unavailable_reason``)."""
-    wanted = PDL_DEFAULT if config.pdl is None else bool(config.pdl)
-    return wanted and pdl_unavailable_reason(config, kernels) is None
 
 
 def default_runner_config(device: str | None = None, **overrides) -> RunnerConfig:

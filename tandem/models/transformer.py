@@ -139,7 +139,6 @@ class Transformer(nn.Module):
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (attention.ATTN_BACKENDS)
         self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; attention.gqa_attention)
-        self.pdl = False  # decode/verify launch our kernels with programmatic dependent launch (RunnerConfig.pdl)
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -267,11 +266,9 @@ class Transformer(nn.Module):
             offs = torch.arange(Q, device=tokens.device, dtype=torch.int32)
             tree_bits = (tree_mask.to(torch.int32) << offs[None, None, :]).sum(-1, dtype=torch.int32)
 
-        pdl = self.pdl and not prefill
-
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             return attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
-                                                    self.attn_chunk, pdl=pdl)
+                                                    self.attn_chunk)
 
         write = (start, q_lens, scratch) if spans else (rope_pos, write_pos)
         return self._fused_layers(self.embed(tokens), k_cache, v_cache, write, attend, taps, prefill)
@@ -337,8 +334,7 @@ class Transformer(nn.Module):
                 ``fused_linear``).
             attend: ``(layer index, rotated q [B, Q, heads, hd]) -> [B, Q, heads, hd]``, over the
                 K/V this layer just wrote.
-            prefill: take the prefill tiles of the fused projections. A decode or verify step (not a
-                prefill) launches fused-linear's kernels with ``pdl`` (``RunnerConfig.pdl``).
+            prefill: take the prefill tiles of the fused projections.
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
@@ -347,17 +343,15 @@ class Transformer(nn.Module):
         if self.fused_linear:  # five kernels a layer: the projections fused with their neighbours
             rope_pos, write_pos = write
             bm = fused_linear.PREFILL_BLOCK_M if prefill else fused_linear.BLOCK_M
-            pdl = self.pdl and not prefill
             res = x.contiguous()  # the residual stream
             for i, layer in enumerate(self.layers):
                 q = fused_linear.norm_qkv_rope(res, layer.attn_norm.weight, eps, layer.wqkv.weight, layer.wqkv.bias,
                                                self.rope_cos, self.rope_sin, rope_pos, write_pos, k_cache[i],
-                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm, pdl=pdl)
+                                               v_cache[i], cfg.num_heads, cfg.num_kv_heads, block_m=bm)
                 res = fused_linear.linear_residual(attend(i, q).reshape(B, Q, layer.q_size), layer.wo.weight, res,
-                                                   block_m=bm, pdl=pdl)
-                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm,
-                                                pdl=pdl)
-                res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm, pdl=pdl)
+                                                   block_m=bm)
+                act = fused_linear.norm_gate_up(res, layer.ffn_norm.weight, eps, layer.w13.weight, block_m=bm)
+                res = fused_linear.linear_residual(act, layer.w2.weight, res, block_m=bm)
                 if _is_tap(i + 1, taps):
                     tapped.append(res)
             hidden, _ = kernels.add_rmsnorm(res, None, self.norm.weight, eps)
