@@ -208,9 +208,15 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, res_out
 
 
+# Warps a program of the elementwise kernels (no reduction: any count gives the same bits). A RoPE
+# program handles one (token, head): half a head's 32-64 values a thread row.
+ROPE_KV_WARPS = 4
+SILU_MUL_WARPS = 4
+
+
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                   write_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  heads: int, kv_heads: int) -> torch.Tensor:
+                  heads: int, kv_heads: int, warps: int | None = None) -> torch.Tensor:
     """Rotate q and k (RoPE, Su et al. 2021, rotate-half layout) and write k, v into the cache.
 
     Args:
@@ -219,11 +225,13 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: 
         pos: ``[B, Q]`` int64 rotary position of each token.
         write_pos: ``[B, Q]`` int64 cache position each token's K/V goes to.
         k_cache, v_cache: one layer's rows ``[B, kv_heads, positions, head_dim]`` (last dim contiguous).
+        warps: warps a program (default ``ROPE_KV_WARPS``; for timing others: the bits are the same).
 
     Returns:
         Rotated q ``[B, Q, heads, head_dim]``.
     """
-    return _rope_kv(qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), k_cache, v_cache, heads, kv_heads)
+    return _rope_kv(qkv, cos, sin, pos.contiguous(), write_pos.contiguous(), k_cache, v_cache, heads, kv_heads,
+                    warps=warps)
 
 
 def rope_kv_write_spans(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor,
@@ -239,7 +247,8 @@ def rope_kv_write_spans(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return _rope_kv(qkv, cos, sin, start, q_lens, k_cache, v_cache, heads, kv_heads, scratch=scratch)
 
 
-def _rope_kv(qkv, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads, scratch: int | None = None):
+def _rope_kv(qkv, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads, scratch: int | None = None,
+             warps: int | None = None):
     _, rope_kv_kernel, _ = _kernels()
     B, Q, width = qkv.shape
     hd = cos.shape[-1]
@@ -250,18 +259,21 @@ def _rope_kv(qkv, cos, sin, pos, write, k_cache, v_cache, heads, kv_heads, scrat
     rope_kv_kernel[(B * Q, heads + kv_heads)](qkv, cos, sin, pos, write, q, k_cache, v_cache, Q,
                              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), width,
                              pos.stride(0) if spans else 1, cos.shape[0], scratch if spans else 0,
-                             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd, SPANS=spans)
+                             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=hd, SPANS=spans,
+                             num_warps=warps or ROPE_KV_WARPS)
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's ``silu(gate) * up`` over ``[..., 2 * I]`` rows (gate first) -> ``[..., I]``."""
+def silu_mul(gate_up: torch.Tensor, warps: int | None = None) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` over ``[..., 2 * I]`` rows (gate first) -> ``[..., I]``;
+    ``warps`` a program (default ``SILU_MUL_WARPS``; for timing others: the bits are the same)."""
     _, _, silu_mul_kernel = _kernels()
     inter = gate_up.shape[-1] // 2
     rows = gate_up.numel() // gate_up.shape[-1]
     out = torch.empty(gate_up.shape[:-1] + (inter,), dtype=gate_up.dtype, device=gate_up.device)
     block = min(_pow2(inter), 1024)
-    silu_mul_kernel[(rows, -(-inter // block))](gate_up.contiguous(), out, inter, BLOCK=block)
+    silu_mul_kernel[(rows, -(-inter // block))](gate_up.contiguous(), out, inter, BLOCK=block,
+                                                num_warps=warps or SILU_MUL_WARPS)
     return out
 
 

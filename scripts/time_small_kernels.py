@@ -1,0 +1,81 @@
+"""Time the fused path's elementwise kernels (RoPE + K/V write, SiLU-multiply) at each warp count.
+
+Their programs are small (a RoPE program rotates one head of one token: 32 values a half), so
+the warps a program takes decide how many programs the GPU holds at once. Each count is timed at
+the row counts a round has (batch x tokens a row), over as many calls as the model has layers,
+inside one CUDA graph, and checked to give the same bits as the shipped count (neither kernel
+reduces, so it must).
+
+Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's.
+
+    python3 scripts/time_small_kernels.py [--rows 1,5,64,320,640] [--layers 30] [--warps 1,2,4,8]
+
+Prints a table per kernel (µs a call); exit code 1 when a count changed a bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,5,64,320,640", help="row counts (batch x tokens a row)")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--warps", default="1,2,4,8")
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from tandem.models import kernels
+    from time_fused_linear import _time_graph
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    L, H, KVH, hd, inter = args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate
+    rows_list = [int(r) for r in args.rows.split(",")]
+    warps_list = [int(w) for w in args.warps.split(",")]
+    n = max(rows_list)
+    torch.manual_seed(0)
+    positions = 2048
+    half = hd // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dt)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dev, dt)
+    qkv = [torch.randn(n, 1, (H + 2 * KVH) * hd, device=dev).to(dt) for _ in range(L)]
+    gu = [torch.randn(n, 1, 2 * inter, device=dev).to(dt) for _ in range(L)]
+    k_cache = torch.zeros(n, KVH, positions, hd, device=dev, dtype=dt)
+    v_cache = torch.zeros_like(k_cache)
+    pos = torch.randint(0, positions - 16, (n, 1), device=dev)
+
+    calls = {
+        "rope_kv_write": lambda r, w: [kernels.rope_kv_write(qkv[i][:r], cos, sin, pos[:r], pos[:r], k_cache[:r],
+                                                             v_cache[:r], H, KVH, warps=w) for i in range(L)],
+        "silu_mul": lambda r, w: [kernels.silu_mul(gu[i][:r], warps=w) for i in range(L)],
+    }
+    shipped = {"rope_kv_write": kernels.ROPE_KV_WARPS, "silu_mul": kernels.SILU_MUL_WARPS}
+    same = True
+    for name, call in calls.items():
+        print(f"\n{name} (µs a call; shipped: {shipped[name]} warps)")
+        print("| warps | " + " | ".join(f"{r} rows" for r in rows_list) + " |\n|---:|" + "---:|" * len(rows_list))
+        for w in warps_list:
+            cells = []
+            for r in rows_list:
+                cells.append(_time_graph(lambda: call(r, w)) * 1000 / L)
+                same &= torch.equal(call(r, w)[0], call(r, shipped[name])[0])
+            print(f"| {w} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    print(f"\nevery warp count gave the shipped count's bits: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+    sys.exit(main())
