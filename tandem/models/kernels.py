@@ -209,8 +209,12 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 
 
 # Warps a program of the elementwise kernels (no reduction: any count gives the same bits). A RoPE
-# program handles one (token, head): half a head's 32-64 values a thread row.
-ROPE_KV_WARPS = 4
+# program handles one (token, head), 32-64 values a half, so one warp holds it and more warps only
+# idle while they take the GPU's room for other programs: measured on an H100 (2026-12-07,
+# scripts/time_small_kernels.py, docs/benchmarks.md), one warp against four: 3.5 against 4.1 µs a
+# call at 320 rows (a batch-64 verify of 5 tokens), 6.1 against 7.1 at 640, the same at 1-5 rows.
+# SiLU-multiply's programs hold 1,024 values: four warps were the fastest (1.4 µs at 1 row).
+ROPE_KV_WARPS = 1
 SILU_MUL_WARPS = 4
 
 
