@@ -58,8 +58,9 @@ def main() -> int:
         build(rope_kv, dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, pos_ptr="*i64", write_ptr="*i64", q_out_ptr=bf,
                             k_ptr=bf, v_ptr=bf, tokens_per_row=i32, k_sb=i64, k_sh=i64, k_sp=i64, qkv_stride=i32,
                             span_stride=i32, max_pos=i32, scratch=i32),
-              dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, SPANS=spans), f"rope_kv spans={spans}")
-    build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul")
+              dict(HEADS=9, KV_HEADS=3, HEAD_DIM=64, SPANS=spans), f"rope_kv spans={spans}",
+              warps=kernels.ROPE_KV_WARPS)
+    build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul", warps=kernels.SILU_MUL_WARPS)
     attn = attention._attention_kernel()
     for tree in (False, True):
         for chunk in (0, 256):
