@@ -1,4 +1,4 @@
-"""Time the fused path's elementwise kernels (RoPE + K/V write, SiLU-multiply) at each warp count.
+"""Time the fused path's elementwise kernels (RoPE + K/V write, SiLU-multiply) and our attention at each warp count.
 
 Their programs are small (a RoPE program rotates one head of one token: 32 values a half), so
 the warps a program takes decide how many programs the GPU holds at once. Each count is timed at
@@ -10,7 +10,8 @@ Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's.
 
     python3 scripts/time_small_kernels.py [--rows 1,5,64,320,640] [--layers 30] [--warps 1,2,4,8]
 
-Prints a table per kernel (µs a call); exit code 1 when a count changed a bit.
+Prints a table per kernel (µs a call); exit code 1 when a count changed an elementwise kernel's
+bit. The attention's table follows, at the shapes a round has, with whether its bits moved.
 """
 
 from __future__ import annotations
@@ -73,7 +74,39 @@ def main(argv: list[str] | None = None) -> int:
                 same &= torch.equal(call(r, w)[0], call(r, shipped[name])[0])
             print(f"| {w} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     print(f"\nevery warp count gave the shipped count's bits: {'yes' if same else 'NO'}")
+    _time_attention(args, warps_list)
     return 0 if same else 1
+
+
+def _time_attention(args, warps_list: list[int]) -> None:
+    """Our decode/verify attention (``gqa_attention``) at each warp count, for the shapes a round
+    has: batch x tokens a row, a context of 100-600 positions of a 2,048-position cache, the
+    runner's split-KV chunk (128 up to 4 slots, else 256). Another count may move a row's last bits
+    (a cross-warp reduction), the same way for every row: the table says whether it did."""
+    from tandem.models import attention
+    from time_fused_linear import _time_graph
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    L, H, KVH, hd = args.layers, args.heads, args.kv_heads, args.head_dim
+    shapes = [(1, 1), (1, 5), (16, 5), (64, 1), (64, 5), (128, 5)]
+    attention.prepare_counters(dev, attention.counters_needed(128, KVH, H // KVH, 16, 0))
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    print("\ngqa_attention (µs a call; shipped: %d warps; bits: the same as the shipped count's)" % attention.ATTN_WARPS)
+    print("| batch x tokens | chunk | " + " | ".join(f"{w} warps" for w in warps_list) + " | bits |\n|---|---:|"
+          + "---:|" * len(warps_list) + "---|")
+    for b, qn in shapes:
+        chunk = 128 if b <= 4 else 256
+        k = torch.randn(b, KVH, 2048, hd, generator=gen).to(dev, dt)
+        v = torch.randn(b, KVH, 2048, hd, generator=gen).to(dev, dt)
+        q = [torch.randn(b, qn, H, hd, generator=gen).to(dev, dt) for _ in range(L)]
+        seqlens = torch.randint(100, 600, (b,), generator=gen).to(dev, torch.int32)
+        ref = attention.gqa_attention(q[0], k, v, seqlens, chunk=chunk)
+        cells, same = [], True
+        for w in warps_list:
+            cells.append(_time_graph(lambda: [attention.gqa_attention(q[i], k, v, seqlens, chunk=chunk, warps=w)
+                                              for i in range(L)]) * 1000 / L)
+            same &= torch.equal(attention.gqa_attention(q[0], k, v, seqlens, chunk=chunk, warps=w), ref)
+        print(f"| {b} x {qn} | {chunk} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {'same' if same else 'moved'} |")
 
 
 if __name__ == "__main__":

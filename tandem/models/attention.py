@@ -36,6 +36,7 @@ ATTN_BACKENDS = ("triton", "flash", "flash-heuristic")  # decode/verify attentio
 ATTN_BLOCK_M = 16  # packed query rows (token x query head) per tile: the smallest tensor-core tile
 ATTN_BLOCK_N = 64  # keys per step of the attention loop
 ATTN_STAGES = 2  # software-pipelining stages of the attention loop (Triton's num_stages)
+ATTN_WARPS = 4  # warps a program (a 16-row tile of packed queries against 64-key blocks)
 
 
 @functools.lru_cache(maxsize=1)
@@ -314,7 +315,8 @@ def _attention_kernel():
 
 
 def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+                  seqlens: torch.Tensor, tree_bits: torch.Tensor | None = None, chunk: int = 0,
+                  warps: int | None = None) -> torch.Tensor:
     """Causal attention of each row's new tokens over its KV cache, query heads packed per KV head.
 
     Args:
@@ -337,6 +339,8 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             programs to finish merging the chunks in order (one launch; ``prepare_counters``). More
             programs for few rows or long contexts; the split points are absolute positions, so the
             result stays batch- and width-invariant (but is not bitwise the unsplit kernel's).
+        warps: warps a program (default ``ATTN_WARPS``; another count may move a result's last
+            bits, the same way for every row: for timing).
 
     Returns:
         ``[B, Q, heads, head_dim]``, softmax(q k^T / sqrt(head_dim)) v per query head; K/V read once
@@ -363,7 +367,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, Q, 1, scale,
                                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                      HAS_TREE=tree_bits is not None, CHUNK=0, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                     num_warps=4, num_stages=ATTN_STAGES)
+                                     num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
         return out
     if chunk % ATTN_BLOCK_N:
         raise ValueError(f"attention chunk must be a multiple of {ATTN_BLOCK_N} positions, got {chunk}")
@@ -374,7 +378,7 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, counters, Q, n_chunks,
                                             scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                             HAS_TREE=tree_bits is not None, CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                            num_warps=4, num_stages=ATTN_STAGES)
+                                            num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
     return out
 
 
