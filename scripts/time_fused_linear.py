@@ -54,6 +54,15 @@ def _time_graph(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def rope_tables(head_dim: int, positions: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables ``(cos, sin)``, ``[positions, head_dim]`` each (base 10,000)."""
+    half = head_dim // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
+    return (torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype),
+            torch.cat([ang.sin(), ang.sin()], -1).to(device, dtype))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,5,16,64,320,640", help="row counts (batch x tokens a row)")
@@ -89,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     w13 = [rand(2 * inter, d, scale=d ** -0.5) for _ in range(L)]
     w2 = [rand(d, inter, scale=inter ** -0.5) for _ in range(L)]
     positions = 2048
-    half = hd // 2
-    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
-    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dt)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dev, dt)
+    cos, sin = rope_tables(hd, positions, dev, dt)
     k_cache = torch.zeros(max_rows, KVH, positions, hd, device=dev, dtype=dt)
     v_cache = torch.zeros_like(k_cache)
     x_all = rand(max_rows, 1, d)

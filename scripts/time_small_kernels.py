@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from tandem.models import kernels
-    from time_fused_linear import _time_graph
+    from time_fused_linear import _time_graph, rope_tables
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     L, H, KVH, hd, inter = args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate
@@ -46,11 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     n = max(rows_list)
     torch.manual_seed(0)
     positions = 2048
-    half = hd // 2
-    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
-    ang = torch.arange(positions, dtype=torch.float32)[:, None] * inv[None, :]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dt)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dev, dt)
+    cos, sin = rope_tables(hd, positions, dev, dt)
     qkv = [torch.randn(n, 1, (H + 2 * KVH) * hd, device=dev).to(dt) for _ in range(L)]
     gu = [torch.randn(n, 1, 2 * inter, device=dev).to(dt) for _ in range(L)]
     k_cache = torch.zeros(n, KVH, positions, hd, device=dev, dtype=dt)
