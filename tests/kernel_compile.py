@@ -62,14 +62,16 @@ def main() -> int:
               warps=kernels.ROPE_KV_WARPS)
     build(silu_mul, dict(gu_ptr=bf, out_ptr=bf, n_inter=i32), dict(BLOCK=1024), "silu_mul", warps=kernels.SILU_MUL_WARPS)
     attn = attention._attention_kernel()
-    for tree in (False, True):
+    for tree, rope in ((False, False), (True, False), (False, True)):  # RoPE inside: chain steps only
         for chunk in (0, 256):
             part = "*fp32" if chunk else bf
             build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
-                             part_ptr=part, ml_ptr=part, count_ptr="*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32,
-                             k_sb=i64, k_sh=i64, k_sp=i64),
+                             part_ptr=part, ml_ptr=part, count_ptr="*i32", cos_ptr=bf, sin_ptr=bf,
+                             qlen_ptr="*i64" if rope else "*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32,
+                             k_sb=i64, k_sh=i64, k_sp=i64, qkv_stride=i32, max_pos=i32),
                   dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=attention.ATTN_BLOCK_M,
-                       BLOCK_N=attention.ATTN_BLOCK_N), f"gqa_attention tree={tree} chunk={chunk}",
+                       BLOCK_N=attention.ATTN_BLOCK_N, ROPE=rope, NEW=attention.MAX_NEW),
+                  f"gqa_attention tree={tree} rope={rope} chunk={chunk}", warps=attention.ATTN_WARPS,
                   stages=attention.ATTN_STAGES)
     build(kernels._draft_features_kernel(), dict(x_ptr=bf, pos_ptr="*fp32", out_ptr="*fp32", n_cols=i32, x_stride=i32),
           dict(IS_PROBS=False, BLOCK=4096), "draft_features")

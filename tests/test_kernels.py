@@ -823,3 +823,44 @@ def test_runner_with_split_kv_attention(tiny_checkpoint, where):
         runner = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=1, max_seq_len=32,
                                                 kernels=kernels))
         assert runner.attention_backend == backend
+
+
+@pytest.mark.parametrize("chunk", [0, 64], ids=["unsplit", "split64"])
+def test_attention_with_rope_inside_equals_the_two_kernels(where, chunk):
+    """``gqa_attention_rope`` (RoPE + the K/V write inside the attention) gives exactly what the
+    RoPE + K/V-write kernel followed by ``gqa_attention`` gives: the real tokens' outputs and every
+    cache position but the padding's, bitwise, for rows of every shape (one token, a full width, a
+    row with padding, a row rotated past the tables' end, new tokens across a chunk boundary),
+    alone or in the batch; a step wider than ``MAX_NEW`` is refused."""
+    device, dtype = where
+    torch.manual_seed(3)
+    heads, kv_heads, hd, positions = 6, 2, 64, 200
+    cos = torch.randn(positions, hd, device=device).to(dtype)
+    sin = torch.randn(positions, hd, device=device).to(dtype)
+    for Q, starts, lens in ((1, [0, 50, 199, 63], [1, 1, 1, 1]), (5, [0, 61, 197, 30], [5, 3, 5, 1]),
+                            (16, [10, 120, 0, 56], [16, 9, 16, 2])):
+        B = len(starts)
+        qkv = torch.randn(B, Q, (heads + 2 * kv_heads) * hd, device=device).to(dtype)
+        start = torch.tensor(starts, device=device)
+        q_lens = torch.tensor(lens, device=device)
+        seqlens = (start + Q).to(torch.int32)
+        scratch = positions + Q
+        base_k = torch.randn(B, kv_heads, scratch + 1, hd, device=device).to(dtype)
+        base_v = torch.randn(B, kv_heads, scratch + 1, hd, device=device).to(dtype)
+        k0, v0, k1, v1 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+        q = kernels.rope_kv_write_spans(qkv, cos, sin, start, q_lens, scratch, k0, v0, heads, kv_heads)
+        want = gqa_attention(q, k0, v0, seqlens, chunk=chunk)
+        got = attention.gqa_attention_rope(qkv, cos, sin, q_lens, k1, v1, seqlens, heads, chunk=chunk)
+        for b in range(B):
+            n = lens[b]
+            assert torch.equal(got[b, :n], want[b, :n]), (Q, b)
+            end = starts[b] + n  # the real tokens' positions written; padding goes nowhere (was: scratch)
+            assert torch.equal(k1[b, :, :end], k0[b, :, :end]) and torch.equal(v1[b, :, :end], v0[b, :, :end]), (Q, b)
+            alone = attention.gqa_attention_rope(qkv[b:b + 1], cos, sin, q_lens[b:b + 1], base_k[b:b + 1].clone(),
+                                                 base_v[b:b + 1].clone(), seqlens[b:b + 1], heads, chunk=chunk)
+            assert torch.equal(alone[0, :n], got[b, :n]), (Q, b)
+    with pytest.raises(ValueError, match=f"at most {attention.MAX_NEW} tokens"):
+        attention.gqa_attention_rope(torch.zeros(1, attention.MAX_NEW + 1, (heads + 2 * kv_heads) * hd, device=device,
+                                                 dtype=dtype), cos, sin, torch.ones(1, device=device, dtype=torch.long),
+                                     base_k[:1], base_v[:1], torch.full((1,), 40, device=device, dtype=torch.int32),
+                                     heads)

@@ -37,6 +37,7 @@ ATTN_BLOCK_M = 16  # packed query rows (token x query head) per tile: the smalle
 ATTN_BLOCK_N = 64  # keys per step of the attention loop
 ATTN_STAGES = 2  # software-pipelining stages of the attention loop (Triton's num_stages)
 ATTN_WARPS = 4  # warps a program (a 16-row tile of packed queries against 64-key blocks)
+MAX_NEW = 16  # new tokens a row of ``gqa_attention_rope`` (a decode or verify step: ``MAX_FUSED_TOKENS``)
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,6 +164,9 @@ def counters_needed(rows: int, kv_heads: int, group: int, step_tokens: int, pref
     return kv_heads * max(decode, prefill)
 
 
+_rope_rows = None  # the kernel's RoPE device function, made with it (a jit function calls another through module globals)
+
+
 def _counters(device: torch.device, needed: int) -> torch.Tensor:
     """``prepare_counters``' buffer for a launch over ``needed`` (row, KV head, tile) triples.
 
@@ -181,13 +185,29 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _attention_kernel():
+    global _rope_rows
     triton, tl = _modules()
+
+    @triton.jit
+    def _rope_rows(src, cos_ptr, sin_ptr, pos, ok, HEAD_DIM: tl.constexpr):
+        # rows src[i, :HEAD_DIM] (pointers [R, 1] to each row's head) rotated at positions pos [R]
+        # (rotate-half RoPE), rounded to the storage dtype: the RoPE kernel's arithmetic, term for term
+        half: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(src + d[None, :], mask=ok[:, None], other=0.0)
+        xp = tl.load(src + ((d + half) % HEAD_DIM)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        at = pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+        cs = tl.load(cos_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        return tl.where(d[None, :] < half, xf * cs - xp * sn, xf * cs + xp * sn).to(x.dtype)
 
     @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
     def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
-                             n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, GROUP: tl.constexpr, HEADS: tl.constexpr,
+                             cos_ptr, sin_ptr, qlen_ptr, n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, qkv_stride,
+                             max_pos, GROUP: tl.constexpr, HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr, CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, NEW: tl.constexpr):
         # program (row b, KV head, tile): BLOCK_M packed query rows r = token * GROUP + g (query head
         # kv_head * GROUP + g) against the row's cache, online softmax over BLOCK_N-key blocks at fixed
         # absolute positions. Packed row r sees keys 0 .. seqlen - n_tokens + token. A block past a
@@ -203,6 +223,10 @@ def _attention_kernel():
         # the last of the tile's chunk programs to finish (an acquire-release count per (row, KV
         # head, tile) after the CTA's stores) merges the chunks' partials in chunk order and writes
         # the output: split-KV whose split points do not depend on the batch, in one launch.
+        # With ROPE (a chain step) q_ptr is the fused QKV projection's output and the kernel does
+        # the RoPE + K/V-write kernel's work too: each program rotates its queries in registers and
+        # writes the real new tokens of its key range (rotated the same way; ``qlen_ptr``: each
+        # row's real token count) into the cache before its loop reads them there.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         tile = tl.program_id(2)
@@ -233,9 +257,32 @@ def _attention_kernel():
             end = first_new + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n_tokens - 1) + 1
         q_rows = (b * n_tokens + tok) * HEADS + kvh * GROUP + g
         d = tl.arange(0, HEAD_DIM)
-        qv = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
         k_base = k_ptr + b * k_sb + kvh * k_sh
         v_base = v_ptr + b * k_sb + kvh * k_sh
+        if ROPE:
+            n_kv = tl.num_programs(1)
+            src = q_ptr + (b * n_tokens + tok)[:, None] * qkv_stride + (kvh * GROUP + g)[:, None] * HEAD_DIM
+            qv = _rope_rows(src, cos_ptr, sin_ptr, tl.minimum(first_new + tok, max_pos - 1), live, HEAD_DIM)
+            # the real new tokens whose positions this program reads, into the cache before it reads
+            # them (every program over a chunk writes the same bits there; a CTA barrier makes its
+            # own writes visible to all its threads): the loop below then reads the cache alone
+            jt = tl.arange(0, NEW)
+            wpos = first_new + jt
+            wlo = 0
+            whi = seqlen
+            if CHUNK > 0:
+                wlo = chunk * CHUNK
+                whi = wlo + CHUNK
+            wm = (jt < tl.load(qlen_ptr + b)) & (jt < n_tokens) & (wpos >= wlo) & (wpos < whi)
+            row = (b * n_tokens + jt)[:, None] * qkv_stride
+            kn = _rope_rows(q_ptr + row + (HEADS + kvh) * HEAD_DIM, cos_ptr, sin_ptr,
+                            tl.minimum(wpos, max_pos - 1), wm, HEAD_DIM)
+            vn = tl.load(q_ptr + row + (HEADS + n_kv + kvh) * HEAD_DIM + d[None, :], mask=wm[:, None], other=0.0)
+            tl.store(k_base + wpos[:, None] * k_sp + d[None, :], kn, mask=wm[:, None])
+            tl.store(v_base + wpos[:, None] * k_sp + d[None, :], vn, mask=wm[:, None])
+            tl.debug_barrier()
+        else:
+            qv = tl.load(q_ptr + q_rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -351,23 +398,65 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         RuntimeError: a split-KV launch captured into a CUDA graph with more (row, KV head, tile)
             triples than ``prepare_counters`` made room for.
     """
-    kernel = _attention_kernel()
     B, Q, heads, hd = q.shape
+    return _launch(q.contiguous(), None, k_cache, v_cache, seqlens, heads, Q, tree_bits, chunk, warps)
+
+
+def gqa_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_lens: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, heads: int,
+                       chunk: int = 0, warps: int | None = None) -> torch.Tensor:
+    """``gqa_attention`` of a chain step straight from the fused QKV projection, with the RoPE +
+    K/V-write kernel's work done inside (``kernels.rope_kv_write_spans``): one launch a layer
+    instead of two. Each program rotates its queries in registers and takes the new tokens' keys
+    and values from ``qkv`` (rotated as that kernel rotates them, term for term); the real new
+    tokens go into the cache for the steps after, at ``seqlens - Q + j``.
+
+    Args:
+        qkv: ``[B, Q, (heads + 2 * kv_heads) * head_dim]`` (Q <= ``MAX_NEW``); token j of row b is
+            at position ``seqlens[b] - Q + j`` and rotated at ``min(that, len(cos) - 1)``.
+        cos, sin: ``[max_positions, head_dim]`` rotate-half RoPE tables.
+        q_lens: ``[B]`` int64 real tokens of each row (the rest is padding: not written, and seen
+            only by padded queries, whose output is ignored).
+        k_cache, v_cache, seqlens, chunk, warps: as ``gqa_attention``.
+        heads: query heads.
+
+    Returns:
+        ``[B, Q, heads, head_dim]``.
+
+    Raises:
+        ValueError: Q over ``MAX_NEW``; ``chunk`` not a multiple of ``ATTN_BLOCK_N``.
+    """
+    B, Q, _ = qkv.shape
+    if Q > MAX_NEW:
+        raise ValueError(f"gqa_attention_rope takes at most {MAX_NEW} tokens a row, got {Q}")
+    return _launch(qkv.contiguous(), (cos, sin, q_lens.contiguous()), k_cache, v_cache, seqlens, heads, Q, None,
+                   chunk, warps)
+
+
+def _launch(q: torch.Tensor, rope: tuple | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            seqlens: torch.Tensor, heads: int, Q: int, tree_bits: torch.Tensor | None, chunk: int,
+            warps: int | None) -> torch.Tensor:
+    """The attention kernel's launch for ``gqa_attention`` (``q`` the rotated queries) and
+    ``gqa_attention_rope`` (``q`` the QKV projection, ``rope`` its tables and real token counts)."""
+    kernel = _attention_kernel()
+    B = q.shape[0]
+    hd = k_cache.shape[-1]
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty((B, Q, heads, hd), dtype=q.dtype, device=q.device)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     # a chain packs its tokens' query heads into tiles; a tree takes a tile (or more) per token
     tiles = Q * -(-group // ATTN_BLOCK_M) if tree_bits is not None else -(-Q * group // ATTN_BLOCK_M)
     tree = tree_bits.contiguous() if tree_bits is not None else seqlens
     scale = math.log2(math.e) / math.sqrt(hd)
-    meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M)
+    cos, sin, q_lens = rope if rope is not None else (q, q, seqlens)
+    meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M, ROPE=rope is not None, NEW=MAX_NEW,
+                num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
+    tail = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[-1], cos.shape[0])
     if not chunk:
-        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, Q, 1, scale,
-                                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                     HAS_TREE=tree_bits is not None, CHUNK=0, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                     num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
+        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, cos, sin, q_lens, Q,
+                                     1, scale, *tail, HAS_TREE=tree_bits is not None, CHUNK=0,
+                                     BLOCK_N=ATTN_BLOCK_N, **meta)
         return out
     if chunk % ATTN_BLOCK_N:
         raise ValueError(f"attention chunk must be a multiple of {ATTN_BLOCK_N} positions, got {chunk}")
@@ -375,10 +464,9 @@ def gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     part = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, hd), dtype=torch.float32, device=q.device)
     ml = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, 2), dtype=torch.float32, device=q.device)
     counters = _counters(q.device, B * kv_heads * tiles)
-    kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, counters, Q, n_chunks,
-                                            scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                                            HAS_TREE=tree_bits is not None, CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta,
-                                            num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
+    kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, counters, cos, sin,
+                                            q_lens, Q, n_chunks, scale, *tail, HAS_TREE=tree_bits is not None,
+                                            CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta)
     return out
 
 

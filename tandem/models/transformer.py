@@ -139,6 +139,8 @@ class Transformer(nn.Module):
         self.fused_linear = False  # ... with the projections fused too (fused_linear.py), prefills included
         self.attn_backend = "triton"  # decode/verify attention of the fused path (attention.ATTN_BACKENDS)
         self.attn_chunk = 0  # its fixed split-KV chunk in positions (0: none; attention.gqa_attention)
+        # chain steps on our attention kernel rotate and write K/V inside it (gqa_attention_rope)
+        self.rope_in_attention = ROPE_IN_ATTENTION
         cos, sin = rope_tables(config, max_positions, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -230,7 +232,8 @@ class Transformer(nn.Module):
                       taps: tuple[int, ...] = (), prefill: bool = False, depth: torch.Tensor | None = None,
                       tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
-        fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (five with
+        fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (eight in a chain step on
+        our attention kernel, ``ROPE_IN_ATTENTION``; five with
         ``fused_linear``, whose kernels fuse the projections with their neighbours, prefills
         included), no attention mask, and every row's result independent of the other rows of the
         batch and of the row's width.
@@ -270,8 +273,14 @@ class Transformer(nn.Module):
             return attention.attention_with_kvcache(q, k_cache[i], v_cache[i], seqlens, backend, tree_bits,
                                                     self.attn_chunk)
 
+        attend_qkv = None
+        if spans and not prefill and backend == "triton" and self.rope_in_attention:
+            def attend_qkv(i: int, qkv: torch.Tensor) -> torch.Tensor:  # RoPE + K/V write inside the attention
+                return attention.gqa_attention_rope(qkv, self.rope_cos, self.rope_sin, q_lens, k_cache[i], v_cache[i],
+                                                    seqlens, cfg.num_heads, self.attn_chunk)
+
         write = (start, q_lens, scratch) if spans else (rope_pos, write_pos)
-        return self._fused_layers(self.embed(tokens), k_cache, v_cache, write, attend, taps, prefill)
+        return self._fused_layers(self.embed(tokens), k_cache, v_cache, write, attend, taps, prefill, attend_qkv)
 
     def forward_varlen(self, tokens: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
                        k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -325,7 +334,8 @@ class Transformer(nn.Module):
         return hidden[0], None if tapped is None else tapped[0]
 
     def _fused_layers(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: tuple,
-                      attend, taps: tuple[int, ...], prefill: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      attend, taps: tuple[int, ...], prefill: bool,
+                      attend_qkv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers of ``forward_fused`` / ``forward_varlen`` over the embedded ``x`` ``[B, Q, d]``.
 
         Args:
@@ -335,6 +345,9 @@ class Transformer(nn.Module):
             attend: ``(layer index, rotated q [B, Q, heads, hd]) -> [B, Q, heads, hd]``, over the
                 K/V this layer just wrote.
             prefill: take the prefill tiles of the fused projections.
+            attend_qkv: ``(layer index, qkv [B, Q, width]) -> [B, Q, heads, hd]``, attention that
+                rotates and writes the K/V itself (``attention.gqa_attention_rope``), in place of
+                the RoPE + K/V-write kernel and ``attend`` (the nine-kernel path; None: not used).
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
@@ -359,13 +372,15 @@ class Transformer(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             h, residual = kernels.add_rmsnorm(x, residual, layer.attn_norm.weight, eps)
-            if len(write) == 3:
-                q = kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i],
-                                                v_cache[i], cfg.num_heads, cfg.num_kv_heads)
+            if attend_qkv is not None:  # eight kernels a layer: RoPE and the K/V write inside the attention
+                o = attend_qkv(i, layer.wqkv(h))
+            elif len(write) == 3:
+                o = attend(i, kernels.rope_kv_write_spans(layer.wqkv(h), self.rope_cos, self.rope_sin, *write,
+                                                          k_cache[i], v_cache[i], cfg.num_heads, cfg.num_kv_heads))
             else:
-                q = kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i], v_cache[i],
-                                          cfg.num_heads, cfg.num_kv_heads)
-            x = layer.wo(attend(i, q).reshape(B, Q, layer.q_size))
+                o = attend(i, kernels.rope_kv_write(layer.wqkv(h), self.rope_cos, self.rope_sin, *write, k_cache[i],
+                                                    v_cache[i], cfg.num_heads, cfg.num_kv_heads))
+            x = layer.wo(o.reshape(B, Q, layer.q_size))
             h, residual = kernels.add_rmsnorm(x, residual, layer.ffn_norm.weight, eps)
             x = layer.w2(kernels.silu_mul(layer.w13(h)))
             if _is_tap(i + 1, taps):
@@ -403,6 +418,12 @@ class Transformer(nn.Module):
         the upcast is exact, so the argmax is the same)."""
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
+
+
+# Decode and verify chain steps on our attention kernel do the RoPE + K/V write inside it: eight
+# kernels a layer instead of nine. Not yet timed on a GPU (docs/benchmarks.md, "Not measured"): the
+# kernel it replaces took 1.5-4.3 µs a layer on an H100, 9% of a batch-64 SpecFormer round's GPU time.
+ROPE_IN_ATTENTION = True
 
 
 def _is_tap(depth: int, taps: tuple[int, ...]) -> bool:
