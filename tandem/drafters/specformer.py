@@ -403,14 +403,20 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             # the stream as (h, delta) with h + delta added inside the next norm's kernel
             h, delta = head.context_input_parts(x, next_emb)
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
+            # our attention kernel does the RoPE + K/V write itself, as in the target's chain steps
+            inside = target.attn_backend == "triton" and target.rope_in_attention and M <= attention.MAX_NEW
             for i, layer in enumerate(head.ctx):  # (the RoPE/KV kernel makes the positions from start, q_lens)
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
                 x_in, res = (h, None) if delta is None else (delta, h.contiguous())
                 normed, h = kernels.add_rmsnorm(x_in.contiguous(), res, layer.norm.weight, layer.norm.eps)
-                q = kernels.rope_kv_write_spans(layer.qkv(normed), target.rope_cos, target.rope_sin, start,
-                                                q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
-                att = attention.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,
-                                                       chunk=self._attn_chunk)
+                if inside:
+                    att = attention.gqa_attention_rope(layer.qkv(normed), target.rope_cos, target.rope_sin, q_lens,
+                                                       k_rows, v_rows, seqlens, layer.num_heads, self._attn_chunk)
+                else:
+                    q = kernels.rope_kv_write_spans(layer.qkv(normed), target.rope_cos, target.rope_sin, start,
+                                                    q_lens, scratch, k_rows, v_rows, layer.num_heads, layer.kv_heads)
+                    att = attention.attention_with_kvcache(q, k_rows, v_rows, seqlens, self._target.attn_backend,
+                                                           chunk=self._attn_chunk)
                 o = layer.o(att.reshape(n, M, -1))
                 h, delta = (h, o) if layer.mlp is None else layer.mlp.residual_parts(h, o)
             h = h if delta is None else h + delta
