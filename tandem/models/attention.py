@@ -407,9 +407,12 @@ def gqa_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                        chunk: int = 0, warps: int | None = None) -> torch.Tensor:
     """``gqa_attention`` of a chain step straight from the fused QKV projection, with the RoPE +
     K/V-write kernel's work done inside (``kernels.rope_kv_write_spans``): one launch a layer
-    instead of two. Each program rotates its queries in registers and takes the new tokens' keys
-    and values from ``qkv`` (rotated as that kernel rotates them, term for term); the real new
-    tokens go into the cache for the steps after, at ``seqlens - Q + j``.
+    instead of two. Each program rotates its queries in registers and, before its loop, writes the
+    real new tokens of its key range into the cache at ``seqlens - Q + j`` (keys rotated as that
+    kernel rotates them, term for term; every program over a chunk writes the same bits, a CTA
+    barrier makes them visible to the program's own threads), so the loop reads the cache alone,
+    block for block as ``gqa_attention`` does: a row's result is the two kernels' and stays batch-
+    and width-invariant.
 
     Args:
         qkv: ``[B, Q, (heads + 2 * kv_heads) * head_dim]`` (Q <= ``MAX_NEW``); token j of row b is
@@ -426,7 +429,7 @@ def gqa_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     Raises:
         ValueError: Q over ``MAX_NEW``; ``chunk`` not a multiple of ``ATTN_BLOCK_N``.
     """
-    B, Q, _ = qkv.shape
+    Q = qkv.shape[1]
     if Q > MAX_NEW:
         raise ValueError(f"gqa_attention_rope takes at most {MAX_NEW} tokens a row, got {Q}")
     return _launch(qkv.contiguous(), (cos, sin, q_lens.contiguous()), k_cache, v_cache, seqlens, heads, Q, None,
