@@ -371,3 +371,25 @@ def test_a_prompt_that_is_not_utf8_names_the_byte():
     with pytest.raises(InvalidRequestError, match=r"a lone surrogate U\+D800 at character 0"):
         check_utf8("\ud800", "the stop string", "stop")
     check_utf8("héllo, 世界")
+
+
+@pytest.mark.parametrize("raised,status", [(BrokenPipeError, 141), (KeyboardInterrupt, 130)],
+                         ids=["broken-pipe", "ctrl-c"])
+def test_a_closed_pipe_and_ctrl_c_end_quietly(raised, status):
+    """A reader that leaves (``tandem generate ... | head``) and Ctrl-C end a command without an
+    error line, with the status a shell gives them (141: SIGPIPE, 130: SIGINT)."""
+    import click
+
+    from tandem.cli import _Group
+
+    @click.group(cls=_Group)
+    def group():
+        pass
+
+    @group.command()
+    def work():
+        raise raised()
+
+    res = CliRunner().invoke(group, ["work"])
+    assert res.exit_code == status
+    assert res.output == "" and "error" not in res.stderr and "Aborted" not in res.stderr

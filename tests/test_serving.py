@@ -179,6 +179,10 @@ def test_completions_endpoint_and_stop_strings(stack, client, model_id, local_en
     assert r.choices[0].text == ref_stop.text and r.choices[0].finish_reason == "stop"
     status, payload = _post(stack, "/v1/completions", {"prompt": [], "max_tokens": 4})  # no token ids at all
     assert status == 400 and "prompt is empty" in payload["error"]["message"] and payload["error"]["param"] == "prompt"
+    # the chat endpoint's body sent here: the stray field is named, not only the missing one
+    status, payload = _post(stack, "/v1/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "unknown field(s): messages" in payload["error"]["message"], payload
+    assert payload["error"]["param"] == "messages"
 
 
 def test_stop_string_cuts_usage_and_logprobs_with_the_text(client, model_id, local_engine, prompts):
@@ -661,6 +665,7 @@ HI = [{"role": "user", "content": "hi"}]
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "finite number", "temperature"),
     ({"messages": HI, "temperature": 2.5}, "less than or equal to 2", "temperature"),
     ({"messages": HI, "prompt": "x"}, "unknown field(s): prompt", "prompt"),  # not renamed to messages
+    ({"prompt": "x"}, "unknown field(s): prompt", "prompt"),  # the completions body: its stray field named
     (b"[1, 2]", "the request body must be a JSON object", None),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "max_tokens": 400}',
      "the key 'max_tokens' appears twice", "max_tokens"),

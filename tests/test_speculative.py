@@ -1041,16 +1041,19 @@ def test_cli_generate_compare_one_prompt(tiny_checkpoint):
 def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, prompts_file, monkeypatch):
     """--compare's target-only baseline runs on an engine of its own over the same target, built
     from the target-only configuration: with neither the drafter nor the draft policy (its online
-    τ must not learn from target-only rounds); the speculative engine keeps both, untouched."""
+    τ must not learn from target-only rounds); the speculative engine keeps both, untouched. Each
+    engine first runs one short prompt untimed (the first run pays one-time costs), then the
+    timed runs follow, the speculative engine's first."""
     import tandem.cli.generate as cli_mod
 
-    seen, engines = [], []
+    seen, engines, runs = [], [], []
     run_file = cli_mod._run_file
 
-    def spy(engine, *args, **kwargs):
+    def spy(engine, records, params, *args, **kwargs):
         seen.append((engine.drafter, engine.draft_policy))
         engines.append(engine)
-        return run_file(engine, *args, **kwargs)
+        runs.append((len(records), params.max_tokens, kwargs.get("desc")))
+        return run_file(engine, records, params, *args, **kwargs)
 
     monkeypatch.setattr(cli_mod, "_run_file", spy)
     pred = "tandem/drafters/weights/draft-model-smollm2-135m/predictor.safetensors"
@@ -1058,7 +1061,10 @@ def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, pr
               "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--max-seq-len", "256",
               "--drafter", "draft-model", "--draft-model", "truncate:1", "--predictor", pred, "--compare")
     assert res.exit_code == 0, res.output
-    (drafter, policy), (base_drafter, base_policy) = seen
+    assert runs == [(1, 8, "warm-up"), (1, 8, "warm-up"), (2, 8, None), (2, 8, "target-only")]
+    assert seen[:2] == seen[2:] and engines[:2] == engines[2:]
+    (drafter, policy), (base_drafter, base_policy) = seen[2:]
+    engines = engines[2:]
     assert drafter is not None and policy is not None and policy.controller is not None
     assert base_drafter is None and base_policy is None
     assert engines[0] is not engines[1] and engines[0].target is engines[1].target

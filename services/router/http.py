@@ -41,8 +41,8 @@ from tandem.structured import Structure
 from services.common import Delta, Done, Failed, bearer_matches, merge_outputs
 
 from .core import Router
-from .schema import (ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest, encoding_refused,
-                     identity_encoding, undecodable)
+from .schema import (UNKNOWN_FIELDS, ChatCompletionRequest, ChatMessage, CheckedJSONRoute, CompletionRequest,
+                     encoding_refused, identity_encoding, undecodable, unknown_fields)
 from .tools import Tool, check_tool_calls, parse_tool_call, parse_tools, render_messages, tool_structure, tools_message
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ def _is_type_tag(part) -> bool:
 
 def _too_large(limit: int) -> JSONResponse:
     return _error(413, f"the request body is over {limit // 2**20} MiB; no prompt within the context limit needs that")
+
+
+# each endpoint's body model, for naming a stray field when a required one is missing
+_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -225,6 +229,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                f"(got {request.headers.get('content-type') or 'no content type'})")
         if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
             return _error(400, "the request body must be a JSON object")
+        model = _BODY_MODELS.get(request.url.path)
+        if model is not None and first.get("type") == "missing":  # a field missing beside a stray one: most
+            try:                                                    # often the other endpoint's (messages / prompt)
+                stray = unknown_fields(model, await request.json())
+            except ValueError:
+                stray = []
+            if stray:
+                return _error(400, UNKNOWN_FIELDS.format(", ".join(stray)), param=stray[0])
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _is_type_tag(x))
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")  # our validators' own words
         return _error(400, f"{loc}: {msg}" if loc else msg, param=loc or None)

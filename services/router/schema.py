@@ -29,6 +29,7 @@ MAX_CHOICES = 16  # OpenAI's ``n``: choices per request at most (each decodes as
 # OpenAI fields Tandem does not implement, accepted only at the value that changes nothing
 # (None: any string, or null, is accepted and has no effect: ids for the caller's own bookkeeping
 # and cache hints)
+UNKNOWN_FIELDS = "unknown field(s): {} (not a field of the OpenAI API this server speaks)"
 NO_OP_VALUES = {"functions": ([], None), "function_call": ("none", None), "best_of": (1, None),
                 "store": (False, None), "metadata": (None,), "user": None, "safety_identifier": None,
                 "prompt_cache_key": None, "service_tier": ("auto", "default", None), "modalities": (["text"], None),
@@ -63,7 +64,7 @@ class _Base(BaseModel):
         """Raise ``InvalidRequestError`` naming every problem ``field_problems`` finds (unknown
         fields first: most often a typo)."""
         problems = self.field_problems()
-        for kind, say in (("unknown", "unknown field(s): {} (not a field of the OpenAI API this server speaks)"),
+        for kind, say in (("unknown", UNKNOWN_FIELDS),
                           ("not a string", "{} must be a string"),
                           ("unsupported", "unsupported field(s): {} (Tandem does not implement them; send them at "
                                           "their no-op value ({}) or leave them out)")):
@@ -76,6 +77,14 @@ class _Base(BaseModel):
         """The no-op values of a field named by its path (``messages.0.name`` for a message's)."""
         table = MESSAGE_NO_OP_VALUES if path.startswith("messages.") else NO_OP_VALUES
         return table.get(path.rsplit(".", 1)[-1]) or ()
+
+
+def unknown_fields(model: type[BaseModel], body) -> list[str]:
+    """The top-level keys of a JSON ``body`` that ``model`` neither declares nor knows as a no-op
+    field (what ``check_fields`` would name first, for a body that failed validation before it ran)."""
+    if not isinstance(body, dict):
+        return []
+    return [k for k in body if k not in model.model_fields and k not in NO_OP_VALUES]
 
 
 class StreamOptions(_Base):

@@ -16,7 +16,10 @@ training code), which the commands that need them import when they run: ``tandem
 
 from __future__ import annotations
 
+import io
 import logging
+import os
+import sys
 
 import click
 
@@ -37,6 +40,11 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (InvalidRequestError, ModelLoadError, ConfigError, TargetUnavailable) as exc:
             fail(str(exc))
+        except BrokenPipeError:  # the reader went away (`tandem generate ... | head`): stop quietly
+            _quiet_stdout()
+            ctx.exit(141)  # 128 + SIGPIPE: what a shell reports for a writer its pipe's reader left
+        except KeyboardInterrupt:  # Ctrl-C: no message, the shell's usual status
+            ctx.exit(130)
         except OSError as exc:  # e.g. a port already in use, an unreadable file
             fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
         except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError (CUDA) or the CPU allocator
@@ -45,6 +53,18 @@ class _Group(click.Group):
                 raise
             first = next((line for line in text.splitlines() if line.strip()), type(exc).__name__)
             fail(f"out of memory: {first.strip()[:300]} (lower the batch size or the work of one call)")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of a broken pipe says nothing
+    (the recipe of Python's ``signal`` documentation)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # not a real file (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 @click.group(cls=_Group)
