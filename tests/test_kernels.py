@@ -864,3 +864,38 @@ def test_attention_with_rope_inside_equals_the_two_kernels(where, chunk):
                                                  dtype=dtype), cos, sin, torch.ones(1, device=device, dtype=torch.long),
                                      base_k[:1], base_v[:1], torch.full((1,), 40, device=device, dtype=torch.int32),
                                      heads)
+
+
+def test_runner_steps_with_rope_inside_the_attention_keep_every_bit(tiny_checkpoint, where):
+    """A fused runner whose chain steps take ``gqa_attention_rope`` (``Transformer.rope_in_attention``)
+    gives the same logits and cache, bit for bit, as one that runs the RoPE + K/V-write kernel and
+    the attention apart: ragged verify steps with idle rows, rollbacks between them, unsplit and
+    split attention."""
+    device, dtype = where
+    ckpt = load_checkpoint(tiny_checkpoint("llama", **FUSED_SHAPE))
+    rng = random.Random(4)
+    vocab = ckpt.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((20, 5, 70))}  # 70: two chunks
+    for chunk in (0, 64):
+        runners = []
+        for inside in (False, True):
+            r = ModelRunner(ckpt, RunnerConfig(device=str(device), dtype=dtype, max_batch_size=3, max_seq_len=256,
+                                               kernels="fused", attention_chunk=chunk))
+            r.model.rope_in_attention = inside
+            for _ in prompts:
+                r.cache.allocate()
+            r.prefill(prompts)
+            runners.append(r)
+        for step in range(3):
+            app = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 6))] for s in prompts if rng.random() < 0.8}
+            app = app or {0: [1]}
+            apart, inside = (r.step(app).logits.float().cpu() for r in runners)
+            for s, toks in app.items():
+                assert torch.equal(inside[s, :len(toks)], apart[s, :len(toks)]), (chunk, step, s)
+            s = next(iter(app))
+            for r in runners:
+                r.cache.truncate(s, r.cache.lengths[s] - len(app[s]) + 1)
+        for s in prompts:
+            n = runners[0].cache.lengths[s]
+            for name in ("k", "v"):
+                assert torch.equal(getattr(runners[1].cache, name)[:, s, :, :n], getattr(runners[0].cache, name)[:, s, :, :n])

@@ -34,12 +34,16 @@ def _engine(ckpt, kernels_path: str) -> Engine:
     return engine
 
 
-def test_chained_head_on_the_fused_kernels_drafts_as_on_the_plain_ops(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("rope_inside", [False, True], ids=["rope-apart", "rope-inside"])
+def test_chained_head_on_the_fused_kernels_drafts_as_on_the_plain_ops(tiny_checkpoint, monkeypatch, rope_inside):
+    """(``rope_inside``: the target's chain steps and the head's context layers take the attention
+    with the RoPE + K/V write inside, ``Transformer.rope_in_attention``.)"""
     from tandem.drafters import lookup
 
     monkeypatch.setattr(lookup, "_on_kernel", lambda history, kernel: kernel is not False)
     ckpt = load_checkpoint(tiny_checkpoint("llama", with_tokenizer=True, **FUSED_SHAPE))
     fused, plain = _engine(ckpt, "fused"), _engine(ckpt, "reference")
+    fused.runner.model.rope_in_attention = rope_inside
     prompts = [[5, 9, 5, 9, 5, 9, 5], [100, 200, 300, 100, 200]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for e in (fused, plain):

@@ -5,7 +5,8 @@ cast, square, mean, add, rsqrt, multiply, scale), and at the bundled model's siz
 microseconds of GPU time and about as much CPU time inside a CUDA-graph launch. The fused path
 issues nine per layer: add+RMSNorm, the QKV GEMM, RoPE+KV-cache write, attention, the output GEMM,
 add+RMSNorm, the gate/up GEMM, SiLU-multiply, the down GEMM (GEMMs stay cuBLAS); eight in a chain
-step on our attention kernel, which does the RoPE + K/V write itself (``attention.gqa_attention_rope``).
+step whose attention does the RoPE + K/V write itself (``attention.gqa_attention_rope``,
+``transformer.ROPE_IN_ATTENTION``).
 
 Every kernel here processes one token row per program with a fixed block size, so a row's result
 does not depend on how many rows share the launch (batch- and width-invariant, as in Thinking

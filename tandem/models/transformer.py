@@ -233,7 +233,7 @@ class Transformer(nn.Module):
                       tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_hidden`` for chains of at most ``MAX_FUSED_TOKENS`` tokens per row, through the
         fused GPU kernels (``tandem.models.kernels``): nine kernels per layer (eight in a chain step on
-        our attention kernel, ``ROPE_IN_ATTENTION``; five with
+        our attention kernel with ``rope_in_attention``; five with
         ``fused_linear``, whose kernels fuse the projections with their neighbours, prefills
         included), no attention mask, and every row's result independent of the other rows of the
         batch and of the row's width.
@@ -420,10 +420,11 @@ class Transformer(nn.Module):
         return logits.float() if float32 else logits
 
 
-# Decode and verify chain steps on our attention kernel do the RoPE + K/V write inside it: eight
-# kernels a layer instead of nine. Not yet timed on a GPU (docs/benchmarks.md, "Not measured"): the
-# kernel it replaces took 1.5-4.3 µs a layer on an H100, 9% of a batch-64 SpecFormer round's GPU time.
-ROPE_IN_ATTENTION = True
+# Decode and verify chain steps on our attention kernel may do the RoPE + K/V write inside it: eight
+# kernels a layer instead of nine (the kernel it replaces took 1.5-4.3 µs a layer on an H100, 9% of
+# a batch-64 SpecFormer round's GPU time). Checked bitwise against the two kernels on the CPU under
+# Triton's interpreter; off until its GPU tests and timing have run (docs/benchmarks.md, "Not measured").
+ROPE_IN_ATTENTION = False
 
 
 def _is_tap(depth: int, taps: tuple[int, ...]) -> bool:
