@@ -1072,6 +1072,16 @@ def test_cli_compare_baseline_runs_without_drafter_or_policy(tiny_checkpoint, pr
     assert (engines[1].drafter, engines[1].draft_policy) == (None, None)
 
 
+def test_cli_compare_warms_up_within_the_requests_own_limits(tiny_checkpoint, prompts_file):
+    """--compare's short untimed warm-up keeps the request valid: a --min-tokens above its usual
+    16 tokens is not refused."""
+    res = cli("--prompts-file", str(prompts_file), "--limit", "1", "--max-tokens", "24", "--min-tokens", "20",
+              "--model", str(tiny_checkpoint("llama", with_tokenizer=True)), "--max-seq-len", "256",
+              "--drafter", "ngram", "--compare")
+    assert res.exit_code == 0, res.output + res.stderr
+    assert "min_tokens" not in res.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--drafter", "draft-model"], "needs --draft-model"),
     (["--drafter", "draft-model", "--draft-model", "truncate:5"], "1..1 layers"),

@@ -132,8 +132,9 @@ def _too_large(limit: int) -> JSONResponse:
     return _error(413, f"the request body is over {limit // 2**20} MiB; no prompt within the context limit needs that")
 
 
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 # each endpoint's body model, for naming a stray field when a required one is missing
-_BODY_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODY_MODELS = {COMPLETIONS: CompletionRequest, CHAT_COMPLETIONS: ChatCompletionRequest}
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
@@ -345,14 +346,14 @@ def build_app(router: Router, api_key: str | None = None, default_max_tokens: in
                                                include_usage, tools), ping=15)
         return await _complete(router, request, engine_reqs, req.category, rid, created, chat_api, tools)
 
-    @app.post("/v1/completions", dependencies=[Depends(identity_encoding)])
+    @app.post(COMPLETIONS, dependencies=[Depends(identity_encoding)])
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
             raise InvalidRequestError("echo is not supported", param="echo")
         return await run(request, body, body.prompt, False, body.sampling(default_max_tokens), chat_api=False,
                          requested=None if body.max_tokens is None else ("max_tokens", body.max_tokens))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(identity_encoding)])
+    @app.post(CHAT_COMPLETIONS, dependencies=[Depends(identity_encoding)])
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         params = body.sampling(default_max_tokens)
         requested = None if body.max_tokens is None else ("max_tokens", body.max_tokens)

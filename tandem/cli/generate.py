@@ -161,7 +161,7 @@ def generate(prompt, prompts_file, limit, model, device, max_tokens, temperature
         # calls of each kernel and op, allocations) that a second run over the shared target would
         # skip, which made a short comparison favour whichever engine ran second.
         baseline = build_engine(TARGET_ONLY, share=engine)
-        warm = dataclasses.replace(params, max_tokens=min(params.max_tokens, 16))
+        warm = dataclasses.replace(params, max_tokens=min(params.max_tokens, max(16, params.min_tokens)))
         for e in (engine, baseline):
             _run_file(e, records[:1], warm, not no_chat, desc="warm-up")
     sink = _output_sink(output) if output is not None else None

@@ -404,7 +404,7 @@ class SpecFormerDrafter(ChainedHead, Drafter):
             h, delta = head.context_input_parts(x, next_emb)
             seqlens = (start + M).to(torch.int32)  # the cache keeps KV_SLACK >= M positions past the capacity
             # our attention kernel does the RoPE + K/V write itself, as in the target's chain steps
-            inside = target.attn_backend == "triton" and target.rope_in_attention and M <= attention.MAX_NEW
+            inside = target.rope_inside_attention(M)
             for i, layer in enumerate(head.ctx):  # (the RoPE/KV kernel makes the positions from start, q_lens)
                 k_rows, v_rows = self.k_cache[i][:n], self.v_cache[i][:n]
                 x_in, res = (h, None) if delta is None else (delta, h.contiguous())

@@ -274,7 +274,7 @@ class Transformer(nn.Module):
                                                     self.attn_chunk)
 
         attend_qkv = None
-        if spans and not prefill and backend == "triton" and self.rope_in_attention:
+        if spans and not prefill and self.rope_inside_attention(Q):
             def attend_qkv(i: int, qkv: torch.Tensor) -> torch.Tensor:  # RoPE + K/V write inside the attention
                 return attention.gqa_attention_rope(qkv, self.rope_cos, self.rope_sin, q_lens, k_cache[i], v_cache[i],
                                                     seqlens, cfg.num_heads, self.attn_chunk)
@@ -332,6 +332,13 @@ class Transformer(nn.Module):
                     kept.append(x)
             hidden, tapped = self.norm(x), _stack_taps(kept, taps)
         return hidden[0], None if tapped is None else tapped[0]
+
+    def rope_inside_attention(self, width: int) -> bool:
+        """Whether a decode or verify chain step of ``width`` tokens a row (this model's, or a
+        SpecFormer head's context layers beside it) takes the attention that does the RoPE + K/V
+        write itself (``attention.gqa_attention_rope``): ``rope_in_attention`` on, our attention
+        kernel, and at most ``attention.MAX_NEW`` tokens."""
+        return self.rope_in_attention and self.attn_backend == "triton" and width <= attention.MAX_NEW
 
     def _fused_layers(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write: tuple,
                       attend, taps: tuple[int, ...], prefill: bool,
