@@ -831,7 +831,8 @@ def test_attention_with_rope_inside_equals_the_two_kernels(where, chunk):
     RoPE + K/V-write kernel followed by ``gqa_attention`` gives: the real tokens' outputs and every
     cache position but the padding's, bitwise, for rows of every shape (one token, a full width, a
     row with padding, a row rotated past the tables' end, new tokens across a chunk boundary),
-    alone or in the batch; a step wider than ``MAX_NEW`` is refused."""
+    alone or in the batch, its real token counts read in place from a strided column; a step wider
+    than ``MAX_NEW`` is refused."""
     device, dtype = where
     torch.manual_seed(3)
     heads, kv_heads, hd, positions = 6, 2, 64, 200
@@ -850,7 +851,8 @@ def test_attention_with_rope_inside_equals_the_two_kernels(where, chunk):
         k0, v0, k1, v1 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
         q = kernels.rope_kv_write_spans(qkv, cos, sin, start, q_lens, scratch, k0, v0, heads, kv_heads)
         want = gqa_attention(q, k0, v0, seqlens, chunk=chunk)
-        got = attention.gqa_attention_rope(qkv, cos, sin, q_lens, k1, v1, seqlens, heads, chunk=chunk)
+        column = torch.stack([start, q_lens], dim=1)[:, 1]  # read in place, as a step's packed inputs give it
+        got = attention.gqa_attention_rope(qkv, cos, sin, column, k1, v1, seqlens, heads, chunk=chunk)
         for b in range(B):
             n = lens[b]
             assert torch.equal(got[b, :n], want[b, :n]), (Q, b)

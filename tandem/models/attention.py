@@ -202,9 +202,9 @@ def _attention_kernel():
         xf = x.to(tl.float32)
         return tl.where(d[None, :] < half, xf * cs - xp * sn, xf * cs + xp * sn).to(x.dtype)
 
-    @triton.jit(do_not_specialize=["n_tokens", "n_chunks"])
+    @triton.jit(do_not_specialize=["n_tokens", "n_chunks", "qlen_stride"])
     def gqa_attention_kernel(q_ptr, k_ptr, v_ptr, seqlen_ptr, tree_ptr, out_ptr, part_ptr, ml_ptr, count_ptr,
-                             cos_ptr, sin_ptr, qlen_ptr, n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, qkv_stride,
+                             cos_ptr, sin_ptr, qlen_ptr, qlen_stride, n_tokens, n_chunks, scale_log2, k_sb, k_sh, k_sp, qkv_stride,
                              max_pos, GROUP: tl.constexpr, HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, HAS_TREE: tl.constexpr, CHUNK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, NEW: tl.constexpr):
@@ -273,7 +273,7 @@ def _attention_kernel():
             if CHUNK > 0:
                 wlo = chunk * CHUNK
                 whi = wlo + CHUNK
-            wm = (jt < tl.load(qlen_ptr + b)) & (jt < n_tokens) & (wpos >= wlo) & (wpos < whi)
+            wm = (jt < tl.load(qlen_ptr + b * qlen_stride)) & (jt < n_tokens) & (wpos >= wlo) & (wpos < whi)
             row = (b * n_tokens + jt)[:, None] * qkv_stride
             kn = _rope_rows(q_ptr + row + (HEADS + kvh) * HEAD_DIM, cos_ptr, sin_ptr,
                             tl.minimum(wpos, max_pos - 1), wm, HEAD_DIM)
@@ -418,7 +418,8 @@ def gqa_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         qkv: ``[B, Q, (heads + 2 * kv_heads) * head_dim]`` (Q <= ``MAX_NEW``); token j of row b is
             at position ``seqlens[b] - Q + j`` and rotated at ``min(that, len(cos) - 1)``.
         cos, sin: ``[max_positions, head_dim]`` rotate-half RoPE tables.
-        q_lens: ``[B]`` int64 real tokens of each row (the rest is padding: not written, and seen
+        q_lens: ``[B]`` int64 real tokens of each row, any stride (a column of a step's packed inputs
+            is read in place; the rest of a row is padding: not written, and seen
             only by padded queries, whose output is ignored).
         k_cache, v_cache, seqlens, chunk, warps: as ``gqa_attention``.
         heads: query heads.
@@ -432,7 +433,7 @@ def gqa_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     Q = qkv.shape[1]
     if Q > MAX_NEW:
         raise ValueError(f"gqa_attention_rope takes at most {MAX_NEW} tokens a row, got {Q}")
-    return _launch(qkv.contiguous(), (cos, sin, q_lens.contiguous()), k_cache, v_cache, seqlens, heads, Q, None,
+    return _launch(qkv.contiguous(), (cos, sin, q_lens), k_cache, v_cache, seqlens, heads, Q, None,
                    chunk, warps)
 
 
@@ -453,11 +454,12 @@ def _launch(q: torch.Tensor, rope: tuple | None, k_cache: torch.Tensor, v_cache:
     tree = tree_bits.contiguous() if tree_bits is not None else seqlens
     scale = math.log2(math.e) / math.sqrt(hd)
     cos, sin, q_lens = rope if rope is not None else (q, q, seqlens)
+    qlens = (q_lens, q_lens.stride(0))  # read in place: a step's q_lens is a column of its packed inputs
     meta = dict(GROUP=group, HEADS=heads, HEAD_DIM=hd, BLOCK_M=ATTN_BLOCK_M, ROPE=rope is not None, NEW=MAX_NEW,
                 num_warps=warps or ATTN_WARPS, num_stages=ATTN_STAGES)
     tail = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.shape[-1], cos.shape[0])
     if not chunk:
-        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, cos, sin, q_lens, Q,
+        kernel[(B, kv_heads, tiles)](q, k_cache, v_cache, seqlens, tree, out, out, out, seqlens, cos, sin, *qlens, Q,
                                      1, scale, *tail, HAS_TREE=tree_bits is not None, CHUNK=0,
                                      BLOCK_N=ATTN_BLOCK_N, **meta)
         return out
@@ -468,7 +470,7 @@ def _launch(q: torch.Tensor, rope: tuple | None, k_cache: torch.Tensor, v_cache:
     ml = torch.empty((B, kv_heads, n_chunks, tiles * ATTN_BLOCK_M, 2), dtype=torch.float32, device=q.device)
     counters = _counters(q.device, B * kv_heads * tiles)
     kernel[(B, kv_heads, tiles * n_chunks)](q, k_cache, v_cache, seqlens, tree, out, part, ml, counters, cos, sin,
-                                            q_lens, Q, n_chunks, scale, *tail, HAS_TREE=tree_bits is not None,
+                                            *qlens, Q, n_chunks, scale, *tail, HAS_TREE=tree_bits is not None,
                                             CHUNK=chunk, BLOCK_N=ATTN_BLOCK_N, **meta)
     return out
 

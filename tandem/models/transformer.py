@@ -427,11 +427,11 @@ class Transformer(nn.Module):
         return logits.float() if float32 else logits
 
 
-# Decode and verify chain steps on our attention kernel may do the RoPE + K/V write inside it: eight
-# kernels a layer instead of nine (the kernel it replaces took 1.5-4.3 µs a layer on an H100, 9% of
-# a batch-64 SpecFormer round's GPU time). Checked bitwise against the two kernels on the CPU under
-# Triton's interpreter; off until its GPU tests and timing have run (docs/benchmarks.md, "Not measured").
-ROPE_IN_ATTENTION = False
+# Decode and verify chain steps on our attention kernel do the RoPE + K/V write inside it: eight
+# kernels a layer instead of nine. Bitwise the two kernels' result (CPU under Triton's interpreter
+# and an H100); on an H100 +5-6% tok/s at batch 1 and +1-3% at 64 (docs/benchmarks.md, "RoPE + K/V
+# write inside the attention"). Off (False) restores the separate RoPE/KV kernel.
+ROPE_IN_ATTENTION = True
 
 
 def _is_tap(depth: int, taps: tuple[int, ...]) -> bool:
