@@ -5,6 +5,7 @@ failures, streaming, draft-cache rollback, and the CLI."""
 from __future__ import annotations
 
 import json
+import random
 import warnings
 from contextlib import contextmanager
 from dataclasses import replace
@@ -718,6 +719,48 @@ def test_draft_model_batch_and_sampled_proposals(tiny):
     alone = DraftModelDrafter(ck, cfg).propose([reqs[0]])[0]
     assert alone.tokens == props[0].tokens
     torch.testing.assert_close(alone.features, props[0].features)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_draft_model_chained_proposals_equal_position_at_a_time(tiny, device, monkeypatch):
+    """Greedy host-drafted rounds (what a drafter service runs) draft in one step whose epilogue
+    chains every draft (``_propose_chained``; on a GPU from a CUDA graph): the same tokens, features
+    and top tokens, and the same draft cache (up to the drafts it fed past a row's own limit), as drafting a position at a time, over rounds with
+    rejections, all-accepted runs, a long new sequence and mixed ``max_draft``; one runner step a
+    round once every sequence is known."""
+    ck = truncated_checkpoint(tiny.checkpoint, 1)
+    cfg = RunnerConfig(device=device, dtype=torch.float32, max_batch_size=4, max_seq_len=96,
+                       cuda_graphs=device == "cuda")
+    chained, stepwise = DraftModelDrafter(ck, cfg), DraftModelDrafter(ck, cfg)
+    every = lambda slots, feats: [True] * len(slots)  # noqa: E731 - a keep_drafting that forces the stepwise path
+    rng = random.Random(11)
+    vocab = ck.config.vocab_size
+    seqs = {0: [rng.randrange(vocab) for _ in range(7)], 1: [rng.randrange(vocab) for _ in range(30)],
+            3: [rng.randrange(vocab) for _ in range(3)]}
+    steps = []
+    real_step = chained.runner.step
+    monkeypatch.setattr(chained.runner, "step", lambda *a, **kw: (steps.append(1), real_step(*a, **kw))[1])
+    for rnd in range(6):
+        limits = {s: rng.choice([1, 3, 4]) for s in seqs}
+        reqs = [DraftRequest(s, list(t), limits[s], SamplingParams()) for s, t in seqs.items()]
+        steps.clear()
+        got, want = chained.propose(reqs), stepwise.propose(reqs, keep_drafting=every)
+        if rnd:
+            assert len(steps) == 1, rnd
+        for s, g, w in zip(seqs, got, want):
+            assert g.tokens == w.tokens and len(g.tokens) == limits[s], (rnd, s)
+            torch.testing.assert_close(g.features, w.features)
+            assert torch.equal(g.top_tokens, w.top_tokens) and g.probs is None
+            # the chain feeds k - 1 drafts of every row (k: the round's longest), the stepwise path a row's own
+            held = stepwise.cached[s]
+            assert chained.cached[s][:len(held)] == held and len(chained.cached[s]) == len(seqs[s]) + max(limits.values()) - 1
+            assert chained.runner.cache.lengths[s] == len(chained.cached[s]) and stepwise.runner.cache.lengths[s] == len(held)
+            accepted = rng.randint(0, len(g.tokens))  # the target takes some drafts, then a token of its own
+            seqs[s] = seqs[s] + g.tokens[:accepted] + [rng.randrange(vocab)]
+    for s in seqs:
+        n = stepwise.runner.cache.lengths[s]
+        torch.testing.assert_close(chained.runner.cache.k[:, s, :, :n], stepwise.runner.cache.k[:, s, :, :n])
 
 
 # ----------------------------------------------------------------------------- speculative sampling is lossless

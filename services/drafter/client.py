@@ -31,6 +31,9 @@ from tandem.telemetry import inject_metadata, span
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
+PREFETCH_MIN_COVERED = 0.25  # prefetch every round while at least this share of prefetches covered their round
+PREFETCH_PROBE_EVERY = 16  # below it, prefetch one round in this many
+PREFETCH_AVERAGING = 0.25  # weight of the newest prefetch in the covered share's moving average
 
 
 class BidiStream:
@@ -125,6 +128,9 @@ class RemoteDrafter(Drafter):
         self._pending: dict[int, list[int]] | None = None  # prefetch in flight: slot -> sequence it drafts from
         self.prefetch_hits = 0  # next-round drafts that were ready when verification returned
         self.prefetch_misses = 0
+        self.prefetch_skipped = 0  # rounds not prefetched: prefetches had stopped covering whole rounds
+        self._covered = 1.0  # moving average: how often a prefetch covered every sequence of its round
+        self._asks = 0  # prefetch opportunities (``prefetch`` calls)
 
     def _connect(self) -> BidiStream:
         if self._resolve is not None and not self.available:
@@ -200,8 +206,18 @@ class RemoteDrafter(Drafter):
 
     def prefetch(self, requests: list[DraftRequest]) -> None:
         """Send the next round's draft requests now (the drafter works while the target
-        verifies); ``propose`` uses the answers whose guessed bonus token came true."""
+        verifies); ``propose`` uses the answers whose guessed bonus token came true.
+
+        A round waits for the drafter unless the prefetch covered every one of its sequences,
+        and the drafter serves the prefetch before the round's own request: so while fewer than
+        ``PREFETCH_MIN_COVERED`` of recent prefetches covered their whole round (every draft
+        accepted and the bonus guessed, for every sequence: rare at large batches), only one
+        round in ``PREFETCH_PROBE_EVERY`` prefetches, to keep the estimate current."""
         if self._pending is not None or self._stream is None or time.monotonic() < self._down_until:
+            return
+        self._asks += 1
+        if self._covered < PREFETCH_MIN_COVERED and self._asks % PREFETCH_PROBE_EVERY:
+            self.prefetch_skipped += 1
             return
         try:
             self._send(requests, wait=False)
@@ -240,8 +256,11 @@ class RemoteDrafter(Drafter):
                     self._mark_down(exc)
             return [DraftProposal.empty() for _ in requests]
         try:
-            ready = self._take_prefetched(requests) if self._pending is not None else {}
+            prefetched = self._pending is not None
+            ready = self._take_prefetched(requests) if prefetched else {}
             rest = [r for r in requests if r.slot not in ready]
+            if prefetched:
+                self._covered += PREFETCH_AVERAGING * ((not rest) - self._covered)
             if rest:
                 batch = self._send(rest, wait=True)
                 for r, p in zip(rest, batch.proposals):

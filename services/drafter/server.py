@@ -125,10 +125,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise InvalidRequestError(f"sequence {d.seq_id} is empty")
                 asks.append(DraftRequest(seq.slot, list(seq.tokens), int(d.max_draft), seq.params, seq.generator))
             proposals = self.drafter.propose(asks)
-        if self.predictor is not None:
-            for p in proposals:
-                if p.tokens:
-                    p.scores = self.predictor.predict(p.features)
+        drafted = [p for p in proposals if p.tokens]
+        if self.predictor is not None and drafted:  # one predictor call for the whole batch
+            scores = self.predictor.predict(torch.cat([p.features for p in drafted]))
+            for p, part in zip(drafted, scores.split([len(p.tokens) for p in drafted])):
+                p.scores = part
         return drafter_pb2.DraftBatch(round=batch.round, proposals=[
             _proposal_pb(d.seq_id, p) for d, p in zip(batch.sequences, proposals)])
 

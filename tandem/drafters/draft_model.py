@@ -1,9 +1,12 @@
 """Draft-model drafter: a small causal LM sharing the target's tokenizer, run by our own model
 runner with its own KV cache (slot numbering mirrors the target's) and rollback.
 
-Host-drafted rounds: each round it syncs its cache to the sequence (truncating to the longest
-common prefix: the rejected drafts of the previous round are dropped in O(1)), then drafts
-autoregressively, one batched forward per draft position across all sequences. Greedy requests
+Host-drafted rounds (a drafter service's, or where chained rounds do not run): each round it
+syncs its cache to the sequence (truncating to the longest common prefix: the rejected drafts of
+the previous round are dropped in O(1)), then drafts autoregressively. A greedy round is one
+runner step whose epilogue chains all k drafts on the device (one CUDA-graph launch and one read a
+round); sampled requests, or a caller that decides after each position whether to go on
+(``keep_drafting``), take one batched forward and one read per draft position. Greedy requests
 draft by argmax; sampled requests draw from q = the request's sampling transform of the draft
 logits, and q is returned for speculative sampling.
 
@@ -32,7 +35,7 @@ from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
 from .base import (NUM_FEATURES, BufferedDrafts, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
-                   chained_draft_features, draft_rows, sync_tokens)
+                   chained_draft_features, device_features, draft_rows, sync_tokens)
 
 PREFILL_THRESHOLD = 16  # sync feeds longer than this go through batched prefill
 FORMAT = "tandem-draft-model-v1"  # a distilled draft model (``tandem train draft-model``)
@@ -300,8 +303,69 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             self._draft_scores[:n, i] = torch.where(keep, scores, self._draft_scores[:n, i])
         return drafts
 
-    def _sync(self, reqs: list[DraftRequest]) -> dict[int, torch.Tensor]:
-        """Bring each slot's cache to ``token_ids`` and return the logits after its last token."""
+    def _propose_chained(self, reqs: list[DraftRequest]) -> dict[int, DraftProposal] | None:
+        """Greedy drafts of ``reqs`` from one runner step: the step feeds each sequence's tokens the
+        cache lacks (a long feed is prefilled first, all but its last token) and its epilogue,
+        captured in the same CUDA graph, drafts ``k = max(max_draft)`` tokens a row, a one-token
+        forward a draft after the first, with each draft's predictor features and top-m tokens
+        (``draft_rows``'s for greedy rows); one copy brings them to the host. The first ``k - 1``
+        drafts of a row were fed, so the cache keeps them, as the position-at-a-time path does.
+        Returns proposals by slot, or None when a row lacks the room for its drafts (that path
+        then runs, and stops where the cache does)."""
+        cache = self.runner.cache
+        k = max(r.max_draft for r in reqs)
+        if any(len(r.token_ids) + k - 1 > cache.capacity for r in reqs):
+            return None
+        feeds = self._feeds(reqs)
+        long = {s: f[:-1] for s, f in feeds.items() if len(f) > PREFILL_THRESHOLD}
+        if long:
+            self.runner.prefill(long)
+            feeds.update({s: feeds[s][-1:] for s in long})
+        out = self.runner.step(feeds, epilogue=self._chain(k), patch_key=("draft-chain", k, self.top_m))
+        rows = out.epilogue.cpu()  # [n, k, 1 + NUM_FEATURES + m] float64: the round's one read
+        proposals = {}
+        for r in reqs:
+            row = rows[r.slot, :r.max_draft]
+            tokens = row[:, 0].long().tolist()
+            proposals[r.slot] = DraftProposal(tokens, None, row[:, 1:1 + NUM_FEATURES].float(),
+                                              row[:, 1 + NUM_FEATURES:].long())
+            fed = rows[r.slot, :k - 1, 0].long().tolist()
+            self.cached[r.slot].extend(fed)
+            cache.lengths[r.slot] += len(fed)
+        return proposals
+
+    def _chain(self, k: int):
+        """The epilogue of ``_propose_chained``'s step: ``k`` greedy drafts a row after each row's
+        last fed token, ``[n, k, 1 + NUM_FEATURES + top_m]`` float64 (token id, features, top-m
+        ids; ids are exact in float64). Device work only."""
+        runner, top_m = self.runner, self.top_m
+        limit = runner.cache.capacity + KV_SLACK
+        fused = runner.model.fused
+
+        def chain(out) -> torch.Tensor:
+            packed = out.inputs
+            n = packed.shape[0]
+            count = packed[:, 1]
+            live = (count > 0).long()
+            logits = out.logits[torch.arange(n, device=packed.device), (count - 1).clamp_min(0)]
+            start = packed[:, 0] + count
+            attn_len = min(out.attn_len + k - 1, limit)
+            cols = []
+            for i in range(k):
+                q = logits.float().softmax(-1)
+                tokens = kernels.row_argmax(logits) if fused else logits.argmax(-1)
+                feats = device_features(q, torch.full((n,), float(i + 1), device=q.device))
+                top = q.topk(min(top_m, q.shape[-1]), dim=-1).indices
+                cols.append(torch.cat([tokens[:, None].double(), feats.double(), top.double()], dim=1))
+                if i + 1 < k:
+                    step = torch.stack([start + i, live, tokens], dim=1)
+                    logits = runner.forward_packed(step, attn_len).logits[:, 0]
+            return torch.stack(cols, dim=1)
+        return chain
+
+    def _feeds(self, reqs: list[DraftRequest]) -> dict[int, list[int]]:
+        """Roll each slot's cache back to its common prefix with ``token_ids`` (the last token
+        always fed again); returns the tokens each slot must be fed."""
         cache = self.runner.cache
         feeds: dict[int, list[int]] = {}
         for r in reqs:
@@ -311,6 +375,11 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             common = sync_tokens(self.cached[r.slot], r.token_ids, limit=len(r.token_ids) - 1)  # feed the last token
             cache.truncate(r.slot, common)
             feeds[r.slot] = r.token_ids[common:]
+        return feeds
+
+    def _sync(self, reqs: list[DraftRequest]) -> dict[int, torch.Tensor]:
+        """Bring each slot's cache to ``token_ids`` and return the logits after its last token."""
+        feeds = self._feeds(reqs)
         logits: dict[int, torch.Tensor] = {}
         long = {s: f for s, f in feeds.items() if len(f) > PREFILL_THRESHOLD}
         short = {s: f for s, f in feeds.items() if len(f) <= PREFILL_THRESHOLD}
@@ -325,9 +394,17 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return logits
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
+        """Host-drafted round (module docstring). Greedy requests without ``keep_drafting`` draft
+        in one step whose graph chains all ``k`` drafts (``_propose_chained``: one launch and one
+        read a round, where drafting a position at a time costs a launch and a read each); others
+        draft a position at a time, asking ``keep_drafting`` after each."""
         active = [r for r in requests if r.max_draft > 0]
         if not active:
             return [DraftProposal.empty() for _ in requests]
+        if keep_drafting is None and all(r.params.greedy for r in active):
+            chained = self._propose_chained(active)
+            if chained is not None:
+                return [chained.get(r.slot, DraftProposal.empty()) for r in requests]
         logits = self._sync(active)
         parts: dict[int, list[DraftProposal]] = {r.slot: [] for r in active}
         live = list(active)
