@@ -67,7 +67,7 @@ def main() -> int:
             part = "*fp32" if chunk else bf
             build(attn, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, seqlen_ptr="*i32", tree_ptr="*i32", out_ptr=bf,
                              part_ptr=part, ml_ptr=part, count_ptr="*i32", cos_ptr=bf, sin_ptr=bf,
-                             qlen_ptr="*i64" if rope else "*i32", n_tokens=i32, n_chunks=i32, scale_log2=f32,
+                             qlen_ptr="*i64" if rope else "*i32", qlen_stride=i32, n_tokens=i32, n_chunks=i32, scale_log2=f32,
                              k_sb=i64, k_sh=i64, k_sp=i64, qkv_stride=i32, max_pos=i32),
                   dict(GROUP=3, HEADS=9, HEAD_DIM=64, HAS_TREE=tree, CHUNK=chunk, BLOCK_M=attention.ATTN_BLOCK_M,
                        BLOCK_N=attention.ATTN_BLOCK_N, ROPE=rope, NEW=attention.MAX_NEW),
