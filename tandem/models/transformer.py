@@ -429,7 +429,7 @@ class Transformer(nn.Module):
 
 # Decode and verify chain steps on our attention kernel do the RoPE + K/V write inside it: eight
 # kernels a layer instead of nine. Bitwise the two kernels' result (CPU under Triton's interpreter
-# and an H100); on an H100 +5-6% tok/s at batch 1 and +1-3% at 64 (docs/benchmarks.md, "RoPE + K/V
+# and an H100); on an H100 +5-6% tok/s at batch 1, 3-6% less GPU a round at 64 (docs/benchmarks.md, "RoPE + K/V
 # write inside the attention"). Off (False) restores the separate RoPE/KV kernel.
 ROPE_IN_ATTENTION = True
 
