@@ -276,9 +276,10 @@ def test_draft_model_stops_drafting_below_threshold(tiny, tiny_drafters, tiny_re
 
     def drafted_run(policy):
         drafter = tiny_drafters["draft-truncated"](tiny.runner_config)
-        calls = []
-        real_step = drafter.runner.step
+        calls = []  # draft-model forwards: runner steps and a chained round's one-token forwards
+        real_step, real_forward = drafter.runner.step, drafter.runner.forward_packed
         drafter.runner.step = lambda batch, *a, **kw: (calls.append(len(batch)), real_step(batch, *a, **kw))[1]
+        drafter.runner.forward_packed = lambda packed, *a: (calls.append(packed.shape[0]), real_forward(packed, *a))[1]
         eng = make_engine(tiny, drafter)
         eng.draft_policy = policy
         eng.chained_rounds = False  # the host-drafted path, where the rule cuts the draft model's steps
