@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from itertools import chain
 
 import grpc
 import torch
@@ -263,8 +264,8 @@ class RemoteDrafter(Drafter):
                 self._covered += PREFETCH_AVERAGING * ((not rest) - self._covered)
             if rest:
                 batch = self._send(rest, wait=True)
-                for r, p in zip(rest, batch.proposals):
-                    ready[r.slot] = self._proposal(p)
+                for r, p in zip(rest, self._proposals(batch.proposals)):
+                    ready[r.slot] = p
         except (grpc.RpcError, TimeoutError, EOFError) as exc:
             self._mark_down(exc)
             return [DraftProposal.empty() for _ in requests]
@@ -273,6 +274,28 @@ class RemoteDrafter(Drafter):
         self.available = True
         self._backoff = self.retry_s
         return [ready[r.slot] for r in requests]
+
+    def _proposals(self, ps) -> list[DraftProposal]:
+        """``_proposal`` of every proposal of an answer. Greedy proposals whose features and top
+        tokens share one shape become tensors in one conversion each for the whole answer, split
+        per proposal (one conversion each per proposal costs ~1 ms an answer of 64)."""
+        drafted = [p for p in ps if len(p.tokens)]
+        shapes = {(p.num_features or NUM_FEATURES, p.top_m, len(p.scores) == len(p.tokens)) for p in drafted}
+        if len(shapes) != 1 or any(len(p.probs) for p in drafted):
+            return [self._proposal(p) for p in ps]
+        nf, m, scored = shapes.pop()
+        lens = [len(p.tokens) for p in drafted]
+        if any(len(p.features) != n * nf or len(p.top_tokens) != n * m for p, n in zip(drafted, lens)):
+            raise ValueError("the drafter answered with features or top tokens of the wrong size")
+        feats = torch.tensor(list(chain.from_iterable(p.features for p in drafted)), dtype=torch.float32)
+        feats = feats.reshape(-1, nf).split(lens)
+        tops = (torch.tensor(list(chain.from_iterable(p.top_tokens for p in drafted)), dtype=torch.long)
+                .reshape(-1, m).split(lens) if m else [None] * len(drafted))
+        scores = (torch.tensor(list(chain.from_iterable(p.scores for p in drafted)), dtype=torch.float32).split(lens)
+                  if scored else [None] * len(drafted))
+        made = iter(DraftProposal(list(p.tokens), None, f, t, scores=sc)
+                    for p, f, t, sc in zip(drafted, feats, tops, scores))
+        return [next(made) if len(p.tokens) else self._proposal(p) for p in ps]
 
     def _proposal(self, p: drafter_pb2.DraftProposal, skip: int = 0, limit: int | None = None) -> DraftProposal:
         """A core proposal from the wire; ``skip`` leading drafts dropped (a prefetch's guessed

@@ -130,8 +130,32 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             scores = self.predictor.predict(torch.cat([p.features for p in drafted]))
             for p, part in zip(drafted, scores.split([len(p.tokens) for p in drafted])):
                 p.scores = part
-        return drafter_pb2.DraftBatch(round=batch.round, proposals=[
-            _proposal_pb(d.seq_id, p) for d, p in zip(batch.sequences, proposals)])
+        return drafter_pb2.DraftBatch(round=batch.round, proposals=_proposals_pb([d.seq_id for d in batch.sequences],
+                                                                                 proposals))
+
+
+def _proposals_pb(seq_ids: list[int], proposals: list[DraftProposal]) -> list[drafter_pb2.DraftProposal]:
+    """The wire form of a batch's proposals. When every non-empty proposal has features and top
+    tokens of one shape, they leave the tensors in one conversion each for the batch (three per
+    proposal cost ~1 ms a batch of 64), as do scores; else each proposal converts its own."""
+    drafted = [p for p in proposals if p.tokens]
+    shapes = {(p.features.shape[1] if p.features.ndim == 2 else -1,
+               p.top_tokens.shape[1] if p.top_tokens is not None else 0, p.scores is not None) for p in drafted}
+    if len(shapes) != 1 or next(iter(shapes))[0] < 0:
+        return [_proposal_pb(sid, p) for sid, p in zip(seq_ids, proposals)]
+    nf, m, scored = shapes.pop()
+    feats = torch.cat([p.features.float() for p in drafted]).flatten().tolist()
+    top = torch.cat([p.top_tokens for p in drafted]).flatten().tolist() if m else []
+    scores = torch.cat([p.scores.float() for p in drafted]).tolist() if scored else []
+    out, at = [], 0
+    for sid, p in zip(seq_ids, proposals):
+        n = len(p.tokens)
+        out.append(drafter_pb2.DraftProposal(
+            seq_id=sid, tokens=p.tokens, probs=probs_to_sparse(p.probs) if p.probs is not None else [],
+            features=feats[at * nf:(at + n) * nf], num_features=nf, top_tokens=top[at * m:(at + n) * m],
+            top_m=m if n else 0, scores=scores[at:at + n]))
+        at += n
+    return out
 
 
 def _proposal_pb(seq_id: int, p: DraftProposal) -> drafter_pb2.DraftProposal:
