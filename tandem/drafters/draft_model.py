@@ -394,17 +394,26 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return logits
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
-        """Host-drafted round (module docstring). Greedy requests without ``keep_drafting`` draft
-        in one step whose graph chains all ``k`` drafts (``_propose_chained``: one launch and one
-        read a round, where drafting a position at a time costs a launch and a read each); others
-        draft a position at a time, asking ``keep_drafting`` after each."""
+        """Host-drafted round (module docstring). Without ``keep_drafting`` the greedy requests
+        draft in one step whose graph chains all ``k`` drafts (``_propose_chained``: one launch and
+        one read a round, where drafting a position at a time costs a launch and a read each); the
+        others (sampled requests; every request when ``keep_drafting`` decides after each
+        position) draft a position at a time."""
+        active = [r for r in requests if r.max_draft > 0]
+        greedy = [r for r in active if r.params.greedy] if keep_drafting is None else []
+        chained = self._propose_chained(greedy) if greedy else None
+        if chained is not None:
+            rest = [r for r in active if r.slot not in chained]
+            if rest:
+                chained.update(zip([r.slot for r in rest], self._propose_stepwise(rest, None)))
+            return [chained.get(r.slot, DraftProposal.empty()) for r in requests]
+        return self._propose_stepwise(requests, keep_drafting)
+
+    def _propose_stepwise(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None) -> list[DraftProposal]:
+        """Drafts a position at a time: one batched forward and one read a position."""
         active = [r for r in requests if r.max_draft > 0]
         if not active:
             return [DraftProposal.empty() for _ in requests]
-        if keep_drafting is None and all(r.params.greedy for r in active):
-            chained = self._propose_chained(active)
-            if chained is not None:
-                return [chained.get(r.slot, DraftProposal.empty()) for r in requests]
         logits = self._sync(active)
         parts: dict[int, list[DraftProposal]] = {r.slot: [] for r in active}
         live = list(active)
