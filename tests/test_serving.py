@@ -542,20 +542,28 @@ def test_top_logprobs_through_router(stack, client, model_id, local_engine, prom
 def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
     """A replica's drafter-service client drafts the next round while the target verifies (assuming every
     draft is accepted and guessing the bonus token); where the guess holds, those drafts are used
-    without another drafter round trip; where guesses stop holding for whole rounds, the replica
-    stops prefetching but for a probe now and then. Outputs stay the target's own, greedy and sampled."""
+    without another drafter round trip. Where guesses rarely hold for whole rounds, a drafter whose
+    prefetches are answered before verification ends keeps being asked (they cost nothing), while
+    one whose prefetches hold rounds up is asked only now and then. Outputs stay the target's own."""
+    import time
+
     from test_speculative import OracleDrafter
 
     from services.drafter.server import serve as serve_drafter
     from services.drafter.client import RemoteDrafter
     from tandem.target import LocalTarget
 
+    class SlowOracle(OracleDrafter):  # every draft batch takes 30 ms: a prefetch is not back when verification ends
+        def propose(self, requests, keep_drafting=None):
+            time.sleep(0.03)
+            return super().propose(requests, keep_drafting)
+
     cfg = RunnerConfig(device="cpu", max_batch_size=SLOTS, max_seq_len=CONTEXT)
     plain = Engine(tiny_dir, cfg)
     refs = [plain.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0] for p in prompts[:SLOTS]]
     full = [plain.encode_prompt(p) + r.token_ids for p, r in zip(prompts, refs)]
-    for mode in ("right", "noisy"):
-        oracle = OracleDrafter(full, mode=mode, vocab=plain.target.info.vocab_size)
+    for mode, kind in (("right", OracleDrafter), ("noisy", OracleDrafter), ("noisy", SlowOracle)):
+        oracle = kind(full, mode=mode, vocab=plain.target.info.vocab_size)
         server = BackgroundServer(lambda ready, stop: serve_drafter(oracle, SLOTS, 0, ready=ready, stop=stop))
         try:
             drafter = RemoteDrafter(server.address, plain.target.info.vocab_size)
@@ -566,10 +574,10 @@ def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
             if mode == "right":  # every guess holds: the drafter is never waited for after the first round
                 assert drafter.prefetch_hits > 0 and drafter.prefetch_misses <= SLOTS
                 assert eng.stats.acceptance_rate == 1.0 and drafter.prefetch_skipped == 0
-            else:  # a wrong draft in every run: no guess holds, each round drafts again after verification,
-                # and once prefetches stop covering their rounds most rounds no longer prefetch
+            else:  # a wrong draft in every run: no guess holds, each round drafts again after verification
                 assert drafter.prefetch_misses > 0 and 0 < eng.stats.acceptance_rate < 1.0
-                assert drafter.prefetch_skipped > 0
+                if kind is SlowOracle:  # prefetches hold rounds up: most rounds no longer prefetch
+                    assert drafter.prefetch_skipped > 0
             drafter.close()
         finally:
             server.stop()

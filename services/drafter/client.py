@@ -32,9 +32,10 @@ from tandem.telemetry import inject_metadata, span
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
-PREFETCH_MIN_COVERED = 0.25  # prefetch every round while at least this share of prefetches covered their round
-PREFETCH_PROBE_EVERY = 16  # below it, prefetch one round in this many
-PREFETCH_AVERAGING = 0.25  # weight of the newest prefetch in the covered share's moving average
+PREFETCH_MIN_COVERED = 0.25  # prefetch every round while at least this share of prefetches covered their round ...
+PREFETCH_MAX_DELAY = 0.1  # ... or while waiting for a prefetch's answer costs at most this share of a round trip
+PREFETCH_PROBE_EVERY = 16  # else prefetch one round in this many
+PREFETCH_AVERAGING = 0.25  # weight of the newest round in these moving averages
 
 
 class BidiStream:
@@ -131,6 +132,8 @@ class RemoteDrafter(Drafter):
         self.prefetch_misses = 0
         self.prefetch_skipped = 0  # rounds not prefetched: prefetches had stopped covering whole rounds
         self._covered = 1.0  # moving average: how often a prefetch covered every sequence of its round
+        self._prefetch_wait = 0.0  # moving average: seconds a round waited for its prefetch's answer
+        self._round_trip = 0.0  # moving average: seconds a round waited for drafts asked for after verification
         self._asks = 0  # prefetch opportunities (``prefetch`` calls)
 
     def _connect(self) -> BidiStream:
@@ -210,14 +213,18 @@ class RemoteDrafter(Drafter):
         verifies); ``propose`` uses the answers whose guessed bonus token came true.
 
         A round waits for the drafter unless the prefetch covered every one of its sequences,
-        and the drafter serves the prefetch before the round's own request: so while fewer than
-        ``PREFETCH_MIN_COVERED`` of recent prefetches covered their whole round (every draft
-        accepted and the bonus guessed, for every sequence: rare at large batches), only one
-        round in ``PREFETCH_PROBE_EVERY`` prefetches, to keep the estimate current."""
+        and the drafter serves the prefetch before the round's own request. A prefetch whose
+        answer is ready when verification ends costs nothing (a drafter on a GPU of its own);
+        one that is not holds the round up. So while fewer than ``PREFETCH_MIN_COVERED`` of
+        recent prefetches covered their whole round (every draft accepted and the bonus guessed,
+        for every sequence: rare at large batches) and waiting for their answers took more than
+        ``PREFETCH_MAX_DELAY`` of a round trip, only one round in ``PREFETCH_PROBE_EVERY``
+        prefetches, to keep both estimates current."""
         if self._pending is not None or self._stream is None or time.monotonic() < self._down_until:
             return
         self._asks += 1
-        if self._covered < PREFETCH_MIN_COVERED and self._asks % PREFETCH_PROBE_EVERY:
+        if (self._covered < PREFETCH_MIN_COVERED and self._prefetch_wait > PREFETCH_MAX_DELAY * self._round_trip
+                and self._asks % PREFETCH_PROBE_EVERY):
             self.prefetch_skipped += 1
             return
         try:
@@ -231,8 +238,10 @@ class RemoteDrafter(Drafter):
     def _take_prefetched(self, requests: list[DraftRequest]) -> dict[int, DraftProposal]:
         """Wait for the prefetch in flight; the proposals it got right, by slot."""
         pending, self._pending = self._pending, None
+        t0 = time.perf_counter()
         with span("rpc.client.draft", address=self.address, sequences=len(pending), prefetched=True):
             batch = self._check(self._stream.recv(self.timeout_s), self._pending_round, len(pending))
+        self._prefetch_wait += PREFETCH_AVERAGING * (time.perf_counter() - t0 - self._prefetch_wait)
         by_slot = {p.seq_id: p for p in batch.proposals}
         hits: dict[int, DraftProposal] = {}
         for r in requests:
@@ -263,7 +272,9 @@ class RemoteDrafter(Drafter):
             if prefetched:
                 self._covered += PREFETCH_AVERAGING * ((not rest) - self._covered)
             if rest:
+                t0 = time.perf_counter()
                 batch = self._send(rest, wait=True)
+                self._round_trip += PREFETCH_AVERAGING * (time.perf_counter() - t0 - self._round_trip)
                 for r, p in zip(rest, self._proposals(batch.proposals)):
                     ready[r.slot] = p
         except (grpc.RpcError, TimeoutError, EOFError) as exc:
