@@ -584,9 +584,10 @@ def test_overlapped_drafting_is_lossless_and_used(tiny_dir, prompts):
 
 
 def test_draft_batches_encode_and_decode_whole():
-    """A drafter service's answer is encoded and decoded a batch at a time (features, top tokens and
-    scores in one conversion each) exactly as one proposal at a time: greedy proposals with and
-    without scores, empty ones among them; a batch of mixed shapes, or with sampled q, takes the
+    """A drafter service's answer is encoded and decoded a batch at a time (features, top tokens,
+    scores and sampled proposals' sparse q in one conversion each) exactly as one proposal at a
+    time: greedy proposals with and without scores, sampled ones (a row with more non-zero entries
+    than the service's K among them), empty ones; a batch of mixed shapes takes the
     proposal-at-a-time path; features of the wrong size are refused."""
     from services.drafter.client import RemoteDrafter
     from services.drafter.server import _proposal_pb, _proposals_pb
@@ -600,16 +601,21 @@ def test_draft_batches_encode_and_decode_whole():
         return DraftProposal(torch.randint(0, vocab, (n,)).tolist(), None, torch.rand(n, NUM_FEATURES),
                              torch.randint(0, vocab, (n, m)) if m else None, scores=torch.rand(n) if scored else None)
 
-    q = torch.softmax(torch.randn(2, vocab), -1)
-    sampled = DraftProposal([1, 2], q, torch.rand(2, NUM_FEATURES), torch.randint(0, vocab, (2, 3)))
+    def sampled(n, nonzero=8):  # q truncated to its top `nonzero` tokens, as a drafter service samples
+        q = torch.softmax(torch.randn(n, vocab), -1)
+        q[q < q.topk(nonzero, -1).values[:, -1:]] = 0
+        return DraftProposal(torch.randint(0, vocab, (n,)).tolist(), q / q.sum(-1, keepdim=True),
+                             torch.rand(n, NUM_FEATURES), torch.randint(0, vocab, (n, 3)))
+
     client = RemoteDrafter.__new__(RemoteDrafter)  # the decoding half only: no channel
     client.vocab_size = vocab
     batches = {"plain": [greedy(4), DraftProposal.empty(), greedy(2), greedy(1)],
                "scored": [greedy(3, True), greedy(4, True), DraftProposal.empty()],
-               "mixed": [greedy(2, m=3), greedy(2, m=0), sampled], "empty": [DraftProposal.empty()] * 2}
+               "sampled": [sampled(3), greedy(2), DraftProposal.empty(), sampled(1, nonzero=12), sampled(4)],
+               "mixed": [greedy(2, m=3), greedy(2, m=0), sampled(2)], "empty": [DraftProposal.empty()] * 2}
     for name, props in batches.items():
         ids = list(range(len(props)))
-        wire = _proposals_pb(ids, props)
+        wire = _proposals_pb(ids, props, 8)  # (a row of 12 non-zero entries goes through probs_to_sparse)
         assert [m.SerializeToString() for m in wire] == [_proposal_pb(i, p).SerializeToString() for i, p in zip(ids, props)]
         back = drafter_pb2.DraftBatch.FromString(drafter_pb2.DraftBatch(round=1, proposals=wire).SerializeToString())
         got, want = client._proposals(back.proposals), [client._proposal(p) for p in back.proposals]
@@ -617,10 +623,20 @@ def test_draft_batches_encode_and_decode_whole():
             assert g.tokens == w.tokens and torch.equal(g.features, w.features), name
             for a, b in ((g.top_tokens, w.top_tokens), (g.scores, w.scores), (g.probs, w.probs)):
                 assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    bad = drafter_pb2.DraftBatch(round=1, proposals=_proposals_pb([0, 1], [greedy(2), greedy(2)])).proposals
+    bad = drafter_pb2.DraftBatch(round=1, proposals=_proposals_pb([0, 1], [greedy(2), greedy(2)], 8)).proposals
     del bad[1].features[-1]
     with pytest.raises(ValueError, match="wrong size"):
         client._proposals(bad)
+    from tandem.errors import InvalidRequestError
+
+    for damage, message in (("index", "outside"), ("values", "mismatched")):
+        bad = drafter_pb2.DraftBatch(round=1, proposals=_proposals_pb([0, 1], [sampled(2), sampled(1)], 8)).proposals
+        if damage == "index":
+            bad[1].probs[0].indices[0] = vocab
+        else:
+            del bad[0].probs[1].values[-1]
+        with pytest.raises(InvalidRequestError, match=message):
+            client._proposals(bad)
 
 
 # ----------------------------------------------------------------------------- load, bad input, disconnects

@@ -287,12 +287,13 @@ class RemoteDrafter(Drafter):
         return [ready[r.slot] for r in requests]
 
     def _proposals(self, ps) -> list[DraftProposal]:
-        """``_proposal`` of every proposal of an answer. Greedy proposals whose features and top
-        tokens share one shape become tensors in one conversion each for the whole answer, split
-        per proposal (one conversion each per proposal costs ~1 ms an answer of 64)."""
+        """``_proposal`` of every proposal of an answer. Proposals whose features and top tokens
+        share one shape become tensors in one conversion each for the whole answer, split per
+        proposal (one conversion each per proposal costs ~1 ms an answer of 64), and the sampled
+        ones' sparse q one dense tensor from one scatter."""
         drafted = [p for p in ps if len(p.tokens)]
         shapes = {(p.num_features or NUM_FEATURES, p.top_m, len(p.scores) == len(p.tokens)) for p in drafted}
-        if len(shapes) != 1 or any(len(p.probs) for p in drafted):
+        if len(shapes) != 1 or any(len(p.probs) not in (0, len(p.tokens)) for p in drafted):
             return [self._proposal(p) for p in ps]
         nf, m, scored = shapes.pop()
         lens = [len(p.tokens) for p in drafted]
@@ -304,7 +305,10 @@ class RemoteDrafter(Drafter):
                 .reshape(-1, m).split(lens) if m else [None] * len(drafted))
         scores = (torch.tensor(list(chain.from_iterable(p.scores for p in drafted)), dtype=torch.float32).split(lens)
                   if scored else [None] * len(drafted))
-        made = iter(DraftProposal(list(p.tokens), None, f, t, scores=sc)
+        sampled = [p for p in drafted if len(p.probs)]
+        q = iter(sparse_to_probs([row for p in sampled for row in p.probs], self.vocab_size)
+                 .split([len(p.tokens) for p in sampled]) if sampled else ())
+        made = iter(DraftProposal(list(p.tokens), next(q) if len(p.probs) else None, f, t, scores=sc)
                     for p, f, t, sc in zip(drafted, feats, tops, scores))
         return [next(made) if len(p.tokens) else self._proposal(p) for p in ps]
 

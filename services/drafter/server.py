@@ -20,7 +20,7 @@ from dataclasses import replace
 import grpc
 import torch
 
-from services.common import GrpcServer, messages_until, params_from_pb, probs_to_sparse
+from services.common import GrpcServer, messages_until, params_from_pb, probs_to_sparse, probs_to_sparse_batch
 from services.proto.tandem.v1 import drafter_pb2, drafter_pb2_grpc
 from tandem.drafters.base import NUM_FEATURES, DraftProposal, DraftRequest, Drafter
 from tandem.errors import InvalidRequestError
@@ -130,14 +130,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             scores = self.predictor.predict(torch.cat([p.features for p in drafted]))
             for p, part in zip(drafted, scores.split([len(p.tokens) for p in drafted])):
                 p.scores = part
-        return drafter_pb2.DraftBatch(round=batch.round, proposals=_proposals_pb([d.seq_id for d in batch.sequences],
-                                                                                 proposals))
+        return drafter_pb2.DraftBatch(round=batch.round, proposals=_proposals_pb(
+            [d.seq_id for d in batch.sequences], proposals, self.max_probs_per_token))
 
 
-def _proposals_pb(seq_ids: list[int], proposals: list[DraftProposal]) -> list[drafter_pb2.DraftProposal]:
+def _proposals_pb(seq_ids: list[int], proposals: list[DraftProposal],
+                  max_probs: int) -> list[drafter_pb2.DraftProposal]:
     """The wire form of a batch's proposals. When every non-empty proposal has features and top
     tokens of one shape, they leave the tensors in one conversion each for the batch (three per
-    proposal cost ~1 ms a batch of 64), as do scores; else each proposal converts its own."""
+    proposal cost ~1 ms a batch of 64), as do scores and the sampled proposals' q (sparse, at
+    most ``max_probs`` entries a row: ``probs_to_sparse_batch``); else each proposal converts
+    its own."""
     drafted = [p for p in proposals if p.tokens]
     shapes = {(p.features.shape[1] if p.features.ndim == 2 else -1,
                p.top_tokens.shape[1] if p.top_tokens is not None else 0, p.scores is not None) for p in drafted}
@@ -147,11 +150,12 @@ def _proposals_pb(seq_ids: list[int], proposals: list[DraftProposal]) -> list[dr
     feats = torch.cat([p.features.float() for p in drafted]).flatten().tolist()
     top = torch.cat([p.top_tokens for p in drafted]).flatten().tolist() if m else []
     scores = torch.cat([p.scores.float() for p in drafted]).tolist() if scored else []
+    sparse = iter(probs_to_sparse_batch([p.probs for p in drafted if p.probs is not None], max_probs))
     out, at = [], 0
     for sid, p in zip(seq_ids, proposals):
         n = len(p.tokens)
         out.append(drafter_pb2.DraftProposal(
-            seq_id=sid, tokens=p.tokens, probs=probs_to_sparse(p.probs) if p.probs is not None else [],
+            seq_id=sid, tokens=p.tokens, probs=[next(sparse) for _ in range(n)] if p.probs is not None else [],
             features=feats[at * nf:(at + n) * nf], num_features=nf, top_tokens=top[at * m:(at + n) * m],
             top_m=m if n else 0, scores=scores[at:at + n]))
         at += n
