@@ -199,14 +199,18 @@ def probs_to_sparse(probs: torch.Tensor) -> list[common_pb2.SparseProbs]:
     return rows
 
 
-def probs_to_sparse_batch(probs: Sequence[torch.Tensor], k: int) -> list[common_pb2.SparseProbs]:
-    """``probs_to_sparse`` of several ``[n_i, vocab]`` distributions at once, the rows in order:
-    one top-``k`` and one copy to the host for all of them (on a GPU, one sync where a row at a
-    time costs a sync and a whole-vocabulary copy each). Exact for rows with at most ``k``
-    non-zero entries (a drafter service's q, truncated to its top-K); a row with more goes
-    through ``probs_to_sparse``. Indices ascending, as there."""
+def probs_to_sparse_batch(probs: Sequence[torch.Tensor], k: int,
+                          topk: bool | None = None) -> list[common_pb2.SparseProbs]:
+    """``probs_to_sparse`` of several ``[n_i, vocab]`` distributions, the rows in order. With
+    ``topk`` (default: where they are on a GPU) one top-``k`` and one copy to the host for all of
+    them, where a row at a time costs a sync and a whole-vocabulary copy each; exact for rows
+    with at most ``k`` non-zero entries (a drafter service's q, truncated to its top-K), a row
+    with more going through ``probs_to_sparse``. On a CPU a row at a time is the faster (a top-K
+    over the vocabulary costs more there than finding the non-zero entries). Indices ascending."""
     if not probs:
         return []
+    if not (topk if topk is not None else any(p.device.type == "cuda" for p in probs)):
+        return [row for p in probs for row in probs_to_sparse(p)]
     q = torch.cat([p.detach().float() for p in probs])
     kk = min(k, q.shape[-1])
     vals, idx = q.topk(kk, dim=-1)
@@ -223,13 +227,15 @@ def probs_to_sparse_batch(probs: Sequence[torch.Tensor], k: int) -> list[common_
     return rows
 
 
-def sparse_to_probs(rows: Sequence[common_pb2.SparseProbs], vocab_size: int) -> torch.Tensor:
-    """n sparse rows -> ``[n, vocab_size]`` float32 (zeros elsewhere).
+def sparse_to_probs(rows: Sequence[common_pb2.SparseProbs], vocab_size: int,
+                    device: str | torch.device = "cpu") -> torch.Tensor:
+    """n sparse rows -> ``[n, vocab_size]`` float32 (zeros elsewhere) on ``device``: only the
+    entries cross to it (a verifier's q is built where it verifies, not filled on the host).
 
     Raises:
         InvalidRequestError: an index outside the vocabulary or mismatched lengths.
     """
-    out = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    out = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
     lens = [len(r.indices) for r in rows]
     if any(n != len(r.values) for n, r in zip(lens, rows)):
         raise InvalidRequestError("sparse probability row with mismatched indices and values")
@@ -238,7 +244,8 @@ def sparse_to_probs(rows: Sequence[common_pb2.SparseProbs], vocab_size: int) -> 
         if int(idx.min()) < 0 or int(idx.max()) >= vocab_size:
             raise InvalidRequestError(f"sparse probability index outside [0, {vocab_size})")
         at = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens, dtype=torch.long))
-        out[at, idx] = torch.tensor(list(chain.from_iterable(r.values for r in rows)), dtype=torch.float32)
+        values = torch.tensor(list(chain.from_iterable(r.values for r in rows)), dtype=torch.float32)
+        out[at.to(device), idx.to(device)] = values.to(device)
     return out
 
 

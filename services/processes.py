@@ -108,7 +108,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
     if drafter_address:
         spec = replace(spec, drafter="remote", draft_model=None)
         drafter = RemoteDrafter(drafter_address, checkpoint.config.vocab_size, key, timeout_s=drafter_timeout_s,
-                                resolve=drafter_resolver)
+                                resolve=drafter_resolver, device=cfg.device)
     engine = build_engine(replace(spec, cost_model=measure_cost), checkpoint, cfg, drafter=drafter, store=store)
     engine.overlap_drafting = overlap
     if admission is not None:

@@ -589,6 +589,7 @@ def test_draft_batches_encode_and_decode_whole():
     time: greedy proposals with and without scores, sampled ones (a row with more non-zero entries
     than the service's K among them), empty ones; a batch of mixed shapes takes the
     proposal-at-a-time path; features of the wrong size are refused."""
+    from services.common import probs_to_sparse, probs_to_sparse_batch
     from services.drafter.client import RemoteDrafter
     from services.drafter.server import _proposal_pb, _proposals_pb
     from services.proto.tandem.v1 import drafter_pb2
@@ -608,7 +609,7 @@ def test_draft_batches_encode_and_decode_whole():
                              torch.rand(n, NUM_FEATURES), torch.randint(0, vocab, (n, 3)))
 
     client = RemoteDrafter.__new__(RemoteDrafter)  # the decoding half only: no channel
-    client.vocab_size = vocab
+    client.vocab_size, client.device = vocab, torch.device("cpu")
     batches = {"plain": [greedy(4), DraftProposal.empty(), greedy(2), greedy(1)],
                "scored": [greedy(3, True), greedy(4, True), DraftProposal.empty()],
                "sampled": [sampled(3), greedy(2), DraftProposal.empty(), sampled(1, nonzero=12), sampled(4)],
@@ -616,7 +617,10 @@ def test_draft_batches_encode_and_decode_whole():
     for name, props in batches.items():
         ids = list(range(len(props)))
         wire = _proposals_pb(ids, props, 8)  # (a row of 12 non-zero entries goes through probs_to_sparse)
-        assert [m.SerializeToString() for m in wire] == [_proposal_pb(i, p).SerializeToString() for i, p in zip(ids, props)]
+        one_at_a_time = [_proposal_pb(i, p).SerializeToString() for i, p in zip(ids, props)]
+        assert [m.SerializeToString() for m in wire] == one_at_a_time, name
+        rows = [p.probs for p in props if p.probs is not None]  # the GPU's way, one top-K for the batch, on the CPU
+        assert probs_to_sparse_batch(rows, 8, topk=True) == [r for q in rows for r in probs_to_sparse(q)], name
         back = drafter_pb2.DraftBatch.FromString(drafter_pb2.DraftBatch(round=1, proposals=wire).SerializeToString())
         got, want = client._proposals(back.proposals), [client._proposal(p) for p in back.proposals]
         for g, w in zip(got, want):

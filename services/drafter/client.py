@@ -104,13 +104,17 @@ class RemoteDrafter(Drafter):
         retry_s: first reconnection delay after a failure (s); doubles up to ``max_retry_s``.
         resolve: returns the drafter's current address; asked again after a failure (a Ray Serve
             replica that was replaced listens elsewhere). None: ``address`` for good.
+        device: where sampled drafts' q is rebuilt from its sparse rows (the target's device,
+            where verification reads it).
     """
 
     prefetches = True  # drafts the next round on the drafter service while the target verifies
 
     def __init__(self, address: str, vocab_size: int, key: str | None = None, timeout_s: float = 10.0,
-                 retry_s: float = 0.5, max_retry_s: float = 5.0, resolve: Callable[[], str] | None = None) -> None:
+                 retry_s: float = 0.5, max_retry_s: float = 5.0, resolve: Callable[[], str] | None = None,
+                 device: str | torch.device = "cpu") -> None:
         self.address = address
+        self.device = torch.device(device)
         self._resolve = resolve
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
@@ -306,7 +310,7 @@ class RemoteDrafter(Drafter):
         scores = (torch.tensor(list(chain.from_iterable(p.scores for p in drafted)), dtype=torch.float32).split(lens)
                   if scored else [None] * len(drafted))
         sampled = [p for p in drafted if len(p.probs)]
-        q = iter(sparse_to_probs([row for p in sampled for row in p.probs], self.vocab_size)
+        q = iter(sparse_to_probs([row for p in sampled for row in p.probs], self.vocab_size, self.device)
                  .split([len(p.tokens) for p in sampled]) if sampled else ())
         made = iter(DraftProposal(list(p.tokens), next(q) if len(p.probs) else None, f, t, scores=sc)
                     for p, f, t, sc in zip(drafted, feats, tops, scores))
@@ -318,7 +322,7 @@ class RemoteDrafter(Drafter):
         n = len(p.tokens)
         nf = p.num_features or NUM_FEATURES
         feats = torch.tensor(list(p.features), dtype=torch.float32).reshape(n, nf) if n else torch.zeros(0, nf)
-        probs = sparse_to_probs(p.probs, self.vocab_size) if len(p.probs) == n and n else None
+        probs = sparse_to_probs(p.probs, self.vocab_size, self.device) if len(p.probs) == n and n else None
         top = torch.tensor(list(p.top_tokens), dtype=torch.long).reshape(n, p.top_m) if p.top_m and n else None
         # drafter-side scores saw the original positions: after a skip the router rescores the shifted features
         scores = torch.tensor(list(p.scores), dtype=torch.float32) if len(p.scores) == n and n and not skip else None

@@ -409,7 +409,8 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             return [chained.get(r.slot, DraftProposal.empty()) for r in requests]
         return self._propose_stepwise(requests, keep_drafting)
 
-    def _propose_stepwise(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None) -> list[DraftProposal]:
+    def _propose_stepwise(self, requests: list[DraftRequest],
+                          keep_drafting: KeepDrafting | None) -> list[DraftProposal]:
         """Drafts a position at a time: one batched forward and one read a position."""
         active = [r for r in requests if r.max_draft > 0]
         if not active:
