@@ -754,13 +754,43 @@ def test_draft_model_chained_proposals_equal_position_at_a_time(tiny, device, mo
             assert torch.equal(g.top_tokens, w.top_tokens) and g.probs is None
             # the chain feeds k - 1 drafts of every row (k: the round's longest), the stepwise path a row's own
             held = stepwise.cached[s]
-            assert chained.cached[s][:len(held)] == held and len(chained.cached[s]) == len(seqs[s]) + max(limits.values()) - 1
-            assert chained.runner.cache.lengths[s] == len(chained.cached[s]) and stepwise.runner.cache.lengths[s] == len(held)
+            assert chained.cached[s][:len(held)] == held
+            assert len(chained.cached[s]) == len(seqs[s]) + max(limits.values()) - 1
+            assert chained.runner.cache.lengths[s] == len(chained.cached[s])
+            assert stepwise.runner.cache.lengths[s] == len(held)
             accepted = rng.randint(0, len(g.tokens))  # the target takes some drafts, then a token of its own
             seqs[s] = seqs[s] + g.tokens[:accepted] + [rng.randrange(vocab)]
     for s in seqs:
         n = stepwise.runner.cache.lengths[s]
         torch.testing.assert_close(chained.runner.cache.k[:, s, :, :n], stepwise.runner.cache.k[:, s, :, :n])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_draft_model_chained_sampled_drafts(tiny, device):
+    """Sampled requests draft in the chained round too: each draft is drawn from the q it comes
+    with (the request's sampling transform of the draft logits: a distribution, the draft inside
+    its support, features of q), a seeded request draws the same drafts alone as beside others,
+    and a greedy request beside it drafts what it drafts alone."""
+    ck = truncated_checkpoint(tiny.checkpoint, 1)
+    cfg = RunnerConfig(device=device, dtype=torch.float32, max_batch_size=4, max_seq_len=96,
+                       cuda_graphs=device == "cuda")
+    rng = random.Random(5)
+    vocab = ck.config.vocab_size
+    seq, other = [rng.randrange(vocab) for _ in range(9)], [rng.randrange(vocab) for _ in range(5)]
+    sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=17)
+    together = DraftModelDrafter(ck, cfg)
+    for _ in range(2):  # (the second round replays the step's captured graph on a GPU)
+        both = together.propose([DraftRequest(0, seq, 4, sampled), DraftRequest(1, other, 3, SamplingParams())])
+    alone_s = DraftModelDrafter(ck, cfg).propose([DraftRequest(2, seq, 4, sampled)])[0]
+    alone_g = DraftModelDrafter(ck, cfg).propose([DraftRequest(3, other, 3, SamplingParams())])[0]
+    p, g = both
+    assert p.tokens == alone_s.tokens and g.tokens == alone_g.tokens and g.probs is None
+    q = p.probs.float().cpu()
+    assert q.shape == (4, vocab) and torch.allclose(q.sum(-1), torch.ones(4), atol=1e-5)
+    assert all(float(q[i, t]) > 0 for i, t in enumerate(p.tokens)) and int((q[0] > 0).sum()) <= 20
+    torch.testing.assert_close(q, alone_s.probs.float().cpu())
+    torch.testing.assert_close(p.features, distribution_features(q), atol=1e-5, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- speculative sampling is lossless

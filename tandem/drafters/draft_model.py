@@ -3,12 +3,12 @@ runner with its own KV cache (slot numbering mirrors the target's) and rollback.
 
 Host-drafted rounds (a drafter service's, or where chained rounds do not run): each round it
 syncs its cache to the sequence (truncating to the longest common prefix: the rejected drafts of
-the previous round are dropped in O(1)), then drafts autoregressively. A greedy round is one
-runner step whose epilogue chains all k drafts on the device (one CUDA-graph launch and one read a
-round); sampled requests, or a caller that decides after each position whether to go on
-(``keep_drafting``), take one batched forward and one read per draft position. Greedy requests
-draft by argmax; sampled requests draw from q = the request's sampling transform of the draft
-logits, and q is returned for speculative sampling.
+the previous round are dropped in O(1)), then drafts autoregressively. A round is one runner step
+whose epilogue chains all k drafts on the device (one CUDA-graph launch and one read a round); a
+caller that decides after each position whether to go on (``keep_drafting``) gets one batched
+forward and one read per draft position instead. Greedy requests draft by argmax; sampled
+requests draw from q = the request's sampling transform of the draft logits, and q is returned
+for speculative sampling.
 
 Chained rounds (``Engine.chains_rounds``): the same drafting runs on the device inside the round
 that verifies, right after verification (``device_after_verify``), as gpt-fast and SGLang's
@@ -184,6 +184,8 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         self._draft_q: torch.Tensor | None = None  # [slots, k, V] float32 q of sampled rows' drafts
         self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
         self._draft_scores: torch.Tensor | None = None  # [slots, k] float32 their predicted acceptance
+        self._chain_params: torch.Tensor | None = None  # host-drafted chained steps' sampling parameters
+        self._chain_seeds: torch.Tensor | None = None  # (``_chain_sampling``)
 
     def release(self, slot: int) -> None:
         if slot in self.cached:
@@ -304,43 +306,74 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return drafts
 
     def _propose_chained(self, reqs: list[DraftRequest]) -> dict[int, DraftProposal] | None:
-        """Greedy drafts of ``reqs`` from one runner step: the step feeds each sequence's tokens the
-        cache lacks (a long feed is prefilled first, all but its last token) and its epilogue,
-        captured in the same CUDA graph, drafts ``k = max(max_draft)`` tokens a row, a one-token
-        forward a draft after the first, with each draft's predictor features and top-m tokens
-        (``draft_rows``'s for greedy rows); one copy brings them to the host. The first ``k - 1``
-        drafts of a row were fed, so the cache keeps them, as the position-at-a-time path does.
-        Returns proposals by slot, or None when a row lacks the room for its drafts (that path
-        then runs, and stops where the cache does)."""
+        """Drafts of ``reqs`` from one runner step: the step feeds each sequence's tokens the cache
+        lacks (a long feed is prefilled first, all but its last token) and its epilogue, captured
+        in the same CUDA graph, drafts ``k = max(max_draft)`` tokens a row, a one-token forward a
+        draft after the first, with each draft's predictor features and top-m tokens
+        (``draft_rows``'s); one copy brings them to the host. Greedy rows take the argmax; sampled
+        rows draw from q, the request's sampling transform of the draft logits, with
+        ``counter_uniform(seed, position, STREAM_DRAFT)`` (the request's seed, else its
+        generator's), and q stays on the device for verification. The first ``k - 1`` drafts of a
+        row were fed, so the cache keeps them, as the position-at-a-time path does. Returns
+        proposals by slot, or None when a row lacks the room for its drafts (that path then runs,
+        and stops where the cache does)."""
         cache = self.runner.cache
         k = max(r.max_draft for r in reqs)
         if any(len(r.token_ids) + k - 1 > cache.capacity for r in reqs):
             return None
+        sampled = not all(r.params.greedy for r in reqs)
+        if sampled:
+            self._chain_sampling(reqs)
         feeds = self._feeds(reqs)
         long = {s: f[:-1] for s, f in feeds.items() if len(f) > PREFILL_THRESHOLD}
         if long:
             self.runner.prefill(long)
             feeds.update({s: feeds[s][-1:] for s in long})
-        out = self.runner.step(feeds, epilogue=self._chain(k), patch_key=("draft-chain", k, self.top_m))
-        rows = out.epilogue.cpu()  # [n, k, 1 + NUM_FEATURES + m] float64: the round's one read
+        out = self.runner.step(feeds, epilogue=self._chain(k, sampled),
+                               patch_key=("draft-chain", k, self.top_m, sampled))
+        w = 1 + NUM_FEATURES + self.top_m
+        rows = out.epilogue[:, :, :w].cpu()  # [n, k, w]: token id, features, top-m ids; the round's one read
+        q = out.epilogue[:, :, w:].clone() if sampled else None  # [n, k, V] (the graph's buffer is reused)
         proposals = {}
         for r in reqs:
             row = rows[r.slot, :r.max_draft]
             tokens = row[:, 0].long().tolist()
-            proposals[r.slot] = DraftProposal(tokens, None, row[:, 1:1 + NUM_FEATURES].float(),
-                                              row[:, 1 + NUM_FEATURES:].long())
+            proposals[r.slot] = DraftProposal(tokens, None if r.params.greedy else q[r.slot, :r.max_draft],
+                                              row[:, 1:1 + NUM_FEATURES].float(), row[:, 1 + NUM_FEATURES:].long())
             fed = rows[r.slot, :k - 1, 0].long().tolist()
             self.cached[r.slot].extend(fed)
             cache.lengths[r.slot] += len(fed)
         return proposals
 
-    def _chain(self, k: int):
-        """The epilogue of ``_propose_chained``'s step: ``k`` greedy drafts a row after each row's
-        last fed token, ``[n, k, 1 + NUM_FEATURES + top_m]`` float64 (token id, features, top-m
-        ids; ids are exact in float64). Device work only."""
+    def _chain_sampling(self, reqs: list[DraftRequest]) -> None:
+        """Each row's sampling parameters for the chained step's epilogue, in device buffers its
+        graph reads (``[4, slots]`` float32: temperature, top-k, top-p, greedy; ``[slots]`` int64
+        seeds); rows not in ``reqs`` are greedy."""
+        cache = self.runner.cache
+        dev = cache.k.device
+        if self._chain_params is None:
+            self._chain_params = torch.zeros((4, cache.num_slots), dtype=torch.float32, device=dev)
+            self._chain_seeds = torch.zeros(cache.num_slots, dtype=torch.long, device=dev)
+        params = torch.tensor([[1.0, 0.0, 1.0, 1.0]] * cache.num_slots).T.contiguous()
+        seeds = torch.zeros(cache.num_slots, dtype=torch.long)
+        for r in reqs:
+            if not r.params.greedy:
+                p = r.params
+                params[:, r.slot] = torch.tensor([p.temperature, p.top_k, p.top_p, 0.0])
+                seed = p.seed if p.seed is not None else r.generator.initial_seed() if r.generator is not None else 0
+                seeds[r.slot] = seed & (2**63 - 1)
+        self._chain_params.copy_(params)
+        self._chain_seeds.copy_(seeds)
+
+    def _chain(self, k: int, sampled: bool = False):
+        """The epilogue of ``_propose_chained``'s step: ``k`` drafts a row after each row's last
+        fed token, ``[n, k, 1 + NUM_FEATURES + top_m]`` (token id, features, top-m ids; ids exact
+        in float32 below 2**24), with each draft's q ``[V]`` appended for a ``sampled`` step.
+        Device work only."""
         runner, top_m = self.runner, self.top_m
         limit = runner.cache.capacity + KV_SLACK
         fused = runner.model.fused
+        params, seeds = self._chain_params, self._chain_seeds
 
         def chain(out) -> torch.Tensor:
             packed = out.inputs
@@ -350,13 +383,22 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             logits = out.logits[torch.arange(n, device=packed.device), (count - 1).clamp_min(0)]
             start = packed[:, 0] + count
             attn_len = min(out.attn_len + k - 1, limit)
+            if sampled:
+                temperature, top_k, top_p = params[0, :n], params[1, :n].long(), params[2, :n]
+                greedy = params[3, :n] > 0
             cols = []
             for i in range(k):
-                q = logits.float().softmax(-1)
+                dist = logits.float().softmax(-1)
                 tokens = kernels.row_argmax(logits) if fused else logits.argmax(-1)
-                feats = device_features(q, torch.full((n,), float(i + 1), device=q.device))
-                top = q.topk(min(top_m, q.shape[-1]), dim=-1).indices
-                cols.append(torch.cat([tokens[:, None].double(), feats.double(), top.double()], dim=1))
+                if sampled:
+                    q = sampling_probs(logits.float(), temperature, top_k, top_p)
+                    drawn = sample_inverse_cdf(q, counter_uniform(seeds[:n], start + i, STREAM_DRAFT))
+                    tokens = torch.where(greedy, tokens, drawn)
+                    dist = torch.where(greedy[:, None], dist, q)
+                feats = device_features(dist, torch.full((n,), float(i + 1), device=dist.device))
+                top = dist.topk(min(top_m, dist.shape[-1]), dim=-1).indices
+                cols.append(torch.cat([tokens[:, None].float(), feats.float(), top.float()]
+                                      + ([q] if sampled else []), dim=1))
                 if i + 1 < k:
                     step = torch.stack([start + i, live, tokens], dim=1)
                     logits = runner.forward_packed(step, attn_len).logits[:, 0]
@@ -394,18 +436,13 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return logits
 
     def propose(self, requests: list[DraftRequest], keep_drafting: KeepDrafting | None = None) -> list[DraftProposal]:
-        """Host-drafted round (module docstring). Without ``keep_drafting`` the greedy requests
-        draft in one step whose graph chains all ``k`` drafts (``_propose_chained``: one launch and
-        one read a round, where drafting a position at a time costs a launch and a read each); the
-        others (sampled requests; every request when ``keep_drafting`` decides after each
-        position) draft a position at a time."""
+        """Host-drafted round (module docstring). Without ``keep_drafting`` every request drafts
+        in one step whose graph chains all ``k`` drafts (``_propose_chained``: one launch and one
+        read a round, where drafting a position at a time costs a launch and a read each); with
+        it (it decides after each position) they draft a position at a time."""
         active = [r for r in requests if r.max_draft > 0]
-        greedy = [r for r in active if r.params.greedy] if keep_drafting is None else []
-        chained = self._propose_chained(greedy) if greedy else None
+        chained = self._propose_chained(active) if active and keep_drafting is None else None
         if chained is not None:
-            rest = [r for r in active if r.slot not in chained]
-            if rest:
-                chained.update(zip([r.slot for r in rest], self._propose_stepwise(rest, None)))
             return [chained.get(r.slot, DraftProposal.empty()) for r in requests]
         return self._propose_stepwise(requests, keep_drafting)
 
