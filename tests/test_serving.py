@@ -1360,6 +1360,40 @@ def test_speculative_sampling_over_grpc_is_lossless(sampling_setup):
         drafter.stop()
 
 
+def test_seeded_sampling_through_a_drafter_service_is_reproducible(sampling_setup):
+    """A seeded sampled request drafted by a drafter service gives the same tokens whatever runs
+    beside it and whether the replica asks for next-round drafts early (prefetch) or not: the
+    service draws each draft from (seed, position), not from a generator whose draws depend on
+    how many rounds were asked for."""
+    from services.drafter.client import RemoteDrafter
+    from services.drafter.server import serve as serve_drafter
+    from tandem.target import LocalTarget
+
+    target, draft_ck, prompt, _ = sampling_setup
+    cfg = RunnerConfig(device="cpu", max_batch_size=8, max_seq_len=64)
+    drafter = BackgroundServer(lambda ready, stop: serve_drafter(DraftModelDrafter(draft_ck, cfg), 64, 0,
+                                                              max_probs_per_token=8, ready=ready, stop=stop))
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True)
+    runs = []
+    try:
+        for overlap, beside in ((True, 0), (True, 5), (False, 2)):
+            remote = RemoteDrafter(drafter.address, SMALL_VOCAB)
+            eng = Engine(tokenizer=target.tokenizer, drafter=remote, num_draft_tokens=3,
+                         target=LocalTarget(target.checkpoint, cfg))
+            eng.overlap_drafting = overlap
+            rid = eng.add_request(prompt_ids=prompt, params=seeded)
+            for i in range(beside):
+                eng.add_request(prompt_ids=prompt[i:], params=replace(seeded, seed=100 + i, temperature=1.0))
+            while eng.has_unfinished():
+                eng.step()
+            runs.append(eng.completion(rid).token_ids)
+            assert eng.stats.num_drafted > 0
+            remote.close()
+    finally:
+        drafter.stop()
+    assert runs[0] == runs[1] == runs[2], runs
+
+
 # ----------------------------------------------------------------------------- the real model (slow)
 
 
