@@ -134,7 +134,7 @@ class RemoteDrafter(Drafter):
         self._pending: dict[int, list[int]] | None = None  # prefetch in flight: slot -> sequence it drafts from
         self.prefetch_hits = 0  # next-round drafts that were ready when verification returned
         self.prefetch_misses = 0
-        self.prefetch_skipped = 0  # rounds not prefetched: prefetches had stopped covering whole rounds
+        self.prefetch_skipped = 0  # rounds not prefetched: prefetches rarely covered rounds and held them up
         self._covered = 1.0  # moving average: how often a prefetch covered every sequence of its round
         self._prefetch_wait = 0.0  # moving average: seconds a round waited for its prefetch's answer
         self._round_trip = 0.0  # moving average: seconds a round waited for drafts asked for after verification
