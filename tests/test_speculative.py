@@ -780,7 +780,7 @@ def test_draft_model_chained_sampled_drafts(tiny, device):
     seq, other = [rng.randrange(vocab) for _ in range(9)], [rng.randrange(vocab) for _ in range(5)]
     sampled = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=17)
     together = DraftModelDrafter(ck, cfg)
-    for _ in range(2):  # (the second round replays the step's captured graph on a GPU)
+    for _ in range(2):  # (on a GPU the second round runs from the step's captured graph)
         both = together.propose([DraftRequest(0, seq, 4, sampled), DraftRequest(1, other, 3, SamplingParams())])
     alone_s = DraftModelDrafter(ck, cfg).propose([DraftRequest(2, seq, 4, sampled)])[0]
     alone_g = DraftModelDrafter(ck, cfg).propose([DraftRequest(3, other, 3, SamplingParams())])[0]
