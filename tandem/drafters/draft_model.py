@@ -186,6 +186,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         self._draft_scores: torch.Tensor | None = None  # [slots, k] float32 their predicted acceptance
         self._chain_params: torch.Tensor | None = None  # host-drafted chained steps' sampling parameters
         self._chain_seeds: torch.Tensor | None = None  # (``_chain_sampling``)
+        self._chain_q: torch.Tensor | None = None  # [slots, k, V] float32 their sampled drafts' q
 
     def release(self, slot: int) -> None:
         if slot in self.cached:
@@ -329,11 +330,11 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         if long:
             self.runner.prefill(long)
             feeds.update({s: feeds[s][-1:] for s in long})
+        width = self._chain_q.shape[1] if sampled else 0  # (graphs write q into this buffer: a wider one is new)
         out = self.runner.step(feeds, epilogue=self._chain(k, sampled),
-                               patch_key=("draft-chain", k, self.top_m, sampled))
-        w = 1 + NUM_FEATURES + self.top_m
-        rows = out.epilogue[:, :, :w].cpu()  # [n, k, w]: token id, features, top-m ids; the round's one read
-        q = out.epilogue[:, :, w:].clone() if sampled else None  # [n, k, V] (the graph's buffer is reused)
+                               patch_key=("draft-chain", k, self.top_m, width))
+        rows = out.epilogue.cpu()  # [n, k, 1 + NUM_FEATURES + m]: token id, features, top-m ids; the round's one read
+        q = self._chain_q[:rows.shape[0], :k].clone() if sampled else None  # [n, k, V] (rewritten next round)
         proposals = {}
         for r in reqs:
             row = rows[r.slot, :r.max_draft]
@@ -348,12 +349,17 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
     def _chain_sampling(self, reqs: list[DraftRequest]) -> None:
         """Each row's sampling parameters for the chained step's epilogue, in device buffers its
         graph reads (``[4, slots]`` float32: temperature, top-k, top-p, greedy; ``[slots]`` int64
-        seeds); rows not in ``reqs`` are greedy."""
+        seeds); rows not in ``reqs`` are greedy. Also the ``[slots, k, V]`` buffer every sampled
+        graph writes its q into (one for all of them, widened when a round drafts more)."""
         cache = self.runner.cache
         dev = cache.k.device
         if self._chain_params is None:
             self._chain_params = torch.zeros((4, cache.num_slots), dtype=torch.float32, device=dev)
             self._chain_seeds = torch.zeros(cache.num_slots, dtype=torch.long, device=dev)
+        k = max(r.max_draft for r in reqs)
+        if self._chain_q is None or self._chain_q.shape[1] < k:
+            V = self.runner.model_config.vocab_size
+            self._chain_q = torch.zeros((cache.num_slots, k, V), dtype=torch.float32, device=dev)
         params = torch.tensor([[1.0, 0.0, 1.0, 1.0]] * cache.num_slots).T.contiguous()
         seeds = torch.zeros(cache.num_slots, dtype=torch.long)
         for r in reqs:
@@ -368,12 +374,12 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
     def _chain(self, k: int, sampled: bool = False):
         """The epilogue of ``_propose_chained``'s step: ``k`` drafts a row after each row's last
         fed token, ``[n, k, 1 + NUM_FEATURES + top_m]`` (token id, features, top-m ids; ids exact
-        in float32 below 2**24), with each draft's q ``[V]`` appended for a ``sampled`` step.
+        in float32 below 2**24); a ``sampled`` step writes each draft's q into ``_chain_q``.
         Device work only."""
         runner, top_m = self.runner, self.top_m
         limit = runner.cache.capacity + KV_SLACK
         fused = runner.model.fused
-        params, seeds = self._chain_params, self._chain_seeds
+        params, seeds, q_out = self._chain_params, self._chain_seeds, self._chain_q
 
         def chain(out) -> torch.Tensor:
             packed = out.inputs
@@ -395,10 +401,10 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
                     drawn = sample_inverse_cdf(q, counter_uniform(seeds[:n], start + i, STREAM_DRAFT))
                     tokens = torch.where(greedy, tokens, drawn)
                     dist = torch.where(greedy[:, None], dist, q)
+                    q_out[:n, i].copy_(q)
                 feats = device_features(dist, torch.full((n,), float(i + 1), device=dist.device))
                 top = dist.topk(min(top_m, dist.shape[-1]), dim=-1).indices
-                cols.append(torch.cat([tokens[:, None].float(), feats.float(), top.float()]
-                                      + ([q] if sampled else []), dim=1))
+                cols.append(torch.cat([tokens[:, None].float(), feats.float(), top.float()], dim=1))
                 if i + 1 < k:
                     step = torch.stack([start + i, live, tokens], dim=1)
                     logits = runner.forward_packed(step, attn_len).logits[:, 0]
