@@ -285,7 +285,7 @@ class RemoteDrafter(Drafter):
             self._mark_down(exc)
             return [DraftProposal.empty() for _ in requests]
         if not self.available:
-            log.warning("drafter %s is back", self.address)
+            log.info("drafter %s is back", self.address)
         self.available = True
         self._backoff = self.retry_s
         return [ready[r.slot] for r in requests]
