@@ -249,22 +249,6 @@ def sparse_to_probs(rows: Sequence[common_pb2.SparseProbs], vocab_size: int,
     return out
 
 
-def tensor_to_pb(name: str, t: torch.Tensor) -> common_pb2.Tensor:
-    t = t.detach().contiguous().cpu()
-    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
-    return common_pb2.Tensor(name=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                             data=raw.numpy().tobytes())
-
-
-def tensor_from_pb(m: common_pb2.Tensor) -> torch.Tensor:
-    dtype = getattr(torch, m.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidRequestError(f"unknown tensor dtype {m.dtype!r}")
-    carrier = torch.int16 if dtype == torch.bfloat16 else dtype
-    flat = torch.frombuffer(bytearray(m.data), dtype=carrier) if m.data else torch.empty(0, dtype=carrier)
-    return flat.view(dtype).reshape(tuple(m.shape))
-
-
 # ----------------------------------------------------------------------------- auth
 
 
