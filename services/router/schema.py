@@ -84,7 +84,7 @@ def unknown_fields(model: type[BaseModel], body) -> list[str]:
     field (what ``check_fields`` would name first, for a body that failed validation before it ran)."""
     if not isinstance(body, dict):
         return []
-    return [k for k in body if k not in model.model_fields and k not in NO_OP_VALUES]
+    return [k for k in body if k not in model.model_fields and k not in model._no_op_values]
 
 
 class StreamOptions(_Base):

@@ -34,6 +34,7 @@ from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
 from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
+from ..verify import RowSampling
 from .base import (NUM_FEATURES, BufferedDrafts, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
                    chained_draft_features, device_features, draft_rows, sync_tokens)
 
@@ -184,8 +185,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         self._draft_q: torch.Tensor | None = None  # [slots, k, V] float32 q of sampled rows' drafts
         self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
         self._draft_scores: torch.Tensor | None = None  # [slots, k] float32 their predicted acceptance
-        self._chain_params: torch.Tensor | None = None  # host-drafted chained steps' sampling parameters
-        self._chain_seeds: torch.Tensor | None = None  # (``_chain_sampling``)
+        self._chain_rows: RowSampling | None = None  # host-drafted chained steps' sampling (``_chain_sampling``)
         self._chain_q: torch.Tensor | None = None  # [slots, k, V] float32 their sampled drafts' q
 
     def release(self, slot: int) -> None:
@@ -290,12 +290,8 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         ``counter_uniform(seed, position, STREAM_DRAFT)``, q kept for verification."""
         fused = self.runner.model.fused
         n = keep.shape[0]
-        drafts = kernels.row_argmax(logits) if fused else logits.argmax(-1)
-        q = None
-        if sampling.any_sampled:
-            q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
-            drawn = sample_inverse_cdf(q, counter_uniform(sampling.seed, position, STREAM_DRAFT))
-            drafts = torch.where(sampling.greedy, drafts, drawn)
+        drafts, q = _draw(logits, position, sampling, fused)
+        if q is not None:
             self._draft_q[:n, i] = torch.where(keep[:, None], q, self._draft_q[:n, i])
         if self._scorer is not None:  # the predictor's features of each draft's distribution, as draft_rows makes them
             pos = torch.full((n,), float(i + 1), device=logits.device)
@@ -347,29 +343,35 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return proposals
 
     def _chain_sampling(self, reqs: list[DraftRequest]) -> None:
-        """Each row's sampling parameters for the chained step's epilogue, in device buffers its
-        graph reads (``[4, slots]`` float32: temperature, top-k, top-p, greedy; ``[slots]`` int64
-        seeds); rows not in ``reqs`` are greedy. Also the ``[slots, k, V]`` buffer every sampled
-        graph writes its q into (one for all of them, widened when a round drafts more)."""
+        """Each row's sampling settings for the chained step's epilogue, in device buffers its
+        graph reads (``_chain_rows``, a ``RowSampling`` over every slot; rows not in ``reqs`` are
+        greedy). Also the ``[slots, k, V]`` buffer every sampled graph writes its q into (one for
+        all of them, widened when a round drafts more)."""
         cache = self.runner.cache
         dev = cache.k.device
-        if self._chain_params is None:
-            self._chain_params = torch.zeros((4, cache.num_slots), dtype=torch.float32, device=dev)
-            self._chain_seeds = torch.zeros(cache.num_slots, dtype=torch.long, device=dev)
+        slots = cache.num_slots
+        if self._chain_rows is None:
+            self._chain_rows = RowSampling(torch.ones(slots, dtype=torch.bool, device=dev),
+                                           torch.ones(slots, dtype=torch.float32, device=dev),
+                                           torch.zeros(slots, dtype=torch.long, device=dev),
+                                           torch.ones(slots, dtype=torch.float32, device=dev),
+                                           torch.zeros(slots, dtype=torch.long, device=dev))
         k = max(r.max_draft for r in reqs)
         if self._chain_q is None or self._chain_q.shape[1] < k:
             V = self.runner.model_config.vocab_size
             self._chain_q = torch.zeros((cache.num_slots, k, V), dtype=torch.float32, device=dev)
-        params = torch.tensor([[1.0, 0.0, 1.0, 1.0]] * cache.num_slots).T.contiguous()
-        seeds = torch.zeros(cache.num_slots, dtype=torch.long)
+        floats = torch.tensor([[1.0, 1.0]] * slots)  # temperature, top-p
+        ints = torch.tensor([[1, 0, 0]] * slots)  # greedy, top-k, seed
         for r in reqs:
-            if not r.params.greedy:
-                p = r.params
-                params[:, r.slot] = torch.tensor([p.temperature, p.top_k, p.top_p, 0.0])
+            p = r.params
+            if not p.greedy:
                 seed = p.seed if p.seed is not None else r.generator.initial_seed() if r.generator is not None else 0
-                seeds[r.slot] = seed & (2**63 - 1)
-        self._chain_params.copy_(params)
-        self._chain_seeds.copy_(seeds)
+                floats[r.slot] = torch.tensor([p.temperature, p.top_p])
+                ints[r.slot] = torch.tensor([0, p.top_k, seed & (2**63 - 1)])
+        rows = self._chain_rows
+        for dest, src in ((rows.temperature, floats[:, 0]), (rows.top_p, floats[:, 1]), (rows.greedy, ints[:, 0] > 0),
+                          (rows.top_k, ints[:, 1]), (rows.seed, ints[:, 2])):
+            dest.copy_(src)
 
     def _chain(self, k: int, sampled: bool = False):
         """The epilogue of ``_propose_chained``'s step: ``k`` drafts a row after each row's last
@@ -379,7 +381,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         runner, top_m = self.runner, self.top_m
         limit = runner.cache.capacity + KV_SLACK
         fused = runner.model.fused
-        params, seeds, q_out = self._chain_params, self._chain_seeds, self._chain_q
+        rows_sampling, q_out = self._chain_rows, self._chain_q
 
         def chain(out) -> torch.Tensor:
             packed = out.inputs
@@ -389,18 +391,13 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             logits = out.logits[torch.arange(n, device=packed.device), (count - 1).clamp_min(0)]
             start = packed[:, 0] + count
             attn_len = min(out.attn_len + k - 1, limit)
-            if sampled:
-                temperature, top_k, top_p = params[0, :n], params[1, :n].long(), params[2, :n]
-                greedy = params[3, :n] > 0
+            sampling = rows_sampling.rows(slice(0, n)) if sampled else RowSampling(*(None,) * 5, any_sampled=False)
             cols = []
             for i in range(k):
                 dist = logits.float().softmax(-1)
-                tokens = kernels.row_argmax(logits) if fused else logits.argmax(-1)
-                if sampled:
-                    q = sampling_probs(logits.float(), temperature, top_k, top_p)
-                    drawn = sample_inverse_cdf(q, counter_uniform(seeds[:n], start + i, STREAM_DRAFT))
-                    tokens = torch.where(greedy, tokens, drawn)
-                    dist = torch.where(greedy[:, None], dist, q)
+                tokens, q = _draw(logits, start + i, sampling, fused)
+                if q is not None:
+                    dist = torch.where(sampling.greedy[:, None], dist, q)
                     q_out[:n, i].copy_(q)
                 feats = device_features(dist, torch.full((n,), float(i + 1), device=dist.device))
                 top = dist.topk(min(top_m, dist.shape[-1]), dim=-1).indices
@@ -476,3 +473,16 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
                 self.cached[s].append(t)
                 logits[s] = out.logits[s, 0].to(torch.float32, copy=True)
         return [DraftProposal.concat(parts[r.slot]) if r.max_draft > 0 else DraftProposal.empty() for r in requests]
+
+
+def _draw(logits: torch.Tensor, position: torch.Tensor, sampling,
+          fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts ``[n]`` from draft logits ``[n, V]`` and, when ``sampling.any_sampled``, the q
+    ``[n, V]`` the sampled rows drew from (the request's sampling transform; greedy rows take the
+    argmax) with ``counter_uniform(seed, position, STREAM_DRAFT)``. Device work only."""
+    drafts = kernels.row_argmax(logits) if fused else logits.argmax(-1)
+    if not sampling.any_sampled:
+        return drafts, None
+    q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
+    drawn = sample_inverse_cdf(q, counter_uniform(sampling.seed, position, STREAM_DRAFT))
+    return torch.where(sampling.greedy, drafts, drawn), q
