@@ -237,6 +237,54 @@ def test_config_registry_errors(tiny_dir, tmp_path):
         check_mode("ray")
 
 
+def test_bench_cli_sampled_run(tiny_dir, short_prompts, tmp_path):
+    """--temperature > 0: every request samples with one seed; rows report speed and acceptance and
+    their round cost (a seeded batch makes the same draws twice), not a token-for-token check."""
+    out = tmp_path / "sampled"
+    res = CliRunner().invoke(main, [
+        "bench", "--model", tiny_dir, "--prompts", str(short_prompts), "--device", "cpu", "--limit", "3",
+        "--batch-sizes", "1,2", "--max-tokens", "8", "--configs", "target,ngram,draft-model",
+        "--draft-model", "truncate:1", "--num-draft-tokens", "3", "--max-seq-len", "256",
+        "--temperature", "0.8", "--top-p", "0.9", "--seed", "7", "--out", str(out)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "seed": 7}
+    assert "sampled, T=0.8, top-p 0.9, seed 7" in (out / "results.md").read_text()
+    rows = {(r["config"], r["batch_size"]): r for r in data["results"]}
+    assert set(rows) == {(c, b) for c in ("target", "ngram", "draft-model") for b in (1, 2)}
+    for (name, b), r in rows.items():
+        assert r["lossless_share"] is None and r["mismatched_prompt_ids"] == []  # not compared when sampling
+        assert r["tps"] > 0 and r["output_tokens"] > 0 and r["rounds"] >= 1 and r["round_wall_ms"] > 0
+        if name == "draft-model":  # (n-gram finds little to look up in a random model's samples)
+            assert r["drafted"] > 0
+            check_acceptance_figures(r["drafted"], r["accepted"], r["acceptance_rate"], r["mean_accepted_length"],
+                                     r["output_tokens"], r["prompts"], r["k"])
+    assert "| – |" in (out / "results.md").read_text()  # the lossless cell of a sampled row
+    report = BenchReport.from_dict(data)  # back from JSON: the settings, and NaN for the unchecked share
+    assert report.meta.decoding() == "sampled, T=0.8, top-p 0.9, seed 7"
+    assert math.isnan(report.results[0].lossless_share) and report.results[0].lossless_text == "–"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "0.7", "--configs", "target,hf-generate"], "hf-generate decodes greedily"),
+    (["--temperature", "0.7", "--hf-baseline"], "drop --hf-baseline"),
+    (["--temperature", "nan"], "must be a finite number"),
+    (["--temperature", "3"], "--temperature"),
+])
+def test_bench_cli_sampling_errors(tiny_dir, args, message):
+    res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", *args])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and "Traceback" not in res.output
+
+
+def test_sampled_bench_needs_a_seed(tiny_dir, short_prompts):
+    ck = load_checkpoint(tiny_dir)
+    with pytest.raises(ValueError, match="needs temperature > 0 and a seed"):
+        run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_batch_size=1, max_seq_len=256),
+                      load_prompts(short_prompts), parse_configs("target"), [1], BenchOptions(),
+                      sampling={"temperature": 0.7}, progress=False)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--configs", "eagle"], "unknown configuration 'eagle'"),
     (["--configs", "ngram", "--drafter", "ngram"], "--drafter is for --ablation"),

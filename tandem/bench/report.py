@@ -59,14 +59,14 @@ def main_table(report: BenchReport) -> TextTable:
     time after it (``tandem.profiling.StepTimeline``), graph launches and host syncs; then latency
     and memory; then the timed pass's prefills and their mean host time."""
     m = report.meta
-    title = (f"Spec-Bench, greedy, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
+    title = (f"Spec-Bench, {m.decoding()}, ≤{m.max_tokens} new tokens, {m.device} {m.dtype}, {m.kernels} kernels "
              f"({m.attention})" + (", exact kernels" if m.exact_kernels else ""))
     headers = ["method", "batch", "k", "τ_acc", "TPS", "speedup", "acceptance", "lossless", "round ms", "GPU ms",
                "wall/GPU", "host ms", "span ms", "idle ms", "launches", "syncs", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "peak GiB",
                "prefills", "prefill ms"]
     rows = [[r.config, str(r.batch_size), _k_cell(r), _f(r.mean_accepted_length, ".2f"), _f(r.tps, ".1f"),
              _f(r.speedup, ".2f") + "x",
-             _f(r.acceptance_rate, ".3f"), f"{round(r.lossless_share * r.prompts)}/{r.prompts}",
+             _f(r.acceptance_rate, ".3f"), r.lossless_text,
              _f(r.round_wall_ms, ".2f"), _f(r.round_gpu_ms, ".2f"), _f(r.round_overhead, ".2f"),
              _f(r.round_host_ms, ".2f"), _f(r.step_gpu_span_ms, ".2f"), _f(r.step_gpu_idle_ms, ".3f"),
              _f(r.graph_launches_per_round, ".1f"), _f(r.host_syncs_per_round, ".1f"),
@@ -214,7 +214,9 @@ def write_report(report: BenchReport, out: str | Path) -> list[Path]:
             f"Prompts: `{m.prompts_file}`; configurations: {', '.join(m.configs)}. Speedup is over target-only "
             f"at the same batch size, in TPS over the whole timed pass (prefills included); the per-task "
             f"tables' decode speedup counts decoding only (time per output token after the first); "
-            f"lossless = prompts whose tokens equal target-only's; TTFT counts from "
+            f"decoding {m.decoding()}; lossless = prompts whose tokens equal target-only's"
+            f"{' (not compared when sampling: speculative sampling keeps the distribution, not the draws)' if m.sampling else ''}"
+            f"; TTFT counts from "
             f"submission (all prompts are queued at once).\n\n")
     described = "".join(f"- `{name}`: {_description(name)}\n" for name in m.configs if _description(name))
     described += "\nOptions: " + ", ".join(f"{k}={v}" for k, v in m.options.items()) + ".\n"

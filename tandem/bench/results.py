@@ -31,8 +31,8 @@ class RunResult:
     """One (configuration, batch size) measurement; latencies in ms, memory in GiB.
 
     ``speedup`` is TPS over target-only TPS at the same batch size in the same run;
-    ``lossless_share`` the share of prompts whose output tokens equal target-only's, and
-    ``mismatched_prompt_ids`` the others. Acceptance fields are NaN where unknown (HF). The
+    ``lossless_share`` the share of prompts whose output tokens equal target-only's (NaN for a
+    sampled run: not compared), and ``mismatched_prompt_ids`` the others. Acceptance fields are NaN where unknown (HF). The
     ``round_*`` fields come from ``round_cost.measure_round_cost`` over one full batch of the
     same prompts after the timed pass (engine configurations, in-process only).
     """
@@ -109,6 +109,13 @@ class RunResult:
     process_cpu_s: dict[str, float] | None = None
 
     @property
+    def lossless_text(self) -> str:
+        """The lossless check as the tables print it: "matching/prompts", or "–" (a sampled run)."""
+        if math.isnan(self.lossless_share):
+            return "–"
+        return f"{round(self.lossless_share * self.prompts)}/{self.prompts}"
+
+    @property
     def round_overhead(self) -> float:
         """``round_wall_ms / round_gpu_ms``: 1.0 when a round costs exactly its GPU work."""
         return self.round_wall_ms / self.round_gpu_ms if self.round_gpu_ms > 0 else math.nan
@@ -150,6 +157,17 @@ class BenchMeta:
     # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...};
     # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
     admission: dict = field(default_factory=dict)
+    # sampled decoding: {"temperature": ..., "top_p": ..., "top_k": ..., "seed": ...}; empty = greedy
+    # (every result before ``--temperature`` existed)
+    sampling: dict = field(default_factory=dict)
+
+    def decoding(self) -> str:
+        """"greedy", or the sampling settings ("sampled, T=0.7, top-p 0.9, seed 0")."""
+        s = self.sampling
+        if not s:
+            return "greedy"
+        return ("sampled, T=" + f"{s['temperature']:g}" + (f", top-p {s['top_p']:g}" if s.get("top_p", 1) < 1 else "")
+                + (f", top-k {s['top_k']}" if s.get("top_k") else "") + f", seed {s['seed']}")
 
 
 @dataclass
@@ -234,14 +252,14 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
 
     Raises:
         ValueError: no reports, or reports of different models / devices / dtypes / token limits /
-            exact-kernel settings / modes / decode, attention or round kernels / admission settings
-            (the merged header names one of each).
+            exact-kernel settings / modes / decode, attention or round kernels / admission or sampling
+            settings (the merged header names one of each).
     """
     if not reports:
         raise ValueError("nothing to merge")
     first = reports[0].meta
     same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
-            "stream", "admission")
+            "stream", "admission", "sampling")
     for r in reports[1:]:
         diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:

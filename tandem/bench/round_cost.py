@@ -6,8 +6,8 @@ the batch meets shapes a continuously batched run may not have had, and a captur
 round's cost): once plainly (wall time per decode round, the host's share of it,
 CUDA-graph launches per round), once under ``torch.profiler`` with a ``HostSyncCounter``
 (GPU-busy time per round: the device time of every kernel and copy; blocking host reads per
-round). Greedy decoding makes both
-runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
+round). Greedy decoding (or a seeded sampling: every draw a function of the seed and the
+position) makes both runs the same rounds, so ``round_wall_ms / round_gpu_ms`` is the share of a round that is not GPU
 work. The host's share, ``round_host_ms``, is the wall time less the time the host spent blocked
 waiting for the round's results (``tandem.profiling.blocked_wait_s``): when it reaches
 ``round_gpu_ms`` the rounds are bound by the host's work, not the GPU's. Other blocking reads in a
@@ -103,14 +103,15 @@ def measure_round_cost(engine: Engine, texts: list[str] | list[list[int]], param
         engine: a warm engine (graphs captured) with the configuration set.
         texts: prompts, at most the engine's running-batch limit: texts, or token ids already
             encoded (``tandem bench`` passes the ones its timed pass ran).
-        params: greedy sampling parameters.
+        params: greedy sampling parameters, or sampled ones with a seed (every draw a function of
+            the seed and the position, so both runs make the same draws and the same rounds).
         label: the kernel table's file name (``TANDEM_KERNEL_TABLES``; see the module docstring).
 
     Raises:
-        ValueError: sampled ``params`` (the two runs would not make the same rounds).
+        ValueError: sampled ``params`` without a seed (the two runs would not make the same rounds).
     """
-    if not params.greedy:
-        raise ValueError("round cost is measured with greedy decoding")
+    if not params.greedy and params.seed is None:
+        raise ValueError("round cost is measured with greedy decoding or a seeded sampling")
     prompt_ids = [engine.encode_prompt(t) if isinstance(t, str) else list(t) for t in texts]
     dev = engine.runner.device
     cuda = dev.type == "cuda"

@@ -242,9 +242,9 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
                   warmup: str = "full", stream: bool = False, admission: tuple[float, int, bool] = ADMISSION_DEFAULTS,
-                  say: Callable[[str], None] = lambda msg: None,
+                  sampling: dict | None = None, say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
-    """Run every configuration at every batch size (greedy, chat template, first turns).
+    """Run every configuration at every batch size (greedy unless ``sampling``, chat template, first turns).
 
     Args:
         checkpoint, tokenizer: the target.
@@ -263,6 +263,11 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
         warmup: "full", "short" or "none" (``warmup_share``).
         stream: distributed mode: the clients stream each step's tokens (else each answer comes whole).
         admission: ``(share, wait_rounds, overlap)`` of every engine's ``AdmissionPolicy`` (a replica's too).
+        sampling: ``SamplingParams`` fields every request samples with (``temperature`` > 0 and a
+            ``seed``, so that each run, and the round-cost pass's two, make the same draws), or
+            None / empty for greedy decoding. Sampled outputs are not compared with target-only's
+            token for token (``lossless_share`` NaN): speculative sampling keeps the target's
+            distribution, not its draws.
         say: receives one line per finished run.
         on_result: receives the report so far after every run (to save partial results).
 
@@ -272,8 +277,14 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
 
     Raises:
         ConfigError, ModelLoadError: a configuration cannot be built (checked before any run).
+        ValueError: ``sampling`` greedy or without a seed, or with HF references (they decode greedily).
     """
     check_mode(mode)
+    params = SamplingParams(max_tokens=max_tokens, **(sampling or {}))
+    if sampling and (params.greedy or params.seed is None):
+        raise ValueError(f"a sampled bench needs temperature > 0 and a seed, got {sampling}")
+    if sampling and any(c.is_reference for c in configs):
+        raise ValueError("the HF references decode greedily: a sampled bench has nothing to compare them with")
     warmup_share([], 1, warmup)  # an unknown mode fails before anything is built
     admission = admission_settings(admission)  # bad settings fail here too
     if not configs or configs[0].name != "target":
@@ -306,11 +317,11 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed",
                      # "overlap": whether any engine's target could run it (set below): what ran, not what was asked
-                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]), "overlap": False})
+                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]), "overlap": False},
+                     sampling=dict(sampling or {}))
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):
         say("the HF references run at batch 1 only; skipped (no batch size 1)")
-    params = SamplingParams(max_tokens=max_tokens)
     runs = sum(1 for b in sizes for c in configs if not c.is_reference or b == 1)
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, disable=None if progress else True) as bar:
         for b in sizes:
@@ -338,7 +349,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                                            prompts, b, params, f"{c.name} b={b}", progress, warmup, stream, ids,
                                            admission)
                     comps = dist.completions
-                    res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens)
+                    res = _engine_result(c, options, b, prompts, comps, dist.wall_s, math.nan, base, base_tokens,
+                                         params.greedy)
                     rep = dist.replica  # the timed pass as the replica's engine ran it
                     res = replace(res, router_draft_width=dist.router_draft_width, warmup_passes=dist.warmup_passes,
                                   timed_captures=rep.graphs_captured, replica_steps=rep.engine_steps,
@@ -358,7 +370,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                     run_on.admission = AdmissionPolicy(*admission)
                     comps, wall, peak, cost, admitted = _engine_pass(run_on, prompts, b, params, f"{c.name} b={b}",
                                                                      progress, warmup)
-                    res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens),
+                    res = replace(_engine_result(c, options, b, prompts, comps, wall, peak, base, base_tokens,
+                                                 params.greedy),
                                   **asdict(cost), **admitted, chained=run_on.chains_rounds)
                     run_on = None
                     _free_memory()
@@ -442,7 +455,7 @@ def _lossless(prompts: list[PromptRecord], outputs: list[list[int]],
 
 def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[PromptRecord],
                    comps: list[Completion], wall: float, peak: float, base: RunResult | None,
-                   base_tokens: dict[str, list[int]]) -> RunResult:
+                   base_tokens: dict[str, list[int]], greedy: bool = True) -> RunResult:
     total = SpecDecodeStats()
     by_task: dict[str, tuple[int, SpecDecodeStats]] = {}
     decode: dict[str, list[float]] = {}  # task -> [seconds from first to last token, tokens after the first]
@@ -463,6 +476,8 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
     else:
         share, bad = _lossless(prompts, [x.token_ids for x in comps], base_tokens)
         speedup = tps / base.tps
+    if not greedy:  # sampled: the same distribution as target-only, not the same draws
+        share, bad = math.nan, []
     tpots = [x.tpot_s * 1e3 for x in comps if x.completion_tokens > 1]
     ttfts = [x.ttft_s * 1e3 for x in comps]
     base_tpot = {t.task: t.tpot_ms for t in base.per_task} if base is not None else {}
@@ -534,7 +549,7 @@ def _summary(r: RunResult) -> str:
                  + ("; CPU s " + ", ".join(f"{n} {v:.2f}" for n, v in r.process_cpu_s.items())
                     if r.process_cpu_s else ""))
     return (f"{r.config} b={r.batch_size}: {r.tps:.1f} tok/s, speedup {r.speedup:.2f}x{acc}, "
-            f"lossless {round(r.lossless_share * r.prompts)}/{r.prompts}{rounds}{timed}")
+            f"lossless {r.lossless_text}{rounds}{timed}")
 
 
 def _free_memory() -> None:

@@ -16,7 +16,7 @@ from ..data import bundled_spec_bench, load_prompts
 from ..errors import InvalidRequestError
 from .common import (console, device_option, dtype_option, err_console, fail, graph_options, init_tracing, kernels_option,
                      model_option, out_dir,
-                     torch_dtype, with_admission_options, with_drafter_options)
+                     torch_dtype, with_admission_options, with_drafter_options, with_sampling_options)
 
 # tandem.bench.configs.CA_DRAFTERS, spelled here so the options parse without importing torch
 # (tests/test_bench.py checks that the two agree)
@@ -30,6 +30,7 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
               help="Prompts at batch 1 (batch b runs max(limit, 2b)), round-robin across the Spec-Bench tasks.")
 @click.option("--batch-sizes", default="1,16,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@with_sampling_options
 @click.option("--configs", "configs_spec", default=None, metavar="NAME,...",
               help="Configurations to compare: target, ngram, draft-model, specformer, context-aware, hf-generate, "
                    "hf-prompt-lookup; target-host, ngram-host, specformer-host run host-drafted rounds instead of "
@@ -84,12 +85,15 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
 @click.option("--from-results", "from_results", default=None, metavar="FILE,...",
               help="Run nothing: merge these results.json files (e.g. batch sizes run in separate calls) and write "
                    "the tables and plots to --out.")
-def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
+def bench(prompts_file, limit, batch_sizes, max_tokens, temperature, top_p, top_k, seed, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
           prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
           admission_wait_rounds, admission_overlap, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
-    acceptance, latency, memory and the lossless check, per batch size."""
+    acceptance, latency, memory and the lossless check, per batch size. Greedy by default; with
+    --temperature > 0 every request samples (one seed, --seed or 0, so that each configuration's
+    run is reproducible), and outputs are not compared token for token (speculative sampling keeps
+    the target's distribution, not its draws)."""
     if out is not None:
         if not out.strip():
             fail("--out is empty: give the directory to write results.json and the tables to")
@@ -98,6 +102,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
         _bench_from_results(from_results, out)
         return
     init_tracing()
+    sampling = _sampling(temperature, top_p, top_k, seed)
 
     try:
         given = [int(b) for b in batch_sizes.split(",")]  # an empty item is an error, not skipped
@@ -135,14 +140,27 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, configs_spec, hf_baselin
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
                    out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen,
-                   (admission_share, admission_wait_rounds, admission_overlap))
+                   (admission_share, admission_wait_rounds, admission_overlap), sampling)
+
+
+def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict:
+    """The bench's sampling settings (``run_benchmark``'s ``sampling``): empty for greedy decoding; a
+    sampled run gets seed 0 unless one is given, so that its rounds are reproducible (the round-cost
+    pass runs the batch twice) and runs of it compare."""
+    if temperature == 0:
+        given = [f for f, on in (("--seed", seed is not None), ("--top-p", top_p < 1), ("--top-k", top_k > 0)) if on]
+        if given:
+            err_console.print(f"note: {', '.join(given)} do{'es' if len(given) == 1 else ''} nothing under greedy "
+                              "decoding (--temperature 0)", highlight=False, soft_wrap=True)
+        return {}
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": 0 if seed is None else seed}
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
                    specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs, compile_,
                    max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, out,
                    warmup, kernels="auto", prefill_graphs=None, attention_chunk=None, stream=False,
-                   prefill_varlen=None, admission=ADMISSION_DEFAULTS) -> None:
+                   prefill_varlen=None, admission=ADMISSION_DEFAULTS, sampling=None) -> None:
     """``tandem bench`` without --ablation: every configuration at every batch size (tandem.bench)."""
     # torch-backed
     from ..bench.configs import BenchOptions, parse_configs, predictor_path
@@ -162,6 +180,13 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         names.append("hf-generate")
     elif hf_baseline is False:
         names = [n for n in names if n != "hf-generate"]
+    refs = [n for n in names if n.startswith("hf-")]
+    if sampling and refs:  # the HF references decode greedily: nothing to set a sampled run against
+        if hf_baseline or any(n.strip() in refs for n in (configs_spec or "").split(",")):
+            fail(f"{', '.join(refs)} decode{'s' if len(refs) == 1 else ''} greedily; drop "
+                 f"{'--hf-baseline' if hf_baseline else 'it from --configs'} to bench with --temperature > 0")
+        err_console.print("note: hf-generate (greedy) is left out of a sampled bench", highlight=False)
+        names = [n for n in names if n not in refs]
     configs = parse_configs(",".join(names))
     check_mode(mode)
     if attention_chunk is not None and mode != "inproc":
@@ -190,7 +215,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
     report = run_benchmark(checkpoint, load_tokenizer(checkpoint), cfg, records, configs, sizes, options,
                            max_tokens=max_tokens, limit=limit, hf_limit=hf_limit, exact_kernels=exact_kernels,
                            cost_table=cost_table, mode=mode, prompts_file=prompts_file, warmup=warmup, stream=stream,
-                           admission=admission,
+                           admission=admission, sampling=sampling,
                            say=lambda msg: tqdm.write(msg, file=sys.stderr),
                            on_result=(lambda partial: write_json(partial, out)) if out else None)
     for t in tables(report):

@@ -229,6 +229,24 @@ admission_options = [
 ]
 
 
+sampling_options = [
+    click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
+                 callback=finite, help="[0, 2] (OpenAI's); 0 = greedy."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                 callback=finite),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
+    click.option("--seed", type=int, default=None,
+                 help="Per-request seed: every random number a request uses is a function of (seed, position)."),
+]
+
+
+def with_sampling_options(fn):
+    """Add ``sampling_options`` (``SamplingParams``' temperature, top_p, top_k, seed)."""
+    for opt in reversed(sampling_options):
+        fn = opt(fn)
+    return fn
+
+
 def with_admission_options(fn):
     """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share, wait_rounds, overlap)."""
     for opt in reversed(admission_options):

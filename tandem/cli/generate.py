@@ -18,8 +18,9 @@ from ..cache import current_umask
 from ..data import PromptRecord, load_prompts
 from ..errors import InvalidRequestError
 from ..speculation import TARGET_ONLY, build_engine
-from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, finite,
-                     fmt, kernels_option, model_option, policy_option, speculative_config, with_drafter_options)
+from .common import (_engine, _run_file, _unescape, console, device_option, dtype_option, err_console, fail, fmt,
+                     kernels_option, model_option, policy_option, speculative_config, with_drafter_options,
+                     with_sampling_options)
 
 MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after the first
 
@@ -32,12 +33,7 @@ MIN_DECODE_TOKENS = 8  # a per-prompt decode rate needs this many tokens after t
 @model_option
 @device_option
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True, callback=finite,
-              help="[0, 2] (OpenAI's); 0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
-              callback=finite)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
-@click.option("--seed", type=int, default=None)
+@with_sampling_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable); \\n, \\t, \\r and \\\\ are unescaped.")
 @click.option("--presence-penalty", type=float, default=0.0, show_default=True, help="[-2, 2] (OpenAI's).")
 @click.option("--frequency-penalty", type=float, default=0.0, show_default=True, help="[-2, 2] (OpenAI's).")
