@@ -270,6 +270,7 @@ def test_bench_cli_sampled_run(tiny_dir, short_prompts, tmp_path):
     (["--temperature", "0.7", "--hf-baseline"], "drop --hf-baseline"),
     (["--temperature", "nan"], "must be a finite number"),
     (["--temperature", "3"], "--temperature"),
+    (["--temperature", "0.5", "--seed", "-3"], "seed must be an integer in [0, 2**63)"),
 ])
 def test_bench_cli_sampling_errors(tiny_dir, args, message):
     res = CliRunner().invoke(main, ["bench", "--model", tiny_dir, "--device", "cpu", *args])

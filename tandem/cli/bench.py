@@ -153,7 +153,14 @@ def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) ->
             err_console.print(f"note: {', '.join(given)} do{'es' if len(given) == 1 else ''} nothing under greedy "
                               "decoding (--temperature 0)", highlight=False, soft_wrap=True)
         return {}
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": 0 if seed is None else seed}
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": 0 if seed is None else seed}
+    from ..sampling import SamplingParams  # torch
+
+    try:
+        SamplingParams(**sampling)  # a bad value is refused before the model loads
+    except InvalidRequestError as exc:
+        fail(str(exc))
+    return sampling
 
 
 def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec, hf_baseline, hf_limit,
