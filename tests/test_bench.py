@@ -278,6 +278,22 @@ def test_bench_cli_sampling_errors(tiny_dir, args, message):
     assert message in res.stderr and "Traceback" not in res.output
 
 
+def test_from_results_says_which_options_do_nothing(tmp_path):
+    """--from-results runs nothing: run options given beside it are named, not silently dropped."""
+    src = tmp_path / "a"
+    src.mkdir()
+    report = {"meta": {"model": "m", "device": "cpu", "gpu": "cpu", "dtype": "float32", "cuda_graphs": False,
+                       "compile": False, "exact_kernels": False, "fixed_step_tokens": 0, "mode": "inproc",
+                       "configs": ["target"], "batch_sizes": [1], "max_tokens": 8, "prompts_file": "p",
+                       "options": {}, "torch": "2", "date_utc": "2026-12-07T00:00:00+00:00"},
+              "results": []}
+    (src / "results.json").write_text(json.dumps(report))
+    res = CliRunner().invoke(main, ["bench", "--from-results", str(src / "results.json"), "--temperature", "0.3",
+                                    "--configs", "target", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    assert "--configs, --temperature do nothing with --from-results" in res.stderr
+
+
 def test_sampled_bench_needs_a_seed(tiny_dir, short_prompts):
     ck = load_checkpoint(tiny_dir)
     with pytest.raises(ValueError, match="needs temperature > 0 and a seed"):

@@ -254,7 +254,7 @@ def _k1(o: BenchOptions) -> int:
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in [
-    BenchConfig("target", "target-only greedy decoding (the baseline)", lambda o: 0, lambda o: 1,
+    BenchConfig("target", "target-only decoding (the baseline)", lambda o: 0, lambda o: 1,
                 speculation=lambda ctx: SpeculativeConfig()),
     BenchConfig("ngram", "prompt-lookup n-gram drafter, k = --num-draft-tokens", _k, _k1, speculation=_ngram),
     BenchConfig("draft-model", f"small draft LM (--draft-model), k = {DRAFT_MODEL_K}", lambda o: DRAFT_MODEL_K,

@@ -99,6 +99,13 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, temperature, top_p, top_
             fail("--out is empty: give the directory to write results.json and the tables to")
         out_dir(out)  # before anything runs
     if from_results:
+        ctx = click.get_current_context()
+        ignored = sorted(p.opts[0] for p in ctx.command.params
+                         if p.name not in ("from_results", "out")
+                         and ctx.get_parameter_source(p.name) is click.core.ParameterSource.COMMANDLINE)
+        if ignored:  # nothing runs: the files' own settings stand
+            err_console.print(f"note: {', '.join(ignored)} do{'es' if len(ignored) == 1 else ''} nothing with "
+                              "--from-results (the results files' own settings stand)", highlight=False, soft_wrap=True)
         _bench_from_results(from_results, out)
         return
     init_tracing()
@@ -192,8 +199,10 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         if hf_baseline or any(n.strip() in refs for n in (configs_spec or "").split(",")):
             fail(f"{', '.join(refs)} decode{'s' if len(refs) == 1 else ''} greedily; drop "
                  f"{'--hf-baseline' if hf_baseline else 'it from --configs'} to bench with --temperature > 0")
-        err_console.print("note: hf-generate (greedy) is left out of a sampled bench", highlight=False)
         names = [n for n in names if n not in refs]
+        err_console.print("note: hf-generate (greedy) is left out of a sampled bench"
+                          + ("; only target runs (name the configurations to compare with --configs)"
+                             if names == ["target"] else ""), highlight=False, soft_wrap=True)
     configs = parse_configs(",".join(names))
     check_mode(mode)
     if attention_chunk is not None and mode != "inproc":

@@ -233,10 +233,13 @@ sampling_options = [
     click.option("--temperature", type=click.FloatRange(min=0, max=2), default=0.0, show_default=True,
                  callback=finite, help="[0, 2] (OpenAI's); 0 = greedy."),
     click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
-                 callback=finite),
-    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off."),
+                 callback=finite, help="Nucleus sampling: the most likely tokens holding this much probability "
+                                       "mass; 1 = off. Sampled decoding only."),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="The k most likely tokens; 0 = off. Sampled decoding only."),
     click.option("--seed", type=int, default=None,
-                 help="Per-request seed: every random number a request uses is a function of (seed, position)."),
+                 help="Per-request seed: every random number a request uses is a function of (seed, position). "
+                      "Sampled decoding only."),
 ]
 
 
