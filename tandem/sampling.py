@@ -316,6 +316,12 @@ STREAM_SAMPLE = 1  # drawing the token at the position (target-only, correction 
 STREAM_DRAFT = 2
 
 
+def _round_kernels_on(device: torch.device) -> bool:
+    from .models.kernels import round_kernels_on  # (tandem.models imports this module's neighbours)
+
+    return round_kernels_on(device)
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), in 16-bit halves of ``c`` (no int64 overflow)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
@@ -351,7 +357,15 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int | to
 
     Returns:
         float32 tensor shaped like ``position`` (broadcast with ``stream``).
+
+    On CUDA (with Triton) one stream's numbers come from one kernel launch
+    (``tandem.sampling_kernels``), bit for bit these ops' (about 115 element-wise launches).
     """
+    if (isinstance(stream, int) and position.dim() > 0 and position.shape[0] == seed.shape[0]
+            and _round_kernels_on(position.device)):
+        from . import sampling_kernels
+
+        return sampling_kernels.counter_uniform(seed, position, stream)
     shape = (-1,) + (1,) * (position.dim() - 1)
     lo = (seed & _MASK32).view(shape)
     hi = ((seed >> 32) & _MASK32).view(shape)

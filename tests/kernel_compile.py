@@ -25,7 +25,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from tandem.drafters import lookup_kernel
-    from tandem import verify_kernel
+    from tandem import sampling_kernels, verify_kernel
     from tandem.models import attention, fused_linear, head_kernels, kernels
 
     target = GPUTarget("cuda", 90, 32)
@@ -103,6 +103,10 @@ def main() -> int:
                                             last_ptr=i64p, hist_ptr=i64p, packed_ptr=i64p, accepted_ptr=i64p,
                                             tokens_ptr=i64p, argmax_stride=i32, in_stride=i32, hist_stride=i32),
               dict(Q=q, QP=kernels._pow2(q)), f"greedy_round q={q}", warps=1)
+    for stream in (0, 1, 2):
+        build(sampling_kernels._uniform_kernel(), dict(seed_ptr=i64p, pos_ptr=i64p, out_ptr="*fp32", n=i32, per_row=i32),
+              dict(STREAM_KEY=sampling_kernels.stream_key(stream), BLOCK=sampling_kernels.UNIFORM_BLOCK),
+              f"counter_uniform stream {stream}")
     qkv, linear, gate_up = fused_linear._kernels()
     for t in (fused_linear.DECODE_TILES, fused_linear.PREFILL_TILES):
         tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)
