@@ -248,33 +248,44 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                    top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """Apply temperature, top-k and top-p to logits and return probabilities.
 
+    A row keeps the tokens whose logit is at least its cut: the k-th largest logit (top-k), then,
+    over the top-k distribution, the logit of the token at which the mass of the most likely
+    tokens, taken in order, first reaches ``top_p`` (nucleus, Holtzman et al. 2020); tokens tied
+    with the cut stay too. The most likely token always stays (a ``top_p`` that rounds to 0 must
+    not empty the row). On CUDA (with Triton) one kernel per launch does it without sorting the
+    vocabulary (``tandem.sampling_kernels.sampling_probs``: the same cut, found by searching the
+    logits' bit patterns); elsewhere these ops (a sort).
+
     Args:
-        logits: ``[B, V]`` float32.
+        logits: ``[B, V]`` (any float dtype; upcast to float32).
         temperature: ``[B]`` float, > 0 for every row (greedy rows are handled by argmax).
         top_k: ``[B]`` int64, 0 = off.
-        top_p: ``[B]`` float in (0, 1].
+        top_p: ``[B]`` float in (0, 1] (1 = off).
         filtered: False when the caller knows no row uses top-k or top-p (every ``top_k`` 0 and
-            every ``top_p`` 1): skips the sort, with the same result.
+            every ``top_p`` 1): skips the cut, with the same result.
 
     Returns:
         ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
     """
+    if logits.dim() == 2 and logits.shape[0] and _round_kernels_on(logits.device):
+        from . import sampling_kernels
+
+        return sampling_kernels.sampling_probs(logits, temperature, top_k, top_p, filtered)
     logits = logits.float() / temperature[:, None]
     if not filtered:
         return logits.softmax(dim=-1)
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = ranks >= k[:, None]
     probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # nucleus: drop a token when the mass strictly before it already reaches top_p; the most likely
-    # token always stays (a top_p that rounds to 0 in float32 must not empty the row)
+    # nucleus: drop a token when the mass strictly before it already reaches top_p (top_p = 1 is
+    # off); the removed ranks are a suffix, so the kept ones end at the cut
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0))  # top_p = 1 is off
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits.softmax(dim=-1))
-    return probs
+    remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0))
+    cut = sorted_logits.gather(-1, (~remove).sum(-1, keepdim=True) - 1)  # [B, 1]: the smallest kept logit
+    return logits.masked_fill(logits < cut, float("-inf")).softmax(dim=-1)
 
 
 DRAFTER_SEED_OFFSET = 0x9E3779B97F4A7C15  # golden-ratio constant: the drafter's stream differs from the verifier's
@@ -386,7 +397,15 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
 
     Returns:
         ``[B]`` int64.
+
+    On CUDA (with Triton) one kernel per launch does it (``tandem.sampling_kernels``: the same
+    rule over sums taken in another order, so a draw within rounding of a boundary may land on
+    the neighbouring index).
     """
+    if weights.dim() == 2 and weights.shape[0] and _round_kernels_on(weights.device):
+        from . import sampling_kernels
+
+        return sampling_kernels.sample_inverse_cdf(weights, uniform)
     cdf = weights.cumsum(-1)
     x = (uniform * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, x, right=True).clamp_(max=weights.shape[-1] - 1)

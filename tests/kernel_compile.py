@@ -107,6 +107,14 @@ def main() -> int:
         build(sampling_kernels._uniform_kernel(), dict(seed_ptr=i64p, pos_ptr=i64p, out_ptr="*fp32", n=i32, per_row=i32),
               dict(STREAM_KEY=sampling_kernels.stream_key(stream), BLOCK=sampling_kernels.UNIFORM_BLOCK),
               f"counter_uniform stream {stream}")
+    for dt, bits in ((bf, 16), ("*fp32", 32)):
+        for filtered in (False, True):
+            build(sampling_kernels._sampling_kernel(), dict(x_ptr=dt, t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32",
+                                                           out_ptr="*fp32", V=i32, x_stride=i32, out_stride=i32),
+                  dict(BITS=bits, FILTER=filtered, BLOCK=sampling_kernels.SAMPLING_BLOCK, WAYS_=sampling_kernels.WAYS),
+                  f"sampling_probs {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.SAMPLING_WARPS)
+    build(sampling_kernels._inverse_cdf_kernel(), dict(w_ptr="*fp32", u_ptr="*fp32", out_ptr=i64p, V=i32, w_stride=i32),
+          dict(BLOCK=sampling_kernels.SAMPLING_BLOCK), "inverse_cdf", warps=sampling_kernels.SAMPLING_WARPS)
     qkv, linear, gate_up = fused_linear._kernels()
     for t in (fused_linear.DECODE_TILES, fused_linear.PREFILL_TILES):
         tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)

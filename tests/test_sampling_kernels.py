@@ -60,3 +60,74 @@ def test_counter_uniform_takes_the_kernel_on_cuda_only(monkeypatch):
 def test_counter_uniform_kernel_refuses_a_row_count_it_cannot_read():
     with pytest.raises(ValueError, match="needs seed's"):
         sampling_kernels.counter_uniform(torch.tensor([1, 2]), torch.tensor([[1, 2, 3]]), STREAM_SAMPLE)
+
+
+def _rows(g: torch.Generator, B: int, V: int) -> torch.Tensor:
+    """Logits rows of several shapes: peaked, flat, with ties (rounded), and a row with -inf."""
+    x = torch.randn(B, V, generator=g) * torch.linspace(0.5, 6.0, B)[:, None]
+    x[1] = (x[1] * 2).round() / 2  # many exact ties
+    x[2, : V // 3] = float("-inf")  # tokens banned outright
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype):
+    """Temperature, top-k and top-p, alone and together, in rows of every kind: the kernel keeps
+    exactly the tokens the PyTorch ops keep (ties with the cut included), with probabilities
+    within rounding, rows summing to 1. Vocabularies over several column steps, ragged ends."""
+    if dtype == torch.bfloat16 and triton_device.type == "cpu":
+        pytest.skip("Triton's interpreter has no bfloat16 (NumPy)")
+    g = torch.Generator().manual_seed(1)
+    B, V = 8, 2 * 2048 + 777
+    logits = _rows(g, B, V).to(dtype)
+    temp = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 1.0, 0.9, 1.0])
+    cases = {
+        "temperature": (torch.zeros(B, dtype=torch.long), torch.ones(B)),
+        "top-k": (torch.tensor([1, 5, 40, 3000, V, V + 5, 0, 2]), torch.ones(B)),
+        "top-p": (torch.zeros(B, dtype=torch.long), torch.tensor([0.9, 0.5, 0.95, 1e-9, 0.99, 0.3, 1.0, 0.8])),
+        "both": (torch.tensor([50, 0, 7, 1000, 2, 0, 300, 9]), torch.tensor([0.9, 0.6, 0.5, 0.97, 0.8, 1.0, 0.7, 0.999])),
+    }
+    for name, (top_k, top_p) in cases.items():
+        want = sampling_ops_probs(logits, temp, top_k, top_p)
+        got = sampling_kernels.sampling_probs(logits.to(triton_device), temp.to(triton_device), top_k.to(triton_device),
+                                              top_p.to(triton_device), filtered=name != "temperature").cpu()
+        assert torch.equal(got > 0, want > 0), name
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=name)
+        torch.testing.assert_close(got.sum(-1), torch.ones(B), rtol=1e-5, atol=1e-5, msg=name)
+    kept = (sampling_ops_probs(logits, temp, cases["top-k"][0], torch.ones(B)) > 0).sum(-1)
+    assert kept[0] == 1 and kept[2] == 40 and kept[4] == V - 0  # top_k = V keeps every token
+
+
+def sampling_ops_probs(logits, temp, top_k, top_p):
+    """``sampling.sampling_probs`` in its PyTorch ops (on the CPU, where no kernel runs)."""
+    return sampling.sampling_probs(logits.cpu(), temp, top_k, top_p)
+
+
+def test_sampling_probs_cut_keeps_ties_and_the_most_likely_token():
+    """The ops' cut: a tie with the k-th logit stays (top-k keeps more than k then), and a top_p
+    too small to hold any token still keeps the most likely one."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [0.5, 4.0, 0.5, 0.1, 0.2]])
+    probs = sampling.sampling_probs(logits, torch.ones(2), torch.tensor([2, 0]), torch.tensor([1.0, 1e-12]))
+    assert (probs[0] > 0).tolist() == [True, False, True, True, False]  # the two tied 2.0s both stay
+    assert (probs[1] > 0).tolist() == [False, True, False, False, False]
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+
+
+def test_inverse_cdf_kernel_draws_the_ops_index(triton_device):
+    """Dense, sparse and one-hot rows, a row of zeros, uniforms near 0 and 1, vocabularies over
+    several column steps: the kernel draws the index the PyTorch ops draw, never one of weight 0."""
+    g = torch.Generator().manual_seed(2)
+    B, V = 10, 2 * 2048 + 301
+    w = torch.rand(B, V, generator=g) ** 4
+    w[1] *= torch.rand(V, generator=g) < 0.01  # sparse
+    w[2] = 0.0
+    w[2, 4000] = 0.3  # one-hot, in the last column step
+    w[3] = 0.0  # nothing: the last index, as the ops give
+    w[4, 2048:] = 0.0  # mass only in the first step
+    u = torch.rand(B, generator=g)
+    u[5], u[6] = 0.0, 1.0 - 2 ** -24
+    for rows in (w, w[:, ::1].T.contiguous().T):  # contiguous, and a row stride that is not V
+        want = sampling.sample_inverse_cdf(rows, u)
+        got = sampling_kernels.sample_inverse_cdf(rows.to(triton_device), u.to(triton_device)).cpu()
+        assert torch.equal(got, want)
+    assert all(w[r, got[r]] > 0 for r in range(B) if r != 3) and got[3] == V - 1
