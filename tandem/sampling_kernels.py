@@ -116,6 +116,10 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
 
 SAMPLING_BLOCK = 2048  # logits a step of a row's pass reads
 WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-bit key, 8 a 32-bit one
+# logits a step of a search pass reads: each of a program's threads keeps a running sum per
+# candidate for its columns, reduced across the program once a pass (reducing [2048, 16] sums at
+# every step instead made the kernel 0.72 ms for 64 rows on an H200, docs/benchmarks.md)
+SEARCH_BLOCK = 256
 SAMPLING_WARPS = 8
 
 _key = _cut_search = None  # device functions of the sampling kernel (module globals, as above)
@@ -148,7 +152,8 @@ def _sampling_kernel():
         for _ in range(0, (BITS + 3) // 4):  # each pass narrows [lo, hi) by WAYS_ (16 = 2 ** 4)
             step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
             cand = lo + j.to(tl.int64) * step  # [WAYS_]; cand[0] = lo
-            acc = tl.zeros([WAYS_], tl.float32)
+            # each thread keeps its columns' sums for every candidate; one reduction after the pass
+            part = tl.zeros([BLOCK, WAYS_], tl.float32)
             for start in range(0, V, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 ok = cols < V
@@ -158,7 +163,8 @@ def _sampling_kernel():
                     w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
                 else:
                     w = tl.where(ok, 1.0, 0.0)
-                acc += tl.sum(tl.where(key[:, None] >= cand[None, :], w[:, None], 0.0), axis=0)
+                part += tl.where(key[:, None] >= cand[None, :], w[:, None], 0.0)
+            acc = tl.sum(part, axis=0)
             good = (acc >= target) & (cand < hi)
             best = tl.max(tl.where(good, j, 0), axis=0)
             found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
@@ -168,7 +174,8 @@ def _sampling_kernel():
 
     @triton.jit
     def sampling_probs_kernel(x_ptr, t_ptr, k_ptr, p_ptr, out_ptr, V, x_stride, out_stride,
-                              BITS: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, WAYS_: tl.constexpr):
+                              BITS: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                              WAYS_: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         src = x_ptr + row * x_stride
         temp = tl.load(t_ptr + row).to(tl.float32)
@@ -189,7 +196,7 @@ def _sampling_kernel():
         if FILTER:
             k = tl.load(k_ptr + row)
             if (k > 0) & (k < V):  # top-k: the largest cut with k logits at or above it
-                cut, _ = _cut_search(src, V, temp, m, cut, k.to(tl.float32), False, BITS, BLOCK, WAYS_)
+                cut, _ = _cut_search(src, V, temp, m, cut, k.to(tl.float32), False, BITS, SEARCH_BLOCK, WAYS_)
                 zk = tl.zeros([BLOCK], tl.float32)  # the mass it keeps
                 for start in range(0, V, BLOCK):
                     cols = start + tl.arange(0, BLOCK)
@@ -199,7 +206,7 @@ def _sampling_kernel():
                 z = tl.sum(zk, axis=0)
             p = tl.load(p_ptr + row).to(tl.float32)
             if p < 1.0:  # top-p over the top-k distribution: the largest cut keeping p of its mass
-                cut, z = _cut_search(src, V, temp, m, cut, p * z, True, BITS, BLOCK, WAYS_)
+                cut, z = _cut_search(src, V, temp, m, cut, p * z, True, BITS, SEARCH_BLOCK, WAYS_)
         dst = out_ptr + row * out_stride
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -232,7 +239,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         bits = 32 if logits.dtype == torch.float32 else 16
         _sampling_kernel()[(B,)](logits, temperature.float().contiguous(), top_k.contiguous(),
                                  top_p.float().contiguous(), out, V, logits.stride(0), out.stride(0),
-                                 BITS=bits, FILTER=bool(filtered), BLOCK=SAMPLING_BLOCK, WAYS_=WAYS,
+                                 BITS=bits, FILTER=bool(filtered), BLOCK=SAMPLING_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK,
+                                 WAYS_=WAYS,
                                  num_warps=SAMPLING_WARPS)
     return out
 

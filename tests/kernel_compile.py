@@ -111,7 +111,8 @@ def main() -> int:
         for filtered in (False, True):
             build(sampling_kernels._sampling_kernel(), dict(x_ptr=dt, t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32",
                                                            out_ptr="*fp32", V=i32, x_stride=i32, out_stride=i32),
-                  dict(BITS=bits, FILTER=filtered, BLOCK=sampling_kernels.SAMPLING_BLOCK, WAYS_=sampling_kernels.WAYS),
+                  dict(BITS=bits, FILTER=filtered, BLOCK=sampling_kernels.SAMPLING_BLOCK,
+                       SEARCH_BLOCK=sampling_kernels.SEARCH_BLOCK, WAYS_=sampling_kernels.WAYS),
                   f"sampling_probs {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.SAMPLING_WARPS)
     build(sampling_kernels._inverse_cdf_kernel(), dict(w_ptr="*fp32", u_ptr="*fp32", out_ptr=i64p, V=i32, w_stride=i32),
           dict(BLOCK=sampling_kernels.SAMPLING_BLOCK), "inverse_cdf", warps=sampling_kernels.SAMPLING_WARPS)
