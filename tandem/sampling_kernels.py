@@ -17,8 +17,8 @@ row finds the same cut by searching the logits' bit patterns, which order as the
 each pass over the row sums, for ``WAYS`` candidate cuts at once, the count (top-k) or the
 softmax mass (top-p) of the logits at or above each, and keeps the interval where the wanted
 count or mass is first reached, so four passes settle a bf16 logit (eight a float32 one). Then
-one pass writes the probabilities. Every program reads its row in fixed ``SAMPLING_BLOCK``
-steps and sums in a fixed order, so a row's result does not depend on the rows beside it. The
+one pass writes the probabilities. Every program reads its row in fixed column steps
+(``SAMPLING_BLOCK``, ``SEARCH_BLOCK``) and sums in a fixed order, so a row's result does not depend on the rows beside it. The
 cut is the PyTorch ops' (tokens tied with it stay in both); their sums run in another order, so
 the probabilities agree to rounding, and a cut can differ where a row's mass reaches ``top_p``
 within rounding of it.
