@@ -153,9 +153,11 @@ def _sampling_kernel():
             step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
             cand = lo + j.to(tl.int64) * step  # [WAYS_]; cand[0] = lo
             # each thread keeps its columns' sums for every candidate; one reduction after the pass
+            # (the columns loaded as a [BLOCK, 1] column, so that they meet the candidates in the
+            # sums' own layout, without a trip through shared memory each step)
             part = tl.zeros([BLOCK, WAYS_], tl.float32)
             for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+                cols = start + tl.arange(0, BLOCK)[:, None]
                 ok = cols < V
                 raw = tl.load(src + cols, mask=ok, other=0.0)
                 key = _key(raw, BITS)
@@ -163,7 +165,7 @@ def _sampling_kernel():
                     w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
                 else:
                     w = tl.where(ok, 1.0, 0.0)
-                part += tl.where(key[:, None] >= cand[None, :], w[:, None], 0.0)
+                part += tl.where(key >= cand[None, :], w, 0.0)
             acc = tl.sum(part, axis=0)
             good = (acc >= target) & (cand < hi)
             best = tl.max(tl.where(good, j, 0), axis=0)
