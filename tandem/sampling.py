@@ -267,7 +267,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     Returns:
         ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
     """
-    if logits.dim() == 2 and logits.shape[0] and _round_kernels_on(logits.device):
+    if (logits.dim() == 2 and logits.shape[0] and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and _round_kernels_on(logits.device)):
         from . import sampling_kernels
 
         return sampling_kernels.sampling_probs(logits, temperature, top_k, top_p, filtered)

@@ -232,7 +232,12 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     Returns:
         ``[B, V]`` float32 probabilities on ``logits``' device (CUDA, or the CPU under Triton's
         interpreter); filtered tokens exactly 0.
+
+    Raises:
+        ValueError: logits of another dtype.
     """
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"sampling_probs kernel: logits of {logits.dtype} (it reads bf16, fp16 or fp32 bit patterns)")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     B, V = logits.shape

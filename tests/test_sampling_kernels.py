@@ -133,3 +133,10 @@ def test_inverse_cdf_kernel_draws_the_ops_index(triton_device):
         got = sampling_kernels.sample_inverse_cdf(rows.to(triton_device), u.to(triton_device)).cpu()
         assert torch.equal(got, want)
     assert all(w[r, got[r]] > 0 for r in range(B) if r != 3) and got[3] == V - 1
+
+
+def test_sampling_probs_kernel_refuses_a_dtype_it_cannot_read():
+    """float64 logits keep the ops (their bit patterns are neither 16 nor 32 bits wide)."""
+    x = torch.randn(2, 7, dtype=torch.float64)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        sampling_kernels.sampling_probs(x, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
