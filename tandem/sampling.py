@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidRequestError, check_utf8
+from . import sampling_kernels
+from .models.kernels import round_kernels_on
 from .structured import Structure
 
 
@@ -268,9 +270,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
     """
     if (logits.dim() == 2 and logits.shape[0] and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and _round_kernels_on(logits.device)):
-        from . import sampling_kernels
-
+            and round_kernels_on(logits.device)):
         return sampling_kernels.sampling_probs(logits, temperature, top_k, top_p, filtered)
     logits = logits.float() / temperature[:, None]
     if not filtered:
@@ -328,12 +328,6 @@ STREAM_SAMPLE = 1  # drawing the token at the position (target-only, correction 
 STREAM_DRAFT = 2
 
 
-def _round_kernels_on(device: torch.device) -> bool:
-    from .models.kernels import round_kernels_on  # (tandem.models imports this module's neighbours)
-
-    return round_kernels_on(device)
-
-
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), in 16-bit halves of ``c`` (no int64 overflow)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
@@ -374,14 +368,12 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int | to
     (``tandem.sampling_kernels``), bit for bit these ops' (about 115 element-wise launches).
     """
     if (isinstance(stream, int) and position.dim() > 0 and position.shape[0] == seed.shape[0]
-            and _round_kernels_on(position.device)):
-        from . import sampling_kernels
-
+            and round_kernels_on(position.device)):
         return sampling_kernels.counter_uniform(seed, position, stream)
     shape = (-1,) + (1,) * (position.dim() - 1)
     lo = (seed & _MASK32).view(shape)
     hi = ((seed >> 32) & _MASK32).view(shape)
-    key = _hash32(_hash32(lo ^ ((stream * 0x9E3779B9 + 0x7F4A7C15) & _MASK32)) ^ hi)  # [B, 1, ...]
+    key = _hash32(_hash32(lo ^ sampling_kernels.stream_key(stream)) ^ hi)  # [B, 1, ...]
     h = _hash32(key ^ (position & _MASK32))
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
@@ -403,9 +395,7 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
     rule over sums taken in another order, so a draw within rounding of a boundary may land on
     the neighbouring index).
     """
-    if weights.dim() == 2 and weights.shape[0] and _round_kernels_on(weights.device):
-        from . import sampling_kernels
-
+    if weights.dim() == 2 and weights.shape[0] and round_kernels_on(weights.device):
         return sampling_kernels.sample_inverse_cdf(weights, uniform)
     cdf = weights.cumsum(-1)
     x = (uniform * cdf[:, -1])[:, None]

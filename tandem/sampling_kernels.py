@@ -82,8 +82,8 @@ def _uniform_kernel():
     return counter_uniform_kernel
 
 
-def stream_key(stream: int) -> int:
-    """The 32-bit constant a stream mixes into the seed (``sampling.counter_uniform``'s)."""
+def stream_key(stream: int | torch.Tensor) -> int | torch.Tensor:
+    """The 32-bit constant a stream (an int, or an int64 tensor of them) mixes into the seed."""
     return (stream * 0x9E3779B9 + 0x7F4A7C15) & _MASK32
 
 

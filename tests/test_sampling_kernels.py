@@ -49,7 +49,7 @@ def test_counter_uniform_takes_the_kernel_on_cuda_only(monkeypatch):
     seed, pos = torch.tensor([3, 4]), torch.tensor([[5, 6], [7, 8]])
     want = _plain_uniform(seed, pos, STREAM_SAMPLE)
     assert torch.equal(sampling.counter_uniform(seed, pos, STREAM_SAMPLE), want) and not calls
-    monkeypatch.setattr(sampling, "_round_kernels_on", lambda device: True)
+    monkeypatch.setattr(sampling, "round_kernels_on", lambda device: True)
     sampling.counter_uniform(seed, pos, STREAM_SAMPLE)
     assert len(calls) == 1 and calls[0][2] == STREAM_SAMPLE
     streams = torch.arange(2)[:, None]

@@ -471,13 +471,13 @@ def _engine_result(c: BenchConfig, options: BenchOptions, b: int, prompts: list[
         d[1] += after_first
     tokens = sum(x.completion_tokens for x in comps)
     tps = tokens / wall
-    if base is None:  # this is the target run
-        share, bad, speedup = 1.0, [], 1.0
-    else:
-        share, bad = _lossless(prompts, [x.token_ids for x in comps], base_tokens)
-        speedup = tps / base.tps
+    speedup = 1.0 if base is None else tps / base.tps  # (base None: this is the target run)
     if not greedy:  # sampled: the same distribution as target-only, not the same draws
         share, bad = math.nan, []
+    elif base is None:
+        share, bad = 1.0, []
+    else:
+        share, bad = _lossless(prompts, [x.token_ids for x in comps], base_tokens)
     tpots = [x.tpot_s * 1e3 for x in comps if x.completion_tokens > 1]
     ttfts = [x.ttft_s * 1e3 for x in comps]
     base_tpot = {t.task: t.tpot_ms for t in base.per_task} if base is not None else {}

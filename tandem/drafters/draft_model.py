@@ -33,7 +33,8 @@ from ..models.config import ModelLoadError
 from ..models.kv_cache import KV_SLACK
 from ..models.runner import ModelRunner, RunnerConfig
 from ..models.weights import Checkpoint, load_checkpoint, make_readable, weights_file
-from ..sampling import STREAM_DRAFT, counter_uniform, sample_inverse_cdf, sampling_probs
+from ..round_state import SlotSampling
+from ..sampling import STREAM_DRAFT, SamplingParams, counter_uniform, sample_inverse_cdf, sampling_probs
 from ..verify import RowSampling
 from .base import (NUM_FEATURES, BufferedDrafts, DraftProposal, DraftRequest, Drafter, KeepDrafting, VerifiedStep,
                    chained_draft_features, device_features, draft_rows, sync_tokens)
@@ -185,7 +186,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         self._draft_q: torch.Tensor | None = None  # [slots, k, V] float32 q of sampled rows' drafts
         self._scorer = None  # set_acceptance_scorer: chained rounds score their drafts on the device
         self._draft_scores: torch.Tensor | None = None  # [slots, k] float32 their predicted acceptance
-        self._chain_rows: RowSampling | None = None  # host-drafted chained steps' sampling (``_chain_sampling``)
+        self._chain_slots: SlotSampling | None = None  # host-drafted chained steps' sampling (``_chain_sampling``)
         self._chain_q: torch.Tensor | None = None  # [slots, k, V] float32 their sampled drafts' q
 
     def release(self, slot: int) -> None:
@@ -343,35 +344,27 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         return proposals
 
     def _chain_sampling(self, reqs: list[DraftRequest]) -> None:
-        """Each row's sampling settings for the chained step's epilogue, in device buffers its
-        graph reads (``_chain_rows``, a ``RowSampling`` over every slot; rows not in ``reqs`` are
-        greedy). Also the ``[slots, k, V]`` buffer every sampled graph writes its q into (one for
-        all of them, widened when a round drafts more)."""
+        """Each row's sampling settings for the chained step's epilogue, in the device buffers its
+        graph reads (``_chain_slots``, the ``SlotSampling`` a target keeps, over every slot: the
+        drafts' own transform, no logit adjustments; rows not in ``reqs`` greedy). Also the
+        ``[slots, k, V]`` buffer every sampled graph writes its q into (one for all of them,
+        widened when a round drafts more)."""
         cache = self.runner.cache
         dev = cache.k.device
-        slots = cache.num_slots
-        if self._chain_rows is None:
-            self._chain_rows = RowSampling(torch.ones(slots, dtype=torch.bool, device=dev),
-                                           torch.ones(slots, dtype=torch.float32, device=dev),
-                                           torch.zeros(slots, dtype=torch.long, device=dev),
-                                           torch.ones(slots, dtype=torch.float32, device=dev),
-                                           torch.zeros(slots, dtype=torch.long, device=dev))
+        V = self.runner.model_config.vocab_size
+        if self._chain_slots is None:
+            self._chain_slots = SlotSampling(cache.num_slots, dev, V)
         k = max(r.max_draft for r in reqs)
         if self._chain_q is None or self._chain_q.shape[1] < k:
-            V = self.runner.model_config.vocab_size
             self._chain_q = torch.zeros((cache.num_slots, k, V), dtype=torch.float32, device=dev)
-        floats = torch.tensor([[1.0, 1.0]] * slots)  # temperature, top-p
-        ints = torch.tensor([[1, 0, 0]] * slots)  # greedy, top-k, seed
+        params = [_GREEDY_DRAFT] * cache.num_slots
         for r in reqs:
             p = r.params
             if not p.greedy:
                 seed = p.seed if p.seed is not None else r.generator.initial_seed() if r.generator is not None else 0
-                floats[r.slot] = torch.tensor([p.temperature, p.top_p])
-                ints[r.slot] = torch.tensor([0, p.top_k, seed & (2**63 - 1)])
-        rows = self._chain_rows
-        for dest, src in ((rows.temperature, floats[:, 0]), (rows.top_p, floats[:, 1]), (rows.greedy, ints[:, 0] > 0),
-                          (rows.top_k, ints[:, 1]), (rows.seed, ints[:, 2])):
-            dest.copy_(src)
+                params[r.slot] = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                                seed=seed & (2**63 - 1))
+        self._chain_slots.admit(list(range(cache.num_slots)), params)
 
     def _chain(self, k: int, sampled: bool = False):
         """The epilogue of ``_propose_chained``'s step: ``k`` drafts a row after each row's last
@@ -381,7 +374,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         runner, top_m = self.runner, self.top_m
         limit = runner.cache.capacity + KV_SLACK
         fused = runner.model.fused
-        rows_sampling, q_out = self._chain_rows, self._chain_q
+        slot_sampling, q_out = self._chain_slots, self._chain_q
 
         def chain(out) -> torch.Tensor:
             packed = out.inputs
@@ -391,7 +384,8 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             logits = out.logits[torch.arange(n, device=packed.device), (count - 1).clamp_min(0)]
             start = packed[:, 0] + count
             attn_len = min(out.attn_len + k - 1, limit)
-            sampling = rows_sampling.rows(slice(0, n)) if sampled else RowSampling(*(None,) * 5, any_sampled=False)
+            sampling = (slot_sampling.rows(n, flags=(True, True, False)) if sampled
+                        else RowSampling(*(None,) * 5, any_sampled=False))
             cols = []
             for i in range(k):
                 dist = logits.float().softmax(-1)
@@ -473,6 +467,9 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
                 self.cached[s].append(t)
                 logits[s] = out.logits[s, 0].to(torch.float32, copy=True)
         return [DraftProposal.concat(parts[r.slot]) if r.max_draft > 0 else DraftProposal.empty() for r in requests]
+
+
+_GREEDY_DRAFT = SamplingParams(seed=0)  # a chained step's row without a sampled request (no seed drawn for it)
 
 
 def _draw(logits: torch.Tensor, position: torch.Tensor, sampling,
