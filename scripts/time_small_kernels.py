@@ -9,9 +9,13 @@ reduces, so it must).
 Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's.
 
     python3 scripts/time_small_kernels.py [--rows 1,5,64,320,640] [--layers 30] [--warps 1,2,4,8]
+                                          [--parts elementwise,attention,sampling]
 
 Prints a table per kernel (µs a call); exit code 1 when a count changed an elementwise kernel's
-bit. The attention's table follows, at the shapes a round has, with whether its bits moved.
+bit. The attention's table follows, at the shapes a round has, with whether its bits moved. The
+sampling part times the sampling kernels (``tandem.sampling_kernels``) against the PyTorch ops
+they replace (a sort for the top-k / top-p cut, a cumulative sum for the draw), rows of the
+model's vocabulary in bf16, temperature 0.7 and top-p 0.9, and says whether the cuts agree.
 """
 
 from __future__ import annotations
@@ -32,17 +36,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--parts", default="elementwise,attention,sampling",
+                    help="which tables: elementwise, attention, sampling (comma-separated)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - {"elementwise", "attention", "sampling"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'elementwise', 'attention', 'sampling'})}")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    warps_list = [int(w) for w in args.warps.split(",")]
+    same = True
+    if "elementwise" in parts:
+        same = _time_elementwise(args, warps_list)
+    if "attention" in parts:
+        _time_attention(args, warps_list)
+    if "sampling" in parts:
+        _time_sampling(args)
+    return 0 if same else 1
+
+
+def _time_elementwise(args, warps_list: list[int]) -> bool:
+    """The elementwise kernels at each warp count; True when every count gave the shipped bits."""
     from tandem.models import kernels
     from time_fused_linear import _time_graph, rope_tables
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     L, H, KVH, hd, inter = args.layers, args.heads, args.kv_heads, args.head_dim, args.intermediate
     rows_list = [int(r) for r in args.rows.split(",")]
-    warps_list = [int(w) for w in args.warps.split(",")]
     n = max(rows_list)
     torch.manual_seed(0)
     positions = 2048
@@ -70,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 same &= torch.equal(call(r, w)[0], call(r, shipped[name])[0])
             print(f"| {w} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     print(f"\nevery warp count gave the shipped count's bits: {'yes' if same else 'NO'}")
-    _time_attention(args, warps_list)
-    return 0 if same else 1
+    return same
 
 
 def _time_attention(args, warps_list: list[int]) -> None:
@@ -103,6 +124,43 @@ def _time_attention(args, warps_list: list[int]) -> None:
                                               for i in range(L)]) * 1000 / L)
             same &= torch.equal(attention.gqa_attention(q[0], k, v, seqlens, chunk=chunk, warps=w), ref)
         print(f"| {b} x {qn} | {chunk} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {'same' if same else 'moved'} |")
+
+
+def _time_sampling(args) -> None:
+    """The sampling kernels against the ops they replace, at the row counts a round samples (batch
+    x verified positions), each call replayed from a CUDA graph."""
+    from tandem import sampling, sampling_kernels
+    from time_fused_linear import _time_graph
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    print("\nsampling (µs a call; rows of %d bf16 logits, T = 0.7, top-p 0.9; 'same cut': the kernel keeps the "
+          "tokens the ops keep)" % args.vocab)
+    print("| rows | probs: kernel | probs: ops (sort) | draw: kernel | draw: ops (cumsum) | uniform: kernel | "
+          "uniform: ops | same cut |\n|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in [int(x) for x in args.rows.split(",")]:
+        logits = (torch.randn(r, args.vocab, generator=gen) * 3).to(dev, torch.bfloat16)
+        temp = torch.full((r,), 0.7, device=dev)
+        top_k = torch.zeros(r, dtype=torch.int64, device=dev)
+        top_p = torch.full((r,), 0.9, device=dev)
+        seed = torch.arange(r, dtype=torch.int64, device=dev) * 7919 + 1
+        pos = torch.arange(r, dtype=torch.int64, device=dev) + 100
+        u = torch.rand(r, generator=gen).to(dev)
+        kernel_probs = lambda: sampling_kernels.sampling_probs(logits, temp, top_k, top_p)  # noqa: E731
+        ops_on = sampling.round_kernels_on
+        sampling.round_kernels_on = lambda device: False
+        try:
+            ops_probs = lambda: sampling.sampling_probs(logits, temp, top_k, top_p)  # noqa: E731
+            ops_draw = lambda: sampling.sample_inverse_cdf(probs, u)  # noqa: E731
+            ops_uniform = lambda: sampling.counter_uniform(seed, pos, 1)  # noqa: E731
+            probs = kernel_probs()
+            cells = [_time_graph(kernel_probs), _time_graph(ops_probs),
+                     _time_graph(lambda: sampling_kernels.sample_inverse_cdf(probs, u)), _time_graph(ops_draw),
+                     _time_graph(lambda: sampling_kernels.counter_uniform(seed, pos, 1)), _time_graph(ops_uniform)]
+            same = torch.equal(kernel_probs() > 0, ops_probs() > 0)
+        finally:
+            sampling.round_kernels_on = ops_on
+        print(f"| {r} | " + " | ".join(f"{c * 1000:.1f}" for c in cells) + f" | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":
