@@ -12,16 +12,19 @@ on the GPU and under Triton's interpreter).
 
 ``tandem.sampling.sampling_probs`` in PyTorch ops sorts every row of the vocabulary to find its
 top-k / top-p cut: on an H100, 0.33 ms for 64 rows of 49,152 logits and 1.7 ms for 320 (a verify
-step of 64 sequences x 5 tokens), then a cumulative sum and a scatter back. Here one program per
-row finds the same cut by searching the logits' bit patterns, which order as the logits do:
-each pass over the row sums, for ``WAYS`` candidate cuts at once, the count (top-k) or the
-softmax mass (top-p) of the logits at or above each, and keeps the interval where the wanted
-count or mass is first reached, so four passes settle a bf16 logit (eight a float32 one). Then
-one pass writes the probabilities. Every program reads its row in fixed column steps
-(``SAMPLING_BLOCK``, ``SEARCH_BLOCK``) and sums in a fixed order, so a row's result does not depend on the rows beside it. The
-cut is the PyTorch ops' (tokens tied with it stay in both); their sums run in another order, so
-the probabilities agree to rounding, and a cut can differ where a row's mass reaches ``top_p``
-within rounding of it.
+step of 64 sequences x 5 tokens), then a cumulative sum and a scatter back. Here the same cut is
+found by searching the logits' bit patterns, which order as the logits do: each pass over a row
+sums, for ``WAYS`` candidate cuts at once, the count (top-k) or the softmax mass (top-p) of the
+logits at or above each, and keeps the interval where the wanted count or mass is first reached,
+so four passes settle a bf16 logit (eight a float32 one). Then one pass writes the probabilities.
+A row's columns are split into fixed chunks (``CHUNK``), one program each, and each pass is a
+launch: the chunks' partial sums go to a small buffer, and every program of the next launch
+reduces its row's partials in the same fixed order, so a few rows still fill the GPU (one program
+a row took 0.17 ms for up to 64 rows on an H100, a row's seven passes one after another). The
+chunks and the column steps (``SEARCH_BLOCK``) are fixed and the sums run in a fixed order, so a
+row's result does not depend on the rows beside it. The cut is the PyTorch ops' (tokens tied with
+it stay in both); their sums run in another order, so the probabilities agree to rounding, and a
+cut can differ where a row's mass reaches ``top_p`` within rounding of it.
 
 ``tandem.sampling.sample_inverse_cdf`` in PyTorch ops is a cumulative sum over each row (63 µs
 for up to 64 rows of 49,152 on an H100, 185 µs for 320), a search and a reversed copy for the
@@ -114,27 +117,35 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
     return out
 
 
-SAMPLING_BLOCK = 2048  # logits a step of a row's pass reads
-WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-bit key, 8 a 32-bit one
-# logits a step of a search pass reads: each of a program's threads keeps a running sum per
-# candidate for its columns, reduced across the program once a pass (reducing [2048, 16] sums at
-# every step instead made the kernel 0.72 ms for 64 rows on an H200, docs/benchmarks.md)
-SEARCH_BLOCK = 256
+SAMPLING_BLOCK = 2048  # logits a step of a row's pass reads (the inverse-CDF draw)
 SAMPLING_WARPS = 8
+WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-bit key, 8 a 32-bit one
+# A row's columns are split into fixed chunks of CHUNK, one program each, so that a few rows still
+# fill the GPU (one program a row made seven sequential passes over 49,152 logits: 0.17 ms
+# whatever the row count up to 64 on an H100, docs/benchmarks.md); the chunk does not depend on
+# the batch, so neither does a row's result.
+CHUNK = 4096
+SEARCH_BLOCK = 256  # logits a step of a chunk's pass reads, as a [SEARCH_BLOCK, 1] column
+CHUNK_WARPS = 4
 
-_key = _cut_search = None  # device functions of the sampling kernel (module globals, as above)
+_key = _row_stats = _narrow = _replay = None  # device functions of the sampling kernels (module globals, as above)
 
 
 @functools.lru_cache(maxsize=1)
-def _sampling_kernel():
-    global _key, _cut_search
+def _sampling_kernels():
+    """The sampling transform's three kernels, each over a ``(chunks, rows)`` grid: ``stats``
+    (each chunk's max and sum of exp), ``search`` (one pass of the cut search: each chunk's sums
+    for ``WAYS`` candidate cuts) and ``write`` (the probabilities). Every program rebuilds its
+    row's state from the earlier launches' partial sums, reduced in the same fixed order by all."""
+    global _key, _row_stats, _narrow, _replay
     triton, tl = kernels._modules()
 
     @triton.jit
-    def _key(raw, BITS):
-        # an unsigned key of a float's bits that orders as the floats do (-0 as +0), int64
+    def _key(raw, BITS: tl.constexpr):
+        # an unsigned key of a float's bits that orders as the floats do (-0 as +0): int32 for a
+        # 16-bit float, int64 for a 32-bit one
         if BITS == 16:
-            b = raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+            b = raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             b = tl.where(b == 0x8000, 0, b)
             return tl.where(b >= 0x8000, 0xFFFF - b, b + 0x8000)
         else:
@@ -143,91 +154,147 @@ def _sampling_kernel():
             return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
     @triton.jit
-    def _cut_search(src, V, temp, m, lo, target, MASS, BITS, BLOCK, WAYS_: tl.constexpr):
-        # the largest key t >= lo whose count (or, with MASS, softmax mass exp(x - m)) of keys >= t
-        # reaches target (it must at lo), and that count or mass
-        hi = lo * 0 + (1 << BITS)
+    def _row_stats(pm_ptr, pz_ptr, row, C, CP: tl.constexpr):
+        # the row's softmax max m and sum z of exp(x - m), from its chunks' (max, sum) in chunk order
+        c = tl.arange(0, CP)
+        pm = tl.load(pm_ptr + row * C + c, mask=c < C, other=float("-inf"))
+        pz = tl.load(pz_ptr + row * C + c, mask=c < C, other=0.0)
+        m = tl.max(pm, axis=0)
+        return m, tl.sum(tl.where(c < C, pz * tl.exp(pm - m), 0.0), axis=0)
+
+    @triton.jit
+    def _narrow(part_ptr, g, row, B, C, lo, hi, target, CP: tl.constexpr, WAYS_: tl.constexpr):
+        # pass g's sums over the row's chunks, and the interval of [lo, hi) it keeps: the largest
+        # candidate whose count (or mass) of keys at or above it reaches target; with that count
+        c = tl.arange(0, CP)[:, None]
         j = tl.arange(0, WAYS_)
+        sums = tl.load(part_ptr + ((g * B + row) * C + c) * WAYS_ + j[None, :], mask=c < C, other=0.0)
+        acc = tl.sum(sums, axis=0)
+        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
+        cand = lo + j.to(tl.int64) * step
+        good = (acc >= target) & (acc > 0) & (cand < hi)  # (acc > 0: the most likely token always stays)
+        best = tl.max(tl.where(good, j, 0), axis=0)
+        found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
+        lo = lo + best.to(tl.int64) * step
+        return lo, tl.minimum(hi, lo + step), found, tl.sum(tl.where(j == 0, acc, 0.0), axis=0)
+
+    @triton.jit
+    def _replay(part_ptr, row, B, C, k, p, V, upto, NP: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr,
+                WAYS_: tl.constexpr):
+        # the search's state before global pass `upto` (top-k passes 0 .. NP-1, then top-p passes
+        # NP .. 2 NP-1): the interval [lo, hi), the top-p target, and the mass at and above lo once
+        # top-p's first pass is summed (the mass the top-k cut keeps) and the last pass's mass found
+        lo = (row * 0).to(tl.int64)
+        hi = lo + (1 << BITS)
         found = tl.sum(tl.zeros([WAYS_], tl.float32), axis=0)
-        for _ in range(0, (BITS + 3) // 4):  # each pass narrows [lo, hi) by WAYS_ (16 = 2 ** 4)
+        if (k > 0) & (k < V):
+            for g in range(0, tl.minimum(upto, NP)):
+                lo, hi, found, _ = _narrow(part_ptr, g, row, B, C, lo, hi, k.to(tl.float32), CP, WAYS_)
+        kept = found
+        target = found
+        if upto >= NP:  # top-p searches above the top-k cut, over the rest of the keys
+            hi = lo * 0 + (1 << BITS)
+        if upto > NP:
+            _, _, _, kept = _narrow(part_ptr, NP, row, B, C, lo, hi, 0.0, CP, WAYS_)
+            target = p * kept
+            found = kept
+            if p < 1.0:
+                for g in range(NP, upto):
+                    lo, hi, found, _ = _narrow(part_ptr, g, row, B, C, lo, hi, target, CP, WAYS_)
+        return lo, hi, target, kept, found
+
+    @triton.jit
+    def stats_kernel(x_ptr, t_ptr, pm_ptr, pz_ptr, V, x_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        src = x_ptr + row * x_stride
+        temp = tl.load(t_ptr + row).to(tl.float32)
+        mv = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
+            mv = tl.maximum(mv, tl.load(src + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp)
+        m = tl.max(mv, axis=0)
+        zv = tl.zeros([BLOCK], tl.float32)
+        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
+            x = tl.load(src + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp
+            zv += tl.where(ok & (x > float("-inf")), tl.exp(x - m), 0.0)  # (a chunk of -inf logits sums 0)
+        tl.store(pm_ptr + row * C + c, m)
+        tl.store(pz_ptr + row * C + c, tl.sum(zv, axis=0))
+
+    @triton.jit
+    def search_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, V, x_stride, B, C, g,
+                      NP: tl.constexpr, BITS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+                      CP: tl.constexpr, WAYS_: tl.constexpr):
+        # pass g of the cut search: this chunk's count (top-k, g < NP) or softmax mass (top-p) of the
+        # logits at or above each of WAYS_ candidate cuts spread over the row's current interval
+        c = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        k = tl.load(k_ptr + row)
+        p = tl.load(p_ptr + row).to(tl.float32)
+        topk = (k > 0) & (k < V)
+        # passes a row does not need: top-k's without top-k; top-p's after its first (which sums the
+        # mass the top-k cut keeps) without top-p
+        if ((g < NP) & topk) | ((g == NP)) | ((g > NP) & (p < 1.0)):
+            lo, hi, _, _, _ = _replay(part_ptr, row, B, C, k, p, V, g, NP, BITS, CP, WAYS_)
+            src = x_ptr + row * x_stride
+            temp = tl.load(t_ptr + row).to(tl.float32)
+            m, _ = _row_stats(pm_ptr, pz_ptr, row, C, CP)
+            j = tl.arange(0, WAYS_)
             step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
-            cand = lo + j.to(tl.int64) * step  # [WAYS_]; cand[0] = lo
-            # each thread keeps its columns' sums for every candidate; one reduction after the pass
-            # (the columns loaded as a [BLOCK, 1] column, so that they meet the candidates in the
-            # sums' own layout, without a trip through shared memory each step)
+            cand = (lo + j.to(tl.int64) * step)[None, :]
+            if BITS == 16:
+                cand = cand.to(tl.int32)
             part = tl.zeros([BLOCK, WAYS_], tl.float32)
-            for start in range(0, V, BLOCK):
+            for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
                 cols = start + tl.arange(0, BLOCK)[:, None]
-                ok = cols < V
+                ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
                 raw = tl.load(src + cols, mask=ok, other=0.0)
-                key = _key(raw, BITS)
-                if MASS:
+                if g >= NP:
                     w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
                 else:
                     w = tl.where(ok, 1.0, 0.0)
-                part += tl.where(key >= cand[None, :], w, 0.0)
-            acc = tl.sum(part, axis=0)
-            good = (acc >= target) & (cand < hi)
-            best = tl.max(tl.where(good, j, 0), axis=0)
-            found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
-            lo = lo + best.to(tl.int64) * step
-            hi = tl.minimum(hi, lo + step)
-        return lo, found
+                part += tl.where(_key(raw, BITS) >= cand, w, 0.0)
+            tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + j, tl.sum(part, axis=0))
 
     @triton.jit
-    def sampling_probs_kernel(x_ptr, t_ptr, k_ptr, p_ptr, out_ptr, V, x_stride, out_stride,
-                              BITS: tl.constexpr, FILTER: tl.constexpr, BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-                              WAYS_: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, out_ptr, V, x_stride, out_stride, B, C,
+                     FILTER: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr, CHUNK_: tl.constexpr,
+                     BLOCK: tl.constexpr, CP: tl.constexpr, WAYS_: tl.constexpr):
+        c = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
         src = x_ptr + row * x_stride
         temp = tl.load(t_ptr + row).to(tl.float32)
-        # the softmax's max and sum of x = logit / T, in fixed column steps
-        mv = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
-            mv = tl.maximum(mv, x)
-        m = tl.max(mv, axis=0)
-        zv = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / temp
-            zv += tl.where(cols < V, tl.exp(x - m), 0.0)
-        z = tl.sum(zv, axis=0)
+        m, z = _row_stats(pm_ptr, pz_ptr, row, C, CP)
         cut = (row * 0).to(tl.int64)  # the least key: every token kept
         if FILTER:
             k = tl.load(k_ptr + row)
-            if (k > 0) & (k < V):  # top-k: the largest cut with k logits at or above it
-                cut, _ = _cut_search(src, V, temp, m, cut, k.to(tl.float32), False, BITS, SEARCH_BLOCK, WAYS_)
-                zk = tl.zeros([BLOCK], tl.float32)  # the mass it keeps
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    ok = cols < V
-                    raw = tl.load(src + cols, mask=ok, other=0.0)
-                    zk += tl.where(ok & (_key(raw, BITS) >= cut), tl.exp(raw.to(tl.float32) / temp - m), 0.0)
-                z = tl.sum(zk, axis=0)
             p = tl.load(p_ptr + row).to(tl.float32)
-            if p < 1.0:  # top-p over the top-k distribution: the largest cut keeping p of its mass
-                cut, z = _cut_search(src, V, temp, m, cut, p * z, True, BITS, SEARCH_BLOCK, WAYS_)
+            cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, 2 * NP, NP, BITS, CP, WAYS_)
         dst = out_ptr + row * out_stride
-        for start in range(0, V, BLOCK):
+        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            ok = cols < V
+            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
             raw = tl.load(src + cols, mask=ok, other=0.0)
             keep = _key(raw, BITS) >= cut
             tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
 
-    return sampling_probs_kernel
+    return stats_kernel, search_kernel, write_kernel
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    filtered: bool = True) -> torch.Tensor:
-    """``tandem.sampling.sampling_probs`` in one launch, one program a row (see the module docstring).
+    """``tandem.sampling.sampling_probs`` without sorting (see the module docstring): each row's
+    columns in chunks of ``CHUNK``, one program a chunk; launches: the chunks' max and sum, then
+    (``filtered``) ``2 x BITS / 4`` search passes (top-k's, then top-p's; a row skips those it
+    does not use), then the probabilities.
 
     Args:
         logits: ``[B, V]`` bfloat16, float16 or float32, the last dimension contiguous.
         temperature: ``[B]`` > 0; top_k: ``[B]`` int64 (0 = off); top_p: ``[B]`` in (0, 1] (1 = off).
-        filtered: False when no row uses top-k or top-p (the search is left out of the kernel).
+        filtered: False when no row uses top-k or top-p (the search is left out).
 
     Returns:
         ``[B, V]`` float32 probabilities on ``logits``' device (CUDA, or the CPU under Triton's
@@ -242,13 +309,29 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         logits = logits.contiguous()
     B, V = logits.shape
     out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
-    if B:
-        bits = 32 if logits.dtype == torch.float32 else 16
-        _sampling_kernel()[(B,)](logits, temperature.float().contiguous(), top_k.contiguous(),
-                                 top_p.float().contiguous(), out, V, logits.stride(0), out.stride(0),
-                                 BITS=bits, FILTER=bool(filtered), BLOCK=SAMPLING_BLOCK, SEARCH_BLOCK=SEARCH_BLOCK,
-                                 WAYS_=WAYS,
-                                 num_warps=SAMPLING_WARPS)
+    if not B:
+        return out
+    stats, search, write = _sampling_kernels()
+    bits = 32 if logits.dtype == torch.float32 else 16
+    n_pass = bits // 4  # passes of one search (WAYS = 16 settles 4 bits a pass)
+    C = -(-V // CHUNK)
+    cp = max(2, 1 << (C - 1).bit_length())
+    dev = logits.device
+    temperature = temperature.float().contiguous()
+    top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
+    pm = torch.empty((B, C), dtype=torch.float32, device=dev)
+    pz = torch.empty((B, C), dtype=torch.float32, device=dev)
+    part = torch.empty((2 * n_pass if filtered else 1, B, C, WAYS), dtype=torch.float32, device=dev)
+    grid = (C, B)
+    stats[grid](logits, temperature, pm, pz, V, logits.stride(0), C, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK,
+                num_warps=CHUNK_WARPS)
+    if filtered:
+        for g in range(2 * n_pass):
+            search[grid](logits, temperature, top_k, top_p, pm, pz, part, V, logits.stride(0), B, C, g, NP=n_pass,
+                         BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
+    write[grid](logits, temperature, top_k, top_p, pm, pz, part, out, V, logits.stride(0), out.stride(0), B, C,
+                FILTER=bool(filtered), NP=n_pass, BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS,
+                num_warps=CHUNK_WARPS)
     return out
 
 

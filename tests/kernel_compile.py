@@ -107,13 +107,20 @@ def main() -> int:
         build(sampling_kernels._uniform_kernel(), dict(seed_ptr=i64p, pos_ptr=i64p, out_ptr="*fp32", n=i32, per_row=i32),
               dict(STREAM_KEY=sampling_kernels.stream_key(stream), BLOCK=sampling_kernels.UNIFORM_BLOCK),
               f"counter_uniform stream {stream}")
+    stats, search, write = sampling_kernels._sampling_kernels()
+    chunk = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.SEARCH_BLOCK)
+    search_args = dict(t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", part_ptr="*fp32",
+                       V=i32, x_stride=i32, B=i32, C=i32)
+    cp = dict(CP=16, WAYS_=sampling_kernels.WAYS)
     for dt, bits in ((bf, 16), ("*fp32", 32)):
+        build(stats, dict(x_ptr=dt, t_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", V=i32, x_stride=i32, C=i32),
+              chunk, f"sampling_probs stats {bits}-bit", warps=sampling_kernels.CHUNK_WARPS)
+        build(search, dict(x_ptr=dt, **search_args, g=i32), dict(NP=bits // 4, BITS=bits, **chunk, **cp),
+              f"sampling_probs search {bits}-bit", warps=sampling_kernels.CHUNK_WARPS)
         for filtered in (False, True):
-            build(sampling_kernels._sampling_kernel(), dict(x_ptr=dt, t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32",
-                                                           out_ptr="*fp32", V=i32, x_stride=i32, out_stride=i32),
-                  dict(BITS=bits, FILTER=filtered, BLOCK=sampling_kernels.SAMPLING_BLOCK,
-                       SEARCH_BLOCK=sampling_kernels.SEARCH_BLOCK, WAYS_=sampling_kernels.WAYS),
-                  f"sampling_probs {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.SAMPLING_WARPS)
+            build(write, dict(x_ptr=dt, **search_args, out_ptr="*fp32", out_stride=i32),
+                  dict(FILTER=filtered, NP=bits // 4, BITS=bits, **chunk, **cp),
+                  f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.CHUNK_WARPS)
     build(sampling_kernels._inverse_cdf_kernel(), dict(w_ptr="*fp32", u_ptr="*fp32", out_ptr=i64p, V=i32, w_stride=i32),
           dict(BLOCK=sampling_kernels.SAMPLING_BLOCK), "inverse_cdf", warps=sampling_kernels.SAMPLING_WARPS)
     qkv, linear, gate_up = fused_linear._kernels()

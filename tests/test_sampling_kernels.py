@@ -71,15 +71,18 @@ def _rows(g: torch.Generator, B: int, V: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype):
+def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, monkeypatch):
     """Temperature, top-k and top-p, alone and together, in rows of every kind: the kernel keeps
     exactly the tokens the PyTorch ops keep (ties with the cut included), with probabilities
-    within rounding, rows summing to 1. A vocabulary over two column steps, a ragged end."""
+    within rounding, rows summing to 1. A vocabulary over three chunks (one program each), a
+    ragged end; a chunk of -inf logits (a masked range) in one row."""
     if dtype == torch.bfloat16 and triton_device.type == "cpu":
         pytest.skip("Triton's interpreter has no bfloat16 (NumPy)")
+    monkeypatch.setattr(sampling_kernels, "CHUNK", 1024)
     g = torch.Generator().manual_seed(1)
     B, V = 8, 2048 + 777
     logits = _rows(g, B, V).to(dtype)
+    logits[5, 1024:2048] = float("-inf")
     temp = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 1.0, 0.9, 1.0])
     cases = {
         "temperature": (torch.zeros(B, dtype=torch.long), torch.ones(B)),
