@@ -28,8 +28,9 @@ cut can differ where a row's mass reaches ``top_p`` within rounding of it.
 
 ``tandem.sampling.sample_inverse_cdf`` in PyTorch ops is a cumulative sum over each row (63 µs
 for up to 64 rows of 49,152 on an H100, 185 µs for 320), a search and a reversed copy for the
-fallback index; here one program per row sums its row, then walks it in ``SAMPLING_BLOCK``
-steps until the running sum passes the drawn point: two passes, one launch.
+fallback index; here, in the same chunks, one launch sums each chunk, and in the next the chunk
+where the drawn point falls (every program finds it from the same running sums) walks its
+columns until the running sum passes it: two launches, each chunk read at most twice.
 """
 
 from __future__ import annotations
@@ -117,8 +118,6 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
     return out
 
 
-SAMPLING_BLOCK = 2048  # logits a step of a row's pass reads (the inverse-CDF draw)
-SAMPLING_WARPS = 8
 WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-bit key, 8 a 32-bit one
 # A row's columns are split into fixed chunks of CHUNK, one program each, so that a few rows still
 # fill the GPU (one program a row made seven sequential passes over 49,152 logits: 0.17 ms
@@ -335,45 +334,69 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return out
 
 
+INVERSE_CDF_BLOCK = 1024  # weights a step of the inverse-CDF draw's chunk reads
+
+
 @functools.lru_cache(maxsize=1)
-def _inverse_cdf_kernel():
+def _inverse_cdf_kernels():
+    """The inverse-CDF draw's two kernels over a ``(chunks, rows)`` grid: ``sums`` (each chunk's
+    total and last positive index), then ``walk`` (the chunk where the drawn point falls walks its
+    columns; every program finds that chunk from the same running sums)."""
     triton, tl = kernels._modules()
 
     @triton.jit
-    def inverse_cdf_kernel(w_ptr, u_ptr, out_ptr, V, w_stride, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def sums_kernel(w_ptr, ps_ptr, pl_ptr, V, w_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
+        c = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
         src = w_ptr + row * w_stride
         tv = tl.zeros([BLOCK], tl.float32)
         lastv = tl.full([BLOCK], -1, tl.int32)
-        for start in range(0, V, BLOCK):
+        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            w = tl.load(src + cols, mask=cols < V, other=0.0).to(tl.float32)
+            w = tl.load(src + cols, mask=(cols < V) & (cols < c * CHUNK_ + CHUNK_), other=0.0).to(tl.float32)
             tv += w
             lastv = tl.maximum(lastv, tl.where(w > 0, cols, -1))
-        x = tl.load(u_ptr + row) * tl.sum(tv, axis=0)  # the drawn point on [0, total)
-        last = tl.max(lastv, axis=0)  # the last index of positive weight (-1: none)
-        run = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
-        found = V + 0 * last
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = cols < V
-            w = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
-            c = tl.cumsum(w, axis=0) + run
-            found = tl.minimum(found, tl.min(tl.where(ok & (c > x), cols, V), axis=0))
-            run = tl.max(tl.where(ok, c, run), axis=0)  # weights >= 0: the running sum is the largest
-        idx = tl.minimum(found, V - 1)
-        w_idx = tl.load(src + idx).to(tl.float32)
-        # past the last positive weight (rounding; or none at all, then the last index, as the ops)
-        fallback = tl.where(last >= 0, last, V - 1)
-        tl.store(out_ptr + row, tl.where(w_idx > 0, idx, fallback).to(tl.int64))
+        tl.store(ps_ptr + row * C + c, tl.sum(tv, axis=0))
+        tl.store(pl_ptr + row * C + c, tl.max(lastv, axis=0))
 
-    return inverse_cdf_kernel
+    @triton.jit
+    def walk_kernel(w_ptr, u_ptr, ps_ptr, pl_ptr, out_ptr, V, w_stride, C, CHUNK_: tl.constexpr,
+                    BLOCK: tl.constexpr, CP: tl.constexpr):
+        c = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, CP)
+        sums = tl.load(ps_ptr + row * C + i, mask=i < C, other=0.0)
+        lasts = tl.load(pl_ptr + row * C + i, mask=i < C, other=-1)
+        incl = tl.cumsum(sums, axis=0)  # the running total at each chunk's end, the same in every program
+        x = tl.load(u_ptr + row) * tl.sum(tl.where(i == C - 1, incl, 0.0), axis=0)  # the drawn point on [0, total)
+        owner = tl.min(tl.where((i < C) & (incl > x), i, CP), axis=0)  # the chunk where it falls (CP: none)
+        if owner == c:
+            src = w_ptr + row * w_stride
+            run = tl.sum(tl.where(i == c - 1, incl, 0.0), axis=0)  # the total before this chunk
+            found = V + 0 * c
+            for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
+                w = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
+                cs = tl.cumsum(w, axis=0) + run
+                found = tl.minimum(found, tl.min(tl.where(ok & (cs > x), cols, V), axis=0))
+                run = tl.max(tl.where(ok, cs, run), axis=0)  # weights >= 0: the running sum is the largest
+            # past the chunk's end within rounding of it: the chunk's last positive weight
+            last = tl.sum(tl.where(i == c, lasts, 0), axis=0)
+            tl.store(out_ptr + row, tl.where(found < V, found, last).to(tl.int64))
+        elif (owner == CP) & (c == C - 1):
+            # past the total (rounding) or no weight at all: the last positive index, else the last
+            last = tl.max(lasts, axis=0)
+            tl.store(out_ptr + row, tl.where(last >= 0, last, V - 1).to(tl.int64))
+
+    return sums_kernel, walk_kernel
 
 
 def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """``tandem.sampling.sample_inverse_cdf`` in one launch, one program a row (see the module
-    docstring): the first index whose running sum of ``weights`` passes ``uniform`` x the row's
-    total; an index of weight 0 is never returned (the last positive one instead).
+    """``tandem.sampling.sample_inverse_cdf`` in two launches over chunks of ``CHUNK`` columns
+    (see the module docstring): the first index whose running sum of ``weights`` passes
+    ``uniform`` x the row's total; an index of weight 0 is never returned (the last positive one
+    instead; the last index when the row has no weight).
 
     Args:
         weights: ``[B, V]`` float >= 0; uniform: ``[B]`` float32 in [0, 1).
@@ -386,6 +409,12 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
     B, V = weights.shape
     out = torch.empty(B, dtype=torch.int64, device=weights.device)
     if B:
-        _inverse_cdf_kernel()[(B,)](weights, uniform.float().contiguous(), out, V, weights.stride(0),
-                                    BLOCK=SAMPLING_BLOCK, num_warps=SAMPLING_WARPS)
+        sums, walk = _inverse_cdf_kernels()
+        C = -(-V // CHUNK)
+        ps = torch.empty((B, C), dtype=torch.float32, device=weights.device)
+        pl = torch.empty((B, C), dtype=torch.int32, device=weights.device)
+        sums[(C, B)](weights, ps, pl, V, weights.stride(0), C, CHUNK_=CHUNK, BLOCK=INVERSE_CDF_BLOCK,
+                     num_warps=CHUNK_WARPS)
+        walk[(C, B)](weights, uniform.float().contiguous(), ps, pl, out, V, weights.stride(0), C, CHUNK_=CHUNK,
+                     BLOCK=INVERSE_CDF_BLOCK, CP=max(2, 1 << (C - 1).bit_length()), num_warps=CHUNK_WARPS)
     return out

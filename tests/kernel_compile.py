@@ -121,8 +121,12 @@ def main() -> int:
             build(write, dict(x_ptr=dt, **search_args, out_ptr="*fp32", out_stride=i32),
                   dict(FILTER=filtered, NP=bits // 4, BITS=bits, **chunk, **cp),
                   f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.CHUNK_WARPS)
-    build(sampling_kernels._inverse_cdf_kernel(), dict(w_ptr="*fp32", u_ptr="*fp32", out_ptr=i64p, V=i32, w_stride=i32),
-          dict(BLOCK=sampling_kernels.SAMPLING_BLOCK), "inverse_cdf", warps=sampling_kernels.SAMPLING_WARPS)
+    sums, walk = sampling_kernels._inverse_cdf_kernels()
+    draw = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.INVERSE_CDF_BLOCK)
+    build(sums, dict(w_ptr="*fp32", ps_ptr="*fp32", pl_ptr="*i32", V=i32, w_stride=i32, C=i32), draw,
+          "inverse_cdf sums", warps=sampling_kernels.CHUNK_WARPS)
+    build(walk, dict(w_ptr="*fp32", u_ptr="*fp32", ps_ptr="*fp32", pl_ptr="*i32", out_ptr=i64p, V=i32, w_stride=i32,
+                     C=i32), dict(**draw, CP=16), "inverse_cdf walk", warps=sampling_kernels.CHUNK_WARPS)
     qkv, linear, gate_up = fused_linear._kernels()
     for t in (fused_linear.DECODE_TILES, fused_linear.PREFILL_TILES):
         tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)
