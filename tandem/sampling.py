@@ -247,7 +247,8 @@ def chain_prefix(draft_tokens: torch.Tensor, draft_lens: torch.Tensor) -> tuple[
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+                   top_p: torch.Tensor, filtered: bool = True, out: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """Apply temperature, top-k and top-p to logits and return probabilities.
 
     A row keeps the tokens whose logit is at least its cut: the k-th largest logit (top-k), then,
@@ -265,13 +266,31 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         top_p: ``[B]`` float in (0, 1] (1 = off).
         filtered: False when the caller knows no row uses top-k or top-p (every ``top_k`` 0 and
             every ``top_p`` 1): skips the cut, with the same result.
+        out: ``[B, V]`` float32 to write the probabilities into, or None (a new tensor).
+        rows: ``[B]`` bool, with ``out``: only these rows are written, the others keep their
+            values (a drafter's q buffer, where only some rows draft), without a copy.
 
     Returns:
-        ``[B, V]`` float32 probabilities; filtered tokens have probability exactly 0.
+        ``[B, V]`` float32 probabilities (``out`` when given); filtered tokens have probability
+        exactly 0.
+
+    Raises:
+        ValueError: ``rows`` without ``out``.
     """
+    if rows is not None and out is None:
+        raise ValueError("sampling_probs: rows needs out (the rows left out keep out's values)")
     if (logits.dim() == 2 and logits.shape[0] and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and round_kernels_on(logits.device)):
-        return sampling_kernels.sampling_probs(logits, temperature, top_k, top_p, filtered)
+            and round_kernels_on(logits.device) and (out is None or out.stride(-1) == 1)):
+        return sampling_kernels.sampling_probs(logits, temperature, top_k, top_p, filtered, out, rows)
+    probs = _sampling_probs_ops(logits, temperature, top_k, top_p, filtered)
+    if out is None:
+        return probs
+    return torch.where(rows[:, None], probs, out, out=out) if rows is not None else out.copy_(probs)
+
+
+def _sampling_probs_ops(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor, filtered: bool) -> torch.Tensor:
+    """``sampling_probs`` in PyTorch ops (a sort), into a new tensor."""
     logits = logits.float() / temperature[:, None]
     if not filtered:
         return logits.softmax(dim=-1)

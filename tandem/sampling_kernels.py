@@ -259,32 +259,37 @@ def _sampling_kernels():
             tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + j, tl.sum(part, axis=0))
 
     @triton.jit
-    def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, out_ptr, V, x_stride, out_stride, B, C,
-                     FILTER: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr, CHUNK_: tl.constexpr,
-                     BLOCK: tl.constexpr, CP: tl.constexpr, WAYS_: tl.constexpr):
+    def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, out_ptr, sel_ptr, V, x_stride, out_stride,
+                     B, C, FILTER: tl.constexpr, HAS_SEL: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr,
+                     CHUNK_: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, WAYS_: tl.constexpr):
         c = tl.program_id(0)
         row = tl.program_id(1).to(tl.int64)
-        src = x_ptr + row * x_stride
-        temp = tl.load(t_ptr + row).to(tl.float32)
-        m, z = _row_stats(pm_ptr, pz_ptr, row, C, CP)
-        cut = (row * 0).to(tl.int64)  # the least key: every token kept
-        if FILTER:
-            k = tl.load(k_ptr + row)
-            p = tl.load(p_ptr + row).to(tl.float32)
-            cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, 2 * NP, NP, BITS, CP, WAYS_)
-        dst = out_ptr + row * out_stride
-        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-            raw = tl.load(src + cols, mask=ok, other=0.0)
-            keep = _key(raw, BITS) >= cut
-            tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
+        go = True
+        if HAS_SEL:  # rows left out keep what their output row holds
+            go = tl.load(sel_ptr + row) != 0
+        if go:
+            src = x_ptr + row * x_stride
+            temp = tl.load(t_ptr + row).to(tl.float32)
+            m, z = _row_stats(pm_ptr, pz_ptr, row, C, CP)
+            cut = (row * 0).to(tl.int64)  # the least key: every token kept
+            if FILTER:
+                k = tl.load(k_ptr + row)
+                p = tl.load(p_ptr + row).to(tl.float32)
+                cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, 2 * NP, NP, BITS, CP, WAYS_)
+            dst = out_ptr + row * out_stride
+            for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
+                raw = tl.load(src + cols, mask=ok, other=0.0)
+                keep = _key(raw, BITS) >= cut
+                tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
 
     return stats_kernel, search_kernel, write_kernel
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   filtered: bool = True) -> torch.Tensor:
+                   filtered: bool = True, out: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """``tandem.sampling.sampling_probs`` without sorting (see the module docstring): each row's
     columns in chunks of ``CHUNK``, one program a chunk; launches: the chunks' max and sum, then
     (``filtered``) ``2 x BITS / 4`` search passes (top-k's, then top-p's; a row skips those it
@@ -294,20 +299,29 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         logits: ``[B, V]`` bfloat16, float16 or float32, the last dimension contiguous.
         temperature: ``[B]`` > 0; top_k: ``[B]`` int64 (0 = off); top_p: ``[B]`` in (0, 1] (1 = off).
         filtered: False when no row uses top-k or top-p (the search is left out).
+        out: ``[B, V]`` float32 to write into (its last dimension contiguous), or None (a new tensor).
+        rows: ``[B]`` bool, with ``out``: only these rows are written; the others keep their values.
 
     Returns:
         ``[B, V]`` float32 probabilities on ``logits``' device (CUDA, or the CPU under Triton's
-        interpreter); filtered tokens exactly 0.
+        interpreter); filtered tokens exactly 0. ``out`` when given.
 
     Raises:
-        ValueError: logits of another dtype.
+        ValueError: logits of another dtype; ``out`` of another shape, dtype or layout; ``rows``
+            without ``out``.
     """
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"sampling_probs kernel: logits of {logits.dtype} (it reads bf16, fp16 or fp32 bit patterns)")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     B, V = logits.shape
-    out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    if out is None:
+        if rows is not None:
+            raise ValueError("sampling_probs kernel: rows needs out (the rows left out keep out's values)")
+        out = torch.empty((B, V), dtype=torch.float32, device=logits.device)
+    elif out.shape != (B, V) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"sampling_probs kernel: out {tuple(out.shape)} {out.dtype} needs [{B}, {V}] float32 "
+                         "with contiguous rows")
     if not B:
         return out
     stats, search, write = _sampling_kernels()
@@ -328,8 +342,9 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         for g in range(2 * n_pass):
             search[grid](logits, temperature, top_k, top_p, pm, pz, part, V, logits.stride(0), B, C, g, NP=n_pass,
                          BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
-    write[grid](logits, temperature, top_k, top_p, pm, pz, part, out, V, logits.stride(0), out.stride(0), B, C,
-                FILTER=bool(filtered), NP=n_pass, BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS,
+    sel = rows.contiguous() if rows is not None else pm  # (pm: any pointer where no rows are chosen)
+    write[grid](logits, temperature, top_k, top_p, pm, pz, part, out, sel, V, logits.stride(0), out.stride(0), B, C,
+                FILTER=bool(filtered), HAS_SEL=rows is not None, NP=n_pass, BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS,
                 num_warps=CHUNK_WARPS)
     return out
 

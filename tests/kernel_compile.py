@@ -118,9 +118,11 @@ def main() -> int:
         build(search, dict(x_ptr=dt, **search_args, g=i32), dict(NP=bits // 4, BITS=bits, **chunk, **cp),
               f"sampling_probs search {bits}-bit", warps=sampling_kernels.CHUNK_WARPS)
         for filtered in (False, True):
-            build(write, dict(x_ptr=dt, **search_args, out_ptr="*fp32", out_stride=i32),
-                  dict(FILTER=filtered, NP=bits // 4, BITS=bits, **chunk, **cp),
-                  f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}", warps=sampling_kernels.CHUNK_WARPS)
+            for sel in (False, True):
+                build(write, dict(x_ptr=dt, **search_args, out_ptr="*fp32", sel_ptr="*i1", out_stride=i32),
+                      dict(FILTER=filtered, HAS_SEL=sel, NP=bits // 4, BITS=bits, **chunk, **cp),
+                      f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}{' chosen rows' if sel else ''}",
+                      warps=sampling_kernels.CHUNK_WARPS)
     sums, walk = sampling_kernels._inverse_cdf_kernels()
     draw = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.INVERSE_CDF_BLOCK)
     build(sums, dict(w_ptr="*fp32", ps_ptr="*fp32", pl_ptr="*i32", V=i32, w_stride=i32, C=i32), draw,

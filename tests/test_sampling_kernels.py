@@ -103,6 +103,36 @@ def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, monkeypat
     assert kept[4] == V  # top_k = V keeps every token
 
 
+@pytest.mark.parametrize("path", ["kernel", "ops"])
+def test_sampling_probs_writes_only_the_chosen_rows_in_place(triton_device, path, monkeypatch):
+    """``out`` and ``rows`` (a drafter's q buffer, where only some rows draft): the chosen rows get
+    the probabilities ``sampling_probs`` returns alone, the others keep their values, and the
+    result is ``out`` itself, also through a strided view (one draft position of a [n, k, V]
+    buffer); ``rows`` without ``out`` is refused."""
+    monkeypatch.setattr(sampling_kernels, "CHUNK", 1024)
+    g = torch.Generator().manual_seed(3)
+    B, V = 6, 2048 + 5
+    logits = _rows(g, B, V)
+    temp, top_k, top_p = torch.full((B,), 0.8), torch.tensor([0, 5, 0, 40, 0, 0]), torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.7])
+    chosen = torch.tensor([True, False, True, True, False, True])
+    want = sampling_ops_probs(logits, temp, top_k, top_p)
+    buf = torch.full((B, 3, V), 7.0)
+    if path == "kernel":
+        call = lambda *a, **kw: sampling_kernels.sampling_probs(  # noqa: E731
+            *(t.to(triton_device) if isinstance(t, torch.Tensor) else t for t in a), **kw)
+        buf = buf.to(triton_device)
+    else:
+        call = sampling.sampling_probs
+    out = buf[:, 1]
+    got = call(logits, temp, top_k, top_p, True, out=out, rows=chosen.to(buf.device))
+    assert got.data_ptr() == out.data_ptr()
+    got = buf[:, 1].cpu()
+    torch.testing.assert_close(got[chosen], want[chosen], rtol=1e-4, atol=1e-7)
+    assert (got[~chosen] == 7.0).all() and (buf[:, 0] == 7.0).all() and (buf[:, 2] == 7.0).all()
+    with pytest.raises(ValueError, match="rows needs out"):
+        call(logits, temp, top_k, top_p, True, rows=chosen.to(buf.device))
+
+
 def sampling_ops_probs(logits, temp, top_k, top_p):
     """``sampling.sampling_probs`` in its PyTorch ops (on the CPU, where no kernel runs)."""
     return sampling.sampling_probs(logits.cpu(), temp, top_k, top_p)

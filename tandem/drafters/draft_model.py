@@ -291,9 +291,9 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         ``counter_uniform(seed, position, STREAM_DRAFT)``, q kept for verification."""
         fused = self.runner.model.fused
         n = keep.shape[0]
-        drafts, q = _draw(logits, position, sampling, fused)
-        if q is not None:
-            self._draft_q[:n, i] = torch.where(keep[:, None], q, self._draft_q[:n, i])
+        # sampled rows' q written into the kept rows of the q buffer, in place
+        q_rows = self._draft_q[:n, i] if sampling.any_sampled else None
+        drafts, q = _draw(logits, position, sampling, fused, out=q_rows, rows=keep if q_rows is not None else None)
         if self._scorer is not None:  # the predictor's features of each draft's distribution, as draft_rows makes them
             pos = torch.full((n,), float(i + 1), device=logits.device)
             feats = chained_draft_features(logits, pos, False, fused)
@@ -389,10 +389,9 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
             cols = []
             for i in range(k):
                 dist = logits.float().softmax(-1)
-                tokens, q = _draw(logits, start + i, sampling, fused)
+                tokens, q = _draw(logits, start + i, sampling, fused, out=q_out[:n, i] if sampled else None)
                 if q is not None:
                     dist = torch.where(sampling.greedy[:, None], dist, q)
-                    q_out[:n, i].copy_(q)
                 feats = device_features(dist, torch.full((n,), float(i + 1), device=dist.device))
                 top = dist.topk(min(top_m, dist.shape[-1]), dim=-1).indices
                 cols.append(torch.cat([tokens[:, None].float(), feats.float(), top.float()], dim=1))
@@ -472,14 +471,17 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
 _GREEDY_DRAFT = SamplingParams(seed=0)  # a chained step's row without a sampled request (no seed drawn for it)
 
 
-def _draw(logits: torch.Tensor, position: torch.Tensor, sampling,
-          fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _draw(logits: torch.Tensor, position: torch.Tensor, sampling, fused: bool, out: torch.Tensor | None = None,
+          rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts ``[n]`` from draft logits ``[n, V]`` and, when ``sampling.any_sampled``, the q
     ``[n, V]`` the sampled rows drew from (the request's sampling transform; greedy rows take the
-    argmax) with ``counter_uniform(seed, position, STREAM_DRAFT)``. Device work only."""
+    argmax) with ``counter_uniform(seed, position, STREAM_DRAFT)``: written into ``out`` when
+    given (only its ``rows`` when given; the others keep their values, and their draws are
+    meaningless). Device work only."""
     drafts = kernels.row_argmax(logits) if fused else logits.argmax(-1)
     if not sampling.any_sampled:
         return drafts, None
-    q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered)
+    q = sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.filtered, out=out,
+                       rows=rows)
     drawn = sample_inverse_cdf(q, counter_uniform(sampling.seed, position, STREAM_DRAFT))
     return torch.where(sampling.greedy, drafts, drawn), q

@@ -143,13 +143,14 @@ class ChainedHead(BufferedDrafts):
         q = None
         if sampling.any_sampled:
             rep = lambda t: t[:, None].expand(n, ld).reshape(-1)  # noqa: E731
+            # the kept rows' q written into the q buffer in place (the others keep theirs; their
+            # draws below are discarded with their drafts)
             q = sampling_probs(logits.reshape(n * ld, V), rep(sampling.temperature), rep(sampling.top_k),
-                               rep(sampling.top_p), sampling.filtered)
+                               rep(sampling.top_p), sampling.filtered, out=self._draft_q[:n].view(n * ld, V),
+                               rows=rep(keep))
             u = counter_uniform(sampling.seed, length[:, None] + 1 + torch.arange(ld, device=dev)[None, :], STREAM_DRAFT)
             drawn = sample_inverse_cdf(q, u.reshape(-1)).view(n, ld)
             drafts = torch.where(sampling.greedy[:, None], drafts, drawn)
-            q_rows = self._draft_q[:n]
-            torch.where(keep[:, None, None], q.view(n, ld, V), q_rows, out=q_rows)
         if self._scorer is not None:  # the predictor's features of each draft's q, as draft_rows makes them
             pos = torch.arange(1, ld + 1, dtype=torch.float32, device=dev).repeat(n)
             feats = self._features(logits.reshape(n * ld, V), pos, probs=False)  # greedy rows: softmax(logits)
