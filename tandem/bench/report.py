@@ -22,9 +22,10 @@ class TextTable:
     title: str
     headers: list[str]
     rows: list[list[str]]
+    caption: str = ""  # a line under the table
 
     def to_rich(self) -> Table:
-        table = Table(title=self.title)
+        table = Table(title=self.title, caption=self.caption or None)
         for i, h in enumerate(self.headers):  # a narrow terminal wraps a cell, never cuts it ("1.0…")
             table.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
         for row in self.rows:
@@ -35,7 +36,7 @@ class TextTable:
         lines = [f"### {self.title}", "", "| " + " | ".join(self.headers) + " |",
                  "|" + "|".join(["---"] + ["---:"] * (len(self.headers) - 1)) + "|"]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + ([f"\n{self.caption}"] if self.caption else [])) + "\n"
 
 
 def _f(x: float, spec: str) -> str:
@@ -73,7 +74,8 @@ def main_table(report: BenchReport) -> TextTable:
              _f(r.ttft_p50_ms, ".1f"), _f(r.ttft_p99_ms, ".1f"), _f(r.tpot_p50_ms, ".2f"), _f(r.tpot_p99_ms, ".2f"),
              _f(r.peak_mem_gib, ".2f"), str(r.prefills) if r.prefills else "–", _f(r.prefill_host_ms, ".1f")]
             for r in sorted(report.results, key=lambda r: (r.batch_size, report.meta.configs.index(r.config)))]
-    return TextTable(title, headers, rows)
+    return TextTable(title, headers, rows, caption="TTFT counts from submission: every prompt of a batch size is "
+                     "queued at once, so it includes the wait for a free slot.")
 
 
 def _k_cell(r: RunResult) -> str:

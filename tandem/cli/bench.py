@@ -37,7 +37,8 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
                    "chained device rounds; ngram-router-budget, specformer-router-budget (--mode distributed: "
                    "the router's batch budget sets the width); the ablation's rows (fixed-k=<n>, random-length, entropy-threshold, "
                    "predictor-fixed-tau, predictor-online-tau, batch-width, budget, full-system) over --ca-drafter "
-                   "(target always runs: it is the baseline). Default: target (+ hf-generate).")
+                   "(target always runs: it is the baseline). Default: target,ngram (+ hf-generate; n-gram needs no "
+                   "weights of its own).")
 @click.option("--hf-baseline/--no-hf-baseline", default=None,
               help="Add (or drop) hf-generate in --configs; on by default when --configs is not given.")
 @click.option("--hf-limit", type=click.IntRange(min=1), default=5, show_default=True,
@@ -189,7 +190,7 @@ def _bench_configs(records, prompts_file, limit, sizes, max_tokens, configs_spec
         fail("--drafter is for --ablation; choose configurations with --configs")
     if configs_spec is not None:
         parse_configs(configs_spec)  # an empty list or item is an error before anything else
-    names = [n.strip() for n in (configs_spec or "target").split(",")]
+    names = [n.strip() for n in (configs_spec or "target,ngram").split(",")]
     if hf_baseline or (hf_baseline is None and configs_spec is None):
         names.append("hf-generate")
     elif hf_baseline is False:
