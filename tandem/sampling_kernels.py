@@ -122,21 +122,25 @@ WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-
 # A row's columns are split into fixed chunks of CHUNK, one program each, so that a few rows still
 # fill the GPU (one program a row made seven sequential passes over 49,152 logits: 0.17 ms
 # whatever the row count up to 64 on an H100, docs/benchmarks.md); the chunk does not depend on
-# the batch, so neither does a row's result.
+# the batch, so neither does a row's result. A row of one chunk (a vocabulary of at most CHUNK)
+# takes one program and one launch for everything: no partial sums to keep (a test's millions of
+# five-token rows would need gigabytes of them).
 CHUNK = 4096
 SEARCH_BLOCK = 256  # logits a step of a chunk's pass reads, as a [SEARCH_BLOCK, 1] column
 CHUNK_WARPS = 4
 
-_key = _row_stats = _narrow = _replay = None  # device functions of the sampling kernels (module globals, as above)
+# device functions of the sampling kernels (module globals, as above)
+_key = _chunk_stats = _chunk_sums = _chunk_write = _narrow_acc = _row_stats = _narrow = _replay = None
 
 
 @functools.lru_cache(maxsize=1)
 def _sampling_kernels():
-    """The sampling transform's three kernels, each over a ``(chunks, rows)`` grid: ``stats``
-    (each chunk's max and sum of exp), ``search`` (one pass of the cut search: each chunk's sums
-    for ``WAYS`` candidate cuts) and ``write`` (the probabilities). Every program rebuilds its
-    row's state from the earlier launches' partial sums, reduced in the same fixed order by all."""
-    global _key, _row_stats, _narrow, _replay
+    """The sampling transform's kernels. Rows of several chunks: ``stats`` (each chunk's max and
+    sum of exp), ``search`` (one pass of the cut search: each chunk's sums for ``WAYS`` candidate
+    cuts) and ``write`` (the probabilities), each over a ``(rows, chunks)`` grid, every program
+    rebuilding its row's state from the earlier launches' partial sums, reduced in the same fixed
+    order by all. Rows of one chunk: ``row``, all of it in one program a row."""
+    global _key, _chunk_stats, _chunk_sums, _chunk_write, _narrow_acc, _row_stats, _narrow, _replay
     triton, tl = kernels._modules()
 
     @triton.jit
@@ -153,6 +157,67 @@ def _sampling_kernels():
             return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
     @triton.jit
+    def _chunk_stats(src, temp, c0, c1, BLOCK: tl.constexpr):
+        # max m of x = logit / T over columns [c0, c1), and the sum of exp(x - m) (0 for -inf logits)
+        mv = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mv = tl.maximum(mv, tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp)
+        m = tl.max(mv, axis=0)
+        zv = tl.zeros([BLOCK], tl.float32)
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp
+            zv += tl.where((cols < c1) & (x > float("-inf")), tl.exp(x - m), 0.0)
+        return m, tl.sum(zv, axis=0)
+
+    @triton.jit
+    def _chunk_sums(src, temp, m, c0, c1, lo, hi, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                    WAYS_: tl.constexpr):
+        # over columns [c0, c1): the count (or, with MASS, the softmax mass exp(x - m)) of keys at or
+        # above each of WAYS_ candidate cuts spread over [lo, hi); each thread keeps its columns'
+        # sums for every candidate and the program reduces them once (the columns loaded as a
+        # [BLOCK, 1] column, meeting the candidates in the sums' own layout)
+        j = tl.arange(0, WAYS_)
+        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
+        cand = (lo + j.to(tl.int64) * step)[None, :]
+        if BITS == 16:
+            cand = cand.to(tl.int32)
+        part = tl.zeros([BLOCK, WAYS_], tl.float32)
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)[:, None]
+            ok = cols < c1
+            raw = tl.load(src + cols, mask=ok, other=0.0)
+            if MASS:
+                w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
+            else:
+                w = tl.where(ok, 1.0, 0.0)
+            part += tl.where(_key(raw, BITS) >= cand, w, 0.0)
+        return tl.sum(part, axis=0)
+
+    @triton.jit
+    def _chunk_write(src, dst, temp, m, z, cut, c0, c1, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        for start in range(c0, c1, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < c1
+            raw = tl.load(src + cols, mask=ok, other=0.0)
+            keep = _key(raw, BITS) >= cut
+            tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
+
+    @triton.jit
+    def _narrow_acc(acc, lo, hi, target, WAYS_: tl.constexpr):
+        # the interval of [lo, hi) a pass keeps, from its sums acc [WAYS_]: the largest candidate
+        # whose count (or mass) of keys at or above it reaches target; with that count, and acc[0]
+        j = tl.arange(0, WAYS_)
+        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
+        cand = lo + j.to(tl.int64) * step
+        good = (acc >= target) & (acc > 0) & (cand < hi)  # (acc > 0: the most likely token always stays)
+        best = tl.max(tl.where(good, j, 0), axis=0)
+        found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
+        lo = lo + best.to(tl.int64) * step
+        return lo, tl.minimum(hi, lo + step), found, tl.sum(tl.where(j == 0, acc, 0.0), axis=0)
+
+    @triton.jit
     def _row_stats(pm_ptr, pz_ptr, row, C, CP: tl.constexpr):
         # the row's softmax max m and sum z of exp(x - m), from its chunks' (max, sum) in chunk order
         c = tl.arange(0, CP)
@@ -163,26 +228,18 @@ def _sampling_kernels():
 
     @triton.jit
     def _narrow(part_ptr, g, row, B, C, lo, hi, target, CP: tl.constexpr, WAYS_: tl.constexpr):
-        # pass g's sums over the row's chunks, and the interval of [lo, hi) it keeps: the largest
-        # candidate whose count (or mass) of keys at or above it reaches target; with that count
+        # _narrow_acc of pass g's sums over the row's chunks (chunk order)
         c = tl.arange(0, CP)[:, None]
         j = tl.arange(0, WAYS_)
         sums = tl.load(part_ptr + ((g * B + row) * C + c) * WAYS_ + j[None, :], mask=c < C, other=0.0)
-        acc = tl.sum(sums, axis=0)
-        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
-        cand = lo + j.to(tl.int64) * step
-        good = (acc >= target) & (acc > 0) & (cand < hi)  # (acc > 0: the most likely token always stays)
-        best = tl.max(tl.where(good, j, 0), axis=0)
-        found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
-        lo = lo + best.to(tl.int64) * step
-        return lo, tl.minimum(hi, lo + step), found, tl.sum(tl.where(j == 0, acc, 0.0), axis=0)
+        return _narrow_acc(tl.sum(sums, axis=0), lo, hi, target, WAYS_)
 
     @triton.jit
     def _replay(part_ptr, row, B, C, k, p, V, upto, NP: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr,
                 WAYS_: tl.constexpr):
         # the search's state before global pass `upto` (top-k passes 0 .. NP-1, then top-p passes
-        # NP .. 2 NP-1): the interval [lo, hi), the top-p target, and the mass at and above lo once
-        # top-p's first pass is summed (the mass the top-k cut keeps) and the last pass's mass found
+        # NP .. 2 NP-1): the interval [lo, hi), the top-p target, the mass at and above lo once
+        # top-p's first pass is summed (the mass the top-k cut keeps) and the last pass's count or mass
         lo = (row * 0).to(tl.int64)
         hi = lo + (1 << BITS)
         found = tl.sum(tl.zeros([WAYS_], tl.float32), axis=0)
@@ -204,24 +261,12 @@ def _sampling_kernels():
 
     @triton.jit
     def stats_kernel(x_ptr, t_ptr, pm_ptr, pz_ptr, V, x_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
-        c = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
-        src = x_ptr + row * x_stride
-        temp = tl.load(t_ptr + row).to(tl.float32)
-        mv = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-            mv = tl.maximum(mv, tl.load(src + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp)
-        m = tl.max(mv, axis=0)
-        zv = tl.zeros([BLOCK], tl.float32)
-        for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-            x = tl.load(src + cols, mask=ok, other=float("-inf")).to(tl.float32) / temp
-            zv += tl.where(ok & (x > float("-inf")), tl.exp(x - m), 0.0)  # (a chunk of -inf logits sums 0)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        m, z = _chunk_stats(x_ptr + row * x_stride, tl.load(t_ptr + row).to(tl.float32), c * CHUNK_,
+                            tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK)
         tl.store(pm_ptr + row * C + c, m)
-        tl.store(pz_ptr + row * C + c, tl.sum(zv, axis=0))
+        tl.store(pz_ptr + row * C + c, z)
 
     @triton.jit
     def search_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, V, x_stride, B, C, g,
@@ -229,62 +274,78 @@ def _sampling_kernels():
                       CP: tl.constexpr, WAYS_: tl.constexpr):
         # pass g of the cut search: this chunk's count (top-k, g < NP) or softmax mass (top-p) of the
         # logits at or above each of WAYS_ candidate cuts spread over the row's current interval
-        c = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         k = tl.load(k_ptr + row)
         p = tl.load(p_ptr + row).to(tl.float32)
         topk = (k > 0) & (k < V)
         # passes a row does not need: top-k's without top-k; top-p's after its first (which sums the
         # mass the top-k cut keeps) without top-p
-        if ((g < NP) & topk) | ((g == NP)) | ((g > NP) & (p < 1.0)):
+        if ((g < NP) & topk) | (g == NP) | ((g > NP) & (p < 1.0)):
             lo, hi, _, _, _ = _replay(part_ptr, row, B, C, k, p, V, g, NP, BITS, CP, WAYS_)
+            m, _ = _row_stats(pm_ptr, pz_ptr, row, C, CP)
             src = x_ptr + row * x_stride
             temp = tl.load(t_ptr + row).to(tl.float32)
-            m, _ = _row_stats(pm_ptr, pz_ptr, row, C, CP)
-            j = tl.arange(0, WAYS_)
-            step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
-            cand = (lo + j.to(tl.int64) * step)[None, :]
-            if BITS == 16:
-                cand = cand.to(tl.int32)
-            part = tl.zeros([BLOCK, WAYS_], tl.float32)
-            for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
-                cols = start + tl.arange(0, BLOCK)[:, None]
-                ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-                raw = tl.load(src + cols, mask=ok, other=0.0)
-                if g >= NP:
-                    w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
-                else:
-                    w = tl.where(ok, 1.0, 0.0)
-                part += tl.where(_key(raw, BITS) >= cand, w, 0.0)
-            tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + j, tl.sum(part, axis=0))
+            c1 = tl.minimum(c * CHUNK_ + CHUNK_, V)
+            if g >= NP:
+                acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, lo, hi, True, BITS, BLOCK, WAYS_)
+            else:
+                acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, lo, hi, False, BITS, BLOCK, WAYS_)
+            tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + tl.arange(0, WAYS_), acc)
 
     @triton.jit
     def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, out_ptr, sel_ptr, V, x_stride, out_stride,
                      B, C, FILTER: tl.constexpr, HAS_SEL: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr,
                      CHUNK_: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, WAYS_: tl.constexpr):
-        c = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         go = True
         if HAS_SEL:  # rows left out keep what their output row holds
             go = tl.load(sel_ptr + row) != 0
         if go:
-            src = x_ptr + row * x_stride
-            temp = tl.load(t_ptr + row).to(tl.float32)
             m, z = _row_stats(pm_ptr, pz_ptr, row, C, CP)
             cut = (row * 0).to(tl.int64)  # the least key: every token kept
             if FILTER:
                 k = tl.load(k_ptr + row)
                 p = tl.load(p_ptr + row).to(tl.float32)
                 cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, 2 * NP, NP, BITS, CP, WAYS_)
-            dst = out_ptr + row * out_stride
-            for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-                raw = tl.load(src + cols, mask=ok, other=0.0)
-                keep = _key(raw, BITS) >= cut
-                tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
+            _chunk_write(x_ptr + row * x_stride, out_ptr + row * out_stride, tl.load(t_ptr + row).to(tl.float32),
+                         m, z, cut, c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BITS, BLOCK)
 
-    return stats_kernel, search_kernel, write_kernel
+    @triton.jit
+    def row_kernel(x_ptr, t_ptr, k_ptr, p_ptr, out_ptr, sel_ptr, V, x_stride, out_stride, FILTER: tl.constexpr,
+                   HAS_SEL: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                   WAYS_: tl.constexpr):
+        # a row of one chunk, all in this program: the same sums and search as the chunked kernels
+        row = tl.program_id(0).to(tl.int64)
+        go = True
+        if HAS_SEL:
+            go = tl.load(sel_ptr + row) != 0
+        if go:
+            src = x_ptr + row * x_stride
+            temp = tl.load(t_ptr + row).to(tl.float32)
+            m, z = _chunk_stats(src, temp, 0, V, BLOCK)
+            cut = (row * 0).to(tl.int64)
+            if FILTER:
+                k = tl.load(k_ptr + row)
+                p = tl.load(p_ptr + row).to(tl.float32)
+                hi = cut + (1 << BITS)
+                if (k > 0) & (k < V):
+                    for _ in range(0, NP):
+                        acc = _chunk_sums(src, temp, m, 0, V, cut, hi, False, BITS, BLOCK, WAYS_)
+                        cut, hi, _, _ = _narrow_acc(acc, cut, hi, k.to(tl.float32), WAYS_)
+                    hi = cut * 0 + (1 << BITS)
+                acc = _chunk_sums(src, temp, m, 0, V, cut, hi, True, BITS, BLOCK, WAYS_)
+                z = tl.sum(tl.where(tl.arange(0, WAYS_) == 0, acc, 0.0), axis=0)  # the mass top-k keeps
+                if p < 1.0:
+                    target = p * z
+                    cut, hi, z, _ = _narrow_acc(acc, cut, hi, target, WAYS_)
+                    for _ in range(1, NP):
+                        acc = _chunk_sums(src, temp, m, 0, V, cut, hi, True, BITS, BLOCK, WAYS_)
+                        cut, hi, z, _ = _narrow_acc(acc, cut, hi, target, WAYS_)
+            _chunk_write(src, out_ptr + row * out_stride, temp, m, z, cut, 0, V, BITS, BLOCK)
+
+    return stats_kernel, search_kernel, write_kernel, row_kernel
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -324,7 +385,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                          "with contiguous rows")
     if not B:
         return out
-    stats, search, write = _sampling_kernels()
+    stats, search, write, row_kernel = _sampling_kernels()
     bits = 32 if logits.dtype == torch.float32 else 16
     n_pass = bits // 4  # passes of one search (WAYS = 16 settles 4 bits a pass)
     C = -(-V // CHUNK)
@@ -332,20 +393,25 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     dev = logits.device
     temperature = temperature.float().contiguous()
     top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
+    sel = rows.contiguous() if rows is not None else temperature  # (any pointer where no rows are chosen)
+    if C == 1:
+        row_kernel[(B,)](logits, temperature, top_k, top_p, out, sel, V, logits.stride(0), out.stride(0),
+                         FILTER=bool(filtered), HAS_SEL=rows is not None, NP=n_pass, BITS=bits, BLOCK=SEARCH_BLOCK,
+                         WAYS_=WAYS, num_warps=CHUNK_WARPS)
+        return out
     pm = torch.empty((B, C), dtype=torch.float32, device=dev)
     pz = torch.empty((B, C), dtype=torch.float32, device=dev)
     part = torch.empty((2 * n_pass if filtered else 1, B, C, WAYS), dtype=torch.float32, device=dev)
-    grid = (C, B)
+    grid = (B, C)
     stats[grid](logits, temperature, pm, pz, V, logits.stride(0), C, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK,
                 num_warps=CHUNK_WARPS)
     if filtered:
         for g in range(2 * n_pass):
             search[grid](logits, temperature, top_k, top_p, pm, pz, part, V, logits.stride(0), B, C, g, NP=n_pass,
                          BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
-    sel = rows.contiguous() if rows is not None else pm  # (pm: any pointer where no rows are chosen)
     write[grid](logits, temperature, top_k, top_p, pm, pz, part, out, sel, V, logits.stride(0), out.stride(0), B, C,
-                FILTER=bool(filtered), HAS_SEL=rows is not None, NP=n_pass, BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS,
-                num_warps=CHUNK_WARPS)
+                FILTER=bool(filtered), HAS_SEL=rows is not None, NP=n_pass, BITS=bits, CHUNK_=CHUNK,
+                BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
     return out
 
 
@@ -354,15 +420,15 @@ INVERSE_CDF_BLOCK = 1024  # weights a step of the inverse-CDF draw's chunk reads
 
 @functools.lru_cache(maxsize=1)
 def _inverse_cdf_kernels():
-    """The inverse-CDF draw's two kernels over a ``(chunks, rows)`` grid: ``sums`` (each chunk's
+    """The inverse-CDF draw's two kernels over a ``(rows, chunks)`` grid: ``sums`` (each chunk's
     total and last positive index), then ``walk`` (the chunk where the drawn point falls walks its
     columns; every program finds that chunk from the same running sums)."""
     triton, tl = kernels._modules()
 
     @triton.jit
     def sums_kernel(w_ptr, ps_ptr, pl_ptr, V, w_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
-        c = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         src = w_ptr + row * w_stride
         tv = tl.zeros([BLOCK], tl.float32)
         lastv = tl.full([BLOCK], -1, tl.int32)
@@ -377,8 +443,8 @@ def _inverse_cdf_kernels():
     @triton.jit
     def walk_kernel(w_ptr, u_ptr, ps_ptr, pl_ptr, out_ptr, V, w_stride, C, CHUNK_: tl.constexpr,
                     BLOCK: tl.constexpr, CP: tl.constexpr):
-        c = tl.program_id(0)
-        row = tl.program_id(1).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         i = tl.arange(0, CP)
         sums = tl.load(ps_ptr + row * C + i, mask=i < C, other=0.0)
         lasts = tl.load(pl_ptr + row * C + i, mask=i < C, other=-1)
@@ -428,8 +494,8 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
         C = -(-V // CHUNK)
         ps = torch.empty((B, C), dtype=torch.float32, device=weights.device)
         pl = torch.empty((B, C), dtype=torch.int32, device=weights.device)
-        sums[(C, B)](weights, ps, pl, V, weights.stride(0), C, CHUNK_=CHUNK, BLOCK=INVERSE_CDF_BLOCK,
+        sums[(B, C)](weights, ps, pl, V, weights.stride(0), C, CHUNK_=CHUNK, BLOCK=INVERSE_CDF_BLOCK,
                      num_warps=CHUNK_WARPS)
-        walk[(C, B)](weights, uniform.float().contiguous(), ps, pl, out, V, weights.stride(0), C, CHUNK_=CHUNK,
+        walk[(B, C)](weights, uniform.float().contiguous(), ps, pl, out, V, weights.stride(0), C, CHUNK_=CHUNK,
                      BLOCK=INVERSE_CDF_BLOCK, CP=max(2, 1 << (C - 1).bit_length()), num_warps=CHUNK_WARPS)
     return out

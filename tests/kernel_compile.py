@@ -107,7 +107,7 @@ def main() -> int:
         build(sampling_kernels._uniform_kernel(), dict(seed_ptr=i64p, pos_ptr=i64p, out_ptr="*fp32", n=i32, per_row=i32),
               dict(STREAM_KEY=sampling_kernels.stream_key(stream), BLOCK=sampling_kernels.UNIFORM_BLOCK),
               f"counter_uniform stream {stream}")
-    stats, search, write = sampling_kernels._sampling_kernels()
+    stats, search, write, row_kernel = sampling_kernels._sampling_kernels()
     chunk = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.SEARCH_BLOCK)
     search_args = dict(t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", part_ptr="*fp32",
                        V=i32, x_stride=i32, B=i32, C=i32)
@@ -123,6 +123,12 @@ def main() -> int:
                       dict(FILTER=filtered, HAS_SEL=sel, NP=bits // 4, BITS=bits, **chunk, **cp),
                       f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}{' chosen rows' if sel else ''}",
                       warps=sampling_kernels.CHUNK_WARPS)
+                build(row_kernel, dict(x_ptr=dt, t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", out_ptr="*fp32",
+                                       sel_ptr="*i1", V=i32, x_stride=i32, out_stride=i32),
+                      dict(FILTER=filtered, HAS_SEL=sel, NP=bits // 4, BITS=bits, BLOCK=sampling_kernels.SEARCH_BLOCK,
+                           WAYS_=sampling_kernels.WAYS),
+                      f"sampling_probs one-program row {bits}-bit{' filtered' if filtered else ''}"
+                      f"{' chosen rows' if sel else ''}", warps=sampling_kernels.CHUNK_WARPS)
     sums, walk = sampling_kernels._inverse_cdf_kernels()
     draw = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.INVERSE_CDF_BLOCK)
     build(sums, dict(w_ptr="*fp32", ps_ptr="*fp32", pl_ptr="*i32", V=i32, w_stride=i32, C=i32), draw,

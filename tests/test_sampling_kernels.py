@@ -70,15 +70,17 @@ def _rows(g: torch.Generator, B: int, V: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("chunk", [1024, 4096], ids=["chunks", "one-program"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, monkeypatch):
+def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, chunk, monkeypatch):
     """Temperature, top-k and top-p, alone and together, in rows of every kind: the kernel keeps
     exactly the tokens the PyTorch ops keep (ties with the cut included), with probabilities
-    within rounding, rows summing to 1. A vocabulary over three chunks (one program each), a
-    ragged end; a chunk of -inf logits (a masked range) in one row."""
+    within rounding, rows summing to 1. A vocabulary over three chunks (one program each, a
+    launch a pass), and in one chunk (one program a row does it all); a ragged end; a chunk's
+    worth of -inf logits (a masked range) in one row."""
     if dtype == torch.bfloat16 and triton_device.type == "cpu":
         pytest.skip("Triton's interpreter has no bfloat16 (NumPy)")
-    monkeypatch.setattr(sampling_kernels, "CHUNK", 1024)
+    monkeypatch.setattr(sampling_kernels, "CHUNK", chunk)
     g = torch.Generator().manual_seed(1)
     B, V = 8, 2048 + 777
     logits = _rows(g, B, V).to(dtype)
@@ -103,13 +105,13 @@ def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, monkeypat
     assert kept[4] == V  # top_k = V keeps every token
 
 
-@pytest.mark.parametrize("path", ["kernel", "ops"])
-def test_sampling_probs_writes_only_the_chosen_rows_in_place(triton_device, path, monkeypatch):
+@pytest.mark.parametrize("path,chunk", [("kernel", 1024), ("kernel", 4096), ("ops", 1024)])
+def test_sampling_probs_writes_only_the_chosen_rows_in_place(triton_device, path, chunk, monkeypatch):
     """``out`` and ``rows`` (a drafter's q buffer, where only some rows draft): the chosen rows get
     the probabilities ``sampling_probs`` returns alone, the others keep their values, and the
     result is ``out`` itself, also through a strided view (one draft position of a [n, k, V]
-    buffer); ``rows`` without ``out`` is refused."""
-    monkeypatch.setattr(sampling_kernels, "CHUNK", 1024)
+    buffer); ``rows`` without ``out`` is refused. Rows over chunks and rows of one chunk."""
+    monkeypatch.setattr(sampling_kernels, "CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
     B, V = 6, 2048 + 5
     logits = _rows(g, B, V)
@@ -168,6 +170,25 @@ def test_inverse_cdf_kernel_draws_the_ops_index(triton_device, monkeypatch):
         got = sampling_kernels.sample_inverse_cdf(rows.to(triton_device), u.to(triton_device)).cpu()
         assert torch.equal(got, want)
     assert all(w[r, got[r]] > 0 for r in range(B) if r != 3) and got[3] == V - 1
+
+
+@pytest.mark.gpu
+def test_sampling_kernels_take_more_rows_than_a_grid_dimension_holds():
+    """A verify step of many short rows (the powered speculative-sampling tests: millions of rows of
+    five tokens): rows lie on the grid's first dimension (2**31 - 1 programs, where the second
+    holds 65,535), and a row of one chunk keeps no partial sums."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(4)
+    B, V = 70_000, 5
+    logits = torch.randn(B, V, generator=g)
+    temp, top_k, top_p = torch.full((B,), 0.9), torch.zeros(B, dtype=torch.long), torch.full((B,), 0.8)
+    want = sampling_ops_probs(logits, temp, top_k, top_p)
+    got = sampling_kernels.sampling_probs(logits.cuda(), temp.cuda(), top_k.cuda(), top_p.cuda()).cpu()
+    assert torch.equal(got > 0, want > 0)
+    u = torch.rand(B, generator=g)
+    assert torch.equal(sampling_kernels.sample_inverse_cdf(want.cuda(), u.cuda()).cpu(),
+                       sampling.sample_inverse_cdf(want, u))
 
 
 def test_sampling_probs_kernel_refuses_a_dtype_it_cannot_read():
