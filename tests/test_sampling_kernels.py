@@ -70,7 +70,7 @@ def _rows(g: torch.Generator, B: int, V: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("chunk", [1024, 4096], ids=["chunks", "one-program"])
+@pytest.mark.parametrize("chunk", [512, 4096], ids=["chunks", "one-program"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, chunk, monkeypatch):
     """Temperature, top-k and top-p, alone and together, in rows of every kind: the kernel keeps
@@ -82,13 +82,13 @@ def test_sampling_probs_kernel_keeps_the_ops_cut(triton_device, dtype, chunk, mo
         pytest.skip("Triton's interpreter has no bfloat16 (NumPy)")
     monkeypatch.setattr(sampling_kernels, "CHUNK", chunk)
     g = torch.Generator().manual_seed(1)
-    B, V = 8, 2048 + 777
+    B, V = 8, 1024 + 333
     logits = _rows(g, B, V).to(dtype)
-    logits[5, 1024:2048] = float("-inf")
+    logits[5, 512:1024] = float("-inf")
     temp = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0, 1.0, 0.9, 1.0])
     cases = {
         "temperature": (torch.zeros(B, dtype=torch.long), torch.ones(B)),
-        "top-k": (torch.tensor([1, 5, 40, 3000, V, V + 5, 0, 2]), torch.ones(B)),
+        "top-k": (torch.tensor([1, 5, 40, 1000, V, V + 5, 0, 2]), torch.ones(B)),
         "top-p": (torch.zeros(B, dtype=torch.long), torch.tensor([0.9, 0.5, 0.95, 1e-9, 0.99, 0.3, 1.0, 0.8])),
         "both": (torch.tensor([50, 0, 7, 1000, 2, 0, 300, 9]), torch.tensor([0.9, 0.6, 0.5, 0.97, 0.8, 1.0, 0.7, 0.999])),
     }
@@ -133,6 +133,28 @@ def test_sampling_probs_writes_only_the_chosen_rows_in_place(triton_device, path
     assert (got[~chosen] == 7.0).all() and (buf[:, 0] == 7.0).all() and (buf[:, 2] == 7.0).all()
     with pytest.raises(ValueError, match="rows needs out"):
         call(logits, temp, top_k, top_p, True, rows=chosen.to(buf.device))
+
+
+def test_sampling_kernels_give_a_row_the_same_bits_alone_and_in_a_batch(triton_device, monkeypatch):
+    """A row's probabilities and its draw are bitwise the same computed alone, in a batch, or at
+    another place in it (fixed chunks, sums in a fixed order): what makes a seeded request's tokens
+    independent of the requests beside it. (A row of one chunk is one program: nothing to share.)"""
+    monkeypatch.setattr(sampling_kernels, "CHUNK", 512)
+    g = torch.Generator().manual_seed(5)
+    B, V = 6, 1024 + 333
+    logits = _rows(g, B, V).to(triton_device, torch.float16)  # (16-bit keys: four passes a search)
+    temp = torch.tensor([0.7, 1.0, 1.3, 0.9, 0.5, 1.1], device=triton_device)
+    top_k = torch.tensor([0, 7, 0, 300, 0, 2], device=triton_device)
+    top_p = torch.tensor([0.9, 1.0, 0.6, 0.95, 1.0, 0.8], device=triton_device)
+    u = torch.rand(B, generator=g).to(triton_device)
+    batch = sampling_kernels.sampling_probs(logits, temp, top_k, top_p)
+    drawn = sampling_kernels.sample_inverse_cdf(batch, u)
+    flipped = sampling_kernels.sampling_probs(logits.flip(0), temp.flip(0), top_k.flip(0), top_p.flip(0)).flip(0)
+    assert torch.equal(flipped, batch)
+    for r in (3, 5):
+        alone = sampling_kernels.sampling_probs(logits[r:r + 1], temp[r:r + 1], top_k[r:r + 1], top_p[r:r + 1])
+        assert torch.equal(alone[0], batch[r]), r
+        assert torch.equal(sampling_kernels.sample_inverse_cdf(alone, u[r:r + 1])[0], drawn[r]), r
 
 
 def sampling_ops_probs(logits, temp, top_k, top_p):
