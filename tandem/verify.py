@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import residual_kernel
+from .models.kernels import round_kernels_on
 from .sampling import (STREAM_ACCEPT, STREAM_SAMPLE, LogitAdjustments, adjust_logits, chain_prefix, counter_uniform,
                        sample_inverse_cdf, sampling_probs)
 
@@ -166,6 +168,28 @@ def stop_weights(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens
     return rejection_weights(p[rows, num_accepted], q_row, rejected_token, num_accepted < draft_lens)
 
 
+def sample_stop_tokens(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                       draft_lens: torch.Tensor, num_accepted: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token each row emits after its accepted drafts: the inverse-CDF draw
+    (``sample_inverse_cdf``) with ``uniform`` from ``stop_weights``. On CUDA two launches read p
+    and q in place instead of materialising the weights (``tandem.residual_kernel``: the same
+    draws); elsewhere these ops.
+
+    Args:
+        p: ``[B, K + 1, V]`` float32; draft_probs: ``[B, K, V]`` or None (q one-hot);
+        draft_tokens: ``[B, K]``; draft_lens / num_accepted: ``[B]``; uniform: ``[B]`` in [0, 1).
+
+    Returns:
+        ``[B]`` int64.
+    """
+    B, Q, V = p.shape
+    if (Q >= 2 and p.dtype == torch.float32 and p.stride(-1) == 1 and round_kernels_on(p.device)
+            and (draft_probs is None or (tuple(draft_probs.shape) == (B, Q - 1, V) and draft_probs.stride(-1) == 1
+                                         and draft_probs.dtype == torch.float32))):
+        return residual_kernel.sample_stop_tokens(p, draft_probs, draft_tokens, draft_lens, num_accepted, uniform)
+    return sample_inverse_cdf(stop_weights(p, draft_probs, draft_tokens, draft_lens, num_accepted), uniform)
+
+
 @dataclass(frozen=True)
 class ChainVerification:
     """``verify_chains``' result, on the device.
@@ -237,9 +261,9 @@ def verify_chains(logits: torch.Tensor, argmax: torch.Tensor, draft_tokens: torc
     stop = num_accepted[:, None]
     next_token = argmax.gather(-1, stop)[:, 0]
     if sampling.any_sampled:
-        weights = stop_weights(p, draft_probs, draft_tokens, draft_lens, num_accepted)
         u = counter_uniform(sampling.seed, positions + num_accepted, STREAM_SAMPLE)
-        next_token = torch.where(sampling.greedy, next_token, sample_inverse_cdf(weights, u))
+        drawn = sample_stop_tokens(p, draft_probs, draft_tokens, draft_lens, num_accepted, u)
+        next_token = torch.where(sampling.greedy, next_token, drawn)
     padded = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)
     tokens = padded.scatter(1, stop, next_token[:, None])
     return ChainVerification(num_accepted, tokens)

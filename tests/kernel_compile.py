@@ -25,7 +25,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from tandem.drafters import lookup_kernel
-    from tandem import sampling_kernels, verify_kernel
+    from tandem import residual_kernel, sampling_kernels, verify_kernel
     from tandem.models import attention, fused_linear, head_kernels, kernels
 
     target = GPUTarget("cuda", 90, 32)
@@ -135,6 +135,14 @@ def main() -> int:
           "inverse_cdf sums", warps=sampling_kernels.CHUNK_WARPS)
     build(walk, dict(w_ptr="*fp32", u_ptr="*fp32", ps_ptr="*fp32", pl_ptr="*i32", out_ptr=i64p, V=i32, w_stride=i32,
                      C=i32), dict(**draw, CP=16), "inverse_cdf walk", warps=sampling_kernels.CHUNK_WARPS)
+    stop_sums, stop_walk = residual_kernel._stop_token_kernels()
+    stop_args = dict(p_ptr="*fp32", q_ptr="*fp32", tok_ptr=i64p, acc_ptr=i64p, lens_ptr=i64p, ps_ptr="*fp32",
+                     pl_ptr="*i32", V=i32, p_sb=i32, p_sq=i32, q_sb=i32, q_sk=i32, tok_sb=i32, Q=i32, C=i32)
+    for has_q in (False, True):
+        build(stop_sums, stop_args, dict(HAS_Q=has_q, **draw), f"stop token sums{' with q' if has_q else ''}",
+              warps=sampling_kernels.CHUNK_WARPS)
+        build(stop_walk, dict(**stop_args, u_ptr="*fp32", out_ptr=i64p), dict(HAS_Q=has_q, **draw, CP=16),
+              f"stop token walk{' with q' if has_q else ''}", warps=sampling_kernels.CHUNK_WARPS)
     qkv, linear, gate_up = fused_linear._kernels()
     for t in (fused_linear.DECODE_TILES, fused_linear.PREFILL_TILES):
         tile = dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, STAGES=t.stages)

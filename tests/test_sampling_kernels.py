@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem import sampling, sampling_kernels
+from tandem import residual_kernel, sampling, sampling_kernels
+from tandem.verify import stop_weights
 from tandem.sampling import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE
 
 
@@ -218,3 +219,35 @@ def test_sampling_probs_kernel_refuses_a_dtype_it_cannot_read():
     x = torch.randn(2, 7, dtype=torch.float64)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         sampling_kernels.sampling_probs(x, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["q", "one-hot-q"])
+def test_stop_token_kernel_draws_what_the_materialised_weights_draw(triton_device, with_q, monkeypatch):
+    """The emitted token after each row's accepted drafts (``residual_kernel.sample_stop_tokens``):
+    the same index as the inverse-CDF draw over ``stop_weights`` (the kernel's, bit for bit, and the
+    PyTorch ops'): rejected rows draw from the residual (or p without the rejected token), bonus
+    rows from p, a row whose residual is empty (q = p there) from p; q a slice of a larger buffer."""
+    monkeypatch.setattr(sampling_kernels, "CHUNK", 512)
+    g = torch.Generator().manual_seed(6)
+    B, K, V = 7, 3, 1024 + 333
+    p = torch.rand(B, K + 1, V, generator=g) ** 6
+    p /= p.sum(-1, keepdim=True)
+    buf = torch.rand(B, K + 2, V, generator=g) ** 6
+    buf /= buf.sum(-1, keepdim=True)
+    q = buf[:, 1:K + 1] if with_q else None  # (a row stride that is not K x V)
+    tokens = torch.randint(0, V, (B, K), generator=g)
+    lens = torch.tensor([3, 3, 2, 0, 3, 1, 3])
+    accepted = torch.tensor([0, 3, 1, 0, 2, 1, 1])  # rows 1, 3, 5: every draft accepted (bonus)
+    if with_q:
+        buf[6, 2] = p[6, 1]  # row 6 rejected at position 1 where q = p: an empty residual, p instead
+    u = torch.rand(B, generator=g)
+    weights = stop_weights(p, q, tokens, lens, accepted)
+    want = sampling.sample_inverse_cdf(weights, u)
+    dev = lambda t: None if t is None else t.to(triton_device)  # noqa: E731
+    kernel = sampling_kernels.sample_inverse_cdf(weights.to(triton_device), u.to(triton_device)).cpu()
+    got = residual_kernel.sample_stop_tokens(dev(p), dev(q), dev(tokens), dev(lens), dev(accepted),
+                                             dev(u)).cpu()
+    assert torch.equal(got, kernel) and torch.equal(got, want)
+    assert all(weights[r, got[r]] > 0 for r in range(B))
+    with pytest.raises(ValueError, match="needs float32"):
+        residual_kernel.sample_stop_tokens(p[:, :1], None, tokens[:, :0], lens, accepted, u)
