@@ -34,6 +34,7 @@ def _stop_token_kernels():
     max(0, p - q), or p without the rejected token when q is one-hot), in place."""
     global _residual, _row
     triton, tl = kernels._modules()
+    sampling_kernels._inverse_cdf_kernels()  # (makes sampling_kernels._chunk_owner, which the walk calls)
 
     @triton.jit
     def _residual(p, q, cols, tok, HAS_Q: tl.constexpr):
@@ -44,21 +45,21 @@ def _stop_token_kernels():
             return tl.where(cols == tok, 0.0, p)
 
     @triton.jit
-    def _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk, tok_sb, Q):
+    def _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk, tok_sb, tok_sk, Q):
         s = tl.load(acc_ptr + row)  # drafts accepted: p's row of the emitted token
         rejected = s < tl.load(lens_ptr + row)
         at = tl.minimum(s, Q - 2)  # the rejected draft's position (meaningless on a bonus row)
-        tok = tl.load(tok_ptr + row * tok_sb + at)
+        tok = tl.load(tok_ptr + row * tok_sb + at * tok_sk)
         return p_ptr + row * p_sb + s * p_sq, q_ptr + row * q_sb + at * q_sk, tok, rejected
 
     @triton.jit
     def stop_sums_kernel(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, ps_ptr, pl_ptr, V, p_sb, p_sq, q_sb, q_sk, tok_sb,
-                         Q, C, HAS_Q: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
+                         tok_sk, Q, C, HAS_Q: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
         # each chunk's total and last positive index, of the residual (slot 0) and of p (slot 1)
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        p_src, q_src, tok, rejected = _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk,
-                                           tok_sb, Q)
+        p_src, q_src, tok, _ = _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk, tok_sb,
+                                    tok_sk, Q)
         tr = tl.zeros([BLOCK], tl.float32)
         tp = tl.zeros([BLOCK], tl.float32)
         lr = tl.full([BLOCK], -1, tl.int32)
@@ -83,25 +84,21 @@ def _stop_token_kernels():
 
     @triton.jit
     def stop_walk_kernel(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, u_ptr, ps_ptr, pl_ptr, out_ptr, V, p_sb, p_sq,
-                         q_sb, q_sk, tok_sb, Q, C, HAS_Q: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-                         CP: tl.constexpr):
+                         q_sb, q_sk, tok_sb, tok_sk, Q, C, HAS_Q: tl.constexpr, CHUNK_: tl.constexpr,
+                         BLOCK: tl.constexpr, CP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         p_src, q_src, tok, rejected = _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk,
-                                           tok_sb, Q)
+                                           tok_sb, tok_sk, Q)
         i = tl.arange(0, CP)
         base = (row * C + i) * 2
-        sums_r = tl.load(ps_ptr + base, mask=i < C, other=0.0)
         # the residual where a draft was rejected and it is not empty (p == q up to rounding), else p
-        residual = rejected & (tl.sum(sums_r, axis=0) > 0)
-        pick = residual.to(tl.int32)
-        sums = tl.where(residual, sums_r, tl.load(ps_ptr + base + 1, mask=i < C, other=0.0))
-        lasts = tl.load(pl_ptr + base + 1 - pick, mask=i < C, other=-1)
-        incl = tl.cumsum(sums, axis=0)  # the running total at each chunk's end, the same in every program
-        x = tl.load(u_ptr + row) * tl.sum(tl.where(i == C - 1, incl, 0.0), axis=0)
-        owner = tl.min(tl.where((i < C) & (incl > x), i, CP), axis=0)
+        residual = rejected & (tl.sum(tl.load(ps_ptr + base, mask=i < C, other=0.0), axis=0) > 0)
+        pick = 1 - residual.to(tl.int32)  # the slot of the chosen weights' sums
+        last = tl.max(tl.load(pl_ptr + base + pick, mask=i < C, other=-1), axis=0)
+        last = tl.where(last >= 0, last, V - 1)  # the last positive index (the last index when none)
+        x, owner, run = sampling_kernels._chunk_owner(ps_ptr + pick, 2, row, C, tl.load(u_ptr + row))
         if owner == c:
-            run = tl.sum(tl.where(i == c - 1, incl, 0.0), axis=0)
             found = V + 0 * c
             for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
                 cols = start + tl.arange(0, BLOCK)
@@ -114,11 +111,16 @@ def _stop_token_kernels():
                 cs = tl.cumsum(w, axis=0) + run
                 found = tl.minimum(found, tl.min(tl.where(ok & (cs > x), cols, V), axis=0))
                 run = tl.max(tl.where(ok, cs, run), axis=0)
-            last = tl.sum(tl.where(i == c, lasts, 0), axis=0)
-            tl.store(out_ptr + row, tl.where(found < V, found, last).to(tl.int64))
-        elif (owner == CP) & (c == C - 1):
-            last = tl.max(lasts, axis=0)
-            tl.store(out_ptr + row, tl.where(last >= 0, last, V - 1).to(tl.int64))
+            # past the chunk's end, or on a weight of 0 (the scan's rounding): the last positive index
+            idx = tl.minimum(found, V - 1)
+            p_idx = tl.load(p_src + idx)
+            q_idx = p_idx
+            if HAS_Q:
+                q_idx = tl.load(q_src + idx)
+            w_idx = tl.where(residual, _residual(p_idx, q_idx, idx, tok, HAS_Q), p_idx)
+            tl.store(out_ptr + row, tl.where((found < V) & (w_idx > 0), idx, last).to(tl.int64))
+        elif (owner == C) & (c == C - 1):  # past the total (rounding), or no weight at all
+            tl.store(out_ptr + row, last.to(tl.int64))
 
     return stop_sums_kernel, stop_walk_kernel
 
@@ -159,7 +161,8 @@ def sample_stop_tokens(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_
     pl = torch.empty((B, C, 2), dtype=torch.int32, device=p.device)
     q = draft_probs if draft_probs is not None else p  # (any pointer without q)
     args = (p, q, draft_tokens, num_accepted.contiguous(), draft_lens.contiguous())
-    strides = (V, p.stride(0), p.stride(1), q.stride(0), q.stride(1), draft_tokens.stride(0), Q, C)
+    strides = (V, p.stride(0), p.stride(1), q.stride(0), q.stride(1), draft_tokens.stride(0), draft_tokens.stride(1),
+               Q, C)
     meta = dict(HAS_Q=draft_probs is not None, CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.INVERSE_CDF_BLOCK,
                 num_warps=sampling_kernels.CHUNK_WARPS)
     sums[(B, C)](*args, ps, pl, *strides, **meta)

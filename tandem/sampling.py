@@ -251,10 +251,10 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """Apply temperature, top-k and top-p to logits and return probabilities.
 
-    A row keeps the tokens whose logit is at least its cut: the k-th largest logit (top-k), then,
-    over the top-k distribution, the logit of the token at which the mass of the most likely
-    tokens, taken in order, first reaches ``top_p`` (nucleus, Holtzman et al. 2020); tokens tied
-    with the cut stay too. The most likely token always stays (a ``top_p`` that rounds to 0 must
+    A row keeps the tokens whose logit is at least its cut: the k-th largest logit (top-k; tokens
+    tied with it stay), then, over that top-k distribution, the logit of the token at which the
+    mass of the most likely tokens, taken in order, first reaches ``top_p`` (nucleus, Holtzman et
+    al. 2020); tokens tied with the cut stay too. The most likely token always stays (a ``top_p`` that rounds to 0 must
     not empty the row). On CUDA (with Triton) one kernel per launch does it without sorting the
     vocabulary (``tandem.sampling_kernels.sampling_probs``: the same cut, found by searching the
     logits' bit patterns); elsewhere these ops (a sort).
@@ -298,7 +298,8 @@ def _sampling_probs_ops(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     sorted_logits = logits.sort(dim=-1, descending=True).values
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    remove = ranks >= k[:, None]
+    # top-k keeps the tokens tied with the k-th logit too, and top-p then runs over all of them
+    remove = sorted_logits < sorted_logits.gather(-1, k[:, None] - 1)
     probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # nucleus: drop a token when the mass strictly before it already reaches top_p (top_p = 1 is
     # off); the removed ranks are a suffix, so the kept ones end at the cut
@@ -400,8 +401,8 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int | to
 def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Draw one index per row from non-negative ``weights`` (not necessarily normalised) with the
     given uniforms, by inversion of the cumulative sum: index i has probability
-    ``weights[i] / weights.sum()``. An index of weight 0 is never returned (rows of all zeros
-    return index 0).
+    ``weights[i] / weights.sum()``. An index of weight 0 is never returned (a row of all zeros
+    returns its last index).
 
     Args:
         weights: ``[B, V]`` float32, >= 0.

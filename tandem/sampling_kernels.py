@@ -418,12 +418,37 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 INVERSE_CDF_BLOCK = 1024  # weights a step of the inverse-CDF draw's chunk reads
 
 
+_chunk_owner = None  # the draw's device function, made with its kernels (module global, as above)
+
+
 @functools.lru_cache(maxsize=1)
 def _inverse_cdf_kernels():
     """The inverse-CDF draw's two kernels over a ``(rows, chunks)`` grid: ``sums`` (each chunk's
     total and last positive index), then ``walk`` (the chunk where the drawn point falls walks its
-    columns; every program finds that chunk from the same running sums)."""
+    columns; every program finds that chunk from the same running totals)."""
+    global _chunk_owner
     triton, tl = kernels._modules()
+
+    @triton.jit
+    def _chunk_owner(ps_ptr, step, row, C, u):
+        # the chunk sums at ps_ptr + (row C + i) step, added in chunk order: the drawn point x =
+        # u x total, the first chunk whose running total passes it (C: none) and the total before
+        # that chunk. One addition at a time, so the running totals never fall (a scan's tree
+        # order can move a total across a chunk of zeros by a rounding)
+        total = tl.load(ps_ptr + row * C * step) * 0.0
+        for i in range(0, C):
+            total += tl.load(ps_ptr + (row * C + i) * step)
+        x = u * total
+        run = total * 0.0
+        before = run
+        owner = C + 0 * C
+        for i in range(0, C):
+            nxt = run + tl.load(ps_ptr + (row * C + i) * step)
+            hit = (owner == C) & (nxt > x)
+            before = tl.where(hit, run, before)
+            owner = tl.where(hit, i, owner)
+            run = nxt
+        return x, owner, before
 
     @triton.jit
     def sums_kernel(w_ptr, ps_ptr, pl_ptr, V, w_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
@@ -446,14 +471,12 @@ def _inverse_cdf_kernels():
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         i = tl.arange(0, CP)
-        sums = tl.load(ps_ptr + row * C + i, mask=i < C, other=0.0)
         lasts = tl.load(pl_ptr + row * C + i, mask=i < C, other=-1)
-        incl = tl.cumsum(sums, axis=0)  # the running total at each chunk's end, the same in every program
-        x = tl.load(u_ptr + row) * tl.sum(tl.where(i == C - 1, incl, 0.0), axis=0)  # the drawn point on [0, total)
-        owner = tl.min(tl.where((i < C) & (incl > x), i, CP), axis=0)  # the chunk where it falls (CP: none)
+        last = tl.max(lasts, axis=0)  # the row's last positive index (-1: none)
+        last = tl.where(last >= 0, last, V - 1)
+        x, owner, run = _chunk_owner(ps_ptr, 1, row, C, tl.load(u_ptr + row))
+        src = w_ptr + row * w_stride
         if owner == c:
-            src = w_ptr + row * w_stride
-            run = tl.sum(tl.where(i == c - 1, incl, 0.0), axis=0)  # the total before this chunk
             found = V + 0 * c
             for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
                 cols = start + tl.arange(0, BLOCK)
@@ -461,14 +484,13 @@ def _inverse_cdf_kernels():
                 w = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
                 cs = tl.cumsum(w, axis=0) + run
                 found = tl.minimum(found, tl.min(tl.where(ok & (cs > x), cols, V), axis=0))
-                run = tl.max(tl.where(ok, cs, run), axis=0)  # weights >= 0: the running sum is the largest
-            # past the chunk's end within rounding of it: the chunk's last positive weight
-            last = tl.sum(tl.where(i == c, lasts, 0), axis=0)
-            tl.store(out_ptr + row, tl.where(found < V, found, last).to(tl.int64))
-        elif (owner == CP) & (c == C - 1):
-            # past the total (rounding) or no weight at all: the last positive index, else the last
-            last = tl.max(lasts, axis=0)
-            tl.store(out_ptr + row, tl.where(last >= 0, last, V - 1).to(tl.int64))
+                run = tl.max(tl.where(ok, cs, run), axis=0)
+            # past the chunk's end, or on a weight of 0 (the scan's rounding): the last positive index
+            idx = tl.minimum(found, V - 1)
+            ok_idx = (found < V) & (tl.load(src + idx).to(tl.float32) > 0)
+            tl.store(out_ptr + row, tl.where(ok_idx, idx, last).to(tl.int64))
+        elif (owner == C) & (c == C - 1):  # past the total (rounding), or no weight at all
+            tl.store(out_ptr + row, last.to(tl.int64))
 
     return sums_kernel, walk_kernel
 
@@ -499,3 +521,4 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
         walk[(B, C)](weights, uniform.float().contiguous(), ps, pl, out, V, weights.stride(0), C, CHUNK_=CHUNK,
                      BLOCK=INVERSE_CDF_BLOCK, CP=max(2, 1 << (C - 1).bit_length()), num_warps=CHUNK_WARPS)
     return out
+

@@ -137,7 +137,8 @@ def main() -> int:
                      C=i32), dict(**draw, CP=16), "inverse_cdf walk", warps=sampling_kernels.CHUNK_WARPS)
     stop_sums, stop_walk = residual_kernel._stop_token_kernels()
     stop_args = dict(p_ptr="*fp32", q_ptr="*fp32", tok_ptr=i64p, acc_ptr=i64p, lens_ptr=i64p, ps_ptr="*fp32",
-                     pl_ptr="*i32", V=i32, p_sb=i32, p_sq=i32, q_sb=i32, q_sk=i32, tok_sb=i32, Q=i32, C=i32)
+                     pl_ptr="*i32", V=i32, p_sb=i32, p_sq=i32, q_sb=i32, q_sk=i32, tok_sb=i32, tok_sk=i32, Q=i32,
+                     C=i32)
     for has_q in (False, True):
         build(stop_sums, stop_args, dict(HAS_Q=has_q, **draw), f"stop token sums{' with q' if has_q else ''}",
               warps=sampling_kernels.CHUNK_WARPS)

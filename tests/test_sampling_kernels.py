@@ -116,7 +116,8 @@ def test_sampling_probs_writes_only_the_chosen_rows_in_place(triton_device, path
     g = torch.Generator().manual_seed(3)
     B, V = 6, 2048 + 5
     logits = _rows(g, B, V)
-    temp, top_k, top_p = torch.full((B,), 0.8), torch.tensor([0, 5, 0, 40, 0, 0]), torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.7])
+    temp, top_k = torch.full((B,), 0.8), torch.tensor([0, 5, 0, 40, 0, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.7])
     chosen = torch.tensor([True, False, True, True, False, True])
     want = sampling_ops_probs(logits, temp, top_k, top_p)
     buf = torch.full((B, 3, V), 7.0)
@@ -163,14 +164,20 @@ def sampling_ops_probs(logits, temp, top_k, top_p):
     return sampling.sampling_probs(logits.cpu(), temp, top_k, top_p)
 
 
-def test_sampling_probs_cut_keeps_ties_and_the_most_likely_token():
-    """The ops' cut: a tie with the k-th logit stays (top-k keeps more than k then), and a top_p
-    too small to hold any token still keeps the most likely one."""
-    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [0.5, 4.0, 0.5, 0.1, 0.2]])
-    probs = sampling.sampling_probs(logits, torch.ones(2), torch.tensor([2, 0]), torch.tensor([1.0, 1e-12]))
-    assert (probs[0] > 0).tolist() == [True, False, True, True, False]  # the two tied 2.0s both stay
-    assert (probs[1] > 0).tolist() == [False, True, False, False, False]
-    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+def test_sampling_probs_cut_keeps_ties_and_the_most_likely_token(triton_device):
+    """The cut, in the ops and the kernel alike: a tie with the k-th logit stays (top-k keeps more
+    than k then) and top-p runs over every token top-k kept, ties included; a top_p too small to
+    hold any token still keeps the most likely one."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [0.5, 4.0, 0.5, 0.1, 0.2], [2.0, 1.0, 1.0, 1.0, -10.0]])
+    args = (torch.ones(3), torch.tensor([2, 0, 2]), torch.tensor([1.0, 1e-12, 0.5]))
+    on_device = [a.to(triton_device) for a in args]
+    for probs in (sampling.sampling_probs(logits, *args),
+                  sampling_kernels.sampling_probs(logits.to(triton_device), *on_device).cpu()):
+        assert (probs[0] > 0).tolist() == [True, False, True, True, False]  # the two tied 2.0s both stay
+        assert (probs[1] > 0).tolist() == [False, True, False, False, False]
+        # top-k = 2 keeps the 2.0 and the three tied 1.0s; 2.0 alone holds 0.475 of their mass < 0.5
+        assert (probs[2] > 0).tolist() == [True, True, True, True, False]
+        torch.testing.assert_close(probs.sum(-1), torch.ones(3))
 
 
 def test_inverse_cdf_kernel_draws_the_ops_index(triton_device, monkeypatch):
@@ -251,3 +258,41 @@ def test_stop_token_kernel_draws_what_the_materialised_weights_draw(triton_devic
     assert all(weights[r, got[r]] > 0 for r in range(B))
     with pytest.raises(ValueError, match="needs float32"):
         residual_kernel.sample_stop_tokens(p[:, :1], None, tokens[:, :0], lens, accepted, u)
+
+
+def test_draws_never_land_on_a_weight_of_zero_under_a_tree_ordered_scan(triton_device, monkeypatch):
+    """On a GPU ``tl.cumsum`` adds across lanes in a tree, so running totals taken over a run of zero
+    weights can move by a rounding (a chunk of zeros seen to pass the drawn point, a column of zero
+    weight found): the draws must still land on a positive weight. Under the interpreter the scans
+    of short vectors are made tree-ordered (Hillis-Steele, as the compiled warp scan adds) to show
+    it: weights of 2**-24, 2**-24 and 1 in three chunks, a fourth of zeros, u just below 1."""
+    if triton_device.type != "cpu":
+        pytest.skip("the tree-ordered scan is emulated under the interpreter")
+    np = pytest.importorskip("numpy")
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    if not hasattr(getattr(interp, "ScanOps", None), "cumsum"):
+        pytest.skip("this Triton's interpreter has no ScanOps.cumsum to patch")
+    plain = interp.ScanOps.cumsum
+
+    def tree_cumsum(self, input):
+        a = input.handle.data
+        if a.ndim != 1 or a.shape[0] > 32 or a.dtype != np.float32:
+            return plain(self, input)
+        a, i = a.copy(), 1
+        while i < a.shape[0]:
+            b = a.copy()
+            b[i:] = (a[i:] + a[:-i]).astype(np.float32)
+            a, i = b, i * 2
+        return [self.to_tensor(a, dtype=input.dtype)]
+
+    monkeypatch.setattr(interp.ScanOps, "cumsum", tree_cumsum)
+    monkeypatch.setattr(sampling_kernels, "CHUNK", 64)
+    V = 4 * 64
+    w = torch.zeros(1, V)
+    w[0, 10], w[0, 64 + 10], w[0, 128 + 10] = 2 ** -24, 2 ** -24, 1.0
+    u = torch.tensor([1 - 2 ** -24])
+    got = sampling_kernels.sample_inverse_cdf(w, u)
+    assert w[0, got[0]] > 0, got
+    p, zero = w[:, None].expand(1, 2, V).contiguous(), torch.zeros(1, dtype=torch.long)
+    got = residual_kernel.sample_stop_tokens(p, None, zero[:, None], zero, zero, u)
+    assert w[0, got[0]] > 0, got
