@@ -23,7 +23,7 @@ from . import sampling_kernels
 from .models import kernels
 
 
-_residual = _row = None  # device functions, made with the kernels (a jit function calls another through globals)
+_residual = _read = _row = None  # device functions, made with the kernels (jit functions call each other via globals)
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,7 +32,7 @@ def _stop_token_kernels():
     weights: the inverse-CDF draw's two kernels over a ``(rows, chunks)`` grid, reading the row's p
     at its stop position and, where a draft was rejected there, q of that draft (the residual
     max(0, p - q), or p without the rejected token when q is one-hot), in place."""
-    global _residual, _row
+    global _residual, _read, _row
     triton, tl = kernels._modules()
     sampling_kernels._inverse_cdf_kernels()  # (makes sampling_kernels._chunk_owner, which the walk calls)
 
@@ -43,6 +43,15 @@ def _stop_token_kernels():
             return tl.maximum(p - q, 0.0)
         else:
             return tl.where(cols == tok, 0.0, p)
+
+    @triton.jit
+    def _read(p_src, q_src, cols, ok, tok, HAS_Q: tl.constexpr):
+        # p at cols, and the residual there
+        p = tl.load(p_src + cols, mask=ok, other=0.0)
+        q = p
+        if HAS_Q:
+            q = tl.load(q_src + cols, mask=ok, other=0.0)
+        return p, _residual(p, q, cols, tok, HAS_Q)
 
     @triton.jit
     def _row(p_ptr, q_ptr, tok_ptr, acc_ptr, lens_ptr, row, p_sb, p_sq, q_sb, q_sk, tok_sb, tok_sk, Q):
@@ -66,12 +75,7 @@ def _stop_token_kernels():
         lp = tl.full([BLOCK], -1, tl.int32)
         for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-            p = tl.load(p_src + cols, mask=ok, other=0.0)
-            q = p
-            if HAS_Q:
-                q = tl.load(q_src + cols, mask=ok, other=0.0)
-            r = _residual(p, q, cols, tok, HAS_Q)
+            p, r = _read(p_src, q_src, cols, (cols < V) & (cols < c * CHUNK_ + CHUNK_), tok, HAS_Q)
             tr += r
             tp += p
             lr = tl.maximum(lr, tl.where(r > 0, cols, -1))
@@ -103,11 +107,8 @@ def _stop_token_kernels():
             for start in range(c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 ok = (cols < V) & (cols < c * CHUNK_ + CHUNK_)
-                p = tl.load(p_src + cols, mask=ok, other=0.0)
-                q = p
-                if HAS_Q:
-                    q = tl.load(q_src + cols, mask=ok, other=0.0)
-                w = tl.where(residual, _residual(p, q, cols, tok, HAS_Q), p)
+                p, r = _read(p_src, q_src, cols, ok, tok, HAS_Q)
+                w = tl.where(residual, r, p)
                 cs = tl.cumsum(w, axis=0) + run
                 found = tl.minimum(found, tl.min(tl.where(ok & (cs > x), cols, V), axis=0))
                 run = tl.max(tl.where(ok, cs, run), axis=0)
