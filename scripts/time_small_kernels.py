@@ -15,7 +15,9 @@ Prints a table per kernel (µs a call); exit code 1 when a count changed an elem
 bit. The attention's table follows, at the shapes a round has, with whether its bits moved. The
 sampling part times the sampling kernels (``tandem.sampling_kernels``) against the PyTorch ops
 they replace (a sort for the top-k / top-p cut, a cumulative sum for the draw), rows of the
-model's vocabulary in bf16, temperature 0.7 and top-p 0.9, and says whether the cuts agree.
+model's vocabulary in bf16, temperature 0.7 and top-p 0.9, and says whether the cuts agree; then
+the stop-token draw from p and q in place (``tandem.residual_kernel``) against the weights copied
+out first.
 """
 
 from __future__ import annotations
@@ -161,6 +163,35 @@ def _time_sampling(args) -> None:
         finally:
             sampling.round_kernels_on = ops_on
         print(f"| {r} | " + " | ".join(f"{c * 1000:.1f}" for c in cells) + f" | {'yes' if same else 'NO'} |")
+    _time_stop_token(args)
+
+
+def _time_stop_token(args) -> None:
+    """The token a sampled verify step emits after the accepted drafts: drawn from p and q in place
+    (``residual_kernel.sample_stop_tokens``) against the weights copied out first
+    (``verify.stop_weights``, then the inverse-CDF kernel), for batches of 5-token chains."""
+    from tandem import residual_kernel, sampling_kernels
+    from tandem.verify import stop_weights
+    from time_fused_linear import _time_graph
+
+    dev, K = torch.device("cuda"), 4
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    print("\nstop token (µs a call; [B, 5, %d] p, [B, 4, V] q; 'same': the same tokens)" % args.vocab)
+    print("| batch | in place | weights copied out | same |\n|---:|---:|---:|---|")
+    for b in (1, 16, 64, 128):
+        p = torch.rand(b, K + 1, args.vocab, generator=gen).to(dev) ** 8
+        p /= p.sum(-1, keepdim=True)
+        q = torch.rand(b, K, args.vocab, generator=gen).to(dev) ** 8
+        q /= q.sum(-1, keepdim=True)
+        tokens = torch.randint(0, args.vocab, (b, K), generator=gen).to(dev)
+        lens = torch.full((b,), K, device=dev)
+        accepted = torch.randint(0, K + 1, (b,), generator=gen).to(dev)
+        u = torch.rand(b, generator=gen).to(dev)
+        fused = lambda: residual_kernel.sample_stop_tokens(p, q, tokens, lens, accepted, u)  # noqa: E731
+        apart = lambda: sampling_kernels.sample_inverse_cdf(  # noqa: E731
+            stop_weights(p, q, tokens, lens, accepted), u)
+        same = torch.equal(fused(), apart())
+        print(f"| {b} | {_time_graph(fused) * 1000:.1f} | {_time_graph(apart) * 1000:.1f} | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

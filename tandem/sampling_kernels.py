@@ -426,7 +426,10 @@ def _inverse_cdf_kernels():
     """The inverse-CDF draw's two kernels over a ``(rows, chunks)`` grid: ``sums`` (each chunk's
     total and last positive index), then ``walk`` (the chunk where the drawn point falls walks its
     columns; every program finds that chunk from the same running totals)."""
-    global _chunk_owner
+    # tl becomes a module global too: residual_kernel's walk calls _chunk_owner, and Triton's
+    # interpreter looks for triton.language among a device function's module globals (it adds its
+    # own only when one of this module's kernels runs first, and never over a name already there)
+    global _chunk_owner, tl
     triton, tl = kernels._modules()
 
     @triton.jit
