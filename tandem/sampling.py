@@ -254,8 +254,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     A row keeps the tokens whose logit is at least its cut: the k-th largest logit (top-k; tokens
     tied with it stay), then, over that top-k distribution, the logit of the token at which the
     mass of the most likely tokens, taken in order, first reaches ``top_p`` (nucleus, Holtzman et
-    al. 2020); tokens tied with the cut stay too. The most likely token always stays (a ``top_p`` that rounds to 0 must
-    not empty the row). On CUDA (with Triton) one kernel per launch does it without sorting the
+    al. 2020); tokens tied with the cut stay too. The most likely token always stays (a ``top_p``
+    that rounds to 0 must not empty the row). On CUDA (with Triton) one kernel per launch does it without sorting the
     vocabulary (``tandem.sampling_kernels.sampling_probs``: the same cut, found by searching the
     logits' bit patterns); elsewhere these ops (a sort).
 
