@@ -255,9 +255,9 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     tied with it stay), then, over that top-k distribution, the logit of the token at which the
     mass of the most likely tokens, taken in order, first reaches ``top_p`` (nucleus, Holtzman et
     al. 2020); tokens tied with the cut stay too. The most likely token always stays (a ``top_p``
-    that rounds to 0 must not empty the row). On CUDA (with Triton) one kernel per launch does it without sorting the
-    vocabulary (``tandem.sampling_kernels.sampling_probs``: the same cut, found by searching the
-    logits' bit patterns); elsewhere these ops (a sort).
+    that rounds to 0 must not empty the row). On CUDA (with Triton) Triton kernels do it without
+    sorting the vocabulary (``tandem.sampling_kernels.sampling_probs``: the same cut, found by
+    searching the logits' bit patterns, each row in fixed chunks); elsewhere these ops (a sort).
 
     Args:
         logits: ``[B, V]`` (any float dtype; upcast to float32).
@@ -411,9 +411,9 @@ def sample_inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Te
     Returns:
         ``[B]`` int64.
 
-    On CUDA (with Triton) one kernel per launch does it (``tandem.sampling_kernels``: the same
-    rule over sums taken in another order, so a draw within rounding of a boundary may land on
-    the neighbouring index).
+    On CUDA (with Triton) two kernel launches do it (``tandem.sampling_kernels``: the same rule
+    over sums taken in another order, so a draw within rounding of a boundary may land on the
+    neighbouring index).
     """
     if weights.dim() == 2 and weights.shape[0] and round_kernels_on(weights.device):
         return sampling_kernels.sample_inverse_cdf(weights, uniform)

@@ -401,7 +401,8 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         return out
     pm = torch.empty((B, C), dtype=torch.float32, device=dev)
     pz = torch.empty((B, C), dtype=torch.float32, device=dev)
-    part = torch.empty((2 * n_pass if filtered else 1, B, C, WAYS), dtype=torch.float32, device=dev)
+    # the search passes' partial sums (none without a search: the write kernel then reads none)
+    part = torch.empty((2 * n_pass, B, C, WAYS), dtype=torch.float32, device=dev) if filtered else pm
     grid = (B, C)
     stats[grid](logits, temperature, pm, pz, V, logits.stride(0), C, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK,
                 num_warps=CHUNK_WARPS)

@@ -293,7 +293,7 @@ class DraftModelDrafter(BufferedDrafts, Drafter):
         n = keep.shape[0]
         # sampled rows' q written into the kept rows of the q buffer, in place
         q_rows = self._draft_q[:n, i] if sampling.any_sampled else None
-        drafts, q = _draw(logits, position, sampling, fused, out=q_rows, rows=keep if q_rows is not None else None)
+        drafts, q = _draw(logits, position, sampling, fused, out=q_rows, rows=keep)
         if self._scorer is not None:  # the predictor's features of each draft's distribution, as draft_rows makes them
             pos = torch.full((n,), float(i + 1), device=logits.device)
             feats = chained_draft_features(logits, pos, False, fused)
