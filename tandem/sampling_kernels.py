@@ -15,8 +15,11 @@ top-k / top-p cut: on an H100, 0.33 ms for 64 rows of 49,152 logits and 1.7 ms f
 step of 64 sequences x 5 tokens), then a cumulative sum and a scatter back. Here the same cut is
 found by searching the logits' bit patterns, which order as the logits do: each pass over a row
 sums, for ``WAYS`` candidate cuts at once, the count (top-k) or the softmax mass (top-p) of the
-logits at or above each, and keeps the interval where the wanted count or mass is first reached,
-so four passes settle a bf16 logit (eight a float32 one). Then one pass writes the probabilities.
+logits at or above each, and keeps the interval where the wanted count or mass is first reached.
+A search's first pass puts its candidates geometrically below the row's greatest logit, where a
+language model's cut falls, so one or two evenly spread passes after it settle the cut; a pass
+over a settled interval reads nothing, and a cut far below the top takes four even passes (a bf16
+logit; eight a float32 one). Then one pass writes the probabilities.
 A row's columns are split into fixed chunks (``CHUNK``), one program each, and each pass is a
 launch: the chunks' partial sums go to a small buffer, and every program of the next launch
 reduces its row's partials in the same fixed order, so a few rows still fill the GPU (one program
@@ -118,7 +121,19 @@ def counter_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> 
     return out
 
 
-WAYS = 16  # candidate cuts a pass of the search sums for: 4 passes settle a 16-bit key, 8 a 32-bit one
+WAYS = 16  # candidate cuts a pass of the search sums for
+# A search's first pass spreads its candidates geometrically down from the row's greatest key (at
+# 0, 1, 3, 7, ... keys below it, steps of 2 for a 16-bit key, of 4 for a 32-bit one), where a
+# top-k or top-p cut of a language model's logits falls: the interval it keeps is then a few keys
+# wide, and one or two of the evenly spread passes after it settle the cut; a pass over a settled
+# interval reads nothing. Past the geometric candidates (a cut far below the greatest logit) the
+# even passes settle it as before: 4 of them for a 16-bit key, 8 for a 32-bit one.
+
+def search_passes(bits: int) -> int:
+    """Launches of one search (the geometric pass and the even ones) for ``bits``-bit keys."""
+    return bits // 4 + 1
+
+
 # A row's columns are split into fixed chunks of CHUNK, one program each, so that a few rows still
 # fill the GPU (one program a row made seven sequential passes over 49,152 logits: 0.17 ms
 # whatever the row count up to 64 on an H100, docs/benchmarks.md); the chunk does not depend on
@@ -130,17 +145,18 @@ SEARCH_BLOCK = 256  # logits a step of a chunk's pass reads, as a [SEARCH_BLOCK,
 CHUNK_WARPS = 4
 
 # device functions of the sampling kernels (module globals, as above)
-_key = _chunk_stats = _chunk_sums = _chunk_write = _narrow_acc = _row_stats = _narrow = _replay = None
+_key = _chunk_stats = _chunk_sums = _chunk_write = _cands = _narrow_acc = _row_stats = _pass_sums = _replay = None
 
 
 @functools.lru_cache(maxsize=1)
 def _sampling_kernels():
-    """The sampling transform's kernels. Rows of several chunks: ``stats`` (each chunk's max and
-    sum of exp), ``search`` (one pass of the cut search: each chunk's sums for ``WAYS`` candidate
-    cuts) and ``write`` (the probabilities), each over a ``(rows, chunks)`` grid, every program
-    rebuilding its row's state from the earlier launches' partial sums, reduced in the same fixed
-    order by all. Rows of one chunk: ``row``, all of it in one program a row."""
-    global _key, _chunk_stats, _chunk_sums, _chunk_write, _narrow_acc, _row_stats, _narrow, _replay
+    """The sampling transform's kernels. Rows of several chunks: ``stats`` (each chunk's max, sum
+    of exp and greatest key), ``search`` (one pass of the cut search: each chunk's sums for
+    ``WAYS`` candidate cuts; a pass whose interval is settled reads nothing) and ``write`` (the
+    probabilities), each over a ``(rows, chunks)`` grid, every program rebuilding its row's state
+    from the earlier launches' partial sums, reduced in the same fixed order by all. Rows of one
+    chunk: ``row``, all of it in one program a row."""
+    global _key, _chunk_stats, _chunk_sums, _chunk_write, _cands, _narrow_acc, _row_stats, _pass_sums, _replay
     triton, tl = kernels._modules()
 
     @triton.jit
@@ -157,30 +173,49 @@ def _sampling_kernels():
             return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
     @triton.jit
-    def _chunk_stats(src, temp, c0, c1, BLOCK: tl.constexpr):
-        # max m of x = logit / T over columns [c0, c1), and the sum of exp(x - m) (0 for -inf logits)
+    def _chunk_stats(src, temp, c0, c1, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # over columns [c0, c1): the max m of x = logit / T, the sum of exp(x - m) (0 for -inf
+        # logits) and the greatest key (int64; 0 for no column)
         mv = tl.full([BLOCK], float("-inf"), tl.float32)
+        kv = tl.zeros([BLOCK], tl.int64)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            mv = tl.maximum(mv, tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp)
+            ok = cols < c1
+            raw = tl.load(src + cols, mask=ok, other=float("-inf"))
+            mv = tl.maximum(mv, raw.to(tl.float32) / temp)
+            kv = tl.maximum(kv, tl.where(ok, _key(raw, BITS).to(tl.int64), 0))
         m = tl.max(mv, axis=0)
         zv = tl.zeros([BLOCK], tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp
             zv += tl.where((cols < c1) & (x > float("-inf")), tl.exp(x - m), 0.0)
-        return m, tl.sum(zv, axis=0)
+        return m, tl.sum(zv, axis=0), tl.max(kv, axis=0)
 
     @triton.jit
-    def _chunk_sums(src, temp, m, c0, c1, lo, hi, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    def _cands(lo, hi, top, geo, BITS: tl.constexpr, WAYS_: tl.constexpr):
+        # a pass's WAYS_ candidate cuts (int64, candidate 0 = lo) and the bound above them: spread
+        # evenly over [lo, hi), or (geo) at lo and 0, 1, 3, 7, ... keys below the row's greatest
+        # key `top` (steps of 2 ** GEO_SHIFT[BITS]), none below lo, with top + 1 above them (no
+        # key is greater than top)
+        j = tl.arange(0, WAYS_).to(tl.int64)
+        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
+        even = lo + j * step
+        if BITS == 16:
+            below = (tl.full([WAYS_], 1, tl.int64) << tl.maximum(j - 1, 0)) - 1
+        else:
+            below = (tl.full([WAYS_], 1, tl.int64) << (2 * tl.maximum(j - 1, 0))) - 1
+        spread = tl.where(j == 0, lo, tl.maximum(top - below, lo))
+        return tl.where(geo, spread, even), tl.where(geo, tl.minimum(hi, top + 1), hi)
+
+    @triton.jit
+    def _chunk_sums(src, temp, m, c0, c1, cand, MASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                     WAYS_: tl.constexpr):
         # over columns [c0, c1): the count (or, with MASS, the softmax mass exp(x - m)) of keys at or
-        # above each of WAYS_ candidate cuts spread over [lo, hi); each thread keeps its columns'
-        # sums for every candidate and the program reduces them once (the columns loaded as a
-        # [BLOCK, 1] column, meeting the candidates in the sums' own layout)
-        j = tl.arange(0, WAYS_)
-        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
-        cand = (lo + j.to(tl.int64) * step)[None, :]
+        # above each candidate cut cand [WAYS_]; each thread keeps its columns' sums for every
+        # candidate and the program reduces them once (the columns loaded as a [BLOCK, 1] column,
+        # meeting the candidates in the sums' own layout)
+        cand = cand[None, :]
         if BITS == 16:
             cand = cand.to(tl.int32)
         part = tl.zeros([BLOCK, WAYS_], tl.float32)
@@ -205,110 +240,126 @@ def _sampling_kernels():
             tl.store(dst + cols, tl.where(keep, tl.exp(raw.to(tl.float32) / temp - m) / z, 0.0), mask=ok)
 
     @triton.jit
-    def _narrow_acc(acc, lo, hi, target, WAYS_: tl.constexpr):
-        # the interval of [lo, hi) a pass keeps, from its sums acc [WAYS_]: the largest candidate
-        # whose count (or mass) of keys at or above it reaches target; with that count, and acc[0]
+    def _narrow_acc(acc, cand, lo, cap, target, WAYS_: tl.constexpr):
+        # the interval a pass keeps, from its candidates cand [WAYS_] (cand[0] = lo, all below cap)
+        # and their sums acc: [the greatest candidate whose count (or mass) of keys at or above it
+        # reaches target, the next candidate above it or cap); with that count, and acc[0]
         j = tl.arange(0, WAYS_)
-        step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
-        cand = lo + j.to(tl.int64) * step
-        good = (acc >= target) & (acc > 0) & (cand < hi)  # (acc > 0: the most likely token always stays)
-        best = tl.max(tl.where(good, j, 0), axis=0)
-        found = tl.sum(tl.where(j == best, acc, 0.0), axis=0)
-        lo = lo + best.to(tl.int64) * step
-        return lo, tl.minimum(hi, lo + step), found, tl.sum(tl.where(j == 0, acc, 0.0), axis=0)
+        good = (acc >= target) & (acc > 0) & (cand < cap)  # (acc > 0: the most likely token always stays)
+        best = tl.max(tl.where(good, cand, lo), axis=0)
+        first = tl.min(tl.where(cand == best, j, WAYS_), axis=0)  # (candidates clamped to lo repeat it)
+        found = tl.sum(tl.where(j == first, acc, 0.0), axis=0)
+        hi = tl.min(tl.where(cand > best, cand, cap), axis=0)
+        return best, hi, found, tl.sum(tl.where(j == 0, acc, 0.0), axis=0)
 
     @triton.jit
-    def _row_stats(pm_ptr, pz_ptr, row, C, CP: tl.constexpr):
-        # the row's softmax max m and sum z of exp(x - m), from its chunks' (max, sum) in chunk order
+    def _row_stats(pm_ptr, pz_ptr, pk_ptr, row, C, CP: tl.constexpr):
+        # the row's softmax max m, sum z of exp(x - m) (from its chunks' in chunk order) and greatest key
         c = tl.arange(0, CP)
         pm = tl.load(pm_ptr + row * C + c, mask=c < C, other=float("-inf"))
         pz = tl.load(pz_ptr + row * C + c, mask=c < C, other=0.0)
         m = tl.max(pm, axis=0)
-        return m, tl.sum(tl.where(c < C, pz * tl.exp(pm - m), 0.0), axis=0)
+        top = tl.max(tl.load(pk_ptr + row * C + c, mask=c < C, other=0), axis=0)
+        return m, tl.sum(tl.where(c < C, pz * tl.exp(pm - m), 0.0), axis=0), top
 
     @triton.jit
-    def _narrow(part_ptr, g, row, B, C, lo, hi, target, CP: tl.constexpr, WAYS_: tl.constexpr):
-        # _narrow_acc of pass g's sums over the row's chunks (chunk order)
+    def _pass_sums(part_ptr, g, row, B, C, CP: tl.constexpr, WAYS_: tl.constexpr):
+        # pass g's sums [WAYS_] over the row's chunks (chunk order)
         c = tl.arange(0, CP)[:, None]
         j = tl.arange(0, WAYS_)
-        sums = tl.load(part_ptr + ((g * B + row) * C + c) * WAYS_ + j[None, :], mask=c < C, other=0.0)
-        return _narrow_acc(tl.sum(sums, axis=0), lo, hi, target, WAYS_)
+        return tl.sum(tl.load(part_ptr + ((g * B + row) * C + c) * WAYS_ + j[None, :], mask=c < C, other=0.0), axis=0)
 
     @triton.jit
-    def _replay(part_ptr, row, B, C, k, p, V, upto, NP: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr,
+    def _replay(part_ptr, row, B, C, k, p, V, top, upto, NP: tl.constexpr, BITS: tl.constexpr, CP: tl.constexpr,
                 WAYS_: tl.constexpr):
         # the search's state before global pass `upto` (top-k passes 0 .. NP-1, then top-p passes
-        # NP .. 2 NP-1): the interval [lo, hi), the top-p target, the mass at and above lo once
-        # top-p's first pass is summed (the mass the top-k cut keeps) and the last pass's count or mass
+        # NP .. 2 NP-1, the first of each geometric; a pass over a settled interval ran nothing):
+        # the interval [lo, hi), the top-p target, the mass at and above lo once top-p's first pass
+        # is summed (the mass the top-k cut keeps) and the last pass's count or mass
         lo = (row * 0).to(tl.int64)
         hi = lo + (1 << BITS)
         found = tl.sum(tl.zeros([WAYS_], tl.float32), axis=0)
         if (k > 0) & (k < V):
             for g in range(0, tl.minimum(upto, NP)):
-                lo, hi, found, _ = _narrow(part_ptr, g, row, B, C, lo, hi, k.to(tl.float32), CP, WAYS_)
+                if hi - lo > 1:
+                    cand, cap = _cands(lo, hi, top, g == 0, BITS, WAYS_)
+                    lo, hi, found, _ = _narrow_acc(_pass_sums(part_ptr, g, row, B, C, CP, WAYS_), cand, lo, cap,
+                                                   k.to(tl.float32), WAYS_)
         kept = found
         target = found
         if upto >= NP:  # top-p searches above the top-k cut, over the rest of the keys
             hi = lo * 0 + (1 << BITS)
-        if upto > NP:
-            _, _, _, kept = _narrow(part_ptr, NP, row, B, C, lo, hi, 0.0, CP, WAYS_)
-            target = p * kept
+        if upto > NP:  # (its first pass always runs: it sums the mass the top-k cut keeps)
+            cand, cap = _cands(lo, hi, top, True, BITS, WAYS_)
+            acc = _pass_sums(part_ptr, NP, row, B, C, CP, WAYS_)
+            kept = tl.sum(tl.where(tl.arange(0, WAYS_) == 0, acc, 0.0), axis=0)
+            target = kept
             found = kept
             if p < 1.0:
-                for g in range(NP, upto):
-                    lo, hi, found, _ = _narrow(part_ptr, g, row, B, C, lo, hi, target, CP, WAYS_)
+                target = p * kept
+                lo, hi, found, _ = _narrow_acc(acc, cand, lo, cap, target, WAYS_)
+                for g in range(NP + 1, upto):
+                    if hi - lo > 1:
+                        cand, cap = _cands(lo, hi, top, False, BITS, WAYS_)
+                        lo, hi, found, _ = _narrow_acc(_pass_sums(part_ptr, g, row, B, C, CP, WAYS_), cand, lo, cap,
+                                                       target, WAYS_)
         return lo, hi, target, kept, found
 
     @triton.jit
-    def stats_kernel(x_ptr, t_ptr, pm_ptr, pz_ptr, V, x_stride, C, CHUNK_: tl.constexpr, BLOCK: tl.constexpr):
+    def stats_kernel(x_ptr, t_ptr, pm_ptr, pz_ptr, pk_ptr, V, x_stride, C, BITS: tl.constexpr, CHUNK_: tl.constexpr,
+                     BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        m, z = _chunk_stats(x_ptr + row * x_stride, tl.load(t_ptr + row).to(tl.float32), c * CHUNK_,
-                            tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK)
+        m, z, top = _chunk_stats(x_ptr + row * x_stride, tl.load(t_ptr + row).to(tl.float32), c * CHUNK_,
+                                 tl.minimum(c * CHUNK_ + CHUNK_, V), BITS, BLOCK)
         tl.store(pm_ptr + row * C + c, m)
         tl.store(pz_ptr + row * C + c, z)
+        tl.store(pk_ptr + row * C + c, top)
 
     @triton.jit
-    def search_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, V, x_stride, B, C, g,
+    def search_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, pk_ptr, part_ptr, V, x_stride, B, C, g,
                       NP: tl.constexpr, BITS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
                       CP: tl.constexpr, WAYS_: tl.constexpr):
         # pass g of the cut search: this chunk's count (top-k, g < NP) or softmax mass (top-p) of the
-        # logits at or above each of WAYS_ candidate cuts spread over the row's current interval
+        # logits at or above each of WAYS_ candidate cuts over the row's current interval
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         k = tl.load(k_ptr + row)
         p = tl.load(p_ptr + row).to(tl.float32)
         topk = (k > 0) & (k < V)
         # passes a row does not need: top-k's without top-k; top-p's after its first (which sums the
-        # mass the top-k cut keeps) without top-p
+        # mass the top-k cut keeps) without top-p; any over a settled interval
         if ((g < NP) & topk) | (g == NP) | ((g > NP) & (p < 1.0)):
-            lo, hi, _, _, _ = _replay(part_ptr, row, B, C, k, p, V, g, NP, BITS, CP, WAYS_)
-            m, _ = _row_stats(pm_ptr, pz_ptr, row, C, CP)
-            src = x_ptr + row * x_stride
-            temp = tl.load(t_ptr + row).to(tl.float32)
-            c1 = tl.minimum(c * CHUNK_ + CHUNK_, V)
-            if g >= NP:
-                acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, lo, hi, True, BITS, BLOCK, WAYS_)
-            else:
-                acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, lo, hi, False, BITS, BLOCK, WAYS_)
-            tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + tl.arange(0, WAYS_), acc)
+            m, z, top = _row_stats(pm_ptr, pz_ptr, pk_ptr, row, C, CP)
+            lo, hi, target, kept, found = _replay(part_ptr, row, B, C, k, p, V, top, g, NP, BITS, CP, WAYS_)
+            if (hi - lo > 1) | (g == NP):
+                cand, cap = _cands(lo, hi, top, (g == 0) | (g == NP), BITS, WAYS_)
+                src = x_ptr + row * x_stride
+                temp = tl.load(t_ptr + row).to(tl.float32)
+                c1 = tl.minimum(c * CHUNK_ + CHUNK_, V)
+                if g >= NP:
+                    acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, cand, True, BITS, BLOCK, WAYS_)
+                else:
+                    acc = _chunk_sums(src, temp, m, c * CHUNK_, c1, cand, False, BITS, BLOCK, WAYS_)
+                tl.store(part_ptr + ((g * B + row) * C + c) * WAYS_ + tl.arange(0, WAYS_), acc)
 
     @triton.jit
-    def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, part_ptr, out_ptr, sel_ptr, V, x_stride, out_stride,
-                     B, C, FILTER: tl.constexpr, HAS_SEL: tl.constexpr, NP: tl.constexpr, BITS: tl.constexpr,
-                     CHUNK_: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr, WAYS_: tl.constexpr):
+    def write_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, pk_ptr, part_ptr, out_ptr, sel_ptr, V, x_stride,
+                     out_stride, B, C, FILTER: tl.constexpr, HAS_SEL: tl.constexpr, NP: tl.constexpr,
+                     BITS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr, CP: tl.constexpr,
+                     WAYS_: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         go = True
         if HAS_SEL:  # rows left out keep what their output row holds
             go = tl.load(sel_ptr + row) != 0
         if go:
-            m, z = _row_stats(pm_ptr, pz_ptr, row, C, CP)
+            m, z, top = _row_stats(pm_ptr, pz_ptr, pk_ptr, row, C, CP)
             cut = (row * 0).to(tl.int64)  # the least key: every token kept
             if FILTER:
                 k = tl.load(k_ptr + row)
                 p = tl.load(p_ptr + row).to(tl.float32)
-                cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, 2 * NP, NP, BITS, CP, WAYS_)
+                cut, _, _, _, z = _replay(part_ptr, row, B, C, k, p, V, top, 2 * NP, NP, BITS, CP, WAYS_)
             _chunk_write(x_ptr + row * x_stride, out_ptr + row * out_stride, tl.load(t_ptr + row).to(tl.float32),
                          m, z, cut, c * CHUNK_, tl.minimum(c * CHUNK_ + CHUNK_, V), BITS, BLOCK)
 
@@ -324,25 +375,30 @@ def _sampling_kernels():
         if go:
             src = x_ptr + row * x_stride
             temp = tl.load(t_ptr + row).to(tl.float32)
-            m, z = _chunk_stats(src, temp, 0, V, BLOCK)
+            m, z, top = _chunk_stats(src, temp, 0, V, BITS, BLOCK)
             cut = (row * 0).to(tl.int64)
             if FILTER:
                 k = tl.load(k_ptr + row)
                 p = tl.load(p_ptr + row).to(tl.float32)
                 hi = cut + (1 << BITS)
                 if (k > 0) & (k < V):
-                    for _ in range(0, NP):
-                        acc = _chunk_sums(src, temp, m, 0, V, cut, hi, False, BITS, BLOCK, WAYS_)
-                        cut, hi, _, _ = _narrow_acc(acc, cut, hi, k.to(tl.float32), WAYS_)
+                    for g in range(0, NP):
+                        if hi - cut > 1:
+                            cand, cap = _cands(cut, hi, top, g == 0, BITS, WAYS_)
+                            acc = _chunk_sums(src, temp, m, 0, V, cand, False, BITS, BLOCK, WAYS_)
+                            cut, hi, _, _ = _narrow_acc(acc, cand, cut, cap, k.to(tl.float32), WAYS_)
                     hi = cut * 0 + (1 << BITS)
-                acc = _chunk_sums(src, temp, m, 0, V, cut, hi, True, BITS, BLOCK, WAYS_)
+                cand, cap = _cands(cut, hi, top, True, BITS, WAYS_)
+                acc = _chunk_sums(src, temp, m, 0, V, cand, True, BITS, BLOCK, WAYS_)
                 z = tl.sum(tl.where(tl.arange(0, WAYS_) == 0, acc, 0.0), axis=0)  # the mass top-k keeps
                 if p < 1.0:
                     target = p * z
-                    cut, hi, z, _ = _narrow_acc(acc, cut, hi, target, WAYS_)
-                    for _ in range(1, NP):
-                        acc = _chunk_sums(src, temp, m, 0, V, cut, hi, True, BITS, BLOCK, WAYS_)
-                        cut, hi, z, _ = _narrow_acc(acc, cut, hi, target, WAYS_)
+                    cut, hi, z, _ = _narrow_acc(acc, cand, cut, cap, target, WAYS_)
+                    for g in range(1, NP):
+                        if hi - cut > 1:
+                            cand, cap = _cands(cut, hi, top, False, BITS, WAYS_)
+                            acc = _chunk_sums(src, temp, m, 0, V, cand, True, BITS, BLOCK, WAYS_)
+                            cut, hi, z, _ = _narrow_acc(acc, cand, cut, cap, target, WAYS_)
             _chunk_write(src, out_ptr + row * out_stride, temp, m, z, cut, 0, V, BITS, BLOCK)
 
     return stats_kernel, search_kernel, write_kernel, row_kernel
@@ -352,9 +408,10 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
                    filtered: bool = True, out: torch.Tensor | None = None,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """``tandem.sampling.sampling_probs`` without sorting (see the module docstring): each row's
-    columns in chunks of ``CHUNK``, one program a chunk; launches: the chunks' max and sum, then
-    (``filtered``) ``2 x BITS / 4`` search passes (top-k's, then top-p's; a row skips those it
-    does not use), then the probabilities.
+    columns in chunks of ``CHUNK``, one program a chunk; launches: the chunks' max, sum and
+    greatest key, then (``filtered``) ``2 x search_passes(BITS)`` search passes (top-k's, then
+    top-p's, each search's first geometric; a row skips those it does not use and those over a
+    settled interval), then the probabilities.
 
     Args:
         logits: ``[B, V]`` bfloat16, float16 or float32, the last dimension contiguous.
@@ -387,7 +444,7 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         return out
     stats, search, write, row_kernel = _sampling_kernels()
     bits = 32 if logits.dtype == torch.float32 else 16
-    n_pass = bits // 4  # passes of one search (WAYS = 16 settles 4 bits a pass)
+    n_pass = search_passes(bits)
     C = -(-V // CHUNK)
     cp = max(2, 1 << (C - 1).bit_length())
     dev = logits.device
@@ -401,16 +458,17 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         return out
     pm = torch.empty((B, C), dtype=torch.float32, device=dev)
     pz = torch.empty((B, C), dtype=torch.float32, device=dev)
+    pk = torch.empty((B, C), dtype=torch.int64, device=dev)
     # the search passes' partial sums (none without a search: the write kernel then reads none)
     part = torch.empty((2 * n_pass, B, C, WAYS), dtype=torch.float32, device=dev) if filtered else pm
     grid = (B, C)
-    stats[grid](logits, temperature, pm, pz, V, logits.stride(0), C, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK,
+    stats[grid](logits, temperature, pm, pz, pk, V, logits.stride(0), C, BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK,
                 num_warps=CHUNK_WARPS)
     if filtered:
         for g in range(2 * n_pass):
-            search[grid](logits, temperature, top_k, top_p, pm, pz, part, V, logits.stride(0), B, C, g, NP=n_pass,
+            search[grid](logits, temperature, top_k, top_p, pm, pz, pk, part, V, logits.stride(0), B, C, g, NP=n_pass,
                          BITS=bits, CHUNK_=CHUNK, BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
-    write[grid](logits, temperature, top_k, top_p, pm, pz, part, out, sel, V, logits.stride(0), out.stride(0), B, C,
+    write[grid](logits, temperature, top_k, top_p, pm, pz, pk, part, out, sel, V, logits.stride(0), out.stride(0), B, C,
                 FILTER=bool(filtered), HAS_SEL=rows is not None, NP=n_pass, BITS=bits, CHUNK_=CHUNK,
                 BLOCK=SEARCH_BLOCK, CP=cp, WAYS_=WAYS, num_warps=CHUNK_WARPS)
     return out

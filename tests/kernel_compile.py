@@ -109,23 +109,26 @@ def main() -> int:
               f"counter_uniform stream {stream}")
     stats, search, write, row_kernel = sampling_kernels._sampling_kernels()
     chunk = dict(CHUNK_=sampling_kernels.CHUNK, BLOCK=sampling_kernels.SEARCH_BLOCK)
-    search_args = dict(t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", part_ptr="*fp32",
+    search_args = dict(t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", pk_ptr=i64p,
+                       part_ptr="*fp32",
                        V=i32, x_stride=i32, B=i32, C=i32)
     cp = dict(CP=16, WAYS_=sampling_kernels.WAYS)
     for dt, bits in ((bf, 16), ("*fp32", 32)):
-        build(stats, dict(x_ptr=dt, t_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", V=i32, x_stride=i32, C=i32),
-              chunk, f"sampling_probs stats {bits}-bit", warps=sampling_kernels.CHUNK_WARPS)
-        build(search, dict(x_ptr=dt, **search_args, g=i32), dict(NP=bits // 4, BITS=bits, **chunk, **cp),
+        n_pass = sampling_kernels.search_passes(bits)
+        build(stats, dict(x_ptr=dt, t_ptr="*fp32", pm_ptr="*fp32", pz_ptr="*fp32", pk_ptr=i64p, V=i32, x_stride=i32,
+                          C=i32), dict(BITS=bits, **chunk), f"sampling_probs stats {bits}-bit",
+              warps=sampling_kernels.CHUNK_WARPS)
+        build(search, dict(x_ptr=dt, **search_args, g=i32), dict(NP=n_pass, BITS=bits, **chunk, **cp),
               f"sampling_probs search {bits}-bit", warps=sampling_kernels.CHUNK_WARPS)
         for filtered in (False, True):
             for sel in (False, True):
                 build(write, dict(x_ptr=dt, **search_args, out_ptr="*fp32", sel_ptr="*i1", out_stride=i32),
-                      dict(FILTER=filtered, HAS_SEL=sel, NP=bits // 4, BITS=bits, **chunk, **cp),
+                      dict(FILTER=filtered, HAS_SEL=sel, NP=n_pass, BITS=bits, **chunk, **cp),
                       f"sampling_probs write {bits}-bit{' filtered' if filtered else ''}{' chosen rows' if sel else ''}",
                       warps=sampling_kernels.CHUNK_WARPS)
                 build(row_kernel, dict(x_ptr=dt, t_ptr="*fp32", k_ptr=i64p, p_ptr="*fp32", out_ptr="*fp32",
                                        sel_ptr="*i1", V=i32, x_stride=i32, out_stride=i32),
-                      dict(FILTER=filtered, HAS_SEL=sel, NP=bits // 4, BITS=bits, BLOCK=sampling_kernels.SEARCH_BLOCK,
+                      dict(FILTER=filtered, HAS_SEL=sel, NP=n_pass, BITS=bits, BLOCK=sampling_kernels.SEARCH_BLOCK,
                            WAYS_=sampling_kernels.WAYS),
                       f"sampling_probs one-program row {bits}-bit{' filtered' if filtered else ''}"
                       f"{' chosen rows' if sel else ''}", warps=sampling_kernels.CHUNK_WARPS)

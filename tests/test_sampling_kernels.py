@@ -180,6 +180,37 @@ def test_sampling_probs_cut_keeps_ties_and_the_most_likely_token(triton_device):
         torch.testing.assert_close(probs.sum(-1), torch.ones(3))
 
 
+@pytest.mark.parametrize("chunk", [512, 4096], ids=["chunks", "one-program"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sampling_probs_cut_search_near_and_far_from_the_top(triton_device, dtype, chunk, monkeypatch):
+    """Where the search's geometric first pass lands (its candidates 0, 1, 3, 7, ... keys below a
+    row's greatest key): a cut at the greatest key itself (settled after that pass: the passes
+    after it read nothing), a few keys below it, and far below every geometric candidate (a
+    near-flat row with top-p 0.999 over logits spanning both signs: the even passes take over);
+    top-k whose cut is the greatest key, then top-p over what it keeps; ties at the top. The
+    kernel keeps the ops' tokens in every case."""
+    monkeypatch.setattr(sampling_kernels, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(11)
+    B, V = 7, 1024 + 77
+    logits = torch.randn(B, V, generator=g)
+    logits[0, 17] = 40.0  # one token holds all the mass: the cut is the greatest key
+    logits[1] = torch.linspace(-8.0, 8.0, V)[torch.randperm(V, generator=g)]  # the cut far below the top
+    logits[2, 100] = logits[2].max() + 0.01  # a cut a few keys below the greatest
+    logits[3, 5] = logits[3, 900] = 9.0  # two tokens tied at the top
+    logits[6, 300:] = float("-inf")
+    logits = logits.to(dtype)
+    temp = torch.tensor([1.0, 4.0, 0.7, 1.0, 1.0, 2.0, 1.0])
+    top_k = torch.tensor([0, 0, 0, 1, 1, 3, V - 1])
+    top_p = torch.tensor([0.9, 0.999, 0.3, 0.9, 0.5, 0.8, 0.999])
+    want = sampling_ops_probs(logits, temp, top_k, top_p)
+    got = sampling_kernels.sampling_probs(logits.to(triton_device), temp.to(triton_device), top_k.to(triton_device),
+                                          top_p.to(triton_device)).cpu()
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    kept = (got > 0).sum(-1)
+    assert kept[0] == 1 and kept[3] == 2 and kept[4] == 1 and kept[1] > V // 2  # (row 1: most of a flat row)
+
+
 def test_inverse_cdf_kernel_draws_the_ops_index(triton_device, monkeypatch):
     """Dense, sparse and one-hot rows, a row of zeros, uniforms near 0 and 1, vocabularies over
     five chunks (a ragged last one), some of them empty: the kernel draws the index the PyTorch
