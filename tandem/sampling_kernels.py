@@ -214,20 +214,26 @@ def _sampling_kernels():
         # over columns [c0, c1): the count (or, with MASS, the softmax mass exp(x - m)) of keys at or
         # above each candidate cut cand [WAYS_]; each thread keeps its columns' sums for every
         # candidate and the program reduces them once (the columns loaded as a [BLOCK, 1] column,
-        # meeting the candidates in the sums' own layout)
+        # meeting the candidates in the sums' own layout). A step whose keys all lie below the
+        # least candidate adds nothing and skips the sums: once a pass's interval is near the top,
+        # only the few steps holding its tokens do them (the result is the same bits)
+        least = tl.min(cand, axis=0)
         cand = cand[None, :]
         if BITS == 16:
             cand = cand.to(tl.int32)
+            least = least.to(tl.int32)
         part = tl.zeros([BLOCK, WAYS_], tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)[:, None]
             ok = cols < c1
             raw = tl.load(src + cols, mask=ok, other=0.0)
-            if MASS:
-                w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
-            else:
-                w = tl.where(ok, 1.0, 0.0)
-            part += tl.where(_key(raw, BITS) >= cand, w, 0.0)
+            key = _key(raw, BITS)
+            if tl.max(tl.max(tl.where(ok, key, 0), axis=1), axis=0) >= least:
+                if MASS:
+                    w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
+                else:
+                    w = tl.where(ok, 1.0, 0.0)
+                part += tl.where(key >= cand, w, 0.0)
         return tl.sum(part, axis=0)
 
     @triton.jit
