@@ -9,14 +9,17 @@ reduces, so it must).
 Needs a CUDA GPU with Triton. Shapes default to the bundled SmolLM2-135M's.
 
     python3 scripts/time_small_kernels.py [--rows 1,5,64,320,640] [--layers 30] [--warps 1,2,4,8]
-                                          [--parts elementwise,attention,sampling]
+                                          [--parts elementwise,attention,sampling] [--chunks 1024,2048]
 
 Prints a table per kernel (µs a call); exit code 1 when a count changed an elementwise kernel's
 bit. The attention's table follows, at the shapes a round has, with whether its bits moved. The
 sampling part times the sampling kernels (``tandem.sampling_kernels``) against the PyTorch ops
 they replace (a sort for the top-k / top-p cut, a cumulative sum for the draw), rows of the
-model's vocabulary in bf16, temperature 0.7 and top-p 0.9, and says whether the cuts agree; then
-the stop-token draw from p and q in place (``tandem.residual_kernel``) against the weights copied
+model's vocabulary in bf16, temperature 0.7 and top-p 0.9, and says whether the cuts agree, over
+two kinds of rows: flat (N(0, 3) logits: a nucleus of thousands of tokens) and peaked (N(0, 2)
+with 20 tokens raised by 12, as a language model's next-token logits mostly are: a nucleus of a
+few); with ``--chunks``, the transform again at each chunk size (``sampling_kernels.CHUNK``, a
+constant of the product: a row's bits depend on it, never on its batch); then the stop-token draw from p and q in place (``tandem.residual_kernel``) against the weights copied
 out first.
 """
 
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--chunks", default="",
+                    help="sampling part: also time the transform with these chunk sizes (comma-separated)")
     ap.add_argument("--parts", default="elementwise,attention,sampling",
                     help="which tables: elementwise, attention, sampling (comma-separated)")
     args = ap.parse_args(argv)
@@ -140,8 +145,15 @@ def _time_sampling(args) -> None:
           "tokens the ops keep)" % args.vocab)
     print("| rows | probs: kernel | probs: ops (sort) | draw: kernel | draw: ops (cumsum) | uniform: kernel | "
           "uniform: ops | same cut |\n|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in [int(x) for x in args.rows.split(",")]:
-        logits = (torch.randn(r, args.vocab, generator=gen) * 3).to(dev, torch.bfloat16)
+    rows = [(r, kind) for r in (int(x) for x in args.rows.split(",")) for kind in ("flat", "peaked")]
+    by_chunk = []
+    for r, kind in rows:
+        if kind == "flat":
+            logits = (torch.randn(r, args.vocab, generator=gen) * 3).to(dev, torch.bfloat16)
+        else:
+            x = torch.randn(r, args.vocab, generator=gen) * 2
+            x.scatter_add_(1, torch.randint(0, args.vocab, (r, 20), generator=gen), torch.full((r, 20), 12.0))
+            logits = x.to(dev, torch.bfloat16)
         temp = torch.full((r,), 0.7, device=dev)
         top_k = torch.zeros(r, dtype=torch.int64, device=dev)
         top_p = torch.full((r,), 0.9, device=dev)
@@ -162,7 +174,21 @@ def _time_sampling(args) -> None:
             same = torch.equal(kernel_probs() > 0, ops_probs() > 0)
         finally:
             sampling.round_kernels_on = ops_on
-        print(f"| {r} | " + " | ".join(f"{c * 1000:.1f}" for c in cells) + f" | {'yes' if same else 'NO'} |")
+        print(f"| {r} {kind} | " + " | ".join(f"{c * 1000:.1f}" for c in cells) + f" | {'yes' if same else 'NO'} |")
+        if args.chunks:
+            shipped, cells = sampling_kernels.CHUNK, []
+            try:
+                for c in (int(x) for x in args.chunks.split(",")):
+                    sampling_kernels.CHUNK = c
+                    cells.append(f"{_time_graph(kernel_probs) * 1000:.1f}"
+                                 f"{'' if torch.equal(kernel_probs() > 0, probs > 0) else ' (cut moved)'}")
+            finally:
+                sampling_kernels.CHUNK = shipped
+            by_chunk.append(f"| {r} {kind} | " + " | ".join(cells) + " |")
+    if by_chunk:
+        print(f"\nthe transform by chunk size (µs a call; shipped: {sampling_kernels.CHUNK})")
+        print("| rows | " + " | ".join(args.chunks.split(",")) + " |\n|---:|" + "---:|" * len(args.chunks.split(",")))
+        print("\n".join(by_chunk))
     _time_stop_token(args)
 
 
