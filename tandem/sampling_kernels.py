@@ -129,6 +129,7 @@ WAYS = 16  # candidate cuts a pass of the search sums for
 # interval reads nothing. Past the geometric candidates (a cut far below the greatest logit) the
 # even passes settle it as before: 4 of them for a 16-bit key, 8 for a 32-bit one.
 
+
 def search_passes(bits: int) -> int:
     """Launches of one search (the geometric pass and the even ones) for ``bits``-bit keys."""
     return bits // 4 + 1
@@ -196,8 +197,8 @@ def _sampling_kernels():
     def _cands(lo, hi, top, geo, BITS: tl.constexpr, WAYS_: tl.constexpr):
         # a pass's WAYS_ candidate cuts (int64, candidate 0 = lo) and the bound above them: spread
         # evenly over [lo, hi), or (geo) at lo and 0, 1, 3, 7, ... keys below the row's greatest
-        # key `top` (steps of 2 ** GEO_SHIFT[BITS]), none below lo, with top + 1 above them (no
-        # key is greater than top)
+        # key `top` (each twice the last for a 16-bit key, 4 times for a 32-bit one), none below
+        # lo, with top + 1 above them (no key is greater than top)
         j = tl.arange(0, WAYS_).to(tl.int64)
         step = tl.maximum((hi - lo + WAYS_ - 1) // WAYS_, 1)
         even = lo + j * step
