@@ -174,24 +174,23 @@ def _sampling_kernels():
             return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
 
     @triton.jit
-    def _chunk_stats(src, temp, c0, c1, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _chunk_stats(src, temp, c0, c1, BLOCK: tl.constexpr):
         # over columns [c0, c1): the max m of x = logit / T, the sum of exp(x - m) (0 for -inf
-        # logits) and the greatest key (int64; 0 for no column)
-        mv = tl.full([BLOCK], float("-inf"), tl.float32)
-        kv = tl.zeros([BLOCK], tl.int64)
+        # logits) and the greatest logit (in the logits' dtype, whose key the search starts from).
+        # Dividing by T > 0 keeps the order (it rounds monotonically), so the max of x is the
+        # greatest logit over T: one division, and no key a column
+        rv = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            ok = cols < c1
-            raw = tl.load(src + cols, mask=ok, other=float("-inf"))
-            mv = tl.maximum(mv, raw.to(tl.float32) / temp)
-            kv = tl.maximum(kv, tl.where(ok, _key(raw, BITS).to(tl.int64), 0))
-        m = tl.max(mv, axis=0)
+            rv = tl.maximum(rv, tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32))
+        top = tl.max(rv, axis=0)
+        m = top / temp
         zv = tl.zeros([BLOCK], tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp
             zv += tl.where((cols < c1) & (x > float("-inf")), tl.exp(x - m), 0.0)
-        return m, tl.sum(zv, axis=0), tl.max(kv, axis=0)
+        return m, tl.sum(zv, axis=0), top.to(src.dtype.element_ty)
 
     @triton.jit
     def _cands(lo, hi, top, geo, BITS: tl.constexpr, WAYS_: tl.constexpr):
@@ -215,26 +214,20 @@ def _sampling_kernels():
         # over columns [c0, c1): the count (or, with MASS, the softmax mass exp(x - m)) of keys at or
         # above each candidate cut cand [WAYS_]; each thread keeps its columns' sums for every
         # candidate and the program reduces them once (the columns loaded as a [BLOCK, 1] column,
-        # meeting the candidates in the sums' own layout). A step whose keys all lie below the
-        # least candidate adds nothing and skips the sums: once a pass's interval is near the top,
-        # only the few steps holding its tokens do them (the result is the same bits)
-        least = tl.min(cand, axis=0)
+        # meeting the candidates in the sums' own layout)
         cand = cand[None, :]
         if BITS == 16:
             cand = cand.to(tl.int32)
-            least = least.to(tl.int32)
         part = tl.zeros([BLOCK, WAYS_], tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)[:, None]
             ok = cols < c1
             raw = tl.load(src + cols, mask=ok, other=0.0)
-            key = _key(raw, BITS)
-            if tl.max(tl.max(tl.where(ok, key, 0), axis=1), axis=0) >= least:
-                if MASS:
-                    w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
-                else:
-                    w = tl.where(ok, 1.0, 0.0)
-                part += tl.where(key >= cand, w, 0.0)
+            if MASS:
+                w = tl.where(ok, tl.exp(raw.to(tl.float32) / temp - m), 0.0)
+            else:
+                w = tl.where(ok, 1.0, 0.0)
+            part += tl.where(_key(raw, BITS) >= cand, w, 0.0)
         return tl.sum(part, axis=0)
 
     @triton.jit
@@ -318,10 +311,10 @@ def _sampling_kernels():
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         m, z, top = _chunk_stats(x_ptr + row * x_stride, tl.load(t_ptr + row).to(tl.float32), c * CHUNK_,
-                                 tl.minimum(c * CHUNK_ + CHUNK_, V), BITS, BLOCK)
+                                 tl.minimum(c * CHUNK_ + CHUNK_, V), BLOCK)
         tl.store(pm_ptr + row * C + c, m)
         tl.store(pz_ptr + row * C + c, z)
-        tl.store(pk_ptr + row * C + c, top)
+        tl.store(pk_ptr + row * C + c, _key(top, BITS).to(tl.int64))
 
     @triton.jit
     def search_kernel(x_ptr, t_ptr, k_ptr, p_ptr, pm_ptr, pz_ptr, pk_ptr, part_ptr, V, x_stride, B, C, g,
@@ -382,7 +375,8 @@ def _sampling_kernels():
         if go:
             src = x_ptr + row * x_stride
             temp = tl.load(t_ptr + row).to(tl.float32)
-            m, z, top = _chunk_stats(src, temp, 0, V, BITS, BLOCK)
+            m, z, top = _chunk_stats(src, temp, 0, V, BLOCK)
+            top = _key(top, BITS).to(tl.int64)
             cut = (row * 0).to(tl.int64)
             if FILTER:
                 k = tl.load(k_ptr + row)
