@@ -185,11 +185,12 @@ def _sampling_kernels():
             rv = tl.maximum(rv, tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32))
         top = tl.max(rv, axis=0)
         m = top / temp
+        m_finite = tl.maximum(m, -3.0e38)  # (a chunk of -inf logits: no -inf - -inf; else m itself)
         zv = tl.zeros([BLOCK], tl.float32)
         for start in range(c0, c1, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(src + cols, mask=cols < c1, other=float("-inf")).to(tl.float32) / temp
-            zv += tl.where((cols < c1) & (x > float("-inf")), tl.exp(x - m), 0.0)
+            zv += tl.where((cols < c1) & (x > float("-inf")), tl.exp(x - m_finite), 0.0)
         return m, tl.sum(zv, axis=0), top.to(src.dtype.element_ty)
 
     @triton.jit

@@ -280,6 +280,19 @@ def pytest_configure(config):
     launch.start_stack = counted
 
 
+def pytest_sessionfinish(session):
+    """On a pytest-xdist worker: hand its stacks to the controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["service_stacks"] = list(_STACKS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: a worker ended; gather the stacks its tests started."""
+    _STACKS.extend(getattr(node, "workeroutput", {}).get("service_stacks", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _STACKS:
         terminalreporter.write_line(f"service stacks started: {len(_STACKS)}")

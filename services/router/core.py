@@ -282,7 +282,8 @@ class Router:
         """
         limit = self.context_limit
         if prompt_tokens + value > limit:
-            raise InvalidRequestError(f"{name} is {value} and the prompt has {prompt_tokens} tokens: past the context "
+            tokens = "token" if prompt_tokens == 1 else "tokens"
+            raise InvalidRequestError(f"{name} is {value} and the prompt has {prompt_tokens} {tokens}: past the context "
                                       f"limit of {limit} tokens (prompt + {name} <= {limit}; at most "
                                       f"{limit - prompt_tokens} for this prompt)", param=name)
 
