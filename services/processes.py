@@ -62,7 +62,7 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
                   key: str | None = None, drafter_timeout_s: float = 10.0, drafter_resolver=None,
                   redis_url: str | None = None, overlap: bool = True, measure_cost: bool = False,
                   metrics: bool = True, runner: dict | None = None, capture_rounds: bool = True,
-                  admission: tuple[float, int] | None = None):
+                  admission: tuple | None = None):
     """A verifier replica's engine loop and what its ``Info`` reports.
 
     Args:
@@ -81,7 +81,8 @@ def build_replica(spec: "SpeculativeConfig", model: str | None = None, device: s
         runner: more ``RunnerConfig`` settings (dtype, kernels, cuda_graphs, compile,
             prefill_graphs, prefill_varlen); None values keep the device's defaults.
         capture_rounds: capture every round shape's graph before serving (``ReplicaEngine``).
-        admission: ``(share, wait_rounds)`` of the engine's ``AdmissionPolicy`` (None: its defaults).
+        admission: ``(share, wait_rounds, overlap, intake_s)`` of the engine's ``AdmissionPolicy`` (a
+            prefix of them: the rest at their defaults; None: its defaults).
 
     Returns:
         (``ReplicaEngine``, eos token ids, cost table ``{b: {q: ms}}`` or None, the speculation in words).
@@ -132,7 +133,7 @@ def run_verifier(spec: "SpeculativeConfig", model, device, port, host, max_batch
                  drafter_address: str | None = None, drafter_timeout_s: float = 10.0, redis_url: str | None = None,
                  overlap: bool = True, measure_cost: bool = False, metrics_port: int | None = None,
                  key: str | None = None, runner: dict | None = None, gil_switch_interval_s: float = GIL_SWITCH_INTERVAL_S,
-                 capture_rounds: bool = True, admission: tuple[float, int] | None = None) -> None:
+                 capture_rounds: bool = True, admission: tuple | None = None) -> None:
     """Serve ``tandem.v1.Verifier`` (a verifier replica, ``build_replica``) until signalled; with
     ``metrics_port`` its Prometheus metrics on ``http://host:metrics_port/metrics``.
 

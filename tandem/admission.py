@@ -9,16 +9,21 @@ waiting for many free slots pays the second. ``AdmissionPolicy`` balances the tw
 
 from __future__ import annotations
 
-# (share, wait_rounds, overlap) by default: ``tandem serve verifier`` and ``tandem bench`` take them
-# as ``--admission-share`` / ``--admission-wait-rounds`` / ``--[no-]admission-overlap``
-# (overlap off: lossless on a GPU, but +1-2% at batch 64 in one run and -6% / -13% (target-only /
-# SpecFormer) in another, a round slowing while a prefill runs beside it: docs/benchmarks.md)
-ADMISSION_DEFAULTS = (1 / 8, 64, False)
+import math
+
+# (share, wait_rounds, overlap, intake_s) by default: ``tandem serve verifier`` and ``tandem bench``
+# take them as ``--admission-share`` / ``--admission-wait-rounds`` / ``--[no-]admission-overlap`` /
+# ``--admission-intake-ms`` (overlap off: lossless on a GPU, but +1-2% at batch 64 in one run and
+# -6% / -13% (target-only / SpecFormer) in another, a round slowing while a prefill runs beside it;
+# beside the rounds on a replica, 0.54x for SpecFormer at 64: docs/benchmarks.md; intake off)
+ADMISSION_DEFAULTS = (1 / 8, 64, False, 0.0)
+INTAKE_CAP = 4  # an intake window defers no request past this many windows after its arrival
 
 
-def admission_settings(settings: tuple = ADMISSION_DEFAULTS) -> tuple[float, int, bool]:
-    """``(share, wait_rounds, overlap)``: ``settings`` with what they leave out at its default
-    (``(share, wait_rounds)`` alone: overlap's), checked as ``AdmissionPolicy`` checks them.
+def admission_settings(settings: tuple = ADMISSION_DEFAULTS) -> tuple[float, int, bool, float]:
+    """``(share, wait_rounds, overlap, intake_s)``: ``settings`` with what they leave out at its
+    default (``(share, wait_rounds)`` alone: overlap's and intake's), checked as ``AdmissionPolicy``
+    checks them.
 
     Raises:
         ValueError: as ``AdmissionPolicy``.
@@ -47,11 +52,21 @@ class AdmissionPolicy:
     (``overlap`` and ``LocalTarget.overlaps_admission``): the rounds of the running requests go
     on while it runs, and the admitted requests join the first round after it is done.
 
+    With an intake window (``intake_s`` > 0), none of the above admits while requests are still
+    arriving: while the newest waiting request came less than ``intake_s`` ago and the waiting
+    ones leave slots free, admission waits, at most until ``INTAKE_CAP`` windows after the oldest
+    waiting one's arrival (``intake_deadline``). A burst that reaches a replica over tens of
+    milliseconds (requests forwarded one by one by a router) then fills its free slots in a few
+    prefills instead of one small prefill a round (dynamic batching's queue delay, as in Triton
+    Inference Server's ``max_queue_delay_microseconds``); a request alone waits ``intake_s``
+    more for its first token.
+
     Attributes:
         share: fraction of ``max_running`` in [0, 1] (0: admit whenever a slot is free).
         wait_rounds: rounds, >= 0.
         overlap: run prefills beside the rounds where the target can (off: every prefill stops
             the rounds until it is done).
+        intake_s: the intake window (s), >= 0 (0: off).
         balance: use the cost balance (off: share and wait_rounds only).
         prefill_s: smoothed host time of a prefill (s), None before the first one.
         idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
@@ -60,15 +75,20 @@ class AdmissionPolicy:
     """
 
     def __init__(self, share: float = ADMISSION_DEFAULTS[0], wait_rounds: int = ADMISSION_DEFAULTS[1],
-                 overlap: bool = ADMISSION_DEFAULTS[2], balance: bool = True) -> None:
-        """Raises: ValueError: ``share`` outside [0, 1] (or NaN), ``wait_rounds`` < 0."""
+                 overlap: bool = ADMISSION_DEFAULTS[2], intake_s: float = ADMISSION_DEFAULTS[3],
+                 balance: bool = True) -> None:
+        """Raises: ValueError: ``share`` outside [0, 1] (or NaN), ``wait_rounds`` < 0, ``intake_s``
+        negative or not finite."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"admission share must be in [0, 1], got {share}")
         if wait_rounds < 0:
             raise ValueError(f"admission wait_rounds must be >= 0, got {wait_rounds}")
+        if not (math.isfinite(intake_s) and intake_s >= 0.0):
+            raise ValueError(f"admission intake window must be a finite number of seconds >= 0, got {intake_s}")
         self.share = share
         self.wait_rounds = wait_rounds
         self.overlap = bool(overlap)
+        self.intake_s = float(intake_s)
         self.balance = balance
         self.prefill_s: float | None = None
         self.idle_slot_rounds = 0.0
@@ -88,6 +108,20 @@ class AdmissionPolicy:
         self.prefill_total_s += seconds
         self.idle_slot_rounds = 0.0
         self.idle_rounds = 0
+
+    def intake_deadline(self, free: int, waiting: int, oldest_s: float, newest_s: float, now: float) -> float | None:
+        """While the intake window holds admission back, the time (``time.perf_counter`` seconds)
+        it ends; else None (see the class docstring).
+
+        Args:
+            free: slots a new request could take now; waiting: queued requests.
+            oldest_s, newest_s: arrival times of the oldest and the newest waiting request.
+            now: the time now.
+        """
+        if self.intake_s <= 0.0 or not waiting or waiting >= free:
+            return None
+        end = min(newest_s + self.intake_s, oldest_s + INTAKE_CAP * self.intake_s)
+        return end if now < end else None
 
     def due(self, free: int, waiting: int, max_running: int, round_s: float) -> bool:
         """Whether to admit now (see the class docstring).

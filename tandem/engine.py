@@ -291,7 +291,12 @@ class Engine(Admissions, HostDrafting, EngineConveniences):
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, then one decode round. Returns its deltas and those ``generate`` / ``stream`` held."""
+        """Admit what fits, then one decode round. Returns its deltas and those ``generate`` / ``stream`` held.
+        With nothing running while the admission policy's intake window holds the waiting requests
+        back, it first sleeps until the window ends."""
+        wait = self._intake_wait_s()
+        if wait > 0.0:
+            time.sleep(wait)
         held, self._held_outputs = self._held_outputs, []
         try:
             return held + self._step()

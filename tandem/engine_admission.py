@@ -39,7 +39,8 @@ class _Admission:
 
 class Admissions:
     """Mixed into ``Engine``: reads its ``waiting``, ``running``, ``target``, ``drafter``,
-    ``admission`` (``AdmissionPolicy``), ``max_running`` and drafting properties."""
+    ``admission`` (``AdmissionPolicy``), ``max_running``, its rounds in flight (``_launched``,
+    ``_collected``, ``_held_outputs``) and drafting properties."""
 
     _admitting: _Admission | None = None
 
@@ -49,8 +50,28 @@ class Admissions:
         pending = len(self._admitting.reqs) if self._admitting is not None else 0
         return min(self.target.num_free(), self.max_running - len(self.running) - pending)
 
+    def _intake_deadline(self) -> float | None:
+        """When the admission policy's intake window, holding the waiting requests back while
+        more arrive, ends (``time.perf_counter`` seconds); None when it holds nothing back."""
+        if self.admission.intake_s <= 0.0 or not self.waiting:
+            return None
+        return self.admission.intake_deadline(self._free_slots(), len(self.waiting), self.waiting[0].arrival_time,
+                                              max(r.arrival_time for r in self.waiting), time.perf_counter())
+
+    def _intake_wait_s(self) -> float:
+        """Seconds to wait before this step, when nothing runs and the intake window holds the
+        waiting requests back (0 otherwise): the step then admits them, with whatever arrived in
+        the meantime, instead of returning at once to a caller that would call it again."""
+        if (self.running or self._admitting is not None or self._launched is not None or self._collected is not None
+                or self._held_outputs):
+            return 0.0
+        end = self._intake_deadline()
+        return 0.0 if end is None else max(0.0, end - time.perf_counter())
+
     def _admission_due(self) -> bool:
-        """Whether waiting requests are admitted this step (``AdmissionPolicy``)."""
+        """Whether waiting requests are admitted this step (``AdmissionPolicy``; its intake window first)."""
+        if self._intake_deadline() is not None:
+            return False
         if not self.running:
             return True
         return self.admission.due(self._free_slots(), len(self.waiting), self.max_running,

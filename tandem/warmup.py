@@ -71,6 +71,7 @@ def capture_round_shapes(engine: Engine, vocab_token: int | None = None) -> int:
              copy.deepcopy(engine.admission), engine.draft_policy, engine.on_round, engine.verification_sink,
              engine.max_running)
     engine.draft_policy, engine.on_round, engine.verification_sink = None, None, None
+    engine.admission.intake_s = 0.0  # (its synthetic requests are all queued at once: nothing to wait for)
     shapes = round_shapes(num_slots, capacity)
     made0, t0 = CapturedCall.made, time.perf_counter()
     params = SamplingParams(max_tokens=ROUNDS_PER_SHAPE, ignore_eos=True)

@@ -5,6 +5,8 @@ outputs do not depend on it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_chained import PROMPTS
 
@@ -80,12 +82,62 @@ def test_wait_cap_counts_rounds_with_a_slot_idle():
 
 
 
-@pytest.mark.parametrize("share, wait", [(-0.1, 64), (1.5, 64), (float("nan"), 64), (0.5, -1)])
-def test_bad_settings_are_refused(share, wait):
-    """A share outside [0, 1] (NaN included) or a negative wait is a ValueError, not a policy
-    that admits at random; the bounds themselves are allowed."""
+def test_intake_window_holds_admission_while_requests_arrive():
+    """The intake window: admission waits while the newest waiting request came less than a
+    window ago and slots stay free, never past four windows after the oldest one's arrival; not
+    when the waiting requests fill the free slots; not at all when off (the default)."""
+    policy = AdmissionPolicy(intake_s=0.002)
+    assert policy.intake_deadline(free=60, waiting=3, oldest_s=10.0, newest_s=10.004, now=10.005) == pytest.approx(10.006)
+    assert policy.intake_deadline(free=60, waiting=3, oldest_s=10.0, newest_s=10.004, now=10.0061) is None
+    # arrivals go on, but the oldest has waited four windows
+    assert policy.intake_deadline(free=60, waiting=30, oldest_s=10.0, newest_s=10.0075, now=10.0079) == pytest.approx(10.008)
+    assert policy.intake_deadline(free=60, waiting=30, oldest_s=10.0, newest_s=10.0079, now=10.0081) is None
+    assert policy.intake_deadline(free=4, waiting=4, oldest_s=10.0, newest_s=10.004, now=10.005) is None
+    assert AdmissionPolicy().intake_deadline(free=60, waiting=3, oldest_s=10.0, newest_s=10.004, now=10.005) is None
+
+
+def test_intake_window_gathers_requests_that_arrive_one_by_one(target_dir):
+    """With an intake window, an idle engine's step sleeps the window out, then admits; requests
+    arriving one a step while others run are held back until arrivals pause for a window, then
+    admitted in one prefill (not one prefill a step, as with the window off); the tokens are the
+    same as without the window."""
+    def run(intake_s: float) -> tuple[list[list[int]], list[int]]:
+        engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=16, max_seq_len=96))
+        engine.admission = AdmissionPolicy(share=0.0, wait_rounds=0, intake_s=intake_s, balance=False)
+        sizes: list[int] = []
+        launch = engine.target.launch_prefill
+        engine.target.launch_prefill = lambda items, overlap=False: sizes.append(len(items)) or launch(items, overlap=overlap)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        ids = [engine.add_request(PROMPTS[0], params)]
+        engine.step()
+        if intake_s:
+            assert time.perf_counter() - engine.requests[ids[0]].arrival_time >= intake_s and sizes == [1]
+        for prompt in PROMPTS[1:4]:  # one arrives a step while the first runs
+            ids.append(engine.add_request(prompt, params))
+            engine.step()
+        if intake_s:
+            assert sizes == [1]  # held back: arrivals have not paused
+            time.sleep(intake_s * 1.2)
+            engine.step()
+            assert sizes == [1, 3]
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.completion(i).token_ids for i in ids], sizes
+
+    got, gathered = run(0.25)  # (wide enough that a step on a loaded machine stays inside it)
+    want, single = run(0.0)
+    assert got == want and single == [1, 1, 1, 1] and gathered == [1, 3]
+
+
+@pytest.mark.parametrize("share, wait, intake", [(-0.1, 64, 0.0), (1.5, 64, 0.0), (float("nan"), 64, 0.0),
+                                                 (0.5, -1, 0.0), (0.5, 64, -0.001), (0.5, 64, float("inf")),
+                                                 (0.5, 64, float("nan"))])
+def test_bad_settings_are_refused(share, wait, intake):
+    """A share outside [0, 1] (NaN included), a negative wait or an intake window that is negative
+    or not finite is a ValueError, not a policy that admits at random; the bounds themselves are
+    allowed."""
     with pytest.raises(ValueError, match="admission"):
-        AdmissionPolicy(share, wait)
+        AdmissionPolicy(share, wait, intake_s=intake)
     assert AdmissionPolicy(0.0, 0).share == 0.0 and AdmissionPolicy(1.0, 0).share == 1.0
 
 
@@ -99,6 +151,9 @@ def test_a_replica_and_the_bench_take_the_admission_settings():
     at = opts.index("--admission-share")
     assert opts[at:at + 5] == ("--admission-share", "0.25", "--admission-wait-rounds", "16", "--no-admission-overlap")
     assert "--admission-overlap" in replica_runner_options(RunnerConfig(device="cpu"), (0.25, 16, True))
+    opts = replica_runner_options(RunnerConfig(device="cpu"), (0.25, 16, False, 0.002))
+    assert opts[opts.index("--admission-intake-ms") + 1] == "2.0"
     from click.testing import CliRunner
     res = CliRunner().invoke(main, ["serve", "verifier", "--help"])
-    assert all(o in res.output for o in ("--admission-share", "--admission-wait-rounds", "--admission-overlap"))
+    assert all(o in res.output for o in ("--admission-share", "--admission-wait-rounds", "--admission-overlap",
+                                         "--admission-intake-ms"))

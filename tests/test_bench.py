@@ -194,7 +194,7 @@ def test_context_aware_and_hf_references_are_lossless(tiny_dir, short_prompts):
                            BenchOptions(num_draft_tokens=3, ca_drafter="ngram"), max_tokens=8, limit=2, hf_limit=2,
                            progress=False, warmup="none", admission=(0.5, 8))
     assert [r.config for r in report.results] == ["target", "context-aware", "hf-generate", "hf-prompt-lookup"]
-    assert report.meta.admission == {"share": 0.5, "wait_rounds": 8, "overlap": False}
+    assert report.meta.admission == {"share": 0.5, "wait_rounds": 8, "overlap": False, "intake_ms": 0.0}
     ca = report.get("context-aware", 1)
     assert ca.lossless_share == 1.0 and ca.k == 3 and ca.speedup == pytest.approx(ca.tps / report.get("target", 1).tps)
     check_acceptance_figures(ca.drafted, ca.accepted, ca.acceptance_rate, ca.mean_accepted_length, ca.output_tokens,
@@ -488,7 +488,7 @@ def test_bench_distributed_mode(tiny_dir, short_prompts, tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads((out / "results.json").read_text())
     assert report["meta"]["mode"] == "distributed" and report["meta"]["stream"] is False  # answers taken whole
-    assert report["meta"]["admission"] == {"share": 0.125, "wait_rounds": 64, "overlap": False}  # the defaults, the replica's too
+    assert report["meta"]["admission"] == {"share": 0.125, "wait_rounds": 64, "overlap": False, "intake_ms": 0.0}  # the defaults, the replica's too
     assert "answers whole, admission share 0.125, wait 64 rounds" in (out / "results.md").read_text()
     assert all(r["warmup_passes"] == 1 and r["timed_captures"] == 0 for r in report["results"])
     for r in report["results"]:  # the timed pass as the replica saw it, and the processes' CPU time

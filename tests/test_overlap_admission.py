@@ -168,5 +168,5 @@ def test_the_bench_reports_overlap_only_where_it_ran(tiny_dir, short_prompts):
     report = run_benchmark(ck, load_tokenizer(ck), RunnerConfig(device="cpu", max_seq_len=256),
                            load_prompts(short_prompts), parse_configs("target"), [2], BenchOptions(), max_tokens=4,
                            limit=2, progress=False, warmup="none", admission=(0.125, 64, True), say=notes.append)
-    assert report.meta.admission == {"share": 0.125, "wait_rounds": 64, "overlap": False}
+    assert report.meta.admission == {"share": 0.125, "wait_rounds": 64, "overlap": False, "intake_ms": 0.0}
     assert any("--admission-overlap has no effect here" in n for n in notes)

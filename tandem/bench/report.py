@@ -49,7 +49,8 @@ def _admission_note(m) -> str:
     if not a:
         return ""
     overlap = {True: ", prefills overlapped", False: ", prefills serial"}.get(a.get("overlap"), "")
-    return f", admission share {a['share']:g}, wait {a['wait_rounds']} rounds{overlap}"
+    intake = f", intake window {a['intake_ms']:g} ms" if a.get("intake_ms") else ""
+    return f", admission share {a['share']:g}, wait {a['wait_rounds']} rounds{overlap}{intake}"
 
 
 def main_table(report: BenchReport) -> TextTable:

@@ -154,7 +154,8 @@ class BenchMeta:
     # distributed mode: the clients streamed each step's tokens (True) or took each answer whole, as
     # the in-process engine's generate does (False); distributed results before the option streamed
     stream: bool = False
-    # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...};
+    # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...,
+    # "intake_ms": ...} (intake_ms absent: results written before the intake window existed, off);
     # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
     admission: dict = field(default_factory=dict)
     # sampled decoding: {"temperature": ..., "top_p": ..., "top_k": ..., "seed": ...}; empty = greedy

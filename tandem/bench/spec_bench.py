@@ -108,7 +108,7 @@ def check_inproc(configs: list[BenchConfig]) -> None:
             raise ConfigError(f"{c.name} runs only with --mode distributed: the router's draft budget sets its widths")
 
 
-def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int, bool] = ADMISSION_DEFAULTS) -> tuple[str, ...]:
+def replica_runner_options(cfg: RunnerConfig, admission: tuple = ADMISSION_DEFAULTS) -> tuple[str, ...]:
     """``tandem serve verifier`` options that give a replica the bench's own runner and admission
     settings, so the distributed run differs from the in-process one only by the processes and the
     network."""
@@ -116,7 +116,7 @@ def replica_runner_options(cfg: RunnerConfig, admission: tuple[float, int, bool]
     admission = admission_settings(admission)
     return (("--device", str(cfg.device), "--dtype", str(cfg.dtype).removeprefix("torch."), "--kernels", cfg.kernels,
              "--admission-share", repr(float(admission[0])), "--admission-wait-rounds", str(int(admission[1])),
-             f"{on[bool(admission[2])]}admission-overlap",
+             f"{on[bool(admission[2])]}admission-overlap", "--admission-intake-ms", repr(1e3 * float(admission[3])),
              f"{on[bool(cfg.cuda_graphs)]}cuda-graphs", f"{on[bool(cfg.compile)]}compile",
              f"{on[bool(cfg.cuda_graphs if cfg.prefill_graphs is None else cfg.prefill_graphs)]}prefill-graphs")
             + ((f"{on[cfg.prefill_varlen]}prefill-varlen",) if cfg.prefill_varlen is not None else ()))
@@ -126,7 +126,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
                     runner_config: RunnerConfig, records: list[PromptRecord], batch_size: int, params: SamplingParams,
                     desc: str, progress: bool, warmup: str = "full", stream: bool = False,
                     prompt_ids: dict[str, list[int]] | None = None,
-                    admission: tuple[float, int, bool] = ADMISSION_DEFAULTS) -> "DistributedRun":
+                    admission: tuple = ADMISSION_DEFAULTS) -> "DistributedRun":
     """Run ``records`` through the disaggregated stack serving ``spec`` (``config``'s
     speculation): ``tandem serve`` verifier replica, router and, for the draft model, a drafter
     service as separate processes on loopback gRPC (``services.launch``), every request in flight
@@ -137,7 +137,7 @@ def run_distributed(config: BenchConfig, spec: SpeculativeConfig, options: Bench
     ``Engine.generate`` takes it; with ``stream`` the clients stream each step's tokens instead.
     ``prompt_ids`` (by prompt id): the prompts tokenized before the timer, as in process, sent as
     token ids (``GenerateRequest.prompt_ids``); without them the router tokenizes each prompt.
-    ``admission``: the replica's ``AdmissionPolicy`` (share, wait_rounds, overlap).
+    ``admission``: the replica's ``AdmissionPolicy`` (share, wait_rounds, overlap, intake_s).
 
     Raises:
         ConfigError: a configuration the stack cannot run (``check_distributed``).
@@ -241,7 +241,7 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                   configs: list[BenchConfig], batch_sizes: list[int], options: BenchOptions, *,
                   max_tokens: int = 256, limit: int = 20, hf_limit: int = 5, exact_kernels: bool = False,
                   cost_table: bool = False, mode: str = "inproc", prompts_file: str = "", progress: bool = True,
-                  warmup: str = "full", stream: bool = False, admission: tuple[float, int, bool] = ADMISSION_DEFAULTS,
+                  warmup: str = "full", stream: bool = False, admission: tuple = ADMISSION_DEFAULTS,
                   sampling: dict | None = None, say: Callable[[str], None] = lambda msg: None,
                   on_result: Callable[[BenchReport], None] | None = None) -> BenchReport:
     """Run every configuration at every batch size (greedy unless ``sampling``, chat template, first turns).
@@ -317,7 +317,8 @@ def run_benchmark(checkpoint: Checkpoint, tokenizer: Tokenizer, config: RunnerCo
                      round_kernels="triton" if round_kernels_on(torch.device(rc.device)) else "plain",
                      stream=stream and mode == "distributed",
                      # "overlap": whether any engine's target could run it (set below): what ran, not what was asked
-                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]), "overlap": False},
+                     admission={"share": float(admission[0]), "wait_rounds": int(admission[1]), "overlap": False,
+                                "intake_ms": 1e3 * float(admission[3])},
                      sampling=dict(sampling or {}))
     report = BenchReport(meta, [], ctx.cost.table if (cost_table and ctx.cost is not None) else None)
     if 1 not in sizes and any(c.is_reference for c in configs):

@@ -89,7 +89,7 @@ CA_DRAFTER_CHOICES = ("draft-model", "ngram", "specformer")
 def bench(prompts_file, limit, batch_sizes, max_tokens, temperature, top_p, top_k, seed, configs_spec, hf_baseline, hf_limit, specformer_path, ca_drafter,
           exact_kernels, cost_table, warmup, mode, stream, model, device, cuda_graphs, compile_, prefill_graphs,
           prefill_varlen, max_seq_len, dtype, kernels, attention_chunk, ablation, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m, admission_share,
-          admission_wait_rounds, admission_overlap, out, from_results) -> None:
+          admission_wait_rounds, admission_overlap, admission_intake_ms, out, from_results) -> None:
     """Compare decoding configurations on Spec-Bench prompts: TPS, speedup over target-only,
     acceptance, latency, memory and the lossless check, per batch size. Greedy by default; with
     --temperature > 0 every request samples (one seed, --seed or 0, so that each configuration's
@@ -148,7 +148,7 @@ def bench(prompts_file, limit, batch_sizes, max_tokens, temperature, top_p, top_
                    hf_baseline, hf_limit, specformer_path, ca_drafter, exact_kernels, cost_table, mode, model, device, cuda_graphs,
                    compile_, max_seq_len, dtype, drafter, draft_model, num_draft_tokens, predictor, acceptance_threshold, branch_top_m,
                    out, warmup, kernels, prefill_graphs, attention_chunk, stream, prefill_varlen,
-                   (admission_share, admission_wait_rounds, admission_overlap), sampling)
+                   (admission_share, admission_wait_rounds, admission_overlap, admission_intake_ms / 1e3), sampling)
 
 
 def _sampling(temperature: float, top_p: float, top_k: int, seed: int | None) -> dict:

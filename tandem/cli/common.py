@@ -226,6 +226,13 @@ admission_options = [
                       "requests join the first round after it. Off by default: measured on an H100 at batch 64, "
                       "overlapping gained 1-2% in one run and lost 6-13% in another (docs/benchmarks.md); off, a "
                       "prefill stops the rounds until done."),
+    click.option("--admission-intake-ms", type=click.FloatRange(0.0, 1000.0), default=1e3 * ADMISSION_DEFAULTS[3],
+                 show_default=True, callback=finite,
+                 help="Hold admission back while requests keep arriving (the newest came less than this many "
+                      "ms ago) and slots stay free, at most 4 windows after the oldest waiting one's arrival: a "
+                      "burst forwarded one request at a time (a router in front of a replica) fills the batch in "
+                      "a few prefills, not one small prefill a round; a lone request waits this much longer for "
+                      "its first token. 0: off."),
 ]
 
 
@@ -251,7 +258,8 @@ def with_sampling_options(fn):
 
 
 def with_admission_options(fn):
-    """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share, wait_rounds, overlap)."""
+    """Add ``admission_options`` (``tandem.admission.AdmissionPolicy``'s share, wait_rounds, overlap,
+    intake window)."""
     for opt in reversed(admission_options):
         fn = opt(fn)
     return fn

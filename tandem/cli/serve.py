@@ -94,7 +94,8 @@ key_option = click.option("--api-key", default=None, envvar="TANDEM_API_KEY", ca
 @key_option
 def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, drafter, draft_model, drafter_address,
                    num_draft_tokens, policy, predictor, measure_cost, redis_url, drafter_timeout, overlap,
-                   gil_switch_interval, metrics_port, capture_rounds, admission_share, admission_wait_rounds, admission_overlap, dtype,
+                   gil_switch_interval, metrics_port, capture_rounds, admission_share, admission_wait_rounds, admission_overlap,
+                   admission_intake_ms, dtype,
                    kernels, cuda_graphs, compile_, prefill_graphs, prefill_varlen, api_key) -> None:
     """A verifier replica: the target model and the engine loop over it (scheduler, KV slots,
     drafts, verification), serving whole requests over tandem.v1.Verifier."""
@@ -111,7 +112,8 @@ def serve_verifier(model, device, port, host, max_batch_size, max_seq_len, draft
     run_verifier(spec, model, device, port, host, max_batch_size, max_seq_len, drafter_address=drafter_address,
                  drafter_timeout_s=drafter_timeout, redis_url=redis_url, overlap=overlap, measure_cost=measure_cost,
                  metrics_port=metrics_port, key=api_key, runner=runner, gil_switch_interval_s=gil_switch_interval,
-                 capture_rounds=capture_rounds, admission=(admission_share, admission_wait_rounds, admission_overlap))
+                 capture_rounds=capture_rounds,
+                 admission=(admission_share, admission_wait_rounds, admission_overlap, admission_intake_ms / 1e3))
 
 
 @serve.command("drafter")
