@@ -9,8 +9,6 @@ waiting for many free slots pays the second. ``AdmissionPolicy`` balances the tw
 
 from __future__ import annotations
 
-import math
-
 # (share, wait_rounds, overlap, intake_s) by default: ``tandem serve verifier`` and ``tandem bench``
 # take them as ``--admission-share`` / ``--admission-wait-rounds`` / ``--[no-]admission-overlap`` /
 # ``--admission-intake-ms`` (overlap off: lossless on a GPU, but +1-2% at batch 64 in one run and
@@ -18,6 +16,7 @@ import math
 # beside the rounds on a replica, 0.54x for SpecFormer at 64: docs/benchmarks.md; intake off)
 ADMISSION_DEFAULTS = (1 / 8, 64, False, 0.0)
 INTAKE_CAP = 4  # an intake window defers no request past this many windows after its arrival
+MAX_INTAKE_S = 1.0  # the longest intake window (s): --admission-intake-ms takes up to 1000
 
 
 def admission_settings(settings: tuple = ADMISSION_DEFAULTS) -> tuple[float, int, bool, float]:
@@ -59,7 +58,8 @@ class AdmissionPolicy:
     milliseconds (requests forwarded one by one by a router) then fills its free slots in a few
     prefills instead of one small prefill a round (dynamic batching's queue delay, as in Triton
     Inference Server's ``max_queue_delay_microseconds``); a request alone waits ``intake_s``
-    more for its first token.
+    more for its first token. Where every request is queued at once (``generate``), the window
+    only adds that wait.
 
     Attributes:
         share: fraction of ``max_running`` in [0, 1] (0: admit whenever a slot is free).
@@ -78,13 +78,13 @@ class AdmissionPolicy:
                  overlap: bool = ADMISSION_DEFAULTS[2], intake_s: float = ADMISSION_DEFAULTS[3],
                  balance: bool = True) -> None:
         """Raises: ValueError: ``share`` outside [0, 1] (or NaN), ``wait_rounds`` < 0, ``intake_s``
-        negative or not finite."""
+        outside [0, ``MAX_INTAKE_S``] (or NaN)."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"admission share must be in [0, 1], got {share}")
         if wait_rounds < 0:
             raise ValueError(f"admission wait_rounds must be >= 0, got {wait_rounds}")
-        if not (math.isfinite(intake_s) and intake_s >= 0.0):
-            raise ValueError(f"admission intake window must be a finite number of seconds >= 0, got {intake_s}")
+        if not 0.0 <= intake_s <= MAX_INTAKE_S:  # (NaN fails it too)
+            raise ValueError(f"admission intake window must be in [0, {MAX_INTAKE_S:g}] s, got {intake_s}")
         self.share = share
         self.wait_rounds = wait_rounds
         self.overlap = bool(overlap)

@@ -292,11 +292,8 @@ class Engine(Admissions, HostDrafting, EngineConveniences):
 
     def step(self) -> list[RequestOutput]:
         """Admit what fits, then one decode round. Returns its deltas and those ``generate`` / ``stream`` held.
-        With nothing running while the admission policy's intake window holds the waiting requests
-        back, it first sleeps until the window ends."""
-        wait = self._intake_wait_s()
-        if wait > 0.0:
-            time.sleep(wait)
+        (While the admission policy's intake window holds the waiting requests back and nothing
+        else is in flight, it does nothing: ``intake_wait_s`` says how long.)"""
         held, self._held_outputs = self._held_outputs, []
         try:
             return held + self._step()

@@ -55,18 +55,30 @@ class Admissions:
         more arrive, ends (``time.perf_counter`` seconds); None when it holds nothing back."""
         if self.admission.intake_s <= 0.0 or not self.waiting:
             return None
-        return self.admission.intake_deadline(self._free_slots(), len(self.waiting), self.waiting[0].arrival_time,
+        free = self._free_slots()
+        if len(self.waiting) >= free:  # (they fill the batch: nothing to wait for, and no scan of a long queue)
+            return None
+        return self.admission.intake_deadline(free, len(self.waiting), self.waiting[0].arrival_time,
                                               max(r.arrival_time for r in self.waiting), time.perf_counter())
 
-    def _intake_wait_s(self) -> float:
-        """Seconds to wait before this step, when nothing runs and the intake window holds the
-        waiting requests back (0 otherwise): the step then admits them, with whatever arrived in
-        the meantime, instead of returning at once to a caller that would call it again."""
+    def intake_wait_s(self) -> float:
+        """Seconds until the admission policy's intake window lets the waiting requests in, when
+        nothing else is in flight (no running request, round or admission, no held output): how
+        long a caller whose only work is admitting may wait for more arrivals before its next
+        ``step`` (0: step now). A step meanwhile would do nothing. A replica waits on its inbox for
+        that long (taking arrivals and aborts as they come); ``generate`` and ``stream``, whose
+        requests are all queued already, sleep it out."""
         if (self.running or self._admitting is not None or self._launched is not None or self._collected is not None
                 or self._held_outputs):
             return 0.0
         end = self._intake_deadline()
         return 0.0 if end is None else max(0.0, end - time.perf_counter())
+
+    def wait_for_intake(self) -> None:
+        """Sleep ``intake_wait_s()`` (callers with nothing else to do: every request is queued)."""
+        wait = self.intake_wait_s()
+        if wait > 0.0:
+            time.sleep(wait)
 
     def _admission_due(self) -> bool:
         """Whether waiting requests are admitted this step (``AdmissionPolicy``; its intake window first)."""

@@ -163,8 +163,10 @@ class EngineConveniences:
         return [results[i] for i in ids]
 
     def _step_for(self, mine: set[str]) -> list[RequestOutput]:
-        """One ``step``; its deltas of requests not in ``mine`` are held for the next ``step`` call
-        (held before the caller sees its own: it may stop or raise while handling them)."""
+        """One ``step`` (after the admission policy's intake window, if it holds the queue back with
+        nothing else to do); its deltas of requests not in ``mine`` are held for the next ``step``
+        call (held before the caller sees its own: it may stop or raise while handling them)."""
+        self.wait_for_intake()
         outs = self.step()
         self._held_outputs.extend(o for o in outs if o.request_id not in mine)
         return [o for o in outs if o.request_id in mine]

@@ -97,10 +97,11 @@ def test_intake_window_holds_admission_while_requests_arrive():
 
 
 def test_intake_window_gathers_requests_that_arrive_one_by_one(target_dir):
-    """With an intake window, an idle engine's step sleeps the window out, then admits; requests
-    arriving one a step while others run are held back until arrivals pause for a window, then
-    admitted in one prefill (not one prefill a step, as with the window off); the tokens are the
-    same as without the window."""
+    """With an intake window, an idle engine's step admits nothing while the window is open
+    (``intake_wait_s`` says how long; ``wait_for_intake`` sleeps it out); requests arriving one a
+    step while others run are held back until arrivals pause for a window, then admitted in one
+    prefill (not one prefill a step, as with the window off); the tokens are the same as without
+    the window."""
     def run(intake_s: float) -> tuple[list[list[int]], list[int]]:
         engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=16, max_seq_len=96))
         engine.admission = AdmissionPolicy(share=0.0, wait_rounds=0, intake_s=intake_s, balance=False)
@@ -109,14 +110,18 @@ def test_intake_window_gathers_requests_that_arrive_one_by_one(target_dir):
         engine.target.launch_prefill = lambda items, overlap=False: sizes.append(len(items)) or launch(items, overlap=overlap)
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         ids = [engine.add_request(PROMPTS[0], params)]
-        engine.step()
         if intake_s:
-            assert time.perf_counter() - engine.requests[ids[0]].arrival_time >= intake_s and sizes == [1]
+            assert engine.step() == [] and sizes == []  # the window is open: nothing admitted
+            assert 0.0 < engine.intake_wait_s() <= intake_s
+            engine.wait_for_intake()
+            assert engine.intake_wait_s() == 0.0
+        engine.step()
+        assert sizes == [1]
         for prompt in PROMPTS[1:4]:  # one arrives a step while the first runs
             ids.append(engine.add_request(prompt, params))
             engine.step()
         if intake_s:
-            assert sizes == [1]  # held back: arrivals have not paused
+            assert sizes == [1] and engine.intake_wait_s() == 0.0  # held back (a request runs: no wait to sleep)
             time.sleep(intake_s * 1.2)
             engine.step()
             assert sizes == [1, 3]
@@ -129,12 +134,50 @@ def test_intake_window_gathers_requests_that_arrive_one_by_one(target_dir):
     assert got == want and single == [1, 1, 1, 1] and gathered == [1, 3]
 
 
+def test_intake_window_on_a_replica_gathers_a_burst_and_takes_aborts(target_dir):
+    """A replica (``ReplicaEngine``) whose requests arrive 20 ms apart, with a 200 ms intake
+    window: its thread keeps taking arrivals while the window is open, so the four requests are
+    prefilled together, and a request aborted inside the window is never prefilled; all four
+    complete."""
+    import threading
+
+    from services.common import Done
+    from services.verifier.replica import ReplicaEngine
+
+    engine = Engine(target_dir, RunnerConfig(device="cpu", max_batch_size=8, max_seq_len=96))
+    engine.admission = AdmissionPolicy(intake_s=0.2)
+    sizes: list[int] = []
+    launch = engine.target.launch_prefill
+    engine.target.launch_prefill = lambda items, overlap=False: sizes.append(len(items)) or launch(items, overlap=overlap)
+    replica = ReplicaEngine(engine)
+    try:
+        done: list[str] = []
+        finished = threading.Event()
+
+        def sink(events):
+            done.extend(rid for rid, e in events if isinstance(e, Done))
+            if len(done) == 4:
+                finished.set()
+
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        reqs = [engine.make_request(p, params) for p in PROMPTS[:5]]
+        for req in reqs[:4]:
+            replica.submit(req, sink)
+            time.sleep(0.02)
+        replica.submit(reqs[4], sink)
+        replica.abort(reqs[4].request_id)
+        assert finished.wait(60)
+        assert sizes == [4] and sorted(done) == sorted(r.request_id for r in reqs[:4])
+    finally:
+        replica.stop()
+
+
 @pytest.mark.parametrize("share, wait, intake", [(-0.1, 64, 0.0), (1.5, 64, 0.0), (float("nan"), 64, 0.0),
-                                                 (0.5, -1, 0.0), (0.5, 64, -0.001), (0.5, 64, float("inf")),
+                                                 (0.5, -1, 0.0), (0.5, 64, -0.001), (0.5, 64, 1.5),
                                                  (0.5, 64, float("nan"))])
 def test_bad_settings_are_refused(share, wait, intake):
-    """A share outside [0, 1] (NaN included), a negative wait or an intake window that is negative
-    or not finite is a ValueError, not a policy that admits at random; the bounds themselves are
+    """A share outside [0, 1] (NaN included), a negative wait or an intake window outside [0, 1] s
+    (NaN included) is a ValueError, not a policy that admits at random; the bounds themselves are
     allowed."""
     with pytest.raises(ValueError, match="admission"):
         AdmissionPolicy(share, wait, intake_s=intake)

@@ -179,9 +179,9 @@ class ReplicaEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = 0.05) -> None:
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while item is not None:
@@ -224,6 +224,10 @@ class ReplicaEngine:
             self._drain(block=not engine.has_unfinished())
             self._note_load()
             if self._stop.is_set() or not engine.has_unfinished():
+                continue
+            wait = engine.intake_wait_s()
+            if wait > 0.0:  # the intake window holds the queue back: take arrivals (and aborts) meanwhile
+                self._drain(block=True, timeout=min(wait, 0.05))
                 continue
             t0 = time.perf_counter()
             try:

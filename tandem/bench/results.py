@@ -261,8 +261,12 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
     first = reports[0].meta
     same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
             "stream", "admission", "sampling")
+    def setting(meta, k):  # (admission settings recorded before a key existed ran at its default)
+        v = getattr(meta, k)
+        return {"overlap": False, "intake_ms": 0.0} | v if k == "admission" and v else v
+
     for r in reports[1:]:
-        diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
+        diff = [k for k in same if setting(r.meta, k) != setting(first, k)]
         if diff:
             raise ValueError(f"cannot merge runs that differ in {', '.join(diff)}")
     results: dict[tuple[str, int], RunResult] = {}

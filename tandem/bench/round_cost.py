@@ -82,6 +82,7 @@ class RoundCost:
 def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingParams, body) -> tuple[int, float]:
     for ids in prompt_ids:
         engine.add_request(prompt_ids=ids, params=params, final_only=True)  # as generate's, the timed run's
+    engine.wait_for_intake()  # (an admission intake window: every request is queued already)
     engine.step()  # prefill and the first round: not measured
     rounds0 = engine.num_rounds
     body_out = body()
@@ -90,6 +91,7 @@ def _admit_then(engine: Engine, prompt_ids: list[list[int]], params: SamplingPar
 
 def _drain(engine: Engine) -> None:
     while engine.has_unfinished():
+        engine.wait_for_intake()
         for out in engine.step():
             if out.finished:
                 engine.completion(out.request_id)
