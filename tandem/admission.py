@@ -66,7 +66,7 @@ class AdmissionPolicy:
         wait_rounds: rounds, >= 0.
         overlap: run prefills beside the rounds where the target can (off: every prefill stops
             the rounds until it is done).
-        intake_s: the intake window (s), >= 0 (0: off).
+        intake_s: the intake window (s), in [0, ``MAX_INTAKE_S``] (0: off).
         balance: use the cost balance (off: share and wait_rounds only).
         prefill_s: smoothed host time of a prefill (s), None before the first one.
         idle_slot_rounds: slot-rounds left idle with requests waiting since the last prefill.
