@@ -126,6 +126,15 @@ def _stop_token_kernels():
     return stop_sums_kernel, stop_walk_kernel
 
 
+def readable(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor) -> bool:
+    """Whether ``sample_stop_tokens`` reads these tensors: float32 p ``[B, Q >= 2, V]``, drafts
+    ``[B, Q - 1]`` and q ``[B, Q - 1, V]`` (or None), rows contiguous."""
+    B, Q, V = p.shape
+    return (Q >= 2 and p.stride(-1) == 1 and p.dtype == torch.float32 and tuple(draft_tokens.shape) == (B, Q - 1)
+            and (draft_probs is None or (tuple(draft_probs.shape) == (B, Q - 1, V) and draft_probs.stride(-1) == 1
+                                         and draft_probs.dtype == torch.float32)))
+
+
 def sample_stop_tokens(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
                        draft_lens: torch.Tensor, num_accepted: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """``sample_inverse_cdf(stop_weights(p, draft_probs, draft_tokens, draft_lens, num_accepted),
@@ -144,12 +153,10 @@ def sample_stop_tokens(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_
         ``[B]`` int64 on ``p``'s device (CUDA, or the CPU under Triton's interpreter).
 
     Raises:
-        ValueError: shapes or layouts it cannot read.
+        ValueError: shapes or layouts it cannot read (``readable``).
     """
     B, Q, V = p.shape
-    if Q < 2 or p.stride(-1) != 1 or p.dtype != torch.float32 or tuple(draft_tokens.shape) != (B, Q - 1) or (
-            draft_probs is not None and (tuple(draft_probs.shape) != (B, Q - 1, V) or draft_probs.stride(-1) != 1
-                                         or draft_probs.dtype != torch.float32)):
+    if not readable(p, draft_probs, draft_tokens):
         raise ValueError(f"sample_stop_tokens: p {tuple(p.shape)} {p.dtype}, drafts {tuple(draft_tokens.shape)}, q "
                          f"{None if draft_probs is None else tuple(draft_probs.shape)}: needs float32 [B, Q >= 2, V] "
                          "and [B, Q - 1(, V)] with contiguous rows")

@@ -182,10 +182,7 @@ def sample_stop_tokens(p: torch.Tensor, draft_probs: torch.Tensor | None, draft_
     Returns:
         ``[B]`` int64.
     """
-    B, Q, V = p.shape
-    if (Q >= 2 and p.dtype == torch.float32 and p.stride(-1) == 1 and round_kernels_on(p.device)
-            and (draft_probs is None or (tuple(draft_probs.shape) == (B, Q - 1, V) and draft_probs.stride(-1) == 1
-                                         and draft_probs.dtype == torch.float32))):
+    if round_kernels_on(p.device) and residual_kernel.readable(p, draft_probs, draft_tokens):
         return residual_kernel.sample_stop_tokens(p, draft_probs, draft_tokens, draft_lens, num_accepted, uniform)
     return sample_inverse_cdf(stop_weights(p, draft_probs, draft_tokens, draft_lens, num_accepted), uniform)
 

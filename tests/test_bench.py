@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from tandem.bench import configs as bench_configs
 from tandem.bench.configs import BenchOptions, BuildContext, parse_configs, prepare_configs
-from tandem.bench.results import BenchReport
+from tandem.bench.results import BenchReport, merge_reports
 from tandem.bench.spec_bench import (MAX_WARMUP_PASSES, bench_prompts, check_mode, run_benchmark, warmup_passes_then_timed,
                                      warmup_share)
 from tandem.models.graphs import CapturedCall
@@ -181,6 +181,13 @@ def test_warmup_share():
     assert {k: again["meta"][k] for k in fresh["meta"]} == fresh["meta"] and again["meta"]["round_kernels"] == "plain"
     assert all(again["results"][i][k] == v for i, r in enumerate(fresh["results"])
                for k, v in r.items() if k != "per_task")
+    # admission settings recorded before the intake window existed load as the default they ran
+    before = json.loads((DATA_DIR.parent / "docs/results/2026-12-08/sampling-search-h100/call3/new/results.json")
+                        .read_text())
+    assert "intake_ms" not in before["meta"]["admission"]
+    loaded = BenchReport.from_dict(before)
+    assert loaded.meta.admission == {"share": 0.125, "wait_rounds": 64, "overlap": False, "intake_ms": 0.0}
+    assert merge_reports([loaded, BenchReport.from_dict(loaded.to_dict())]).meta.admission == loaded.meta.admission
     from tandem.bench.report import _k_cell
 
     assert "router" not in _k_cell(back.results[1])

@@ -155,7 +155,7 @@ class BenchMeta:
     # the in-process engine's generate does (False); distributed results before the option streamed
     stream: bool = False
     # continuous batching (``tandem.admission.AdmissionPolicy``): {"share": ..., "wait_rounds": ..., "overlap": ...,
-    # "intake_ms": ...} (intake_ms absent: results written before the intake window existed, off);
+    # "intake_ms": ...} (a key absent from results written before it existed is read as its default);
     # empty in results written before ``--admission-share`` existed (they ran share 1/8, 64 rounds)
     admission: dict = field(default_factory=dict)
     # sampled decoding: {"temperature": ..., "top_p": ..., "top_k": ..., "seed": ...}; empty = greedy
@@ -212,6 +212,8 @@ class BenchReport:
                        for r in data["results"]]
             table = data.get("cost_table")
             meta = _checked_meta(data["meta"])
+            if meta.get("admission"):  # settings recorded before a key existed ran at its default
+                meta["admission"] = {"overlap": False, "intake_ms": 0.0} | meta["admission"]
             meta = BenchMeta(**{"stream": meta.get("mode") == "distributed"} | meta)
             unknown = sorted({r.config for r in results} - set(meta.configs))
             if unknown:
@@ -261,12 +263,8 @@ def merge_reports(reports: list[BenchReport]) -> BenchReport:
     first = reports[0].meta
     same = ("model", "device", "dtype", "max_tokens", "exact_kernels", "mode", "kernels", "attention", "round_kernels",
             "stream", "admission", "sampling")
-    def setting(meta, k):  # (admission settings recorded before a key existed ran at its default)
-        v = getattr(meta, k)
-        return {"overlap": False, "intake_ms": 0.0} | v if k == "admission" and v else v
-
     for r in reports[1:]:
-        diff = [k for k in same if setting(r.meta, k) != setting(first, k)]
+        diff = [k for k in same if getattr(r.meta, k) != getattr(first, k)]
         if diff:
             raise ValueError(f"cannot merge runs that differ in {', '.join(diff)}")
     results: dict[tuple[str, int], RunResult] = {}
